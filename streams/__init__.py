@@ -1,0 +1,3 @@
+"""dual-rail dispatch: multi-tenant notification dispatch on Apache Kafka."""
+
+__version__ = "0.1.0"

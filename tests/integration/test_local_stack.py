@@ -1,0 +1,75 @@
+"""`streams dev up|status|down` on a second, private stack (own home and ports)."""
+
+import socket
+
+import pytest
+
+from streams.devstack import LocalStack
+from streams.errors import StackError
+from streams.settings import StackSettings
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+
+@pytest.fixture
+def private_stack(tmp_path, stack):
+    # Reuse the session's jar cache so this test does not resolve Maven again.
+    shared = StackSettings.from_env().home / "kafka"
+    (tmp_path / "kafka").symlink_to(shared, target_is_directory=True)
+    local = LocalStack(StackSettings(home=tmp_path, kafka_bootstrap=None, redis_url=None,
+                                     kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
+    yield local
+    local.down(wipe=True)
+
+
+def test_up_twice_reuses_status_reports_and_down_stops_only_ours(private_stack):
+    first = private_stack.up()
+    kafka_pid, redis_pid = private_stack.kafka.pid(), private_stack.redis.pid()
+    assert kafka_pid and redis_pid
+
+    second = private_stack.up()
+
+    assert second == first
+    assert (private_stack.kafka.pid(), private_stack.redis.pid()) == (kafka_pid, redis_pid)
+    states = {s.name: s.state for s in private_stack.status()}
+    assert states == {"kafka": f"running (pid {kafka_pid})", "redis": f"running (pid {redis_pid})"}
+
+    assert sorted(private_stack.down()) == ["kafka", "redis"]
+    assert {s.state for s in private_stack.status()} == {"stopped"}
+
+
+def test_taken_port_is_reported_by_number(private_stack):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", private_stack.settings.redis_port))
+        squatter.listen()
+        with pytest.raises(StackError, match=f"port {private_stack.settings.redis_port} is taken"):
+            private_stack.start_redis()
+
+
+def test_missing_maven_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no java, no mvn
+    local = LocalStack(StackSettings(home=tmp_path, kafka_bootstrap=None, redis_url=None,
+                                     kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
+    with pytest.raises(StackError, match="`java` was not found on PATH: the local Kafka needs a JDK 17"):
+        local.kafka_libs()
+
+
+def test_environment_addresses_win(tmp_path):
+    local = LocalStack(StackSettings.from_env({"DUAL_RAIL_HOME": str(tmp_path),
+                                               "KAFKA_BOOTSTRAP_SERVERS": "broker:9092",
+                                               "REDIS_URL": "redis://cache:6379/0"}))
+    assert local.up() == {"KAFKA_BOOTSTRAP_SERVERS": "broker:9092", "REDIS_URL": "redis://cache:6379/0"}
+    assert {s.state for s in local.status()} == {"external"}

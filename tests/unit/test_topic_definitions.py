@@ -1,0 +1,85 @@
+"""Topic definitions: expansion, validation errors that say where, and the reconcile plan."""
+
+from pathlib import Path
+
+import pytest
+
+from streams.errors import ConfigError
+from streams.topic_spec import TopicSpec, TopicState, load_definitions, parse_definitions, plan
+
+REPO_TOPICS = Path(__file__).resolve().parents[2] / "topics"
+
+
+def test_repository_definitions_cover_every_lane_tier_and_system_topic():
+    specs = load_definitions(REPO_TOPICS)
+    for channel in ("email", "sms", "webhook"):
+        for lane in ("transactional", "marketing"):
+            assert f"notif.{channel}.{lane}" in specs
+            for tier in ("10s", "1m", "5m", "15m", "1h", "3h", "6h", "12h"):
+                retry = specs[f"notif.{channel}.{lane}.retry.{tier}"]
+                assert retry.partitions >= specs[f"notif.{channel}.{lane}"].partitions
+    assert specs["notif.lag"].config["cleanup.policy"] == "compact"
+    assert specs["notif.email.marketing"].config["retention.ms"] == str(7 * 24 * 3600 * 1000)
+    assert specs["notif.outcomes"].config["retention.ms"] == str(30 * 24 * 3600 * 1000)
+    assert len(specs) == 3 * 2 * (1 + 8) + 3
+
+
+def test_namespace_prefixes_every_name():
+    specs = parse_definitions(Path("x.toml"), '[[topic]]\nname="notif.{channel}.{lane}"\n'
+                              'partitions=2\nreplication_factor=1\n', namespace="ns.")
+    assert {s.name for s in specs} == {f"ns.notif.{c}.{l}" for c in ("email", "sms", "webhook")
+                                       for l in ("transactional", "marketing")}
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('name="a"\npartitions=0\nreplication_factor=1', "x.toml: topic 'a': field 'partitions' must be an integer >= 1, got 0"),
+    ('name="a"\npartitions=1', "x.toml: topic 'a': field 'replication_factor' must be an integer >= 1, got None"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.msx"="1"}', "x.toml: topic 'a': field 'config.retention.msx' is not a known topic config"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="7d"}', "x.toml: topic 'a': field 'config.retention.ms' must be an integer, got '7d'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"cleanup.policy"="compacted"}', "field 'config.cleanup.policy' must be one of"),
+    ('name="notif.{region}"\npartitions=1\nreplication_factor=1', "x.toml: topic 'notif.{region}': field 'name': unknown placeholder {region}"),
+    ('name="a"\npartitions=1\nreplication_factor=1\npartition=3', "x.toml: topic 'a': unknown field(s) ['partition']"),
+    ('partitions=1\nreplication_factor=1', "x.toml: [[topic]] #1: field 'name' is required"),
+    ('name="a b"\npartitions=1\nreplication_factor=1', "invalid Kafka topic name 'a b'"),
+])
+def test_invalid_definition_names_file_topic_and_field(body, expected):
+    with pytest.raises(ConfigError) as err:
+        parse_definitions(Path("x.toml"), "[[topic]]\n" + body + "\n")
+    assert expected in str(err.value)
+
+
+def test_retry_topic_with_fewer_partitions_than_its_lane_is_rejected(tmp_path):
+    (tmp_path / "a.toml").write_text('[[topic]]\nname="notif.email.marketing"\npartitions=6\nreplication_factor=1\n'
+                                     '[[topic]]\nname="notif.email.marketing.retry.10s"\npartitions=2\nreplication_factor=1\n')
+    with pytest.raises(ConfigError, match=r"notif.email.marketing.retry.10s has 2 partitions, fewer than its lane"):
+        load_definitions(tmp_path)
+
+
+def test_topic_defined_twice_is_rejected(tmp_path):
+    (tmp_path / "a.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions=1\nreplication_factor=1\n')
+    (tmp_path / "b.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions=1\nreplication_factor=1\n')
+    with pytest.raises(ConfigError, match="already defined"):
+        load_definitions(tmp_path)
+
+
+def test_plan_creates_grows_reconciles_and_refuses_shrinking():
+    desired = {
+        "new": TopicSpec("new", 3, 1, {"retention.ms": "10"}),
+        "grow": TopicSpec("grow", 6, 1, {}),
+        "shrink": TopicSpec("shrink", 2, 1, {}),
+        "cfg": TopicSpec("cfg", 1, 1, {"retention.ms": "20"}),
+        "same": TopicSpec("same", 1, 1, {"cleanup.policy": "compact"}),
+    }
+    actual = {
+        "grow": TopicState(3, 1, {}),
+        "shrink": TopicState(6, 1, {}),
+        "cfg": TopicState(1, 1, {"retention.ms": "10", "segment.ms": "5"}),
+        "same": TopicState(1, 1, {"cleanup.policy": "compact"}),
+    }
+    kinds = {(c.topic, c.kind, c.key) for c in plan(desired, actual)}
+    assert kinds == {
+        ("new", "create", ""), ("grow", "add_partitions", ""), ("shrink", "refused", ""),
+        ("cfg", "set_config", "retention.ms"), ("cfg", "delete_config", "segment.ms"),
+    }
+    refused = next(c for c in plan(desired, actual) if c.kind == "refused")
+    assert "cannot remove partitions" in refused.detail
