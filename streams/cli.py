@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DispatchError
+from .errors import ConfigError, DispatchError
 
 REPO_TOPICS = Path(__file__).resolve().parent.parent / "topics"
 
@@ -71,6 +71,101 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main()
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from . import metrics
+    from .runtime import Runtime
+    from .worker import install_signal_handlers
+
+    _logging()
+    worker = Runtime.from_env().worker(args.channel, args.lane, concurrency=args.concurrency)
+    install_signal_handlers(worker)
+    metrics.serve(args.metrics_port)
+    print(f"worker {worker.cfg.worker_id} consuming {worker.topic} as {worker.group}", flush=True)
+    worker.run()
+    return 0
+
+
+def cmd_mock_provider(args: argparse.Namespace) -> int:
+    from .mock_provider import MockConfig, serve
+
+    _logging()
+    print(f"mock provider on http://{args.host}:{args.port} (team limit {args.rate:g} req/s)", flush=True)
+    serve(args.host, args.port, MockConfig(rate=args.rate, latency_ms=args.latency_ms,
+                                           fault_5xx_ratio=args.fault_5xx, fault_timeout_ratio=args.fault_timeout,
+                                           fault_401_ratio=args.fault_401, timeout_delay_s=args.timeout_delay))
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api import ApiKeys, create_app
+    from .client import SendClient
+    from .gate import LimitStore
+    from .runtime import Runtime
+    from .status_store import StatusStore
+
+    _logging()
+    rt = Runtime.from_env()
+    r = rt.redis()
+    app = create_app(SendClient(rt.bootstrap, rt.names), StatusStore(r, rt.namespace),
+                     ApiKeys(r, rt.namespace), LimitStore(r, rt.namespace), frozenset(rt.policies()))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def cmd_outcome_recorder(args: argparse.Namespace) -> int:
+    import signal
+
+    from .runtime import Runtime
+    from .status_store import StatusStore, run_recorder
+
+    _logging()
+    rt = Runtime.from_env()
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    run_recorder(rt.bootstrap, StatusStore(rt.redis(), rt.namespace), rt.names.outcomes,
+                 f"{rt.namespace}status-recorder", until=lambda: bool(stop))
+    return 0
+
+
+def cmd_limits(args: argparse.Namespace) -> int:
+    from .gate import LimitStore
+    from .runtime import Runtime
+
+    rt = Runtime.from_env()
+    store = LimitStore(rt.redis(), rt.namespace)
+    if args.action == "set":
+        if args.global_rate or args.global_burst:
+            if not (args.global_rate and args.global_burst):
+                raise ConfigError("--global-rate and --global-burst go together")
+            store.set_provider(args.provider, args.global_rate, args.global_burst, args.reserve)
+        if args.tenant:
+            if not (args.rate and args.burst):
+                raise ConfigError("--tenant needs --rate and --burst")
+            store.set_tenant(args.provider, args.tenant, args.rate, args.burst)
+    for key, value in store.show(args.provider).items():
+        print(f"{args.provider} {key} = {value}")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .api import ApiKeys
+    from .runtime import Runtime
+
+    rt = Runtime.from_env()
+    keys = ApiKeys(rt.redis(), rt.namespace)
+    print(keys.create("operator") if args.operator else keys.create("tenant", args.tenant))
+    return 0
+
+
+def _logging() -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streams", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +184,51 @@ def build_parser() -> argparse.ArgumentParser:
     topics.add_argument("--namespace", default=os.environ.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
                         help="prefix for every topic name (isolates test runs)")
     topics.set_defaults(func=cmd_topics)
+    worker = sub.add_parser("worker", help="a lane worker (run many copies)")
+    worker.add_argument("--channel", required=True, choices=["email", "sms", "webhook"])
+    worker.add_argument("--lane", required=True, choices=["transactional", "marketing"])
+    worker.add_argument("--concurrency", type=int, default=8, help="provider requests in flight")
+    worker.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    worker.set_defaults(func=cmd_worker)
+
+    mock = sub.add_parser("mock-provider", help="a Resend-compatible mock provider (and SMS gateway)")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=18080)
+    mock.add_argument("--rate", type=float, default=10.0, help="team-wide requests per second")
+    mock.add_argument("--latency-ms", type=float, default=0.0)
+    mock.add_argument("--fault-5xx", type=float, default=0.0, help="ratio of 500 answers")
+    mock.add_argument("--fault-timeout", type=float, default=0.0, help="ratio of accepted-but-late answers")
+    mock.add_argument("--timeout-delay", type=float, default=15.0, help="how late a late answer is (s)")
+    mock.add_argument("--fault-401", type=float, default=0.0, help="ratio of 401 answers")
+    mock.set_defaults(func=cmd_mock_provider)
+
+    api = sub.add_parser("api", help="the HTTP ingest API")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=18000)
+    api.set_defaults(func=cmd_api)
+
+    rec = sub.add_parser("outcome-recorder", help="keep the send status store current from notif.outcomes")
+    rec.set_defaults(func=cmd_outcome_recorder)
+
+    limits = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
+    limits.add_argument("action", choices=["set", "show"])
+    limits.add_argument("--provider", required=True, help="resend | sms")
+    limits.add_argument("--global-rate", type=int, help="provider requests per second (its real limit)")
+    limits.add_argument("--global-burst", type=int)
+    limits.add_argument("--reserve", type=int, default=0,
+                        help="global tokens marketing may not take (kept for transactional)")
+    limits.add_argument("--tenant", help="tenant id, or '*' for the default")
+    limits.add_argument("--rate", type=int, help="tenant messages per second")
+    limits.add_argument("--burst", type=int)
+    limits.set_defaults(func=cmd_limits)
+
+    keys = sub.add_parser("keys", help="operator: create API keys for the ingest API")
+    keys.add_argument("action", choices=["create"])
+    who = keys.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant")
+    who.add_argument("--operator", action="store_true")
+    keys.set_defaults(func=cmd_keys)
+
     demo = sub.add_parser("demo", help="a short demonstration against the local stack")
     demo.set_defaults(func=cmd_demo)
     return parser

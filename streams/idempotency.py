@@ -1,0 +1,105 @@
+"""`processed_jobs` in Redis: a send is delivered at most once, whoever handles it.
+
+Per send id the key holds nothing (free), `inflight:<idempotency key>` (a provider request carrying
+it was sent or is being sent) or `delivered`. Claiming a request records its exact body under its
+idempotency key for as long as the provider remembers keys (24 h), plus a short lease held by the
+sender. When a request's outcome is unknown (the worker died, or the answer timed out), whoever
+meets the send later takes the expired lease and re-sends *that same body with that same key*, so
+the provider answers with its stored response instead of delivering again. A definite failure
+releases the claim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+
+import orjson
+import redis
+
+from .errors import GateUnavailable
+
+DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
+RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
+
+
+def idempotency_key(send_ids: list[str]) -> str:
+    """The provider Idempotency-Key: the send id for one send, a digest of the sorted ids for a batch."""
+    if len(send_ids) == 1:
+        return f"send-{send_ids[0]}"
+    return "batch-" + hashlib.sha256(",".join(sorted(send_ids)).encode()).hexdigest()[:40]
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    key: str
+    path: str
+    body: bytes
+    tenant: str
+    send_ids: tuple[str, ...]
+
+
+class ProcessedJobs:
+    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = 30.0):
+        self.client = client
+        self.ns = namespace
+        self.lease_ms = int(lease_s * 1000)
+        self._claim = client.register_script(resources.files("streams").joinpath("claim.lua").read_text())
+        self._release = client.register_script(resources.files("streams").joinpath("release.lua").read_text())
+
+    def _send_key(self, send_id: str) -> str:
+        return f"{self.ns}dr:processed:{send_id}"
+
+    def _lease(self, key: str) -> str:
+        return f"{self.ns}dr:lease:{key}"
+
+    def _record(self, key: str) -> str:
+        return f"{self.ns}dr:request:{key}"
+
+    def status(self, send_ids: list[str]) -> list[str | None]:
+        """Per send: None (free), 'delivered' or 'inflight:<key>'."""
+        try:
+            values = self.client.mget([self._send_key(s) for s in send_ids])
+        except redis.RedisError as exc:
+            raise GateUnavailable(f"processed_jobs unavailable ({exc})") from None
+        return [v.decode() if v else None for v in values]
+
+    def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
+              tenant: str) -> list[int]:
+        """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
+        keys = [self._lease(key), self._record(key)] + [self._send_key(s) for s in send_ids]
+        args = [f"inflight:{key}", owner, self.lease_ms, RECORD_TTL_MS, path, body, tenant,
+                orjson.dumps(sorted(send_ids))]
+        try:
+            return [int(i) for i in self._claim(keys=keys, args=args)]
+        except redis.RedisError as exc:
+            raise GateUnavailable(f"processed_jobs unavailable ({exc})") from None
+
+    def take_over(self, key: str, owner: str) -> StoredRequest | None:
+        """Take the lease of an in-flight request whose sender is gone; None while it is held
+        (or when the record has expired: then the sends are free again)."""
+        if not self.client.set(self._lease(key), owner, nx=True, px=self.lease_ms):
+            return None
+        rec = self.client.hgetall(self._record(key))
+        if not rec:
+            self.client.delete(self._lease(key))
+            return None
+        ids = tuple(orjson.loads(rec[b"ids"]))
+        return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids)
+
+    def mark_delivered(self, send_ids: list[str] | tuple[str, ...], key: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        for s in send_ids:
+            pipe.set(self._send_key(s), "delivered", ex=DELIVERED_TTL_S)
+        pipe.delete(self._lease(key), self._record(key))
+        pipe.execute()
+
+    def release(self, send_ids: list[str] | tuple[str, ...], key: str) -> None:
+        """The provider did not accept the request: the sends are free again."""
+        self._release(keys=[self._lease(key), self._record(key)] + [self._send_key(s) for s in send_ids],
+                      args=[f"inflight:{key}"])
+
+    def keep_unknown(self, key: str) -> None:
+        """The outcome is unknown: drop the lease so a later attempt re-sends the same request."""
+        self.client.delete(self._lease(key))

@@ -1,0 +1,34 @@
+"""Every Prometheus metric the project exports, defined once. Durations are in seconds."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+SENDS = Counter("dispatch_sends_total", "Sends reaching a terminal or retry outcome",
+                ["channel", "lane", "outcome"])
+PROVIDER_REQUESTS = Counter("dispatch_provider_requests_total", "Provider HTTP requests by result",
+                            ["provider", "outcome"])
+PROVIDER_LATENCY = Histogram("dispatch_provider_request_seconds", "Provider request latency",
+                             ["provider"], buckets=_LATENCY)
+PROVIDER_429 = Counter("dispatch_provider_429_total", "Provider 429 answers by kind", ["provider", "kind"])
+END_TO_END = Histogram("dispatch_end_to_end_seconds", "Accepted at ingest -> accepted by the provider",
+                       ["channel", "lane"], buckets=_LATENCY)
+GATE_DENIALS = Counter("dispatch_gate_denials_total", "Gate denials by the bucket that was short",
+                       ["provider", "lane", "bucket"])
+GATE_WAIT = Histogram("dispatch_gate_wait_seconds", "Waits the gate asked for", ["provider", "lane"],
+                      buckets=_LATENCY)
+RETRIES = Counter("dispatch_retries_total", "Sends handed to a retry tier", ["channel", "lane", "tier"])
+DLQ = Counter("dispatch_dead_letters_total", "Sends dead-lettered by reason", ["channel", "lane", "reason"])
+DUPLICATES = Counter("dispatch_duplicates_skipped_total", "Jobs skipped because their send was delivered",
+                     ["channel", "lane"])
+BUFFERED = Gauge("dispatch_worker_buffered_messages", "Messages held in a worker's tenant queues",
+                 ["channel", "lane"])
+PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
+
+
+def serve(port: int) -> None:
+    """Serve /metrics on `port` (0: not at all)."""
+    if port:
+        start_http_server(port, addr="127.0.0.1")

@@ -1,0 +1,239 @@
+"""The send: what a producer submits, and the versioned event that travels on the lane topics.
+
+One schema serves the Python SDK, the HTTP ingest API (which also publishes it as OpenAPI) and
+the workers. The event is serialized once, at ingest, with orjson; after that its bytes are
+never re-encoded, so the rendered payload travels byte-identical through retries and the DLQ.
+Unknown fields are tolerated; missing required ones are rejected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SendValidationError
+from .lanes import CATEGORY_TO_LANE
+
+SCHEMA_VERSION = 1
+MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
+MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented in the README
+DEFAULT_POLICY = {"transactional": "transactional", "product": "transactional", "marketing": "marketing"}
+
+_EMAIL = re.compile(r"^[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+$")
+_NAMED_EMAIL = re.compile(r"^[^<>]*<([^@\s<>]+@[^@\s<>]+\.[^@\s<>]+)>$")
+_E164 = re.compile(r"^\+[1-9]\d{6,14}$")
+_IDENT = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+Channel = Literal["email", "sms", "webhook"]
+Category = Literal["transactional", "product", "marketing"]
+Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
+
+
+def new_send_id(now_ms: int | None = None) -> str:
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds then random bits, so ids sort by creation."""
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80 | rand & ((1 << 80) - 1)
+    value = (value & ~(0xF << 76)) | (0x7 << 76)          # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)          # RFC 4122 variant
+    return str(uuid.UUID(int=value))
+
+
+def _check_address(value: str) -> str:
+    if not (_EMAIL.match(value) or _NAMED_EMAIL.match(value)):
+        raise ValueError(f"{value!r} is not an email address")
+    return value
+
+
+class EmailPayload(BaseModel):
+    """A rendered email, in the shape of Resend's `POST /emails` body."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    from_: str = Field(alias="from")
+    to: list[str] = Field(min_length=1, max_length=MAX_RECIPIENTS)
+    subject: str = Field(min_length=1, max_length=998)
+    html: str | None = None
+    text: str | None = None
+    reply_to: str | None = None
+
+    @field_validator("to", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("from_")
+    @classmethod
+    def _from(cls, v: str) -> str:
+        return _check_address(v)
+
+    @field_validator("to")
+    @classmethod
+    def _to(cls, v: list[str]) -> list[str]:
+        return [_check_address(a) for a in v]
+
+    @model_validator(mode="after")
+    def _body(self) -> "EmailPayload":
+        if not self.html and not self.text:
+            raise ValueError("an email needs `html` or `text`")
+        return self
+
+
+class SmsPayload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    to: str = Field(pattern=_E164.pattern, description="E.164 number, e.g. +14155550123")
+    body: str = Field(min_length=1, max_length=1600)
+
+
+class WebhookPayload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str = Field(pattern=r"^https?://[^\s]+$")
+    event_type: str = Field(min_length=1, max_length=128)
+    body: dict[str, Any]
+
+
+PAYLOADS: dict[str, type[BaseModel]] = {"email": EmailPayload, "sms": SmsPayload, "webhook": WebhookPayload}
+
+
+class SendRequest(BaseModel):
+    """What a producer submits. The tenant is not here: it comes from the credential."""
+
+    model_config = ConfigDict(extra="ignore")
+    channel: Channel
+    category: Category
+    template_id: Ident
+    template_version: Ident
+    payload: dict[str, Any]
+    policy: Ident | None = Field(None, description="named retry policy; defaults from the category")
+    correlation_id: Ident | None = None
+
+    @model_validator(mode="after")
+    def _payload_matches_channel(self) -> "SendRequest":
+        try:
+            PAYLOADS[self.channel].model_validate(self.payload)
+        except ValidationError as exc:
+            # Re-raise under `payload.<field>` so the caller sees where.
+            raise _nested("payload", exc) from None
+        return self
+
+
+class Send(BaseModel):
+    """The event on a lane topic (schema version 1)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    v: Literal[1]
+    send_id: str
+    tenant_id: Ident
+    channel: Channel
+    category: Category
+    lane: Literal["transactional", "marketing"]
+    policy: Ident
+    template_id: Ident
+    template_version: Ident
+    payload: dict[str, Any]
+    created_at_ms: int
+    correlation_id: str | None = None
+
+
+class _NestedError(ValueError):
+    def __init__(self, prefix: str, exc: ValidationError):
+        self.errors = [{"loc": (prefix, *e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in self.errors))
+
+
+def _nested(prefix: str, exc: ValidationError) -> _NestedError:
+    return _NestedError(prefix, exc)
+
+
+def field_errors(exc: ValidationError, prefix: tuple = ()) -> list[dict]:
+    """Flatten a pydantic error into [{loc, msg}], unwrapping payload errors to their field."""
+    out = []
+    for e in exc.errors():
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _NestedError):
+            out.extend({"loc": (*prefix, *x["loc"]), "msg": x["msg"]} for x in ctx_err.errors)
+        else:
+            out.append({"loc": (*prefix, *e["loc"]), "msg": e["msg"]})
+    return out
+
+
+def validate_request(raw: dict, known_policies: frozenset[str] | None = None) -> SendRequest:
+    """Validate one submitted send; raises SendValidationError with field-level errors."""
+    return validate_batch([raw], known_policies, prefix=False)[0]
+
+
+def validate_batch(raws: list, known_policies: frozenset[str] | None = None,
+                   prefix: bool = True) -> list[SendRequest]:
+    """Validate every send; any error rejects the whole batch (errors carry the index)."""
+    errors: list[dict] = []
+    out: list[SendRequest] = []
+    for i, raw in enumerate(raws):
+        where = (i,) if prefix else ()
+        if not isinstance(raw, dict):
+            errors.append({"loc": where, "msg": "a send must be a JSON object"})
+            continue
+        try:
+            req = SendRequest.model_validate(raw)
+        except ValidationError as exc:
+            errors.extend(field_errors(exc, where))
+            continue
+        if known_policies is not None and req.policy is not None and req.policy not in known_policies:
+            errors.append({"loc": (*where, "policy"),
+                           "msg": f"unknown policy {req.policy!r} (known: {', '.join(sorted(known_policies))})"})
+            continue
+        out.append(req)
+    if errors:
+        raise SendValidationError(errors)
+    return out
+
+
+def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None) -> Send:
+    """Freeze a validated request into the event: assign the send id, the lane and the policy."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    return Send(
+        v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=tenant_id, channel=req.channel,
+        category=req.category, lane=CATEGORY_TO_LANE[req.category],
+        policy=req.policy or ("webhook" if req.channel == "webhook" else DEFAULT_POLICY[req.category]),
+        template_id=req.template_id, template_version=req.template_version, payload=req.payload,
+        created_at_ms=now, correlation_id=req.correlation_id,
+    )
+
+
+def encode(send: Send) -> bytes:
+    return orjson.dumps(send.model_dump(mode="json"))
+
+
+class MalformedEvent(Exception):
+    """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}")
+
+
+def decode(value: bytes | None) -> Send:
+    """Parse an event from a lane topic; raises MalformedEvent(reason) when it cannot be used."""
+    if not value:
+        raise MalformedEvent("malformed", "empty message value")
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedEvent("malformed", f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise MalformedEvent("malformed", "not a JSON object")
+    if doc.get("v") != SCHEMA_VERSION:
+        raise MalformedEvent("unknown_version", f"schema version {doc.get('v')!r} is not supported "
+                                                f"(this worker reads {SCHEMA_VERSION})")
+    try:
+        send = Send.model_validate(doc)
+        PAYLOADS[send.channel].model_validate(send.payload)
+    except ValidationError as exc:
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise MalformedEvent("malformed", detail) from None
+    return send

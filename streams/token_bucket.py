@@ -1,0 +1,75 @@
+"""Two-level token-bucket maths: the reference the Redis Lua script (gate.lua) must match. Pure code.
+
+Integers only: tokens are kept in millitokens, time in milliseconds, rates in tokens per second
+(so a rate of r tokens/s refills r millitokens per ms). A decision either debits *both* buckets or
+debits nothing and says how long to wait; partial debits would leak quota between tenants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limit:
+    rate: int    # tokens per second
+    burst: int   # bucket capacity in tokens
+
+
+@dataclass(frozen=True)
+class Bucket:
+    millitokens: int
+    updated_ms: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    wait_ms: int          # 0 when allowed
+    short: str            # "" | "global" | "tenant" | "cooldown"
+    global_after: Bucket
+    tenant_after: Bucket
+
+
+def refill(bucket: Bucket | None, limit: Limit, now_ms: int) -> Bucket:
+    """A bucket as of now; an unseen bucket starts full."""
+    full = limit.burst * 1000
+    if bucket is None:
+        return Bucket(full, now_ms)
+    elapsed = max(0, now_ms - bucket.updated_ms)
+    return Bucket(min(full, bucket.millitokens + elapsed * limit.rate), now_ms)
+
+
+def _wait(have: int, need: int, rate: int) -> int:
+    return 0 if have >= need else -(-(need - have) // rate)  # ceil, in ms
+
+
+def decide(
+    global_bucket: Bucket | None, global_limit: Limit,
+    tenant_bucket: Bucket | None, tenant_limit: Limit,
+    request_cost: int, message_cost: int, now_ms: int,
+    reserve_tokens: int = 0, cool_until_ms: int = 0,
+) -> Decision:
+    """Admit one provider request carrying `message_cost` messages, or say how long to wait.
+
+    `reserve_tokens` is the share of the global bucket this caller may not take (marketing leaves it
+    for transactional traffic). Costs larger than a burst can never be admitted: ValueError.
+    """
+    if request_cost > global_limit.burst:
+        raise ValueError(f"request cost {request_cost} exceeds the provider burst {global_limit.burst}")
+    if message_cost > tenant_limit.burst:
+        raise ValueError(f"message cost {message_cost} exceeds the tenant burst {tenant_limit.burst}")
+    g = refill(global_bucket, global_limit, now_ms)
+    t = refill(tenant_bucket, tenant_limit, now_ms)
+    unchanged = (global_bucket or g, tenant_bucket or t)
+    if cool_until_ms > now_ms:
+        return Decision(False, cool_until_ms - now_ms, "cooldown", *unchanged)
+    reserve = min(reserve_tokens, global_limit.burst - request_cost)
+    g_wait = _wait(g.millitokens, (request_cost + reserve) * 1000, global_limit.rate)
+    t_wait = _wait(t.millitokens, message_cost * 1000, tenant_limit.rate)
+    if g_wait or t_wait:
+        short = "global" if g_wait >= t_wait else "tenant"
+        return Decision(False, max(g_wait, t_wait), short, *unchanged)
+    return Decision(True, 0, "",
+                    Bucket(g.millitokens - request_cost * 1000, now_ms),
+                    Bucket(t.millitokens - message_cost * 1000, now_ms))
