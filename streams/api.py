@@ -5,7 +5,6 @@ carry a role. The tenant always comes from the key, never from the request body.
 cannot reach `/v1/admin/*`. Errors are JSON: `{"error": ..., "errors": [{"loc": [...], "msg": ...}]}`.
 """
 
-from __future__ import annotations
 
 import hashlib
 import secrets

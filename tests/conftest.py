@@ -83,3 +83,219 @@ def create_topics(stack):
         admin.delete(created)
     except Exception:  # noqa: BLE001 - best effort clean-up
         pass
+
+
+# ---------------------------------------------------------------- dispatch harness
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll an observable condition until it holds (bounded); fail naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class MockProvider:
+    def __init__(self, port: int, proc: subprocess.Popen):
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = proc
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def stats(self, deliveries: bool = False) -> dict:
+        return self.http.get("/_mock/stats", params={"deliveries": "1"} if deliveries else None).json()
+
+    def configure(self, **settings) -> None:
+        self.http.post("/_mock/config", json=settings).raise_for_status()
+
+    def reset(self, **settings) -> None:
+        defaults = {"rate": 1000.0, "latency_ms": 0.0, "fault_5xx_ratio": 0.0, "fault_timeout_ratio": 0.0,
+                    "fault_401_ratio": 0.0, "timeout_delay_s": 15.0}
+        self.configure(**{**defaults, **settings})
+        self.http.post("/_mock/reset").raise_for_status()
+
+
+@pytest.fixture(scope="session")
+def _mock_process():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "mock-provider", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    mock = MockProvider(port, proc)
+
+    def up():
+        try:
+            return mock.http.get("/_mock/stats").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, 20, "the mock provider to answer")
+    yield mock
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def mock_provider(_mock_process):
+    """The mock provider, reset for this test. After the test: no request reached a forbidden path."""
+    _mock_process.reset()
+    yield _mock_process
+    stats = _mock_process.stats()
+    assert stats["forbidden"] == 0, f"requests reached forbidden provider paths: {stats['forbidden_paths']}"
+
+
+@pytest.fixture
+def redis_client(stack):
+    import redis
+
+    return redis.Redis.from_url(stack.redis_url)
+
+
+@pytest.fixture
+def dispatch_env(stack, namespace, mock_provider) -> dict:
+    """Environment for the project's processes in this test (own namespace, the mock provider)."""
+    return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap, "REDIS_URL": stack.redis_url,
+            "DUAL_RAIL_TOPIC_NAMESPACE": namespace, "RESEND_BASE_URL": mock_provider.url,
+            "SMS_BASE_URL": mock_provider.url, "RESEND_API_KEYS": '{"*": "re_test_default"}',
+            "SMS_API_KEYS": '{"*": "re_test_sms"}', "PROVIDER_TIMEOUT_S": "2", "LOG_LEVEL": "WARNING"}
+
+
+@pytest.fixture
+def channel_topics(stack, namespace, create_topics):
+    """Create the lane, retry, DLQ and outcome topics of one channel in this test's namespace."""
+    from streams.topic_spec import load_definitions
+
+    def _create(channel: str, lane_partitions: int | None = None) -> None:
+        specs = load_definitions(REPO / "topics", namespace)
+        wanted = {}
+        for name, spec in specs.items():
+            bare = name[len(namespace):]
+            if bare.startswith(f"notif.{channel}.") or bare in ("notif.dlq", "notif.outcomes"):
+                parts = spec.partitions
+                if lane_partitions and bare.startswith(f"notif.{channel}."):
+                    parts = lane_partitions
+                wanted[name] = parts
+        create_topics(wanted)
+
+    return _create
+
+
+@pytest.fixture
+def limits(redis_client, namespace):
+    from streams.gate import LimitStore
+
+    return LimitStore(redis_client, namespace)
+
+
+class Processes:
+    """Project processes started by a test, stopped (SIGTERM, then SIGKILL) when it ends."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", *args], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, channel: str, lane: str, *extra: str) -> subprocess.Popen:
+        proc = self.start("worker", "--channel", channel, "--lane", lane, *extra)
+        line = proc.stdout.readline()  # "worker ... consuming ..." once it is set up
+        assert "consuming" in line, line + proc.stdout.read()
+        return proc
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def processes(dispatch_env):
+    procs = Processes(dispatch_env)
+    yield procs
+    procs.stop_all()
+
+
+@pytest.fixture
+def send_client(stack, names):
+    from streams.client import SendClient
+
+    return SendClient(stack.bootstrap, names)
+
+
+def email_request(category: str = "transactional", **payload) -> dict:
+    return {"channel": "email", "category": category, "template_id": "welcome", "template_version": "7",
+            "payload": {"from": "Acme <no-reply@acme.test>", "to": ["user@example.test"],
+                        "subject": "Hello", "html": "<p>Hi</p>", **payload}}
+
+
+def sms_request(category: str = "transactional") -> dict:
+    return {"channel": "sms", "category": category, "template_id": "otp", "template_version": "1",
+            "payload": {"to": "+14155550123", "body": "Your code is 123456"}}
+
+
+def committed_lag(bootstrap: str, group: str, topic: str) -> int:
+    """Messages of `topic` not yet committed by `group` (end offset - committed, summed)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        md = c.list_topics(topic, timeout=10)
+        parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
+        committed = c.committed(parts, timeout=10)
+        lag = 0
+        for tp in committed:
+            _, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+            lag += high - (tp.offset if tp.offset >= 0 else 0)
+        return lag
+    finally:
+        c.close()
+
+
+def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list:
+    """Read `expect` messages from the start of `topic` (fails after `timeout`)."""
+    import uuid as _uuid
+
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{_uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < expect and time.monotonic() < deadline:
+            for m in c.consume(num_messages=1000, timeout=0.5):
+                if not m.error():
+                    out.append(m)
+    finally:
+        c.close()
+    assert len(out) >= expect, f"read {len(out)} of {expect} expected messages from {topic}"
+    return out

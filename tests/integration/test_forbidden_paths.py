@@ -1,0 +1,41 @@
+"""No request reaches the provider's audiences, contacts, segments, broadcasts or topics APIs.
+
+Three layers: (1) the HTTP client refuses any path outside its allowlist before sending;
+(2) the mock provider counts forbidden requests, and the `mock_provider` fixture fails any test of
+the suite after which that count is not zero; (3) no module of the package names those paths."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from streams.errors import ForbiddenProviderPath
+from streams.providers import ResendEmail, SmsGateway
+
+FORBIDDEN = ["/audiences", "/contacts", "/segments", "/broadcasts", "/topics", "/audiences/a1/contacts",
+             "/emails/e1"]
+
+
+@pytest.mark.parametrize("path", FORBIDDEN)
+def test_client_refuses_paths_outside_the_allowlist_before_sending(mock_provider, path):
+    for provider in (ResendEmail(mock_provider.url), SmsGateway(mock_provider.url)):
+        with pytest.raises(ForbiddenProviderPath, match="not in the provider allowlist"):
+            provider.post(path, b"{}", "re_key", "k")
+    assert mock_provider.stats()["requests_total"] == 0
+
+
+def test_the_mock_counts_a_forbidden_request(mock_provider):
+    import httpx
+
+    httpx.post(f"{mock_provider.url}/audiences", json={"name": "all"})
+    assert mock_provider.stats()["forbidden"] == 1
+    mock_provider.reset()  # this test made the request on purpose
+
+
+def test_no_module_of_the_package_names_a_contacts_api():
+    package = Path(__file__).resolve().parents[2] / "streams"
+    pattern = re.compile(r"""["'/](audiences|contacts|segments|broadcasts)\b""")
+    offenders = [f"{p.name}:{i}" for p in package.glob("*.py") if p.name != "mock_provider.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if pattern.search(line) and not line.lstrip().startswith(("#", '"""'))]
+    assert offenders == []

@@ -1,0 +1,74 @@
+"""A duplicate job produces one send; so does the same send handled by two racing workers."""
+
+import threading
+
+from confluent_kafka import Producer
+
+from streams.runtime import Runtime
+from streams.send import build_send, encode, validate_request
+from tests.conftest import committed_lag, email_request, wait_until
+
+
+def test_duplicate_job_produces_one_send(stack, names, channel_topics, limits, processes, mock_provider):
+    # Given one send published three times (a producer retry, a replay, a copy)
+    channel_topics("email")
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    send = build_send(validate_request(email_request()), "acme")
+    topic = names.lane("email", "transactional")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for _ in range(3):
+        producer.produce(topic, key=b"acme", value=encode(send))
+    other = build_send(validate_request(email_request()), "acme")
+    producer.produce(topic, key=b"acme", value=encode(other))
+    producer.flush(10)
+
+    # When a worker processes the lane
+    processes.worker("email", "transactional")
+    wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "transactional"), topic) == 0,
+               30, "every message to be committed")
+
+    # Then the provider received each send once, and all four messages were consumed
+    stats = mock_provider.stats(deliveries=True)
+    assert len(stats["deliveries"][send.send_id]) == 1
+    assert len(stats["deliveries"][other.send_id]) == 1
+    assert stats["duplicate_deliveries"] == 0
+
+
+def test_same_sends_raced_by_two_workers_are_delivered_once(stack, names, namespace, channel_topics,
+                                                           limits, dispatch_env, mock_provider):
+    # Given 300 marketing emails that two workers both hold at once (the zombie after a rebalance,
+    # modelled as two consumer groups on the same partitions), and a provider with some latency
+    channel_topics("email", lane_partitions=2)
+    limits.set_provider("resend", 200, 200)
+    limits.set_tenant("resend", "*", 10_000, 100)
+    mock_provider.configure(latency_ms=30)
+    sends = [build_send(validate_request(email_request("marketing")), f"tenant-{i % 3}") for i in range(300)]
+    topic = names.lane("email", "marketing")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for s in sends:
+        producer.produce(topic, key=s.tenant_id.encode(), value=encode(s))
+    producer.flush(10)
+
+    runtime = Runtime.from_env(dispatch_env)
+    workers = [runtime.worker("email", "marketing", consumer_overrides={"group.id": f"{namespace}racer-{i}"})
+               for i in range(2)]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, kwargs={"until": stop.is_set}) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        # When both have processed every message
+        for i in range(2):
+            wait_until(lambda i=i: committed_lag(stack.bootstrap, f"{namespace}racer-{i}", topic) == 0, 60,
+                       f"racer {i} to commit everything")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+
+    # Then every send reached the provider exactly once, only through the batch endpoint
+    stats = mock_provider.stats(deliveries=True)
+    assert stats["distinct_sends"] == 300
+    assert stats["duplicate_deliveries"] == 0
+    assert stats["single_email_requests"] == 0 and stats["marketing_single_requests"] == 0

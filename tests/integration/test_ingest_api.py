@@ -1,0 +1,116 @@
+"""The HTTP ingest API: tenant-authenticated, validated whole, and blind to other tenants."""
+
+import httpx
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from streams.api import ApiKeys
+from tests.conftest import email_request, free_port, wait_until
+
+
+@pytest.fixture
+def api(stack, names, namespace, channel_topics, processes, redis_client):
+    channel_topics("email")
+    port = free_port()
+    processes.start("api", "--port", str(port))
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def up():
+        try:
+            return client.get("/openapi.json").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, 30, "the ingest API to answer")
+    keys = ApiKeys(redis_client, namespace)
+    client.tenant_a = {"Authorization": f"Bearer {keys.create('tenant', 'tenant-a')}"}
+    client.tenant_b = {"Authorization": f"Bearer {keys.create('tenant', 'tenant-b')}"}
+    client.operator = {"Authorization": f"Bearer {keys.create('operator')}"}
+    return client
+
+
+def lane_end_offsets(bootstrap: str, topic: str) -> int:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "offsets-probe"})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts)
+    finally:
+        c.close()
+
+
+def test_send_is_accepted_and_its_tenant_comes_from_the_key(api, stack, names):
+    body = {**email_request(), "tenant_id": "tenant-b"}  # ignored: the key says tenant-a
+    r = api.post("/v1/sends", json=body, headers=api.tenant_a)
+    assert r.status_code == 202, r.text
+    send_id = r.json()["send_id"]
+    assert r.json()["lane"] == "transactional"
+
+    mine = api.get(f"/v1/sends/{send_id}", headers=api.tenant_a)
+    assert mine.status_code == 200 and mine.json()["tenant_id"] == "tenant-a"
+    assert mine.json()["status"] == "accepted"
+    # Another tenant's send id is simply not found
+    assert api.get(f"/v1/sends/{send_id}", headers=api.tenant_b).status_code == 404
+
+
+def test_invalid_batch_is_rejected_whole_with_field_errors(api, stack, names):
+    topic = names.lane("email", "marketing")
+    before = lane_end_offsets(stack.bootstrap, topic)
+    bad = email_request("marketing", to=["not-an-address"])
+    r = api.post("/v1/sends/batch", json={"sends": [email_request("marketing"), bad,
+                                                    {**email_request("marketing"), "category": "urgent"}]},
+                 headers=api.tenant_a)
+    assert r.status_code == 422
+    assert r.json()["errors"] == [
+        {"loc": ["body", "sends", 1, "payload", "to"], "msg": "Value error, 'not-an-address' is not an email address"},
+        {"loc": ["body", "sends", 2, "category"], "msg": "Input should be 'transactional', 'product' or 'marketing'"},
+    ]
+    assert lane_end_offsets(stack.bootstrap, topic) == before  # nothing enqueued
+
+    ok = api.post("/v1/sends/batch", json={"sends": [email_request("marketing")] * 3}, headers=api.tenant_a)
+    assert ok.status_code == 202 and ok.json()["accepted"] == 3
+    assert lane_end_offsets(stack.bootstrap, topic) == before + 3
+
+
+def test_authentication_size_and_syntax_errors(api):
+    assert api.post("/v1/sends", json=email_request()).status_code == 401
+    assert api.post("/v1/sends", json=email_request(),
+                    headers={"Authorization": "Bearer dr_ten_forged"}).status_code == 401
+    huge = email_request(html="x" * (6 * 1024 * 1024))
+    r = api.post("/v1/sends", json=huge, headers=api.tenant_a)
+    assert r.status_code == 413 and "limited to" in r.json()["errors"][0]["msg"]
+    r = api.post("/v1/sends", content=b"{oops", headers={**api.tenant_a, "Content-Type": "application/json"})
+    assert r.status_code == 400
+    r = api.post("/v1/sends", json={**email_request(), "policy": "vip"}, headers=api.tenant_a)
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "policy"]
+
+
+def test_limits_are_for_operators_only(api):
+    for method, path in (("GET", "/v1/admin/limits/resend"), ("PUT", "/v1/admin/limits/resend")):
+        r = api.request(method, path, json={"global_rate": 1000, "global_burst": 1000}, headers=api.tenant_a)
+        assert r.status_code == 403, (method, r.text)
+    r = api.put("/v1/admin/limits/resend", json={"global_rate": 10, "global_burst": 10,
+                                                 "tenant": "*", "tenant_rate": 5, "tenant_burst": 5},
+                headers=api.operator)
+    assert r.status_code == 200
+    assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["global_rate"] == 10
+
+
+def test_openapi_schema_describes_the_endpoints(api):
+    schema = api.get("/openapi.json").json()
+    assert {"/v1/sends", "/v1/sends/batch", "/v1/sends/{send_id}"} <= set(schema["paths"])
+    assert "SendRequest" in schema["components"]["schemas"]
+
+
+def test_status_follows_the_outcome(api, processes, limits, mock_provider):
+    limits.set_provider("resend", 50, 50)
+    limits.set_tenant("resend", "*", 50, 50)
+    processes.worker("email", "transactional")
+    processes.start("outcome-recorder")
+    send_id = api.post("/v1/sends", json=email_request(), headers=api.tenant_a).json()["send_id"]
+
+    def delivered():
+        doc = api.get(f"/v1/sends/{send_id}", headers=api.tenant_a).json()
+        return doc if doc["status"] == "delivered" else None
+
+    done = wait_until(delivered, 30, "the send's status to become delivered")
+    assert done["attempts"] == 1 and done["provider"] == "resend" and done["provider_message_id"]

@@ -1,0 +1,49 @@
+"""The mock provider behaves like the outside world it stands for."""
+
+import httpx
+import orjson
+
+AUTH = {"Authorization": "Bearer re_team_key"}
+EMAIL = {"from": "a@acme.test", "to": ["b@example.test"], "subject": "s", "text": "t",
+         "tags": [{"name": "send_id", "value": "s-1"}, {"name": "tenant", "value": "acme"}]}
+
+
+def test_team_limit_answers_429_with_resend_headers(mock_provider):
+    mock_provider.reset(rate=3)
+    c = httpx.Client(base_url=mock_provider.url)
+    answers = [c.post("/emails", json=EMAIL, headers={**AUTH, "Idempotency-Key": f"k{i}"}) for i in range(6)]
+    throttled = [r for r in answers if r.status_code == 429]
+    assert len(throttled) >= 2
+    r = throttled[0]
+    assert r.json()["name"] == "rate_limit_exceeded"
+    assert {"ratelimit-limit", "ratelimit-remaining", "ratelimit-reset", "retry-after"} <= set(r.headers)
+
+
+def test_batch_rules_are_strict(mock_provider):
+    c = httpx.Client(base_url=mock_provider.url)
+    assert c.post("/emails/batch", json=[EMAIL] * 101, headers=AUTH).status_code == 422
+    one_bad = [EMAIL, {**EMAIL, "to": ["nope"]}]
+    assert c.post("/emails/batch", json=one_bad, headers=AUTH).status_code == 422
+    with_attachment = [{**EMAIL, "attachments": [{"filename": "a.txt"}]}]
+    assert c.post("/emails/batch", json=with_attachment, headers=AUTH).status_code == 422
+    assert mock_provider.stats()["messages_delivered"] == 0
+    assert c.post("/emails/batch", json=[EMAIL] * 100, headers=AUTH).status_code == 200
+
+
+def test_idempotency_key_replays_same_body_and_refuses_a_different_one(mock_provider):
+    c = httpx.Client(base_url=mock_provider.url)
+    h = {**AUTH, "Idempotency-Key": "send-s-1"}
+    first = c.post("/emails", content=orjson.dumps(EMAIL), headers=h)
+    again = c.post("/emails", content=orjson.dumps(EMAIL), headers=h)
+    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    other = c.post("/emails", content=orjson.dumps({**EMAIL, "subject": "changed"}), headers=h)
+    assert other.status_code == 409 and other.json()["name"] == "invalid_idempotent_request"
+    stats = mock_provider.stats()
+    assert stats["messages_delivered"] == 1 and stats["idempotent_replays"] == 1
+
+
+def test_faults_and_auth(mock_provider):
+    c = httpx.Client(base_url=mock_provider.url)
+    assert c.post("/emails", json=EMAIL).status_code == 401
+    mock_provider.configure(fault_5xx_ratio=1.0)
+    assert c.post("/emails", json=EMAIL, headers=AUTH).status_code == 500
