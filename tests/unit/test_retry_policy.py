@@ -1,0 +1,80 @@
+"""The eval harness of seed 003 as a table: each provider answer -> decision, delay bounds, attempts.
+
+Route and payload never change across retries: decisions carry only a tier and a due time; the
+worker re-publishes the original message bytes (see tests/integration for that end to end)."""
+
+from email.utils import format_datetime
+from datetime import datetime, timezone
+
+import pytest
+
+from streams.errors import ConfigError
+from streams.providers import ProviderResult
+from streams.retry_policy import (DeadLetter, Delivered, RetryAt, decide, load_policies, parse_policies,
+                                  parse_retry_after)
+
+NOW = 1_800_000_000_000
+POLICIES = load_policies()
+OTP, MARKETING = POLICIES["otp"], POLICIES["marketing"]
+
+
+def http_date(seconds_from_now: int) -> str:
+    return format_datetime(datetime.fromtimestamp(NOW / 1000 + seconds_from_now, tz=timezone.utc), usegmt=True)
+
+
+# (policy, attempt, answer, expected kind, tier, min delay s, max delay s)
+CASES = [
+    ("success", OTP, 1, ProviderResult("delivered", 200), Delivered, None, None, None),
+    ("429 with seconds", OTP, 1, ProviderResult("throttled", 429, retry_after="30"), RetryAt, "1m", 60, 72),
+    ("429 with an HTTP date", OTP, 1, ProviderResult("throttled", 429, retry_after=http_date(240)), RetryAt, "5m", 300, 360),
+    ("429 malformed header", OTP, 1, ProviderResult("throttled", 429, retry_after="soon"), RetryAt, "10s", 10, 12),
+    ("429 missing header", OTP, 2, ProviderResult("throttled", 429), RetryAt, "1m", 60, 72),
+    ("quota 429 is parked", MARKETING, 1, ProviderResult("quota", 429, retry_after="1"), RetryAt, "1h", 3600, 4320),
+    ("quota 429 for an OTP is too old to park", OTP, 1, ProviderResult("quota", 429), DeadLetter, None, None, None),
+    ("timeout after possible acceptance", OTP, 1, ProviderResult("unknown"), RetryAt, "10s", 10, 12),
+    ("permanent 4xx", OTP, 1, ProviderResult("rejected", 422), DeadLetter, None, None, None),
+    ("5xx", MARKETING, 3, ProviderResult("unavailable", 503), RetryAt, "15m", 900, 1080),
+    ("exhausted", OTP, 4, ProviderResult("unavailable", 503), DeadLetter, None, None, None),
+]
+
+
+@pytest.mark.parametrize("name, policy, attempt, result, kind, tier, lo, hi", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("jitter", [0.0, 0.999])
+def test_eval_harness(name, policy, attempt, result, kind, tier, lo, hi, jitter):
+    d = decide(policy, attempt, created_ms=NOW - 1000, result=result, now_ms=NOW, jitter=jitter)
+    assert isinstance(d, kind), d
+    if kind is RetryAt:
+        assert d.tier == tier
+        assert lo * 1000 <= d.due_ms - NOW <= hi * 1000
+
+
+def test_dead_letter_reasons():
+    reasons = {decide(OTP, a, NOW, r, NOW, 0.5).reason for a, r in [
+        (1, ProviderResult("rejected", 400)), (4, ProviderResult("unavailable")),
+        (1, ProviderResult("quota", 429))]}
+    assert reasons == {"permanent_error", "retries_exhausted", "quota_exceeded"}
+    too_old = decide(OTP, 1, NOW - 590_000, ProviderResult("unavailable"), NOW, 0.5)
+    assert too_old == DeadLetter("too_old")
+
+
+def test_unknown_outcome_without_provider_idempotency_goes_to_reconciliation():
+    d = decide(OTP, 1, NOW, ProviderResult("unknown"), NOW, 0.5, provider_idempotent=False)
+    assert d == DeadLetter("unknown_outcome")
+
+
+def test_retry_after_parsing():
+    assert parse_retry_after("120", NOW) == 120
+    assert parse_retry_after(http_date(30), NOW) == pytest.approx(30)
+    assert parse_retry_after(http_date(-30), NOW) == 0
+    assert parse_retry_after("tomorrow", NOW) is None and parse_retry_after(None, NOW) is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[policy.x]\nmax_attempts = 0\nmax_age = "1h"\nschedule = ["10s"]', "field 'max_attempts' must be an integer >= 1"),
+    ('[policy.x]\nmax_attempts = 2\nmax_age = "1 hour"\nschedule = ["10s"]', "field 'max_age' must look like"),
+    ('[policy.x]\nmax_attempts = 2\nmax_age = "1h"\nschedule = ["2m"]', "unknown tier '2m'"),
+    ('[policy.x]\nmax_attempts = 2\nmax_age = "1h"\nschedule = ["10s"]\nretries = 3', "unknown field(s) ['retries']"),
+])
+def test_invalid_policy_file_names_the_policy_and_field(text, message):
+    with pytest.raises(ConfigError, match=r"policies.toml: policy 'x': .*" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        parse_policies(text, "policies.toml")
