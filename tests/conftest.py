@@ -262,19 +262,26 @@ def sms_request(category: str = "transactional") -> dict:
 
 
 def committed_lag(bootstrap: str, group: str, topic: str) -> int:
-    """Messages of `topic` not yet committed by `group` (end offset - committed, summed)."""
-    from confluent_kafka import Consumer, TopicPartition
+    """Messages of `topic` not yet committed by `group` (end offset - committed, summed).
+    Transient coordinator errors (a group being created or rebalanced) are retried a few times."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
     try:
-        md = c.list_topics(topic, timeout=10)
-        parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
-        committed = c.committed(parts, timeout=10)
-        lag = 0
-        for tp in committed:
-            _, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
-            lag += high - (tp.offset if tp.offset >= 0 else 0)
-        return lag
+        for attempt in range(5):
+            try:
+                md = c.list_topics(topic, timeout=10)
+                parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
+                committed = c.committed(parts, timeout=10)
+                lag = 0
+                for tp in committed:
+                    _, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+                    lag += high - (tp.offset if tp.offset >= 0 else 0)
+                return lag
+            except KafkaException:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5)
     finally:
         c.close()
 
