@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError, DispatchError
+from .lanes import RETRY_TIERS
 
 REPO_TOPICS = Path(__file__).resolve().parent.parent / "topics"
 
@@ -85,6 +86,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retrier(args: argparse.Namespace) -> int:
+    import signal
+
+    from . import metrics
+    from .retrier import Retrier, RetrierConfig
+    from .runtime import Runtime
+
+    _logging()
+    rt = Runtime.from_env()
+    tiers = list(RETRY_TIERS) if args.tier == "all" else [args.tier]
+    if len(tiers) > 1:
+        raise ConfigError("run one retrier process per tier (use --tier); `all` is not supported")
+    retrier = Retrier(RetrierConfig(args.channel, args.lane, tiers[0], rt.bootstrap, rt.names,
+                                    commit_interval_ms=int(os.environ.get("DUAL_RAIL_COMMIT_INTERVAL_MS", "1000"))))
+    signal.signal(signal.SIGTERM, retrier.stop)
+    signal.signal(signal.SIGINT, retrier.stop)
+    metrics.serve(args.metrics_port)
+    print(f"retrier consuming {retrier.cfg.topic} as {retrier.cfg.group} -> {retrier.lane_topic}", flush=True)
+    retrier.run()
+    return 0
+
+
 def cmd_mock_provider(args: argparse.Namespace) -> int:
     from .mock_provider import MockConfig, serve
 
@@ -159,6 +182,31 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    from . import dlq
+    from .runtime import Runtime
+
+    rt = Runtime.from_env()
+    records = dlq.read_all(rt.bootstrap, rt.names.dlq)
+    if args.action == "list":
+        shown = [r for r in records if not args.reason or r.reason == args.reason][-args.limit:]
+        for r in shown:
+            print(f"{r.send_id:<38} {r.reason:<18} attempts={r.headers.get('attempts', '-'):<3} "
+                  f"tenant={r.headers.get('tenant', '-')} lane={r.headers.get('channel', '?')}."
+                  f"{r.headers.get('lane', '?')}")
+        print(f"{len(shown)} of {len(records)} dead letters")
+        return 0
+    if not args.send_id:
+        raise ConfigError(f"`streams dlq {args.action}` needs a send id")
+    record = dlq.find(records, args.send_id)
+    if args.action == "show":
+        print(dlq.describe(record))
+        return 0
+    topic = dlq.replay(rt.bootstrap, rt.names, record)
+    print(f"replayed {record.send_id} to {topic} as a new attempt record")
+    return 0
+
+
 def _logging() -> None:
     import logging
 
@@ -190,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=8, help="provider requests in flight")
     worker.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
     worker.set_defaults(func=cmd_worker)
+
+    retrier = sub.add_parser("retrier", help="re-publish a retry tier's messages to their lane when due")
+    retrier.add_argument("--channel", required=True, choices=["email", "sms", "webhook"])
+    retrier.add_argument("--lane", required=True, choices=["transactional", "marketing"])
+    retrier.add_argument("--tier", required=True, choices=list(RETRY_TIERS))
+    retrier.add_argument("--metrics-port", type=int, default=0)
+    retrier.set_defaults(func=cmd_retrier)
 
     mock = sub.add_parser("mock-provider", help="a Resend-compatible mock provider (and SMS gateway)")
     mock.add_argument("--host", default="127.0.0.1")
@@ -228,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--tenant")
     who.add_argument("--operator", action="store_true")
     keys.set_defaults(func=cmd_keys)
+
+    dlq = sub.add_parser("dlq", help="operator: list, show and replay dead letters")
+    dlq.add_argument("action", choices=["list", "show", "replay"])
+    dlq.add_argument("send_id", nargs="?")
+    dlq.add_argument("--reason", help="list only this reason")
+    dlq.add_argument("--limit", type=int, default=50)
+    dlq.set_defaults(func=cmd_dlq)
 
     demo = sub.add_parser("demo", help="a short demonstration against the local stack")
     demo.set_defaults(func=cmd_demo)

@@ -20,6 +20,8 @@ GATE_DENIALS = Counter("dispatch_gate_denials_total", "Gate denials by the bucke
 GATE_WAIT = Histogram("dispatch_gate_wait_seconds", "Waits the gate asked for", ["provider", "lane"],
                       buckets=_LATENCY)
 RETRIES = Counter("dispatch_retries_total", "Sends handed to a retry tier", ["channel", "lane", "tier"])
+RETRIES_REPUBLISHED = Counter("dispatch_retries_republished_total",
+                              "Retry messages re-published to their lane when due", ["channel", "lane", "tier"])
 DLQ = Counter("dispatch_dead_letters_total", "Sends dead-lettered by reason", ["channel", "lane", "reason"])
 DUPLICATES = Counter("dispatch_duplicates_skipped_total", "Jobs skipped because their send was delivered",
                      ["channel", "lane"])

@@ -411,9 +411,8 @@ class LaneWorker:
         if result.outcome in ("throttled", "quota"):
             metrics.PROVIDER_429.labels(prov, result.error_name or result.outcome).inc()
             wait = parse_retry_after(result.retry_after, now_ms)
-            if wait:
-                # Every worker holds off the provider, not only the one that saw the 429.
-                self.gate.cool_down(prov, wait)
+            # Every worker holds off the provider, not only the one that saw the 429.
+            self.gate.cool_down(prov, wait if wait else 1.0)
         if result.outcome == "unknown":
             self.jobs.keep_unknown(job.key)
         else:

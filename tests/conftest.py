@@ -224,6 +224,15 @@ class Processes:
         assert "consuming" in line, line + proc.stdout.read()
         return proc
 
+    def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "retrier", "--channel", channel,
+                                 "--lane", lane, "--tier", tier], env={**self.env, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        line = proc.stdout.readline()
+        assert "retrier consuming" in line, line + proc.stdout.read()
+        return proc
+
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
