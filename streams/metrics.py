@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -31,6 +33,6 @@ PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions pa
 
 
 def serve(port: int) -> None:
-    """Serve /metrics on `port` (0: not at all)."""
+    """Serve /metrics on `port` (0: not at all), on METRICS_ADDR (default loopback)."""
     if port:
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(port, addr=os.environ.get("METRICS_ADDR", "127.0.0.1"))

@@ -52,3 +52,12 @@ def test_batch_body_is_deterministic_and_carries_the_routing_tags():
 def test_redaction_removes_addresses_numbers_and_keys():
     text = redact('{"message": "bad to: jane.doe@example.com, +1 415 555 0123, key re_AbC123"}')
     assert "jane" not in text and "555" not in text and "AbC123" not in text
+
+
+def test_every_non_2xx_is_logged_with_status_and_a_redacted_body(caplog):
+    body = {"statusCode": 422, "name": "validation_error", "message": "Invalid `to`: jane@example.com"}
+    with caplog.at_level("WARNING", logger="streams.providers"):
+        _provider(lambda req: httpx.Response(422, json=body)).post("/emails", b"{}", "re_k", "k")
+    [record] = caplog.records
+    assert "422" in record.getMessage() and "validation_error" in record.getMessage()
+    assert "jane@example.com" not in record.getMessage()
