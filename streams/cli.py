@@ -108,6 +108,24 @@ def cmd_retrier(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lag_monitor(args: argparse.Namespace) -> int:
+    import signal
+
+    from . import metrics
+    from .lag_monitor import LagMonitor
+    from .runtime import Runtime
+
+    _logging()
+    rt = Runtime.from_env()
+    monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval)
+    signal.signal(signal.SIGTERM, monitor.stop)
+    signal.signal(signal.SIGINT, monitor.stop)
+    metrics.serve(args.metrics_port)
+    print(f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", flush=True)
+    monitor.run()
+    return 0
+
+
 def cmd_mock_provider(args: argparse.Namespace) -> int:
     from .mock_provider import MockConfig, serve
 
@@ -245,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     retrier.add_argument("--tier", required=True, choices=list(RETRY_TIERS))
     retrier.add_argument("--metrics-port", type=int, default=0)
     retrier.set_defaults(func=cmd_retrier)
+
+    lagmon = sub.add_parser("lag-monitor", help="publish transactional lag to notif.lag and /metrics")
+    lagmon.add_argument("--interval", type=float, default=0.25, help="seconds between readings (<= 0.5)")
+    lagmon.add_argument("--metrics-port", type=int, default=0)
+    lagmon.set_defaults(func=cmd_lag_monitor)
 
     mock = sub.add_parser("mock-provider", help="a Resend-compatible mock provider (and SMS gateway)")
     mock.add_argument("--host", default="127.0.0.1")

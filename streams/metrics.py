@@ -29,6 +29,20 @@ DUPLICATES = Counter("dispatch_duplicates_skipped_total", "Jobs skipped because 
                      ["channel", "lane"])
 BUFFERED = Gauge("dispatch_worker_buffered_messages", "Messages held in a worker's tenant queues",
                  ["channel", "lane"])
+LANE_LAG_MESSAGES = Gauge("dispatch_lane_lag_messages", "Messages not yet committed by the lane's group",
+                          ["channel", "lane"])
+LANE_LAG_SECONDS = Gauge("dispatch_lane_lag_seconds", "Age of the oldest unconsumed message in the lane",
+                         ["channel", "lane"])
+LAG_MONITOR_LAST_PUBLISH = Gauge("dispatch_lag_monitor_last_publish_timestamp_seconds",
+                                 "Unix time of the lag monitor's last publication")
+LAG_READING_AGE = Gauge("dispatch_lag_reading_age_seconds", "Age of the lag reading a marketing worker acts on",
+                        ["channel"])
+LAG_READING_STALE = Gauge("dispatch_lag_reading_stale", "1 while the monitor's reading is stale and the worker "
+                          "reads the lag directly", ["channel"])
+PAUSED_PARTITIONS = Gauge("dispatch_worker_paused_partitions", "Assigned partitions a worker holds paused",
+                          ["channel", "lane"])
+ASSIGNED_PARTITIONS = Gauge("dispatch_worker_assigned_partitions", "Partitions assigned to a worker",
+                            ["channel", "lane"])
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
 
 

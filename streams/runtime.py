@@ -67,6 +67,23 @@ class Runtime:
 
         return load_policies(self.environ.get("DUAL_RAIL_RETRY_POLICIES"))
 
+    def yield_policy(self):
+        """YIELD_PAUSE_ABOVE / YIELD_RESUME_BELOW (messages), YIELD_PAUSE_ABOVE_SECONDS,
+        YIELD_MIN_DWELL_S, YIELD_STALE_AFTER_S; YIELD_DISABLED=1 turns yielding off (baseline)."""
+        from .yield_policy import YieldPolicy
+
+        if self.environ.get("YIELD_DISABLED") == "1":
+            return None
+        e = self.environ
+        try:
+            return YieldPolicy(pause_above=int(e.get("YIELD_PAUSE_ABOVE", "100")),
+                               resume_below=int(e.get("YIELD_RESUME_BELOW", "20")),
+                               pause_above_seconds=float(e.get("YIELD_PAUSE_ABOVE_SECONDS", "0")),
+                               min_dwell_s=float(e.get("YIELD_MIN_DWELL_S", "2")),
+                               stale_after_s=float(e.get("YIELD_STALE_AFTER_S", "3")))
+        except ValueError as exc:
+            raise ConfigError(f"invalid YIELD_* setting: {exc}") from None
+
     def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None):
         from .gate import RedisGate
         from .idempotency import ProcessedJobs
@@ -76,7 +93,8 @@ class Runtime:
             raise ConfigError(f"unknown lane {channel}.{lane} (channels: {CHANNELS}, lanes: {LANES})")
         timeout = float(self.environ.get("PROVIDER_TIMEOUT_S", "10"))
         cfg = WorkerConfig(channel, lane, self.bootstrap, self.names, concurrency=concurrency,
-                           lease_s=max(3 * timeout, 5.0))
+                           lease_s=max(3 * timeout, 5.0),
+                           yield_policy=self.yield_policy() if lane == "marketing" else None)
         client = self.redis()
         return LaneWorker(cfg, self.provider(channel), RedisGate(client, self.namespace),
                           ProcessedJobs(client, self.namespace, lease_s=cfg.lease_s),

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from . import metrics
 from .errors import ConfigError, CostExceedsBurst, GateUnavailable
@@ -35,8 +35,12 @@ from .offsets import OffsetTracker
 from .providers import RESEND_BATCH_MAX, Outbound, Provider, ProviderCredentials, ProviderResult
 from .retry_policy import DeadLetter, RetryAt, RetryPolicy, decide, parse_retry_after
 from .send import MalformedEvent, Send, decode
+from .yield_policy import Governor, LagReading, YieldPolicy
 
 log = logging.getLogger("streams.worker")
+# A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
+# instead of travelling through a retry tier; longer waits go to the tiers.
+IN_PROCESS_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class WorkerConfig:
     concurrency: int = 8            # provider requests in flight
     max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
     lease_s: float = 30.0           # must exceed the provider timeout
+    yield_policy: YieldPolicy | None = None  # marketing lanes yield to the transactional lane
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
@@ -140,12 +145,21 @@ class LaneWorker:
         self.in_flight: dict[Future, Job] = {}
         self.global_ready_at = 0.0
         self.tenant_batch_cap: dict[str, int] = {}
-        self.paused: set[tuple[str, int]] = set()
+        self.pause_reasons: set[str] = set()          # why: "yield", "backpressure"
+        self.paused: set[tuple[str, int]] = set()     # which partitions are paused right now
         self.assigned: set[tuple[str, int]] = set()
         self.buffered = 0
         self.running = True
         self.rng = random.Random()
         self._label = (config.channel, config.lane)
+        self.governor = Governor(config.yield_policy) if config.yield_policy else None
+        self._lag_follower = None
+        self._lag_reader = None
+        self._next_direct_read = 0.0
+        if self.governor:
+            self._lag_follower = Consumer(client_config(config.bootstrap, quiet=True, **{
+                "group.id": f"{self.group}.lag-follower", "enable.auto.commit": False}))
+            self._lag_follower.assign([TopicPartition(names.lag, 0, OFFSET_BEGINNING)])
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, *_: object) -> None:
@@ -167,10 +181,12 @@ class LaneWorker:
         for msg in self.consumer.consume(num_messages=500, timeout=timeout):
             self._intake(msg)
         self._collect()
+        self._follow_lag()
         self._dispatch()
         self.producer.poll(0)
         self._store_offsets()
         self._backpressure()
+        self._apply_pauses()
 
     def shutdown(self) -> None:
         self._drain()
@@ -180,6 +196,10 @@ class LaneWorker:
         except Exception as exc:  # noqa: BLE001 - nothing stored yet is not an error
             log.debug("final commit: %s", exc)
         self.consumer.close()
+        if self._lag_follower is not None:
+            self._lag_follower.close()
+        if self._lag_reader is not None:
+            self._lag_reader.close()
         self.pool.shutdown(wait=True)
         self.provider.close()
 
@@ -192,10 +212,11 @@ class LaneWorker:
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
         self.assigned |= {(p.topic, p.partition) for p in partitions}
-        # Pauses are per partition: re-apply the desired state to what was just assigned.
-        if self.paused:
+        # Pauses are per partition and a new assignment starts unpaused: re-apply the desired state.
+        if self.pause_reasons and partitions:
             consumer.pause(partitions)
             self.paused |= {(p.topic, p.partition) for p in partitions}
+        self._pause_metrics()
 
     def _on_revoke(self, consumer, partitions) -> None:
         self._drain()
@@ -220,6 +241,7 @@ class LaneWorker:
             self.tracker.forget(*tp)
         self.assigned -= gone
         self.paused -= gone
+        self._pause_metrics()
 
     # ------------------------------------------------------------------ intake
     def _intake(self, msg) -> None:
@@ -267,6 +289,10 @@ class LaneWorker:
         return cap
 
     def _dispatch(self) -> None:
+        if "yield" in self.pause_reasons:
+            return  # yield, do not drain: what is in flight finishes, nothing new starts
+        if self.governor is not None and self.governor.reading is None:
+            return  # no lag reading yet (monitor or direct): do not run blind
         ready = self._ready_tenants()
         self.rng.shuffle(ready)  # no tenant is always first in line
         for tenant in ready:
@@ -408,15 +434,19 @@ class LaneWorker:
         if result.outcome == "delivered":
             self._settle_delivered(job, result, now_ms)
             return
+        wait = None
         if result.outcome in ("throttled", "quota"):
             metrics.PROVIDER_429.labels(prov, result.error_name or result.outcome).inc()
-            wait = parse_retry_after(result.retry_after, now_ms)
+            wait = parse_retry_after(result.retry_after, now_ms) or 1.0
             # Every worker holds off the provider, not only the one that saw the 429.
-            self.gate.cool_down(prov, wait if wait else 1.0)
+            self.gate.cool_down(prov, wait)
         if result.outcome == "unknown":
             self.jobs.keep_unknown(job.key)
         else:
             self.jobs.release(job.send_ids, job.key)
+        if result.outcome == "throttled" and wait <= IN_PROCESS_BACKOFF_MAX_S:
+            self._back_off_in_process(job, result, now_ms)
+            return
         for p in job.members:
             decision = decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result,
                               now_ms, self.rng.random())
@@ -426,6 +456,24 @@ class LaneWorker:
                 self._dead_letter(p, decision.reason, result, now_ms)
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
+
+    def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        """A short 429: the request was not accepted, so its sends go back to the front of their
+        tenant queue (the shared cool-down holds every worker off until Retry-After). The attempt
+        counts; a send out of attempts is handled by its policy as usual."""
+        q = self.tenants.setdefault(job.tenant, TenantQueue())
+        again = []
+        for p in job.members:
+            decision = decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result,
+                              now_ms, self.rng.random())
+            if isinstance(decision, RetryAt):
+                p.attempt += 1
+                again.append(p)
+            else:
+                self._dead_letter(p, decision.reason, result, now_ms)
+        if again:
+            self._put_back(q, again)
+            metrics.SENDS.labels(*self._label, "throttled_in_process").inc(len(again))
 
     def _settle_delivered(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Outcome events first, then the `delivered` mark, then the offsets. A crash in between
@@ -553,15 +601,68 @@ class LaneWorker:
 
     def _backpressure(self) -> None:
         """Bounded memory: pause every partition while the tenant queues are full."""
-        if self.buffered >= self.cfg.max_buffered and not self.paused and self.assigned:
-            parts = [TopicPartition(t, p) for t, p in self.assigned]
-            self.consumer.pause(parts)
-            self.paused = set(self.assigned)
-            metrics.PAUSED.labels(*self._label, "backpressure").set(1)
-        elif self.paused and self.buffered <= self.cfg.max_buffered // 2:
+        if self.buffered >= self.cfg.max_buffered:
+            self.pause_reasons.add("backpressure")
+        elif self.buffered <= self.cfg.max_buffered // 2:
+            self.pause_reasons.discard("backpressure")
+
+    def _follow_lag(self) -> None:
+        """Marketing: follow the transactional lane's lag and yield above the threshold."""
+        if self.governor is None:
+            return
+        key = f"{self.cfg.channel}.transactional".encode()
+        for msg in self._lag_follower.consume(num_messages=100, timeout=0):
+            if msg.error() or msg.key() != key or not msg.value():
+                continue
+            try:
+                doc = orjson.loads(msg.value())
+                self.governor.observe(LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"])))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                log.warning("ignoring an unreadable lag reading at %s@%d", msg.topic(), msg.offset())
+        now_ms = int(time.time() * 1000)
+        stale = self.governor.stale(now_ms)
+        if stale and time.monotonic() >= self._next_direct_read:
+            # The monitor is silent: measure the lag ourselves rather than run blind or stall.
+            self._next_direct_read = time.monotonic() + 1.0
+            try:
+                if self._lag_reader is None:
+                    from .lag import LagReader
+                    self._lag_reader = LagReader(self.cfg.bootstrap)
+                names = self.cfg.names
+                self.governor.observe(self._lag_reader.read(names.group(self.cfg.channel, "transactional"),
+                                                            names.lane(self.cfg.channel, "transactional"),
+                                                            source="direct"))
+            except Exception as exc:  # noqa: BLE001 - keep the last decision until a reading arrives
+                log.warning("direct lag read failed: %s", exc)
+        metrics.LAG_READING_STALE.labels(self.cfg.channel).set(1 if stale else 0)
+        if self.governor.reading is not None:
+            metrics.LAG_READING_AGE.labels(self.cfg.channel).set((now_ms - self.governor.reading.ts_ms) / 1000)
+        if self.governor.decide(now_ms):
+            if "yield" not in self.pause_reasons:
+                log.info("transactional lag %d: marketing yields", self.governor.reading.lag_messages)
+            self.pause_reasons.add("yield")
+        elif "yield" in self.pause_reasons:
+            log.info("transactional lag %d: marketing resumes", self.governor.reading.lag_messages)
+            self.pause_reasons.discard("yield")
+
+    def _apply_pauses(self) -> None:
+        """Make the partitions' paused state match the reasons. The consumer keeps polling while
+        paused (heartbeats, rebalances, max.poll.interval)."""
+        if self.pause_reasons:
+            todo = self.assigned - self.paused
+            if todo:
+                self.consumer.pause([TopicPartition(t, p) for t, p in todo])
+                self.paused |= todo
+        elif self.paused:
             self.consumer.resume([TopicPartition(t, p) for t, p in self.paused])
             self.paused = set()
-            metrics.PAUSED.labels(*self._label, "backpressure").set(0)
+        self._pause_metrics()
+
+    def _pause_metrics(self) -> None:
+        for reason in ("yield", "backpressure"):
+            metrics.PAUSED.labels(*self._label, reason).set(1 if reason in self.pause_reasons else 0)
+        metrics.PAUSED_PARTITIONS.labels(*self._label).set(len(self.paused & self.assigned))
+        metrics.ASSIGNED_PARTITIONS.labels(*self._label).set(len(self.assigned))
 
 
 def headers_origin(p: Pending, topic: str) -> bytes:

@@ -179,23 +179,33 @@ def dispatch_env(stack, namespace, mock_provider) -> dict:
 
 
 @pytest.fixture
-def channel_topics(stack, namespace, create_topics):
-    """Create the lane, retry, DLQ and outcome topics of one channel in this test's namespace."""
-    from streams.topic_spec import load_definitions
+def channel_topics(stack, namespace):
+    """Create one channel's lane and retry topics plus notif.dlq, notif.outcomes and notif.lag, as
+    defined in topics/ (configs included), in this test's namespace; deleted afterwards."""
+    from dataclasses import replace
+
+    from streams.topic_admin import TopicAdmin
+    from streams.topic_spec import load_definitions, plan
+
+    admin = TopicAdmin(stack.bootstrap)
+    created: list[str] = []
 
     def _create(channel: str, lane_partitions: int | None = None) -> None:
-        specs = load_definitions(REPO / "topics", namespace)
-        wanted = {}
-        for name, spec in specs.items():
+        specs = {}
+        for name, spec in load_definitions(REPO / "topics", namespace).items():
             bare = name[len(namespace):]
-            if bare.startswith(f"notif.{channel}.") or bare in ("notif.dlq", "notif.outcomes"):
-                parts = spec.partitions
-                if lane_partitions and bare.startswith(f"notif.{channel}."):
-                    parts = lane_partitions
-                wanted[name] = parts
-        create_topics(wanted)
+            if bare.startswith(f"notif.{channel}."):
+                specs[name] = replace(spec, partitions=lane_partitions or spec.partitions)
+            elif bare in ("notif.dlq", "notif.outcomes", "notif.lag"):
+                specs[name] = spec
+        admin.apply(plan(specs, admin.state(list(specs))), specs)
+        created.extend(specs)
 
-    return _create
+    yield _create
+    try:
+        admin.delete(created)
+    except Exception:  # noqa: BLE001 - best effort clean-up
+        pass
 
 
 @pytest.fixture
@@ -206,48 +216,59 @@ def limits(redis_client, namespace):
 
 
 class Processes:
-    """Project processes started by a test, stopped (SIGTERM, then SIGKILL) when it ends."""
+    """Project processes started by a test, stopped (SIGTERM, then SIGKILL) when it ends. Output
+    goes to log files (an unread pipe would block a chatty process), shown when a test fails."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, log_dir: Path):
         self.env = env
-        self.procs: list[subprocess.Popen] = []
+        self.log_dir = log_dir
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", *args], env=self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.procs.append(proc)
+    def start(self, *args: str, env: dict | None = None, ready: str | None = None) -> subprocess.Popen:
+        log = self.log_dir / f"{len(self.procs):02d}-{args[0]}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "streams.cli", *args], env={**self.env, **(env or {})},
+                                    stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append((proc, log))
+        if ready:
+            wait_until(lambda: ready in log.read_text() or proc.poll() is not None, 60, f"{args[0]} to start")
+            assert proc.poll() is None, f"{args[0]} exited:\n{log.read_text()[-3000:]}"
         return proc
 
     def worker(self, channel: str, lane: str, *extra: str) -> subprocess.Popen:
-        proc = self.start("worker", "--channel", channel, "--lane", lane, *extra)
-        line = proc.stdout.readline()  # "worker ... consuming ..." once it is set up
-        assert "consuming" in line, line + proc.stdout.read()
-        return proc
+        return self.start("worker", "--channel", channel, "--lane", lane, *extra, ready="consuming")
 
     def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "retrier", "--channel", channel,
-                                 "--lane", lane, "--tier", tier], env={**self.env, **(env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.procs.append(proc)
-        line = proc.stdout.readline()
-        assert "retrier consuming" in line, line + proc.stdout.read()
-        return proc
+        return self.start("retrier", "--channel", channel, "--lane", lane, "--tier", tier, env=env,
+                          ready="retrier consuming")
 
     def stop_all(self) -> None:
-        for p in self.procs:
+        for p, _ in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs:
+        for p, _ in self.procs:
             try:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
 
+    def logs(self) -> str:
+        return "\n".join(f"--- {log.name} (exit {p.poll()})\n{log.read_text()[-2000:]}" for p, log in self.procs)
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    procs = getattr(item, "funcargs", {}).get("processes")
+    if report.when == "call" and report.failed and procs is not None:
+        report.sections.append(("project process logs", procs.logs()))
+
 
 @pytest.fixture
-def processes(dispatch_env):
-    procs = Processes(dispatch_env)
+def processes(dispatch_env, tmp_path):
+    procs = Processes(dict(dispatch_env), tmp_path)
     yield procs
     procs.stop_all()
 
@@ -315,3 +336,15 @@ def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -
         c.close()
     assert len(out) >= expect, f"read {len(out)} of {expect} expected messages from {topic}"
     return out
+
+
+def metric(port: int, name: str, **labels) -> float | None:
+    """One sample from a process's /metrics (None when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None

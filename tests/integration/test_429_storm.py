@@ -6,7 +6,7 @@ import threading
 import time
 
 from streams.dlq import read_all
-from tests.conftest import committed_lag, email_request, wait_until
+from tests.conftest import committed_lag, email_request, sms_request, wait_until
 
 STORM_S = 20
 BLAST = 2_000
@@ -57,3 +57,22 @@ def test_twenty_second_429_storm_loses_nothing_and_duplicates_nothing(
     # edges), not one per message of a 2,000-message blast.
     assert stats["throttled"] <= WORKERS * CONCURRENCY * 2, stats["throttled"]
     assert stats["marketing_single_requests"] == 0
+
+
+def test_short_429s_are_waited_out_in_the_worker(stack, names, channel_topics, limits, processes, send_client,
+                                                 mock_provider):
+    # Given an operator set the global bucket above the provider's real limit (5 req/s)
+    channel_topics("sms")
+    mock_provider.reset(rate=5)
+    limits.set_provider("sms", 50, 50)
+    limits.set_tenant("sms", "*", 1000, 1000)
+    processes.worker("sms", "transactional")  # and no retrier runs: nothing may rely on a tier
+    ids = send_client.publish_batch("shop", [{**sms_request()}] * 60)
+
+    # Then the 429s (Retry-After: 1) are waited out behind the shared cool-down: all delivered once
+    wait_until(lambda: committed_lag(stack.bootstrap, names.group("sms", "transactional"),
+                                     names.lane("sms", "transactional")) == 0, 60, "every send to be delivered")
+    stats = mock_provider.stats(deliveries=True)
+    assert stats["throttled"] > 0
+    assert set(ids) <= set(stats["deliveries"]) and stats["duplicate_deliveries"] == 0
+    assert read_all(stack.bootstrap, names.retry("sms", "transactional", "10s"), timeout_s=2) == []

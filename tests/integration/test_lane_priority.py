@@ -1,0 +1,108 @@
+"""Transactional always wins: marketing workers yield while the transactional lag is above the
+threshold (keeping partitions paused across rebalances) and resume after it recovers."""
+
+import signal
+
+import orjson
+
+from tests.conftest import (committed_lag, email_request, free_port, metric, read_topic, wait_until)
+
+BLAST = 4_000
+BACKLOG = 300
+YIELD_ENV = {"YIELD_PAUSE_ABOVE": "50", "YIELD_RESUME_BELOW": "5", "YIELD_MIN_DWELL_S": "1",
+             "YIELD_STALE_AFTER_S": "3"}
+
+
+def _setup(channel_topics, limits, mock_provider, processes):
+    channel_topics("email")
+    mock_provider.reset(rate=20, latency_ms=50)
+    limits.set_provider("resend", 20, 20)
+    limits.set_tenant("resend", "*", 100_000, 20)  # batches of 20: a blast takes ~200 requests
+    processes.env.update(YIELD_ENV)
+
+
+def _marketing_times(mock_provider, ids) -> list[float]:
+    deliveries = mock_provider.stats(deliveries=True)["deliveries"]
+    return sorted(t for i in ids for t in deliveries.get(i, []))
+
+
+def _first_crossing_ms(stack, names) -> int:
+    for m in read_topic(stack.bootstrap, names.lag, expect=1):
+        doc = orjson.loads(m.value())
+        if m.key() == b"email.transactional" and doc["lag_messages"] >= 50:
+            return doc["ts"]
+    raise AssertionError("no lag reading above the threshold was published")
+
+
+def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
+        stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    _setup(channel_topics, limits, mock_provider, processes)
+    processes.start("lag-monitor", "--interval", "0.25")
+    p1, p2 = free_port(), free_port()
+    processes.worker("email", "marketing", "--metrics-port", str(p1))
+    blast = []
+    for _ in range(BLAST // 1000):
+        blast += send_client.publish_batch("blaster", [email_request("marketing")] * 1000)
+    wait_until(lambda: len(_marketing_times(mock_provider, blast)) >= 400, 60, "the blast to be under way")
+
+    # When a transactional backlog builds up (no transactional worker yet)
+    otps = send_client.publish_batch("shop", [email_request("transactional")] * BACKLOG)
+    wait_until(lambda: metric(p1, "dispatch_lane_paused", lane="marketing", reason="yield") == 1, 10,
+               "the marketing worker to yield")
+    crossed_s = _first_crossing_ms(stack, names) / 1000
+
+    # And a second marketing worker joins, then leaves, while the lane is paused
+    second = processes.worker("email", "marketing", "--metrics-port", str(p2))
+    wait_until(lambda: (metric(p2, "dispatch_worker_assigned_partitions") or 0) > 0, 30, "worker 2's assignment")
+    for port in (p1, p2):
+        wait_until(lambda port=port: metric(port, "dispatch_worker_paused_partitions")
+                   == metric(port, "dispatch_worker_assigned_partitions"), 10, "every partition to be paused")
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(30) == 0
+    wait_until(lambda: metric(p1, "dispatch_worker_assigned_partitions") == 6, 30, "worker 1 to take all back")
+    assert metric(p1, "dispatch_worker_paused_partitions") == 6
+
+    # Then marketing deliveries stopped within 2 s of the crossing and none happened while paused
+    during = _marketing_times(mock_provider, blast)
+    assert during and during[-1] <= crossed_s + 2.0, f"last marketing delivery {during[-1] - crossed_s:.2f} s after"
+    assert len(during) < BLAST
+
+    # When the transactional lane recovers, marketing resumes and finishes
+    processes.worker("email", "transactional")
+    wait_until(lambda: metric(p1, "dispatch_lane_paused", lane="marketing", reason="yield") == 0, 30,
+               "marketing to resume")
+    wait_until(lambda: len(_marketing_times(mock_provider, blast)) >= BLAST, 120, "the whole blast")
+    stats = mock_provider.stats(deliveries=True)
+    assert all(i in stats["deliveries"] for i in otps)
+    # The batch in flight at the pause completed: nothing lost, nothing sent twice
+    assert stats["distinct_sends"] == BLAST + BACKLOG and stats["duplicate_deliveries"] == 0
+
+
+def test_stale_lag_monitor_makes_workers_read_lag_directly(stack, names, channel_topics, limits, processes,
+                                                           send_client, mock_provider):
+    _setup(channel_topics, limits, mock_provider, processes)
+    monitor = processes.start("lag-monitor", "--interval", "0.25")
+    port = free_port()
+    processes.worker("email", "marketing", "--metrics-port", str(port))
+    wait_until(lambda: metric(port, "dispatch_lag_reading_stale", channel="email") == 0, 20,
+               "a fresh reading from the monitor")
+
+    # When the monitor dies, the reading goes stale, and that is visible
+    monitor.send_signal(signal.SIGKILL)
+    monitor.wait(10)
+    wait_until(lambda: metric(port, "dispatch_lag_reading_stale", channel="email") == 1, 20,
+               "the stale reading to show in metrics")
+
+    # Then marketing still runs (not starved) ...
+    blast = send_client.publish_batch("blaster", [email_request("marketing")] * 1000)
+    wait_until(lambda: len(_marketing_times(mock_provider, blast)) >= 100, 30, "marketing to run while stale")
+    # ... and still yields (not blind): the worker measures the transactional lag itself
+    send_client.publish_batch("shop", [email_request("transactional")] * BACKLOG)
+    wait_until(lambda: metric(port, "dispatch_lane_paused", lane="marketing", reason="yield") == 1, 10,
+               "the worker to yield on its own reading")
+    processes.worker("email", "transactional")
+    wait_until(lambda: metric(port, "dispatch_lane_paused", lane="marketing", reason="yield") == 0, 30,
+               "marketing to resume on its own reading")
+    wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "marketing"),
+                                     names.lane("email", "marketing")) == 0, 120, "the blast to finish")
+    assert mock_provider.stats()["duplicate_deliveries"] == 0

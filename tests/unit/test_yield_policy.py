@@ -1,0 +1,49 @@
+"""When marketing yields: at once above the threshold, back only below it after a dwell."""
+
+import pytest
+
+from streams.yield_policy import Governor, LagReading, YieldPolicy
+
+P = YieldPolicy(pause_above=100, resume_below=20, min_dwell_s=2.0, stale_after_s=3.0)
+
+
+def at(g: Governor, lag: int, ms: int) -> bool:
+    g.observe(LagReading(lag, 0.0, ms))
+    return g.decide(ms)
+
+
+def test_pauses_at_once_and_resumes_after_hysteresis_and_dwell():
+    g = Governor(P)
+    assert at(g, 99, 0) is False
+    assert at(g, 100, 100) is True           # transactional wins immediately
+    assert at(g, 50, 200) is True            # between the thresholds: stay paused
+    assert at(g, 10, 1_000) is True          # low enough, but the dwell has not passed
+    assert at(g, 10, 2_100) is False         # low enough and dwelt 2 s
+    assert at(g, 50, 2_200) is False         # between the thresholds: stay running
+
+
+def test_seconds_threshold_also_pauses():
+    g = Governor(YieldPolicy(pause_above=100, resume_below=20, pause_above_seconds=5.0))
+    g.observe(LagReading(3, 6.0, 0))
+    assert g.decide(0) is True
+
+
+def test_stale_reading_is_not_trusted_and_keeps_the_state():
+    g = Governor(P)
+    assert g.stale(0)                         # no reading at all
+    at(g, 500, 0)
+    assert g.stale(3_001) and g.decide(3_001) is True  # a stale "high" does not flip to running
+    g.observe(LagReading(0, 0.0, 3_500))     # a fresh direct reading does
+    assert g.decide(3_500) is False
+
+
+def test_an_older_reading_never_replaces_a_newer_one():
+    g = Governor(P)
+    g.observe(LagReading(500, 0.0, 2_000))
+    g.observe(LagReading(0, 0.0, 1_000))
+    assert g.reading.lag_messages == 500
+
+
+def test_thresholds_must_leave_a_gap():
+    with pytest.raises(ValueError, match="must be below"):
+        YieldPolicy(pause_above=10, resume_below=10)
