@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from . import metrics
 from .client import PublishError, SendClient
 from .errors import ConfigError
 from .gate import LimitStore
@@ -128,6 +129,7 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
             else:
                 errors.append({"loc": list(e["loc"]), "msg": e["msg"]})
         status = 400 if any(e["msg"].startswith("JSON decode error") for e in errors) else 422
+        metrics.INGEST_REJECTED.labels(str(status)).inc()
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
 
     def principal(request: Request) -> Principal:
@@ -154,6 +156,7 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         body = exc.detail if isinstance(exc.detail, dict) else {"error": str(exc.detail)}
+        metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code)
 
     def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list:
@@ -169,6 +172,8 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
             client.publish_sends(sends)
         except PublishError as exc:
             raise HTTPException(503, {"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}) from None
+        for s in sends:
+            metrics.INGESTED.labels(s.channel, s.lane).inc()
         return sends
 
     @app.post("/v1/sends", status_code=202, response_model=Accepted)
@@ -208,5 +213,8 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
             raise HTTPException(422, {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": str(exc)}]}) from None
         return {"provider": provider, "limits": limits.show(provider)}
 
+    from prometheus_client import make_asgi_app
+
+    app.mount("/metrics", make_asgi_app())
     return BodyLimit(app, max_body)  # type: ignore[return-value]
 

@@ -161,8 +161,11 @@ def cmd_outcome_recorder(args: argparse.Namespace) -> int:
     from .runtime import Runtime
     from .status_store import StatusStore, run_recorder
 
+    from . import metrics
+
     _logging()
     rt = Runtime.from_env()
+    metrics.serve(args.metrics_port)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     run_recorder(rt.bootstrap, StatusStore(rt.redis(), rt.namespace), rt.names.outcomes,
@@ -286,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=cmd_api)
 
     rec = sub.add_parser("outcome-recorder", help="keep the send status store current from notif.outcomes")
+    rec.add_argument("--metrics-port", type=int, default=0)
     rec.set_defaults(func=cmd_outcome_recorder)
 
     limits = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")

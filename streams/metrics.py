@@ -43,6 +43,10 @@ PAUSED_PARTITIONS = Gauge("dispatch_worker_paused_partitions", "Assigned partiti
                           ["channel", "lane"])
 ASSIGNED_PARTITIONS = Gauge("dispatch_worker_assigned_partitions", "Partitions assigned to a worker",
                             ["channel", "lane"])
+INGESTED = Counter("dispatch_ingest_sends_total", "Sends accepted by the ingest API", ["channel", "lane"])
+INGEST_REJECTED = Counter("dispatch_ingest_rejected_total", "Ingest requests refused, by HTTP status", ["status"])
+OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events applied to the status store",
+                            ["status"])
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
 
 

@@ -8,6 +8,8 @@ import time
 import orjson
 import redis
 
+from . import metrics
+
 STATUS_TTL_S = 30 * 24 * 3600  # as long as notif.outcomes keeps outcomes
 
 
@@ -71,7 +73,9 @@ def run_recorder(bootstrap: str, store: StatusStore, topic: str, group: str, unt
                 if msg.error():
                     continue
                 try:
-                    store.record_outcome(orjson.loads(msg.value()))
+                    event = orjson.loads(msg.value())
+                    store.record_outcome(event)
+                    metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
                 except (orjson.JSONDecodeError, KeyError, TypeError):
                     pass  # not an outcome event; nothing to record
                 consumer.store_offsets(message=msg)

@@ -114,3 +114,11 @@ def test_status_follows_the_outcome(api, processes, limits, mock_provider):
 
     done = wait_until(delivered, 30, "the send's status to become delivered")
     assert done["attempts"] == 1 and done["provider"] == "resend" and done["provider_message_id"]
+
+
+def test_api_serves_metrics(api):
+    api.post("/v1/sends", json=email_request(), headers=api.tenant_a)
+    api.post("/v1/sends", json=email_request())  # 401
+    text = api.get("/metrics/").text
+    assert 'dispatch_ingest_sends_total{channel="email",lane="transactional"} 1.0' in text
+    assert 'dispatch_ingest_rejected_total{status="401"}' in text

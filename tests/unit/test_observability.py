@@ -1,0 +1,77 @@
+"""Alert rules and the dashboard: valid PromQL, only metric names the code exports, rules that fire
+and stay silent as their promtool unit tests say."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+from prometheus_client import Counter, Gauge, Histogram
+
+from streams import metrics
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+PROMQL_WORDS = {"sum", "max", "min", "avg", "by", "without", "rate", "increase", "deriv", "histogram_quantile",
+                "time", "absent", "and", "or", "unless", "le", "count", "irate"}
+
+
+def exported_names() -> set[str]:
+    names = set()
+    for value in vars(metrics).values():
+        if isinstance(value, Counter):
+            names |= {f"{value._name}_total", f"{value._name}_created"}
+        elif isinstance(value, Histogram):
+            names |= {f"{value._name}_{s}" for s in ("bucket", "sum", "count", "created")}
+        elif isinstance(value, Gauge):
+            names.add(value._name)
+    return names
+
+
+def metric_names(expr: str) -> set[str]:
+    without_labels = re.sub(r"\{[^}]*\}", "", expr)
+    without_strings = re.sub(r'"[^"]*"', "", without_labels)
+    tokens = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_strings))
+    return {t for t in tokens if t not in PROMQL_WORDS and not re.fullmatch(r"\d+[smhd]?", t)
+            and t.startswith("dispatch_")}
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana/dashboards/dispatch.json").read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+
+
+def alert_exprs() -> list[str]:
+    rules = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+def test_alert_rules_pass_their_promtool_unit_tests():
+    out = subprocess.run(["promtool", "test", "rules", "alerts_test.yml"], cwd=DEPLOY / "prometheus",
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_dashboard_expression_is_valid_promql(tmp_path):
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:panel_{i}", "expr": e} for i, e in enumerate(dashboard_exprs())]}]}
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics():
+    exported = exported_names()
+    used = set().union(*(metric_names(e) for e in dashboard_exprs() + alert_exprs()))
+    assert used, "no metric names found: the parser is broken"
+    assert used <= exported, f"not exported by streams/metrics.py: {sorted(used - exported)}"
+
+
+def test_dashboard_shows_what_operators_watch():
+    used = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    for required in ("dispatch_lane_lag_messages", "dispatch_lane_paused", "dispatch_sends_total",
+                     "dispatch_end_to_end_seconds_bucket", "dispatch_provider_429_total",
+                     "dispatch_dead_letters_total"):
+        assert required in used
