@@ -69,7 +69,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
-    return demo_main()
+    return demo_main(args.duration)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -78,7 +78,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from .worker import install_signal_handlers
 
     _logging()
-    worker = Runtime.from_env().worker(args.channel, args.lane, concurrency=args.concurrency)
+    worker = Runtime.from_env().worker(args.channel, args.lane, concurrency=args.concurrency, fifo=args.fifo)
     install_signal_handlers(worker)
     metrics.serve(args.metrics_port)
     print(f"worker {worker.cfg.worker_id} consuming {worker.topic} as {worker.group}", flush=True)
@@ -149,7 +149,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     _logging()
     rt = Runtime.from_env()
     r = rt.redis()
-    app = create_app(SendClient(rt.bootstrap, rt.names), StatusStore(r, rt.namespace),
+    single_lane = os.environ.get("DUAL_RAIL_BASELINE_SINGLE_LANE") == "1"  # benchmark baseline only
+    app = create_app(SendClient(rt.bootstrap, rt.names, single_lane=single_lane), StatusStore(r, rt.namespace),
                      ApiKeys(r, rt.namespace), LimitStore(r, rt.namespace), frozenset(rt.policies()))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
@@ -228,6 +229,53 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import orjson
+
+    def progress(msg: str) -> None:
+        if not args.json or args.verbose:
+            print(f"  {msg}", file=sys.stderr, flush=True)
+
+    if args.which == "blast-vs-otp":
+        from .bench_blast import run
+
+        result = run(duration_s=args.duration, provider_rps=args.provider_rps, otp_rps=args.otp_rps,
+                     storm_s=args.provider_429_seconds, latency_ms=args.latency_ms, progress=progress,
+                     baseline=not args.no_baseline)
+    else:
+        from .bench_throughput import run
+
+        result = run(n=args.messages, naive_n=args.naive_messages, progress=progress)
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from .fleet import Fleet, start_dispatch
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    namespace = f"fleet{int(time.time())}{'b' if args.baseline else ''}."
+    with Fleet(namespace, Path(tempfile.mkdtemp(prefix="dual-rail-fleet-"))) as fleet:
+        info = start_dispatch(fleet, args.provider_rps, args.latency_ms, baseline=args.baseline)
+        lines = "".join(f"{k}={v}\n" for k, v in info.items())
+        if args.env_file:
+            Path(args.env_file).write_text(lines)
+        print(lines + f"# {'baseline: single FIFO lane' if args.baseline else 'dual lane'}; logs in "
+              f"{fleet.log_dir}; Ctrl-C stops everything", flush=True)
+        try:
+            while not stop:
+                time.sleep(0.5)  # this process only waits for Ctrl-C / SIGTERM
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def _logging() -> None:
     import logging
 
@@ -258,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--lane", required=True, choices=["transactional", "marketing"])
     worker.add_argument("--concurrency", type=int, default=8, help="provider requests in flight")
     worker.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    worker.add_argument("--fifo", action="store_true",
+                        help="benchmark baseline only: one FIFO queue for all tenants (the naive design)")
     worker.set_defaults(func=cmd_worker)
 
     retrier = sub.add_parser("retrier", help="re-publish a retry tier's messages to their lane when due")
@@ -318,7 +368,31 @@ def build_parser() -> argparse.ArgumentParser:
     dlq.add_argument("--limit", type=int, default=50)
     dlq.set_defaults(func=cmd_dlq)
 
-    demo = sub.add_parser("demo", help="a short demonstration against the local stack")
+    bench = sub.add_parser("bench", help="benchmarks against the local stack (print JSON)")
+    bench.add_argument("which", choices=["blast-vs-otp", "throughput"])
+    bench.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    bench.add_argument("--verbose", action="store_true", help="progress on stderr even with --json")
+    bench.add_argument("--duration", type=float, default=30.0, help="blast window, seconds")
+    bench.add_argument("--provider-rps", type=int, default=20, help="the mock provider's team limit")
+    bench.add_argument("--otp-rps", type=float, default=None, help="OTPs per second (<= 25%% of the limit)")
+    bench.add_argument("--latency-ms", type=float, default=50.0, help="mock provider latency")
+    bench.add_argument("--provider-429-seconds", type=float, default=0.0,
+                       help="the provider answers 429 to everything this long, mid-blast")
+    bench.add_argument("--no-baseline", action="store_true", help="skip the single-lane baseline")
+    bench.add_argument("--messages", type=int, default=20_000, help="throughput: messages for worker and ceiling")
+    bench.add_argument("--naive-messages", type=int, default=2_000, help="throughput: messages for the naive loop")
+    bench.set_defaults(func=cmd_bench)
+
+    fleet = sub.add_parser("fleet", help="run the whole dispatch stack (email) until Ctrl-C, e.g. for k6")
+    fleet.add_argument("action", choices=["up"])
+    fleet.add_argument("--baseline", action="store_true", help="the naive design: one FIFO lane, no yielding")
+    fleet.add_argument("--provider-rps", type=int, default=20)
+    fleet.add_argument("--latency-ms", type=float, default=50.0)
+    fleet.add_argument("--env-file", help="write API_URL, BLAST_KEY, OTP_KEY, MOCK_URL here when ready")
+    fleet.set_defaults(func=cmd_fleet)
+
+    demo = sub.add_parser("demo", help="a short blast-vs-otp demonstration against the local stack")
+    demo.add_argument("--duration", type=float, default=12.0, help="blast window, seconds")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -23,8 +23,11 @@ class PublishError(DispatchError):
 
 class SendClient:
     def __init__(self, bootstrap: str, names: TopicNames = TopicNames(),
-                 known_policies: frozenset[str] | None = None, timeout_s: float = 30.0):
+                 known_policies: frozenset[str] | None = None, timeout_s: float = 30.0,
+                 single_lane: bool = False):
         self.names = names
+        # Benchmark baseline only (the naive design): every send in one shared lane topic.
+        self.single_lane = single_lane
         self.known_policies = known_policies
         self.timeout_s = timeout_s
         self.producer = Producer(client_config(bootstrap, **{
@@ -53,7 +56,7 @@ class SendClient:
                 failed.append(f"{msg.key().decode()}: {err.str()}")
 
         for send in sends:
-            topic = self.names.lane(send.channel, send.lane)
+            topic = self.names.lane(send.channel, "marketing" if self.single_lane else send.lane)
             while True:
                 try:
                     self.producer.produce(topic, key=send.tenant_id.encode(), value=encode(send),

@@ -47,6 +47,7 @@ class ProcessedJobs:
         self.lease_ms = int(lease_s * 1000)
         self._claim = client.register_script(resources.files("streams").joinpath("claim.lua").read_text())
         self._release = client.register_script(resources.files("streams").joinpath("release.lua").read_text())
+        self._mark = client.register_script(resources.files("streams").joinpath("mark_delivered.lua").read_text())
 
     def _send_key(self, send_id: str) -> str:
         return f"{self.ns}dr:processed:{send_id}"
@@ -89,11 +90,9 @@ class ProcessedJobs:
         return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids)
 
     def mark_delivered(self, send_ids: list[str] | tuple[str, ...], key: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for s in send_ids:
-            pipe.set(self._send_key(s), "delivered", ex=DELIVERED_TTL_S)
-        pipe.delete(self._lease(key), self._record(key))
-        pipe.execute()
+        """Every send of the request `delivered`, and its lease and record gone, in one call."""
+        self._mark(keys=[self._lease(key), self._record(key)] + [self._send_key(s) for s in send_ids],
+                   args=[DELIVERED_TTL_S])
 
     def release(self, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """The provider did not accept the request: the sends are free again."""

@@ -84,7 +84,8 @@ class Runtime:
         except ValueError as exc:
             raise ConfigError(f"invalid YIELD_* setting: {exc}") from None
 
-    def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None):
+    def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
+               fifo: bool = False):
         from .gate import RedisGate
         from .idempotency import ProcessedJobs
         from .worker import LaneWorker, WorkerConfig
@@ -94,7 +95,7 @@ class Runtime:
         timeout = float(self.environ.get("PROVIDER_TIMEOUT_S", "10"))
         cfg = WorkerConfig(channel, lane, self.bootstrap, self.names, concurrency=concurrency,
                            lease_s=max(3 * timeout, 5.0),
-                           yield_policy=self.yield_policy() if lane == "marketing" else None)
+                           yield_policy=self.yield_policy() if lane == "marketing" else None, fifo=fifo)
         client = self.redis()
         return LaneWorker(cfg, self.provider(channel), RedisGate(client, self.namespace),
                           ProcessedJobs(client, self.namespace, lease_s=cfg.lease_s),

@@ -19,7 +19,8 @@ import signal
 import socket
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import orjson
@@ -53,6 +54,7 @@ class WorkerConfig:
     max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
     lease_s: float = 30.0           # must exceed the provider timeout
     yield_policy: YieldPolicy | None = None  # marketing lanes yield to the transactional lane
+    fifo: bool = False  # benchmark baseline only: one queue for every tenant (the naive design)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
@@ -177,9 +179,12 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
-        timeout = 0.02 if self.in_flight or self._ready_tenants() else 0.2
-        for msg in self.consumer.consume(num_messages=500, timeout=timeout):
+        msgs = self.consumer.consume(num_messages=500, timeout=self._idle_timeout())
+        for msg in msgs:
             self._intake(msg)
+        if self.in_flight and not msgs:
+            # Wake as soon as a provider request completes rather than on the next poll.
+            wait_futures(list(self.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
         self._collect()
         self._follow_lag()
         self._dispatch()
@@ -187,6 +192,18 @@ class LaneWorker:
         self._store_offsets()
         self._backpressure()
         self._apply_pauses()
+
+    def _idle_timeout(self) -> float:
+        """How long consume() may block: not at all while requests are in flight or a tenant is
+        ready, otherwise until the next tenant (or the provider) becomes ready, at most 0.2 s."""
+        if self.in_flight:
+            return 0.0
+        now = time.monotonic()
+        waits = [q.ready_at for q in self.tenants.values() if q.items]
+        if not waits:
+            return 0.2
+        next_ready = max(min(waits), self.global_ready_at)
+        return min(0.2, max(0.0, next_ready - now))
 
     def shutdown(self) -> None:
         self._drain()
@@ -269,7 +286,8 @@ class LaneWorker:
             return
         attempt = int(headers.get("attempt", b"1"))
         pending = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, send, attempt)
-        self.tenants.setdefault(send.tenant_id, TenantQueue()).items.append(pending)
+        queue_key = "*" if self.cfg.fifo else send.tenant_id
+        self.tenants.setdefault(queue_key, TenantQueue()).items.append(pending)
         self.buffered += 1
 
     # ------------------------------------------------------------------ dispatch
@@ -309,7 +327,11 @@ class LaneWorker:
                 self.tenants[tenant].ready_at = time.monotonic() + 5.0
 
     def _take(self, q: TenantQueue, n: int) -> list[Pending]:
-        taken = [q.items.popleft() for _ in range(min(n, len(q.items)))]
+        """Up to n messages from the head of a queue, all of one tenant (one API key per request)."""
+        tenant = q.items[0].send.tenant_id
+        taken = []
+        while q.items and len(taken) < n and q.items[0].send.tenant_id == tenant:
+            taken.append(q.items.popleft())
         self.buffered -= len(taken)
         return taken
 
@@ -317,7 +339,8 @@ class LaneWorker:
         q.items.extendleft(reversed(items))
         self.buffered += len(items)
 
-    def _dispatch_tenant(self, tenant: str, q: TenantQueue) -> None:
+    def _dispatch_tenant(self, queue_key: str, q: TenantQueue) -> None:
+        tenant = q.items[0].send.tenant_id  # the queue key, except in the FIFO baseline
         items = self._take(q, self._batch_cap(tenant))
         # Deduplicate within the request itself (a duplicate job in the same poll).
         unique: dict[str, Pending] = {}

@@ -1,0 +1,158 @@
+"""A set of the project's processes started together, for benchmarks and the demo.
+
+Every process gets the same environment (one topic namespace, one mock provider) and logs to its
+own file; `stop()` ends them all (SIGTERM, then SIGKILL), also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .errors import StackError
+from .runtime import Runtime
+from .topic_admin import TopicAdmin
+from .topic_spec import load_definitions, plan
+
+REPO_TOPICS = Path(__file__).resolve().parent.parent / "topics"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    def __init__(self, namespace: str, log_dir: Path, base_env: dict | None = None):
+        self.namespace = namespace
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace, "LOG_LEVEL": "WARNING"}
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.mock_url = ""
+
+    @property
+    def runtime(self) -> Runtime:
+        """Built from the current environment (start_mock adds the provider settings)."""
+        return Runtime.from_env(self.env)
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def create_topics(self, channels=("email",)) -> None:
+        admin = TopicAdmin(self.runtime.bootstrap)
+        specs = {n: s for n, s in load_definitions(REPO_TOPICS, self.namespace).items()
+                 if any(f"notif.{c}." in n for c in channels) or n.endswith(("notif.dlq", "notif.outcomes", "notif.lag"))}
+        admin.apply(plan(specs, admin.state(list(specs))), specs)
+
+    def start(self, name: str, *args: str, ready: str | None = None, env: dict | None = None) -> subprocess.Popen:
+        log = self.log_dir / f"{len(self.procs):02d}-{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "streams.cli", *args], env={**self.env, **(env or {})},
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc, log))
+        if ready:
+            deadline = time.monotonic() + 60
+            while ready not in log.read_text(errors="replace"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise StackError(f"{name} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+                time.sleep(0.05)
+        return proc
+
+    def start_mock(self, rate: float, latency_ms: float) -> str:
+        port = free_port()
+        self.start("mock-provider", "mock-provider", "--port", str(port), "--rate", str(rate),
+                   "--latency-ms", str(latency_ms), ready="mock provider on")
+        self.mock_url = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=self.mock_url, timeout=10)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.get("/_mock/stats").raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise StackError("the mock provider did not answer") from None
+                time.sleep(0.05)
+        keys = '{"*": "re_bench_default"}'
+        self.env.update({"RESEND_BASE_URL": self.mock_url, "SMS_BASE_URL": self.mock_url,
+                         "RESEND_API_KEYS": keys, "SMS_API_KEYS": keys})
+        return self.mock_url
+
+    def stop(self) -> None:
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p, _ in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+    def stop_one(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False) -> dict:
+    """The whole dispatch stack for one channel (email): mock provider, limits, ingest API, outcome
+    recorder, lag monitor, workers and retriers. `baseline` runs the naive design instead: one
+    shared FIFO lane, no yielding. Returns the addresses and API keys a load generator needs."""
+    from .api import ApiKeys
+    from .gate import LimitStore
+
+    fleet.create_topics()
+    fleet.start_mock(provider_rps, latency_ms)
+    r = fleet.runtime.redis()
+    limits = LimitStore(r, fleet.namespace)
+    limits.set_provider("resend", provider_rps, max(2, provider_rps // 2),
+                        reserve=0 if baseline else max(1, provider_rps // 10))
+    limits.set_tenant("resend", "*", 1_000_000, 100)
+    keys = ApiKeys(r, fleet.namespace)
+    info = {"MOCK_URL": fleet.mock_url, "BLAST_KEY": keys.create("tenant", "blaster"),
+            "OTP_KEY": keys.create("tenant", "shop")}
+    api_port = free_port()
+    api_env = {"DUAL_RAIL_BASELINE_SINGLE_LANE": "1"} if baseline else {}
+    fleet.start("api", "api", "--port", str(api_port), env=api_env)
+    fleet.start("outcome-recorder", "outcome-recorder")
+    if baseline:
+        fleet.start("worker-fifo", "worker", "--channel", "email", "--lane", "marketing", "--fifo",
+                    ready="consuming", env={"YIELD_DISABLED": "1"})
+    else:
+        fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
+        fleet.start("worker-tx", "worker", "--channel", "email", "--lane", "transactional", ready="consuming")
+        fleet.start("worker-mkt", "worker", "--channel", "email", "--lane", "marketing", ready="consuming")
+        for lane, tier in (("transactional", "10s"), ("transactional", "1m"), ("marketing", "1m")):
+            fleet.start(f"retrier-{lane}-{tier}", "retrier", "--channel", "email", "--lane", lane,
+                        "--tier", tier, ready="retrier consuming")
+    api = f"http://127.0.0.1:{api_port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{api}/openapi.json", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise StackError("the ingest API did not answer")
+        time.sleep(0.1)
+    info["API_URL"] = api
+    return info
