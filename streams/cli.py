@@ -72,58 +72,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.duration)
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    from . import metrics
-    from .runtime import Runtime
-    from .worker import install_signal_handlers
-
-    _logging()
-    worker = Runtime.from_env().worker(args.channel, args.lane, concurrency=args.concurrency, fifo=args.fifo)
-    install_signal_handlers(worker)
-    metrics.serve(args.metrics_port)
-    print(f"worker {worker.cfg.worker_id} consuming {worker.topic} as {worker.group}", flush=True)
-    worker.run()
-    return 0
-
-
-def cmd_retrier(args: argparse.Namespace) -> int:
+def _run_role(role, metrics_port: int, banner: str) -> int:
+    """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served; banner printed
+    once it is set up (supervisors and tests wait for it)."""
     import signal
 
     from . import metrics
+
+    signal.signal(signal.SIGTERM, role.stop)
+    signal.signal(signal.SIGINT, role.stop)
+    metrics.serve(metrics_port)
+    print(banner, flush=True)
+    role.run()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from .runtime import Runtime
+
+    _logging()
+    worker = Runtime.from_env().worker(args.channel, args.lane, concurrency=args.concurrency, fifo=args.fifo)
+    return _run_role(worker, args.metrics_port,
+                     f"worker {worker.cfg.worker_id} consuming {worker.topic} as {worker.group}")
+
+
+def cmd_retrier(args: argparse.Namespace) -> int:
     from .retrier import Retrier, RetrierConfig
     from .runtime import Runtime
 
     _logging()
     rt = Runtime.from_env()
-    tiers = list(RETRY_TIERS) if args.tier == "all" else [args.tier]
-    if len(tiers) > 1:
-        raise ConfigError("run one retrier process per tier (use --tier); `all` is not supported")
-    retrier = Retrier(RetrierConfig(args.channel, args.lane, tiers[0], rt.bootstrap, rt.names,
+    retrier = Retrier(RetrierConfig(args.channel, args.lane, args.tier, rt.bootstrap, rt.names,
                                     commit_interval_ms=int(os.environ.get("DUAL_RAIL_COMMIT_INTERVAL_MS", "1000"))))
-    signal.signal(signal.SIGTERM, retrier.stop)
-    signal.signal(signal.SIGINT, retrier.stop)
-    metrics.serve(args.metrics_port)
-    print(f"retrier consuming {retrier.cfg.topic} as {retrier.cfg.group} -> {retrier.lane_topic}", flush=True)
-    retrier.run()
-    return 0
+    return _run_role(retrier, args.metrics_port,
+                     f"retrier consuming {retrier.cfg.topic} as {retrier.cfg.group} -> {retrier.lane_topic}")
 
 
 def cmd_lag_monitor(args: argparse.Namespace) -> int:
-    import signal
-
-    from . import metrics
     from .lag_monitor import LagMonitor
     from .runtime import Runtime
 
     _logging()
     rt = Runtime.from_env()
     monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval)
-    signal.signal(signal.SIGTERM, monitor.stop)
-    signal.signal(signal.SIGINT, monitor.stop)
-    metrics.serve(args.metrics_port)
-    print(f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", flush=True)
-    monitor.run()
-    return 0
+    return _run_role(monitor, args.metrics_port,
+                     f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s")
 
 
 def cmd_mock_provider(args: argparse.Namespace) -> int:

@@ -112,10 +112,12 @@ class Fleet:
                 proc.wait()
 
 
-def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False) -> dict:
-    """The whole dispatch stack for one channel (email): mock provider, limits, ingest API, outcome
-    recorder, lag monitor, workers and retriers. `baseline` runs the naive design instead: one
-    shared FIFO lane, no yielding. Returns the addresses and API keys a load generator needs."""
+def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False,
+                   with_api: bool = True, marketing_metrics_port: int = 0) -> dict:
+    """The whole dispatch stack for one channel (email): mock provider, limits, ingest API and
+    outcome recorder (`with_api`), lag monitor, workers and retriers. `baseline` runs the naive
+    design instead: one shared FIFO lane, no yielding. Returns the addresses (and API keys) a load
+    generator needs."""
     from .api import ApiKeys
     from .gate import LimitStore
 
@@ -123,26 +125,32 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
     fleet.start_mock(provider_rps, latency_ms)
     r = fleet.runtime.redis()
     limits = LimitStore(r, fleet.namespace)
+    # The gate mirrors the provider's limit; a burst of half a second absorbs request-arrival jitter
+    # at the provider; the reserve keeps the last tokens for transactional sends.
     limits.set_provider("resend", provider_rps, max(2, provider_rps // 2),
                         reserve=0 if baseline else max(1, provider_rps // 10))
     limits.set_tenant("resend", "*", 1_000_000, 100)
-    keys = ApiKeys(r, fleet.namespace)
-    info = {"MOCK_URL": fleet.mock_url, "BLAST_KEY": keys.create("tenant", "blaster"),
-            "OTP_KEY": keys.create("tenant", "shop")}
-    api_port = free_port()
-    api_env = {"DUAL_RAIL_BASELINE_SINGLE_LANE": "1"} if baseline else {}
-    fleet.start("api", "api", "--port", str(api_port), env=api_env)
-    fleet.start("outcome-recorder", "outcome-recorder")
+    info = {"MOCK_URL": fleet.mock_url}
+    if with_api:
+        keys = ApiKeys(r, fleet.namespace)
+        info.update(BLAST_KEY=keys.create("tenant", "blaster"), OTP_KEY=keys.create("tenant", "shop"))
+        api_port = free_port()
+        api_env = {"DUAL_RAIL_BASELINE_SINGLE_LANE": "1"} if baseline else {}
+        fleet.start("api", "api", "--port", str(api_port), env=api_env)
+        fleet.start("outcome-recorder", "outcome-recorder")
     if baseline:
         fleet.start("worker-fifo", "worker", "--channel", "email", "--lane", "marketing", "--fifo",
                     ready="consuming", env={"YIELD_DISABLED": "1"})
     else:
         fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
         fleet.start("worker-tx", "worker", "--channel", "email", "--lane", "transactional", ready="consuming")
-        fleet.start("worker-mkt", "worker", "--channel", "email", "--lane", "marketing", ready="consuming")
+        fleet.start("worker-mkt", "worker", "--channel", "email", "--lane", "marketing",
+                    "--metrics-port", str(marketing_metrics_port), ready="consuming")
         for lane, tier in (("transactional", "10s"), ("transactional", "1m"), ("marketing", "1m")):
             fleet.start(f"retrier-{lane}-{tier}", "retrier", "--channel", "email", "--lane", lane,
                         "--tier", tier, ready="retrier consuming")
+    if not with_api:
+        return info
     api = f"http://127.0.0.1:{api_port}"
     deadline = time.monotonic() + 30
     while True:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import socket
 import time
 from collections import deque
@@ -699,7 +698,3 @@ def _peek_send_id(value: bytes | None) -> bytes:
     except orjson.JSONDecodeError:
         return b""
 
-
-def install_signal_handlers(worker) -> None:
-    signal.signal(signal.SIGTERM, worker.stop)
-    signal.signal(signal.SIGINT, worker.stop)
