@@ -22,20 +22,22 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from . import metrics
 from .errors import ConfigError, CostExceedsBurst, GateUnavailable
 from .gate import Gate
 from .idempotency import ProcessedJobs, StoredRequest, idempotency_key
 from .kafka_config import client_config
+from .lane_pauses import LanePauses
 from .lanes import TopicNames
 from .offsets import OffsetTracker
+from .pending import Offset, Pending
 from .providers import RESEND_BATCH_MAX, Outbound, Provider, ProviderCredentials, ProviderResult
+from .records import RecordWriter
 from .retry_policy import DeadLetter, RetryAt, RetryPolicy, decide, parse_retry_after
-from .send import MalformedEvent, Send, decode
-from .yield_policy import Governor, LagReading, YieldPolicy
+from .send import MalformedEvent, decode
+from .yield_policy import YieldPolicy
 
 log = logging.getLogger("streams.worker")
 # A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
@@ -67,23 +69,6 @@ class WorkerConfig:
 
 
 @dataclass
-class Pending:
-    """One message taken from the lane topic, until its outcome is durable."""
-
-    topic: str
-    partition: int
-    offset: int
-    raw: bytes
-    headers: dict[str, bytes]
-    send: Send
-    attempt: int
-
-    @property
-    def where(self) -> Offset:
-        return (self.topic, self.partition, self.offset)
-
-
-@dataclass
 class Job:
     key: str
     path: str
@@ -92,9 +77,6 @@ class Job:
     send_ids: tuple[str, ...]
     members: list[Pending]   # the messages of ours this request settles
     started: float
-
-
-Offset = tuple[str, int, int]  # topic, partition, offset
 
 
 @dataclass
@@ -146,21 +128,14 @@ class LaneWorker:
         self.in_flight: dict[Future, Job] = {}
         self.global_ready_at = 0.0
         self.tenant_batch_cap: dict[str, int] = {}
-        self.pause_reasons: set[str] = set()          # why: "yield", "backpressure"
-        self.paused: set[tuple[str, int]] = set()     # which partitions are paused right now
-        self.assigned: set[tuple[str, int]] = set()
+        self.pauses = LanePauses(self.consumer, config.bootstrap, names, config.channel, config.lane,
+                                 self.group, config.yield_policy)
+        self.records = RecordWriter(self.producer, names, config.channel, config.lane, config.provider_name,
+                                    self.topic, self.group)
         self.buffered = 0
         self.running = True
         self.rng = random.Random()
         self._label = (config.channel, config.lane)
-        self.governor = Governor(config.yield_policy) if config.yield_policy else None
-        self._lag_follower = None
-        self._lag_reader = None
-        self._next_direct_read = 0.0
-        if self.governor:
-            self._lag_follower = Consumer(client_config(config.bootstrap, quiet=True, **{
-                "group.id": f"{self.group}.lag-follower", "enable.auto.commit": False}))
-            self._lag_follower.assign([TopicPartition(names.lag, 0, OFFSET_BEGINNING)])
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, *_: object) -> None:
@@ -185,12 +160,12 @@ class LaneWorker:
             # Wake as soon as a provider request completes rather than on the next poll.
             wait_futures(list(self.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
         self._collect()
-        self._follow_lag()
+        self.pauses.follow_lag()
         self._dispatch()
         self.producer.poll(0)
         self._store_offsets()
-        self._backpressure()
-        self._apply_pauses()
+        self.pauses.backpressure(self.buffered, self.cfg.max_buffered)
+        self.pauses.apply()
 
     def _idle_timeout(self) -> float:
         """How long consume() may block: not at all while requests are in flight or a tenant is
@@ -212,10 +187,7 @@ class LaneWorker:
         except Exception as exc:  # noqa: BLE001 - nothing stored yet is not an error
             log.debug("final commit: %s", exc)
         self.consumer.close()
-        if self._lag_follower is not None:
-            self._lag_follower.close()
-        if self._lag_reader is not None:
-            self._lag_reader.close()
+        self.pauses.close()
         self.pool.shutdown(wait=True)
         self.provider.close()
 
@@ -227,12 +199,8 @@ class LaneWorker:
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
-        self.assigned |= {(p.topic, p.partition) for p in partitions}
-        # Pauses are per partition and a new assignment starts unpaused: re-apply the desired state.
-        if self.pause_reasons and partitions:
-            consumer.pause(partitions)
-            self.paused |= {(p.topic, p.partition) for p in partitions}
-        self._pause_metrics()
+        # A new assignment starts unpaused: re-apply the desired pause state to it.
+        self.pauses.on_assign(partitions)
 
     def _on_revoke(self, consumer, partitions) -> None:
         self._drain()
@@ -255,9 +223,7 @@ class LaneWorker:
             q.items = kept
         for tp in gone:
             self.tracker.forget(*tp)
-        self.assigned -= gone
-        self.paused -= gone
-        self._pause_metrics()
+        self.pauses.forget(gone)
 
     # ------------------------------------------------------------------ intake
     def _intake(self, msg) -> None:
@@ -306,9 +272,9 @@ class LaneWorker:
         return cap
 
     def _dispatch(self) -> None:
-        if "yield" in self.pause_reasons:
+        if self.pauses.yielding:
             return  # yield, do not drain: what is in flight finishes, nothing new starts
-        if self.governor is not None and self.governor.reading is None:
+        if self.pauses.without_reading:
             return  # no lag reading yet (monitor or direct): do not run blind
         ready = self._ready_tenants()
         self.rng.shuffle(ready)  # no tenant is always first in line
@@ -473,9 +439,9 @@ class LaneWorker:
             decision = decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result,
                               now_ms, self.rng.random())
             if isinstance(decision, RetryAt):
-                self._retry(p, decision, result, now_ms)
+                self.records.retry(p, decision, result, self._finisher(p.where))
             elif isinstance(decision, DeadLetter):
-                self._dead_letter(p, decision.reason, result, now_ms)
+                self.records.dead_letter(p, decision.reason, result, now_ms, self._finisher(p.where))
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
 
@@ -492,7 +458,7 @@ class LaneWorker:
                 p.attempt += 1
                 again.append(p)
             else:
-                self._dead_letter(p, decision.reason, result, now_ms)
+                self.records.dead_letter(p, decision.reason, result, now_ms, self._finisher(p.where))
         if again:
             self._put_back(q, again)
             metrics.SENDS.labels(*self._label, "throttled_in_process").inc(len(again))
@@ -509,13 +475,12 @@ class LaneWorker:
                 continue
             held.add(p.send.send_id)
             metrics.END_TO_END.labels(*self._label).observe(max(0, now_ms - p.send.created_at_ms) / 1000)
-            events.append(self._outcome(p.send, "delivered", p.attempt, now_ms, ids.get(p.send.send_id, "")))
+            events.append(self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
+                                                     ids.get(p.send.send_id, "")))
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
-                events.append({"send_id": send_id, "tenant_id": job.tenant, "channel": self.cfg.channel,
-                               "lane": self.cfg.lane, "status": "delivered", "attempts": None,
-                               "provider": self.cfg.provider_name, "provider_message_id": ids.get(send_id, ""),
-                               "reason": "", "completed_at_ms": now_ms})
+                events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,
+                                                                     ids.get(send_id, "")))
         remaining = [len(events)]
 
         def acked() -> None:
@@ -527,174 +492,26 @@ class LaneWorker:
 
         metrics.SENDS.labels(*self._label, "delivered").inc(len(held))
         for event in events:
-            self._produce(self.cfg.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, acked)
-
-    def _outcome(self, s: Send, status: str, attempts: int, now_ms: int, provider_message_id: str = "",
-                 reason: str = "") -> dict:
-        return {"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
-                "status": status, "attempts": attempts, "provider": self.cfg.provider_name,
-                "provider_message_id": provider_message_id, "reason": reason,
-                "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
-                "latency_ms": max(0, now_ms - s.created_at_ms)}
-
-    def _error_header(self, result: ProviderResult) -> bytes:
-        return f"{result.status or result.outcome} {result.error_name} {result.error_body}".strip().encode()[:1000]
-
-    def _retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int) -> None:
-        headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
-                   "lane": p.send.lane.encode(), "policy": p.send.policy.encode(),
-                   "attempt": str(p.attempt + 1).encode(), "due_at_ms": str(decision.due_ms).encode(),
-                   "tier": decision.tier.encode(), "retry_reason": decision.reason.encode(),
-                   "origin_topic": self.topic.encode(), "last_error": self._error_header(result)}
-        headers.setdefault("first_error", headers["last_error"])
-        topic = self.cfg.names.retry(self.cfg.channel, self.cfg.lane, decision.tier)
-        metrics.RETRIES.labels(*self._label, decision.tier).inc()
-        metrics.SENDS.labels(*self._label, "retry").inc()
-        self._produce(topic, p.send.tenant_id.encode(), p.raw, headers, self._finisher(p.where))
-
-    def _dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int) -> None:
-        headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
-                   "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
-                   "reason": reason.encode(), "attempts": str(p.attempt).encode(),
-                   "origin_topic": headers_origin(p, self.topic), "group": self.group.encode(),
-                   "dead_lettered_at_ms": str(now_ms).encode()}
-        headers.setdefault("origin_partition", str(p.partition).encode())
-        headers.setdefault("origin_offset", str(p.offset).encode())
-        if result is not None:
-            headers["last_error"] = self._error_header(result)
-            headers.setdefault("first_error", headers["last_error"])
-        metrics.DLQ.labels(*self._label, reason).inc()
-        metrics.SENDS.labels(*self._label, "dead_lettered").inc()
-        self._produce(self.cfg.names.dlq, p.send.send_id.encode(), p.raw, headers, self._finisher(p.where))
-        event = self._outcome(p.send, "dead_lettered", p.attempt, now_ms, reason=reason)
-        self._produce(self.cfg.names.outcomes, p.send.send_id.encode(), orjson.dumps(event), {}, None)
-
-    def _dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str) -> None:
-        """An event that never became a send: dead-letter it with the reason; the partition moves on."""
-        log.warning("dead-lettering %s[%d]@%d: %s (%s)", msg.topic(), msg.partition(), msg.offset(),
-                    reason, detail[:200])
-        send_id = headers.get("send_id") or _peek_send_id(msg.value())
-        dlq_headers = {**headers, "send_id": send_id, "reason": reason.encode(),
-                       "detail": detail.encode()[:1000], "channel": self.cfg.channel.encode(),
-                       "lane": self.cfg.lane.encode(), "origin_topic": msg.topic().encode(),
-                       "origin_partition": str(msg.partition()).encode(),
-                       "origin_offset": str(msg.offset()).encode(), "group": self.group.encode(),
-                       "dead_lettered_at_ms": str(int(time.time() * 1000)).encode()}
-        metrics.DLQ.labels(*self._label, reason).inc()
-        where = (msg.topic(), msg.partition(), msg.offset())
-        self._produce(self.cfg.names.dlq, send_id or None, msg.value(), dlq_headers, self._finisher(where))
+            self.records.outcome(event, acked)
 
     def _finisher(self, where: Offset):
         return lambda: self.tracker.finish(*where)
+
+    def _dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str) -> None:
+        self.records.dead_letter_raw(msg, headers, reason, detail,
+                                     self._finisher((msg.topic(), msg.partition(), msg.offset())))
 
     def _finish_duplicate(self, p: Pending) -> None:
         metrics.DUPLICATES.labels(*self._label).inc()
         self.tracker.finish(*p.where)
 
-    def _produce(self, topic: str, key: bytes | None, value: bytes | None, headers: dict,
-                 on_ack=None) -> None:
-        """Produce; `on_ack` runs (on the poll thread) once the broker has acknowledged the record."""
-        def on_delivery(err, _msg) -> None:
-            if err is not None:
-                # Not acknowledged: the offset stays unfinished, so the message is processed again.
-                log.error("could not write to %s: %s; the message will be processed again", topic, err)
-                return
-            if on_ack is not None:
-                on_ack()
-
-        while True:
-            try:
-                self.producer.produce(topic, key=key, value=value, headers=list(headers.items()),
-                                      on_delivery=on_delivery)
-                return
-            except BufferError:
-                self.producer.poll(0.1)  # local queue full: let deliveries drain
-
-    # ------------------------------------------------------------------ offsets and back-pressure
+    # ------------------------------------------------------------------ offsets
     def _store_offsets(self) -> None:
         offsets = [TopicPartition(t, p, o) for (t, p), o in self.tracker.committable().items()
-                   if (t, p) in self.assigned]
+                   if (t, p) in self.pauses.assigned]
         if offsets:
             try:
                 self.consumer.store_offsets(offsets=offsets)
             except Exception as exc:  # noqa: BLE001 - a partition revoked meanwhile (_STATE)
                 log.debug("store_offsets: %s", exc)
         metrics.BUFFERED.labels(*self._label).set(self.buffered)
-
-    def _backpressure(self) -> None:
-        """Bounded memory: pause every partition while the tenant queues are full."""
-        if self.buffered >= self.cfg.max_buffered:
-            self.pause_reasons.add("backpressure")
-        elif self.buffered <= self.cfg.max_buffered // 2:
-            self.pause_reasons.discard("backpressure")
-
-    def _follow_lag(self) -> None:
-        """Marketing: follow the transactional lane's lag and yield above the threshold."""
-        if self.governor is None:
-            return
-        key = f"{self.cfg.channel}.transactional".encode()
-        for msg in self._lag_follower.consume(num_messages=100, timeout=0):
-            if msg.error() or msg.key() != key or not msg.value():
-                continue
-            try:
-                doc = orjson.loads(msg.value())
-                self.governor.observe(LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"])))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                log.warning("ignoring an unreadable lag reading at %s@%d", msg.topic(), msg.offset())
-        now_ms = int(time.time() * 1000)
-        stale = self.governor.stale(now_ms)
-        if stale and time.monotonic() >= self._next_direct_read:
-            # The monitor is silent: measure the lag ourselves rather than run blind or stall.
-            self._next_direct_read = time.monotonic() + 1.0
-            try:
-                if self._lag_reader is None:
-                    from .lag import LagReader
-                    self._lag_reader = LagReader(self.cfg.bootstrap)
-                names = self.cfg.names
-                self.governor.observe(self._lag_reader.read(names.group(self.cfg.channel, "transactional"),
-                                                            names.lane(self.cfg.channel, "transactional"),
-                                                            source="direct"))
-            except Exception as exc:  # noqa: BLE001 - keep the last decision until a reading arrives
-                log.warning("direct lag read failed: %s", exc)
-        metrics.LAG_READING_STALE.labels(self.cfg.channel).set(1 if stale else 0)
-        if self.governor.reading is not None:
-            metrics.LAG_READING_AGE.labels(self.cfg.channel).set((now_ms - self.governor.reading.ts_ms) / 1000)
-        if self.governor.decide(now_ms):
-            if "yield" not in self.pause_reasons:
-                log.info("transactional lag %d: marketing yields", self.governor.reading.lag_messages)
-            self.pause_reasons.add("yield")
-        elif "yield" in self.pause_reasons:
-            log.info("transactional lag %d: marketing resumes", self.governor.reading.lag_messages)
-            self.pause_reasons.discard("yield")
-
-    def _apply_pauses(self) -> None:
-        """Make the partitions' paused state match the reasons. The consumer keeps polling while
-        paused (heartbeats, rebalances, max.poll.interval)."""
-        if self.pause_reasons:
-            todo = self.assigned - self.paused
-            if todo:
-                self.consumer.pause([TopicPartition(t, p) for t, p in todo])
-                self.paused |= todo
-        elif self.paused:
-            self.consumer.resume([TopicPartition(t, p) for t, p in self.paused])
-            self.paused = set()
-        self._pause_metrics()
-
-    def _pause_metrics(self) -> None:
-        for reason in ("yield", "backpressure"):
-            metrics.PAUSED.labels(*self._label, reason).set(1 if reason in self.pause_reasons else 0)
-        metrics.PAUSED_PARTITIONS.labels(*self._label).set(len(self.paused & self.assigned))
-        metrics.ASSIGNED_PARTITIONS.labels(*self._label).set(len(self.assigned))
-
-
-def headers_origin(p: Pending, topic: str) -> bytes:
-    return p.headers.get("origin_topic", topic.encode())
-
-
-def _peek_send_id(value: bytes | None) -> bytes:
-    try:
-        doc = orjson.loads(value or b"")
-        return str(doc.get("send_id", "")).encode() if isinstance(doc, dict) else b""
-    except orjson.JSONDecodeError:
-        return b""
-
