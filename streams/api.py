@@ -22,7 +22,7 @@ from . import metrics
 from .client import PublishError, SendClient
 from .errors import ConfigError
 from .gate import LimitStore
-from .send import MAX_BATCH, SendRequest, build_send
+from .send import MAX_BATCH, SendRequest, build_send, flatten_errors
 from .status_store import StatusStore
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
@@ -121,13 +121,7 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = []
-        for e in exc.errors():
-            nested = (e.get("ctx") or {}).get("error")
-            if nested is not None and hasattr(nested, "errors"):
-                errors.extend({"loc": [*e["loc"], *x["loc"]], "msg": x["msg"]} for x in nested.errors)
-            else:
-                errors.append({"loc": list(e["loc"]), "msg": e["msg"]})
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in flatten_errors(exc.errors())]
         status = 400 if any(e["msg"].startswith("JSON decode error") for e in errors) else 422
         metrics.INGEST_REJECTED.labels(str(status)).inc()
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)

@@ -118,7 +118,7 @@ class SendRequest(BaseModel):
             PAYLOADS[self.channel].model_validate(self.payload)
         except ValidationError as exc:
             # Re-raise under `payload.<field>` so the caller sees where.
-            raise _nested("payload", exc) from None
+            raise PayloadError(exc) from None
         return self
 
 
@@ -140,23 +140,21 @@ class Send(BaseModel):
     correlation_id: str | None = None
 
 
-class _NestedError(ValueError):
-    def __init__(self, prefix: str, exc: ValidationError):
-        self.errors = [{"loc": (prefix, *e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+class PayloadError(ValueError):
+    """The payload does not fit its channel; carries the payload's own field errors."""
+
+    def __init__(self, exc: ValidationError):
+        self.errors = [{"loc": ("payload", *e["loc"]), "msg": e["msg"]} for e in exc.errors()]
         super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in self.errors))
 
 
-def _nested(prefix: str, exc: ValidationError) -> _NestedError:
-    return _NestedError(prefix, exc)
-
-
-def field_errors(exc: ValidationError, prefix: tuple = ()) -> list[dict]:
-    """Flatten a pydantic error into [{loc, msg}], unwrapping payload errors to their field."""
+def flatten_errors(errors: list[dict], prefix: tuple = ()) -> list[dict]:
+    """Pydantic error dicts as [{loc, msg}], with payload errors unwrapped to their own field."""
     out = []
-    for e in exc.errors():
-        ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, _NestedError):
-            out.extend({"loc": (*prefix, *x["loc"]), "msg": x["msg"]} for x in ctx_err.errors)
+    for e in errors:
+        nested = (e.get("ctx") or {}).get("error")
+        if isinstance(nested, PayloadError):
+            out.extend({"loc": (*prefix, *e["loc"], *x["loc"]), "msg": x["msg"]} for x in nested.errors)
         else:
             out.append({"loc": (*prefix, *e["loc"]), "msg": e["msg"]})
     return out
@@ -180,7 +178,7 @@ def validate_batch(raws: list, known_policies: frozenset[str] | None = None,
         try:
             req = SendRequest.model_validate(raw)
         except ValidationError as exc:
-            errors.extend(field_errors(exc, where))
+            errors.extend(flatten_errors(exc.errors(), where))
             continue
         if known_policies is not None and req.policy is not None and req.policy not in known_policies:
             errors.append({"loc": (*where, "policy"),
