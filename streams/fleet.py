@@ -35,7 +35,7 @@ class Fleet:
         self.namespace = namespace
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace, "LOG_LEVEL": "WARNING"}
+        self.env = {"LOG_LEVEL": "WARNING", **(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace}
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
         self.mock_url = ""
 
@@ -102,14 +102,18 @@ class Fleet:
                 p.wait()
         self.procs = []
 
-    def stop_one(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def worker(self, channel: str, lane: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        return self.start(f"worker-{channel}-{lane}", "worker", "--channel", channel, "--lane", lane, *extra,
+                          env=env, ready="consuming")
+
+    def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
+        return self.start(f"retrier-{channel}-{lane}-{tier}", "retrier", "--channel", channel, "--lane", lane,
+                          "--tier", tier, env=env, ready="retrier consuming")
+
+    def logs(self, tail: int = 2000) -> str:
+        """The end of every process's log, for a failure report."""
+        return "\n".join(f"--- {log.name} (exit {p.poll()})\n{log.read_text(errors='replace')[-tail:]}"
+                         for _, p, log in self.procs)
 
 
 def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False,
@@ -139,16 +143,13 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
         fleet.start("api", "api", "--port", str(api_port), env=api_env)
         fleet.start("outcome-recorder", "outcome-recorder")
     if baseline:
-        fleet.start("worker-fifo", "worker", "--channel", "email", "--lane", "marketing", "--fifo",
-                    ready="consuming", env={"YIELD_DISABLED": "1"})
+        fleet.worker("email", "marketing", "--fifo", env={"YIELD_DISABLED": "1"})
     else:
         fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
-        fleet.start("worker-tx", "worker", "--channel", "email", "--lane", "transactional", ready="consuming")
-        fleet.start("worker-mkt", "worker", "--channel", "email", "--lane", "marketing",
-                    "--metrics-port", str(marketing_metrics_port), ready="consuming")
+        fleet.worker("email", "transactional")
+        fleet.worker("email", "marketing", "--metrics-port", str(marketing_metrics_port))
         for lane, tier in (("transactional", "10s"), ("transactional", "1m"), ("marketing", "1m")):
-            fleet.start(f"retrier-{lane}-{tier}", "retrier", "--channel", "email", "--lane", lane,
-                        "--tier", tier, ready="retrier consuming")
+            fleet.retrier("email", lane, tier)
     if not with_api:
         return info
     api = f"http://127.0.0.1:{api_port}"

@@ -64,7 +64,6 @@ class Outbound:
 
 class Provider(Protocol):
     name: str
-    supports_batch: bool
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
         """The request path and body. Deterministic: the same messages give the same bytes."""
@@ -115,7 +114,6 @@ def _classify(resp: httpx.Response) -> tuple[Outcome, str]:
 
 class _HttpProvider:
     name = "http"
-    supports_batch = False
     allowed: set[tuple[str, str]] = set()
 
     def __init__(self, base_url: str, timeout_s: float = 10.0, max_connections: int = 32):
@@ -163,7 +161,6 @@ class ResendEmail(_HttpProvider):
     """Resend's `POST /emails` and `POST /emails/batch` (at most 100 emails per request)."""
 
     name = "resend"
-    supports_batch = True
     allowed = {("POST", "/emails"), ("POST", "/emails/batch")}
     _FIELDS = ("from", "to", "subject", "html", "text", "reply_to", "cc", "bcc", "headers")
 

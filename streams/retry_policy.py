@@ -23,6 +23,10 @@ from .providers import ProviderResult
 
 JITTER = 0.2
 PARK_AT_LEAST_S = 3600  # quota 429s wait at least an hour
+DEFAULT_COOL_DOWN_S = 1.0  # a 429 without a usable Retry-After still holds the provider off this long
+# A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
+# instead of travelling through a retry tier; longer waits go to the tiers.
+IN_PROCESS_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,20 @@ def parse_retry_after(value: str | None, now_ms: int) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     return max(0.0, when.timestamp() - now_ms / 1000)
+
+
+def cool_down_s(result: ProviderResult, now_ms: int) -> float | None:
+    """How long every worker must hold off the provider after this answer (None: not a 429)."""
+    if result.outcome not in ("throttled", "quota"):
+        return None
+    return parse_retry_after(result.retry_after, now_ms) or DEFAULT_COOL_DOWN_S
+
+
+def wait_in_process(result: ProviderResult, now_ms: int) -> bool:
+    """A short rate-limit 429: the request was not accepted, so its sends may simply wait in the
+    worker behind the cool-down rather than go through a retry tier."""
+    wait = cool_down_s(result, now_ms)
+    return result.outcome == "throttled" and wait is not None and wait <= IN_PROCESS_BACKOFF_MAX_S
 
 
 def _tier_at_least(seconds: float) -> str:

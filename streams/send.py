@@ -18,7 +18,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SendValidationError
-from .lanes import CATEGORY_TO_LANE
+from .lanes import lane_for
 
 SCHEMA_VERSION = 1
 MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
@@ -195,7 +195,7 @@ def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None) -> S
     now = int(time.time() * 1000) if now_ms is None else now_ms
     return Send(
         v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=tenant_id, channel=req.channel,
-        category=req.category, lane=CATEGORY_TO_LANE[req.category],
+        category=req.category, lane=lane_for(req.category),
         policy=req.policy or ("webhook" if req.channel == "webhook" else DEFAULT_POLICY[req.category]),
         template_id=req.template_id, template_version=req.template_version, payload=req.payload,
         created_at_ms=now, correlation_id=req.correlation_id,

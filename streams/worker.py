@@ -35,14 +35,11 @@ from .offsets import OffsetTracker
 from .pending import Offset, Pending
 from .providers import RESEND_BATCH_MAX, Outbound, Provider, ProviderCredentials, ProviderResult
 from .records import RecordWriter
-from .retry_policy import DeadLetter, RetryAt, RetryPolicy, decide, parse_retry_after
+from .retry_policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
 from .send import MalformedEvent, decode
 from .yield_policy import YieldPolicy
 
 log = logging.getLogger("streams.worker")
-# A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
-# instead of travelling through a retry tier; longer waits go to the tiers.
-IN_PROCESS_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +133,7 @@ class LaneWorker:
         self.running = True
         self.rng = random.Random()
         self._label = (config.channel, config.lane)
+        self._end_to_end = metrics.END_TO_END.labels(*self._label)  # observed per delivered message
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, *_: object) -> None:
@@ -422,17 +420,16 @@ class LaneWorker:
         if result.outcome == "delivered":
             self._settle_delivered(job, result, now_ms)
             return
-        wait = None
-        if result.outcome in ("throttled", "quota"):
+        wait = cool_down_s(result, now_ms)
+        if wait is not None:
             metrics.PROVIDER_429.labels(prov, result.error_name or result.outcome).inc()
-            wait = parse_retry_after(result.retry_after, now_ms) or 1.0
             # Every worker holds off the provider, not only the one that saw the 429.
             self.gate.cool_down(prov, wait)
         if result.outcome == "unknown":
             self.jobs.keep_unknown(job.key)
         else:
             self.jobs.release(job.send_ids, job.key)
-        if result.outcome == "throttled" and wait <= IN_PROCESS_BACKOFF_MAX_S:
+        if wait_in_process(result, now_ms):
             self._back_off_in_process(job, result, now_ms)
             return
         for p in job.members:
@@ -474,7 +471,7 @@ class LaneWorker:
             if p.send.send_id in held:
                 continue
             held.add(p.send.send_id)
-            metrics.END_TO_END.labels(*self._label).observe(max(0, now_ms - p.send.created_at_ms) / 1000)
+            self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
             events.append(self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                      ids.get(p.send.send_id, "")))
         for send_id in job.send_ids:

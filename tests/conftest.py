@@ -66,15 +66,18 @@ def names(namespace) -> TopicNames:
 
 @pytest.fixture
 def create_topics(stack):
-    """Create topics for one test (deleted afterwards). Call with {name: partitions}."""
+    """Create topics for one test (deleted afterwards): {name: partitions} with one config, or
+    TopicSpec objects as they are."""
     from streams.topic_admin import TopicAdmin
     from streams.topic_spec import TopicSpec, plan
 
     admin = TopicAdmin(stack.bootstrap)
     created: list[str] = []
 
-    def _create(topics: dict[str, int], config: dict[str, str] | None = None) -> None:
-        specs = {n: TopicSpec(n, p, 1, dict(config or {})) for n, p in topics.items()}
+    def _create(topics: dict[str, int] | list[TopicSpec], config: dict[str, str] | None = None) -> None:
+        if isinstance(topics, dict):
+            topics = [TopicSpec(n, p, 1, dict(config or {})) for n, p in topics.items()]
+        specs = {t.name: t for t in topics}
         admin.apply(plan(specs, admin.state(list(specs))), specs)
         created.extend(specs)
 
@@ -86,21 +89,15 @@ def create_topics(stack):
 
 
 # ---------------------------------------------------------------- dispatch harness
-import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from streams.fleet import Fleet, free_port  # noqa: F401 - free_port is used by the tests
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -135,10 +132,12 @@ class MockProvider:
 
 
 @pytest.fixture(scope="session")
-def _mock_process():
+def _mock_process(tmp_path_factory):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "mock-provider", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path_factory.mktemp("mock-provider") / "mock-provider.log"
+    with open(log, "wb") as out:  # a file, not an unread pipe that could fill and block the server
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "mock-provider", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
     mock = MockProvider(port, proc)
 
     def up():
@@ -179,33 +178,24 @@ def dispatch_env(stack, namespace, mock_provider) -> dict:
 
 
 @pytest.fixture
-def channel_topics(stack, namespace):
+def channel_topics(namespace, create_topics):
     """Create one channel's lane and retry topics plus notif.dlq, notif.outcomes and notif.lag, as
     defined in topics/ (configs included), in this test's namespace; deleted afterwards."""
     from dataclasses import replace
 
-    from streams.topic_admin import TopicAdmin
-    from streams.topic_spec import load_definitions, plan
-
-    admin = TopicAdmin(stack.bootstrap)
-    created: list[str] = []
+    from streams.topic_spec import load_definitions
 
     def _create(channel: str, lane_partitions: int | None = None) -> None:
-        specs = {}
+        specs = []
         for name, spec in load_definitions(REPO / "topics", namespace).items():
             bare = name[len(namespace):]
             if bare.startswith(f"notif.{channel}."):
-                specs[name] = replace(spec, partitions=lane_partitions or spec.partitions)
+                specs.append(replace(spec, partitions=lane_partitions or spec.partitions))
             elif bare in ("notif.dlq", "notif.outcomes", "notif.lag"):
-                specs[name] = spec
-        admin.apply(plan(specs, admin.state(list(specs))), specs)
-        created.extend(specs)
+                specs.append(spec)
+        create_topics(specs)
 
-    yield _create
-    try:
-        admin.delete(created)
-    except Exception:  # noqa: BLE001 - best effort clean-up
-        pass
+    return _create
 
 
 @pytest.fixture
@@ -213,48 +203,6 @@ def limits(redis_client, namespace):
     from streams.gate import LimitStore
 
     return LimitStore(redis_client, namespace)
-
-
-class Processes:
-    """Project processes started by a test, stopped (SIGTERM, then SIGKILL) when it ends. Output
-    goes to log files (an unread pipe would block a chatty process), shown when a test fails."""
-
-    def __init__(self, env: dict, log_dir: Path):
-        self.env = env
-        self.log_dir = log_dir
-        self.procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def start(self, *args: str, env: dict | None = None, ready: str | None = None) -> subprocess.Popen:
-        log = self.log_dir / f"{len(self.procs):02d}-{args[0]}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "streams.cli", *args], env={**self.env, **(env or {})},
-                                    stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append((proc, log))
-        if ready:
-            wait_until(lambda: ready in log.read_text() or proc.poll() is not None, 60, f"{args[0]} to start")
-            assert proc.poll() is None, f"{args[0]} exited:\n{log.read_text()[-3000:]}"
-        return proc
-
-    def worker(self, channel: str, lane: str, *extra: str) -> subprocess.Popen:
-        return self.start("worker", "--channel", channel, "--lane", lane, *extra, ready="consuming")
-
-    def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
-        return self.start("retrier", "--channel", channel, "--lane", lane, "--tier", tier, env=env,
-                          ready="retrier consuming")
-
-    def stop_all(self) -> None:
-        for p, _ in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p, _ in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {log.name} (exit {p.poll()})\n{log.read_text()[-2000:]}" for p, log in self.procs)
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
@@ -267,10 +215,12 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
-def processes(dispatch_env, tmp_path):
-    procs = Processes(dict(dispatch_env), tmp_path)
-    yield procs
-    procs.stop_all()
+def processes(dispatch_env, namespace, tmp_path):
+    """The project's processes for one test (streams.fleet.Fleet): log files shown on failure,
+    SIGTERM then SIGKILL when the test ends."""
+    fleet = Fleet(namespace, tmp_path / "logs", base_env=dispatch_env)
+    yield fleet
+    fleet.stop()
 
 
 @pytest.fixture

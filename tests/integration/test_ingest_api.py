@@ -12,7 +12,7 @@ from tests.conftest import email_request, free_port, wait_until
 def api(stack, names, namespace, channel_topics, processes, redis_client):
     channel_topics("email")
     port = free_port()
-    processes.start("api", "--port", str(port))
+    processes.start("api", "api", "--port", str(port))
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
     def up():
@@ -105,7 +105,7 @@ def test_status_follows_the_outcome(api, processes, limits, mock_provider):
     limits.set_provider("resend", 50, 50)
     limits.set_tenant("resend", "*", 50, 50)
     processes.worker("email", "transactional")
-    processes.start("outcome-recorder")
+    processes.start("outcome-recorder", "outcome-recorder")
     send_id = api.post("/v1/sends", json=email_request(), headers=api.tenant_a).json()["send_id"]
 
     def delivered():

@@ -37,7 +37,7 @@ def _first_crossing_ms(stack, names) -> int:
 def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
         stack, names, channel_topics, limits, processes, send_client, mock_provider):
     _setup(channel_topics, limits, mock_provider, processes)
-    processes.start("lag-monitor", "--interval", "0.25")
+    processes.start("lag-monitor", "lag-monitor", "--interval", "0.25")
     p1, p2 = free_port(), free_port()
     processes.worker("email", "marketing", "--metrics-port", str(p1))
     blast = []
@@ -81,7 +81,7 @@ def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
 def test_stale_lag_monitor_makes_workers_read_lag_directly(stack, names, channel_topics, limits, processes,
                                                            send_client, mock_provider):
     _setup(channel_topics, limits, mock_provider, processes)
-    monitor = processes.start("lag-monitor", "--interval", "0.25")
+    monitor = processes.start("lag-monitor", "lag-monitor", "--interval", "0.25")
     port = free_port()
     processes.worker("email", "marketing", "--metrics-port", str(port))
     wait_until(lambda: metric(port, "dispatch_lag_reading_stale", channel="email") == 0, 20,

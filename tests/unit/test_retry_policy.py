@@ -10,8 +10,8 @@ import pytest
 
 from streams.errors import ConfigError
 from streams.providers import ProviderResult
-from streams.retry_policy import (DeadLetter, Delivered, RetryAt, decide, load_policies, parse_policies,
-                                  parse_retry_after)
+from streams.retry_policy import (DeadLetter, Delivered, RetryAt, cool_down_s, decide, load_policies, parse_policies,
+                                  parse_retry_after, wait_in_process)
 
 NOW = 1_800_000_000_000
 POLICIES = load_policies()
@@ -78,3 +78,17 @@ def test_retry_after_parsing():
 def test_invalid_policy_file_names_the_policy_and_field(text, message):
     with pytest.raises(ConfigError, match=r"policies.toml: policy 'x': .*" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         parse_policies(text, "policies.toml")
+
+
+@pytest.mark.parametrize("result, cool, in_process", [
+    (ProviderResult("throttled", 429, retry_after="2"), 2.0, True),
+    (ProviderResult("throttled", 429, retry_after="soon"), 1.0, True),    # unusable header: default
+    (ProviderResult("throttled", 429), 1.0, True),
+    (ProviderResult("throttled", 429, retry_after="30"), 30.0, False),    # long: through a tier
+    (ProviderResult("quota", 429, retry_after="2"), 2.0, False),          # quota: parked, never hot
+    (ProviderResult("unavailable", 503), None, False),
+    (ProviderResult("delivered", 200), None, False),
+])
+def test_cool_down_and_in_process_wait(result, cool, in_process):
+    assert cool_down_s(result, NOW) == cool
+    assert wait_in_process(result, NOW) is in_process
