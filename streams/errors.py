@@ -1,16 +1,21 @@
-"""The project's error tree. Adapters translate library errors into these at the boundary.
+"""Every error this project raises on purpose. Adapters translate library errors (confluent-kafka,
+redis-py, httpx) into these at the boundary, so callers handle one tree:
 
     DispatchError
-    ├── ConfigError             a setting or definition file is invalid (names file / field)
-    ├── StackError              the local Kafka/Redis stack could not be started or reached
-    ├── TopicPlanError          a topic change that must not be applied (e.g. fewer partitions)
-    ├── SendValidationError     a send (or a batch) is invalid; carries field-level errors
+    ├── ConfigError              a setting or definition file is invalid (names the variable / file / field)
+    ├── StackError               the local Kafka/Redis stack could not be started or reached
+    ├── TopicPlanError           a topic change that must not be applied (e.g. fewer partitions)
+    ├── SendValidationError      a send (or a batch) is invalid; carries field-level errors
+    │   └── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
+    ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
+    ├── PublishError             the broker did not acknowledge every send of a publish
+    ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
+    ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
+    │   └── GateUnavailable      ... while admitting a request: the gate fails closed
     ├── GateError
-    │   ├── GateUnavailable     Redis unreachable: the gate fails closed
-    │   └── CostExceedsBurst    a cost larger than a bucket's burst can never be admitted
-    └── ProviderError           a provider call did not deliver
-        ├── ForbiddenProviderPath   a request to a path outside the allowlist (never sent)
-        └── ProviderAnswer          the provider answered (or not): status, kind, retry-after
+    │   └── CostExceedsBurst     a cost larger than a bucket's burst can never be admitted
+    └── ProviderError            a provider call did not deliver
+        └── ForbiddenProviderPath   a request to a path outside the allowlist (never sent)
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ class DispatchError(Exception):
 
 
 class ConfigError(DispatchError):
-    """Invalid configuration; the message names where (file, topic, field)."""
+    """Invalid configuration; the message names where (variable, file, topic, field)."""
 
 
 class StackError(DispatchError):
@@ -40,12 +45,39 @@ class SendValidationError(DispatchError):
         super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
 
 
+class PayloadError(SendValidationError, ValueError):
+    """The payload does not fit its channel. Raised inside a pydantic validator (hence ValueError);
+    its errors are the payload's own, under `payload.<field>`."""
+
+
+class MalformedEvent(DispatchError):
+    """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}")
+
+
+class PublishError(DispatchError):
+    """The broker did not acknowledge every send; the ones listed may not be enqueued."""
+
+
+class ReplayRefused(DispatchError):
+    """A dead letter that cannot be replayed; the message says why."""
+
+
+class StoreUnavailable(DispatchError):
+    """Redis did not answer (connection refused, timeout, a script error). Nothing was decided:
+    the caller holds the work and tries again later."""
+
+
 class GateError(DispatchError):
-    """The bucket gate could not answer."""
+    """The bucket gate could not admit a request."""
 
 
-class GateUnavailable(GateError):
-    """Redis is unreachable. The gate fails closed: no provider call is made."""
+class GateUnavailable(StoreUnavailable, GateError):
+    """Redis is unreachable while admitting a request. The gate fails closed: no provider call."""
 
 
 class CostExceedsBurst(GateError):

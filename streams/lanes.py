@@ -1,16 +1,22 @@
-"""The vocabulary of routing: channels, lanes, categories and topic names. Pure code.
+"""The vocabulary of routing: channels, lanes, categories and retry tiers. Pure code.
 
 Every channel has exactly two lanes. `transactional` and `product` sends travel in the
 transactional lane, `marketing` sends in the marketing lane; nothing else is a category.
+The type literals are the source; the tuples (CLI choices, topic expansion) derive from them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal, get_args
 
-CHANNELS: tuple[str, ...] = ("email", "sms", "webhook")
-LANES: tuple[str, ...] = ("transactional", "marketing")
-CATEGORY_TO_LANE: dict[str, str] = {
+Channel = Literal["email", "sms", "webhook"]
+Lane = Literal["transactional", "marketing"]
+Category = Literal["transactional", "product", "marketing"]
+
+CHANNELS: tuple[str, ...] = get_args(Channel)
+LANES: tuple[str, ...] = get_args(Lane)
+CATEGORIES: tuple[str, ...] = get_args(Category)
+CATEGORY_TO_LANE: dict[str, Lane] = {
     "transactional": "transactional",
     "product": "transactional",
     "marketing": "marketing",
@@ -21,34 +27,6 @@ RETRY_TIERS: dict[str, int] = {
 }
 
 
-def lane_for(category: str) -> str:
+def lane_for(category: str) -> Lane:
     """The lane a category travels in. Raises KeyError for an unknown category."""
     return CATEGORY_TO_LANE[category]
-
-
-@dataclass(frozen=True)
-class TopicNames:
-    """Topic and group names, optionally under a namespace prefix (tests use one each)."""
-
-    namespace: str = ""
-
-    def lane(self, channel: str, lane: str) -> str:
-        return f"{self.namespace}notif.{channel}.{lane}"
-
-    def retry(self, channel: str, lane: str, tier: str) -> str:
-        return f"{self.namespace}notif.{channel}.{lane}.retry.{tier}"
-
-    @property
-    def dlq(self) -> str:
-        return f"{self.namespace}notif.dlq"
-
-    @property
-    def outcomes(self) -> str:
-        return f"{self.namespace}notif.outcomes"
-
-    @property
-    def lag(self) -> str:
-        return f"{self.namespace}notif.lag"
-
-    def group(self, channel: str, lane: str) -> str:
-        return f"{self.namespace}dispatch.{channel}.{lane}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -50,7 +48,7 @@ OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events 
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
 
 
-def serve(port: int) -> None:
-    """Serve /metrics on `port` (0: not at all), on METRICS_ADDR (default loopback)."""
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve /metrics on `port` (0: not at all) at `addr` (METRICS_ADDR, default loopback)."""
     if port:
-        start_http_server(port, addr=os.environ.get("METRICS_ADDR", "127.0.0.1"))
+        start_http_server(port, addr=addr)

@@ -1,102 +1,94 @@
-"""Build a process role's components from the environment (shared by the CLI and the tests).
-
-    KAFKA_BOOTSTRAP_SERVERS, REDIS_URL        where the stack is (default: the local stack)
-    DUAL_RAIL_TOPIC_NAMESPACE                 prefix for topic, group and Redis key names
-    RESEND_BASE_URL, SMS_BASE_URL             provider endpoints
-    RESEND_API_KEYS, SMS_API_KEYS             JSON {tenant: key}; "*" is the default key
-    PROVIDER_TIMEOUT_S                        provider request timeout (default 10)
-    DUAL_RAIL_RETRY_POLICIES                  retry policy file (default: streams/retry_policies.toml)
-"""
+"""The composition root: builds each process role from the configuration (the CLI, the dev tools
+and the tests all build roles here, so a role is wired one way only)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import redis
 
+from .config import Config
 from .errors import ConfigError
-from .lanes import CHANNELS, LANES, TopicNames
-from .settings import StackSettings
+from .lanes import CHANNELS, LANES
+from .names import TopicNames
+from .providers.registry import ProviderCredentials, adapter_class, provider_for
+from .redis_client import connect
 
-PROVIDER_ENV = {"email": ("RESEND_BASE_URL", "RESEND_API_KEYS"), "sms": ("SMS_BASE_URL", "SMS_API_KEYS")}
+if TYPE_CHECKING:
+    from .dispatch.worker import LaneWorker
+    from .ingest.sdk import Router, SendClient
+    from .providers.http import Provider
+    from .retry.policy import RetryPolicy
+    from .send import Send
 
 
-@dataclass(frozen=True)
 class Runtime:
-    bootstrap: str
-    redis_url: str
-    names: TopicNames
-    environ: Mapping[str, str]
+    def __init__(self, config: Config):
+        self.config = config
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Runtime":
-        stack = StackSettings.from_env(environ)
-        return cls(stack.bootstrap, stack.redis, TopicNames(environ.get("DUAL_RAIL_TOPIC_NAMESPACE", "")),
-                   dict(environ))
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:
+        return cls(Config.from_env(environ))
+
+    @property
+    def bootstrap(self) -> str:
+        return self.config.bootstrap
+
+    @property
+    def redis_url(self) -> str:
+        return self.config.redis_url
+
+    @property
+    def names(self) -> TopicNames:
+        return self.config.names
 
     @property
     def namespace(self) -> str:
-        return self.names.namespace
+        return self.config.namespace
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=2,
-                                    health_check_interval=30)
+        return connect(self.redis_url)
 
-    def provider(self, channel: str):
-        from .providers import ResendEmail, SmsGateway
+    def policies(self) -> dict[str, RetryPolicy]:
+        from .retry.policy import load_policies
 
-        if channel not in PROVIDER_ENV:
-            raise ConfigError(f"no provider adapter for channel {channel!r} yet (have: {', '.join(PROVIDER_ENV)})")
-        url_var, _ = PROVIDER_ENV[channel]
-        url = self.environ.get(url_var)
-        if not url:
-            raise ConfigError(f"{url_var} is not set: where is the {channel} provider?")
-        timeout = float(self.environ.get("PROVIDER_TIMEOUT_S", "10"))
-        return (ResendEmail if channel == "email" else SmsGateway)(url, timeout_s=timeout)
+        return load_policies(self.config.retry_policies_path)
 
-    def credentials(self, channel: str):
-        from .providers import ProviderCredentials
+    def provider(self, channel: str) -> Provider:
+        spec = provider_for(channel)
+        endpoint = self.config.providers[spec.name]
+        if not endpoint.base_url:
+            raise ConfigError(f"{spec.url_var} is not set: where is the {channel} provider?")
+        return adapter_class(spec)(endpoint.base_url, timeout_s=self.config.provider_timeout_s)
 
-        var = PROVIDER_ENV[channel][1]
-        return ProviderCredentials.parse(self.environ.get(var, ""), var)
-
-    def policies(self):
-        from .retry_policy import load_policies
-
-        return load_policies(self.environ.get("DUAL_RAIL_RETRY_POLICIES"))
-
-    def yield_policy(self):
-        """YIELD_PAUSE_ABOVE / YIELD_RESUME_BELOW (messages), YIELD_PAUSE_ABOVE_SECONDS,
-        YIELD_MIN_DWELL_S, YIELD_STALE_AFTER_S; YIELD_DISABLED=1 turns yielding off (baseline)."""
-        from .yield_policy import YieldPolicy
-
-        if self.environ.get("YIELD_DISABLED") == "1":
-            return None
-        e = self.environ
-        try:
-            return YieldPolicy(pause_above=int(e.get("YIELD_PAUSE_ABOVE", "100")),
-                               resume_below=int(e.get("YIELD_RESUME_BELOW", "20")),
-                               pause_above_seconds=float(e.get("YIELD_PAUSE_ABOVE_SECONDS", "0")),
-                               min_dwell_s=float(e.get("YIELD_MIN_DWELL_S", "2")),
-                               stale_after_s=float(e.get("YIELD_STALE_AFTER_S", "3")))
-        except ValueError as exc:
-            raise ConfigError(f"invalid YIELD_* setting: {exc}") from None
+    def credentials(self, channel: str) -> ProviderCredentials:
+        return ProviderCredentials(self.config.providers[provider_for(channel).name].api_keys)
 
     def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
-               fifo: bool = False):
-        from .gate import RedisGate
-        from .idempotency import ProcessedJobs
-        from .worker import LaneWorker, WorkerConfig
+               queue_key: Callable[[Send], str] | None = None, yielding: bool = True) -> LaneWorker:
+        """A lane worker. `queue_key` and `yielding=False` exist for the benchmarks' naive baseline."""
+        from .dispatch.idempotency import ProcessedJobs
+        from .dispatch.tenant_queues import by_tenant
+        from .dispatch.worker import LaneWorker, WorkerConfig
+        from .gate.gate import RedisGate
+        from .kafka_client import durable_producer, lane_consumer
 
         if channel not in CHANNELS or lane not in LANES:
             raise ConfigError(f"unknown lane {channel}.{lane} (channels: {CHANNELS}, lanes: {LANES})")
-        timeout = float(self.environ.get("PROVIDER_TIMEOUT_S", "10"))
-        cfg = WorkerConfig(channel, lane, self.bootstrap, self.names, concurrency=concurrency,
-                           lease_s=max(3 * timeout, 5.0),
-                           yield_policy=self.yield_policy() if lane == "marketing" else None, fifo=fifo)
+        spec = provider_for(channel)
+        c = self.config
+        cfg = WorkerConfig(channel, lane, c.bootstrap, spec, c.names, concurrency=concurrency,
+                           lease_s=max(3 * c.provider_timeout_s, 5.0),
+                           yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
+        consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
+        producer = durable_producer(c.bootstrap, **{"linger.ms": 5})
         client = self.redis()
-        return LaneWorker(cfg, self.provider(channel), RedisGate(client, self.namespace),
-                          ProcessedJobs(client, self.namespace, lease_s=cfg.lease_s),
-                          self.credentials(channel), self.policies(), consumer_overrides)
+        return LaneWorker(cfg, consumer, producer, self.provider(channel), RedisGate(client, c.namespace),
+                          ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.credentials(channel),
+                          self.policies(), queue_key or by_tenant)
+
+    def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None) -> SendClient:
+        from .ingest.sdk import SendClient
+
+        return SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router)

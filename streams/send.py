@@ -12,15 +12,17 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import SendValidationError
-from .lanes import lane_for
+from .errors import MalformedEvent, PayloadError, SendValidationError
+from .lanes import Category, Channel, Lane, lane_for
+from .retry.policy import unknown_policy
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
 MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented in the README
 DEFAULT_POLICY = {"transactional": "transactional", "product": "transactional", "marketing": "marketing"}
@@ -30,8 +32,6 @@ _NAMED_EMAIL = re.compile(r"^[^<>]*<([^@\s<>]+@[^@\s<>]+\.[^@\s<>]+)>$")
 _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
 _IDENT = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
-Channel = Literal["email", "sms", "webhook"]
-Category = Literal["transactional", "product", "marketing"]
 Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
 
 
@@ -78,7 +78,7 @@ class EmailPayload(BaseModel):
         return [_check_address(a) for a in v]
 
     @model_validator(mode="after")
-    def _body(self) -> "EmailPayload":
+    def _body(self) -> EmailPayload:
         if not self.html and not self.text:
             raise ValueError("an email needs `html` or `text`")
         return self
@@ -113,12 +113,12 @@ class SendRequest(BaseModel):
     correlation_id: Ident | None = None
 
     @model_validator(mode="after")
-    def _payload_matches_channel(self) -> "SendRequest":
+    def _payload_matches_channel(self) -> SendRequest:
         try:
             PAYLOADS[self.channel].model_validate(self.payload)
         except ValidationError as exc:
             # Re-raise under `payload.<field>` so the caller sees where.
-            raise PayloadError(exc) from None
+            raise PayloadError([{"loc": ("payload", *e["loc"]), "msg": e["msg"]} for e in exc.errors()]) from None
         return self
 
 
@@ -131,7 +131,7 @@ class Send(BaseModel):
     tenant_id: Ident
     channel: Channel
     category: Category
-    lane: Literal["transactional", "marketing"]
+    lane: Lane
     policy: Ident
     template_id: Ident
     template_version: Ident
@@ -140,17 +140,9 @@ class Send(BaseModel):
     correlation_id: str | None = None
 
 
-class PayloadError(ValueError):
-    """The payload does not fit its channel; carries the payload's own field errors."""
-
-    def __init__(self, exc: ValidationError):
-        self.errors = [{"loc": ("payload", *e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in self.errors))
-
-
-def flatten_errors(errors: list[dict], prefix: tuple = ()) -> list[dict]:
+def flatten_errors(errors: Sequence[Any], prefix: tuple = ()) -> list[dict]:
     """Pydantic error dicts as [{loc, msg}], with payload errors unwrapped to their own field."""
-    out = []
+    out: list[dict] = []
     for e in errors:
         nested = (e.get("ctx") or {}).get("error")
         if isinstance(nested, PayloadError):
@@ -180,14 +172,21 @@ def validate_batch(raws: list, known_policies: frozenset[str] | None = None,
         except ValidationError as exc:
             errors.extend(flatten_errors(exc.errors(), where))
             continue
-        if known_policies is not None and req.policy is not None and req.policy not in known_policies:
-            errors.append({"loc": (*where, "policy"),
-                           "msg": f"unknown policy {req.policy!r} (known: {', '.join(sorted(known_policies))})"})
+        problem = policy_error(req, known_policies, where)
+        if problem:
+            errors.append(problem)
             continue
         out.append(req)
     if errors:
         raise SendValidationError(errors)
     return out
+
+
+def policy_error(req: SendRequest, known_policies: frozenset[str] | None, where: tuple) -> dict | None:
+    """The field error of a send naming a retry policy the policy file does not define."""
+    if known_policies is None or req.policy is None or req.policy in known_policies:
+        return None
+    return {"loc": (*where, "policy"), "msg": unknown_policy(req.policy, known_policies)}
 
 
 def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None) -> Send:
@@ -204,15 +203,6 @@ def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None) -> S
 
 def encode(send: Send) -> bytes:
     return orjson.dumps(send.model_dump(mode="json"))
-
-
-class MalformedEvent(Exception):
-    """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header."""
-
-    def __init__(self, reason: str, detail: str):
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}")
 
 
 def decode(value: bytes | None) -> Send:

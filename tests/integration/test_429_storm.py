@@ -5,8 +5,8 @@ of 429s is bounded by the requests in flight when the storm began, not by the nu
 import threading
 import time
 
-from streams.dlq import read_all
-from tests.conftest import committed_lag, email_request, sms_request, wait_until
+from streams.retry.dlq import read_all
+from tests.harness import committed_lag, email_request, sms_request, wait_until
 
 STORM_S = 20
 BLAST = 2_000
@@ -17,6 +17,13 @@ WORKERS = 2
 
 def test_twenty_second_429_storm_loses_nothing_and_duplicates_nothing(
         stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given marketing and transactional email workers (8 requests in flight each) with their retriers, and a provider
+    that answers 429 to every request for 20 s,
+    When a 2,000-email marketing blast is published as the storm starts and transactional OTPs keep arriving at 4 a
+    second for 25 s,
+    Then every send is delivered exactly once after the storm, both lanes are fully committed, nothing is
+    dead-lettered, no marketing email goes through the single-email endpoint, and the shared cool-down keeps the 429s
+    to at most 32 (the requests in flight), not one per message."""
     channel_topics("email")
     mock_provider.reset(rate=50)
     limits.set_provider("resend", 50, 50, reserve=5)
@@ -61,6 +68,11 @@ def test_twenty_second_429_storm_loses_nothing_and_duplicates_nothing(
 
 def test_short_429s_are_waited_out_in_the_worker(stack, names, channel_topics, limits, processes, send_client,
                                                  mock_provider):
+    """Given an SMS provider that really allows 5 requests a second while the operator set the global bucket to 50, one
+    transactional SMS worker and no retrier running,
+    When a batch of 60 SMS sends is published,
+    Then the provider's 429s (Retry-After: 1) are waited out inside the worker: some requests are throttled, yet every
+    send is delivered exactly once and nothing is put on the 10 s retry tier."""
     # Given an operator set the global bucket above the provider's real limit (5 req/s)
     channel_topics("sms")
     mock_provider.reset(rate=5)

@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from streams.errors import ConfigError, CostExceedsBurst, GateUnavailable
-from streams.gate import Keys, RedisGate
+from streams.gate.gate import RedisGate
+from streams.names import RedisKeys as Keys
 
 
 @pytest.fixture
@@ -23,6 +24,10 @@ def _snapshot(client, keys):
 
 
 def test_denial_writes_nothing(gate, redis_client, namespace):
+    """Given tenant "small" (burst of 2) that has just been admitted for 2 messages,
+    When it asks the gate for 2 more,
+    Then it is denied, told its tenant bucket is short and to wait at most 1 s, and neither the global nor the tenant
+    bucket in Redis has changed."""
     k = Keys(namespace)
     watched = [k.global_bucket("resend"), k.tenant_bucket("resend", "small")]
     assert gate.acquire("resend", "small", 2).allowed
@@ -35,6 +40,10 @@ def test_denial_writes_nothing(gate, redis_client, namespace):
 
 
 def test_empty_tenant_bucket_does_not_consume_another_tenants_quota(gate, limits):
+    """Given a global limit of 1 request a second with a burst of 10, and tenant "small" that spends its whole burst on
+    one request and is then denied 5 times,
+    When tenant "big" asks for 12 requests of 10 messages each,
+    Then exactly 9 are admitted: the denied requests of "small" took nothing from the global bucket."""
     limits.set_provider("resend", 1, 10)  # refills one token a second: the count below is exact
     assert gate.acquire("resend", "small", 2).allowed
     for _ in range(5):
@@ -45,6 +54,10 @@ def test_empty_tenant_bucket_does_not_consume_another_tenants_quota(gate, limits
 
 
 def test_marketing_cannot_take_the_transactional_reserve(gate):
+    """Given a provider burst of 10 requests of which 3 are reserved for transactional traffic,
+    When marketing requests (which must respect the reserve) take 7 and ask for an eighth,
+    Then the eighth is held back on the global bucket, while a transactional request from another tenant still
+    passes."""
     for _ in range(7):
         assert gate.acquire("resend", "big", 1, reserve=True).allowed
     held = gate.acquire("resend", "big", 1, reserve=True)
@@ -53,6 +66,10 @@ def test_marketing_cannot_take_the_transactional_reserve(gate):
 
 
 def test_contended_gate_never_admits_more_than_the_provider_limit(gate):
+    """Given a provider limit of 10 requests a second with a burst of 10,
+    When 8 threads hammer the gate for 2 seconds,
+    Then at most 31 requests are admitted in total (20 by rate, 10 of burst, one refill tick of slack) and at least 20,
+    so the limit is used rather than starved."""
     admitted = []
     stop = time.monotonic() + 2.0
 
@@ -73,6 +90,10 @@ def test_contended_gate_never_admits_more_than_the_provider_limit(gate):
 
 
 def test_cooldown_is_shared_by_every_gate(gate, redis_client, namespace):
+    """Given one worker's gate that puts the provider in a 1.5 s cool-down,
+    When another worker's gate asks for a request, and the first gate then asks for a shorter 0.1 s cool-down,
+    Then the other worker is held by the cool-down with a wait between 1 and 1.5 s, and the shorter cool-down does not
+    cut the current one short."""
     other_worker = RedisGate(redis_client, namespace)
     gate.cool_down("resend", 1.5)
     held = other_worker.acquire("resend", "big", 1)
@@ -82,6 +103,11 @@ def test_cooldown_is_shared_by_every_gate(gate, redis_client, namespace):
 
 
 def test_misconfiguration_and_outage_fail_closed(gate, redis_client, namespace):
+    """Given rate limits configured for "resend" only, and a second gate pointing at a Redis that is not reachable,
+    When a tenant asks for more messages than its burst of 2, a request is made for the unconfigured provider "sms",
+    and the unreachable gate is asked for a request,
+    Then each is refused with an error that says why (the cost exceeds the tenant burst of 2, no rate limits are
+    configured for 'sms', the gate is failing closed) instead of being let through."""
     with pytest.raises(CostExceedsBurst, match="exceeds the tenant burst of 2"):
         gate.acquire("resend", "small", 3)
     with pytest.raises(ConfigError, match="no rate limits configured for provider 'sms'"):

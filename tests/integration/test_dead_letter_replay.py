@@ -3,8 +3,8 @@
 import subprocess
 import sys
 
-from streams.dlq import read_all
-from tests.conftest import sms_request, wait_until
+from streams.retry.dlq import read_all
+from tests.harness import sms_request, wait_until
 
 POLICIES = """
 [policy.transactional]
@@ -21,6 +21,13 @@ schedule = ["10s"]
 
 def test_exhausted_send_is_dead_lettered_then_replayed(stack, names, channel_topics, limits, processes,
                                                       send_client, mock_provider, tmp_path, dispatch_env):
+    """Given retry policies allowing 3 attempts with a 10 s tier, a transactional SMS worker and its retrier, and a
+    provider that answers 500 to everything,
+    When one SMS send is published, and after it is dead-lettered the provider recovers and an operator runs `dlq
+    replay` on it,
+    Then the send lands once in notif.dlq after exactly 3 attempts (reason retries_exhausted, with its send id, tenant,
+    channel and the last 500 error), the replay delivers it exactly once, `dlq show` shows the reason without revealing
+    the phone number, and replaying an unknown send id fails saying it is not in the DLQ."""
     channel_topics("sms")
     limits.set_provider("sms", 100, 100)
     limits.set_tenant("sms", "*", 100, 100)

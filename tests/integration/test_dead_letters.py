@@ -3,11 +3,18 @@
 from confluent_kafka import Producer
 
 from streams.send import build_send, encode, validate_request
-from tests.conftest import committed_lag, email_request, read_topic, wait_until
+from tests.harness import committed_lag, email_request, read_topic, wait_until
 
 
 def test_lane_violation_and_malformed_events_are_dead_lettered_and_the_partition_continues(
         stack, names, channel_topics, limits, processes, mock_provider):
+    """Given one transactional email partition holding a marketing send, invalid JSON, a schema version 2 event, an SMS
+    send, and behind them a valid transactional email,
+    When a transactional email worker runs,
+    Then only the valid email is delivered, the partition is committed past every bad event, and the four bad events
+    are in notif.dlq with reasons lane_violation, malformed, unknown_version and channel_mismatch; the lane violation
+    keeps its send id, origin topic, offset, group and byte-identical payload, and the unknown version names schema
+    version 2 and its send id."""
     channel_topics("email", lane_partitions=1)
     limits.set_provider("resend", 100, 100)
     limits.set_tenant("resend", "*", 100, 100)

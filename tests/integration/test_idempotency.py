@@ -6,10 +6,13 @@ from confluent_kafka import Producer
 
 from streams.runtime import Runtime
 from streams.send import build_send, encode, validate_request
-from tests.conftest import committed_lag, email_request, wait_until
+from tests.harness import committed_lag, email_request, wait_until
 
 
 def test_duplicate_job_produces_one_send(stack, names, channel_topics, limits, processes, mock_provider):
+    """Given one transactional email published three times to its lane, followed by another send,
+    When a worker processes the lane,
+    Then all four messages are committed and the provider received each of the two sends exactly once."""
     # Given one send published three times (a producer retry, a replay, a copy)
     channel_topics("email")
     limits.set_provider("resend", 100, 100)
@@ -37,6 +40,10 @@ def test_duplicate_job_produces_one_send(stack, names, channel_topics, limits, p
 
 def test_same_sends_raced_by_two_workers_are_delivered_once(stack, names, namespace, channel_topics,
                                                            limits, dispatch_env, mock_provider):
+    """Given 300 marketing emails from three tenants on two partitions and a provider with 30 ms of latency,
+    When two workers in separate consumer groups (a zombie after a rebalance) both process every message at the same
+    time,
+    Then each of the 300 sends reaches the provider exactly once, only through the batch endpoint."""
     # Given 300 marketing emails that two workers both hold at once (the zombie after a rebalance,
     # modelled as two consumer groups on the same partitions), and a provider with some latency
     channel_topics("email", lane_partitions=2)

@@ -4,8 +4,8 @@ import httpx
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from streams.api import ApiKeys
-from tests.conftest import email_request, free_port, wait_until
+from streams.ingest.api_keys import ApiKeys
+from tests.harness import email_request, free_port, wait_until
 
 
 @pytest.fixture
@@ -39,6 +39,10 @@ def lane_end_offsets(bootstrap: str, topic: str) -> int:
 
 
 def test_send_is_accepted_and_its_tenant_comes_from_the_key(api, stack, names):
+    """Given the ingest API and API keys for tenant-a and tenant-b,
+    When tenant-a posts a transactional email whose body claims tenant_id "tenant-b",
+    Then it is accepted (202) on the transactional lane, tenant-a sees it as its own with status "accepted", and
+    tenant-b gets 404 for that send id."""
     body = {**email_request(), "tenant_id": "tenant-b"}  # ignored: the key says tenant-a
     r = api.post("/v1/sends", json=body, headers=api.tenant_a)
     assert r.status_code == 202, r.text
@@ -53,6 +57,11 @@ def test_send_is_accepted_and_its_tenant_comes_from_the_key(api, stack, names):
 
 
 def test_invalid_batch_is_rejected_whole_with_field_errors(api, stack, names):
+    """Given the ingest API and the current end of the marketing email lane,
+    When tenant-a posts a batch of three marketing emails, one with an invalid address and one with an unknown
+    category, and afterwards a valid batch of three,
+    Then the first batch is rejected whole with 422 and one error per bad field, enqueuing nothing, and the valid batch
+    is accepted (202, 3 accepted) and adds exactly 3 messages to the lane."""
     topic = names.lane("email", "marketing")
     before = lane_end_offsets(stack.bootstrap, topic)
     bad = email_request("marketing", to=["not-an-address"])
@@ -72,6 +81,10 @@ def test_invalid_batch_is_rejected_whole_with_field_errors(api, stack, names):
 
 
 def test_authentication_size_and_syntax_errors(api):
+    """Given the ingest API,
+    When sends are posted without a key, with a forged key, with a 6 MiB body, with malformed JSON, and with an unknown
+    "policy" field,
+    Then they get 401, 401, 413 (saying what the size is limited to), 400, and 422 pointing at the policy field."""
     assert api.post("/v1/sends", json=email_request()).status_code == 401
     assert api.post("/v1/sends", json=email_request(),
                     headers={"Authorization": "Bearer dr_ten_forged"}).status_code == 401
@@ -85,6 +98,10 @@ def test_authentication_size_and_syntax_errors(api):
 
 
 def test_limits_are_for_operators_only(api):
+    """Given the ingest API with a tenant key and an operator key,
+    When the tenant tries to read or change the resend rate limits, and the operator sets the global rate to 10,
+    Then the tenant gets 403 both times, while the operator's change is accepted (200) and reads back as a global rate
+    of 10."""
     for method, path in (("GET", "/v1/admin/limits/resend"), ("PUT", "/v1/admin/limits/resend")):
         r = api.request(method, path, json={"global_rate": 1000, "global_burst": 1000}, headers=api.tenant_a)
         assert r.status_code == 403, (method, r.text)
@@ -96,12 +113,19 @@ def test_limits_are_for_operators_only(api):
 
 
 def test_openapi_schema_describes_the_endpoints(api):
+    """Given the running ingest API,
+    When its /openapi.json is fetched,
+    Then it lists the /v1/sends, /v1/sends/batch and /v1/sends/{send_id} paths and the SendRequest schema."""
     schema = api.get("/openapi.json").json()
     assert {"/v1/sends", "/v1/sends/batch", "/v1/sends/{send_id}"} <= set(schema["paths"])
     assert "SendRequest" in schema["components"]["schemas"]
 
 
 def test_status_follows_the_outcome(api, processes, limits, mock_provider):
+    """Given the ingest API, a transactional email worker and the outcome recorder running,
+    When tenant-a posts an email,
+    Then its status becomes "delivered" after one attempt, naming the provider (resend) and the provider's message
+    id."""
     limits.set_provider("resend", 50, 50)
     limits.set_tenant("resend", "*", 50, 50)
     processes.worker("email", "transactional")
@@ -117,6 +141,9 @@ def test_status_follows_the_outcome(api, processes, limits, mock_provider):
 
 
 def test_api_serves_metrics(api):
+    """Given the ingest API,
+    When one authenticated transactional email and one send without a key are posted,
+    Then /metrics/ counts 1 ingested send on the email transactional lane and a rejection with status 401."""
     api.post("/v1/sends", json=email_request(), headers=api.tenant_a)
     api.post("/v1/sends", json=email_request())  # 401
     text = api.get("/metrics/").text

@@ -5,7 +5,7 @@ import signal
 
 import orjson
 
-from tests.conftest import (committed_lag, email_request, free_port, metric, read_topic, wait_until)
+from tests.harness import committed_lag, email_request, free_port, metric, read_topic, wait_until
 
 BLAST = 4_000
 BACKLOG = 300
@@ -36,6 +36,14 @@ def _first_crossing_ms(stack, names) -> int:
 
 def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
         stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given a lag monitor, workers told to yield above a transactional lag of 50, and a marketing worker with at least
+    400 emails of a 4,000-email blast delivered,
+    When 300 transactional emails pile up with no transactional worker, and a second marketing worker joins and then
+    leaves while the lane is paused,
+    Then marketing yields and stays paused through the rebalance (every partition of both workers paused, all 6 back on
+    the first worker and still paused), its deliveries stop within 2 s of the lag crossing the threshold, and once a
+    transactional worker drains the backlog marketing resumes: all 300 transactional emails and the whole blast are
+    delivered exactly once."""
     _setup(channel_topics, limits, mock_provider, processes)
     processes.start("lag-monitor", "lag-monitor", "--interval", "0.25")
     p1, p2 = free_port(), free_port()
@@ -80,6 +88,11 @@ def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
 
 def test_stale_lag_monitor_makes_workers_read_lag_directly(stack, names, channel_topics, limits, processes,
                                                            send_client, mock_provider):
+    """Given a marketing worker receiving fresh transactional lag readings from the lag monitor,
+    When the monitor is killed so that its reading goes stale,
+    Then the worker shows the stale reading in its metrics, keeps delivering a 1,000-email blast, still yields on its
+    own lag reading when 300 transactional emails pile up, resumes once a transactional worker drains them, and
+    finishes the blast with no duplicate delivery."""
     _setup(channel_topics, limits, mock_provider, processes)
     monitor = processes.start("lag-monitor", "lag-monitor", "--interval", "0.25")
     port = free_port()

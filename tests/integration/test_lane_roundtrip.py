@@ -6,6 +6,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 
 def test_lane_message_is_consumed_and_committed(stack, names, create_topics):
+    """Given a transactional email lane topic with 3 partitions,
+    When one message is produced with an idempotent producer and read by the lane's consumer group,
+    Then the same key and value come back and the committed offset is the one right after that message."""
     topic = names.lane("email", "transactional")
     create_topics({topic: 3})
     group = names.group("email", "transactional")

@@ -4,9 +4,9 @@ import socket
 
 import pytest
 
-from streams.devstack import LocalStack
+from streams.config import StackConfig
+from streams.devtools.stack import LocalStack
 from streams.errors import StackError
-from streams.settings import StackSettings
 
 
 def _free_port_pair() -> int:
@@ -27,15 +27,19 @@ def _free_port_pair() -> int:
 @pytest.fixture
 def private_stack(tmp_path, stack):
     # Reuse the session's jar cache so this test does not resolve Maven again.
-    shared = StackSettings.from_env().home / "kafka"
+    shared = StackConfig.from_env().home / "kafka"
     (tmp_path / "kafka").symlink_to(shared, target_is_directory=True)
-    local = LocalStack(StackSettings(home=tmp_path, kafka_bootstrap=None, redis_url=None,
+    local = LocalStack(StackConfig(home=tmp_path, kafka_bootstrap=None, redis_url=None,
                                      kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
     yield local
     local.down(wipe=True)
 
 
 def test_up_twice_reuses_status_reports_and_down_stops_only_ours(private_stack):
+    """Given a private local stack with its own home directory and free ports,
+    When `up` is run twice, followed by `status` and `down`,
+    Then the second `up` returns the same result and reuses the same Kafka and Redis processes, status shows both
+    running with their pids, and `down` stops exactly kafka and redis, which are reported stopped afterwards."""
     first = private_stack.up()
     kafka_pid, redis_pid = private_stack.kafka.pid(), private_stack.redis.pid()
     assert kafka_pid and redis_pid
@@ -52,6 +56,9 @@ def test_up_twice_reuses_status_reports_and_down_stops_only_ours(private_stack):
 
 
 def test_taken_port_is_reported_by_number(private_stack):
+    """Given a private local stack whose Redis port is already held by another socket,
+    When Redis is started,
+    Then it fails with an error naming that port number as taken."""
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", private_stack.settings.redis_port))
         squatter.listen()
@@ -60,15 +67,21 @@ def test_taken_port_is_reported_by_number(private_stack):
 
 
 def test_missing_maven_is_named(tmp_path, monkeypatch):
+    """Given a PATH with neither java nor mvn on it,
+    When the local stack looks for the Kafka libraries,
+    Then it fails saying `java` was not found on PATH and that the local Kafka needs a JDK 17."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no java, no mvn
-    local = LocalStack(StackSettings(home=tmp_path, kafka_bootstrap=None, redis_url=None,
+    local = LocalStack(StackConfig(home=tmp_path, kafka_bootstrap=None, redis_url=None,
                                      kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
     with pytest.raises(StackError, match="`java` was not found on PATH: the local Kafka needs a JDK 17"):
         local.kafka_libs()
 
 
 def test_environment_addresses_win(tmp_path):
-    local = LocalStack(StackSettings.from_env({"DUAL_RAIL_HOME": str(tmp_path),
+    """Given KAFKA_BOOTSTRAP_SERVERS and REDIS_URL set in the environment,
+    When the local stack is brought up,
+    Then it returns exactly those addresses and reports both services as external."""
+    local = LocalStack(StackConfig.from_env({"DUAL_RAIL_HOME": str(tmp_path),
                                                "KAFKA_BOOTSTRAP_SERVERS": "broker:9092",
                                                "REDIS_URL": "redis://cache:6379/0"}))
     assert local.up() == {"KAFKA_BOOTSTRAP_SERVERS": "broker:9092", "REDIS_URL": "redis://cache:6379/0"}

@@ -9,6 +9,10 @@ EMAIL = {"from": "a@acme.test", "to": ["b@example.test"], "subject": "s", "text"
 
 
 def test_team_limit_answers_429_with_resend_headers(mock_provider):
+    """Given the mock provider limited to 3 requests a second,
+    When 6 emails are posted in quick succession, each with its own idempotency key,
+    Then at least 2 are answered 429 rate_limit_exceeded, with the ratelimit-limit, ratelimit-remaining,
+    ratelimit-reset and retry-after headers Resend sends."""
     mock_provider.reset(rate=3)
     c = httpx.Client(base_url=mock_provider.url)
     answers = [c.post("/emails", json=EMAIL, headers={**AUTH, "Idempotency-Key": f"k{i}"}) for i in range(6)]
@@ -20,6 +24,10 @@ def test_team_limit_answers_429_with_resend_headers(mock_provider):
 
 
 def test_batch_rules_are_strict(mock_provider):
+    """Given the mock provider,
+    When a batch of 101 emails, a batch with one invalid address, and a batch with an attachment are posted, and
+    afterwards a batch of 100 valid emails,
+    Then the first three are rejected with 422 without delivering anything, and the batch of 100 is accepted (200)."""
     c = httpx.Client(base_url=mock_provider.url)
     assert c.post("/emails/batch", json=[EMAIL] * 101, headers=AUTH).status_code == 422
     one_bad = [EMAIL, {**EMAIL, "to": ["nope"]}]
@@ -31,6 +39,10 @@ def test_batch_rules_are_strict(mock_provider):
 
 
 def test_idempotency_key_replays_same_body_and_refuses_a_different_one(mock_provider):
+    """Given the mock provider and one idempotency key,
+    When the same email is posted twice under that key, and then a changed email under it,
+    Then the repeat gets the identical 200 answer, the changed body gets 409 invalid_idempotent_request, and only one
+    email is delivered (one idempotent replay)."""
     c = httpx.Client(base_url=mock_provider.url)
     h = {**AUTH, "Idempotency-Key": "send-s-1"}
     first = c.post("/emails", content=orjson.dumps(EMAIL), headers=h)
@@ -43,6 +55,9 @@ def test_idempotency_key_replays_same_body_and_refuses_a_different_one(mock_prov
 
 
 def test_faults_and_auth(mock_provider):
+    """Given the mock provider,
+    When an email is posted without an API key, and another with a key while every request is set to fail with a 5xx,
+    Then the first gets 401 and the second 500."""
     c = httpx.Client(base_url=mock_provider.url)
     assert c.post("/emails", json=EMAIL).status_code == 401
     mock_provider.configure(fault_5xx_ratio=1.0)

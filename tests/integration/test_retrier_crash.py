@@ -6,13 +6,18 @@ import time
 from confluent_kafka import Producer
 
 from streams.send import build_send, encode, validate_request
-from tests.conftest import committed_lag, read_topic, sms_request, wait_until
+from tests.harness import committed_lag, read_topic, sms_request, wait_until
 
 N = 200
 
 
 def test_retrier_killed_before_commit_then_restarted(stack, names, create_topics, channel_topics, limits,
                                                      processes, mock_provider):
+    """Given 200 SMS sends already due on the transactional 10 s retry tier, and a retrier that re-publishes all of
+    them to the lane but only commits every 10 minutes,
+    When that retrier is killed with kill -9 before committing and a new retrier takes over,
+    Then all 200 are re-published a second time (400 copies of 200 distinct sends) and the lane worker still delivers
+    each send exactly once."""
     channel_topics("sms", lane_partitions=2)
     limits.set_provider("sms", 500, 500)
     limits.set_tenant("sms", "*", 500, 500)

@@ -5,12 +5,18 @@ import time
 from confluent_kafka import Producer
 
 from streams.send import build_send, encode, validate_request
-from tests.conftest import read_topic, sms_request
+from tests.harness import read_topic, sms_request
 
 SLACK_MS = 2000
 
 
 def test_due_messages_are_republished_on_time_per_partition(stack, names, create_topics, processes):
+    """Given a running retrier on a 10 s tier with 3 partitions, holding sends due in 3 s and 3.5 s on partition 0, one
+    due in 4 s on partition 1, and on partition 2 a head due in an hour with a send due in 1 s behind it,
+    When their due times pass,
+    Then the three sends on partitions 0 and 1 are re-published to the lane never early and at most 2 s late,
+    byte-identical and still marked attempt 2, while partition 2's sends wait behind their far-future head without
+    delaying the others."""
     lane = names.lane("sms", "transactional")
     tier = names.retry("sms", "transactional", "10s")
     create_topics({lane: 3, tier: 3})

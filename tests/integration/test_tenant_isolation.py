@@ -3,7 +3,7 @@ whose messages share its partition."""
 
 import time
 
-from tests.conftest import committed_lag, sms_request, wait_until
+from tests.harness import committed_lag, sms_request, wait_until
 
 GLOBAL_RPS = 60
 A_RATE, A_BURST = 5, 5
@@ -14,6 +14,12 @@ TOLERANCE = 0.8  # B must get at least 80% of its own limit's worth while A floo
 
 def test_flooding_tenant_does_not_starve_a_neighbour_on_the_same_partition(
         stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given one SMS partition where tenant A (5 a second, burst 5) has 400 sends queued ahead of tenant B's 100 (20 a
+    second, burst 20), under a global limit of 60 a second,
+    When one transactional SMS worker runs the lane,
+    Then B's 100 sends reach the provider within 5 s of each other (its own limit allows 4 s) and soon after
+    publishing, A never exceeds its own bucket over that window, the provider never answers 429, nothing is delivered
+    twice, and A's remaining sends still wait uncommitted instead of being dropped."""
     # Given one partition shared by tenants A and B, the provider's real limit mirrored globally,
     # and A's bucket far smaller than what A is about to publish
     channel_topics("sms", lane_partitions=1)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from streams.cli import main
-from streams.topic_admin import TopicAdmin
-from streams.topic_spec import load_definitions
+from streams.topology.admin import TopicAdmin
+from streams.topology.spec import load_definitions
 
 REPO_TOPICS = Path(__file__).resolve().parents[2] / "topics"
 
@@ -28,6 +28,10 @@ def topics_cli(stack, namespace, monkeypatch, capsys):
 
 
 def test_apply_creates_every_topic_then_plan_is_clean_and_apply_is_idempotent(topics_cli, stack, namespace):
+    """Given the repository's topic definitions and an empty namespace on a real broker,
+    When `streams topics plan` and `apply` are run, and both are run again,
+    Then the first plan exits 2 with 57 changes pending, apply succeeds, the second plan and apply report 57 topics
+    defined and 0 changes, notif.lag is compacted and the marketing email lane has 6 partitions."""
     code, out = topics_cli("plan", REPO_TOPICS)
     assert code == 2 and "57 change(s) pending" in out
 
@@ -43,6 +47,10 @@ def test_apply_creates_every_topic_then_plan_is_clean_and_apply_is_idempotent(to
 
 
 def test_changed_retention_is_planned_named_and_applied(topics_cli, tmp_path, namespace):
+    """Given the system topics applied, and the retention of notif.outcomes changed in its definition from 30 days to 1
+    day,
+    When `streams topics plan` is run,
+    Then it exits 2 naming the topic, the retention.ms key and both values, and `apply` makes the plan clean again."""
     shutil.copy(REPO_TOPICS / "system.toml", tmp_path / "system.toml")
     assert topics_cli("apply", tmp_path)[0] == 0
 
@@ -63,6 +71,10 @@ def test_changed_retention_is_planned_named_and_applied(topics_cli, tmp_path, na
 
 
 def test_fewer_partitions_is_refused_with_the_reason(topics_cli, tmp_path, namespace):
+    """Given notif.dlq applied with 4 partitions,
+    When its definition is lowered to 2 partitions and applied,
+    Then apply exits 1 saying Kafka cannot remove partitions and that nothing was applied, while raising it to 8
+    partitions applies and leaves a clean plan."""
     (tmp_path / "t.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions=4\nreplication_factor=1\n')
     assert topics_cli("apply", tmp_path)[0] == 0
     (tmp_path / "t.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions=2\nreplication_factor=1\n')
@@ -78,6 +90,10 @@ def test_fewer_partitions_is_refused_with_the_reason(topics_cli, tmp_path, names
 
 
 def test_bad_definition_is_rejected_before_touching_the_cluster(stack, tmp_path, monkeypatch, capsys):
+    """Given a topic definition file in which partitions is "six",
+    When `streams topics apply` is run on it,
+    Then it exits 1 with an error naming the file, the topic, the field and the bad value, and no topic is created on
+    the broker."""
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", stack.bootstrap)
     (tmp_path / "bad.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions="six"\nreplication_factor=1\n')
 

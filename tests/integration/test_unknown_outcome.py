@@ -1,11 +1,16 @@
 """A timeout after the provider may have accepted the request is retried only under the same
 idempotency key: the provider answers from its store and the email is not sent twice."""
 
-from tests.conftest import committed_lag, email_request, wait_until
+from tests.harness import committed_lag, email_request, wait_until
 
 
 def test_late_answer_is_retried_with_the_same_key_and_delivers_once(stack, names, channel_topics, limits,
                                                                     processes, send_client, mock_provider):
+    """Given a transactional email worker and its 10 s retrier, and a provider that accepts each request but answers
+    after 4 s, past the client's 2 s timeout,
+    When one email is published and, after that first late answer, the provider answers on time again,
+    Then the retry goes out under the same idempotency key, the provider answers it from its store, and the email is
+    delivered exactly once with no idempotency conflict."""
     channel_topics("email")
     limits.set_provider("resend", 100, 100)
     limits.set_tenant("resend", "*", 100, 100)

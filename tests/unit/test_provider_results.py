@@ -3,7 +3,8 @@
 import httpx
 import pytest
 
-from streams.providers import Outbound, ResendEmail, redact
+from streams.providers.outcome import Outbound, redact
+from streams.providers.resend import ResendEmail
 
 
 def _provider(handler) -> ResendEmail:

@@ -3,15 +3,24 @@
 Route and payload never change across retries: decisions carry only a tier and a due time; the
 worker re-publishes the original message bytes (see tests/integration for that end to end)."""
 
+from datetime import UTC, datetime
 from email.utils import format_datetime
-from datetime import datetime, timezone
 
 import pytest
 
 from streams.errors import ConfigError
-from streams.providers import ProviderResult
-from streams.retry_policy import (DeadLetter, Delivered, RetryAt, cool_down_s, decide, load_policies, parse_policies,
-                                  parse_retry_after, wait_in_process)
+from streams.providers.outcome import ProviderResult
+from streams.retry.policy import (
+    DeadLetter,
+    Delivered,
+    RetryAt,
+    cool_down_s,
+    decide,
+    load_policies,
+    parse_policies,
+    parse_retry_after,
+    wait_in_process,
+)
 
 NOW = 1_800_000_000_000
 POLICIES = load_policies()
@@ -19,7 +28,7 @@ OTP, MARKETING = POLICIES["otp"], POLICIES["marketing"]
 
 
 def http_date(seconds_from_now: int) -> str:
-    return format_datetime(datetime.fromtimestamp(NOW / 1000 + seconds_from_now, tz=timezone.utc), usegmt=True)
+    return format_datetime(datetime.fromtimestamp(NOW / 1000 + seconds_from_now, tz=UTC), usegmt=True)
 
 
 # (policy, attempt, answer, expected kind, tier, min delay s, max delay s)

@@ -7,7 +7,7 @@ import pytest
 
 from streams.errors import SendValidationError
 from streams.send import MalformedEvent, build_send, decode, encode, new_send_id, validate_batch, validate_request
-from tests.conftest import email_request, sms_request
+from tests.harness import email_request, sms_request
 
 
 @pytest.mark.parametrize("category, lane", [("transactional", "transactional"), ("product", "transactional"),

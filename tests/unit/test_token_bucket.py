@@ -2,7 +2,7 @@
 
 import pytest
 
-from streams.token_bucket import Bucket, Limit, decide, refill
+from streams.gate.token_bucket import Bucket, Limit, decide, refill
 
 G, T = Limit(rate=10, burst=10), Limit(rate=100, burst=100)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from streams.errors import ConfigError
-from streams.topic_spec import TopicSpec, TopicState, load_definitions, parse_definitions, plan
+from streams.topology.spec import TopicSpec, TopicState, load_definitions, parse_definitions, plan
 
 REPO_TOPICS = Path(__file__).resolve().parents[2] / "topics"
 
@@ -27,8 +27,8 @@ def test_repository_definitions_cover_every_lane_tier_and_system_topic():
 def test_namespace_prefixes_every_name():
     specs = parse_definitions(Path("x.toml"), '[[topic]]\nname="notif.{channel}.{lane}"\n'
                               'partitions=2\nreplication_factor=1\n', namespace="ns.")
-    assert {s.name for s in specs} == {f"ns.notif.{c}.{l}" for c in ("email", "sms", "webhook")
-                                       for l in ("transactional", "marketing")}
+    assert {s.name for s in specs} == {f"ns.notif.{c}.{lane}" for c in ("email", "sms", "webhook")
+                                       for lane in ("transactional", "marketing")}
 
 
 @pytest.mark.parametrize("body, expected", [

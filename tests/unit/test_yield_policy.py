@@ -2,7 +2,7 @@
 
 import pytest
 
-from streams.yield_policy import Governor, LagReading, YieldPolicy
+from streams.lag.yield_policy import Governor, LagReading, YieldPolicy
 
 P = YieldPolicy(pause_above=100, resume_below=20, min_dwell_s=2.0, stale_after_s=3.0)
 

@@ -1,0 +1,128 @@
+"""Operator tasks: topics as code, rate limits, API keys and dead letters."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import Config
+from ..errors import ConfigError
+from ..runtime import Runtime
+
+
+def topics(sub) -> None:
+    p = sub.add_parser("topics", help="declarative topics in topics/*.toml")
+    p.add_argument("action", choices=["plan", "apply"])
+    p.add_argument("--dir", help="definition folder (default: the repository's topics/)")
+    p.add_argument("--namespace", default=None, help="prefix for every topic name (default: "
+                   "DUAL_RAIL_TOPIC_NAMESPACE; isolates test runs)")
+
+    def run(args: argparse.Namespace) -> int:
+        from ..topology.admin import TopicAdmin
+        from ..topology.spec import load_definitions, plan, topics_dir
+
+        config = Config.from_env()
+        namespace = config.namespace if args.namespace is None else args.namespace
+        specs = load_definitions(topics_dir(args.dir), namespace=namespace)
+        admin = TopicAdmin(config.bootstrap)
+        changes = plan(specs, admin.state(list(specs)))
+        if args.action == "plan":
+            for change in changes:
+                print(change)
+            print(f"{len(specs)} topics defined, {len(changes)} change(s) pending")
+            return 2 if changes else 0
+        refused = [c for c in changes if c.kind == "refused"]
+        if refused:
+            for change in refused:
+                print(change, file=sys.stderr)
+            print("nothing applied: fix the definitions or the cluster first", file=sys.stderr)
+            return 1
+        admin.apply(changes, specs)
+        for change in changes:
+            print(change)
+        print(f"{len(specs)} topics defined, {len(changes)} change(s) applied")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def limits(sub) -> None:
+    p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
+    p.add_argument("action", choices=["set", "show"])
+    p.add_argument("--provider", required=True, help="resend | sms")
+    p.add_argument("--global-rate", type=int, help="provider requests per second (its real limit)")
+    p.add_argument("--global-burst", type=int)
+    p.add_argument("--reserve", type=int, help="global tokens marketing may not take (kept for transactional)")
+    p.add_argument("--tenant", help="tenant id, or '*' for the default")
+    p.add_argument("--rate", type=int, help="tenant messages per second")
+    p.add_argument("--burst", type=int)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..gate.limits import LimitChange, LimitStore
+
+        rt = Runtime.from_env()
+        store = LimitStore(rt.redis(), rt.namespace)
+        if args.action == "set":
+            shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
+                                                           args.tenant, args.rate, args.burst))
+        else:
+            shown = store.show(args.provider)
+        for key, value in shown.items():
+            print(f"{args.provider} {key} = {value}")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def keys(sub) -> None:
+    p = sub.add_parser("keys", help="operator: create API keys for the ingest API")
+    p.add_argument("action", choices=["create"])
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant")
+    who.add_argument("--operator", action="store_true")
+
+    def run(args: argparse.Namespace) -> int:
+        from ..ingest.api_keys import ApiKeys
+
+        rt = Runtime.from_env()
+        api_keys = ApiKeys(rt.redis(), rt.namespace)
+        print(api_keys.create("operator") if args.operator else api_keys.create("tenant", args.tenant))
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def dlq(sub) -> None:
+    p = sub.add_parser("dlq", help="operator: list, show and replay dead letters")
+    p.add_argument("action", choices=["list", "show", "replay"])
+    p.add_argument("send_id", nargs="?")
+    p.add_argument("--reason", help="list only this reason")
+    p.add_argument("--limit", type=int, default=50)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..retry import dlq as tools
+
+        rt = Runtime.from_env()
+        records = tools.read_all(rt.bootstrap, rt.names.dlq)
+        if args.action == "list":
+            shown = [r for r in records if not args.reason or r.reason == args.reason][-args.limit:]
+            for r in shown:
+                print(f"{r.send_id:<38} {r.reason:<18} attempts={r.headers.get('attempts', '-'):<3} "
+                      f"tenant={r.headers.get('tenant', '-')} lane={r.headers.get('channel', '?')}."
+                      f"{r.headers.get('lane', '?')}")
+            print(f"{len(shown)} of {len(records)} dead letters")
+            return 0
+        if not args.send_id:
+            raise ConfigError(f"`streams dlq {args.action}` needs a send id")
+        record = tools.find(records, args.send_id)
+        if args.action == "show":
+            print(tools.describe(record))
+            return 0
+        topic = tools.replay(rt.bootstrap, rt.names, record)
+        print(f"replayed {record.send_id} to {topic} as a new attempt record")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [topics, limits, keys, dlq]

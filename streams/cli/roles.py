@@ -1,0 +1,135 @@
+"""Long-lived process roles: lane workers, retriers, the lag monitor, the ingest API and the
+outcome recorder. Each can run as many copies as needed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from typing import Any
+
+from .. import metrics
+from ..config import Config
+from ..lanes import CHANNELS, LANES, RETRY_TIERS
+from ..runtime import Runtime
+
+
+def setup_logging(config: Config) -> None:
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
+    """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served; the banner is
+    printed once it is set up (supervisors and tests wait for it)."""
+    signal.signal(signal.SIGTERM, role.stop)
+    signal.signal(signal.SIGINT, role.stop)
+    metrics.serve(metrics_port, config.metrics_addr)
+    print(banner, flush=True)
+    role.run()
+    return 0
+
+
+def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
+    import uvicorn
+
+    from ..gate.limits import LimitStore
+    from ..ingest.api import create_app
+    from ..ingest.api_keys import ApiKeys
+    from ..ingest.status import StatusStore
+
+    r = rt.redis()
+    app = create_app(rt.send_client(router=router), StatusStore(r, rt.namespace), ApiKeys(r, rt.namespace),
+                     LimitStore(r, rt.namespace), frozenset(rt.policies()))
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def _metrics_port(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+
+
+def worker(sub) -> None:
+    p = sub.add_parser("worker", help="a lane worker (run many copies)")
+    p.add_argument("--channel", required=True, choices=CHANNELS)
+    p.add_argument("--lane", required=True, choices=LANES)
+    p.add_argument("--concurrency", type=int, default=8, help="provider requests in flight")
+    _metrics_port(p)
+
+    def run(args: argparse.Namespace) -> int:
+        rt = Runtime.from_env()
+        setup_logging(rt.config)
+        w = rt.worker(args.channel, args.lane, concurrency=args.concurrency)
+        return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
+                        rt.config)
+
+    p.set_defaults(func=run)
+
+
+def retrier(sub) -> None:
+    p = sub.add_parser("retrier", help="re-publish a retry tier's messages to their lane when due")
+    p.add_argument("--channel", required=True, choices=CHANNELS)
+    p.add_argument("--lane", required=True, choices=LANES)
+    p.add_argument("--tier", required=True, choices=list(RETRY_TIERS))
+    _metrics_port(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..retry.retrier import Retrier, RetrierConfig
+
+        rt = Runtime.from_env()
+        setup_logging(rt.config)
+        r = Retrier(RetrierConfig(args.channel, args.lane, args.tier, rt.bootstrap, rt.names,
+                                  commit_interval_ms=rt.config.commit_interval_ms))
+        return run_role(r, args.metrics_port,
+                        f"retrier consuming {r.cfg.topic} as {r.cfg.group} -> {r.lane_topic}", rt.config)
+
+    p.set_defaults(func=run)
+
+
+def lag_monitor(sub) -> None:
+    p = sub.add_parser("lag-monitor", help="publish transactional lag to notif.lag and /metrics")
+    p.add_argument("--interval", type=float, default=0.25, help="seconds between readings (<= 0.5)")
+    _metrics_port(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..lag.monitor import LagMonitor
+
+        rt = Runtime.from_env()
+        setup_logging(rt.config)
+        monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval)
+        return run_role(monitor, args.metrics_port,
+                        f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", rt.config)
+
+    p.set_defaults(func=run)
+
+
+def api(sub) -> None:
+    p = sub.add_parser("api", help="the HTTP ingest API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18000)
+
+    def run(args: argparse.Namespace) -> int:
+        rt = Runtime.from_env()
+        setup_logging(rt.config)
+        serve_api(rt, args.host, args.port)
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def outcome_recorder(sub) -> None:
+    p = sub.add_parser("outcome-recorder", help="keep the send status store current from notif.outcomes")
+    _metrics_port(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..ingest.status import OutcomeRecorder, StatusStore
+
+        rt = Runtime.from_env()
+        setup_logging(rt.config)
+        recorder = OutcomeRecorder(rt.bootstrap, StatusStore(rt.redis(), rt.namespace), rt.names.outcomes,
+                                   rt.names.recorder_group)
+        return run_role(recorder, args.metrics_port, f"outcome recorder consuming {rt.names.outcomes}",
+                        rt.config)
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [worker, retrier, lag_monitor, api, outcome_recorder]

@@ -1,0 +1,169 @@
+"""Every environment variable the project reads, parsed once into frozen dataclasses.
+
+No other module reads `os.environ`. A bad value raises ConfigError naming the variable and what
+was expected. The variables and their defaults:
+
+    KAFKA_BOOTSTRAP_SERVERS       Kafka bootstrap servers  (default: local stack, 127.0.0.1:DUAL_RAIL_KAFKA_PORT)
+    REDIS_URL                     Redis URL     (default: local stack, redis://127.0.0.1:DUAL_RAIL_REDIS_PORT/0)
+    DUAL_RAIL_HOME                local stack cache and data    (default: ~/.cache/dual-rail)
+    DUAL_RAIL_KAFKA_PORT          local Kafka port              (default: 19092; the controller uses the next port)
+    DUAL_RAIL_REDIS_PORT          local Redis port              (default: 16379)
+    DUAL_RAIL_TOPIC_NAMESPACE     prefix of every topic, group and Redis key name (default: none)
+    RESEND_BASE_URL, SMS_BASE_URL provider base URLs            (required by the workers of that channel)
+    RESEND_API_KEYS, SMS_API_KEYS provider API keys, JSON {tenant: key}; "*" is the default key
+    PROVIDER_TIMEOUT_S            provider request timeout, seconds (default: 10)
+    DUAL_RAIL_RETRY_POLICIES      retry policy file             (default: the packaged streams/retry/policies.toml)
+    YIELD_PAUSE_ABOVE             transactional lag (messages) at which marketing yields (default: 100)
+    YIELD_RESUME_BELOW            ... and at or below which it resumes (default: 20)
+    YIELD_PAUSE_ABOVE_SECONDS     also yield when the oldest transactional message is this old (default: 0, off)
+    YIELD_MIN_DWELL_S             shortest pause, seconds (default: 2)
+    YIELD_STALE_AFTER_S           a lag reading older than this is not trusted, seconds (default: 3)
+    DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
+    LOG_LEVEL                     Python log level              (default: INFO)
+    METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import orjson
+
+from .errors import ConfigError
+from .lag.yield_policy import YieldPolicy
+from .names import RedisKeys, TopicNames
+from .providers.registry import PROVIDERS
+
+DEFAULT_KAFKA_PORT = 19092
+DEFAULT_REDIS_PORT = 16379
+T = TypeVar("T")
+
+
+def _parse(environ: Mapping[str, str], name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not valid: expected {expected}") from None
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    return _parse(environ, name, default, int, "an integer")
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    return _parse(environ, name, default, float, "a number")
+
+
+def _api_keys(environ: Mapping[str, str], name: str) -> dict[str, str]:
+    raw = environ.get(name) or ""
+    try:
+        keys = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        keys = None
+    if not isinstance(keys, dict) or not all(isinstance(v, str) and v for v in keys.values()):
+        raise ConfigError(f"environment variable {name} must be a JSON object of tenant -> API key")
+    return keys
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Where Kafka and Redis are. Explicit addresses win over the local stack."""
+
+    home: Path
+    kafka_bootstrap: str | None
+    redis_url: str | None
+    kafka_port: int = DEFAULT_KAFKA_PORT
+    redis_port: int = DEFAULT_REDIS_PORT
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StackConfig:
+        e = os.environ if environ is None else environ
+        return cls(
+            home=Path(e.get("DUAL_RAIL_HOME") or Path.home() / ".cache" / "dual-rail"),
+            kafka_bootstrap=e.get("KAFKA_BOOTSTRAP_SERVERS") or None,
+            redis_url=e.get("REDIS_URL") or None,
+            kafka_port=_int(e, "DUAL_RAIL_KAFKA_PORT", DEFAULT_KAFKA_PORT),
+            redis_port=_int(e, "DUAL_RAIL_REDIS_PORT", DEFAULT_REDIS_PORT),
+        )
+
+    @property
+    def bootstrap(self) -> str:
+        return self.kafka_bootstrap or f"127.0.0.1:{self.kafka_port}"
+
+    @property
+    def redis(self) -> str:
+        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+
+@dataclass(frozen=True)
+class ProviderEndpoint:
+    """A provider's base URL and API keys per tenant (`*` is the default)."""
+
+    base_url: str | None
+    api_keys: dict[str, str] = field(default_factory=dict)
+
+
+def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
+    try:
+        return YieldPolicy(pause_above=_int(e, "YIELD_PAUSE_ABOVE", 100),
+                           resume_below=_int(e, "YIELD_RESUME_BELOW", 20),
+                           pause_above_seconds=_float(e, "YIELD_PAUSE_ABOVE_SECONDS", 0.0),
+                           min_dwell_s=_float(e, "YIELD_MIN_DWELL_S", 2.0),
+                           stale_after_s=_float(e, "YIELD_STALE_AFTER_S", 3.0))
+    except ValueError as exc:
+        raise ConfigError(f"environment variables YIELD_RESUME_BELOW / YIELD_PAUSE_ABOVE: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    stack: StackConfig
+    namespace: str = ""
+    providers: dict[str, ProviderEndpoint] = field(default_factory=dict)  # by provider name
+    provider_timeout_s: float = 10.0
+    retry_policies_path: str | None = None
+    yield_policy: YieldPolicy = field(default_factory=YieldPolicy)
+    commit_interval_ms: int = 1000
+    log_level: str = "INFO"
+    metrics_addr: str = "127.0.0.1"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        e = os.environ if environ is None else environ
+        timeout = _float(e, "PROVIDER_TIMEOUT_S", 10.0)
+        if timeout <= 0:
+            raise ConfigError(f"environment variable PROVIDER_TIMEOUT_S={timeout} must be above 0")
+        return cls(
+            stack=StackConfig.from_env(e),
+            namespace=e.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
+            providers={p.name: ProviderEndpoint(e.get(p.url_var) or None, _api_keys(e, p.keys_var))
+                       for p in PROVIDERS.values()},
+            provider_timeout_s=timeout,
+            retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
+            yield_policy=_yield_policy(e),
+            commit_interval_ms=_int(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000),
+            log_level=e.get("LOG_LEVEL") or "INFO",
+            metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",
+        )
+
+    @property
+    def bootstrap(self) -> str:
+        return self.stack.bootstrap
+
+    @property
+    def redis_url(self) -> str:
+        return self.stack.redis
+
+    @property
+    def names(self) -> TopicNames:
+        return TopicNames(self.namespace)
+
+    @property
+    def keys(self) -> RedisKeys:
+        return RedisKeys(self.namespace)

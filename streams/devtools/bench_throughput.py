@@ -1,0 +1,132 @@
+"""`streams bench throughput`: messages/s through one marketing worker against an unlimited mock
+provider, side by side in one run with (a) a bare confluent-kafka consume-and-decode loop (the
+ceiling) and (b) a naive worker doing one gate call and one HTTP request per message.
+
+Each rate is steady state: measured from the first message consumed to the last one done, so the
+consumer-group join, which all three pay once, is not counted."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from confluent_kafka import Consumer
+
+from ..dispatch.idempotency import idempotency_key
+from ..gate.gate import RedisGate
+from ..gate.limits import LimitStore
+from ..kafka_client import client_config
+from ..providers.outcome import Outbound
+from ..providers.resend import ResendEmail
+from ..send import decode
+from .bench_blast import _email
+from .fleet import Fleet
+
+TENANT = "bulk"
+
+
+class FirstMessageClock:
+    """A consumer that notes when its first message arrived (everything else passes through)."""
+
+    def __init__(self, consumer: Consumer):
+        self._consumer = consumer
+        self.first_at: float | None = None
+
+    def consume(self, *args, **kwargs):
+        msgs = self._consumer.consume(*args, **kwargs)
+        if msgs and self.first_at is None:
+            self.first_at = time.perf_counter()
+        return msgs
+
+    def __getattr__(self, name: str):
+        return getattr(self._consumer, name)
+
+
+def _consume(bootstrap: str, topic: str, n: int, handle) -> float:
+    """Consume n messages of `topic` through a fresh group, calling handle(msg); returns the seconds
+    from the first message to the last (steady state: the group join is not counted)."""
+    c = Consumer(client_config(bootstrap, settings={"group.id": f"bench-{uuid.uuid4().hex}",
+                                             "auto.offset.reset": "earliest", "enable.auto.commit": False}))
+    c.subscribe([topic])
+    seen = 0
+    started: float | None = None
+    try:
+        while seen < n:
+            for msg in c.consume(num_messages=1000, timeout=0.5):
+                if msg.error():
+                    continue
+                started = started or time.perf_counter()
+                handle(msg)
+                seen += 1
+                if seen >= n:
+                    break
+    finally:
+        c.close()
+    return time.perf_counter() - (started or time.perf_counter())
+
+
+def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None) -> dict:
+    stamp = int(time.time())
+    with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}")) as fleet:
+        fleet.create_topics()
+        url = fleet.start_mock(rate=1_000_000, latency_ms=0)
+        rt = fleet.runtime
+        redis_client = rt.redis()
+        limits = LimitStore(redis_client, fleet.namespace)
+        limits.set_provider("resend", 1_000_000, 1_000_000)
+        limits.set_tenant("resend", "*", 1_000_000, 100)
+        topic = rt.names.lane("email", "marketing")
+        client = rt.send_client()
+        progress(f"publishing {n} marketing emails")
+        for start in range(0, n, 1000):
+            client.publish_batch(TENANT, [_email("marketing")] * min(1000, n - start))
+        mock = httpx.Client(base_url=url, timeout=30)
+
+        progress("ceiling: consume and decode")
+        ceiling_s = _consume(rt.bootstrap, topic, n, lambda m: decode(m.value()))
+
+        progress("naive: one gate call and one HTTP request per message")
+        gate = RedisGate(redis_client, fleet.namespace)
+        provider = ResendEmail(url)
+
+        def naive(msg) -> None:
+            send = decode(msg.value())
+            while not gate.acquire("resend", send.tenant_id, 1).allowed:
+                pass
+            path, body = provider.build([Outbound(send.send_id, send.tenant_id, "naive", send.payload)], batch=False)
+            provider.post(path, body, "re_bench_default", idempotency_key([send.send_id]))
+
+        naive_s = _consume(rt.bootstrap, topic, naive_n, naive)
+        provider.close()
+        mock.post("/_mock/reset").raise_for_status()
+
+        progress("worker: the lane worker, in this process")
+        worker = rt.worker("email", "marketing")
+        checked_at, done = 0.0, False
+
+        def finished() -> bool:
+            nonlocal checked_at, done
+            if time.monotonic() - checked_at > 0.1:
+                checked_at = time.monotonic()
+                done = mock.get("/_mock/stats").json()["messages_delivered"] >= n
+            return done
+
+        timed = FirstMessageClock(worker.consumer)
+        worker.consumer = timed  # the clock starts at the first message, as for the others
+        worker.run(until=finished)
+        worker_s = time.perf_counter() - (timed.first_at or time.perf_counter())
+        stats = mock.get("/_mock/stats").json()
+
+    worker_rate, naive_rate, ceiling_rate = n / worker_s, naive_n / naive_s, n / ceiling_s
+    return {
+        "messages": n, "naive_messages": naive_n,
+        "worker_msgs_per_s": round(worker_rate, 1),
+        "naive_msgs_per_s": round(naive_rate, 1),
+        "consume_ceiling_msgs_per_s": round(ceiling_rate, 1),
+        "ratio_vs_naive": round(worker_rate / naive_rate, 2),
+        "ratio_vs_ceiling": round(worker_rate / ceiling_rate, 3),
+        "worker_provider_requests": stats["requests_total"],
+        "worker_duplicates": stats["duplicate_deliveries"],
+    }

@@ -1,0 +1,168 @@
+"""A set of the project's processes started together, for benchmarks and the demo.
+
+Every process gets the same environment (one topic namespace, one mock provider) and logs to its
+own file; `stop()` ends them all (SIGTERM, then SIGKILL), also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ..errors import StackError
+from ..runtime import Runtime
+from ..topology.admin import TopicAdmin
+from ..topology.spec import channel_specs, load_definitions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    def __init__(self, namespace: str, log_dir: Path, base_env: dict | None = None):
+        self.namespace = namespace
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {"LOG_LEVEL": "WARNING", **(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace}
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.mock_url = ""
+
+    @property
+    def runtime(self) -> Runtime:
+        """Built from the current environment (start_mock adds the provider settings)."""
+        return Runtime.from_env(self.env)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def create_topics(self, channels: tuple[str, ...] = ("email",)) -> None:
+        TopicAdmin(self.runtime.bootstrap).ensure(
+            channel_specs(load_definitions(namespace=self.namespace), self.namespace, channels))
+
+    def start(self, name: str, *args: str, ready: str | None = None, env: dict | None = None,
+              module: str = "streams.cli") -> subprocess.Popen:
+        """Start `python -m <module> <args>`; with `ready`, wait until its log shows that line."""
+        log = self.log_dir / f"{len(self.procs):02d}-{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**self.env, **(env or {})},
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc, log))
+        if ready:
+            deadline = time.monotonic() + 60
+            while ready not in log.read_text(errors="replace"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise StackError(f"{name} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+                time.sleep(0.05)
+        return proc
+
+    def start_mock(self, rate: float, latency_ms: float) -> str:
+        port = free_port()
+        self.start("mock-provider", "mock-provider", "--port", str(port), "--rate", str(rate),
+                   "--latency-ms", str(latency_ms), ready="mock provider on")
+        self.mock_url = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=self.mock_url, timeout=10)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.get("/_mock/stats").raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise StackError("the mock provider did not answer") from None
+                time.sleep(0.05)
+        keys = '{"*": "re_bench_default"}'
+        self.env.update({"RESEND_BASE_URL": self.mock_url, "SMS_BASE_URL": self.mock_url,
+                         "RESEND_API_KEYS": keys, "SMS_API_KEYS": keys})
+        return self.mock_url
+
+    def stop(self) -> None:
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p, _ in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+    def worker(self, channel: str, lane: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        return self.start(f"worker-{channel}-{lane}", "worker", "--channel", channel, "--lane", lane, *extra,
+                          env=env, ready="consuming")
+
+    def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
+        return self.start(f"retrier-{channel}-{lane}-{tier}", "retrier", "--channel", channel, "--lane", lane,
+                          "--tier", tier, env=env, ready="retrier consuming")
+
+    def logs(self, tail: int = 2000) -> str:
+        """The end of every process's log, for a failure report."""
+        return "\n".join(f"--- {log.name} (exit {p.poll()})\n{log.read_text(errors='replace')[-tail:]}"
+                         for _, p, log in self.procs)
+
+
+def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False,
+                   with_api: bool = True, marketing_metrics_port: int = 0) -> dict:
+    """The whole dispatch stack for one channel (email): mock provider, limits, ingest API and
+    outcome recorder (`with_api`), lag monitor, workers and retriers. `baseline` runs the naive
+    design instead: one shared FIFO lane, no yielding. Returns the addresses (and API keys) a load
+    generator needs."""
+    from ..gate.limits import LimitStore
+    from ..ingest.api_keys import ApiKeys
+
+    fleet.create_topics()
+    fleet.start_mock(provider_rps, latency_ms)
+    r = fleet.runtime.redis()
+    limits = LimitStore(r, fleet.namespace)
+    # The gate mirrors the provider's limit; a burst of half a second absorbs request-arrival jitter
+    # at the provider; the reserve keeps the last tokens for transactional sends.
+    limits.set_provider("resend", provider_rps, max(2, provider_rps // 2),
+                        reserve=0 if baseline else max(1, provider_rps // 10))
+    limits.set_tenant("resend", "*", 1_000_000, 100)
+    info = {"MOCK_URL": fleet.mock_url}
+    if with_api:
+        keys = ApiKeys(r, fleet.namespace)
+        info.update(BLAST_KEY=keys.create("tenant", "blaster"), OTP_KEY=keys.create("tenant", "shop"))
+        api_port = free_port()
+        if baseline:
+            fleet.start("api-baseline", "api", "--port", str(api_port), module="streams.devtools.baseline")
+        else:
+            fleet.start("api", "api", "--port", str(api_port))
+        fleet.start("outcome-recorder", "outcome-recorder")
+    if baseline:
+        fleet.start("worker-baseline", "worker", "--channel", "email", ready="consuming",
+                    module="streams.devtools.baseline")
+    else:
+        fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
+        fleet.worker("email", "transactional")
+        fleet.worker("email", "marketing", "--metrics-port", str(marketing_metrics_port))
+        for lane, tier in (("transactional", "10s"), ("transactional", "1m"), ("marketing", "1m")):
+            fleet.retrier("email", lane, tier)
+    if not with_api:
+        return info
+    api = f"http://127.0.0.1:{api_port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{api}/openapi.json", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise StackError("the ingest API did not answer")
+        time.sleep(0.1)
+    info["API_URL"] = api
+    return info

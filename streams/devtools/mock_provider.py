@@ -1,0 +1,307 @@
+"""`streams mock-provider`: a real HTTP server standing for the outside world (Resend + an SMS gateway).
+
+- One team-wide limit shared by every API key (requests/s); beyond it: 429 with `ratelimit-*` and
+  `retry-after` headers and Resend's error body. `POST /_mock/config {"throttle_all_for_s": N}`
+  answers 429 to everything for N seconds.
+- `POST /emails`, `POST /emails/batch` (1..100, strict: one invalid email fails the batch, no
+  attachments or scheduled_at), `POST /sms/messages`.
+- Idempotency keys kept 24 h per API key: same key and body -> the same response again (not a new
+  delivery); a different body -> 409 `invalid_idempotent_request`.
+- Faults: latency, a 5xx ratio, a ratio of timeouts *after* accepting (the message counts as
+  delivered, the answer comes too late), a 401 ratio, and `hold_answers` (accept, then hold every
+  answer until it is switched off; `held` in the stats counts them).
+- `GET /_mock/stats`: per-tenant counts, per-send receive times, duplicate deliveries, forbidden
+  requests. Any other path (audiences, contacts, segments, broadcasts, topics ...) is refused,
+  counted and logged as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+log = logging.getLogger("streams.mock_provider")
+_EMAIL = re.compile(r"^([^<>]*<)?[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+>?$")
+_E164 = re.compile(r"^\+[1-9]\d{6,14}$")
+IDEMPOTENCY_TTL_S = 24 * 3600
+
+
+def _json(body: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def _error(status: int, name: str, message: str, headers: dict | None = None) -> Response:
+    return _json({"statusCode": status, "name": name, "message": message}, status, headers)
+
+
+@dataclass
+class MockConfig:
+    rate: float = 10.0               # team-wide requests per second
+    latency_ms: float = 0.0
+    fault_5xx_ratio: float = 0.0
+    fault_timeout_ratio: float = 0.0
+    timeout_delay_s: float = 15.0    # how late a "timed out" answer comes
+    fault_401_ratio: float = 0.0
+    hold_answers: bool = False       # accept requests, then hold every answer until released
+    seed: int | None = None
+
+
+@dataclass
+class MockState:
+    config: MockConfig
+    tokens: float = 0.0
+    updated: float = field(default_factory=time.monotonic)
+    throttle_until: float = 0.0
+    idempotency: dict = field(default_factory=dict)   # (api_key, key) -> (expires, body_hash, status, body)
+    in_flight_keys: set = field(default_factory=set)
+    deliveries: dict = field(default_factory=dict)    # send_id -> [receive unix times]
+    tenants: dict = field(default_factory=dict)       # tenant -> counters
+    counts: dict = field(default_factory=lambda: {
+        "requests_total": 0, "throttled": 0, "forbidden": 0, "faults_5xx": 0, "faults_timeout": 0,
+        "faults_401": 0, "rejected": 0, "idempotent_replays": 0, "idempotency_conflicts": 0,
+        "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0,
+        "marketing_single_requests": 0, "messages_delivered": 0})
+    forbidden_paths: list = field(default_factory=list)
+    held: int = 0                                     # accepted requests whose answer is held
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.config.rate
+        self.rng = random.Random(self.config.seed)
+
+    def take_token(self) -> tuple[bool, float]:
+        now = time.monotonic()
+        if now < self.throttle_until:
+            return False, self.throttle_until - now
+        rate = self.config.rate
+        self.tokens = min(rate, self.tokens + (now - self.updated) * rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True, 0.0
+        return False, (1 - self.tokens) / rate
+
+    def tenant(self, name: str) -> dict:
+        return self.tenants.setdefault(name, {"requests": 0, "messages": 0, "single_requests": 0,
+                                              "batch_requests": 0, "throttled": 0})
+
+
+def _tags(item: dict) -> dict[str, str]:
+    tags = item.get("tags") or []
+    return {str(t.get("name")): str(t.get("value")) for t in tags if isinstance(t, dict)}
+
+
+def _validate_email(item: object, where: str, in_batch: bool) -> str | None:
+    if not isinstance(item, dict):
+        return f"{where}: must be an object"
+    if in_batch and ("attachments" in item or "scheduled_at" in item):
+        return f"{where}: attachments and scheduled_at are not supported in batch emails"
+    if not isinstance(item.get("from"), str) or not _EMAIL.match(item["from"]):
+        return f"{where}: invalid `from` field"
+    to = item.get("to")
+    to = [to] if isinstance(to, str) else to
+    if not isinstance(to, list) or not 1 <= len(to) <= 50 \
+            or not all(isinstance(a, str) and _EMAIL.match(a) for a in to):
+        return f"{where}: invalid `to` field (1 to 50 addresses)"
+    if not isinstance(item.get("subject"), str) or not item["subject"]:
+        return f"{where}: missing `subject` field"
+    if not item.get("html") and not item.get("text"):
+        return f"{where}: missing `html` or `text` field"
+    return None
+
+
+async def hold(state: MockState) -> None:
+    """Keep an accepted request's answer until `hold_answers` is switched off (tests kill a worker
+    while it waits, so the request's outcome is unknown to it but the provider has accepted it)."""
+    state.held += 1
+    try:
+        await state.release.wait()
+    finally:
+        state.held -= 1
+
+
+def build_app(config: MockConfig) -> Starlette:
+    state = MockState(config)
+
+    async def guarded(request: Request, kind: str) -> Response:
+        """Auth, idempotency and limits shared by every send endpoint."""
+        c = state.counts
+        c["requests_total"] += 1
+        if config.latency_ms:
+            await asyncio.sleep(config.latency_ms / 1000)
+        auth = request.headers.get("authorization", "")
+        api_key = auth.removeprefix("Bearer ").strip()
+        if not api_key.startswith("re_") or state.rng.random() < config.fault_401_ratio:
+            if api_key.startswith("re_"):
+                c["faults_401"] += 1
+            return _error(401, "validation_error" if not api_key else "invalid_api_key", "API key is invalid")
+        ok, wait = state.take_token()
+        if not ok:
+            c["throttled"] += 1
+            reset = max(1, math.ceil(wait))
+            return _error(429, "rate_limit_exceeded",
+                          f"Too many requests. You can only make {config.rate:g} requests per second.",
+                          {"ratelimit-limit": f"{config.rate:g}", "ratelimit-remaining": "0",
+                           "ratelimit-reset": str(reset), "retry-after": str(reset)})
+        raw = await request.body()
+        key = request.headers.get("idempotency-key")
+        digest = hashlib.sha256(raw).hexdigest()
+        now = time.time()
+        if key:
+            seen = state.idempotency.get((api_key, key))
+            if seen and seen[0] > now:
+                if seen[1] != digest:
+                    c["idempotency_conflicts"] += 1
+                    return _error(409, "invalid_idempotent_request",
+                                  "Same idempotency key used with a different request payload.")
+                c["idempotent_replays"] += 1
+                return _json(seen[3], seen[2])
+            if (api_key, key) in state.in_flight_keys:
+                return _error(409, "concurrent_idempotent_requests",
+                              "Same idempotency key used while the original request is still in progress.")
+        if state.rng.random() < config.fault_5xx_ratio:
+            c["faults_5xx"] += 1
+            return _error(500, "internal_server_error", "An unexpected error occurred.")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            c["rejected"] += 1
+            return _error(422, "validation_error", "Invalid JSON body.")
+        if key:
+            state.in_flight_keys.add((api_key, key))
+        try:
+            status, answer = accept(kind, body)
+            if key and status == 200:
+                state.idempotency[(api_key, key)] = (now + IDEMPOTENCY_TTL_S, digest, status, answer)
+            if status == 200 and config.hold_answers:
+                await hold(state)
+            if status == 200 and state.rng.random() < config.fault_timeout_ratio:
+                c["faults_timeout"] += 1
+                await asyncio.sleep(config.timeout_delay_s)  # accepted, but the answer comes too late
+            return _json(answer, status)
+        finally:
+            if key:
+                state.in_flight_keys.discard((api_key, key))
+
+    def deliver(items: list[dict], kind: str) -> None:
+        now = time.time()
+        for item in items:
+            tags = _tags(item)
+            tenant = state.tenant(tags.get("tenant", "unknown"))
+            tenant["messages"] += 1
+            state.counts["messages_delivered"] += 1
+            if tags.get("send_id"):
+                state.deliveries.setdefault(tags["send_id"], []).append(now)
+        tags = _tags(items[0])
+        tenant = state.tenant(tags.get("tenant", "unknown"))
+        tenant["requests"] += 1
+        tenant["batch_requests" if kind == "batch" else "single_requests"] += 1
+        if kind == "single" and tags.get("lane") == "marketing":
+            state.counts["marketing_single_requests"] += 1
+
+    def accept(kind: str, body: object) -> tuple[int, object]:
+        c = state.counts
+        if kind == "batch":
+            if not isinstance(body, list) or not 1 <= len(body) <= 100:
+                c["rejected"] += 1
+                return 422, {"statusCode": 422, "name": "validation_error",
+                             "message": "A batch holds 1 to 100 emails."}
+            for i, item in enumerate(body):
+                problem = _validate_email(item, f"emails[{i}]", in_batch=True)
+                if problem:
+                    c["rejected"] += 1
+                    return 422, {"statusCode": 422, "name": "validation_error", "message": problem}
+            c["batch_email_requests"] += 1
+            deliver(body, "batch")
+            return 200, {"data": [{"id": str(uuid.uuid4())} for _ in body]}
+        if kind == "single":
+            problem = _validate_email(body, "email", in_batch=False)
+            if problem or not isinstance(body, dict):
+                c["rejected"] += 1
+                return 422, {"statusCode": 422, "name": "validation_error", "message": problem}
+            c["single_email_requests"] += 1
+            deliver([body], "single")
+            return 200, {"id": str(uuid.uuid4())}
+        if not isinstance(body, dict) or not _E164.match(str(body.get("to", ""))) or not body.get("body"):
+            c["rejected"] += 1
+            return 422, {"statusCode": 422, "name": "validation_error", "message": "invalid `to` or `body`"}
+        c["sms_requests"] += 1
+        deliver([body], "sms")
+        return 200, {"id": str(uuid.uuid4())}
+
+    async def emails(request: Request) -> Response:
+        return await guarded(request, "single")
+
+    async def emails_batch(request: Request) -> Response:
+        return await guarded(request, "batch")
+
+    async def sms(request: Request) -> Response:
+        return await guarded(request, "sms")
+
+    async def stats(request: Request) -> Response:
+        dup = {k: len(v) for k, v in state.deliveries.items() if len(v) > 1}
+        body = {**state.counts, "held": state.held, "tenants": state.tenants,
+                "distinct_sends": len(state.deliveries),
+                "duplicate_deliveries": sum(n - 1 for n in dup.values()), "duplicated_sends": dup,
+                "forbidden_paths": state.forbidden_paths[-50:]}
+        if request.query_params.get("deliveries") == "1":
+            body["deliveries"] = state.deliveries
+        return _json(body)
+
+    async def configure(request: Request) -> Response:
+        change = orjson.loads(await request.body() or b"{}")
+        for key, value in change.items():
+            if key == "throttle_all_for_s":
+                state.throttle_until = time.monotonic() + float(value)
+            elif key == "hold_answers":
+                config.hold_answers = bool(value)
+                if not value:  # answer everything held so far
+                    state.release.set()
+                    state.release = asyncio.Event()
+            elif hasattr(config, key):
+                setattr(config, key, type(getattr(config, key) or 0.0)(value) if value is not None else None)
+            else:
+                return _error(422, "validation_error", f"unknown mock setting {key!r}")
+        return _json({"config": config.__dict__})
+
+    async def reset(request: Request) -> Response:
+        nonlocal state
+        state = MockState(config)
+        return _json({"reset": True})
+
+    async def forbidden(request: Request) -> Response:
+        state.counts["forbidden"] += 1
+        state.forbidden_paths.append(f"{request.method} {request.url.path}")
+        log.error("FORBIDDEN provider path requested: %s %s", request.method, request.url.path)
+        return _error(404, "forbidden_path", f"{request.method} {request.url.path} is not allowed here")
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    return Starlette(routes=[
+        Route("/emails", emails, methods=["POST"]),
+        Route("/emails/batch", emails_batch, methods=["POST"]),
+        Route("/sms/messages", sms, methods=["POST"]),
+        Route("/_mock/stats", stats, methods=["GET"]),
+        Route("/_mock/config", configure, methods=["POST"]),
+        Route("/_mock/reset", reset, methods=["POST"]),
+        Route("/{path:path}", forbidden, methods=methods),
+    ])
+
+
+def serve(host: str, port: int, config: MockConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(config), host=host, port=port, log_level="warning", access_log=False)

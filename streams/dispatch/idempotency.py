@@ -1,0 +1,97 @@
+"""`processed_jobs` in Redis: a send is delivered at most once, whoever handles it.
+
+Per send id the key holds nothing (free), `inflight:<idempotency key>` (a provider request carrying
+it was sent or is being sent) or `delivered`. Claiming a request records its exact body under its
+idempotency key for as long as the provider remembers keys (24 h), plus a short lease held by the
+sender. When a request's outcome is unknown (the worker died, or the answer timed out), whoever
+meets the send later takes the expired lease and re-sends *that same body with that same key*, so
+the provider answers with its stored response instead of delivering again. A definite failure
+releases the claim. Every key of a claim carries the tenant's hash tag (one Redis Cluster slot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import orjson
+import redis
+
+from ..names import RedisKeys
+from ..redis_client import load_script, store_errors
+
+DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
+RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
+
+
+def idempotency_key(send_ids: list[str]) -> str:
+    """The provider Idempotency-Key: the send id for one send, a digest of the sorted ids for a batch."""
+    if len(send_ids) == 1:
+        return f"send-{send_ids[0]}"
+    return "batch-" + hashlib.sha256(",".join(sorted(send_ids)).encode()).hexdigest()[:40]
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    key: str
+    path: str
+    body: bytes
+    tenant: str
+    send_ids: tuple[str, ...]
+
+
+class ProcessedJobs:
+    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = 30.0):
+        self.client = client
+        self.keys = RedisKeys(namespace)
+        self.lease_ms = int(lease_s * 1000)
+        self._claim = client.register_script(load_script(__package__, "claim.lua"))
+        self._release = client.register_script(load_script(__package__, "release.lua"))
+        self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
+
+    def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
+        k = self.keys
+        return [k.lease(tenant, key), k.request(tenant, key)] + [k.processed(tenant, s) for s in send_ids]
+
+    def status(self, tenant: str, send_ids: list[str]) -> list[str | None]:
+        """Per send: None (free), 'delivered' or 'inflight:<key>'."""
+        with store_errors("reading processed_jobs"):
+            values = self.client.mget([self.keys.processed(tenant, s) for s in send_ids])
+        return [v.decode() if v else None for v in values]
+
+    def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
+              tenant: str) -> list[int]:
+        """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
+        args = [f"inflight:{key}", owner, self.lease_ms, RECORD_TTL_MS, path, body, tenant,
+                orjson.dumps(sorted(send_ids))]
+        with store_errors("claiming sends"):
+            return [int(i) for i in self._claim(keys=self._request_keys(tenant, key, send_ids), args=args)]
+
+    def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | None:
+        """Take the lease of an in-flight request whose sender is gone; None while it is held
+        (or when the record has expired: then the sends are free again)."""
+        k = self.keys
+        with store_errors("taking over a request"):
+            if not self.client.set(k.lease(tenant, key), owner, nx=True, px=self.lease_ms):
+                return None
+            rec = self.client.hgetall(k.request(tenant, key))
+            if not rec:
+                self.client.delete(k.lease(tenant, key))
+                return None
+        ids = tuple(orjson.loads(rec[b"ids"]))
+        return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids)
+
+    def mark_delivered(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
+        """Every send of the request `delivered`, and its lease and record gone, in one call."""
+        with store_errors("marking sends delivered"):
+            self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S])
+
+    def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
+        """The provider did not accept the request: the sends are free again."""
+        with store_errors("releasing a claim"):
+            self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}"])
+
+    def keep_unknown(self, tenant: str, key: str) -> None:
+        """The outcome is unknown: drop the lease so a later attempt re-sends the same request."""
+        with store_errors("keeping an unknown outcome"):
+            self.client.delete(self.keys.lease(tenant, key))

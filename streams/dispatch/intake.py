@@ -1,0 +1,44 @@
+"""What a consumed message becomes: a send to dispatch, or a rejection with a DLQ reason. Pure code."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from ..errors import MalformedEvent
+from ..retry.policy import unknown_policy
+from ..send import Send, decode
+
+
+@dataclass(frozen=True)
+class Admitted:
+    send: Send
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str   # the DLQ `reason` header
+    detail: str
+
+
+def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: str,
+          policies: Collection[str]) -> Admitted | Rejected:
+    try:
+        send = decode(value)
+    except MalformedEvent as exc:
+        return Rejected(exc.reason, exc.detail)
+    if send.channel != channel:
+        return Rejected("channel_mismatch", f"a {send.channel} send on the {channel} lane topic")
+    if lane == "transactional" and send.lane == "marketing":
+        return Rejected("lane_violation", f"a {send.category} send may not travel in the transactional lane")
+    if send.policy not in policies:
+        return Rejected("unknown_policy", unknown_policy(send.policy, policies))
+    raw_attempt = headers.get("attempt", b"1")
+    try:
+        attempt = int(raw_attempt)
+    except ValueError:
+        return Rejected("malformed", f"header 'attempt' is not an integer: {raw_attempt[:20]!r}")
+    if attempt < 1:
+        return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}")
+    return Admitted(send, attempt)

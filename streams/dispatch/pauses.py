@@ -1,0 +1,144 @@
+"""Why a lane worker's partitions are paused, and which are.
+
+Reasons: `yield` (a marketing lane while the transactional lane's lag is high) and `backpressure`
+(the worker's tenant queues are full). Pauses are per partition and a rebalance hands out
+partitions unpaused, so the desired state is re-applied on every assignment. The consumer keeps
+polling while paused (heartbeats, rebalances, max.poll.interval.ms).
+
+Yielding follows `notif.lag`; when the monitor's reading is stale the lag is read directly from
+the cluster (at most once a second), never silently taken as zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from .. import metrics
+from ..kafka_client import client_config
+from ..lag.yield_policy import Governor, LagReading, YieldPolicy
+from ..names import TopicNames, lag_key
+
+if TYPE_CHECKING:
+    from ..lag.reader import LagReader
+
+log = logging.getLogger("streams.pauses")
+DIRECT_READ_EVERY_S = 1.0
+
+
+class LanePauses:
+    def __init__(self, consumer: Consumer, bootstrap: str, names: TopicNames, channel: str, lane: str,
+                 policy: YieldPolicy | None):
+        self.consumer = consumer
+        self.bootstrap, self.names, self.channel = bootstrap, names, channel
+        self._label = (channel, lane)
+        self.reasons: set[str] = set()
+        self.paused: set[tuple[str, int]] = set()
+        self.assigned: set[tuple[str, int]] = set()
+        self.governor = Governor(policy) if policy else None
+        self._lag_reader: LagReader | None = None
+        self._next_direct_read = 0.0
+        self._follower: Consumer | None = None
+        if self.governor:
+            self._follower = Consumer(client_config(bootstrap, quiet=True, settings={
+                "group.id": names.lag_follower_group(channel, lane), "enable.auto.commit": False}))
+            self._follower.assign([TopicPartition(names.lag, 0, OFFSET_BEGINNING)])
+
+    @property
+    def yielding(self) -> bool:
+        return "yield" in self.reasons
+
+    @property
+    def without_reading(self) -> bool:
+        """A yielding lane that has no lag reading yet must not run blind."""
+        return self.governor is not None and self.governor.reading is None
+
+    def on_assign(self, partitions) -> None:
+        self.assigned |= {(p.topic, p.partition) for p in partitions}
+        if self.reasons and partitions:
+            self.consumer.pause(partitions)
+            self.paused |= {(p.topic, p.partition) for p in partitions}
+        self._metrics()
+
+    def forget(self, gone: set[tuple[str, int]]) -> None:
+        self.assigned -= gone
+        self.paused -= gone
+        self._metrics()
+
+    def backpressure(self, buffered: int, limit: int) -> None:
+        if buffered >= limit:
+            self.reasons.add("backpressure")
+        elif buffered <= limit // 2:
+            self.reasons.discard("backpressure")
+
+    def follow_lag(self) -> None:
+        governor = self.governor
+        if governor is None or self._follower is None:
+            return
+        key = lag_key(self.channel).encode()
+        for msg in self._follower.consume(num_messages=100, timeout=0):
+            if msg.error() or msg.key() != key or not msg.value():
+                continue
+            try:
+                doc = orjson.loads(msg.value())
+                governor.observe(LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"])))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                log.warning("ignoring an unreadable lag reading at %s@%d", msg.topic(), msg.offset())
+        now_ms = int(time.time() * 1000)
+        stale = governor.stale(now_ms)
+        if stale and time.monotonic() >= self._next_direct_read:
+            self._read_directly(governor)
+        metrics.LAG_READING_STALE.labels(self.channel).set(1 if stale else 0)
+        reading = governor.reading
+        if reading is not None:
+            metrics.LAG_READING_AGE.labels(self.channel).set((now_ms - reading.ts_ms) / 1000)
+        lag = reading.lag_messages if reading else 0
+        if governor.decide(now_ms):
+            if not self.yielding:
+                log.info("transactional lag %d: marketing yields", lag)
+            self.reasons.add("yield")
+        elif self.yielding:
+            log.info("transactional lag %d: marketing resumes", lag)
+            self.reasons.discard("yield")
+
+    def _read_directly(self, governor: Governor) -> None:
+        """The monitor is silent: measure the lag ourselves rather than run blind or stall."""
+        from ..lag.reader import LagReader
+
+        self._next_direct_read = time.monotonic() + DIRECT_READ_EVERY_S
+        try:
+            if self._lag_reader is None:
+                self._lag_reader = LagReader(self.bootstrap)
+            governor.observe(self._lag_reader.read(self.names.group(self.channel, "transactional"),
+                                                   self.names.lane(self.channel, "transactional"),
+                                                   source="direct"))
+        except Exception as exc:  # noqa: BLE001 - keep the last decision until a reading arrives
+            log.warning("direct lag read failed: %s", exc)
+
+    def apply(self) -> None:
+        """Make the partitions' paused state match the reasons."""
+        if self.reasons:
+            todo = self.assigned - self.paused
+            if todo:
+                self.consumer.pause([TopicPartition(t, p) for t, p in todo])
+                self.paused |= todo
+        elif self.paused:
+            self.consumer.resume([TopicPartition(t, p) for t, p in self.paused])
+            self.paused = set()
+        self._metrics()
+
+    def _metrics(self) -> None:
+        for reason in ("yield", "backpressure"):
+            metrics.PAUSED.labels(*self._label, reason).set(1 if reason in self.reasons else 0)
+        metrics.PAUSED_PARTITIONS.labels(*self._label).set(len(self.paused & self.assigned))
+        metrics.ASSIGNED_PARTITIONS.labels(*self._label).set(len(self.assigned))
+
+    def close(self) -> None:
+        if self._follower is not None:
+            self._follower.close()
+        if self._lag_reader is not None:
+            self._lag_reader.close()

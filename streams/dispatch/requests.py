@@ -1,0 +1,163 @@
+"""Turning queued messages into provider requests: processed_jobs, the gate, the claim, the call.
+
+For each ready tenant queue: take up to one request's worth of messages (a batch only where the
+provider's batch endpoint serves this lane), skip sends already delivered, re-send a request
+whose outcome is unknown byte for byte under its own key, ask the gate for both buckets, claim
+the fresh sends with the exact request body, and hand the HTTP call to the thread pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .. import metrics
+from ..errors import ConfigError, CostExceedsBurst, StoreUnavailable
+from ..gate.gate import Gate
+from ..providers.http import Provider
+from ..providers.outcome import Outbound
+from ..providers.registry import ProviderCredentials, ProviderSpec
+from .idempotency import ProcessedJobs, StoredRequest, idempotency_key
+from .tenant_queues import Pending, TenantQueues, unique_sends
+
+log = logging.getLogger("streams.dispatch")
+CLAIM_RACE_ROUNDS = 3  # sends claimed meanwhile by a racing worker drop out of the request
+
+
+@dataclass
+class Job:
+    """A provider request in flight and the messages of ours it settles."""
+
+    key: str
+    path: str
+    body: bytes
+    tenant: str
+    send_ids: tuple[str, ...]
+    members: list[Pending]
+    started: float
+
+
+class Dispatcher:
+    def __init__(self, spec: ProviderSpec, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
+                 jobs: ProcessedJobs, gate: Gate, provider: Provider, credentials: ProviderCredentials,
+                 on_duplicate: Callable[[Pending], None]):
+        self.spec, self.lane, self.worker_id = spec, lane, worker_id
+        self.batches = lane in spec.batch_lanes
+        self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
+        self.concurrency = concurrency
+        self.queues, self.jobs, self.gate = queues, jobs, gate
+        self.provider, self.credentials = provider, credentials
+        self.on_duplicate = on_duplicate
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="provider")
+        self.in_flight: dict[Future, Job] = {}
+        self.batch_caps: dict[str, int] = {}
+        self.rng = random.Random()
+
+    def dispatch(self) -> None:
+        """Start requests for ready tenants, in random order (no tenant is always first in line)."""
+        ready = self.queues.ready(time.monotonic())
+        self.rng.shuffle(ready)
+        for key in ready:
+            if len(self.in_flight) >= self.concurrency or time.monotonic() < self.queues.global_ready_at:
+                return
+            try:
+                self._dispatch_queue(key)
+            except StoreUnavailable as exc:
+                log.error("%s; holding sends until Redis answers", exc)
+                self.queues.hold_all(time.monotonic() + 1.0)
+                return
+            except ConfigError as exc:
+                log.error("%s; holding tenant %s", exc, self.queues.head_tenant(key))
+                self.queues.hold(key, time.monotonic() + 5.0)
+
+    def _batch_cap(self, tenant: str) -> int:
+        if not self.batches:
+            return 1
+        if tenant not in self.batch_caps:
+            self.batch_caps[tenant] = min(self.spec.batch_max, self.gate.tenant_burst(self.spec.name, tenant))
+        return self.batch_caps[tenant]
+
+    def _dispatch_queue(self, key: str) -> None:
+        tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
+        items, duplicates = unique_sends(self.queues.take(key, self._batch_cap(tenant)))
+        for p in duplicates:
+            self.on_duplicate(p)
+        states = self.jobs.status(tenant, [p.send.send_id for p in items])
+        fresh: list[Pending] = []
+        unknown: dict[str, list[Pending]] = {}
+        for p, state in zip(items, states, strict=True):
+            if state == "delivered":
+                self.on_duplicate(p)
+            elif state is None:
+                fresh.append(p)
+            else:
+                unknown.setdefault(state.removeprefix("inflight:"), []).append(p)
+        waiting = [p for request_key, group in unknown.items()
+                   if not self._recover(request_key, tenant, group, key) for p in group]
+        if waiting:  # another worker holds their request right now: look again shortly
+            self.queues.put_back(key, waiting, hold_until=time.monotonic() + 1.0)
+        if fresh and self._admit(key, tenant, fresh):
+            self._submit(key, tenant, fresh)
+
+    def _admit(self, key: str, tenant: str, fresh: list[Pending]) -> bool:
+        """Both buckets, or put the messages back and hold whichever bucket was short."""
+        try:
+            admission = self.gate.acquire(self.spec.name, tenant, len(fresh), reserve=self.reserve)
+        except CostExceedsBurst:
+            self.batch_caps.pop(tenant, None)  # limits changed: learn the burst again
+            self.queues.put_back(key, fresh)
+            return False
+        if admission.allowed:
+            return True
+        metrics.GATE_DENIALS.labels(self.spec.name, self.lane, admission.short).inc()
+        metrics.GATE_WAIT.labels(self.spec.name, self.lane).observe(admission.wait_s)
+        until = time.monotonic() + admission.wait_s
+        self.queues.put_back(key, fresh, hold_until=until if admission.short == "tenant" else None)
+        if admission.short != "tenant":
+            self.queues.hold_all(until)
+        return False
+
+    def _submit(self, key: str, tenant: str, fresh: list[Pending]) -> None:
+        for _ in range(CLAIM_RACE_ROUNDS):
+            ids = [p.send.send_id for p in fresh]
+            request_key = idempotency_key(ids)
+            path, body = self.provider.build(
+                [Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload) for p in fresh], batch=self.batches)
+            busy = set(self.jobs.claim(ids, request_key, self.worker_id, path, body, tenant))
+            if not busy:
+                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh, time.monotonic()))
+                return
+            self.queues.put_back(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
+            fresh = [p for i, p in enumerate(fresh) if i not in busy]
+            if not fresh:
+                return
+        self.queues.put_back(key, fresh)
+
+    def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
+        """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
+        under its own idempotency key, once its sender's lease has lapsed. False: still held."""
+        stored: StoredRequest | None = self.jobs.take_over(tenant, request_key, self.worker_id)
+        if stored is None:
+            return False
+        admission = self.gate.acquire(self.spec.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
+        if not admission.allowed:
+            self.jobs.keep_unknown(tenant, request_key)
+            return False
+        # Other messages of ours that belong to the same request settle with it.
+        members = group + self.queues.splice(queue, stored.send_ids)
+        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members,
+                        time.monotonic()))
+        log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
+        return True
+
+    def _start(self, job: Job) -> None:
+        api_key = self.credentials.for_tenant(job.tenant)
+        fut = self.pool.submit(self.provider.post, job.path, job.body, api_key, job.key)
+        self.in_flight[fut] = job
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

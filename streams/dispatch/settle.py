@@ -1,0 +1,119 @@
+"""What happens after a provider request: every message it carried reaches a durable outcome.
+
+Delivered: outcome events (acknowledged) first, then the `delivered` mark, then the offsets. A
+crash in between leaves the sends in flight: the next worker re-sends the same request under the
+same key, the provider replays its answer, and the outcomes are published again (at least once).
+Not delivered: a 429 holds every worker off the provider (shared cool-down); a short one is waited
+out here, anything else is copied to a retry tier or dead-lettered, per the send's retry policy.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from .. import metrics
+from ..gate.gate import Gate
+from ..offsets import OffsetTracker
+from ..providers.outcome import ProviderResult
+from ..retry.policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
+from .idempotency import ProcessedJobs
+from .records import RecordWriter
+from .requests import Job
+from .tenant_queues import Offset, Pending, TenantQueues
+
+
+class Settler:
+    def __init__(self, provider_name: str, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
+                 jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy]):
+        self.provider_name = provider_name
+        self.label = label
+        self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
+        self.records = records
+        self.policies = policies
+        self.rng = random.Random()
+        self._end_to_end = metrics.END_TO_END.labels(*label)  # observed per delivered message
+
+    def finisher(self, where: Offset) -> Callable[[], object]:
+        return lambda: self.tracker.finish(*where)
+
+    def settle(self, job: Job, result: ProviderResult) -> None:
+        metrics.PROVIDER_REQUESTS.labels(self.provider_name, result.outcome).inc()
+        metrics.PROVIDER_LATENCY.labels(self.provider_name).observe(result.latency_s)
+        now_ms = int(time.time() * 1000)
+        if result.outcome == "delivered":
+            self._delivered(job, result, now_ms)
+        else:
+            self._failed(job, result, now_ms)
+
+    def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        wait = cool_down_s(result, now_ms)
+        if wait is not None:
+            metrics.PROVIDER_429.labels(self.provider_name, result.error_name or result.outcome).inc()
+            # Every worker holds off the provider, not only the one that saw the 429.
+            self.gate.cool_down(self.provider_name, wait)
+        if result.outcome == "unknown":
+            self.jobs.keep_unknown(job.tenant, job.key)
+        else:
+            self.jobs.release(job.tenant, job.send_ids, job.key)
+        if wait_in_process(result, now_ms):
+            self._back_off_in_process(job, result, now_ms)
+            return
+        for p in job.members:
+            decision = self._decide(p, result, now_ms)
+            if isinstance(decision, RetryAt):
+                self.records.retry(p, decision, result, self.finisher(p.where))
+            elif isinstance(decision, DeadLetter):
+                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
+            else:  # Delivered cannot follow a failed result
+                raise AssertionError(decision)
+
+    def _decide(self, p: Pending, result: ProviderResult, now_ms: int):
+        return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
+                      self.rng.random())
+
+    def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        """A short 429: the request was not accepted, so its sends go back to the front of their
+        tenant queue (the shared cool-down holds every worker off until Retry-After). The attempt
+        counts; a send out of attempts is handled by its policy as usual."""
+        again = []
+        for p in job.members:
+            decision = self._decide(p, result, now_ms)
+            if isinstance(decision, RetryAt):
+                p.attempt += 1
+                again.append(p)
+            else:
+                assert isinstance(decision, DeadLetter)
+                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
+        if again:
+            self.queues.put_back(self.queues.queue_key(again[0].send), again)
+            metrics.SENDS.labels(*self.label, "throttled_in_process").inc(len(again))
+
+    def _delivered(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        ids = dict(zip(sorted(job.send_ids), result.message_ids, strict=False))
+        events = []
+        held = set()
+        for p in job.members:
+            if p.send.send_id in held:
+                continue
+            held.add(p.send.send_id)
+            self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
+            events.append(self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
+                                                     ids.get(p.send.send_id, "")))
+        for send_id in job.send_ids:
+            if send_id not in held:  # recovered request: a send whose message another consumer holds
+                events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,
+                                                                     ids.get(send_id, "")))
+        remaining = [len(events)]
+
+        def acked() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.jobs.mark_delivered(job.tenant, job.send_ids, job.key)
+                for p in job.members:
+                    self.tracker.finish(*p.where)
+
+        metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
+        for event in events:
+            self.records.outcome(event, acked)

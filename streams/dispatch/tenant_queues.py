@@ -1,0 +1,128 @@
+"""Per-tenant queues inside a lane worker. Pure code; time is passed in.
+
+Messages wait in one queue per tenant, so a tenant whose bucket is empty waits alone while other
+tenants sharing its partitions keep moving (no head-of-line blocking). A queue is *ready* when
+its own hold has passed and the provider-wide hold has too. The FIFO baseline of the benchmarks
+puts every message in one queue (an injected `queue_key`), which is exactly the naive design.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..send import Send
+
+Offset = tuple[str, int, int]  # topic, partition, offset
+
+
+@dataclass
+class Pending:
+    """One message taken from a lane topic, until its outcome is durable (delivered and recorded,
+    or copied to a retry tier or the DLQ)."""
+
+    topic: str
+    partition: int
+    offset: int
+    raw: bytes                 # the event's bytes, re-published unchanged to retry tiers and the DLQ
+    headers: dict[str, bytes]
+    send: Send
+    attempt: int
+
+    @property
+    def where(self) -> Offset:
+        return (self.topic, self.partition, self.offset)
+
+
+@dataclass
+class TenantQueue:
+    items: deque[Pending] = field(default_factory=deque)
+    ready_at: float = 0.0
+
+
+def by_tenant(send: Send) -> str:
+    return send.tenant_id
+
+
+class TenantQueues:
+    def __init__(self, queue_key: Callable[[Send], str] = by_tenant):
+        self.queue_key = queue_key
+        self.queues: dict[str, TenantQueue] = {}
+        self.global_ready_at = 0.0
+        self.buffered = 0
+
+    def add(self, p: Pending) -> None:
+        self.queues.setdefault(self.queue_key(p.send), TenantQueue()).items.append(p)
+        self.buffered += 1
+
+    def ready(self, now: float) -> list[str]:
+        """Queues with work whose holds have passed."""
+        if now < self.global_ready_at:
+            return []
+        return [k for k, q in self.queues.items() if q.items and q.ready_at <= now]
+
+    def next_ready(self, now: float) -> float | None:
+        """When the next queue with work becomes ready (None: no work at all)."""
+        waits = [q.ready_at for q in self.queues.values() if q.items]
+        if not waits:
+            return None
+        return max(min(waits), self.global_ready_at, now)
+
+    def head_tenant(self, key: str) -> str:
+        return self.queues[key].items[0].send.tenant_id
+
+    def take(self, key: str, n: int) -> list[Pending]:
+        """Up to n messages from the head of a queue, all of one tenant (one API key per request)."""
+        q = self.queues[key]
+        tenant = q.items[0].send.tenant_id
+        taken: list[Pending] = []
+        while q.items and len(taken) < n and q.items[0].send.tenant_id == tenant:
+            taken.append(q.items.popleft())
+        self.buffered -= len(taken)
+        return taken
+
+    def put_back(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
+        """Return messages to the front of their queue, in their order; optionally hold the queue."""
+        q = self.queues.setdefault(key, TenantQueue())
+        q.items.extendleft(reversed(items))
+        self.buffered += len(items)
+        if hold_until is not None:
+            q.ready_at = hold_until
+
+    def hold(self, key: str, until: float) -> None:
+        self.queues.setdefault(key, TenantQueue()).ready_at = until
+
+    def hold_all(self, until: float) -> None:
+        self.global_ready_at = until
+
+    def splice(self, key: str, send_ids: Iterable[str]) -> list[Pending]:
+        """Remove and return the queued messages of these sends (they settle with a recovered request)."""
+        wanted = set(send_ids)
+        q = self.queues.get(key)
+        if q is None:
+            return []
+        out = [p for p in q.items if p.send.send_id in wanted]
+        if out:
+            q.items = deque(p for p in q.items if p.send.send_id not in wanted)
+            self.buffered -= len(out)
+        return out
+
+    def forget(self, partitions: set[tuple[str, int]]) -> None:
+        """Drop the messages of revoked partitions (their new owner reads them again)."""
+        for q in self.queues.values():
+            kept = deque(p for p in q.items if (p.topic, p.partition) not in partitions)
+            self.buffered -= len(q.items) - len(kept)
+            q.items = kept
+
+
+def unique_sends(items: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """Split a request's messages into one per send id and the duplicates (the same job twice)."""
+    unique: dict[str, Pending] = {}
+    duplicates = []
+    for p in items:
+        if p.send.send_id in unique:
+            duplicates.append(p)
+        else:
+            unique[p.send.send_id] = p
+    return list(unique.values()), duplicates

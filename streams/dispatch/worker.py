@@ -1,0 +1,206 @@
+"""The lane worker: `streams worker --channel email --lane marketing` (run as many copies as needed).
+
+One consumer group per lane topic. Messages are queued per tenant, so a tenant whose bucket is
+empty waits alone while other tenants sharing its partitions keep moving; offsets are stored only
+up to the lowest unfinished message of each partition, and only after its outcome is durable
+(delivered and marked in processed_jobs, or handed to a retry topic / the DLQ with the broker's ack).
+
+All Kafka and Redis calls happen on the poll thread; a small thread pool only waits on provider
+HTTP requests. The consumer and producer are built by the caller (`streams.runtime`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, KafkaError, Producer
+
+from .. import metrics
+from ..gate.gate import Gate
+from ..kafka_client import commit_now, store_offsets
+from ..lag.yield_policy import YieldPolicy
+from ..names import TopicNames
+from ..offsets import OffsetTracker
+from ..providers.http import Provider
+from ..providers.outcome import ProviderResult
+from ..providers.registry import ProviderCredentials, ProviderSpec
+from ..retry.policy import RetryPolicy
+from ..send import Send
+from .idempotency import ProcessedJobs
+from .intake import Rejected, admit
+from .pauses import LanePauses
+from .records import RecordWriter
+from .requests import Dispatcher
+from .settle import Settler
+from .tenant_queues import Pending, TenantQueues, by_tenant
+
+log = logging.getLogger("streams.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    channel: str
+    lane: str
+    bootstrap: str
+    provider: ProviderSpec
+    names: TopicNames = TopicNames()
+    concurrency: int = 8            # provider requests in flight
+    max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
+    lease_s: float = 30.0           # must exceed the provider timeout
+    yield_policy: YieldPolicy | None = None  # marketing lanes yield to the transactional lane
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    @property
+    def topic(self) -> str:
+        return self.names.lane(self.channel, self.lane)
+
+    @property
+    def group(self) -> str:
+        return self.names.group(self.channel, self.lane)
+
+
+class LaneWorker:
+    def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, provider: Provider,
+                 gate: Gate, jobs: ProcessedJobs, credentials: ProviderCredentials,
+                 policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant):
+        self.cfg = config
+        self.topic, self.group = config.topic, config.group
+        self.consumer, self.producer, self.provider = consumer, producer, provider
+        self.policies = policies
+        self.queues = TenantQueues(queue_key)
+        self.tracker = OffsetTracker()
+        self.pauses = LanePauses(consumer, config.bootstrap, config.names, config.channel, config.lane,
+                                 config.yield_policy)
+        self._label = (config.channel, config.lane)
+        records = RecordWriter(producer, config.names, config.channel, config.lane, config.provider.name,
+                               self.topic, self.group)
+        self.records = records
+        self.settler = Settler(config.provider.name, self._label, self.queues, self.tracker, jobs, gate,
+                               records, policies)
+        self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
+                                     self.queues, jobs, gate, provider, credentials, self._finish_duplicate)
+        self.running = True
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self, *_: object) -> None:
+        self.running = False
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Poll until stop() (SIGTERM/SIGINT) or `until()` is true; then finish in-flight work,
+        commit and leave the group."""
+        self.consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        try:
+            while self.running and not (until and until()):
+                self.step()
+        finally:
+            self.shutdown()
+
+    def step(self) -> None:
+        msgs = self.consumer.consume(num_messages=500, timeout=self._idle_timeout())
+        for msg in msgs:
+            self._intake(msg)
+        if self.dispatcher.in_flight and not msgs:
+            # Wake as soon as a provider request completes rather than on the next poll.
+            wait_futures(list(self.dispatcher.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
+        self._collect()
+        self.pauses.follow_lag()
+        # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
+        # reading yet (monitor or direct), a yielding lane does not run blind.
+        if not (self.pauses.yielding or self.pauses.without_reading):
+            self.dispatcher.dispatch()
+        self.producer.poll(0)
+        self._store_offsets()
+        self.pauses.backpressure(self.queues.buffered, self.cfg.max_buffered)
+        self.pauses.apply()
+
+    def _idle_timeout(self) -> float:
+        """How long consume() may block: not at all while requests are in flight or a tenant is
+        ready, otherwise until the next tenant (or the provider) becomes ready, at most 0.2 s."""
+        if self.dispatcher.in_flight:
+            return 0.0
+        now = time.monotonic()
+        next_ready = self.queues.next_ready(now)
+        return 0.2 if next_ready is None else min(0.2, next_ready - now)
+
+    def shutdown(self) -> None:
+        self._drain()
+        self._store_offsets()
+        commit_now(self.consumer)
+        self.consumer.close()
+        self.pauses.close()
+        self.dispatcher.close()
+        self.provider.close()
+
+    def _drain(self) -> None:
+        """Wait for every provider request in flight and make its outcome durable."""
+        while self.dispatcher.in_flight:
+            self._collect(block=True)
+        self.producer.flush(30)
+
+    # ------------------------------------------------------------------ rebalance
+    def _on_assign(self, consumer, partitions) -> None:
+        # A new assignment starts unpaused: re-apply the desired pause state to it.
+        self.pauses.on_assign(partitions)
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self._drain()
+        self._store_offsets()
+        commit_now(consumer)
+        self._forget(partitions)
+
+    def _on_lost(self, consumer, partitions) -> None:
+        self._forget(partitions)
+
+    def _forget(self, partitions) -> None:
+        gone = {(p.topic, p.partition) for p in partitions}
+        self.queues.forget(gone)
+        for tp in gone:
+            self.tracker.forget(*tp)
+        self.pauses.forget(gone)
+
+    # ------------------------------------------------------------------ intake and outcomes
+    def _intake(self, msg) -> None:
+        if msg.error():
+            if msg.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("consume error on %s: %s", self.topic, msg.error())
+            return
+        self.tracker.add(msg.topic(), msg.partition(), msg.offset())
+        headers = dict(msg.headers() or [])
+        verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
+        if isinstance(verdict, Rejected):
+            self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail,
+                                         self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
+            return
+        self.queues.add(Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers,
+                                verdict.send, verdict.attempt))
+
+    def _collect(self, block: bool = False) -> None:
+        in_flight = self.dispatcher.in_flight
+        done = [f for f in in_flight if f.done()]
+        if block and not done and in_flight:
+            next(iter(in_flight)).exception()
+            done = [f for f in in_flight if f.done()]
+        for fut in done:
+            job = in_flight.pop(fut)
+            try:
+                result = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a bug in an adapter must not lose the sends
+                log.exception("provider call failed unexpectedly")
+                result = ProviderResult("unknown", error_name=type(exc).__name__)
+            self.settler.settle(job, result)
+
+    def _finish_duplicate(self, p: Pending) -> None:
+        metrics.DUPLICATES.labels(*self._label).inc()
+        self.tracker.finish(*p.where)
+
+    def _store_offsets(self) -> None:
+        store_offsets(self.consumer, self.tracker, self.pauses.assigned)
+        metrics.BUFFERED.labels(*self._label).set(self.queues.buffered)

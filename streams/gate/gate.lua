@@ -1,0 +1,56 @@
+-- Two-level token-bucket gate: one round trip, Redis server time, integer millitokens.
+-- Mirrors streams/gate/token_bucket.py (the reference; tests/integration/test_gate_matches_reference.py
+-- runs one table of cases through both).
+-- KEYS[1] limits hash   KEYS[2] global bucket   KEYS[3] tenant bucket   KEYS[4] cool-down until (ms)
+-- ARGV[1] tenant   ARGV[2] request cost   ARGV[3] message cost   ARGV[4] "1" to apply the reserve
+-- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (nothing written),
+-- -1 a cost exceeds a burst (short = which bucket), -2 no provider limit configured.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tenant = ARGV[1]
+local req_cost = tonumber(ARGV[2])
+local msg_cost = tonumber(ARGV[3])
+
+local l = redis.call('HMGET', KEYS[1], 'global_rate', 'global_burst', 'reserve',
+  'tenant_rate:' .. tenant, 'tenant_burst:' .. tenant, 'tenant_rate:*', 'tenant_burst:*')
+local g_rate, g_burst = tonumber(l[1]), tonumber(l[2])
+local t_rate, t_burst = tonumber(l[4] or l[6]), tonumber(l[5] or l[7])
+if not g_rate or not g_burst or not t_rate or not t_burst then
+  return {-2, 0, 'limits'}
+end
+if req_cost > g_burst then return {-1, g_burst, 'global'} end
+if msg_cost > t_burst then return {-1, t_burst, 'tenant'} end
+
+local function refill(key, rate, burst)
+  local b = redis.call('HMGET', key, 'mt', 'ts')
+  local full = burst * 1000
+  if not b[1] then return full end
+  local elapsed = math.max(0, now - tonumber(b[2]))
+  return math.min(full, tonumber(b[1]) + elapsed * rate)
+end
+
+local function wait(have, need, rate)
+  if have >= need then return 0 end
+  return math.ceil((need - have) / rate)
+end
+
+local cool = tonumber(redis.call('GET', KEYS[4]) or '0')
+if cool > now then return {0, cool - now, 'cooldown'} end
+
+local g = refill(KEYS[2], g_rate, g_burst)
+local tk = refill(KEYS[3], t_rate, t_burst)
+local reserve = 0
+if ARGV[4] == '1' then reserve = math.min(tonumber(l[3] or '0'), g_burst - req_cost) end
+local g_wait = wait(g, (req_cost + reserve) * 1000, g_rate)
+local t_wait = wait(tk, msg_cost * 1000, t_rate)
+if g_wait > 0 or t_wait > 0 then
+  if g_wait >= t_wait then return {0, g_wait, 'global'} end
+  return {0, t_wait, 'tenant'}
+end
+
+redis.call('HSET', KEYS[2], 'mt', g - req_cost * 1000, 'ts', now)
+redis.call('HSET', KEYS[3], 'mt', tk - msg_cost * 1000, 'ts', now)
+-- An idle bucket refills to full; expiring it then is the same as keeping it.
+redis.call('PEXPIRE', KEYS[2], math.ceil(g_burst * 1000 / g_rate) + 60000)
+redis.call('PEXPIRE', KEYS[3], math.ceil(t_burst * 1000 / t_rate) + 60000)
+return {1, 0, ''}

@@ -1,0 +1,98 @@
+"""Rate limits, set by operators only (`streams limits set`, `PUT /v1/admin/limits/{provider}`).
+
+Tenant credentials never reach this module. One validation serves the CLI and the API: a change
+is checked against the limits it would produce, so both refuse the same things with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from ..errors import ConfigError, StoreUnavailable
+from ..names import RedisKeys
+from .token_bucket import Limit
+
+
+@dataclass(frozen=True)
+class LimitChange:
+    """A partial update: provider-wide fields, and/or one tenant's (or the default '*') limit."""
+
+    global_rate: int | None = None
+    global_burst: int | None = None
+    reserve: int | None = None
+    tenant: str | None = None
+    tenant_rate: int | None = None
+    tenant_burst: int | None = None
+
+
+def check_provider(rate: int, burst: int, reserve: int) -> None:
+    if rate < 1 or burst < 1:
+        raise ConfigError(f"global rate and burst must be >= 1 (got rate={rate}, burst={burst})")
+    if not 0 <= reserve < burst:
+        raise ConfigError(f"reserve must be between 0 and burst-1 (got {reserve}, burst {burst})")
+
+
+def check_tenant(tenant: str, rate: int, burst: int) -> None:
+    if not tenant:
+        raise ConfigError("a tenant limit needs a tenant id (or '*' for the default)")
+    if rate < 1 or burst < 1:
+        raise ConfigError(f"tenant rate and burst must be >= 1 (got rate={rate}, burst={burst})")
+
+
+class LimitStore:
+    def __init__(self, client: redis.Redis, namespace: str = ""):
+        self.client = client
+        self.keys = RedisKeys(namespace)
+
+    def apply(self, provider: str, change: LimitChange) -> dict[str, int]:
+        """Validate a change against the current limits, write it, and return the new limits."""
+        current = self.show(provider)
+        writes: dict[str, int] = {}
+        if change.global_rate is not None or change.global_burst is not None or change.reserve is not None:
+            rate = change.global_rate if change.global_rate is not None else current.get("global_rate")
+            burst = change.global_burst if change.global_burst is not None else current.get("global_burst")
+            reserve = change.reserve if change.reserve is not None else current.get("reserve", 0)
+            if rate is None or burst is None:
+                raise ConfigError(f"provider {provider!r} has no global limit yet: give both the global "
+                                  "rate and the global burst")
+            check_provider(rate, burst, reserve)
+            writes.update(global_rate=rate, global_burst=burst, reserve=reserve)
+        if change.tenant is not None or change.tenant_rate is not None or change.tenant_burst is not None:
+            if change.tenant_rate is None or change.tenant_burst is None:
+                raise ConfigError("a tenant limit needs the tenant, its rate and its burst")
+            check_tenant(change.tenant or "", change.tenant_rate, change.tenant_burst)
+            writes.update({f"tenant_rate:{change.tenant}": change.tenant_rate,
+                           f"tenant_burst:{change.tenant}": change.tenant_burst})
+        if writes:
+            self._write(provider, writes)
+        return self.show(provider)
+
+    def set_provider(self, provider: str, rate: int, burst: int, reserve: int = 0) -> None:
+        self.apply(provider, LimitChange(global_rate=rate, global_burst=burst, reserve=reserve))
+
+    def set_tenant(self, provider: str, tenant: str, rate: int, burst: int) -> None:
+        """`tenant='*'` sets the default for tenants without their own limit."""
+        self.apply(provider, LimitChange(tenant=tenant, tenant_rate=rate, tenant_burst=burst))
+
+    def show(self, provider: str) -> dict[str, int]:
+        try:
+            raw = self.client.hgetall(self.keys.limits(provider))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"cannot read the limits of {provider!r} ({exc})") from None
+        return {k.decode(): int(v) for k, v in sorted(raw.items())}
+
+    def tenant(self, provider: str, tenant: str) -> Limit:
+        d = self.show(provider)
+        rate = d.get(f"tenant_rate:{tenant}", d.get("tenant_rate:*"))
+        burst = d.get(f"tenant_burst:{tenant}", d.get("tenant_burst:*"))
+        if rate is None or burst is None:
+            raise ConfigError(f"no limit for tenant {tenant!r} at provider {provider!r} and no default ('*')")
+        return Limit(rate, burst)
+
+    def _write(self, provider: str, fields: dict[str, int]) -> None:
+        try:
+            self.client.hset(self.keys.limits(provider), mapping=dict(fields))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"cannot write the limits of {provider!r} ({exc})") from None

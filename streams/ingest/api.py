@@ -1,0 +1,173 @@
+"""HTTP ingest API (`streams api`): tenants publish sends and read their status; operators set limits.
+
+Authentication is by API key (`Authorization: Bearer <key>`); keys are stored hashed in Redis and
+carry a role. The tenant always comes from the key, never from the request body. A tenant key
+cannot reach `/v1/admin/*`. Errors are JSON: `{"error": ..., "errors": [{"loc": [...], "msg": ...}]}`.
+"""
+
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from .. import metrics
+from ..errors import ConfigError, PublishError
+from ..gate.limits import LimitChange, LimitStore
+from ..send import MAX_BATCH, SendRequest, build_send, flatten_errors, policy_error
+from .api_keys import ApiKeys, Principal
+from .sdk import SendClient
+from .status import StatusStore
+
+MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
+
+
+class BatchRequest(BaseModel):
+    sends: list[SendRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class Accepted(BaseModel):
+    send_id: str
+    lane: str
+
+
+class LimitUpdate(BaseModel):
+    global_rate: int | None = Field(None, ge=1)
+    global_burst: int | None = Field(None, ge=1)
+    reserve: int | None = Field(None, ge=0)
+    tenant: str | None = Field(None, description="a tenant id, or '*' for the default")
+    tenant_rate: int | None = Field(None, ge=1)
+    tenant_burst: int | None = Field(None, ge=1)
+
+
+class BodyLimit:
+    """Refuse bodies over `limit` bytes with 413 before they are buffered whole."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _too_large(self.limit)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse({"error": "payload_too_large", "errors": [
+        {"loc": ["body"], "msg": f"request bodies are limited to {limit} bytes"}]}, status_code=413)
+
+
+def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: LimitStore,
+               known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="dual-rail dispatch ingest API", version="1",
+                  description="Publish notification sends and read their status. "
+                              f"Batches hold at most {MAX_BATCH} sends and are accepted or rejected whole.")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in flatten_errors(exc.errors())]
+        status = 400 if any(e["msg"].startswith("JSON decode error") for e in errors) else 422
+        metrics.INGEST_REJECTED.labels(str(status)).inc()
+        return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
+
+    def principal(request: Request) -> Principal:
+        auth = request.headers.get("authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        found = keys.resolve(token) if token else None
+        if found is None:
+            raise HTTPException(401, {"error": "unauthorized", "errors": [
+                {"loc": ["header", "authorization"], "msg": "a valid API key is required (Bearer)"}]})
+        return found
+
+    def tenant(p: Annotated[Principal, Depends(principal)]) -> str:
+        if p.role != "tenant" or not p.tenant:
+            raise HTTPException(403, {"error": "forbidden", "errors": [
+                {"loc": ["header", "authorization"], "msg": "sends are published with a tenant key"}]})
+        return p.tenant
+
+    def operator(p: Annotated[Principal, Depends(principal)]) -> Principal:
+        if p.role != "operator":
+            raise HTTPException(403, {"error": "forbidden", "errors": [
+                {"loc": ["header", "authorization"], "msg": "limits are set by operators only"}]})
+        return p
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        body = exc.detail if isinstance(exc.detail, dict) else {"error": str(exc.detail)}
+        metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
+        return JSONResponse(body, status_code=exc.status_code)
+
+    def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list:
+        # The schema checked every field; the policy name is checked against the policy file.
+        errors = [e for i, r in enumerate(requests)
+                  if (e := policy_error(r, known_policies, ("body", "sends", i) if batch else ("body",)))]
+        if errors:
+            raise HTTPException(422, {"error": "invalid_request", "errors": errors})
+        sends = [build_send(r, tenant_id) for r in requests]
+        store.accepted(sends)
+        try:
+            client.publish_sends(sends)
+        except PublishError as exc:
+            raise HTTPException(503, {"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}) from None
+        for s in sends:
+            metrics.INGESTED.labels(s.channel, s.lane).inc()
+        return sends
+
+    @app.post("/v1/sends", status_code=202, response_model=Accepted)
+    def post_send(body: SendRequest, tenant_id: Annotated[str, Depends(tenant)]) -> Accepted:
+        send = _publish(tenant_id, [body], batch=False)[0]
+        return Accepted(send_id=send.send_id, lane=send.lane)
+
+    @app.post("/v1/sends/batch", status_code=202)
+    def post_batch(body: BatchRequest, tenant_id: Annotated[str, Depends(tenant)]) -> dict:
+        sends = _publish(tenant_id, body.sends, batch=True)
+        return {"accepted": len(sends), "sends": [{"send_id": s.send_id, "lane": s.lane} for s in sends]}
+
+    @app.get("/v1/sends/{send_id}")
+    def get_send(send_id: str, tenant_id: Annotated[str, Depends(tenant)]) -> dict:
+        doc = store.get(send_id)
+        # Another tenant's send is indistinguishable from a missing one.
+        if doc is None or doc.get("tenant_id") != tenant_id:
+            raise HTTPException(404, {"error": "not_found", "errors": [
+                {"loc": ["path", "send_id"], "msg": "no such send for this tenant"}]})
+        return {"send_id": send_id, **doc}
+
+    @app.get("/v1/admin/limits/{provider}")
+    def get_limits(provider: str, _: Annotated[Principal, Depends(operator)]) -> dict:
+        return {"provider": provider, "limits": limits.show(provider)}
+
+    @app.put("/v1/admin/limits/{provider}")
+    def put_limits(provider: str, body: LimitUpdate, _: Annotated[Principal, Depends(operator)]) -> dict:
+        try:
+            return {"provider": provider, "limits": limits.apply(provider, LimitChange(**body.model_dump()))}
+        except ConfigError as exc:
+            raise HTTPException(422, {"error": "invalid_request",
+                                      "errors": [{"loc": ["body"], "msg": str(exc)}]}) from None
+
+    from prometheus_client import make_asgi_app
+
+    app.mount("/metrics", make_asgi_app())
+    return BodyLimit(app, max_body)  # type: ignore[return-value]
+

@@ -1,0 +1,75 @@
+"""`streams lag-monitor`: publishes each channel's transactional lag to the compacted `notif.lag`
+topic (key `{channel}.transactional`) and both lanes' lag to Prometheus, every <= 500 ms.
+
+Several copies may run: each publishes a fresh measurement of the same quantity and the latest
+one wins (compaction keeps one value per key), so extra copies change nothing but load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+from confluent_kafka import Producer
+
+from .. import metrics
+from ..kafka_client import client_config, produce
+from ..lanes import CHANNELS, LANES
+from ..names import TopicNames, lag_key
+from .reader import LagReader
+
+log = logging.getLogger("streams.lag_monitor")
+MAX_INTERVAL_S = 0.5
+
+
+class LagMonitor:
+    def __init__(self, bootstrap: str, names: TopicNames | None = None, channels=CHANNELS,
+                 interval_s: float = 0.25):
+        if not 0 < interval_s <= MAX_INTERVAL_S:
+            raise ValueError(f"interval must be in (0, {MAX_INTERVAL_S}] s, got {interval_s}")
+        self.names = names or TopicNames()
+        self.channels = channels
+        self.interval_s = interval_s
+        self.reader = LagReader(bootstrap)
+        self.producer = Producer(client_config(bootstrap, settings={"acks": "all", "linger.ms": 0}))
+        self.running = True
+        self._failing: set[tuple[str, str]] = set()
+
+    def stop(self, *_: object) -> None:
+        self.running = False
+
+    def tick(self) -> None:
+        for channel in self.channels:
+            for lane in LANES:
+                try:
+                    reading = self.reader.read(self.names.group(channel, lane), self.names.lane(channel, lane))
+                except Exception as exc:  # noqa: BLE001 - a missing topic must not stop the others
+                    if (channel, lane) not in self._failing:  # say it once, not every tick
+                        log.warning("lag of %s.%s unavailable: %s", channel, lane, exc)
+                        self._failing.add((channel, lane))
+                    continue
+                if (channel, lane) in self._failing:
+                    log.info("lag of %s.%s available again", channel, lane)
+                    self._failing.discard((channel, lane))
+                metrics.LANE_LAG_MESSAGES.labels(channel, lane).set(reading.lag_messages)
+                metrics.LANE_LAG_SECONDS.labels(channel, lane).set(reading.lag_seconds)
+                if lane == "transactional":
+                    value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
+                             "ts": reading.ts_ms}
+                    produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode())
+        self.producer.poll(0)
+        metrics.LAG_MONITOR_LAST_PUBLISH.set(time.time())
+
+    def run(self, until=None) -> None:
+        next_tick = time.monotonic()
+        try:
+            while self.running and not (until and until()):
+                self.tick()
+                next_tick += self.interval_s
+                # Only this process's own loop waits here; it consumes nothing.
+                time.sleep(max(0.0, next_tick - time.monotonic()))
+                next_tick = max(next_tick, time.monotonic())
+        finally:
+            self.producer.flush(10)
+            self.reader.close()

@@ -1,0 +1,68 @@
+"""When marketing yields to transactional traffic. Pure code; time is passed in.
+
+Pause at once when the transactional lag reaches `pause_above` (transactional always wins);
+resume only when it has fallen to `resume_below` *and* the pause has lasted `min_dwell_s`
+(hysteresis and dwell: pause/resume purges the fetch queue, so flapping is expensive).
+A reading older than `stale_after_s` is not trusted: the caller must read the lag directly
+(`needs_direct_read`); it is never silently taken as zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LagReading:
+    lag_messages: int
+    lag_seconds: float
+    ts_ms: int            # when the lag was measured
+    source: str = "monitor"
+
+
+@dataclass(frozen=True)
+class YieldPolicy:
+    pause_above: int = 100
+    resume_below: int = 20
+    pause_above_seconds: float = 0.0   # 0: only the message count decides
+    min_dwell_s: float = 2.0
+    stale_after_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.resume_below < self.pause_above:
+            raise ValueError(f"resume_below ({self.resume_below}) must be below "
+                             f"pause_above ({self.pause_above}) and at least 0")
+
+
+class Governor:
+    def __init__(self, policy: YieldPolicy):
+        self.policy = policy
+        self.paused = False
+        self.changed_at = float("-inf")
+        self.reading: LagReading | None = None
+
+    def stale(self, now_ms: int) -> bool:
+        return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 1000
+
+    def observe(self, reading: LagReading) -> None:
+        if self.reading is None or reading.ts_ms >= self.reading.ts_ms:
+            self.reading = reading
+
+    def decide(self, now_ms: int) -> bool:
+        """The paused state to hold now. With no trustworthy reading the state is kept as is
+        (the caller reads the lag directly before that matters)."""
+        r = self.reading
+        if r is None or self.stale(now_ms):
+            return self.paused
+        p = self.policy
+        over = r.lag_messages >= p.pause_above or (p.pause_above_seconds and r.lag_seconds >= p.pause_above_seconds)
+        if not self.paused and over:
+            self._set(True, now_ms)
+        elif self.paused and r.lag_messages <= p.resume_below and not over \
+                and now_ms - self.changed_at >= p.min_dwell_s * 1000:
+            self._set(False, now_ms)
+        return self.paused
+
+    def _set(self, paused: bool, now_ms: int) -> None:
+        self.paused = paused
+        self.changed_at = now_ms

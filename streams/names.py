@@ -1,0 +1,94 @@
+"""Every name the project gives to a topic, a consumer group or a Redis key, in one place. Pure code.
+
+A namespace prefix (tests use one each; `DUAL_RAIL_TOPIC_NAMESPACE`) goes in front of every name.
+Redis keys carry a hash tag (the part in braces) so that every key one Lua script touches lives
+in one Redis Cluster slot: gate keys by provider, idempotency keys by tenant (a provider request
+never mixes tenants).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TopicNames:
+    """Topic and consumer-group names."""
+
+    namespace: str = ""
+
+    def lane(self, channel: str, lane: str) -> str:
+        return f"{self.namespace}notif.{channel}.{lane}"
+
+    def retry(self, channel: str, lane: str, tier: str) -> str:
+        return f"{self.namespace}notif.{channel}.{lane}.retry.{tier}"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.namespace}notif.dlq"
+
+    @property
+    def outcomes(self) -> str:
+        return f"{self.namespace}notif.outcomes"
+
+    @property
+    def lag(self) -> str:
+        return f"{self.namespace}notif.lag"
+
+    def group(self, channel: str, lane: str) -> str:
+        """The lane workers' group."""
+        return f"{self.namespace}dispatch.{channel}.{lane}"
+
+    def retry_group(self, channel: str, lane: str, tier: str) -> str:
+        """Each lane's group owns its retry topics."""
+        return f"{self.group(channel, lane)}.retry.{tier}"
+
+    def lag_follower_group(self, channel: str, lane: str) -> str:
+        return f"{self.group(channel, lane)}.lag-follower"
+
+    @property
+    def recorder_group(self) -> str:
+        return f"{self.namespace}status-recorder"
+
+
+def lag_key(channel: str) -> str:
+    """The key of a channel's transactional lag reading in `notif.lag`."""
+    return f"{channel}.transactional"
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Redis key names. Gate keys share the tag `{provider}`; idempotency keys `{t:<tenant>}`."""
+
+    namespace: str = ""
+
+    # ---- the gate (one script call touches the limits, both buckets and the cool-down)
+    def limits(self, provider: str) -> str:
+        return f"{self.namespace}dr:{{{provider}}}:limits"
+
+    def global_bucket(self, provider: str) -> str:
+        return f"{self.namespace}dr:{{{provider}}}:global"
+
+    def tenant_bucket(self, provider: str, tenant: str) -> str:
+        return f"{self.namespace}dr:{{{provider}}}:tenant:{tenant}"
+
+    def cool(self, provider: str) -> str:
+        return f"{self.namespace}dr:{{{provider}}}:cool"
+
+    # ---- processed_jobs (one claim touches its lease, its request record and each send's key)
+    def processed(self, tenant: str, send_id: str) -> str:
+        return f"{self.namespace}dr:{{t:{tenant}}}:processed:{send_id}"
+
+    def lease(self, tenant: str, request_key: str) -> str:
+        return f"{self.namespace}dr:{{t:{tenant}}}:lease:{request_key}"
+
+    def request(self, tenant: str, request_key: str) -> str:
+        return f"{self.namespace}dr:{{t:{tenant}}}:request:{request_key}"
+
+    # ---- ingest
+    def send_status(self, send_id: str) -> str:
+        return f"{self.namespace}dr:send:{send_id}"
+
+    @property
+    def api_keys(self) -> str:
+        return f"{self.namespace}dr:apikeys"

@@ -1,0 +1,82 @@
+"""What a provider call means, independent of any HTTP library. Pure code.
+
+A provider answer (status and body) maps to an `Outcome` the retry policy understands; error
+bodies are redacted before they reach a log line or a DLQ header.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+
+Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", "unknown", "auth"]
+QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
+_EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
+_PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
+_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
+
+
+def redact(text: str, limit: int = 500) -> str:
+    """Strip what identifies a person or unlocks an account from a provider's error body."""
+    text = _KEY_RE.sub("re_***", text)
+    text = _EMAIL_RE.sub("***@***", text)
+    return _PHONE_RE.sub("+***", text)[:limit]
+
+
+@dataclass(frozen=True)
+class ProviderResult:
+    outcome: Outcome
+    status: int | None = None
+    message_ids: tuple[str, ...] = ()
+    retry_after: str | None = None
+    error_name: str = ""
+    error_body: str = ""          # redacted
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """One message for the provider: the frozen payload plus the routing tags we attach."""
+
+    send_id: str
+    tenant: str
+    lane: str
+    payload: dict
+
+    def tags(self) -> list[dict]:
+        own = [t for t in self.payload.get("tags", []) if isinstance(t, dict)]
+        return own + [{"name": "send_id", "value": self.send_id}, {"name": "tenant", "value": self.tenant},
+                      {"name": "lane", "value": self.lane}]
+
+
+def error_name(body: bytes) -> str:
+    """The `name` field of a JSON error body ("" when there is none)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    return str(doc.get("name", "")) if isinstance(doc, dict) else ""
+
+
+def classify(status: int, name: str) -> Outcome:
+    """The outcome of a non-2xx answer with error name `name`."""
+    if status == 429:
+        return "quota" if name in QUOTA_429 else "throttled"
+    if status == 401:
+        return "auth"
+    if status == 409 and name == "concurrent_idempotent_requests":
+        return "unavailable"  # the first request is still running: try again later
+    if 400 <= status < 500:
+        return "rejected"
+    return "unavailable"
+
+
+def message_ids(body: bytes) -> tuple[str, ...]:
+    """Message ids from a 2xx body: `{"id": ...}` or `{"data": [{"id": ...}, ...]}`."""
+    doc = orjson.loads(body)
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+        return tuple(str(d.get("id", "")) for d in doc["data"])
+    return (str(doc.get("id", "")),) if isinstance(doc, dict) else ()

@@ -1,0 +1,212 @@
+"""Declarative topic definitions (`topics/*.toml`) and the plan that reconciles a cluster. Pure code.
+
+A definition file holds `[[topic]]` tables. A name may use the placeholders `{channel}`, `{lane}`
+and `{tier}`, which expand over the channels, lanes and retry tiers of `streams.lanes`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import string
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..lanes import CHANNELS, LANES, RETRY_TIERS
+
+# The repository's topic definitions (`topics/*.toml`); from an installed package, `./topics`.
+REPO_TOPICS = Path(__file__).resolve().parents[2] / "topics"
+
+PLACEHOLDERS: dict[str, tuple[str, ...]] = {
+    "channel": CHANNELS, "lane": LANES, "tier": tuple(RETRY_TIERS),
+}
+# Topic configs a definition may set; anything else is most likely a typo.
+KNOWN_CONFIGS = frozenset({
+    "cleanup.policy", "retention.ms", "retention.bytes", "segment.ms", "segment.bytes",
+    "min.insync.replicas", "max.message.bytes", "min.compaction.lag.ms", "max.compaction.lag.ms",
+    "delete.retention.ms", "compression.type", "message.timestamp.type", "min.cleanable.dirty.ratio",
+})
+_FIELDS = {"name", "partitions", "replication_factor", "config", "description"}
+_CLEANUP = {"delete", "compact", "compact,delete", "delete,compact"}
+_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication_factor: int
+    config: dict[str, str] = field(default_factory=dict)
+    source: str = ""  # "file: [[topic]] #n", for messages
+
+
+@dataclass(frozen=True)
+class TopicState:
+    """What the cluster has: partition count and the topic-level config overrides."""
+
+    partitions: int
+    replication_factor: int
+    overrides: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Change:
+    topic: str
+    kind: str  # create | add_partitions | set_config | delete_config | refused
+    detail: str
+    key: str = ""
+    value: str = ""
+    partitions: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind:<15} {self.topic}: {self.detail}"
+
+
+def _fail(where: str, msg: str) -> ConfigError:
+    return ConfigError(f"{where}: {msg}")
+
+
+def _expand(name: str, where: str) -> list[str]:
+    keys = [f for _, f, _, _ in string.Formatter().parse(name) if f is not None]
+    for key in keys:
+        if key not in PLACEHOLDERS:
+            raise _fail(where, f"field 'name': unknown placeholder {{{key}}} "
+                               f"(known: {', '.join('{' + k + '}' for k in PLACEHOLDERS)})")
+    unique = list(dict.fromkeys(keys))
+    names = []
+    for values in itertools.product(*(PLACEHOLDERS[k] for k in unique)):
+        names.append(name.format(**dict(zip(unique, values, strict=True))))
+    return names
+
+
+def _positive_int(raw: object, where: str, fld: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise _fail(where, f"field '{fld}' must be an integer >= 1, got {raw!r}")
+    return raw
+
+
+def parse_definitions(path: Path, text: str, namespace: str = "") -> list[TopicSpec]:
+    """Parse one definition file into expanded topic specs; errors name file, topic and field."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown_top = set(doc) - {"topic"}
+    if unknown_top:
+        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown_top)}; expected [[topic]] tables")
+    specs = []
+    for i, entry in enumerate(doc.get("topic", []), start=1):
+        where = f"{path}: [[topic]] #{i}"
+        if not isinstance(entry, dict):
+            raise _fail(where, "must be a table")
+        raw_name = entry.get("name")
+        if not isinstance(raw_name, str) or not raw_name:
+            raise _fail(where, "field 'name' is required and must be a non-empty string")
+        where = f"{path}: topic '{raw_name}'"
+        extra = set(entry) - _FIELDS
+        if extra:
+            raise _fail(where, f"unknown field(s) {sorted(extra)} (allowed: {sorted(_FIELDS)})")
+        partitions = _positive_int(entry.get("partitions"), where, "partitions")
+        rf = _positive_int(entry.get("replication_factor"), where, "replication_factor")
+        raw_config = entry.get("config", {})
+        if not isinstance(raw_config, dict):
+            raise _fail(where, "field 'config' must be a table of topic configs")
+        config: dict[str, str] = {}
+        for key, value in raw_config.items():
+            if key not in KNOWN_CONFIGS:
+                raise _fail(where, f"field 'config.{key}' is not a known topic config "
+                                   f"(known: {', '.join(sorted(KNOWN_CONFIGS))})")
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise _fail(where, f"field 'config.{key}' must be a string or a number, got {value!r}")
+            config[key] = str(value)
+        policy = config.get("cleanup.policy")
+        if policy is not None and policy not in _CLEANUP:
+            raise _fail(where, f"field 'config.cleanup.policy' must be one of {sorted(_CLEANUP)}, got {policy!r}")
+        for key in ("retention.ms", "retention.bytes", "segment.ms", "delete.retention.ms"):
+            if key in config and not re.fullmatch(r"-?\d+", config[key]):
+                raise _fail(where, f"field 'config.{key}' must be an integer, got {config[key]!r}")
+        for name in _expand(raw_name, where):
+            full = namespace + name
+            if not _NAME.match(full) or len(full) > 249:
+                raise _fail(where, f"field 'name' expands to an invalid Kafka topic name {full!r}")
+            specs.append(TopicSpec(full, partitions, rf, dict(config), source=where))
+    return specs
+
+
+def topics_dir(override: str | Path | None = None) -> Path:
+    """Where the topic definitions are: `override`, else the repository's `topics/`, else ./topics."""
+    if override:
+        return Path(override)
+    return REPO_TOPICS if REPO_TOPICS.is_dir() else Path.cwd() / "topics"
+
+
+def load_definitions(directory: Path | None = None, namespace: str = "") -> dict[str, TopicSpec]:
+    """Load every `*.toml` under `directory` (default: `topics_dir()`); a topic defined twice is an error."""
+    directory = directory or topics_dir()
+    files = sorted(directory.glob("*.toml"))
+    if not files:
+        raise ConfigError(f"{directory}: no topic definition files (*.toml) found")
+    specs: dict[str, TopicSpec] = {}
+    for path in files:
+        for spec in parse_definitions(path, path.read_text(), namespace):
+            if spec.name in specs:
+                raise ConfigError(f"{spec.source}: topic {spec.name!r} is already defined by "
+                                  f"{specs[spec.name].source}")
+            specs[spec.name] = spec
+    _check_retry_partitions(specs)
+    return specs
+
+
+def _check_retry_partitions(specs: dict[str, TopicSpec]) -> None:
+    """Retry and DLQ topics need at least the lane's partitions, or they become a bottleneck."""
+    for spec in specs.values():
+        match = re.match(r"^(.*notif\.[a-z]+\.[a-z]+)\.retry\.", spec.name)
+        lane = specs.get(match.group(1)) if match else None
+        if lane and spec.partitions < lane.partitions:
+            raise ConfigError(f"{spec.source}: field 'partitions': {spec.name} has {spec.partitions} "
+                              f"partitions, fewer than its lane {lane.name} ({lane.partitions})")
+
+
+def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[Change]:
+    """The changes that make the cluster match the definitions. Never deletes topics."""
+    changes: list[Change] = []
+    for name, spec in sorted(desired.items()):
+        state = actual.get(name)
+        if state is None:
+            changes.append(Change(name, "create", f"{spec.partitions} partitions, replication "
+                                  f"{spec.replication_factor}, config {spec.config}",
+                                  partitions=spec.partitions))
+            continue
+        if spec.partitions > state.partitions:
+            changes.append(Change(name, "add_partitions", f"{state.partitions} -> {spec.partitions}",
+                                  partitions=spec.partitions))
+        elif spec.partitions < state.partitions:
+            changes.append(Change(
+                name, "refused",
+                f"partitions {state.partitions} -> {spec.partitions}: Kafka cannot remove partitions, "
+                "and fewer partitions would remap tenant keys and strand unconsumed messages; "
+                "recreate the topic deliberately instead"))
+        if spec.replication_factor != state.replication_factor:
+            changes.append(Change(
+                name, "refused",
+                f"replication factor {state.replication_factor} -> {spec.replication_factor}: "
+                "changing it needs a partition reassignment, which this tool does not do"))
+        for key, value in sorted(spec.config.items()):
+            if state.overrides.get(key) != value:
+                changes.append(Change(name, "set_config",
+                                      f"{key}: {state.overrides.get(key, '(default)')} -> {value}",
+                                      key=key, value=value))
+        for key in sorted(set(state.overrides) - set(spec.config)):
+            changes.append(Change(name, "delete_config",
+                                  f"{key}: {state.overrides[key]} -> (default)", key=key))
+    return changes
+
+
+def channel_specs(specs: dict[str, TopicSpec], namespace: str, channels: tuple[str, ...]) -> dict[str, TopicSpec]:
+    """The topics one or more channels need: their lanes and retry tiers, plus the shared
+    `notif.dlq`, `notif.outcomes` and `notif.lag`."""
+    shared = {f"{namespace}notif.{t}" for t in ("dlq", "outcomes", "lag")}
+    prefixes = tuple(f"{namespace}notif.{c}." for c in channels)
+    return {n: s for n, s in specs.items() if n in shared or n.startswith(prefixes)}

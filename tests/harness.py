@@ -1,0 +1,118 @@
+"""Helpers the tests share (plain functions and classes; fixtures live in the conftest files)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+
+import httpx
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from streams.devtools.fleet import free_port
+
+__all__ = ["free_port", "wait_until", "MockProvider", "email_request", "sms_request", "committed_lag",
+           "read_topic", "metric"]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll an observable condition until it holds (bounded); fail naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class MockProvider:
+    """The mock provider process, driven over its HTTP control endpoints."""
+
+    def __init__(self, port: int, proc: subprocess.Popen):
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = proc
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def stats(self, deliveries: bool = False) -> dict:
+        return self.http.get("/_mock/stats", params={"deliveries": "1"} if deliveries else None).json()
+
+    def configure(self, **settings) -> None:
+        self.http.post("/_mock/config", json=settings).raise_for_status()
+
+    def reset(self, **settings) -> None:
+        defaults = {"rate": 1000.0, "latency_ms": 0.0, "fault_5xx_ratio": 0.0, "fault_timeout_ratio": 0.0,
+                    "fault_401_ratio": 0.0, "timeout_delay_s": 15.0, "hold_answers": False}
+        self.configure(**{**defaults, **settings})
+        self.http.post("/_mock/reset").raise_for_status()
+
+    def answering(self) -> bool:
+        try:
+            return self.http.get("/_mock/stats").status_code == 200
+        except httpx.TransportError:
+            return False
+
+
+def email_request(category: str = "transactional", **payload) -> dict:
+    return {"channel": "email", "category": category, "template_id": "welcome", "template_version": "7",
+            "payload": {"from": "Acme <no-reply@acme.test>", "to": ["user@example.test"],
+                        "subject": "Hello", "html": "<p>Hi</p>", **payload}}
+
+
+def sms_request(category: str = "transactional") -> dict:
+    return {"channel": "sms", "category": category, "template_id": "otp", "template_version": "1",
+            "payload": {"to": "+14155550123", "body": "Your code is 123456"}}
+
+
+def committed_lag(bootstrap: str, group: str, topic: str) -> int:
+    """Messages of `topic` not yet committed by `group` (end offset - committed, summed).
+    Transient coordinator errors (a group being created or rebalanced) are retried a few times."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        for attempt in range(5):
+            try:
+                md = c.list_topics(topic, timeout=10)
+                parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
+                committed = c.committed(parts, timeout=10)
+                lag = 0
+                for tp in committed:
+                    _, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+                    lag += high - (tp.offset if tp.offset >= 0 else 0)
+                return lag
+            except KafkaException:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5)  # a coordinator still loading: ask again shortly
+        raise AssertionError("unreachable")
+    finally:
+        c.close()
+
+
+def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list:
+    """Read `expect` messages from the start of `topic` (fails after `timeout`)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    out: list = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < expect and time.monotonic() < deadline:
+            for m in c.consume(num_messages=1000, timeout=0.5):
+                if not m.error():
+                    out.append(m)
+    finally:
+        c.close()
+    assert len(out) >= expect, f"read {len(out)} of {expect} expected messages from {topic}"
+    return out
+
+
+def metric(port: int, name: str, **labels) -> float | None:
+    """One sample from a process's /metrics (None when absent)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None

@@ -1,0 +1,210 @@
+"""The lane worker's loop driven with in-memory fakes (no broker, no Redis, no HTTP): what a user of
+the worker notices, such as which sends reach the provider, what is written to Kafka and which
+offsets are stored, for the delivered, throttled, rejected and duplicate paths."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from streams.dispatch.worker import LaneWorker, WorkerConfig
+from streams.gate.gate import Admission
+from streams.names import TopicNames
+from streams.providers.outcome import ProviderResult
+from streams.providers.registry import PROVIDERS, ProviderCredentials
+from streams.retry.policy import load_policies
+from streams.send import build_send, encode, validate_request
+from tests.harness import email_request
+
+NAMES = TopicNames("u.")
+TOPIC = NAMES.lane("email", "transactional")
+
+
+class FakeMessage:
+    def __init__(self, partition: int, offset: int, value: bytes, headers=None):
+        self._p, self._o, self._v, self._h = partition, offset, value, headers or []
+
+    def topic(self): return TOPIC
+    def partition(self): return self._p
+    def offset(self): return self._o
+    def value(self): return self._v
+    def key(self): return b"k"
+    def headers(self): return self._h
+    def error(self): return None
+
+
+class FakeConsumer:
+    def __init__(self, messages):
+        self.pending = list(messages)
+        self.stored: dict[tuple[str, int], int] = {}
+        self.on_assign = None
+
+    def subscribe(self, topics, on_assign=None, on_revoke=None, on_lost=None):
+        self.on_assign = on_assign
+
+    def consume(self, num_messages=1, timeout=0):
+        if self.on_assign:
+            assign, self.on_assign = self.on_assign, None
+            assign(self, [_TP(TOPIC, p) for p in range(2)])
+        out, self.pending = self.pending[:num_messages], self.pending[num_messages:]
+        return out
+
+    def store_offsets(self, offsets):
+        for tp in offsets:
+            self.stored[(tp.topic, tp.partition)] = tp.offset
+
+    def pause(self, partitions): pass
+    def resume(self, partitions): pass
+    def commit(self, asynchronous=True): pass
+    def close(self): pass
+
+
+class _TP:
+    def __init__(self, topic, partition):
+        self.topic, self.partition = topic, partition
+
+
+class FakeProducer:
+    def __init__(self):
+        self.records: dict[str, list[tuple[bytes | None, dict]]] = defaultdict(list)
+        self._acks = []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.records[topic].append((value, dict(headers or [])))
+        if on_delivery:
+            self._acks.append(on_delivery)
+
+    def poll(self, timeout=0):
+        acks, self._acks = self._acks, []
+        for ack in acks:
+            ack(None, None)
+        return len(acks)
+
+    def flush(self, timeout=0):
+        return self.poll() and 0
+
+
+class FakeGate:
+    def __init__(self, short_tenants=()):
+        self.short_tenants = set(short_tenants)
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant in self.short_tenants:
+            return Admission(False, 3600.0, "tenant")
+        return Admission(True)
+
+    def cool_down(self, provider, seconds): pass
+    def tenant_burst(self, provider, tenant): return 100
+
+
+class FakeJobs:
+    """processed_jobs in a dict: free, inflight:<key> or delivered."""
+
+    def __init__(self, delivered=()):
+        self.state = {s: "delivered" for s in delivered}
+
+    def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
+
+    def claim(self, send_ids, key, owner, path, body, tenant):
+        busy = [i for i, s in enumerate(send_ids) if s in self.state]
+        if not busy:
+            self.state.update({s: f"inflight:{key}" for s in send_ids})
+        return busy
+
+    def take_over(self, tenant, key, owner): return None
+    def mark_delivered(self, tenant, send_ids, key): self.state.update({s: "delivered" for s in send_ids})
+
+    def release(self, tenant, send_ids, key):
+        for s in send_ids:
+            self.state.pop(s, None)
+
+    def keep_unknown(self, tenant, key): pass
+
+
+class FakeProvider:
+    name = "resend"
+
+    def __init__(self, answer: ProviderResult):
+        self.answer = answer
+        self.sent: list[bytes] = []
+
+    def build(self, messages, batch):
+        return "/emails", b"|".join(m.send_id.encode() for m in messages)
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        return self.answer
+
+    def close(self): pass
+
+
+def _messages(tenants: list[str]):
+    sends = [build_send(validate_request(email_request()), t) for t in tenants]
+    return sends, [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+
+
+DELIVERED = ProviderResult("delivered", 200, ("m1",))
+
+
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None):
+    cfg = WorkerConfig("email", "transactional", "unused:9092", PROVIDERS["email"], NAMES)
+    consumer, producer, provider = FakeConsumer(messages), FakeProducer(), FakeProvider(answer)
+    worker = LaneWorker(cfg, consumer, producer, provider, gate or FakeGate(), jobs or FakeJobs(),
+                        ProviderCredentials({"*": "re_key"}), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    return worker, consumer, producer, provider
+
+
+def _run(worker, steps: int = 50) -> None:
+    for _ in range(steps):
+        worker.step()
+    worker._drain()
+    worker.step()
+
+
+def test_delivered_sends_publish_outcomes_and_store_offsets():
+    sends, msgs = _messages(["acme", "globex", "acme"])
+    worker, consumer, producer, provider = _worker(msgs)
+    _run(worker)
+    assert len(provider.sent) == 3
+    outcomes = producer.records[NAMES.outcomes]
+    assert sorted(v for v, _ in outcomes) and len(outcomes) == 3
+    assert consumer.stored[(TOPIC, 0)] == 3  # everything below offset 3 is done
+
+
+def test_a_throttled_tenant_waits_alone_and_pins_only_its_own_offset():
+    sends, msgs = _messages(["slow", "fast", "fast"])
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(short_tenants={"slow"}))
+    _run(worker)
+    assert len(provider.sent) == 2  # the fast tenant's sends went out behind the slow head
+    assert consumer.stored.get((TOPIC, 0), 0) == 0  # offset 0 (slow) is unfinished: nothing past it
+    assert worker.queues.buffered == 1
+
+
+def test_a_permanent_rejection_is_dead_lettered_and_its_offset_finished():
+    sends, msgs = _messages(["acme"])
+    worker, consumer, producer, _ = _worker(msgs, answer=ProviderResult("rejected", 422, error_name="validation_error"))
+    _run(worker)
+    (value, headers), = producer.records[NAMES.dlq]
+    assert value == msgs[0].value() and headers["reason"] == b"permanent_error"
+    assert headers["send_id"] == sends[0].send_id.encode()
+    assert consumer.stored[(TOPIC, 0)] == 1
+
+
+def test_a_send_already_delivered_is_not_sent_again():
+    sends, msgs = _messages(["acme", "acme"])
+    worker, consumer, producer, provider = _worker(msgs, jobs=FakeJobs(delivered={sends[0].send_id}))
+    _run(worker)
+    assert provider.sent == [sends[1].send_id.encode()]
+    assert consumer.stored[(TOPIC, 0)] == 2
+
+
+@pytest.mark.parametrize("headers,reason", [([("attempt", b"2x")], "malformed"), ([("attempt", b"0")], "malformed")])
+def test_a_malformed_header_is_dead_lettered_not_a_crash(headers, reason):
+    sends, msgs = _messages(["acme"])
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, msgs[0].value(), headers)])
+    _run(worker)
+    (_, dlq_headers), = producer.records[NAMES.dlq]
+    assert dlq_headers["reason"] == reason.encode() and provider.sent == []
+    assert consumer.stored[(TOPIC, 0)] == 1
