@@ -20,6 +20,9 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class DispatchError(Exception):
     """Base of every error this project raises on purpose."""
@@ -37,12 +40,17 @@ class TopicPlanError(DispatchError):
     """A topic change that is refused (for example decreasing partitions)."""
 
 
+def format_field_errors(errors: Sequence[Any]) -> str:
+    """`a.b: message; c: message` from [{loc, msg}] (pydantic's error shape)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+
+
 class SendValidationError(DispatchError):
     """A send or a batch failed validation. `errors` lists {loc, msg} per field."""
 
     def __init__(self, errors: list[dict]):
         self.errors = errors
-        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
+        super().__init__(format_field_errors(errors))
 
 
 class PayloadError(SendValidationError, ValueError):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import MalformedEvent, PayloadError, SendValidationError
+from .errors import MalformedEvent, PayloadError, SendValidationError, format_field_errors
 from .lanes import Category, Channel, Lane, lane_for
 from .retry.policy import unknown_policy
 
@@ -222,6 +222,5 @@ def decode(value: bytes | None) -> Send:
         send = Send.model_validate(doc)
         PAYLOADS[send.channel].model_validate(send.payload)
     except ValidationError as exc:
-        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise MalformedEvent("malformed", detail) from None
+        raise MalformedEvent("malformed", format_field_errors(exc.errors())) from None
     return send

@@ -33,6 +33,8 @@ class Fleet:
         self.namespace = namespace
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
+        # The children inherit this process's environment (copied, not parsed: each child parses
+        # its own settings with streams.config).
         self.env = {"LOG_LEVEL": "WARNING", **(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace}
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
         self.mock_url = ""

@@ -38,7 +38,6 @@ class Job:
     tenant: str
     send_ids: tuple[str, ...]
     members: list[Pending]
-    started: float
 
 
 class Dispatcher:
@@ -129,7 +128,7 @@ class Dispatcher:
                 [Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload) for p in fresh], batch=self.batches)
             busy = set(self.jobs.claim(ids, request_key, self.worker_id, path, body, tenant))
             if not busy:
-                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh, time.monotonic()))
+                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh))
                 return
             self.queues.put_back(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
@@ -149,8 +148,7 @@ class Dispatcher:
             return False
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
-        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members,
-                        time.monotonic()))
+        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members))
         log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
         return True
 
