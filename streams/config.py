@@ -19,6 +19,8 @@ was expected. The variables and their defaults:
     YIELD_MIN_DWELL_S             shortest pause, seconds (default: 2)
     YIELD_STALE_AFTER_S           a lag reading older than this is not trusted, seconds (default: 3)
     DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
+    KAFKA_DELIVERY_TIMEOUT_MS     how long a record may wait for the broker's acknowledgement before it is
+                                  reported failed and produced again (default: 60000)
     LOG_LEVEL                     Python log level              (default: INFO)
     METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
 """
@@ -130,6 +132,7 @@ class Config:
     retry_policies_path: str | None = None
     yield_policy: YieldPolicy = field(default_factory=YieldPolicy)
     commit_interval_ms: int = 1000
+    delivery_timeout_ms: int = 60_000
     log_level: str = "INFO"
     metrics_addr: str = "127.0.0.1"
 
@@ -148,6 +151,7 @@ class Config:
             retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
             yield_policy=_yield_policy(e),
             commit_interval_ms=_int(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000),
+            delivery_timeout_ms=_int(e, "KAFKA_DELIVERY_TIMEOUT_MS", 60_000),
             log_level=e.get("LOG_LEVEL") or "INFO",
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",
         )

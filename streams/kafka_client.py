@@ -4,11 +4,15 @@ storing and committing tracked offsets. Each librdkafka setting says the guarant
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from . import metrics
+from .backoff import Outage
 from .offsets import OffsetTracker
 
 _log = logging.getLogger("streams.kafka")
@@ -74,9 +78,97 @@ def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tupl
             _log.debug("store_offsets: %s", exc)
 
 
+def store_message_offset(consumer: Consumer, msg: Any) -> None:
+    """Store the offset after one processed message (ignored for a partition revoked meanwhile)."""
+    try:
+        consumer.store_offsets(message=msg)
+    except Exception as exc:  # noqa: BLE001 - a partition revoked meanwhile (_STATE) is benign
+        _log.debug("store_offsets: %s", exc)
+
+
 def commit_now(consumer: Consumer) -> None:
     """Commit what was stored, synchronously (on revoke and at shutdown)."""
     try:
         consumer.commit(asynchronous=False)
     except Exception as exc:  # noqa: BLE001 - "no offset stored" is not an error here
         _log.debug("commit: %s", exc)
+
+
+@dataclass
+class _Record:
+    topic: str
+    value: bytes | None
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
+    on_ack: Callable[[], object] | None
+    on_refused: Callable[[KafkaError], object] | None
+
+
+# Errors that producing again cannot fix: the record itself is refused.
+REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
+
+
+class AckedWriter:
+    """Writes records whose acknowledgement matters (outcomes, retry copies, dead letters).
+
+    `on_ack` runs on the calling thread (inside `poll`) once the broker acknowledged the record. A
+    record the broker did not acknowledge (down past the delivery timeout, leader gone) is produced
+    again, with backoff, until it is: the caller's offset stays unstored meanwhile, so nothing is
+    lost and nothing freezes silently (a metric and one log line per episode say so). A record the
+    broker refuses for what it is (too large) goes to `on_refused` when given, instead of a loop.
+    """
+
+    def __init__(self, producer: Producer, label: str):
+        self.producer = producer
+        self.label = label
+        self.outage = Outage(f"Kafka ({label} writes)", base_s=0.5, cap_s=10.0)
+        self._failed: list[_Record] = []
+        self.unacknowledged = 0
+
+    def write(self, topic: str, value: bytes | None, key: bytes | None = None,
+              headers: Iterable[tuple[str, bytes]] | None = None, on_ack: Callable[[], object] | None = None,
+              on_refused: Callable[[KafkaError], object] | None = None) -> None:
+        self._produce(_Record(topic, value, key, list(headers or ()), on_ack, on_refused))
+
+    def _produce(self, record: _Record) -> None:
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            self.unacknowledged -= 1
+            if err is None:
+                self.outage.recovered(time.monotonic())
+                if record.on_ack is not None:
+                    record.on_ack()
+            elif err.code() in REFUSED and record.on_refused is not None:
+                _log.error("%s refused a record for %s: %s", self.label, record.topic, err)
+                record.on_refused(err)
+            else:
+                metrics.PRODUCE_RETRIES.labels(self.label).inc()
+                self.outage.failed(time.monotonic(), err)
+                self._failed.append(record)
+
+        self.unacknowledged += 1
+        produce(self.producer, record.topic, record.value, key=record.key, headers=record.headers,
+                on_delivery=on_delivery)
+
+    def poll(self, timeout: float = 0) -> None:
+        """Serve delivery reports; produce again what failed, once the backoff allows."""
+        self.producer.poll(timeout)
+        if self._failed and self.outage.ready(time.monotonic()):
+            again, self._failed = self._failed, []
+            for record in again:
+                self._produce(record)
+        metrics.PRODUCE_PENDING.labels(self.label).set(len(self._failed) + self.unacknowledged)
+
+    @property
+    def pending(self) -> int:
+        """Records not yet acknowledged (in flight or waiting to be produced again)."""
+        return len(self._failed) + self.unacknowledged
+
+    def drain(self, timeout_s: float) -> bool:
+        """Flush until every record is acknowledged or `timeout_s` passes; True when all were."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending and time.monotonic() < deadline:
+            self.producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+            self.poll(0)
+            if self._failed:
+                time.sleep(min(0.2, max(0.0, self.outage.next_try_at - time.monotonic())))
+        return self.pending == 0

@@ -52,3 +52,15 @@ def serve(port: int, addr: str = "127.0.0.1") -> None:
     """Serve /metrics on `port` (0: not at all) at `addr` (METRICS_ADDR, default loopback)."""
     if port:
         start_http_server(port, addr=addr)
+PRODUCE_RETRIES = Counter("dispatch_produce_retries_total", "Records produced again after the broker did not "
+                          "acknowledge them", ["writer"])
+PRODUCE_PENDING = Gauge("dispatch_produce_pending_records", "Records a writer holds until the broker acknowledges "
+                        "them", ["writer"])
+DEPENDENCY_DOWN = Gauge("dispatch_dependency_down", "1 while a role holds its work because a dependency fails",
+                        ["role", "dependency"])
+REDIS_STATE_LOST = Gauge("dispatch_redis_state_lost", "1 while Redis has lost its data and dispatch holds until "
+                         "an operator recovers it (`streams state recover`)")
+RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier holds until their due time",
+                   ["channel", "lane", "tier"])
+RETRY_OVERDUE = Gauge("dispatch_retry_overdue_seconds", "How long past its due time the most overdue held retry "
+                      "message is (a working retrier keeps this near 0)", ["channel", "lane", "tier"])

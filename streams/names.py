@@ -39,9 +39,9 @@ class TopicNames:
         """The lane workers' group."""
         return f"{self.namespace}dispatch.{channel}.{lane}"
 
-    def retry_group(self, channel: str, lane: str, tier: str) -> str:
-        """Each lane's group owns its retry topics."""
-        return f"{self.group(channel, lane)}.retry.{tier}"
+    def retry_group(self, channel: str, lane: str) -> str:
+        """The retriers' group: each lane's retriers own its retry topics (every tier)."""
+        return f"{self.group(channel, lane)}.retry"
 
     def lag_follower_group(self, channel: str, lane: str) -> str:
         return f"{self.group(channel, lane)}.lag-follower"
@@ -49,6 +49,11 @@ class TopicNames:
     @property
     def recorder_group(self) -> str:
         return f"{self.namespace}status-recorder"
+
+    @property
+    def operator(self) -> str:
+        """The operator log: limits, API keys and the Redis epoch (compacted)."""
+        return f"{self.namespace}notif.operator"
 
 
 def lag_key(channel: str) -> str:
@@ -92,3 +97,9 @@ class RedisKeys:
     @property
     def api_keys(self) -> str:
         return f"{self.namespace}dr:apikeys"
+
+    @property
+    def epoch(self) -> str:
+        """Written once per Redis data set; its absence while the operator log knows an epoch means
+        Redis lost its data."""
+        return f"{self.namespace}dr:epoch"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import redis
+from redis import Redis
 
 from .config import Config
 from .errors import ConfigError
@@ -17,10 +17,15 @@ from .redis_client import connect
 
 if TYPE_CHECKING:
     from .dispatch.worker import LaneWorker
+    from .gate.limits import LimitStore
+    from .ingest.api_keys import ApiKeys
     from .ingest.sdk import Router, SendClient
     from .providers.http import Provider
     from .retry.policy import RetryPolicy
+    from .retry.retrier import Retrier
     from .send import Send
+    from .state.guard import StateGuard
+    from .state.log import OperatorLog
 
 
 class Runtime:
@@ -47,7 +52,7 @@ class Runtime:
     def namespace(self) -> str:
         return self.config.namespace
 
-    def redis(self) -> redis.Redis:
+    def redis(self) -> Redis:
         return connect(self.redis_url)
 
     def policies(self) -> dict[str, RetryPolicy]:
@@ -61,6 +66,27 @@ class Runtime:
         if not endpoint.base_url:
             raise ConfigError(f"{spec.url_var} is not set: where is the {channel} provider?")
         return adapter_class(spec)(endpoint.base_url, timeout_s=self.config.provider_timeout_s)
+
+    def operator_log(self) -> OperatorLog:
+        from .state.log import OperatorLog
+
+        return OperatorLog(self.bootstrap, self.names.operator)
+
+    def limit_store(self, client: Redis | None = None) -> LimitStore:
+        from .gate.limits import LimitStore
+
+        return LimitStore(client or self.redis(), self.namespace, self.operator_log())
+
+    def api_keys(self, client: Redis | None = None) -> ApiKeys:
+        from .ingest.api_keys import ApiKeys
+
+        return ApiKeys(client or self.redis(), self.namespace, self.operator_log())
+
+    def state_guard(self, role: str, client: Redis | None = None) -> StateGuard:
+        """Detects lost Redis data and rebuilds operator state; checked at start, then every few seconds."""
+        from .state.guard import StateGuard
+
+        return StateGuard(client or self.redis(), self.config.keys, self.operator_log(), role)
 
     def credentials(self, channel: str) -> ProviderCredentials:
         return ProviderCredentials(self.config.providers[provider_for(channel).name].api_keys)
@@ -82,13 +108,22 @@ class Runtime:
                            lease_s=max(3 * c.provider_timeout_s, 5.0),
                            yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
-        producer = durable_producer(c.bootstrap, **{"linger.ms": 5})
+        producer = durable_producer(c.bootstrap, **{"linger.ms": 5, "message.timeout.ms": c.delivery_timeout_ms})
         client = self.redis()
         return LaneWorker(cfg, consumer, producer, self.provider(channel), RedisGate(client, c.namespace),
                           ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.credentials(channel),
-                          self.policies(), queue_key or by_tenant)
+                          self.policies(), queue_key or by_tenant,
+                          guard=self.state_guard(f"worker {channel}.{lane}", client))
 
     def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None) -> SendClient:
         from .ingest.sdk import SendClient
 
-        return SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router)
+        return SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
+                          timeout_s=self.config.delivery_timeout_ms / 1000)
+
+    def retrier(self, channel: str, lane: str) -> Retrier:
+        from .retry.retrier import Retrier, RetrierConfig
+
+        c = self.config
+        return Retrier(RetrierConfig(channel, lane, c.bootstrap, c.names, commit_interval_ms=c.commit_interval_ms,
+                                     delivery_timeout_ms=c.delivery_timeout_ms))

@@ -116,3 +116,39 @@ def metric(port: int, name: str, **labels) -> float | None:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return None
+
+
+def free_port_pair() -> int:
+    """A port whose successor is free too (Kafka's controller listens on port + 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+def private_stack(home):
+    """A LocalStack of its own (home, ports, data), reusing the session's Kafka jar cache."""
+    from streams.config import StackConfig
+    from streams.devtools.stack import LocalStack
+
+    shared = StackConfig.from_env().home / "kafka"
+    (home / "kafka").symlink_to(shared, target_is_directory=True)
+    return LocalStack(StackConfig(home=home, kafka_bootstrap=None, redis_url=None,
+                                  kafka_port=free_port_pair(), redis_port=free_port_pair()))
+
+
+def answers(client: httpx.Client, path: str = "/openapi.json") -> bool:
+    """Whether an HTTP server of ours answers 200 on `path` yet."""
+    try:
+        return client.get(path).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -119,7 +119,7 @@ def fleet(sub) -> None:
         stop: list[int] = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         namespace = f"fleet{int(time.time())}{'b' if args.baseline else ''}."
-        with Fleet(namespace, Path(tempfile.mkdtemp(prefix="dual-rail-fleet-"))) as f:
+        with Fleet(namespace, Path(tempfile.mkdtemp(prefix="dual-rail-fleet-")), supervise=True) as f:
             info = start_dispatch(f, args.provider_rps, args.latency_ms, baseline=args.baseline)
             lines = "".join(f"{k}={v}\n" for k, v in info.items())
             if args.env_file:

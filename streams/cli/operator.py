@@ -58,10 +58,10 @@ def limits(sub) -> None:
     p.add_argument("--burst", type=int)
 
     def run(args: argparse.Namespace) -> int:
-        from ..gate.limits import LimitChange, LimitStore
+        from ..gate.limits import LimitChange
 
         rt = Runtime.from_env()
-        store = LimitStore(rt.redis(), rt.namespace)
+        store = rt.limit_store()
         if args.action == "set":
             shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
                                                            args.tenant, args.rate, args.burst))
@@ -82,10 +82,8 @@ def keys(sub) -> None:
     who.add_argument("--operator", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
-        from ..ingest.api_keys import ApiKeys
-
         rt = Runtime.from_env()
-        api_keys = ApiKeys(rt.redis(), rt.namespace)
+        api_keys = rt.api_keys()
         print(api_keys.create("operator") if args.operator else api_keys.create("tenant", args.tenant))
         return 0
 
@@ -125,4 +123,35 @@ def dlq(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [topics, limits, keys, dlq]
+def state(sub) -> None:
+    p = sub.add_parser("state", help="operator: Redis state (epoch, lost data, recovery)")
+    p.add_argument("action", choices=["status", "recover", "acknowledge-loss"],
+                   help="status: is Redis's data intact? recover: rebuild delivery marks and statuses from "
+                        "notif.outcomes, then resume dispatch; acknowledge-loss: resume without rebuilding")
+
+    def run(args: argparse.Namespace) -> int:
+        from ..state.recover import acknowledge_loss, recover
+
+        rt = Runtime.from_env()
+        client = rt.redis()
+        if args.action == "status":
+            intact = rt.state_guard("cli", client).check(force=True)
+            print("Redis state intact" if intact else
+                  "Redis has LOST its data: operator state was restored from the operator log; dispatch holds "
+                  "until `streams state recover` (or `streams state acknowledge-loss`)")
+            return 0 if intact else 3
+        oplog = rt.operator_log()
+        if args.action == "recover":
+            done = recover(rt.bootstrap, client, rt.names, rt.config.keys, oplog,
+                           progress=lambda m: print(f"  {m}", file=sys.stderr))
+            print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks and "
+                  f"{done.statuses} statuses rebuilt; dispatch resumes")
+        else:
+            print(f"acknowledged: epoch {acknowledge_loss(client, rt.config.keys, oplog)}; dispatch resumes "
+                  "(sends delivered before the loss may be sent again)")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [topics, limits, keys, dlq, state]

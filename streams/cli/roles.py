@@ -32,14 +32,12 @@ def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
 def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
     import uvicorn
 
-    from ..gate.limits import LimitStore
     from ..ingest.api import create_app
-    from ..ingest.api_keys import ApiKeys
     from ..ingest.status import StatusStore
 
     r = rt.redis()
-    app = create_app(rt.send_client(router=router), StatusStore(r, rt.namespace), ApiKeys(r, rt.namespace),
-                     LimitStore(r, rt.namespace), frozenset(rt.policies()))
+    app = create_app(rt.send_client(router=router), StatusStore(r, rt.namespace), rt.api_keys(r),
+                     rt.limit_store(r), frozenset(rt.policies()), guard=rt.state_guard("api", r))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 
@@ -65,21 +63,22 @@ def worker(sub) -> None:
 
 
 def retrier(sub) -> None:
-    p = sub.add_parser("retrier", help="re-publish a retry tier's messages to their lane when due")
+    p = sub.add_parser("retrier", help="re-publish a lane's retry messages (every tier) when each is due")
     p.add_argument("--channel", required=True, choices=CHANNELS)
     p.add_argument("--lane", required=True, choices=LANES)
-    p.add_argument("--tier", required=True, choices=list(RETRY_TIERS))
+    p.add_argument("--tier", choices=list(RETRY_TIERS),
+                   help="ignored: one retrier serves every tier of its lane (kept so old commands still run)")
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
-        from ..retry.retrier import Retrier, RetrierConfig
-
         rt = Runtime.from_env()
         setup_logging(rt.config)
-        r = Retrier(RetrierConfig(args.channel, args.lane, args.tier, rt.bootstrap, rt.names,
-                                  commit_interval_ms=rt.config.commit_interval_ms))
-        return run_role(r, args.metrics_port,
-                        f"retrier consuming {r.cfg.topic} as {r.cfg.group} -> {r.lane_topic}", rt.config)
+        if args.tier:
+            logging.getLogger("streams.retrier").warning(
+                "--tier %s is ignored: this retrier serves every tier of %s.%s", args.tier, args.channel, args.lane)
+        r = rt.retrier(args.channel, args.lane)
+        return run_role(r, args.metrics_port, f"retrier consuming {len(r.cfg.topics)} tiers of "
+                        f"{args.channel}.{args.lane} as {r.cfg.group} -> {r.lane_topic}", rt.config)
 
     p.set_defaults(func=run)
 
@@ -124,8 +123,9 @@ def outcome_recorder(sub) -> None:
 
         rt = Runtime.from_env()
         setup_logging(rt.config)
-        recorder = OutcomeRecorder(rt.bootstrap, StatusStore(rt.redis(), rt.namespace), rt.names.outcomes,
-                                   rt.names.recorder_group)
+        r = rt.redis()
+        recorder = OutcomeRecorder(rt.bootstrap, StatusStore(r, rt.namespace), rt.names.outcomes,
+                                   rt.names.recorder_group, guard=rt.state_guard("outcome recorder", r))
         return run_role(recorder, args.metrics_port, f"outcome recorder consuming {rt.names.outcomes}",
                         rt.config)
 

@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,16 +30,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Member:
+    """One process of the fleet and how to start it again."""
+
+    name: str
+    argv: list[str]
+    env: dict
+    log: Path
+    proc: subprocess.Popen
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead member is started again (supervised fleets)
+
+    def respawn(self) -> None:
+        self.proc = _spawn(self.argv, self.env, self.log)
+
+
+def _spawn(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 class Fleet:
-    def __init__(self, namespace: str, log_dir: Path, base_env: dict | None = None):
+    """`supervise=True` restarts a member that dies, with exponential backoff (1 s ... 30 s), and
+    logs it, as a process supervisor would in a real deployment. Tests leave it off: they kill
+    processes on purpose and start their replacements themselves."""
+
+    def __init__(self, namespace: str, log_dir: Path, base_env: dict | None = None, supervise: bool = False):
         self.namespace = namespace
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         # The children inherit this process's environment (copied, not parsed: each child parses
         # its own settings with streams.config).
         self.env = {"LOG_LEVEL": "WARNING", **(base_env or os.environ), "DUAL_RAIL_TOPIC_NAMESPACE": namespace}
-        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.members: list[Member] = []
         self.mock_url = ""
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        if supervise:
+            self._supervisor = threading.Thread(target=self._supervise, name="fleet-supervisor", daemon=True)
+            self._supervisor.start()
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen, Path]]:
+        return [(m.name, m.proc, m.log) for m in self.members]
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for m in list(self.members):
+                code = m.proc.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                now = time.monotonic()
+                if m.restart_at is None:
+                    m.restart_at = now + min(30.0, 2.0 ** m.restarts)
+                    print(f"fleet: {m.name} exited ({code}); restarting in {m.restart_at - now:.0f} s "
+                          f"(log: {m.log})", file=sys.stderr, flush=True)
+                elif now >= m.restart_at:
+                    m.restarts += 1
+                    m.restart_at = None
+                    m.respawn()
+                    print(f"fleet: restarted {m.name} (restart #{m.restarts})", file=sys.stderr, flush=True)
 
     @property
     def runtime(self) -> Runtime:
@@ -57,11 +110,11 @@ class Fleet:
     def start(self, name: str, *args: str, ready: str | None = None, env: dict | None = None,
               module: str = "streams.cli") -> subprocess.Popen:
         """Start `python -m <module> <args>`; with `ready`, wait until its log shows that line."""
-        log = self.log_dir / f"{len(self.procs):02d}-{name}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**self.env, **(env or {})},
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc, log))
+        log = self.log_dir / f"{len(self.members):02d}-{name}.log"
+        log.write_bytes(b"")
+        argv, full_env = [sys.executable, "-m", module, *args], {**self.env, **(env or {})}
+        proc = _spawn(argv, full_env, log)
+        self.members.append(Member(name, argv, full_env, log, proc))
         if ready:
             deadline = time.monotonic() + 60
             while ready not in log.read_text(errors="replace"):
@@ -91,24 +144,28 @@ class Fleet:
         return self.mock_url
 
     def stop(self) -> None:
-        for _, p, _ in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for _, p, _ in self.procs:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
+        for m in self.members:
+            if m.proc.poll() is None:
+                m.proc.send_signal(signal.SIGTERM)
+        for m in self.members:
             try:
-                p.wait(20)
+                m.proc.wait(20)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = []
+                m.proc.kill()
+                m.proc.wait()
+        self.members = []
 
     def worker(self, channel: str, lane: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
         return self.start(f"worker-{channel}-{lane}", "worker", "--channel", channel, "--lane", lane, *extra,
                           env=env, ready="consuming")
 
-    def retrier(self, channel: str, lane: str, tier: str, env: dict | None = None) -> subprocess.Popen:
-        return self.start(f"retrier-{channel}-{lane}-{tier}", "retrier", "--channel", channel, "--lane", lane,
-                          "--tier", tier, env=env, ready="retrier consuming")
+    def retrier(self, channel: str, lane: str, env: dict | None = None) -> subprocess.Popen:
+        """One retrier serves every tier of a lane."""
+        return self.start(f"retrier-{channel}-{lane}", "retrier", "--channel", channel, "--lane", lane,
+                          env=env, ready="retrier consuming")
 
     def logs(self, tail: int = 2000) -> str:
         """The end of every process's log, for a failure report."""
@@ -122,13 +179,11 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
     outcome recorder (`with_api`), lag monitor, workers and retriers. `baseline` runs the naive
     design instead: one shared FIFO lane, no yielding. Returns the addresses (and API keys) a load
     generator needs."""
-    from ..gate.limits import LimitStore
-    from ..ingest.api_keys import ApiKeys
-
     fleet.create_topics()
     fleet.start_mock(provider_rps, latency_ms)
-    r = fleet.runtime.redis()
-    limits = LimitStore(r, fleet.namespace)
+    rt = fleet.runtime
+    r = rt.redis()
+    limits = rt.limit_store(r)
     # The gate mirrors the provider's limit; a burst of half a second absorbs request-arrival jitter
     # at the provider; the reserve keeps the last tokens for transactional sends.
     limits.set_provider("resend", provider_rps, max(2, provider_rps // 2),
@@ -136,7 +191,7 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
     limits.set_tenant("resend", "*", 1_000_000, 100)
     info = {"MOCK_URL": fleet.mock_url}
     if with_api:
-        keys = ApiKeys(r, fleet.namespace)
+        keys = rt.api_keys(r)
         info.update(BLAST_KEY=keys.create("tenant", "blaster"), OTP_KEY=keys.create("tenant", "shop"))
         api_port = free_port()
         if baseline:
@@ -151,8 +206,8 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
         fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
         fleet.worker("email", "transactional")
         fleet.worker("email", "marketing", "--metrics-port", str(marketing_metrics_port))
-        for lane, tier in (("transactional", "10s"), ("transactional", "1m"), ("marketing", "1m")):
-            fleet.retrier("email", lane, tier)
+        for lane in ("transactional", "marketing"):
+            fleet.retrier("email", lane)
     if not with_api:
         return info
     api = f"http://127.0.0.1:{api_port}"

@@ -248,7 +248,10 @@ class LocalStack:
         self.redis.log_file.write_text("")
         self.redis.spawn([
             binary, "--bind", "127.0.0.1", "--port", str(self.settings.redis_port),
-            "--dir", str(self.redis_data), "--save", "", "--appendonly", "no",
+            # Durable like production must be: the append-only file, fsynced every second, and no
+            # eviction (an evicted delivery mark or claim would let a send go out twice).
+            "--dir", str(self.redis_data), "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
             "--daemonize", "no", "--protected-mode", "yes",
         ])
         _wait_redis_ready(url, timeout, self.redis)

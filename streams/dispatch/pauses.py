@@ -1,52 +1,52 @@
 """Why a lane worker's partitions are paused, and which are.
 
 Reasons: `yield` (a marketing lane while the transactional lane's lag is high) and `backpressure`
-(the worker's tenant queues are full). Pauses are per partition and a rebalance hands out
-partitions unpaused, so the desired state is re-applied on every assignment. The consumer keeps
-polling while paused (heartbeats, rebalances, max.poll.interval.ms).
+(the worker's tenant queues are full). librdkafka keeps an application's pause flag on its
+partition object, so a partition revoked while paused and later assigned again could stay paused
+for good, and a new assignment could start paused or not: on every assignment each partition's
+state is set explicitly from the current reasons (paused, or resumed). The consumer keeps polling
+while paused (heartbeats, rebalances, max.poll.interval.ms).
 
-Yielding follows `notif.lag`; when the monitor's reading is stale the lag is read directly from
-the cluster (at most once a second), never silently taken as zero.
+Yielding follows `notif.lag`; when the monitor's reading is stale the lag is measured directly
+from the cluster on a background thread (at most once a second), never silently taken as zero,
+and never on the poll thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from .. import metrics
 from ..kafka_client import client_config
+from ..lag.reader import BackgroundLagRead
 from ..lag.yield_policy import Governor, LagReading, YieldPolicy
 from ..names import TopicNames, lag_key
 
-if TYPE_CHECKING:
-    from ..lag.reader import LagReader
-
 log = logging.getLogger("streams.pauses")
-DIRECT_READ_EVERY_S = 1.0
 
 
 class LanePauses:
     def __init__(self, consumer: Consumer, bootstrap: str, names: TopicNames, channel: str, lane: str,
                  policy: YieldPolicy | None):
         self.consumer = consumer
-        self.bootstrap, self.names, self.channel = bootstrap, names, channel
+        self.channel = channel
         self._label = (channel, lane)
         self.reasons: set[str] = set()
         self.paused: set[tuple[str, int]] = set()
         self.assigned: set[tuple[str, int]] = set()
         self.governor = Governor(policy) if policy else None
-        self._lag_reader: LagReader | None = None
-        self._next_direct_read = 0.0
         self._follower: Consumer | None = None
+        self._direct: BackgroundLagRead | None = None
         if self.governor:
             self._follower = Consumer(client_config(bootstrap, quiet=True, settings={
                 "group.id": names.lag_follower_group(channel, lane), "enable.auto.commit": False}))
             self._follower.assign([TopicPartition(names.lag, 0, OFFSET_BEGINNING)])
+            self._direct = BackgroundLagRead(bootstrap, names.group(channel, "transactional"),
+                                             names.lane(channel, "transactional"))
 
     @property
     def yielding(self) -> bool:
@@ -58,10 +58,17 @@ class LanePauses:
         return self.governor is not None and self.governor.reading is None
 
     def on_assign(self, partitions) -> None:
-        self.assigned |= {(p.topic, p.partition) for p in partitions}
-        if self.reasons and partitions:
+        """Set every newly assigned partition's state from the reasons: paused, or resumed."""
+        tps = {(p.topic, p.partition) for p in partitions}
+        self.assigned |= tps
+        if not partitions:
+            return
+        if self.reasons:
             self.consumer.pause(partitions)
-            self.paused |= {(p.topic, p.partition) for p in partitions}
+            self.paused |= tps
+        else:
+            self.consumer.resume(partitions)
+            self.paused -= tps
         self._metrics()
 
     def forget(self, gone: set[tuple[str, int]]) -> None:
@@ -77,7 +84,7 @@ class LanePauses:
 
     def follow_lag(self) -> None:
         governor = self.governor
-        if governor is None or self._follower is None:
+        if governor is None or self._follower is None or self._direct is None:
             return
         key = lag_key(self.channel).encode()
         for msg in self._follower.consume(num_messages=100, timeout=0):
@@ -88,11 +95,17 @@ class LanePauses:
                 governor.observe(LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"])))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 log.warning("ignoring an unreadable lag reading at %s@%d", msg.topic(), msg.offset())
+        direct = self._direct.take()
+        if direct is not None:
+            governor.observe(direct)
         now_ms = int(time.time() * 1000)
         stale = governor.stale(now_ms)
-        if stale and time.monotonic() >= self._next_direct_read:
-            self._read_directly(governor)
+        if stale:  # the monitor is silent: measure the lag ourselves rather than run blind or stall
+            self._direct.request()
         metrics.LAG_READING_STALE.labels(self.channel).set(1 if stale else 0)
+        self._decide(governor, now_ms)
+
+    def _decide(self, governor: Governor, now_ms: int) -> None:
         reading = governor.reading
         if reading is not None:
             metrics.LAG_READING_AGE.labels(self.channel).set((now_ms - reading.ts_ms) / 1000)
@@ -104,20 +117,6 @@ class LanePauses:
         elif self.yielding:
             log.info("transactional lag %d: marketing resumes", lag)
             self.reasons.discard("yield")
-
-    def _read_directly(self, governor: Governor) -> None:
-        """The monitor is silent: measure the lag ourselves rather than run blind or stall."""
-        from ..lag.reader import LagReader
-
-        self._next_direct_read = time.monotonic() + DIRECT_READ_EVERY_S
-        try:
-            if self._lag_reader is None:
-                self._lag_reader = LagReader(self.bootstrap)
-            governor.observe(self._lag_reader.read(self.names.group(self.channel, "transactional"),
-                                                   self.names.lane(self.channel, "transactional"),
-                                                   source="direct"))
-        except Exception as exc:  # noqa: BLE001 - keep the last decision until a reading arrives
-            log.warning("direct lag read failed: %s", exc)
 
     def apply(self) -> None:
         """Make the partitions' paused state match the reasons."""
@@ -140,5 +139,5 @@ class LanePauses:
     def close(self) -> None:
         if self._follower is not None:
             self._follower.close()
-        if self._lag_reader is not None:
-            self._lag_reader.close()
+        if self._direct is not None:
+            self._direct.close()

@@ -4,7 +4,8 @@ reason, attempts, first/last error, origin topic/partition/offset, group, time).
 
 Records are produced with the idempotent producer (acks=all); `on_ack` runs on the poll thread
 once the broker acknowledged a record, which is where the worker finishes offsets. A record the
-broker refuses leaves its offset unfinished, so the message is processed again.
+broker did not acknowledge is produced again with backoff until it is (the offset stays unstored
+meanwhile), so a broker outage delays outcomes but never loses or freezes them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import orjson
 from confluent_kafka import Producer
 
 from .. import metrics
-from ..kafka_client import produce
+from ..kafka_client import AckedWriter
 from ..names import TopicNames
 from ..providers.outcome import ProviderResult
 from ..retry.policy import RetryAt
@@ -34,21 +35,15 @@ def error_header(result: ProviderResult) -> bytes:
 class RecordWriter:
     def __init__(self, producer: Producer, names: TopicNames, channel: str, lane: str, provider: str,
                  topic: str, group: str):
-        self.producer = producer
+        self.writer = AckedWriter(producer, f"{channel}.{lane}")
         self.names = names
         self.channel, self.lane, self.provider = channel, lane, provider
         self.topic, self.group = topic, group
         self._label = (channel, lane)
 
     def produce(self, topic: str, key: bytes | None, value: bytes | None, headers: dict, on_ack=None) -> None:
-        def on_delivery(err, _msg) -> None:
-            if err is not None:
-                log.error("could not write to %s: %s; the message will be processed again", topic, err)
-                return
-            if on_ack is not None:
-                on_ack()
-
-        produce(self.producer, topic, value, key=key, headers=headers.items(), on_delivery=on_delivery)
+        """Write a record; `on_ack` runs once the broker acknowledged it (it is produced again until then)."""
+        self.writer.write(topic, value, key, headers.items(), on_ack)
 
     def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int,
                       provider_message_id: str = "", reason: str = "") -> dict:

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import metrics
+from ..backoff import Outage
 from ..errors import ConfigError, CostExceedsBurst, StoreUnavailable
 from ..gate.gate import Gate
 from ..providers.http import Provider
@@ -41,9 +42,13 @@ class Job:
 
 
 class Dispatcher:
+    """Every Redis call happens before the messages involved are handed on (started, skipped or
+    queued again): when Redis fails mid-way, the messages taken for the request go back to the front
+    of their queue and the dispatcher holds, with backoff, until Redis answers."""
+
     def __init__(self, spec: ProviderSpec, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
                  jobs: ProcessedJobs, gate: Gate, provider: Provider, credentials: ProviderCredentials,
-                 on_duplicate: Callable[[Pending], None]):
+                 on_duplicate: Callable[[Pending], None], redis_outage: Outage):
         self.spec, self.lane, self.worker_id = spec, lane, worker_id
         self.batches = lane in spec.batch_lanes
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
@@ -51,13 +56,17 @@ class Dispatcher:
         self.queues, self.jobs, self.gate = queues, jobs, gate
         self.provider, self.credentials = provider, credentials
         self.on_duplicate = on_duplicate
+        self.outage = redis_outage
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="provider")
         self.in_flight: dict[Future, Job] = {}
         self.batch_caps: dict[str, int] = {}
         self.rng = random.Random()
+        self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
 
     def dispatch(self) -> None:
         """Start requests for ready tenants, in random order (no tenant is always first in line)."""
+        if not self.outage.ready(time.monotonic()):
+            return
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
         for key in ready:
@@ -66,12 +75,13 @@ class Dispatcher:
             try:
                 self._dispatch_queue(key)
             except StoreUnavailable as exc:
-                log.error("%s; holding sends until Redis answers", exc)
-                self.queues.hold_all(time.monotonic() + 1.0)
+                self.outage.failed(time.monotonic(), exc)
                 return
             except ConfigError as exc:
                 log.error("%s; holding tenant %s", exc, self.queues.head_tenant(key))
                 self.queues.hold(key, time.monotonic() + 5.0)
+        if ready:
+            self.outage.recovered(time.monotonic())
 
     def _batch_cap(self, tenant: str) -> int:
         if not self.batches:
@@ -82,40 +92,70 @@ class Dispatcher:
 
     def _dispatch_queue(self, key: str) -> None:
         tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
-        items, duplicates = unique_sends(self.queues.take(key, self._batch_cap(tenant)))
-        for p in duplicates:
-            self.on_duplicate(p)
+        taken = self.queues.take(key, self._batch_cap(tenant))
+        self._open = {id(p): p for p in taken}
+        try:
+            self._dispatch_taken(key, tenant, taken)
+        except (StoreUnavailable, ConfigError):
+            self.queues.put_back(key, [p for p in taken if id(p) in self._open])
+            raise
+        finally:
+            self._open = {}
+
+    def _dispatch_taken(self, key: str, tenant: str, taken: list[Pending]) -> None:
+        self.credentials.for_tenant(tenant)  # no API key: ConfigError before anything is claimed
+        items, duplicates = unique_sends(taken)
         states = self.jobs.status(tenant, [p.send.send_id for p in items])
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(items, states, strict=True):
             if state == "delivered":
-                self.on_duplicate(p)
+                duplicates.append(p)
             elif state is None:
                 fresh.append(p)
             else:
                 unknown.setdefault(state.removeprefix("inflight:"), []).append(p)
+        for p in duplicates:
+            self._skip(p)
         waiting = [p for request_key, group in unknown.items()
                    if not self._recover(request_key, tenant, group, key) for p in group]
         if waiting:  # another worker holds their request right now: look again shortly
-            self.queues.put_back(key, waiting, hold_until=time.monotonic() + 1.0)
+            self._requeue(key, waiting, hold_until=time.monotonic() + 1.0)
         if fresh and self._admit(key, tenant, fresh):
             self._submit(key, tenant, fresh)
 
+    # ---- hand-offs: every message taken ends in exactly one of these
+    def _skip(self, p: Pending) -> None:
+        self._open.pop(id(p), None)
+        self.on_duplicate(p)
+
+    def _requeue(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
+        for p in items:
+            self._open.pop(id(p), None)
+        self.queues.put_back(key, items, hold_until=hold_until)
+
+    def _start(self, job: Job) -> None:
+        api_key = self.credentials.for_tenant(job.tenant)
+        for p in job.members:
+            self._open.pop(id(p), None)
+        fut = self.pool.submit(self.provider.post, job.path, job.body, api_key, job.key)
+        self.in_flight[fut] = job
+
+    # ---- the steps
     def _admit(self, key: str, tenant: str, fresh: list[Pending]) -> bool:
         """Both buckets, or put the messages back and hold whichever bucket was short."""
         try:
             admission = self.gate.acquire(self.spec.name, tenant, len(fresh), reserve=self.reserve)
         except CostExceedsBurst:
             self.batch_caps.pop(tenant, None)  # limits changed: learn the burst again
-            self.queues.put_back(key, fresh)
+            self._requeue(key, fresh)
             return False
         if admission.allowed:
             return True
         metrics.GATE_DENIALS.labels(self.spec.name, self.lane, admission.short).inc()
         metrics.GATE_WAIT.labels(self.spec.name, self.lane).observe(admission.wait_s)
         until = time.monotonic() + admission.wait_s
-        self.queues.put_back(key, fresh, hold_until=until if admission.short == "tenant" else None)
+        self._requeue(key, fresh, hold_until=until if admission.short == "tenant" else None)
         if admission.short != "tenant":
             self.queues.hold_all(until)
         return False
@@ -130,11 +170,11 @@ class Dispatcher:
             if not busy:
                 self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh))
                 return
-            self.queues.put_back(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
+            self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
             if not fresh:
                 return
-        self.queues.put_back(key, fresh)
+        self._requeue(key, fresh)
 
     def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
@@ -151,11 +191,6 @@ class Dispatcher:
         self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members))
         log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
         return True
-
-    def _start(self, job: Job) -> None:
-        api_key = self.credentials.for_tenant(job.tenant)
-        fut = self.pool.submit(self.provider.post, job.path, job.body, api_key, job.key)
-        self.in_flight[fut] = job
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -5,6 +5,10 @@ crash in between leaves the sends in flight: the next worker re-sends the same r
 same key, the provider replays its answer, and the outcomes are published again (at least once).
 Not delivered: a 429 holds every worker off the provider (shared cool-down); a short one is waited
 out here, anything else is copied to a retry tier or dead-lettered, per the send's retry policy.
+
+Redis failing in the middle never loses a settlement: the Redis steps of a failed request run
+before anything is written to Kafka, and a settlement (or a `delivered` mark) that meets a Redis
+error is kept and tried again, with backoff, with the timestamps of the original answer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import time
 from collections.abc import Callable
 
 from .. import metrics
+from ..backoff import Outage
+from ..errors import StoreUnavailable
 from ..gate.gate import Gate
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
@@ -26,26 +32,44 @@ from .tenant_queues import Offset, Pending, TenantQueues
 
 class Settler:
     def __init__(self, provider_name: str, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
-                 jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy]):
+                 jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
+                 redis_outage: Outage):
         self.provider_name = provider_name
         self.label = label
         self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
         self.records = records
         self.policies = policies
+        self.outage = redis_outage
+        self.unsettled: list[tuple[Job, ProviderResult, int]] = []  # met a Redis error; tried again
+        self.unmarked: list[Job] = []  # delivered and recorded, the `delivered` mark not yet written
         self.rng = random.Random()
         self._end_to_end = metrics.END_TO_END.labels(*label)  # observed per delivered message
 
     def finisher(self, where: Offset) -> Callable[[], object]:
         return lambda: self.tracker.finish(*where)
 
-    def settle(self, job: Job, result: ProviderResult) -> None:
-        metrics.PROVIDER_REQUESTS.labels(self.provider_name, result.outcome).inc()
-        metrics.PROVIDER_LATENCY.labels(self.provider_name).observe(result.latency_s)
-        now_ms = int(time.time() * 1000)
-        if result.outcome == "delivered":
-            self._delivered(job, result, now_ms)
-        else:
-            self._failed(job, result, now_ms)
+    @property
+    def pending(self) -> int:
+        return len(self.unsettled) + len(self.unmarked)
+
+    def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
+        """Settle one finished request; on a Redis error keep it for `retry`."""
+        now_ms = now_ms or int(time.time() * 1000)
+        try:
+            if result.outcome == "delivered":
+                self._delivered(job, result, now_ms)
+            else:
+                self._failed(job, result, now_ms)
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            self.unsettled.append((job, result, now_ms))
+
+    def retry(self) -> None:
+        """Try again what met a Redis error, once the backoff allows (stop at the first failure)."""
+        while self.unmarked and self.outage.ready(time.monotonic()):
+            self._mark(self.unmarked.pop(0))
+        while self.unsettled and self.outage.ready(time.monotonic()):
+            self.settle(*self.unsettled.pop(0))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         wait = cool_down_s(result, now_ms)
@@ -57,6 +81,7 @@ class Settler:
             self.jobs.keep_unknown(job.tenant, job.key)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key)
+        self.outage.recovered(time.monotonic())
         if wait_in_process(result, now_ms):
             self._back_off_in_process(job, result, now_ms)
             return
@@ -107,13 +132,23 @@ class Settler:
                                                                      ids.get(send_id, "")))
         remaining = [len(events)]
 
-        def acked() -> None:
+        def acked() -> None:  # runs inside the producer's poll: it must not raise
             remaining[0] -= 1
             if remaining[0] == 0:
-                self.jobs.mark_delivered(job.tenant, job.send_ids, job.key)
-                for p in job.members:
-                    self.tracker.finish(*p.where)
+                self._mark(job)
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
         for event in events:
             self.records.outcome(event, acked)
+
+    def _mark(self, job: Job) -> None:
+        """Mark the request's sends delivered, then finish their offsets; on a Redis error keep it."""
+        try:
+            self.jobs.mark_delivered(job.tenant, job.send_ids, job.key)
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            self.unmarked.append(job)
+            return
+        self.outage.recovered(time.monotonic())
+        for p in job.members:
+            self.tracker.finish(*p.where)

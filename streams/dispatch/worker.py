@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, KafkaError, Producer
 
 from .. import metrics
+from ..backoff import Outage
+from ..errors import PublishError, StackError, StoreUnavailable
 from ..gate.gate import Gate
 from ..kafka_client import commit_now, store_offsets
 from ..lag.yield_policy import YieldPolicy
@@ -33,6 +35,7 @@ from ..providers.outcome import ProviderResult
 from ..providers.registry import ProviderCredentials, ProviderSpec
 from ..retry.policy import RetryPolicy
 from ..send import Send
+from ..state.guard import StateGuard
 from .idempotency import ProcessedJobs
 from .intake import Rejected, admit
 from .pauses import LanePauses
@@ -69,7 +72,8 @@ class WorkerConfig:
 class LaneWorker:
     def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, provider: Provider,
                  gate: Gate, jobs: ProcessedJobs, credentials: ProviderCredentials,
-                 policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant):
+                 policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant,
+                 guard: StateGuard | None = None):
         self.cfg = config
         self.topic, self.group = config.topic, config.group
         self.consumer, self.producer, self.provider = consumer, producer, provider
@@ -82,10 +86,15 @@ class LaneWorker:
         records = RecordWriter(producer, config.names, config.channel, config.lane, config.provider.name,
                                self.topic, self.group)
         self.records = records
+        self.redis_outage = Outage("Redis (dispatch)")
+        self.consume_outage = Outage("Kafka (consume)")
         self.settler = Settler(config.provider.name, self._label, self.queues, self.tracker, jobs, gate,
-                               records, policies)
+                               records, policies, self.redis_outage)
         self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
-                                     self.queues, jobs, gate, provider, credentials, self._finish_duplicate)
+                                     self.queues, jobs, gate, provider, credentials, self._finish_duplicate,
+                                     self.redis_outage)
+        self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
+        self.guard = guard
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -111,15 +120,27 @@ class LaneWorker:
             # Wake as soon as a provider request completes rather than on the next poll.
             wait_futures(list(self.dispatcher.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
         self._collect()
+        self.settler.retry()
         self.pauses.follow_lag()
         # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
-        # reading yet (monitor or direct), a yielding lane does not run blind.
-        if not (self.pauses.yielding or self.pauses.without_reading):
+        # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
+        # lost, nothing is dispatched until an operator recovers it.
+        if not (self.pauses.yielding or self.pauses.without_reading) and self._state_intact():
             self.dispatcher.dispatch()
-        self.producer.poll(0)
+        self.records.writer.poll(0)
+        self._redis_down.set(1 if self.redis_outage.active else 0)
         self._store_offsets()
         self.pauses.backpressure(self.queues.buffered, self.cfg.max_buffered)
         self.pauses.apply()
+
+    def _state_intact(self) -> bool:
+        if self.guard is None:
+            return True
+        try:
+            return self.guard.check()
+        except (StoreUnavailable, StackError, PublishError) as exc:
+            self.redis_outage.failed(time.monotonic(), exc)
+            return False
 
     def _idle_timeout(self) -> float:
         """How long consume() may block: not at all while requests are in flight or a tenant is
@@ -139,11 +160,16 @@ class LaneWorker:
         self.dispatcher.close()
         self.provider.close()
 
-    def _drain(self) -> None:
-        """Wait for every provider request in flight and make its outcome durable."""
+    def _drain(self, timeout_s: float = 30.0) -> None:
+        """Wait for every provider request in flight and make its outcome durable (within
+        `timeout_s` for Redis and the broker: what is still unsettled then is read again later)."""
         while self.dispatcher.in_flight:
             self._collect(block=True)
-        self.producer.flush(30)
+        deadline = time.monotonic() + timeout_s
+        while self.settler.pending and time.monotonic() < deadline:
+            self.records.writer.poll(0.1)
+            self.settler.retry()
+        self.records.writer.drain(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
@@ -170,8 +196,10 @@ class LaneWorker:
     def _intake(self, msg) -> None:
         if msg.error():
             if msg.error().code() != KafkaError._PARTITION_EOF:
-                log.warning("consume error on %s: %s", self.topic, msg.error())
+                self.consume_outage.failed(time.monotonic(), msg.error())  # librdkafka reconnects by itself
             return
+        if self.consume_outage.active:
+            self.consume_outage.recovered(time.monotonic())
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         headers = dict(msg.headers() or [])
         verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
@@ -195,6 +223,8 @@ class LaneWorker:
             except Exception as exc:  # noqa: BLE001 - a bug in an adapter must not lose the sends
                 log.exception("provider call failed unexpectedly")
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
+            metrics.PROVIDER_REQUESTS.labels(self.cfg.provider.name, result.outcome).inc()
+            metrics.PROVIDER_LATENCY.labels(self.cfg.provider.name).observe(result.latency_s)
             self.settler.settle(job, result)
 
     def _finish_duplicate(self, p: Pending) -> None:

@@ -7,12 +7,16 @@ is checked against the limits it would produce, so both refuse the same things w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
 from .token_bucket import Limit
+
+if TYPE_CHECKING:
+    from ..state.log import OperatorLog
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,14 @@ def check_tenant(tenant: str, rate: int, burst: int) -> None:
 
 
 class LimitStore:
-    def __init__(self, client: redis.Redis, namespace: str = ""):
+    """`oplog` (the operator log) makes changes durable beyond Redis: every change is written there,
+    acknowledged, before Redis. The processes' stores always have one; a store without one (tests
+    that only set up limits) writes Redis alone."""
+
+    def __init__(self, client: redis.Redis, namespace: str = "", oplog: OperatorLog | None = None):
         self.client = client
         self.keys = RedisKeys(namespace)
+        self.oplog = oplog
 
     def apply(self, provider: str, change: LimitChange) -> dict[str, int]:
         """Validate a change against the current limits, write it, and return the new limits."""
@@ -66,6 +75,8 @@ class LimitStore:
             writes.update({f"tenant_rate:{change.tenant}": change.tenant_rate,
                            f"tenant_burst:{change.tenant}": change.tenant_burst})
         if writes:
+            if self.oplog is not None:
+                self.oplog.put(f"limits/{provider}", {**current, **writes})
             self._write(provider, writes)
         return self.show(provider)
 

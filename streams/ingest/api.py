@@ -5,6 +5,7 @@ carry a role. The tenant always comes from the key, never from the request body.
 cannot reach `/v1/admin/*`. Errors are JSON: `{"error": ..., "errors": [{"loc": [...], "msg": ...}]}`.
 """
 
+import logging
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -13,12 +14,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from .. import metrics
-from ..errors import ConfigError, PublishError
+from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.limits import LimitChange, LimitStore
 from ..send import MAX_BATCH, SendRequest, build_send, flatten_errors, policy_error
+from ..state.guard import StateGuard
 from .api_keys import ApiKeys, Principal
 from .sdk import SendClient
 from .status import StatusStore
+
+log = logging.getLogger("streams.api")
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
 
@@ -80,7 +84,10 @@ def _too_large(limit: int) -> JSONResponse:
 
 
 def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: LimitStore,
-               known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES,
+               guard: StateGuard | None = None) -> FastAPI:
+    """`guard` (checked at most every few seconds) rebuilds the API keys from the operator log
+    when Redis has lost its data, so tenants keep publishing without an operator."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1",
                   description="Publish notification sends and read their status. "
                               f"Batches hold at most {MAX_BATCH} sends and are accepted or rejected whole.")
@@ -93,6 +100,11 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
 
     def principal(request: Request) -> Principal:
+        if guard is not None:
+            try:
+                guard.check()
+            except StackError as exc:  # the operator log is unreadable: keys in Redis still work
+                log.warning("cannot check Redis state against the operator log: %s", exc)
         auth = request.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         found = keys.resolve(token) if token else None
@@ -118,6 +130,13 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         body = exc.detail if isinstance(exc.detail, dict) else {"error": str(exc.detail)}
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # Nothing was published or changed: the client may retry after a moment.
+        metrics.INGEST_REJECTED.labels("503").inc()
+        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
+                            headers={"Retry-After": "1"})
 
     def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list:
         # The schema checked every field; the policy name is checked against the policy file.

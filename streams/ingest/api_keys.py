@@ -5,13 +5,16 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
+
+if TYPE_CHECKING:
+    from ..state.log import OperatorLog
 
 
 @dataclass(frozen=True)
@@ -21,17 +24,24 @@ class Principal:
 
 
 class ApiKeys:
-    def __init__(self, client: redis.Redis, namespace: str = ""):
+    """Keys are written to the operator log (`oplog`, acknowledged) before Redis, so they outlive
+    a loss of Redis data; see LimitStore for stores without one."""
+
+    def __init__(self, client: redis.Redis, namespace: str = "", oplog: OperatorLog | None = None):
         self.client = client
         self.key = RedisKeys(namespace).api_keys
+        self.oplog = oplog
 
     def create(self, role: str, tenant: str | None = None) -> str:
         if role == "tenant" and not tenant:
             raise ConfigError("a tenant key needs a tenant id")
         token = f"dr_{role[:3]}_{secrets.token_urlsafe(24)}"
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        entry = {"role": role, "tenant": tenant}
+        if self.oplog is not None:
+            self.oplog.put(f"apikey/{digest}", entry)
         try:
-            self.client.hset(self.key, hashlib.sha256(token.encode()).hexdigest(),
-                             orjson.dumps({"role": role, "tenant": tenant}))
+            self.client.hset(self.key, digest, orjson.dumps(entry))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot store the API key ({exc})") from None
         return token

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import orjson
 import redis
 
 from .. import metrics
-from ..kafka_client import lane_consumer
+from ..backoff import Outage
+from ..errors import PublishError, StackError, StoreUnavailable
+from ..kafka_client import lane_consumer, store_message_offset
 from ..names import RedisKeys
+from ..redis_client import store_errors
+
+if TYPE_CHECKING:
+    from ..state.guard import StateGuard
 
 STATUS_TTL_S = 30 * 24 * 3600  # as long as notif.outcomes keeps outcomes
 
@@ -29,25 +36,27 @@ class StatusStore:
             pipe.hset(key, mapping={"tenant_id": s.tenant_id, "status": "accepted", "channel": s.channel,
                                     "lane": s.lane, "accepted_at_ms": now, "attempts": 0})
             pipe.expire(key, STATUS_TTL_S)
-        pipe.execute()
+        with store_errors("recording accepted sends"):
+            pipe.execute()
 
     def record_outcome(self, event: dict) -> None:
         """Apply an outcome event; a terminal `delivered` is never overwritten by a later duplicate."""
         key = self.keys.send_status(event["send_id"])
-        current = self.client.hget(key, "status")
-        if current == b"delivered" and event["status"] != "delivered":
-            return
         fields = {"status": event["status"], "tenant_id": event["tenant_id"],
                   "completed_at_ms": event.get("completed_at_ms") or 0,
                   "provider": event.get("provider") or "", "reason": event.get("reason") or "",
                   "provider_message_id": event.get("provider_message_id") or ""}
         if event.get("attempts"):
             fields["attempts"] = event["attempts"]
-        self.client.hset(key, mapping=fields)
-        self.client.expire(key, STATUS_TTL_S)
+        with store_errors("recording an outcome"):
+            if self.client.hget(key, "status") == b"delivered" and event["status"] != "delivered":
+                return
+            self.client.hset(key, mapping=fields)
+            self.client.expire(key, STATUS_TTL_S)
 
     def get(self, send_id: str) -> dict | None:
-        raw = self.client.hgetall(self.keys.send_status(send_id))
+        with store_errors("reading a send's status"):
+            raw = self.client.hgetall(self.keys.send_status(send_id))
         if not raw:
             return None
         doc = {k.decode(): v.decode() for k, v in raw.items()}
@@ -58,30 +67,67 @@ class StatusStore:
 
 
 class OutcomeRecorder:
-    """Consumes notif.outcomes into the status store (at-least-once; applying twice is harmless)."""
+    """Consumes notif.outcomes into the status store (at-least-once; applying twice is harmless).
+    When Redis fails, the recorder pauses its partitions, keeps the unrecorded events and tries
+    them again with backoff; an offset is stored only once its event is recorded."""
 
-    def __init__(self, bootstrap: str, store: StatusStore, topic: str, group: str):
+    def __init__(self, bootstrap: str, store: StatusStore, topic: str, group: str, guard: StateGuard | None = None):
         self.store = store
+        self.guard = guard
         self.topic = topic
         self.consumer = lane_consumer(bootstrap, group)
+        self.outage = Outage("Redis (outcome recorder)")
+        self.backlog: list = []  # consumed, not yet recorded
         self.running = True
+        self._down = metrics.DEPENDENCY_DOWN.labels("outcome-recorder", "redis")
 
     def stop(self, *_: object) -> None:
         self.running = False
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        self.consumer.subscribe([self.topic])
+        self.consumer.subscribe([self.topic], on_revoke=self._forget, on_lost=self._forget)
         try:
             while self.running and not (until and until()):
-                for msg in self.consumer.consume(num_messages=500, timeout=0.2):
-                    if msg.error():
-                        continue
-                    try:
-                        event = orjson.loads(msg.value())
-                        self.store.record_outcome(event)
-                        metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
-                    except (orjson.JSONDecodeError, KeyError, TypeError):
-                        pass  # not an outcome event; nothing to record
-                    self.consumer.store_offsets(message=msg)
+                self.step()
         finally:
             self.consumer.close()
+
+    def _forget(self, _consumer, partitions) -> None:
+        gone = {(p.topic, p.partition) for p in partitions}
+        self.backlog = [m for m in self.backlog if (m.topic(), m.partition()) not in gone]
+
+    def step(self) -> None:
+        self._check_state()
+        msgs = self.consumer.consume(num_messages=500, timeout=0.2)
+        self.backlog.extend(m for m in msgs if not m.error())
+        if self.backlog and self.outage.ready(time.monotonic()):
+            self._record()
+        self._down.set(1 if self.outage.active else 0)
+
+    def _check_state(self) -> None:
+        """Rebuild operator state by itself if Redis lost its data (statuses keep being recorded)."""
+        if self.guard is None or not self.outage.ready(time.monotonic()):
+            return
+        try:
+            self.guard.check()
+        except (StoreUnavailable, StackError, PublishError) as exc:
+            self.outage.failed(time.monotonic(), exc)
+
+    def _record(self) -> None:
+        while self.backlog:
+            msg = self.backlog[0]
+            try:
+                event = orjson.loads(msg.value())
+                self.store.record_outcome(event)
+                metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
+            except StoreUnavailable as exc:
+                self.outage.failed(time.monotonic(), exc)
+                self.consumer.pause(self.consumer.assignment())  # fetch nothing more meanwhile
+                return
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                pass  # not an outcome event; nothing to record
+            store_message_offset(self.consumer, msg)
+            self.backlog.pop(0)
+        if self.outage.active:
+            self.outage.recovered(time.monotonic())
+            self.consumer.resume(self.consumer.assignment())

@@ -14,6 +14,7 @@ import orjson
 from confluent_kafka import Producer
 
 from .. import metrics
+from ..backoff import Outage
 from ..kafka_client import client_config, produce
 from ..lanes import CHANNELS, LANES
 from ..names import TopicNames, lag_key
@@ -32,9 +33,12 @@ class LagMonitor:
         self.channels = channels
         self.interval_s = interval_s
         self.reader = LagReader(bootstrap)
-        self.producer = Producer(client_config(bootstrap, settings={"acks": "all", "linger.ms": 0}))
+        # A reading is worth publishing only while fresh: a short delivery timeout, no retry of old ones.
+        self.producer = Producer(client_config(bootstrap, settings={"acks": "all", "linger.ms": 0,
+                                                                    "message.timeout.ms": 5000}))
         self.running = True
         self._failing: set[tuple[str, str]] = set()
+        self.publish_outage = Outage("Kafka (notif.lag writes)")
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -57,9 +61,18 @@ class LagMonitor:
                 if lane == "transactional":
                     value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
                              "ts": reading.ts_ms}
-                    produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode())
+                    produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
+                            on_delivery=self._published)
         self.producer.poll(0)
-        metrics.LAG_MONITOR_LAST_PUBLISH.set(time.time())
+
+    def _published(self, err, _msg) -> None:
+        """The monitor is only as fresh as its last *acknowledged* reading: a monitor that cannot
+        read or write goes stale, and the LagMonitorStale alert says so."""
+        if err is None:
+            self.publish_outage.recovered(time.monotonic())
+            metrics.LAG_MONITOR_LAST_PUBLISH.set(time.time())
+        else:
+            self.publish_outage.failed(time.monotonic(), err)
 
     def run(self, until=None) -> None:
         next_tick = time.monotonic()

@@ -1,68 +1,82 @@
-"""Reading a consumer group's lag from the cluster (AdminClient adapter).
+"""Reading a consumer group's lag from the cluster (confluent-kafka Consumer adapter).
 
 Lag in messages = sum over partitions of (log-end offset - committed offset), each clamped at
 zero: the two offsets are not read atomically, so a commit landing in between could otherwise
 make it negative. A group without a commit counts from the earliest offset. Lag in seconds is
 the age of the oldest unconsumed message (its timestamp at the committed offset).
+
+Only Consumer calls are used (`committed`, `get_watermark_offsets`, `list_topics`), through a
+consumer that carries the group's id but never joins it. The AdminClient's
+`list_consumer_group_offsets` is avoided on purpose: while requests time out during a broker
+outage it can abort the whole process (librdkafka issues #4605 and #3663).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import uuid
 
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from ..errors import StackError
 from ..kafka_client import client_config
 from .yield_policy import LagReading
 
 TIMEOUT_S = 5.0
+log = logging.getLogger("streams.lag")
 
 
 class LagReader:
     def __init__(self, bootstrap: str):
-        self.admin = AdminClient(client_config(bootstrap, quiet=True))
+        self.bootstrap = bootstrap
+        self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
-            "group.id": "lag-reader-peek", "enable.auto.commit": False, "fetch.wait.max.ms": 10}))
+            "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+            "fetch.wait.max.ms": 10}))
         self._partitions: dict[str, list[int]] = {}
+
+    def _consumer(self, group: str) -> Consumer:
+        if group not in self._offsets:
+            # Never subscribes: it only fetches the group's committed offsets, without joining it.
+            self._offsets[group] = Consumer(client_config(self.bootstrap, quiet=True, settings={
+                "group.id": group, "enable.auto.commit": False, "enable.auto.offset.store": False}))
+        return self._offsets[group]
 
     def partitions(self, topic: str) -> list[int]:
         if topic not in self._partitions:
-            md = self.admin.list_topics(topic, timeout=TIMEOUT_S)
-            if md.topics[topic].error is not None:
-                raise StackError(f"cannot read lag: topic {topic} ({md.topics[topic].error})")
-            self._partitions[topic] = sorted(md.topics[topic].partitions)
+            md = self.peeker.list_topics(topic, timeout=TIMEOUT_S)
+            meta = md.topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise StackError(f"cannot read lag: topic {topic} ({meta.error if meta else 'missing'})")
+            self._partitions[topic] = sorted(meta.partitions)
         return self._partitions[topic]
+
+    def positions(self, group: str, topic: str) -> dict[int, tuple[int, int]]:
+        """Per partition: (the group's position, the log-end offset). A partition without a commit
+        is positioned at its earliest offset."""
+        consumer = self._consumer(group)
+        parts = [TopicPartition(topic, p) for p in self.partitions(topic)]
+        committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=TIMEOUT_S)}
+        out = {}
+        for p in self.partitions(topic):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)
+            position = committed.get(p, -1)
+            out[p] = (position if position >= 0 else low, high)
+        return out
 
     def read(self, group: str, topic: str, source: str = "monitor") -> LagReading:
         try:
-            parts = [TopicPartition(topic, p) for p in self.partitions(topic)]
-            committed_f = self.admin.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, parts)], request_timeout=TIMEOUT_S)
-            committed = {tp.partition: tp.offset for tp in committed_f[group].result().topic_partitions}
-            ends = self._offsets(parts, OffsetSpec.latest())
-            starts = self._offsets(parts, OffsetSpec.earliest())
+            positions = self.positions(group, topic)
+            now_ms = int(time.time() * 1000)
+            lag = sum(max(0, high - pos) for pos, high in positions.values())
+            heads = [TopicPartition(topic, p, pos) for p, (pos, high) in positions.items() if high > pos]
+            oldest_ts = self._oldest_timestamp(heads)
         except KafkaException as exc:
             raise StackError(f"cannot read the lag of {group} on {topic}: {exc}") from None
-        now_ms = int(time.time() * 1000)
-        lag = 0
-        heads = []
-        for p in ends:
-            position = committed.get(p, -1)
-            if position < 0:
-                position = starts[p]
-            behind = max(0, ends[p] - position)
-            lag += behind
-            if behind:
-                heads.append(TopicPartition(topic, p, position))
-        oldest_ts = self._oldest_timestamp(heads)
         lag_s = max(0.0, (now_ms - oldest_ts) / 1000) if oldest_ts else 0.0
         return LagReading(lag, lag_s, now_ms, source)
-
-    def _offsets(self, parts: list[TopicPartition], spec) -> dict[int, int]:
-        futures = self.admin.list_offsets({tp: spec for tp in parts}, request_timeout=TIMEOUT_S)
-        return {tp.partition: f.result().offset for tp, f in futures.items()}
 
     def _oldest_timestamp(self, heads: list[TopicPartition]) -> int | None:
         """Timestamp of the oldest message among the partitions' first unconsumed ones."""
@@ -79,4 +93,54 @@ class LagReader:
         return min(found.values()) if found else None
 
     def close(self) -> None:
+        for c in self._offsets.values():
+            c.close()
         self.peeker.close()
+
+
+class BackgroundLagRead:
+    """Measures one group's lag on a thread of its own, when asked and at most once per
+    `every_s`, so a slow or failing cluster never stalls the caller's poll loop. The caller asks
+    with `request()` and picks up the latest reading with `take()`."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, every_s: float = 1.0):
+        self.bootstrap, self.group, self.topic, self.every_s = bootstrap, group, topic, every_s
+        self._wanted = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._reading: LagReading | None = None
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"lag-read-{self.group}", daemon=True)
+            self._thread.start()
+        self._wanted.set()
+
+    def take(self) -> LagReading | None:
+        with self._lock:
+            reading, self._reading = self._reading, None
+        return reading
+
+    def _run(self) -> None:
+        reader = LagReader(self.bootstrap)
+        try:
+            while not self._stopping.is_set():
+                if not self._wanted.wait(timeout=0.5):
+                    continue
+                self._wanted.clear()
+                try:
+                    reading = reader.read(self.group, self.topic, source="direct")
+                    with self._lock:
+                        self._reading = reading
+                except StackError as exc:
+                    log.warning("direct lag read failed: %s", exc)
+                self._stopping.wait(self.every_s)  # at most one read per interval
+        finally:
+            reader.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._wanted.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

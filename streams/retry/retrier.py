@@ -1,148 +1,218 @@
-"""The delayed-retry consumer: `streams retrier --channel email --lane marketing --tier 1m`.
+"""The delayed-retry consumer: `streams retrier --channel email --lane marketing`.
 
-A tier has one fixed delay, so in each partition the head is always the message due first. The
-retrier re-publishes a due message to its lane topic (the value byte-identical, the headers kept)
-and stores its offset only after the broker acknowledged the copy. When the head is not due yet
-it pauses *that partition only* and seeks back to the head, so one far-future message never delays
-other partitions; it keeps polling while paused (no sleep in the poll loop, no max.poll.interval
-breach). A crash between the produce and the commit re-publishes a few messages again: the lane
-worker's idempotency absorbs them.
+One retrier process serves every retry tier of a lane (`notif.{channel}.{lane}.retry.{tier}`), so
+no tier can be deployed without a consumer; copies of it share the work as one consumer group.
+Each message is released at its own due time (the `due_at_ms` header: jitter and Retry-After make
+due times differ inside one partition), never before, whatever is ahead of it in the partition:
+the retrier reads messages into a heap ordered by due time and re-publishes each one, byte for
+byte with its headers, to its lane topic when it is due. Nothing sleeps in the poll loop; the
+poll timeout is the time to the next due message (at most 0.5 s).
+
+Offsets are tracked per partition and stored only up to the lowest message not yet acknowledged
+in its lane topic, so a crash re-reads only unreleased messages (the lane worker's idempotency
+absorbs the few released twice). Memory is bounded: past `max_held` messages or `max_held_bytes`,
+the retrier pauses its partitions until half of that is released. A copy the broker did not
+acknowledge is produced again until it is.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import KafkaError, TopicPartition
 
 from .. import metrics
-from ..kafka_client import commit_now, durable_producer, lane_consumer, produce, store_offsets
+from ..backoff import Outage
+from ..kafka_client import AckedWriter, commit_now, durable_producer, lane_consumer, store_offsets
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 
 log = logging.getLogger("streams.retrier")
+MAX_POLL_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
 class RetrierConfig:
     channel: str
     lane: str
-    tier: str
     bootstrap: str
-    names: TopicNames = TopicNames()
+    names: TopicNames = field(default_factory=TopicNames)
     commit_interval_ms: int = 1000
+    delivery_timeout_ms: int = 60_000
+    max_held: int = 100_000
+    max_held_bytes: int = 256 * 1024 * 1024
 
     @property
-    def topic(self) -> str:
-        return self.names.retry(self.channel, self.lane, self.tier)
+    def topics(self) -> list[str]:
+        return [self.names.retry(self.channel, self.lane, tier) for tier in RETRY_TIERS]
 
     @property
     def group(self) -> str:
-        return self.names.retry_group(self.channel, self.lane, self.tier)
+        return self.names.retry_group(self.channel, self.lane)
+
+
+@dataclass(order=True)
+class Held:
+    due_ms: int
+    offset: int
+    topic: str = field(compare=False)
+    partition: int = field(compare=False)
+    key: bytes | None = field(compare=False)
+    value: bytes | None = field(compare=False)
+    headers: dict[str, bytes] = field(compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.value or b"") + sum(len(k) + len(v or b"") for k, v in self.headers.items())
+
+
+def due_time(headers: dict[str, bytes], where: str) -> int:
+    """The due time of a retry copy; a copy without one is due now (the worker decided to retry:
+    retry now rather than drop)."""
+    try:
+        return int(headers["due_at_ms"])
+    except (KeyError, ValueError):
+        log.warning("retry message %s has no usable due_at_ms; re-publishing now", where)
+        return 0
 
 
 class Retrier:
-    def __init__(self, cfg: RetrierConfig, clock=time.time):
-        if cfg.tier not in RETRY_TIERS:
-            raise ValueError(f"unknown tier {cfg.tier!r} (tiers: {', '.join(RETRY_TIERS)})")
+    def __init__(self, cfg: RetrierConfig, clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.clock = clock
         self.lane_topic = cfg.names.lane(cfg.channel, cfg.lane)
-        # Offsets are stored only once the copy in the lane topic is acknowledged.
         self.consumer = lane_consumer(cfg.bootstrap, cfg.group, cfg.commit_interval_ms)
-        self.producer = durable_producer(cfg.bootstrap)
+        self.writer = AckedWriter(durable_producer(cfg.bootstrap, **{"message.timeout.ms": cfg.delivery_timeout_ms}),
+                                  f"retrier.{cfg.channel}.{cfg.lane}")
         self.tracker = OffsetTracker()
-        self.waiting: dict[tuple[str, int], tuple[int, int]] = {}  # paused partition -> (head offset, due ms)
+        self.heap: list[Held] = []
+        self.held_bytes = 0
         self.assigned: set[tuple[str, int]] = set()
+        self.paused = False
+        self.consume_outage = Outage("Kafka (retrier consume)")
         self.running = True
+        self._next_metrics_at = 0.0
+        self._tier_of = {self.cfg.names.retry(cfg.channel, cfg.lane, t): t for t in RETRY_TIERS}
 
     def stop(self, *_: object) -> None:
         self.running = False
 
-    def run(self, until=None) -> None:
-        self.consumer.subscribe([self.cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        self.consumer.subscribe(self.cfg.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         try:
             while self.running and not (until and until()):
                 self.step()
         finally:
-            self.producer.flush(30)
+            self.writer.drain(30)
             self._store()
             commit_now(self.consumer)
             self.consumer.close()
 
     def step(self) -> None:
-        self._resume_due()
         for msg in self.consumer.consume(num_messages=500, timeout=self._poll_timeout()):
-            self._handle(msg)
-        self.producer.poll(0)
+            self._hold(msg)
+        self._release_due()
+        self.writer.poll(0)
         self._store()
+        self._bound_memory()
+        if time.monotonic() >= self._next_metrics_at:
+            self._next_metrics_at = time.monotonic() + 1.0
+            self._metrics()
 
     def _poll_timeout(self) -> float:
-        if not self.waiting:
-            return 0.5
-        next_due = min(due for _, due in self.waiting.values())
-        return min(0.5, max(0.0, next_due / 1000 - self.clock()))
+        if not self.heap:
+            return MAX_POLL_WAIT_S
+        return min(MAX_POLL_WAIT_S, max(0.0, self.heap[0].due_ms / 1000 - self.clock()))
 
-    def _handle(self, msg) -> None:
+    def _hold(self, msg: Any) -> None:
         if msg.error():
             if msg.error().code() != KafkaError._PARTITION_EOF:
-                log.warning("consume error on %s: %s", self.cfg.topic, msg.error())
+                self.consume_outage.failed(time.monotonic(), msg.error())
             return
-        tp = (msg.topic(), msg.partition())
-        if tp in self.waiting:
-            return  # fetched behind a head that is not due: it is read again after the seek
-        headers = dict(msg.headers() or [])
-        try:
-            due_ms = int(headers["due_at_ms"])
-        except (KeyError, ValueError):
-            due_ms = 0  # no due time: the worker decided to retry, so retry now rather than drop
-            log.warning("retry message %s[%d]@%d has no due_at_ms; re-publishing now", *tp, msg.offset())
-        if due_ms > self.clock() * 1000:
-            self.consumer.pause([TopicPartition(*tp)])
-            self.waiting[tp] = (msg.offset(), due_ms)
-            return
-        self.tracker.add(*tp, msg.offset())
-        where = (msg.topic(), msg.partition(), msg.offset())
+        self.consume_outage.recovered(time.monotonic())
+        headers = {k: v or b"" for k, v in (msg.headers() or [])}
+        where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+        held = Held(due_time(headers, where), msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(),
+                    headers)
+        self.tracker.add(msg.topic(), msg.partition(), msg.offset())
+        heapq.heappush(self.heap, held)
+        self.held_bytes += held.size
 
-        def on_delivery(err, _m, where=where) -> None:
-            if err is None:
-                self.tracker.finish(*where)
-            else:
-                log.error("re-publishing %s[%d]@%d failed: %s; it will be read again", *where, err)
-
-        headers["retried_at_ms"] = str(int(self.clock() * 1000)).encode()
-        produce(self.producer, self.lane_topic, msg.value(), key=msg.key(), headers=headers.items(),
-                on_delivery=on_delivery)
-        metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self.cfg.tier).inc()
-
-    def _resume_due(self) -> None:
+    def _release_due(self) -> None:
         now_ms = self.clock() * 1000
-        for tp, (offset, due) in list(self.waiting.items()):
-            if due <= now_ms:
-                del self.waiting[tp]
-                part = TopicPartition(tp[0], tp[1], offset)
-                self.consumer.seek(part)
-                self.consumer.resume([TopicPartition(*tp)])
+        while self.heap and self.heap[0].due_ms <= now_ms:
+            held = heapq.heappop(self.heap)
+            self.held_bytes -= held.size
+            if (held.topic, held.partition) not in self.assigned:
+                continue  # revoked meanwhile: its new owner reads it again
+            self._republish(held, int(now_ms))
+
+    def _republish(self, held: Held, now_ms: int) -> None:
+        headers = {**held.headers, "retried_at_ms": str(now_ms).encode()}
+        where = (held.topic, held.partition, held.offset)
+        self.writer.write(self.lane_topic, held.value, held.key, headers.items(),
+                          on_ack=lambda: self.tracker.finish(*where))
+        metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
+
+    def _bound_memory(self) -> None:
+        """Pause every partition past the bound; resume below half of it."""
+        over = len(self.heap) >= self.cfg.max_held or self.held_bytes >= self.cfg.max_held_bytes
+        under = len(self.heap) <= self.cfg.max_held // 2 and self.held_bytes <= self.cfg.max_held_bytes // 2
+        if over and not self.paused:
+            log.warning("holding %d retry messages (%d bytes): pausing until half are released",
+                        len(self.heap), self.held_bytes)
+            self._set_paused(True)
+        elif under and self.paused:
+            self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        parts = [TopicPartition(t, p) for t, p in self.assigned]
+        if parts:
+            (self.consumer.pause if paused else self.consumer.resume)(parts)
+        self.paused = paused
 
     def _store(self) -> None:
         store_offsets(self.consumer, self.tracker, self.assigned)
 
-    def _on_assign(self, consumer, partitions) -> None:
-        self.assigned |= {(p.topic, p.partition) for p in partitions}
+    def _metrics(self) -> None:
+        now_ms = self.clock() * 1000
+        by_tier: dict[str, tuple[int, float]] = {t: (0, 0.0) for t in RETRY_TIERS}
+        for h in self.heap:
+            tier = self._tier_of.get(h.topic)
+            if tier is not None:
+                count, overdue = by_tier[tier]
+                by_tier[tier] = (count + 1, max(overdue, (now_ms - h.due_ms) / 1000))
+        for tier, (count, overdue) in by_tier.items():
+            metrics.RETRY_HELD.labels(self.cfg.channel, self.cfg.lane, tier).set(count)
+            metrics.RETRY_OVERDUE.labels(self.cfg.channel, self.cfg.lane, tier).set(max(0.0, overdue))
 
-    def _on_revoke(self, consumer, partitions) -> None:
-        self.producer.flush(30)
+    # ------------------------------------------------------------------ rebalance
+    def _on_assign(self, consumer: Any, partitions: list) -> None:
+        # Set each new partition's state explicitly: librdkafka may keep a pause flag from before.
+        self.assigned |= {(p.topic, p.partition) for p in partitions}
+        if partitions:
+            (consumer.pause if self.paused else consumer.resume)(partitions)
+
+    def _on_revoke(self, consumer: Any, partitions: list) -> None:
+        self.writer.drain(30)
         self._store()
         commit_now(consumer)
         self._on_lost(consumer, partitions)
 
-    def _on_lost(self, consumer, partitions) -> None:
-        for p in partitions:
-            tp = (p.topic, p.partition)
-            self.assigned.discard(tp)
-            self.waiting.pop(tp, None)
+    def _on_lost(self, consumer: Any, partitions: list) -> None:
+        gone = {(p.topic, p.partition) for p in partitions}
+        self.assigned -= gone
+        for tp in gone:
             self.tracker.forget(*tp)
+        kept = [h for h in self.heap if (h.topic, h.partition) not in gone]
+        if len(kept) != len(self.heap):
+            self.heap = kept
+            heapq.heapify(self.heap)
+            self.held_bytes = sum(h.size for h in self.heap)

@@ -36,7 +36,7 @@ def test_exhausted_send_is_dead_lettered_then_replayed(stack, names, channel_top
     processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policy_file)
     mock_provider.configure(fault_5xx_ratio=1.0)
     processes.worker("sms", "transactional")
-    processes.retrier("sms", "transactional", "10s")
+    processes.retrier("sms", "transactional")
 
     send_id = send_client.publish("acme", sms_request())
 

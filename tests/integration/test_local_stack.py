@@ -7,30 +7,14 @@ import pytest
 from streams.config import StackConfig
 from streams.devtools.stack import LocalStack
 from streams.errors import StackError
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
+from tests import harness
+from tests.harness import free_port_pair
 
 
 @pytest.fixture
 def private_stack(tmp_path, stack):
-    # Reuse the session's jar cache so this test does not resolve Maven again.
-    shared = StackConfig.from_env().home / "kafka"
-    (tmp_path / "kafka").symlink_to(shared, target_is_directory=True)
-    local = LocalStack(StackConfig(home=tmp_path, kafka_bootstrap=None, redis_url=None,
-                                     kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
+    # The session stack is up first, so the jar cache this stack reuses exists.
+    local = harness.private_stack(tmp_path)
     yield local
     local.down(wipe=True)
 
@@ -72,7 +56,7 @@ def test_missing_maven_is_named(tmp_path, monkeypatch):
     Then it fails saying `java` was not found on PATH and that the local Kafka needs a JDK 17."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no java, no mvn
     local = LocalStack(StackConfig(home=tmp_path, kafka_bootstrap=None, redis_url=None,
-                                     kafka_port=_free_port_pair(), redis_port=_free_port_pair()))
+                                     kafka_port=free_port_pair(), redis_port=free_port_pair()))
     with pytest.raises(StackError, match="`java` was not found on PATH: the local Kafka needs a JDK 17"):
         local.kafka_libs()
 

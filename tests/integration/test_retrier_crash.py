@@ -32,12 +32,12 @@ def test_retrier_killed_before_commit_then_restarted(stack, names, create_topics
     producer.flush(10)
 
     # Given a retrier that re-publishes everything but has not committed (commits every 10 min)
-    first = processes.retrier("sms", "transactional", "10s", env={"DUAL_RAIL_COMMIT_INTERVAL_MS": "600000"})
+    first = processes.retrier("sms", "transactional", env={"DUAL_RAIL_COMMIT_INTERVAL_MS": "600000"})
     read_topic(stack.bootstrap, lane, expect=N)
     # When it is killed before committing, and a new one takes over
     first.send_signal(signal.SIGKILL)
     first.wait(10)
-    processes.retrier("sms", "transactional", "10s")
+    processes.retrier("sms", "transactional")
     copies = read_topic(stack.bootstrap, lane, expect=2 * N, timeout=60)  # everything was re-published again
     assert len({dict(m.headers())["send_id"] for m in copies}) == N
 

@@ -1,45 +1,57 @@
-"""Retry tiers: never early, on time, and a far-future head on one partition delays no other."""
+"""Retry tiers: each message released at its own due time, never early, whatever is ahead of it."""
 
 import time
 
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from streams.send import build_send, encode, validate_request
-from tests.harness import read_topic, sms_request
+from tests.harness import free_port, metric, read_topic, sms_request, wait_until
 
 SLACK_MS = 2000
 
 
-def test_due_messages_are_republished_on_time_per_partition(stack, names, create_topics, processes):
-    """Given a running retrier on a 10 s tier with 3 partitions, holding sends due in 3 s and 3.5 s on partition 0, one
-    due in 4 s on partition 1, and on partition 2 a head due in an hour with a send due in 1 s behind it,
+def _committed(bootstrap: str, group: str, topic: str, partition: int) -> int:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        return c.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
+    finally:
+        c.close()
+
+
+def test_each_message_is_released_at_its_own_due_time(stack, names, channel_topics, processes):
+    """Given one retrier for the SMS transactional lane and, on its tiers: two sends due in 3 s and 3.5 s on
+    partition 0 of the 10 s tier, one due in 4 s on the 1 m tier, on partition 2 of the 10 s tier a head due in an
+    hour with a send due in 1 s behind it, and on the 12 h tier a send whose Retry-After asked for 13 h,
     When their due times pass,
-    Then the three sends on partitions 0 and 1 are re-published to the lane never early and at most 2 s late,
-    byte-identical and still marked attempt 2, while partition 2's sends wait behind their far-future head without
-    delaying the others."""
+    Then the four due sends are re-published to the lane byte-identical, never early and at most 2 s late, even the
+    one behind the far-future head; the two far-future sends stay held (never early), and the tier's committed
+    offset on partition 2 stays at the unreleased head while partition 0's moves past its released sends."""
+    channel_topics("sms")
     lane = names.lane("sms", "transactional")
-    tier = names.retry("sms", "transactional", "10s")
-    create_topics({lane: 3, tier: 3})
-    processes.retrier("sms", "transactional", "10s")
+    ten_s, one_m, twelve_h = (names.retry("sms", "transactional", t) for t in ("10s", "1m", "12h"))
+    port = free_port()
+    processes.start("retrier", "retrier", "--channel", "sms", "--lane", "transactional", "--metrics-port", str(port),
+                    ready="retrier consuming")
     now = int(time.time() * 1000)
     sends = {}
     producer = Producer({"bootstrap.servers": stack.bootstrap})
 
-    def put(partition: int, due_in_ms: int, label: str) -> None:
+    def put(topic: str, partition: int, due_in_ms: int, label: str) -> None:
         send = build_send(validate_request(sms_request()), "acme")
         sends[send.send_id] = (label, now + due_in_ms, encode(send))
-        producer.produce(tier, partition=partition, key=b"acme", value=encode(send),
+        producer.produce(topic, partition=partition, key=b"acme", value=encode(send),
                          headers=[("due_at_ms", str(now + due_in_ms).encode()), ("attempt", b"2"),
                                   ("send_id", send.send_id.encode())])
 
-    put(0, 3000, "p0-first")
-    put(0, 3500, "p0-second")
-    put(1, 4000, "p1")
-    put(2, 3_600_000, "p2-far-future-head")
-    put(2, 1000, "p2-behind-the-head")  # due soon, but FIFO: waits behind its partition's head
+    put(ten_s, 0, 3000, "p0-first")
+    put(ten_s, 0, 3500, "p0-second")
+    put(one_m, 1, 4000, "1m-tier")
+    put(ten_s, 2, 3_600_000, "p2-far-future-head")
+    put(ten_s, 2, 1000, "p2-behind-the-head")
+    put(twelve_h, 0, 13 * 3_600_000, "retry-after-13h")
     producer.flush(10)
 
-    copies = read_topic(stack.bootstrap, lane, expect=3, timeout=20)
+    copies = read_topic(stack.bootstrap, lane, expect=4, timeout=20)
     seen = {}
     for m in copies:
         h = dict(m.headers())
@@ -47,6 +59,12 @@ def test_due_messages_are_republished_on_time_per_partition(stack, names, create
         seen[label] = m.timestamp()[1] - due_ms
         assert m.value() == raw  # byte-identical payload
         assert h["attempt"] == b"2"
-    assert set(seen) == {"p0-first", "p0-second", "p1"}
+    assert set(seen) == {"p0-first", "p0-second", "1m-tier", "p2-behind-the-head"}
     for label, late_ms in seen.items():
         assert 0 <= late_ms <= SLACK_MS, f"{label} re-published {late_ms} ms after its due time"
+
+    held = {t: metric(port, "dispatch_retry_held_messages", tier=t) for t in ("10s", "12h")}
+    assert held == {"10s": 1, "12h": 1}
+    group = names.retry_group("sms", "transactional")
+    wait_until(lambda: _committed(stack.bootstrap, group, ten_s, 0) == 2, 10, "partition 0 committed past its sends")
+    assert _committed(stack.bootstrap, group, ten_s, 2) in (0, -1001)  # the unreleased head pins partition 2

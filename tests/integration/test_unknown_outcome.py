@@ -17,7 +17,7 @@ def test_late_answer_is_retried_with_the_same_key_and_delivers_once(stack, names
     # The provider accepts, then answers after the client's 2 s timeout
     mock_provider.configure(fault_timeout_ratio=1.0, timeout_delay_s=4.0)
     processes.worker("email", "transactional")
-    processes.retrier("email", "transactional", "10s")
+    processes.retrier("email", "transactional")
     send_id = send_client.publish("acme", email_request())
 
     wait_until(lambda: mock_provider.stats()["faults_timeout"] == 1, 30, "the first, late-answered attempt")

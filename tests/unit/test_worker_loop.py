@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 
 from streams.dispatch.worker import LaneWorker, WorkerConfig
+from streams.errors import StoreUnavailable
 from streams.gate.gate import Admission
 from streams.names import TopicNames
 from streams.providers.outcome import ProviderResult
@@ -208,3 +209,39 @@ def test_a_malformed_header_is_dead_lettered_not_a_crash(headers, reason):
     (_, dlq_headers), = producer.records[NAMES.dlq]
     assert dlq_headers["reason"] == reason.encode() and provider.sent == []
     assert consumer.stored[(TOPIC, 0)] == 1
+
+
+class FlakyJobs(FakeJobs):
+    """processed_jobs whose Redis fails for the first `failures` calls of the named methods."""
+
+    def __init__(self, failures: int, methods: set[str]):
+        super().__init__()
+        self.failures, self.methods = failures, methods
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name in super().__getattribute__("methods") and super().__getattribute__("failures") > 0:
+            def failing(*args, **kwargs):
+                self.failures -= 1
+                raise StoreUnavailable("Redis unavailable (test)")
+            return failing
+        return attr
+
+
+@pytest.mark.parametrize("methods", [{"status"}, {"claim"}, {"mark_delivered"}, {"release"}])
+def test_redis_failing_mid_dispatch_holds_the_work_and_resumes(methods):
+    """A Redis error before the provider call leaves the messages queued; after it (release, mark) the
+    settlement is kept and tried again: nothing is lost and every offset is finished in the end."""
+    answer = ProviderResult("rejected", 422) if methods == {"release"} else DELIVERED
+    sends, msgs = _messages(["acme", "globex", "acme"])
+    jobs = FlakyJobs(failures=2, methods=methods)
+    worker, consumer, producer, provider = _worker(msgs, answer=answer, jobs=jobs)
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0  # no waiting between attempts in a unit test
+    _run(worker, steps=200)
+    assert jobs.failures == 0  # the failures happened
+    assert consumer.stored[(TOPIC, 0)] == 3  # and every message was finished in the end
+    assert worker.queues.buffered == 0 and worker.settler.pending == 0
+    if answer is DELIVERED:
+        assert len(provider.sent) == 3 and len(producer.records[NAMES.outcomes]) == 3
+    else:
+        assert len(producer.records[NAMES.dlq]) == 3

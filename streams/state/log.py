@@ -1,0 +1,72 @@
+"""The operator log: a compacted topic (`notif.operator`, one partition) holding the latest value
+of every piece of operator state (a provider's limits, an API key, the Redis epoch). Every
+operator change is written here, acknowledged, before Redis; Redis is a cache that can be rebuilt
+from it. Keys: `limits/<provider>`, `apikey/<sha256 of the key>`, `epoch`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+
+from ..errors import PublishError, StackError
+from ..kafka_client import client_config, durable_producer, produce
+
+TIMEOUT_S = 10.0
+
+
+class OperatorLog:
+    def __init__(self, bootstrap: str, topic: str):
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self._producer = durable_producer(bootstrap, **{"message.timeout.ms": int(TIMEOUT_S * 1000)})
+
+    def put(self, key: str, value: dict | None) -> None:
+        """Write one entry (None deletes it) and wait for the broker's acknowledgement."""
+        failed: list[str] = []
+
+        def on_delivery(err, _msg) -> None:
+            if err is not None:
+                failed.append(str(err))
+
+        produce(self._producer, self.topic, None if value is None else orjson.dumps(value), key=key.encode(),
+                on_delivery=on_delivery)
+        if self._producer.flush(TIMEOUT_S + 5) or failed:
+            raise PublishError(f"the operator log {self.topic} did not acknowledge {key!r} "
+                               f"({failed[0] if failed else 'timed out'}); nothing was changed")
+
+    def snapshot(self) -> dict[str, dict]:
+        """The latest value of every key (deleted keys left out), read from the start to the end."""
+        c = Consumer(client_config(self.bootstrap, quiet=True, settings={
+            "group.id": f"operator-log-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        try:
+            tp = TopicPartition(self.topic, 0)
+            try:
+                low, high = c.get_watermark_offsets(tp, timeout=TIMEOUT_S, cached=False)
+            except KafkaException as exc:
+                raise StackError(f"cannot read the operator log {self.topic} ({exc}); does it exist? "
+                                 "(`streams topics apply`)") from None
+            state: dict[str, dict] = {}
+            if high <= low:
+                return state
+            c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+            position = low
+            deadline = time.monotonic() + TIMEOUT_S
+            while position < high:
+                if time.monotonic() > deadline:
+                    raise StackError(f"reading the operator log {self.topic} stalled at offset {position}")
+                # consume() waits for a full batch or its timeout: short timeouts, an overall deadline.
+                for m in c.consume(num_messages=1000, timeout=0.1):
+                    if m.error():
+                        continue
+                    position = m.offset() + 1
+                    key = (m.key() or b"").decode()
+                    if m.value() is None:
+                        state.pop(key, None)
+                    else:
+                        state[key] = orjson.loads(m.value())
+            return state
+        finally:
+            c.close()

@@ -1,0 +1,107 @@
+"""`streams state recover`: after Redis lost its data, rebuild what can be rebuilt from Kafka and
+let dispatch resume.
+
+`notif.outcomes` is the durable record of every terminal outcome: each `delivered` event of the
+last 7 days becomes a `delivered` mark in processed_jobs again (so no send delivered before the
+loss is sent twice when its message is read again), and every event is applied to the send
+status store. Then the operator log's epoch is written back to Redis, which ends the hold.
+What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
+outcome is unknown; they are sent again) and `accepted` statuses of sends with no outcome yet.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+import redis
+from confluent_kafka import Consumer, TopicPartition
+
+from ..dispatch.idempotency import DELIVERED_TTL_S
+from ..errors import StackError
+from ..ingest.status import StatusStore
+from ..kafka_client import client_config
+from ..names import RedisKeys, TopicNames
+from ..redis_client import store_errors
+from .log import OperatorLog
+
+
+@dataclass
+class Recovery:
+    events: int = 0
+    delivered_marks: int = 0
+    statuses: int = 0
+
+
+def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> None:
+    c = Consumer(client_config(bootstrap, quiet=True, settings={
+        "group.id": f"state-recover-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        ends, assignment = {}, []
+        for p in parts:
+            low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+            if high > low:
+                ends[p] = high
+                assignment.append(TopicPartition(topic, p, low))
+        c.assign(assignment)
+        idle_since = time.monotonic()
+        while ends:
+            msgs = c.consume(num_messages=1000, timeout=0.1)  # a full batch or the timeout, whichever first
+            if msgs:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 30:
+                raise StackError(f"reading {topic} stalled; {len(ends)} partition(s) unfinished")
+            for m in msgs:
+                if m.error():
+                    continue
+                if m.offset() + 1 >= ends.get(m.partition(), 0):
+                    ends.pop(m.partition(), None)
+                try:
+                    handle(orjson.loads(m.value()))
+                except (orjson.JSONDecodeError, TypeError):
+                    continue
+    finally:
+        c.close()
+
+
+def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
+            progress: Callable[[str], None] = lambda m: None) -> Recovery:
+    store = StatusStore(client, names.namespace)
+    result = Recovery()
+    now_ms = int(time.time() * 1000)
+
+    def apply(event: dict) -> None:
+        if not isinstance(event, dict) or "send_id" not in event or "tenant_id" not in event:
+            return
+        result.events += 1
+        if event.get("status") == "delivered":
+            age_s = (now_ms - int(event.get("completed_at_ms") or now_ms)) / 1000
+            if age_s < DELIVERED_TTL_S:
+                with store_errors("restoring a delivered mark"):
+                    client.set(keys.processed(event["tenant_id"], event["send_id"]), "delivered",
+                               ex=max(1, int(DELIVERED_TTL_S - age_s)))
+                result.delivered_marks += 1
+        store.record_outcome(event)
+        result.statuses += 1
+        if result.events % 10_000 == 0:
+            progress(f"{result.events} outcome events applied")
+
+    _read_all(bootstrap, names.outcomes, apply)
+    epoch = (oplog.snapshot().get("epoch") or {}).get("epoch") or uuid.uuid4().hex
+    oplog.put("epoch", {"epoch": epoch})
+    with store_errors("writing the Redis epoch"):
+        client.set(keys.epoch, epoch)
+    return result
+
+
+def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
+    """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent)."""
+    epoch = (oplog.snapshot().get("epoch") or {}).get("epoch") or uuid.uuid4().hex
+    oplog.put("epoch", {"epoch": epoch})
+    with store_errors("writing the Redis epoch"):
+        client.set(keys.epoch, epoch)
+    return epoch
