@@ -22,6 +22,7 @@ was expected. The variables and their defaults:
     KAFKA_DELIVERY_TIMEOUT_MS     how long a record may wait for the broker's acknowledgement before it is
                                   reported failed and produced again (default: 60000)
     LOG_LEVEL                     Python log level              (default: INFO)
+    LOG_FORMAT                    text or json                  (default: text; `streams --log-format` overrides)
     METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
 """
 
@@ -61,6 +62,13 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
     return _parse(environ, name, default, float, "a number")
+
+
+def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = environ.get(name) or default
+    if value not in choices:
+        raise ConfigError(f"environment variable {name}={value!r} is not valid: expected one of {', '.join(choices)}")
+    return value
 
 
 def _api_keys(environ: Mapping[str, str], name: str) -> dict[str, str]:
@@ -134,6 +142,7 @@ class Config:
     commit_interval_ms: int = 1000
     delivery_timeout_ms: int = 60_000
     log_level: str = "INFO"
+    log_format: str = "text"
     metrics_addr: str = "127.0.0.1"
 
     @classmethod
@@ -153,6 +162,7 @@ class Config:
             commit_interval_ms=_int(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000),
             delivery_timeout_ms=_int(e, "KAFKA_DELIVERY_TIMEOUT_MS", 60_000),
             log_level=e.get("LOG_LEVEL") or "INFO",
+            log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",
         )
 

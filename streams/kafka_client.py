@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from . import metrics
 from .backoff import Outage
@@ -146,8 +146,17 @@ class AckedWriter:
                 self._failed.append(record)
 
         self.unacknowledged += 1
-        produce(self.producer, record.topic, record.value, key=record.key, headers=record.headers,
-                on_delivery=on_delivery)
+        try:
+            produce(self.producer, record.topic, record.value, key=record.key, headers=record.headers,
+                    on_delivery=on_delivery)
+        except KafkaException as exc:  # refused before it left the process (e.g. over message.max.bytes)
+            self.unacknowledged -= 1
+            err = exc.args[0]
+            if err.code() in REFUSED and record.on_refused is not None:
+                _log.error("%s refused a record for %s: %s", self.label, record.topic, err)
+                record.on_refused(err)
+                return
+            raise
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; produce again what failed, once the backoff allows."""

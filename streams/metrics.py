@@ -64,3 +64,7 @@ RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier hol
                    ["channel", "lane", "tier"])
 RETRY_OVERDUE = Gauge("dispatch_retry_overdue_seconds", "How long past its due time the most overdue held retry "
                       "message is (a working retrier keeps this near 0)", ["channel", "lane", "tier"])
+SPILLED = Counter("dispatch_spilled_total", "Messages of a tenant over its share of a worker's buffer, parked on a "
+                  "retry tier until their turn (not an attempt)", ["channel", "lane"])
+BACKPRESSURE_PAUSES = Counter("dispatch_backpressure_pauses_total", "Times a worker paused every partition because "
+                              "its buffer was full", ["channel", "lane"])

@@ -92,8 +92,11 @@ class Runtime:
         return ProviderCredentials(self.config.providers[provider_for(channel).name].api_keys)
 
     def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
-               queue_key: Callable[[Send], str] | None = None, yielding: bool = True) -> LaneWorker:
-        """A lane worker. `queue_key` and `yielding=False` exist for the benchmarks' naive baseline."""
+               queue_key: Callable[[Send], str] | None = None, yielding: bool = True,
+               backlog: bool = True) -> LaneWorker:
+        """A lane worker. `queue_key`, `yielding=False` and `backlog=False` exist for the benchmarks'
+        naive baseline."""
+        from .dispatch.backlog import BacklogShare
         from .dispatch.idempotency import ProcessedJobs
         from .dispatch.tenant_queues import by_tenant
         from .dispatch.worker import LaneWorker, WorkerConfig
@@ -105,7 +108,6 @@ class Runtime:
         spec = provider_for(channel)
         c = self.config
         cfg = WorkerConfig(channel, lane, c.bootstrap, spec, c.names, concurrency=concurrency,
-                           lease_s=max(3 * c.provider_timeout_s, 5.0),
                            yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
         producer = durable_producer(c.bootstrap, **{"linger.ms": 5, "message.timeout.ms": c.delivery_timeout_ms})
@@ -113,13 +115,16 @@ class Runtime:
         return LaneWorker(cfg, consumer, producer, self.provider(channel), RedisGate(client, c.namespace),
                           ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.credentials(channel),
                           self.policies(), queue_key or by_tenant,
-                          guard=self.state_guard(f"worker {channel}.{lane}", client))
+                          guard=self.state_guard(f"worker {channel}.{lane}", client),
+                          backlog=BacklogShare() if backlog else None)
 
     def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None) -> SendClient:
         from .ingest.sdk import SendClient
+        from .retry.policy import load_routing
 
         return SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
-                          timeout_s=self.config.delivery_timeout_ms / 1000)
+                          timeout_s=self.config.delivery_timeout_ms / 1000,
+                          routing=load_routing(self.config.retry_policies_path))
 
     def retrier(self, channel: str, lane: str) -> Retrier:
         from .retry.retrier import Retrier, RetrierConfig

@@ -19,13 +19,17 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import MalformedEvent, PayloadError, SendValidationError, format_field_errors
-from .lanes import Category, Channel, Lane, lane_for
-from .retry.policy import unknown_policy
+from .lanes import CATEGORY_TO_LANE, Category, Channel, Lane, lane_for
+from .retry.policy import PolicyRouting, default_routing, unknown_policy
 
 SCHEMA_VERSION: Literal[1] = 1
 MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
 MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented in the README
-DEFAULT_POLICY = {"transactional": "transactional", "product": "transactional", "marketing": "marketing"}
+# Tags and tenant ids travel to providers as tags; Resend accepts only ASCII letters, digits, `_`
+# and `-` there (up to 256), so that is all a tenant id (up to 64) or a tag may hold.
+TAG_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
+TENANT_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+RESERVED_TAGS = frozenset({"send_id", "tenant", "lane"})  # the tags dispatch attaches itself
 
 _EMAIL = re.compile(r"^[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+$")
 _NAMED_EMAIL = re.compile(r"^[^<>]*<([^@\s<>]+@[^@\s<>]+\.[^@\s<>]+)>$")
@@ -33,6 +37,7 @@ _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
 _IDENT = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
+TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
 
 
 def new_send_id(now_ms: int | None = None) -> str:
@@ -46,9 +51,24 @@ def new_send_id(now_ms: int | None = None) -> str:
 
 
 def _check_address(value: str) -> str:
+    # The message does not repeat the value: these messages reach logs and DLQ headers.
     if not (_EMAIL.match(value) or _NAMED_EMAIL.match(value)):
-        raise ValueError(f"{value!r} is not an email address")
+        raise ValueError("not an email address")
     return value
+
+
+class Tag(BaseModel):
+    """A provider tag (Resend's rules: ASCII letters, digits, `_` and `-`, up to 256 characters)."""
+
+    name: str = Field(pattern=TAG_PATTERN)
+    value: str = Field(pattern=TAG_PATTERN)
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_TAGS:
+            raise ValueError(f"the tag name {v!r} is reserved for dispatch ({', '.join(sorted(RESERVED_TAGS))})")
+        return v
 
 
 class EmailPayload(BaseModel):
@@ -58,6 +78,7 @@ class EmailPayload(BaseModel):
     from_: str = Field(alias="from")
     to: list[str] = Field(min_length=1, max_length=MAX_RECIPIENTS)
     subject: str = Field(min_length=1, max_length=998)
+    tags: list[Tag] | None = Field(None, max_length=50)
     html: str | None = None
     text: str | None = None
     reply_to: str | None = None
@@ -109,7 +130,8 @@ class SendRequest(BaseModel):
     template_id: Ident
     template_version: Ident
     payload: dict[str, Any]
-    policy: Ident | None = Field(None, description="named retry policy; defaults from the category")
+    policy: Ident | None = Field(None, description="named retry policy; when absent, chosen by template "
+                                                   "and category (see streams/retry/policies.toml, [routing])")
     correlation_id: Ident | None = None
 
     @model_validator(mode="after")
@@ -128,7 +150,7 @@ class Send(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     v: Literal[1]
     send_id: str
-    tenant_id: Ident
+    tenant_id: TenantId
     channel: Channel
     category: Category
     lane: Lane
@@ -138,6 +160,12 @@ class Send(BaseModel):
     payload: dict[str, Any]
     created_at_ms: int
     correlation_id: str | None = None
+
+    @model_validator(mode="after")
+    def _lane_follows_category(self) -> Send:
+        if self.lane != lane_for(self.category):
+            raise ValueError(f"a {self.category} send travels in the {lane_for(self.category)} lane, not {self.lane}")
+        return self
 
 
 def flatten_errors(errors: Sequence[Any], prefix: tuple = ()) -> list[dict]:
@@ -189,13 +217,23 @@ def policy_error(req: SendRequest, known_policies: frozenset[str] | None, where:
     return {"loc": (*where, "policy"), "msg": unknown_policy(req.policy, known_policies)}
 
 
-def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None) -> Send:
-    """Freeze a validated request into the event: assign the send id, the lane and the policy."""
+def check_tenant_id(tenant_id: str) -> str:
+    """A tenant id travels as a provider tag: ASCII letters, digits, `_` and `-` only (<= 64)."""
+    if not re.fullmatch(TENANT_ID_PATTERN, tenant_id or ""):
+        raise SendValidationError([{"loc": ("tenant_id",), "msg": "a tenant id holds 1 to 64 ASCII letters, digits, "
+                                                                 "'_' or '-' (it travels as a provider tag)"}])
+    return tenant_id
+
+
+def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None,
+               routing: PolicyRouting | None = None) -> Send:
+    """Freeze a validated request into the event: assign the send id, the lane and the policy (the
+    request's own, else the routing's choice for its template and category)."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
+    policy = req.policy or (routing or default_routing()).policy_for(req.channel, req.category, req.template_id)
     return Send(
-        v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=tenant_id, channel=req.channel,
-        category=req.category, lane=lane_for(req.category),
-        policy=req.policy or ("webhook" if req.channel == "webhook" else DEFAULT_POLICY[req.category]),
+        v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=check_tenant_id(tenant_id), channel=req.channel,
+        category=req.category, lane=lane_for(req.category), policy=policy,
         template_id=req.template_id, template_version=req.template_version, payload=req.payload,
         created_at_ms=now, correlation_id=req.correlation_id,
     )
@@ -218,6 +256,10 @@ def decode(value: bytes | None) -> Send:
     if doc.get("v") != SCHEMA_VERSION:
         raise MalformedEvent("unknown_version", f"schema version {doc.get('v')!r} is not supported "
                                                 f"(this worker reads {SCHEMA_VERSION})")
+    category, lane = doc.get("category"), doc.get("lane")
+    if category in CATEGORY_TO_LANE and lane != lane_for(category):
+        # The lane is derived from the category; an event that says otherwise is not trusted.
+        raise MalformedEvent("lane_violation", f"a {category} send labelled lane {lane!r}")
     try:
         send = Send.model_validate(doc)
         PAYLOADS[send.channel].model_validate(send.payload)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import logs
+from ..config import Config
 from ..errors import DispatchError
 from . import dev, operator, roles
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streams", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON (default: "
+                        "LOG_FORMAT, else text)")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (roles, operator, dev):
         for register in module.COMMANDS:
@@ -25,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args.config = Config.from_env()  # every setting parsed once, before anything starts
+        logs.setup(args.config.log_level, args.log_format or args.config.log_format)
         return args.func(args)
     except DispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)

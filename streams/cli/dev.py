@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import Config
-from .roles import setup_logging
-
 
 def dev(sub) -> None:
     p = sub.add_parser("dev", help="local Kafka (KRaft) and Redis on loopback")
@@ -51,7 +48,6 @@ def mock_provider(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..devtools.mock_provider import MockConfig, serve
 
-        setup_logging(Config.from_env())
         print(f"mock provider on http://{args.host}:{args.port} (team limit {args.rate:g} req/s)", flush=True)
         serve(args.host, args.port, MockConfig(rate=args.rate, latency_ms=args.latency_ms,
                                                fault_5xx_ratio=args.fault_5xx,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import Config
 from ..errors import ConfigError
 from ..runtime import Runtime
 
@@ -21,7 +20,7 @@ def topics(sub) -> None:
         from ..topology.admin import TopicAdmin
         from ..topology.spec import load_definitions, plan, topics_dir
 
-        config = Config.from_env()
+        config = args.config
         namespace = config.namespace if args.namespace is None else args.namespace
         specs = load_definitions(topics_dir(args.dir), namespace=namespace)
         admin = TopicAdmin(config.bootstrap)
@@ -60,7 +59,7 @@ def limits(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..gate.limits import LimitChange
 
-        rt = Runtime.from_env()
+        rt = Runtime(args.config)
         store = rt.limit_store()
         if args.action == "set":
             shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
@@ -82,7 +81,7 @@ def keys(sub) -> None:
     who.add_argument("--operator", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
-        rt = Runtime.from_env()
+        rt = Runtime(args.config)
         api_keys = rt.api_keys()
         print(api_keys.create("operator") if args.operator else api_keys.create("tenant", args.tenant))
         return 0
@@ -100,7 +99,7 @@ def dlq(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..retry import dlq as tools
 
-        rt = Runtime.from_env()
+        rt = Runtime(args.config)
         records = tools.read_all(rt.bootstrap, rt.names.dlq)
         if args.action == "list":
             shown = [r for r in records if not args.reason or r.reason == args.reason][-args.limit:]
@@ -132,7 +131,7 @@ def state(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..state.recover import acknowledge_loss, recover
 
-        rt = Runtime.from_env()
+        rt = Runtime(args.config)
         client = rt.redis()
         if args.action == "status":
             intact = rt.state_guard("cli", client).check(force=True)

@@ -14,10 +14,6 @@ from ..lanes import CHANNELS, LANES, RETRY_TIERS
 from ..runtime import Runtime
 
 
-def setup_logging(config: Config) -> None:
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-
-
 def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
     """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served; the banner is
     printed once it is set up (supervisors and tests wait for it)."""
@@ -53,8 +49,7 @@ def worker(sub) -> None:
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
-        rt = Runtime.from_env()
-        setup_logging(rt.config)
+        rt = Runtime(args.config)
         w = rt.worker(args.channel, args.lane, concurrency=args.concurrency)
         return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
                         rt.config)
@@ -71,8 +66,7 @@ def retrier(sub) -> None:
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
-        rt = Runtime.from_env()
-        setup_logging(rt.config)
+        rt = Runtime(args.config)
         if args.tier:
             logging.getLogger("streams.retrier").warning(
                 "--tier %s is ignored: this retrier serves every tier of %s.%s", args.tier, args.channel, args.lane)
@@ -91,8 +85,7 @@ def lag_monitor(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..lag.monitor import LagMonitor
 
-        rt = Runtime.from_env()
-        setup_logging(rt.config)
+        rt = Runtime(args.config)
         monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval)
         return run_role(monitor, args.metrics_port,
                         f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", rt.config)
@@ -106,8 +99,7 @@ def api(sub) -> None:
     p.add_argument("--port", type=int, default=18000)
 
     def run(args: argparse.Namespace) -> int:
-        rt = Runtime.from_env()
-        setup_logging(rt.config)
+        rt = Runtime(args.config)
         serve_api(rt, args.host, args.port)
         return 0
 
@@ -121,8 +113,7 @@ def outcome_recorder(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..ingest.status import OutcomeRecorder, StatusStore
 
-        rt = Runtime.from_env()
-        setup_logging(rt.config)
+        rt = Runtime(args.config)
         r = rt.redis()
         recorder = OutcomeRecorder(rt.bootstrap, StatusStore(r, rt.namespace), rt.names.outcomes,
                                    rt.names.recorder_group, guard=rt.state_guard("outcome recorder", r))

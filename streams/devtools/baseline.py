@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli.roles import run_role, serve_api, setup_logging
+from .. import logs
+from ..cli.roles import run_role, serve_api
 from ..ingest.sdk import Router
 from ..names import TopicNames
 from ..runtime import Runtime
@@ -39,9 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     api.add_argument("--port", type=int, default=18000)
     args = parser.parse_args(argv)
     rt = Runtime.from_env()
-    setup_logging(rt.config)
+    logs.setup(rt.config.log_level, rt.config.log_format)
     if args.role == "worker":
-        w = rt.worker(args.channel, "marketing", args.concurrency, queue_key=one_queue, yielding=False)
+        w = rt.worker(args.channel, "marketing", args.concurrency, queue_key=one_queue, yielding=False,
+                      backlog=False)
         return run_role(w, 0, f"baseline worker {w.cfg.worker_id} consuming {w.topic} as {w.group}", rt.config)
     serve_api(rt, args.host, args.port, router=single_lane(rt.names))
     return 0

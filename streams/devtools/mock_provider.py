@@ -57,6 +57,7 @@ class MockConfig:
     timeout_delay_s: float = 15.0    # how late a "timed out" answer comes
     fault_401_ratio: float = 0.0
     hold_answers: bool = False       # accept requests, then hold every answer until released
+    fault_502_after_accept_ratio: float = 0.0  # accept (deliver), then answer 502 as a gateway that lost it
     seed: int | None = None
 
 
@@ -72,7 +73,8 @@ class MockState:
     tenants: dict = field(default_factory=dict)       # tenant -> counters
     counts: dict = field(default_factory=lambda: {
         "requests_total": 0, "throttled": 0, "forbidden": 0, "faults_5xx": 0, "faults_timeout": 0,
-        "faults_401": 0, "rejected": 0, "idempotent_replays": 0, "idempotency_conflicts": 0,
+        "faults_401": 0, "faults_502_after_accept": 0, "rejected": 0, "idempotent_replays": 0,
+        "idempotency_conflicts": 0,
         "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0,
         "marketing_single_requests": 0, "messages_delivered": 0})
     forbidden_paths: list = field(default_factory=list)
@@ -187,6 +189,9 @@ def build_app(config: MockConfig) -> Starlette:
             status, answer = accept(kind, body)
             if key and status == 200:
                 state.idempotency[(api_key, key)] = (now + IDEMPOTENCY_TTL_S, digest, status, answer)
+            if status == 200 and state.rng.random() < config.fault_502_after_accept_ratio:
+                c["faults_502_after_accept"] += 1
+                return _error(502, "bad_gateway", "The upstream answer was lost.")
             if status == 200 and config.hold_answers:
                 await hold(state)
             if status == 200 and state.rng.random() < config.fault_timeout_ratio:

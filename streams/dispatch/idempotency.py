@@ -3,10 +3,12 @@
 Per send id the key holds nothing (free), `inflight:<idempotency key>` (a provider request carrying
 it was sent or is being sent) or `delivered`. Claiming a request records its exact body under its
 idempotency key for as long as the provider remembers keys (24 h), plus a short lease held by the
-sender. When a request's outcome is unknown (the worker died, or the answer timed out), whoever
-meets the send later takes the expired lease and re-sends *that same body with that same key*, so
-the provider answers with its stored response instead of delivering again. A definite failure
-releases the claim. Every key of a claim carries the tenant's hash tag (one Redis Cluster slot).
+sender and kept alive by it (`refresh`, every few seconds, while the request is in flight): the
+lease lapses within LEASE_S of its holder dying, never while a live holder may still be sending.
+When a request's outcome is unknown (the worker died, or the answer was lost), whoever meets the
+send later takes the lapsed lease and re-sends *that same body with that same key*, so the provider
+answers with its stored response instead of delivering again. A definite failure releases the
+claim. Every key of a claim carries the tenant's hash tag (one Redis Cluster slot).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ..names import RedisKeys
 from ..redis_client import load_script, store_errors
 
 DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
+LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
+REFRESH_EVERY_S = 2.0               # how often a live holder refreshes the leases of its requests
 RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
 
 
@@ -41,13 +45,14 @@ class StoredRequest:
 
 
 class ProcessedJobs:
-    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = 30.0):
+    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S):
         self.client = client
         self.keys = RedisKeys(namespace)
         self.lease_ms = int(lease_s * 1000)
         self._claim = client.register_script(load_script(__package__, "claim.lua"))
         self._release = client.register_script(load_script(__package__, "release.lua"))
         self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
+        self._refresh = client.register_script(load_script(__package__, "refresh.lua"))
 
     def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
         k = self.keys
@@ -90,6 +95,16 @@ class ProcessedJobs:
         """The provider did not accept the request: the sends are free again."""
         with store_errors("releasing a claim"):
             self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}"])
+
+    def refresh(self, leases: list[tuple[str, str]], owner: str) -> None:
+        """Extend the leases (tenant, request key) this holder still owns: it is alive and sending."""
+        if not leases:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, key in leases:
+            self._refresh(keys=[self.keys.lease(tenant, key)], args=[owner, self.lease_ms], client=pipe)
+        with store_errors("refreshing claim leases"):
+            pipe.execute()
 
     def keep_unknown(self, tenant: str, key: str) -> None:
         """The outcome is unknown: drop the lease so a later attempt re-sends the same request."""

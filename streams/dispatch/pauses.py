@@ -78,6 +78,9 @@ class LanePauses:
 
     def backpressure(self, buffered: int, limit: int) -> None:
         if buffered >= limit:
+            if "backpressure" not in self.reasons:
+                metrics.BACKPRESSURE_PAUSES.labels(*self._label).inc()
+                log.warning("buffer full (%d messages): pausing every partition until half is sent", buffered)
             self.reasons.add("backpressure")
         elif buffered <= limit // 2:
             self.reasons.discard("backpressure")

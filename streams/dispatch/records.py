@@ -1,35 +1,48 @@
-"""What a lane worker writes to Kafka, durably: outcome events (`notif.outcomes`), copies for a
-retry tier, and dead letters (`notif.dlq`, key = send id; headers: send_id, tenant, channel, lane,
-reason, attempts, first/last error, origin topic/partition/offset, group, time).
+"""What a lane worker writes to Kafka, durably: outcome events (`notif.outcomes`: every attempt and
+every terminal outcome), copies for a retry tier, and dead letters (`notif.dlq`, key = send id;
+headers: send_id, tenant, channel, lane, reason, attempts, first/last error, origin
+topic/partition/offset, group, time).
 
 Records are produced with the idempotent producer (acks=all); `on_ack` runs on the poll thread
 once the broker acknowledged a record, which is where the worker finishes offsets. A record the
 broker did not acknowledge is produced again with backoff until it is (the offset stays unstored
-meanwhile), so a broker outage delays outcomes but never loses or freezes them.
+meanwhile), so a broker outage delays outcomes but never loses or freezes them. A copy the broker
+refuses for its size goes to the DLQ instead; a dead letter refused for its size is written
+without its payload (its headers name where the original still is), so a poison record never
+blocks its partition.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Producer
 
 from .. import metrics
 from ..kafka_client import AckedWriter
+from ..logs import evidence
 from ..names import TopicNames
-from ..providers.outcome import ProviderResult
+from ..providers.outcome import ProviderResult, redact
 from ..retry.policy import RetryAt
 from ..send import Send
 from .tenant_queues import Pending
 
 log = logging.getLogger("streams.records")
+OnAck = Callable[[], object]
 
 
 def error_header(result: ProviderResult) -> bytes:
     """Status, error name and the (already redacted) body of a provider answer."""
     return f"{result.status or result.outcome} {result.error_name} {result.error_body}".strip().encode()[:1000]
+
+
+def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
+    """One attempt of a send, for its history: when, what came back, how long it took."""
+    return {"n": attempt, "at_ms": now_ms, "status_code": result.status, "outcome": result.outcome,
+            "error": result.error_name, "duration_ms": round(result.latency_s * 1000, 1)}
 
 
 class RecordWriter:
@@ -41,17 +54,20 @@ class RecordWriter:
         self.topic, self.group = topic, group
         self._label = (channel, lane)
 
-    def produce(self, topic: str, key: bytes | None, value: bytes | None, headers: dict, on_ack=None) -> None:
+    def produce(self, topic: str, key: bytes | None, value: bytes | None, headers: dict, on_ack: OnAck | None = None,
+                on_refused: Callable[[KafkaError], object] | None = None) -> None:
         """Write a record; `on_ack` runs once the broker acknowledged it (it is produced again until then)."""
-        self.writer.write(topic, value, key, headers.items(), on_ack)
+        self.writer.write(topic, value, key, headers.items(), on_ack, on_refused)
 
-    def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int,
-                      provider_message_id: str = "", reason: str = "") -> dict:
+    # ------------------------------------------------------------------ outcomes and history
+    def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int, provider_message_id: str = "",
+                      reason: str = "", attempt: dict | None = None) -> dict:
+        """`status`: delivered | retrying | unknown | dead_lettered; `attempt` the attempt that led here."""
         return {"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
                 "status": status, "attempts": attempts, "provider": self.provider,
                 "provider_message_id": provider_message_id, "reason": reason,
                 "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
-                "latency_ms": max(0, now_ms - s.created_at_ms)}
+                "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt}
 
     def delivered_elsewhere_event(self, send_id: str, tenant: str, now_ms: int, provider_message_id: str) -> dict:
         """The outcome of a send settled by a recovered request whose message another consumer holds."""
@@ -59,23 +75,45 @@ class RecordWriter:
                 "status": "delivered", "attempts": None, "provider": self.provider,
                 "provider_message_id": provider_message_id, "reason": "", "completed_at_ms": now_ms}
 
-    def outcome(self, event: dict, on_ack=None) -> None:
+    def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
 
-    def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, on_ack) -> None:
+    # ------------------------------------------------------------------ retry copies
+    def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck) -> None:
         """A copy of the original bytes for the tier; the route and payload never change."""
-        headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
-                   "lane": p.send.lane.encode(), "policy": p.send.policy.encode(),
-                   "attempt": str(p.attempt + 1).encode(), "due_at_ms": str(decision.due_ms).encode(),
-                   "tier": decision.tier.encode(), "retry_reason": decision.reason.encode(),
-                   "origin_topic": self.topic.encode(), "last_error": error_header(result)}
+        headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
+        headers["last_error"] = error_header(result)
         headers.setdefault("first_error", headers["last_error"])
         metrics.RETRIES.labels(*self._label, decision.tier).inc()
         metrics.SENDS.labels(*self._label, "retry").inc()
-        self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(),
-                     p.raw, headers, on_ack)
+        evidence(log, logging.WARNING, "retry_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
+                 provider=self.provider, attempt=p.attempt, tier=decision.tier,
+                 due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
+        status = "unknown" if result.outcome == "unknown" else "retrying"
+        self.outcome(self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
+                                        attempt=attempt_info(p.attempt, result, now_ms)))
+        self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
+                     headers, on_ack,
+                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack))
 
-    def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack) -> None:
+    def spill(self, p: Pending, due_ms: int, tier: str, on_ack: OnAck) -> None:
+        """Park a message of a tenant whose backlog is over its share on a retry tier until its
+        turn is near. Not an attempt: the `attempt` header is unchanged."""
+        headers = self._retry_headers(p, due_ms, tier, "tenant_backlog", p.attempt)
+        headers["spilled"] = b"1"
+        metrics.SPILLED.labels(*self._label).inc()
+        self.produce(self.names.retry(self.channel, self.lane, tier), p.send.tenant_id.encode(), p.raw, headers,
+                     on_ack, on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", None,
+                                                                    int(time.time() * 1000), on_ack))
+
+    def _retry_headers(self, p: Pending, due_ms: int, tier: str, reason: str, attempt: int) -> dict[str, bytes]:
+        return {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
+                "lane": p.send.lane.encode(), "policy": p.send.policy.encode(), "attempt": str(attempt).encode(),
+                "due_at_ms": str(due_ms).encode(), "tier": tier.encode(), "retry_reason": reason.encode(),
+                "origin_topic": self.topic.encode()}
+
+    # ------------------------------------------------------------------ dead letters
+    def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck) -> None:
         headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
                    "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
                    "reason": reason.encode(), "attempts": str(p.attempt).encode(),
@@ -88,22 +126,36 @@ class RecordWriter:
             headers.setdefault("first_error", headers["last_error"])
         metrics.DLQ.labels(*self._label, reason).inc()
         metrics.SENDS.labels(*self._label, "dead_lettered").inc()
-        self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, on_ack)
-        self.outcome(self.outcome_event(p.send, "dead_lettered", p.attempt, now_ms, reason=reason))
+        evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
+                 provider=self.provider, attempts=p.attempt, reason=reason)
+        self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, on_ack,
+                     on_refused=lambda err: self._dead_letter_without_payload(p.send.send_id.encode(), headers,
+                                                                             on_ack))
+        attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
+        self.outcome(self.outcome_event(p.send, "dead_lettered", p.attempt, now_ms, reason=reason, attempt=attempt))
 
-    def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack) -> None:
+    def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack: OnAck) -> None:
         """An event that never became a send: dead-letter it with the reason; the partition moves on."""
-        log.warning("dead-lettering %s[%d]@%d: %s (%s)", msg.topic(), msg.partition(), msg.offset(),
-                    reason, detail[:200])
         send_id = headers.get("send_id") or _peek_send_id(msg.value())
+        evidence(log, logging.WARNING, "dead_lettered", send_id=send_id.decode(errors="replace"), reason=reason,
+                 origin=f"{msg.topic()}[{msg.partition()}]@{msg.offset()}", detail=redact(detail, 200))
         dlq_headers = {**headers, "send_id": send_id, "reason": reason.encode(),
-                       "detail": detail.encode()[:1000], "channel": self.channel.encode(),
+                       "detail": redact(detail, 1000).encode(), "channel": self.channel.encode(),
                        "lane": self.lane.encode(), "origin_topic": msg.topic().encode(),
                        "origin_partition": str(msg.partition()).encode(),
                        "origin_offset": str(msg.offset()).encode(), "group": self.group.encode(),
                        "dead_lettered_at_ms": str(int(time.time() * 1000)).encode()}
         metrics.DLQ.labels(*self._label, reason).inc()
-        self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, on_ack)
+        self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, on_ack,
+                     on_refused=lambda err: self._dead_letter_without_payload(send_id or None, dlq_headers, on_ack))
+
+    def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck) -> None:
+        """The broker refused the dead letter for its size: keep the record, without its payload;
+        the origin headers say where the original still is (within the lane's retention)."""
+        headers = {**headers, "payload_omitted": b"too_large", "reason_detail": headers.get("reason", b"")}
+        headers["reason"] = b"too_large"
+        metrics.DLQ.labels(*self._label, "too_large").inc()
+        self.produce(self.names.dlq, key, None, headers, on_ack)
 
 
 def _peek_send_id(value: bytes | None) -> bytes:

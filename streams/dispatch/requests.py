@@ -19,14 +19,18 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import ConfigError, CostExceedsBurst, StoreUnavailable
 from ..gate.gate import Gate
+from ..gate.token_bucket import Limit
 from ..providers.http import Provider
 from ..providers.outcome import Outbound
 from ..providers.registry import ProviderCredentials, ProviderSpec
-from .idempotency import ProcessedJobs, StoredRequest, idempotency_key
+from ..retry.policy import RetryPolicy, expired
+from .idempotency import REFRESH_EVERY_S, ProcessedJobs, StoredRequest, idempotency_key
 from .tenant_queues import Pending, TenantQueues, unique_sends
 
 log = logging.getLogger("streams.dispatch")
 CLAIM_RACE_ROUNDS = 3  # sends claimed meanwhile by a racing worker drop out of the request
+LIMITS_TTL_S = 10.0
+COOL_DOWN_JITTER = 0.2  # workers leave a shared 429 cool-down up to 20% after it ends, not all at once
 
 
 @dataclass
@@ -48,7 +52,8 @@ class Dispatcher:
 
     def __init__(self, spec: ProviderSpec, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
                  jobs: ProcessedJobs, gate: Gate, provider: Provider, credentials: ProviderCredentials,
-                 on_duplicate: Callable[[Pending], None], redis_outage: Outage):
+                 on_duplicate: Callable[[Pending], None], redis_outage: Outage,
+                 policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None]):
         self.spec, self.lane, self.worker_id = spec, lane, worker_id
         self.batches = lane in spec.batch_lanes
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
@@ -57,11 +62,14 @@ class Dispatcher:
         self.provider, self.credentials = provider, credentials
         self.on_duplicate = on_duplicate
         self.outage = redis_outage
+        self.policies = policies
+        self.on_expired = on_expired
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="provider")
         self.in_flight: dict[Future, Job] = {}
-        self.batch_caps: dict[str, int] = {}
+        self._limits: dict[str, tuple[float, Limit]] = {}  # tenant -> (read at, limit)
         self.rng = random.Random()
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
+        self._next_refresh = 0.0
 
     def dispatch(self) -> None:
         """Start requests for ready tenants, in random order (no tenant is always first in line)."""
@@ -83,16 +91,24 @@ class Dispatcher:
         if ready:
             self.outage.recovered(time.monotonic())
 
-    def _batch_cap(self, tenant: str) -> int:
+    def tenant_limit(self, tenant: str) -> Limit:
+        """The tenant's bucket limit, read from Redis at most every LIMITS_TTL_S (operators change it)."""
+        cached = self._limits.get(tenant)
+        now = time.monotonic()
+        if cached is None or now - cached[0] > LIMITS_TTL_S:
+            cached = (now, self.gate.tenant_limit(self.spec.name, tenant))
+            self._limits[tenant] = cached
+        return cached[1]
+
+    def per_request(self, tenant: str) -> int:
+        """Messages per provider request: a batch (up to the tenant's burst) where this lane batches."""
         if not self.batches:
             return 1
-        if tenant not in self.batch_caps:
-            self.batch_caps[tenant] = min(self.spec.batch_max, self.gate.tenant_burst(self.spec.name, tenant))
-        return self.batch_caps[tenant]
+        return min(self.spec.batch_max, self.tenant_limit(tenant).burst)
 
     def _dispatch_queue(self, key: str) -> None:
         tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
-        taken = self.queues.take(key, self._batch_cap(tenant))
+        taken = self.queues.take(key, self.per_request(tenant))
         self._open = {id(p): p for p in taken}
         try:
             self._dispatch_taken(key, tenant, taken)
@@ -104,7 +120,11 @@ class Dispatcher:
 
     def _dispatch_taken(self, key: str, tenant: str, taken: list[Pending]) -> None:
         self.credentials.for_tenant(tenant)  # no API key: ConfigError before anything is claimed
-        items, duplicates = unique_sends(taken)
+        now_ms = int(time.time() * 1000)
+        for p in [p for p in taken if expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms)]:
+            self._open.pop(id(p), None)  # the age is checked before every attempt: never sent too late
+            self.on_expired(p)
+        items, duplicates = unique_sends([p for p in taken if id(p) in self._open])
         states = self.jobs.status(tenant, [p.send.send_id for p in items])
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
@@ -147,14 +167,17 @@ class Dispatcher:
         try:
             admission = self.gate.acquire(self.spec.name, tenant, len(fresh), reserve=self.reserve)
         except CostExceedsBurst:
-            self.batch_caps.pop(tenant, None)  # limits changed: learn the burst again
+            self._limits.pop(tenant, None)  # limits changed: learn the burst again
             self._requeue(key, fresh)
             return False
         if admission.allowed:
             return True
         metrics.GATE_DENIALS.labels(self.spec.name, self.lane, admission.short).inc()
         metrics.GATE_WAIT.labels(self.spec.name, self.lane).observe(admission.wait_s)
-        until = time.monotonic() + admission.wait_s
+        wait_s = admission.wait_s
+        if admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
+            wait_s *= 1 + COOL_DOWN_JITTER * self.rng.random()
+        until = time.monotonic() + wait_s
         self._requeue(key, fresh, hold_until=until if admission.short == "tenant" else None)
         if admission.short != "tenant":
             self.queues.hold_all(until)
@@ -182,7 +205,13 @@ class Dispatcher:
         stored: StoredRequest | None = self.jobs.take_over(tenant, request_key, self.worker_id)
         if stored is None:
             return False
-        admission = self.gate.acquire(self.spec.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
+        try:
+            admission = self.gate.acquire(self.spec.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
+        except CostExceedsBurst:
+            # Stored before the tenant's burst was lowered: it cannot be split (same body, same key),
+            # so it is charged a full burst instead of never being admitted.
+            burst = self.gate.tenant_limit(self.spec.name, stored.tenant).burst
+            admission = self.gate.acquire(self.spec.name, stored.tenant, burst, reserve=self.reserve)
         if not admission.allowed:
             self.jobs.keep_unknown(tenant, request_key)
             return False
@@ -191,6 +220,18 @@ class Dispatcher:
         self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members))
         log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
         return True
+
+    def refresh_leases(self) -> None:
+        """Keep the leases of our requests in flight alive (at most every REFRESH_EVERY_S): while we
+        live, nobody takes them over; if we die, they lapse within the lease and are taken over."""
+        now = time.monotonic()
+        if now < self._next_refresh or not self.in_flight:
+            return
+        self._next_refresh = now + REFRESH_EVERY_S
+        try:
+            self.jobs.refresh([(job.tenant, job.key) for job in self.in_flight.values()], self.worker_id)
+        except StoreUnavailable as exc:
+            self.outage.failed(now, exc)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -13,6 +13,7 @@ error is kept and tried again, with backoff, with the timestamps of the original
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -21,13 +22,16 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import StoreUnavailable
 from ..gate.gate import Gate
+from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
 from ..retry.policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
 from .idempotency import ProcessedJobs
-from .records import RecordWriter
+from .records import RecordWriter, attempt_info
 from .requests import Job
 from .tenant_queues import Offset, Pending, TenantQueues
+
+log = logging.getLogger("streams.settle")
 
 
 class Settler:
@@ -72,6 +76,10 @@ class Settler:
             self.settle(*self.unsettled.pop(0))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        evidence(log, logging.WARNING, "attempt_failed", provider=self.provider_name, request=job.key,
+                 sends=len(job.send_ids), send_id=job.send_ids[0] if len(job.send_ids) == 1 else None,
+                 tenant=job.tenant, status=result.status, outcome=result.outcome, error=result.error_name,
+                 duration_s=round(result.latency_s, 3), body=result.error_body[:300])
         wait = cool_down_s(result, now_ms)
         if wait is not None:
             metrics.PROVIDER_429.labels(self.provider_name, result.error_name or result.outcome).inc()
@@ -88,11 +96,15 @@ class Settler:
         for p in job.members:
             decision = self._decide(p, result, now_ms)
             if isinstance(decision, RetryAt):
-                self.records.retry(p, decision, result, self.finisher(p.where))
+                self.records.retry(p, decision, result, now_ms, self.finisher(p.where))
             elif isinstance(decision, DeadLetter):
                 self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
+
+    def dead_letter_too_old(self, p: Pending) -> None:
+        """A send found older than its policy's max_age before an attempt: never sent late."""
+        self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self.finisher(p.where))
 
     def _decide(self, p: Pending, result: ProviderResult, now_ms: int):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
@@ -100,20 +112,11 @@ class Settler:
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
-        tenant queue (the shared cool-down holds every worker off until Retry-After). The attempt
-        counts; a send out of attempts is handled by its policy as usual."""
-        again = []
-        for p in job.members:
-            decision = self._decide(p, result, now_ms)
-            if isinstance(decision, RetryAt):
-                p.attempt += 1
-                again.append(p)
-            else:
-                assert isinstance(decision, DeadLetter)
-                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
-        if again:
-            self.queues.put_back(self.queues.queue_key(again[0].send), again)
-            metrics.SENDS.labels(*self.label, "throttled_in_process").inc(len(again))
+        tenant queue (the shared cool-down holds every worker off until Retry-After). It does not
+        use up an attempt (the provider never looked at the sends); their age is checked again
+        before the next attempt, as before every attempt."""
+        self.queues.put_back(self.queues.queue_key(job.members[0].send), list(job.members))
+        metrics.SENDS.labels(*self.label, "throttled_in_process").inc(len(job.members))
 
     def _delivered(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         ids = dict(zip(sorted(job.send_ids), result.message_ids, strict=False))
@@ -125,7 +128,8 @@ class Settler:
             held.add(p.send.send_id)
             self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
             events.append(self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
-                                                     ids.get(p.send.send_id, "")))
+                                                     ids.get(p.send.send_id, ""),
+                                                     attempt=attempt_info(p.attempt, result, now_ms)))
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,

@@ -69,6 +69,10 @@ class TenantQueues:
             return None
         return max(min(waits), self.global_ready_at, now)
 
+    def size(self, key: str) -> int:
+        q = self.queues.get(key)
+        return len(q.items) if q else 0
+
     def head_tenant(self, key: str) -> str:
         return self.queues[key].items[0].send.tenant_id
 

@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, KafkaError, Producer
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import PublishError, StackError, StoreUnavailable
+from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.gate import Gate
 from ..kafka_client import commit_now, store_offsets
 from ..lag.yield_policy import YieldPolicy
@@ -33,10 +33,11 @@ from ..offsets import OffsetTracker
 from ..providers.http import Provider
 from ..providers.outcome import ProviderResult
 from ..providers.registry import ProviderCredentials, ProviderSpec
-from ..retry.policy import RetryPolicy
+from ..retry.policy import RetryPolicy, tier_at_least
 from ..send import Send
 from ..state.guard import StateGuard
-from .idempotency import ProcessedJobs
+from .backlog import BacklogShare
+from .idempotency import LEASE_S, REFRESH_EVERY_S, ProcessedJobs
 from .intake import Rejected, admit
 from .pauses import LanePauses
 from .records import RecordWriter
@@ -56,9 +57,14 @@ class WorkerConfig:
     names: TopicNames = TopicNames()
     concurrency: int = 8            # provider requests in flight
     max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
-    lease_s: float = 30.0           # must exceed the provider timeout
+    lease_s: float = LEASE_S        # a claim's lease; refreshed every REFRESH_EVERY_S while in flight
     yield_policy: YieldPolicy | None = None  # marketing lanes yield to the transactional lane
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    def __post_init__(self) -> None:
+        if self.lease_s < 3 * REFRESH_EVERY_S:
+            raise ConfigError(f"a claim lease of {self.lease_s} s would lapse between two refreshes "
+                              f"(every {REFRESH_EVERY_S} s) of a live worker's requests")
 
     @property
     def topic(self) -> str:
@@ -73,7 +79,9 @@ class LaneWorker:
     def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, provider: Provider,
                  gate: Gate, jobs: ProcessedJobs, credentials: ProviderCredentials,
                  policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant,
-                 guard: StateGuard | None = None):
+                 guard: StateGuard | None = None, backlog: BacklogShare | None = None):
+        """`backlog` (a share of the buffer per tenant, the excess parked on a retry tier) is on in
+        every production worker; only the benchmarks' naive baseline runs without it."""
         self.cfg = config
         self.topic, self.group = config.topic, config.group
         self.consumer, self.producer, self.provider = consumer, producer, provider
@@ -92,9 +100,10 @@ class LaneWorker:
                                records, policies, self.redis_outage)
         self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, provider, credentials, self._finish_duplicate,
-                                     self.redis_outage)
+                                     self.redis_outage, policies, self.settler.dead_letter_too_old)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
+        self.backlog = backlog
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -120,6 +129,7 @@ class LaneWorker:
             # Wake as soon as a provider request completes rather than on the next poll.
             wait_futures(list(self.dispatcher.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
         self._collect()
+        self.dispatcher.refresh_leases()
         self.settler.retry()
         self.pauses.follow_lag()
         # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
@@ -207,14 +217,36 @@ class LaneWorker:
             self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail,
                                          self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
             return
-        self.queues.add(Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers,
-                                verdict.send, verdict.attempt))
+        p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt)
+        if not self._parked(p):
+            self.queues.add(p)
+
+    def _parked(self, p: Pending) -> bool:
+        """Park a message whose tenant already holds its share of the buffer on a retry tier, due
+        back about when its turn comes; the partition (and its committed offset) moves on."""
+        if self.backlog is None:
+            return False
+        tenant = p.send.tenant_id
+        queued = self.queues.size(self.queues.queue_key(p.send))
+        try:
+            limit = self.dispatcher.tenant_limit(tenant)
+            if queued < self.backlog.share(limit.rate, self.dispatcher.per_request(tenant)):
+                return False
+        except (StoreUnavailable, ConfigError):
+            return False  # no limit to plan with: keep it (backpressure still bounds memory)
+        wait_s = self.backlog.due_in(tenant, queued, limit.rate, time.monotonic())
+        due_ms = int(time.time() * 1000 + wait_s * 1000)
+        self.records.spill(p, due_ms, tier_at_least(wait_s), self.settler.finisher(p.where))
+        return True
 
     def _collect(self, block: bool = False) -> None:
         in_flight = self.dispatcher.in_flight
         done = [f for f in in_flight if f.done()]
         if block and not done and in_flight:
-            next(iter(in_flight)).exception()
+            # Wait for the next answer, keeping our leases alive meanwhile (a rebalance or a shutdown
+            # drains here, and a lapsed lease would let another worker send the same request).
+            wait_futures(list(in_flight), timeout=1.0, return_when=FIRST_COMPLETED)
+            self.dispatcher.refresh_leases()
             done = [f for f in in_flight if f.done()]
         for fut in done:
             job = in_flight.pop(fut)

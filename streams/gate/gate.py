@@ -17,6 +17,7 @@ from ..errors import ConfigError, CostExceedsBurst, GateUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore
+from .token_bucket import Limit
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Admission:
 class Gate(Protocol):
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
-    def tenant_burst(self, provider: str, tenant: str) -> int: ...
+    def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
 
 
 class RedisGate:
@@ -69,5 +70,5 @@ class RedisGate:
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
 
-    def tenant_burst(self, provider: str, tenant: str) -> int:
-        return LimitStore(self.client, self.namespace).tenant(provider, tenant).burst
+    def tenant_limit(self, provider: str, tenant: str) -> Limit:
+        return LimitStore(self.client, self.namespace).tenant(provider, tenant)

@@ -144,7 +144,7 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
                   if (e := policy_error(r, known_policies, ("body", "sends", i) if batch else ("body",)))]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
-        sends = [build_send(r, tenant_id) for r in requests]
+        sends = [build_send(r, tenant_id, routing=client.routing) for r in requests]
         store.accepted(sends)
         try:
             client.publish_sends(sends)

@@ -17,6 +17,7 @@ from confluent_kafka import KafkaException
 from ..errors import PublishError
 from ..kafka_client import durable_producer, produce
 from ..names import TopicNames
+from ..retry.policy import PolicyRouting, default_routing
 from ..send import Send, build_send, encode, validate_batch
 
 Router = Callable[[Send], str]
@@ -30,10 +31,11 @@ def lane_topic(names: TopicNames) -> Router:
 class SendClient:
     def __init__(self, bootstrap: str, names: TopicNames | None = None,
                  known_policies: frozenset[str] | None = None, timeout_s: float = 30.0,
-                 router: Router | None = None):
+                 router: Router | None = None, routing: PolicyRouting | None = None):
         self.names = names or TopicNames()
         self.route = router or lane_topic(self.names)
         self.known_policies = known_policies
+        self.routing = routing or default_routing()  # which policy a send that names none gets
         self.timeout_s = timeout_s
         # No duplicates or reordering from producer retries; acknowledged by all in-sync replicas.
         self.producer = durable_producer(bootstrap, **{"linger.ms": 2, "compression.type": "lz4"})
@@ -44,7 +46,7 @@ class SendClient:
 
     def publish_batch(self, tenant_id: str, requests: list[dict]) -> list[str]:
         """Validate every send first (any error rejects the whole batch), then publish them all."""
-        sends = [build_send(r, tenant_id) for r in validate_batch(requests, self.known_policies)]
+        sends = [build_send(r, tenant_id, routing=self.routing) for r in validate_batch(requests, self.known_policies)]
         self.publish_sends(sends)
         return [s.send_id for s in sends]
 

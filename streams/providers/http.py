@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 import httpx
+import orjson
 
 from ..errors import ForbiddenProviderPath
 from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact
@@ -79,10 +80,16 @@ class HttpProvider:
                                   latency_s=time.monotonic() - started)
         latency = time.monotonic() - started
         if resp.is_success:
-            return ProviderResult("delivered", resp.status_code, message_ids(resp.content), latency_s=latency)
+            try:
+                ids = message_ids(resp.content)
+            except (orjson.JSONDecodeError, AttributeError, TypeError):
+                # Accepted, probably, but we cannot tell which messages: ask again under the same key.
+                log.warning("provider %s answered %s on %s with an unreadable body", self.name, resp.status_code, path)
+                return ProviderResult("unknown", resp.status_code, error_name="unreadable_body", latency_s=latency)
+            return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
+        # The worker logs one line per failed attempt, with this status and redacted excerpt.
         name = error_name(resp.content)
         excerpt = redact(resp.text)
-        log.warning("provider %s answered %s on %s: %s", self.name, resp.status_code, path, excerpt)
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name, error_body=excerpt,
                               latency_s=latency)

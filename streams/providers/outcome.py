@@ -61,6 +61,12 @@ def error_name(body: bytes) -> str:
     return str(doc.get("name", "")) if isinstance(doc, dict) else ""
 
 
+# Answers after which the provider may have accepted the request: a gateway that lost the upstream's
+# answer, or the first request under the same idempotency key still running. They are unknown
+# outcomes: the same body goes again under the same key, never re-batched under a new one.
+AMBIGUOUS_STATUSES = frozenset({502, 504})
+
+
 def classify(status: int, name: str) -> Outcome:
     """The outcome of a non-2xx answer with error name `name`."""
     if status == 429:
@@ -68,9 +74,11 @@ def classify(status: int, name: str) -> Outcome:
     if status == 401:
         return "auth"
     if status == 409 and name == "concurrent_idempotent_requests":
-        return "unavailable"  # the first request is still running: try again later
+        return "unknown"  # the first request is still running: ask again later with the same key
     if 400 <= status < 500:
         return "rejected"
+    if status in AMBIGUOUS_STATUSES:
+        return "unknown"
     return "unavailable"
 
 

@@ -1,33 +1,41 @@
 """What to do after a provider call: delivered, retry at a tier, or dead-letter. Pure code.
 
 A 429 is delayed work, never a drop. `Retry-After` (delta-seconds or HTTP-date) is honoured by
-choosing the first tier at least that long; without it the policy's schedule (itself a capped
-exponential: 10 s, 1 m, 5 m ... 12 h) applies, with up to +20% jitter so a fleet does not wake up
-together. Quota 429s are parked on a long tier, never hot-retried. 400/422 are permanent. A timeout
-after the request may have been accepted is retried only under the same provider idempotency key.
+choosing the first tier at least that long (and the exact due time); without it the policy's
+schedule (itself a capped exponential: 10 s, 1 m, 5 m ... 12 h) applies, with +-20% jitter so a
+fleet does not wake up together. Quota 429s are parked on a long tier, never hot-retried. 400/422
+are permanent. A timeout after the request may have been accepted is retried only under the same
+provider idempotency key. A send older than its policy's `max_age` is never attempted again.
+
+Policies are named per message class in a visible file (`policies.toml`), and checked when loaded:
+each policy's `max_age` must cover the worst case of its own schedule, or its last attempts could
+never happen. The same file routes a send that names no policy to one (`[routing]`).
 """
 
 from __future__ import annotations
 
 import email.utils
+import fnmatch
 import re
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..lanes import RETRY_TIERS
+from ..lanes import CATEGORIES, CHANNELS, RETRY_TIERS
 from ..providers.outcome import ProviderResult
 
-JITTER = 0.2
+JITTER = 0.2  # each delay is drawn from [0.8, 1.2] x the tier's delay
 PARK_AT_LEAST_S = 3600  # quota 429s wait at least an hour
 DEFAULT_COOL_DOWN_S = 1.0  # a 429 without a usable Retry-After still holds the provider off this long
 # A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
 # instead of travelling through a retry tier; longer waits go to the tiers.
 IN_PROCESS_BACKOFF_MAX_S = 5.0
+PACKAGED = "streams/retry/policies.toml"
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,14 @@ class RetryPolicy:
     max_attempts: int
     max_age_s: int
     schedule: tuple[str, ...]
+
+    def tier_after(self, attempt: int) -> str:
+        """The tier that waits before attempt `attempt + 1` (the schedule's last tier repeats)."""
+        return self.schedule[min(attempt - 1, len(self.schedule) - 1)]
+
+    def worst_case_s(self) -> float:
+        """From creation to the last attempt when every delay draws the longest jitter."""
+        return sum(RETRY_TIERS[self.tier_after(a)] * (1 + JITTER) for a in range(1, self.max_attempts))
 
 
 @dataclass(frozen=True)
@@ -68,31 +84,83 @@ def _age(raw: object, where: str) -> int:
     return int(m.group(1)) * _UNIT[m.group(2)]
 
 
-def parse_policies(text: str, source: str) -> dict[str, RetryPolicy]:
+def _policy(name: str, raw: dict, where: str) -> RetryPolicy:
+    extra = set(raw) - {"max_attempts", "max_age", "schedule"}
+    if extra:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}")
+    attempts = raw.get("max_attempts")
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ConfigError(f"{where}: field 'max_attempts' must be an integer >= 1, got {attempts!r}")
+    schedule = raw.get("schedule")
+    if not isinstance(schedule, list) or not schedule:
+        raise ConfigError(f"{where}: field 'schedule' must be a non-empty list of tiers")
+    for tier in schedule:
+        if tier not in RETRY_TIERS:
+            raise ConfigError(f"{where}: field 'schedule': unknown tier {tier!r} (tiers: {', '.join(RETRY_TIERS)})")
+    policy = RetryPolicy(name, attempts, _age(raw.get("max_age"), where), tuple(schedule))
+    if policy.max_age_s < policy.worst_case_s():
+        raise ConfigError(f"{where}: field 'max_age' ({raw.get('max_age')}) is shorter than the worst case of "
+                          f"its own schedule: {attempts} attempts with +{JITTER:.0%} jitter take up to "
+                          f"{policy.worst_case_s() / 3600:.1f} h, so its last attempts could never happen")
+    return policy
+
+
+def _doc(text: str, source: str) -> dict:
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    out = {}
-    for name, raw in (doc.get("policy") or {}).items():
-        where = f"{source}: policy '{name}'"
-        extra = set(raw) - {"max_attempts", "max_age", "schedule"}
-        if extra:
-            raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}")
-        attempts = raw.get("max_attempts")
-        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise ConfigError(f"{where}: field 'max_attempts' must be an integer >= 1, got {attempts!r}")
-        schedule = raw.get("schedule")
-        if not isinstance(schedule, list) or not schedule:
-            raise ConfigError(f"{where}: field 'schedule' must be a non-empty list of tiers")
-        for tier in schedule:
-            if tier not in RETRY_TIERS:
-                raise ConfigError(f"{where}: field 'schedule': unknown tier {tier!r} "
-                                  f"(tiers: {', '.join(RETRY_TIERS)})")
-        out[name] = RetryPolicy(name, attempts, _age(raw.get("max_age"), where), tuple(schedule))
+
+
+def parse_policies(text: str, source: str) -> dict[str, RetryPolicy]:
+    doc = _doc(text, source)
+    out = {name: _policy(name, raw, f"{source}: policy '{name}'") for name, raw in (doc.get("policy") or {}).items()}
     if not out:
         raise ConfigError(f"{source}: no [policy.<name>] tables")
     return out
+
+
+@dataclass(frozen=True)
+class PolicyRouting:
+    """How a send that names no policy gets one: its channel's default, else the first template rule
+    that matches its template id (shell-style patterns), else its category's default."""
+
+    categories: dict[str, str]
+    channels: dict[str, str] = field(default_factory=dict)
+    templates: tuple[tuple[str, str], ...] = ()
+
+    def policy_for(self, channel: str, category: str, template_id: str) -> str:
+        if channel in self.channels:
+            return self.channels[channel]
+        for pattern, policy in self.templates:
+            if fnmatch.fnmatchcase(template_id, pattern):
+                return policy
+        return self.categories[category]
+
+
+def parse_routing(text: str, source: str, policies: dict[str, RetryPolicy]) -> PolicyRouting:
+    raw = _doc(text, source).get("routing") or {}
+    where = f"{source}: [routing]"
+
+    def known(name: object, fld: str) -> str:
+        if not isinstance(name, str) or name not in policies:
+            raise ConfigError(f"{where}: field '{fld}': {unknown_policy(str(name), policies)}")
+        return name
+
+    categories = {c: known(p, f"categories.{c}") for c, p in (raw.get("categories") or {}).items()}
+    missing = set(CATEGORIES) - set(categories)
+    if missing:
+        raise ConfigError(f"{where}: field 'categories' needs a policy for {sorted(missing)}")
+    channels = {c: known(p, f"channels.{c}") for c, p in (raw.get("channels") or {}).items()}
+    for c in channels:
+        if c not in CHANNELS:
+            raise ConfigError(f"{where}: field 'channels': unknown channel {c!r}")
+    templates = []
+    for i, rule in enumerate(raw.get("templates") or []):
+        if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or set(rule) != {"match", "policy"}:
+            raise ConfigError(f"{where}: field 'templates[{i}]' must be {{match = \"pattern\", policy = \"name\"}}")
+        templates.append((rule["match"], known(rule["policy"], f"templates[{i}].policy")))
+    return PolicyRouting(categories, channels, tuple(templates))
 
 
 def unknown_policy(name: str, known: Iterable[str]) -> str:
@@ -100,16 +168,35 @@ def unknown_policy(name: str, known: Iterable[str]) -> str:
     return f"unknown policy {name!r} (known: {', '.join(sorted(known))})"
 
 
-def load_policies(path: str | Path | None = None) -> dict[str, RetryPolicy]:
-    """The policies file: `path`, else the packaged streams/retry/policies.toml."""
+def _read(path: str | Path | None) -> tuple[str, str]:
     if path:
         p = Path(path)
         try:
-            return parse_policies(p.read_text(), str(p))
+            return p.read_text(), str(p)
         except FileNotFoundError:
             raise ConfigError(f"{p}: retry policy file not found") from None
-    text = resources.files(__package__).joinpath("policies.toml").read_text()
-    return parse_policies(text, "streams/retry/policies.toml")
+    return resources.files(__package__).joinpath("policies.toml").read_text(), PACKAGED
+
+
+def load_policies(path: str | Path | None = None) -> dict[str, RetryPolicy]:
+    """The policies file: `path`, else the packaged streams/retry/policies.toml."""
+    return parse_policies(*_read(path))
+
+
+def load_routing(path: str | Path | None = None) -> PolicyRouting:
+    text, source = _read(path)
+    return parse_routing(text, source, parse_policies(text, source))
+
+
+@cache
+def default_routing() -> PolicyRouting:
+    """The packaged file's routing (used where no other file was configured)."""
+    return load_routing(None)
+
+
+def expired(policy: RetryPolicy, created_ms: int, now_ms: int) -> bool:
+    """A send older than its policy allows is never attempted again."""
+    return now_ms - created_ms > policy.max_age_s * 1000
 
 
 def parse_retry_after(value: str | None, now_ms: int) -> float | None:
@@ -144,7 +231,8 @@ def wait_in_process(result: ProviderResult, now_ms: int) -> bool:
     return result.outcome == "throttled" and wait is not None and wait <= IN_PROCESS_BACKOFF_MAX_S
 
 
-def _tier_at_least(seconds: float) -> str:
+def tier_at_least(seconds: float) -> str:
+    """The shortest tier at least `seconds` long (the longest tier when none is)."""
     for tier, delay in RETRY_TIERS.items():
         if delay >= seconds:
             return tier
@@ -163,15 +251,12 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
     if attempt >= policy.max_attempts:
         return DeadLetter("retries_exhausted")
-    tier = policy.schedule[min(attempt - 1, len(policy.schedule) - 1)]
-    if outcome == "quota":
-        tier = max(tier, _tier_at_least(PARK_AT_LEAST_S), key=RETRY_TIERS.__getitem__)
-    elif outcome == "throttled":
-        wait = parse_retry_after(result.retry_after, now_ms)
-        if wait is not None:
-            tier = max(tier, _tier_at_least(wait), key=RETRY_TIERS.__getitem__)
-    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * jitter))
-    due_ms = now_ms + delay_ms
+    # The earliest moment the next attempt may happen: what the provider asked for, at least.
+    at_least = {"quota": PARK_AT_LEAST_S,
+                "throttled": parse_retry_after(result.retry_after, now_ms)}.get(outcome) or 0.0
+    tier = max(policy.tier_after(attempt), tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
+    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)))
+    due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms - created_ms > policy.max_age_s * 1000:
         return DeadLetter("quota_exceeded" if outcome == "quota" else "too_old")
     reason = {"throttled": "rate_limited", "quota": "quota_exceeded", "unknown": "unknown_outcome",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import redis
@@ -94,9 +94,12 @@ def fault_runtime(fault_env) -> Runtime:
 def fault_topics(fault_runtime, namespace):
     """Create a channel's topics (and the shared ones) on the private stack."""
 
-    def _create(channel: str = "email") -> None:
+    def _create(channel: str = "email", lane_partitions: int | None = None) -> None:
         specs = channel_specs(load_definitions(namespace=namespace), namespace, (channel,))
-        TopicAdmin(fault_runtime.bootstrap).ensure(specs)
+        prefix = f"{namespace}notif.{channel}."
+        TopicAdmin(fault_runtime.bootstrap).ensure(
+            {n: replace(s, partitions=lane_partitions or s.partitions) if n.startswith(prefix) else s
+             for n, s in specs.items()})
 
     return _create
 

@@ -17,8 +17,9 @@ def _provider(handler) -> ResendEmail:
     (200, "", "delivered"), (429, "rate_limit_exceeded", "throttled"), (429, "daily_quota_exceeded", "quota"),
     (429, "monthly_quota_exceeded", "quota"), (400, "validation_error", "rejected"),
     (422, "validation_error", "rejected"), (401, "invalid_api_key", "auth"),
-    (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unavailable"),
+    (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unknown"),
     (500, "internal_server_error", "unavailable"), (503, "", "unavailable"),
+    (502, "bad_gateway", "unknown"), (504, "", "unknown"),
 ])
 def test_status_and_error_name_decide_the_outcome(status, name, outcome):
     body = {"id": "m1"} if status == 200 else {"statusCode": status, "name": name, "message": "x"}
@@ -55,10 +56,21 @@ def test_redaction_removes_addresses_numbers_and_keys():
     assert "jane" not in text and "555" not in text and "AbC123" not in text
 
 
-def test_every_non_2xx_is_logged_with_status_and_a_redacted_body(caplog):
+def test_every_non_2xx_carries_its_status_and_a_redacted_body():
     body = {"statusCode": 422, "name": "validation_error", "message": "Invalid `to`: jane@example.com"}
-    with caplog.at_level("WARNING", logger="streams.providers"):
-        _provider(lambda req: httpx.Response(422, json=body)).post("/emails", b"{}", "re_k", "k")
-    [record] = caplog.records
-    assert "422" in record.getMessage() and "validation_error" in record.getMessage()
-    assert "jane@example.com" not in record.getMessage()
+    result = _provider(lambda req: httpx.Response(422, json=body)).post("/emails", b"{}", "re_k", "k")
+    assert result.status == 422 and result.error_name == "validation_error"
+    assert "Invalid" in result.error_body and "jane@example.com" not in result.error_body
+
+
+def test_a_2xx_whose_body_cannot_be_read_is_an_unknown_outcome():
+    """The provider probably accepted it, but we cannot tell which messages: ask again with the same key."""
+    result = _provider(lambda req: httpx.Response(200, content=b"<html>ok</html>")).post("/emails", b"{}", "re_k", "k")
+    assert result.outcome == "unknown" and result.error_name == "unreadable_body"
+
+
+def test_a_connection_reset_after_sending_is_an_unknown_outcome():
+    def reset(req):
+        raise httpx.ReadError("connection reset by peer", request=req)
+
+    assert _provider(reset).post("/emails", b"{}", "re_k", "k").outcome == "unknown"

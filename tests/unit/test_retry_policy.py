@@ -9,6 +9,7 @@ from email.utils import format_datetime
 import pytest
 
 from streams.errors import ConfigError
+from streams.lanes import RETRY_TIERS
 from streams.providers.outcome import ProviderResult
 from streams.retry.policy import (
     DeadLetter,
@@ -17,8 +18,10 @@ from streams.retry.policy import (
     cool_down_s,
     decide,
     load_policies,
+    load_routing,
     parse_policies,
     parse_retry_after,
+    parse_routing,
     wait_in_process,
 )
 
@@ -34,21 +37,22 @@ def http_date(seconds_from_now: int) -> str:
 # (policy, attempt, answer, expected kind, tier, min delay s, max delay s)
 CASES = [
     ("success", OTP, 1, ProviderResult("delivered", 200), Delivered, None, None, None),
-    ("429 with seconds", OTP, 1, ProviderResult("throttled", 429, retry_after="30"), RetryAt, "1m", 60, 72),
-    ("429 with an HTTP date", OTP, 1, ProviderResult("throttled", 429, retry_after=http_date(240)), RetryAt, "5m", 300, 360),
-    ("429 malformed header", OTP, 1, ProviderResult("throttled", 429, retry_after="soon"), RetryAt, "10s", 10, 12),
-    ("429 missing header", OTP, 2, ProviderResult("throttled", 429), RetryAt, "1m", 60, 72),
+    ("429 with seconds", OTP, 1, ProviderResult("throttled", 429, retry_after="30"), RetryAt, "1m", 48, 72),
+    ("429 with an HTTP date", OTP, 1, ProviderResult("throttled", 429, retry_after=http_date(240)), RetryAt, "5m", 240, 360),
+    ("429 malformed header", OTP, 1, ProviderResult("throttled", 429, retry_after="soon"), RetryAt, "10s", 8, 12),
+    ("429 missing header", OTP, 2, ProviderResult("throttled", 429), RetryAt, "1m", 48, 72),
+    ("429 asking for more than the longest tier", MARKETING, 1, ProviderResult("throttled", 429, retry_after="50000"), RetryAt, "12h", 50000, 51840),
     ("quota 429 is parked", MARKETING, 1, ProviderResult("quota", 429, retry_after="1"), RetryAt, "1h", 3600, 4320),
     ("quota 429 for an OTP is too old to park", OTP, 1, ProviderResult("quota", 429), DeadLetter, None, None, None),
-    ("timeout after possible acceptance", OTP, 1, ProviderResult("unknown"), RetryAt, "10s", 10, 12),
+    ("timeout after possible acceptance", OTP, 1, ProviderResult("unknown"), RetryAt, "10s", 8, 12),
     ("permanent 4xx", OTP, 1, ProviderResult("rejected", 422), DeadLetter, None, None, None),
-    ("5xx", MARKETING, 3, ProviderResult("unavailable", 503), RetryAt, "15m", 900, 1080),
+    ("5xx", MARKETING, 3, ProviderResult("unavailable", 503), RetryAt, "15m", 720, 1080),
     ("exhausted", OTP, 4, ProviderResult("unavailable", 503), DeadLetter, None, None, None),
 ]
 
 
 @pytest.mark.parametrize("name, policy, attempt, result, kind, tier, lo, hi", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("jitter", [0.0, 0.999])
+@pytest.mark.parametrize("jitter", [0.0, 0.5, 0.999])
 def test_eval_harness(name, policy, attempt, result, kind, tier, lo, hi, jitter):
     d = decide(policy, attempt, created_ms=NOW - 1000, result=result, now_ms=NOW, jitter=jitter)
     assert isinstance(d, kind), d
@@ -62,7 +66,7 @@ def test_dead_letter_reasons():
         (1, ProviderResult("rejected", 400)), (4, ProviderResult("unavailable")),
         (1, ProviderResult("quota", 429))]}
     assert reasons == {"permanent_error", "retries_exhausted", "quota_exceeded"}
-    too_old = decide(OTP, 1, NOW - 590_000, ProviderResult("unavailable"), NOW, 0.5)
+    too_old = decide(OTP, 1, NOW - 595_000, ProviderResult("unavailable"), NOW, 0.5)
     assert too_old == DeadLetter("too_old")
 
 
@@ -101,3 +105,45 @@ def test_invalid_policy_file_names_the_policy_and_field(text, message):
 def test_cool_down_and_in_process_wait(result, cool, in_process):
     assert cool_down_s(result, NOW) == cool
     assert wait_in_process(result, NOW) is in_process
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES.values(), key=lambda p: p.name), ids=lambda p: p.name)
+@pytest.mark.parametrize("jitter", [0.0, 0.999])
+def test_an_always_failing_send_gets_every_attempt_of_every_shipped_policy(policy, jitter):
+    """Attempt times of a send that fails every time: exactly max_attempts attempts, each spaced by its
+    tier's delay +-20%, and the last one ends `retries_exhausted`, never `too_old` first."""
+    created = now = NOW
+    times = [now]
+    decision = decide(policy, 1, created, ProviderResult("unavailable", 503), now, jitter)
+    while isinstance(decision, RetryAt):
+        gap_s = (decision.due_ms - now) / 1000
+        expected = RETRY_TIERS[policy.tier_after(len(times))]
+        assert 0.8 * expected <= gap_s <= 1.2 * expected, (len(times), gap_s)
+        now = decision.due_ms
+        times.append(now)
+        decision = decide(policy, len(times), created, ProviderResult("unavailable", 503), now, jitter)
+    assert decision == DeadLetter("retries_exhausted")
+    assert len(times) == policy.max_attempts
+    assert (times[-1] - created) / 1000 <= policy.max_age_s
+
+
+def test_a_policy_whose_max_age_cannot_cover_its_schedule_is_refused():
+    text = '[policy.tight]\nmax_attempts = 9\nmax_age = "1d"\nschedule = ["10s", "1m", "5m", "15m", "1h", "3h", "6h", "12h"]'
+    with pytest.raises(ConfigError, match=r"policy 'tight': field 'max_age' \(1d\) is shorter than the worst case"):
+        parse_policies(text, "policies.toml")
+
+
+def test_routing_gives_otp_templates_the_otp_policy():
+    routing = load_routing()
+    assert routing.policy_for("email", "transactional", "otp") == "otp"
+    assert routing.policy_for("sms", "transactional", "password-reset") == "otp"
+    assert routing.policy_for("email", "transactional", "receipt") == "transactional"
+    assert routing.policy_for("email", "marketing", "spring-sale") == "marketing"
+    assert routing.policy_for("webhook", "transactional", "otp") == "webhook"
+
+
+def test_routing_to_an_unknown_policy_is_refused():
+    text = ('[policy.a]\nmax_attempts = 1\nmax_age = "1m"\nschedule = ["10s"]\n'
+            '[routing]\ncategories = { transactional = "a", product = "a", marketing = "b" }\n')
+    with pytest.raises(ConfigError, match=r"\[routing\]: field 'categories.marketing': unknown policy 'b'"):
+        parse_routing(text, "policies.toml", parse_policies(text, "policies.toml"))

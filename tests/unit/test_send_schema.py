@@ -53,3 +53,44 @@ def test_undecodable_events_say_why(value, reason):
     with pytest.raises(MalformedEvent) as err:
         decode(value)
     assert err.value.reason == reason
+
+
+def test_an_event_whose_lane_disagrees_with_its_category_is_a_lane_violation():
+    """A producer that labels a marketing send `lane: transactional` does not get it into the
+    transactional lane: the lane is derived from the category."""
+    doc = orjson.loads(encode(build_send(validate_request(email_request("marketing")), "acme")))
+    doc["lane"] = "transactional"
+    with pytest.raises(MalformedEvent) as err:
+        decode(orjson.dumps(doc))
+    assert err.value.reason == "lane_violation"
+
+
+@pytest.mark.parametrize("tenant", ["acme.eu", "acme:eu", "a" * 65, "", "acmé"])
+def test_tenant_ids_a_provider_would_refuse_as_a_tag_are_rejected(tenant):
+    with pytest.raises(SendValidationError, match="tenant_id: a tenant id holds 1 to 64 ASCII letters"):
+        build_send(validate_request(email_request()), tenant)
+
+
+@pytest.mark.parametrize("tags, message", [
+    ([{"name": "campaign", "value": "spring sale"}], "String should match pattern"),
+    ([{"name": "tenant", "value": "other"}], "the tag name 'tenant' is reserved"),
+    ([{"name": "x" * 257, "value": "y"}], "String should match pattern"),
+])
+def test_tags_follow_the_providers_rules(tags, message):
+    with pytest.raises(SendValidationError, match=message):
+        validate_request(email_request(tags=tags))
+    assert validate_request(email_request(tags=[{"name": "campaign", "value": "spring_sale-2"}]))
+
+
+def test_an_invalid_address_is_not_repeated_in_the_error():
+    """Errors reach logs and DLQ headers: they say which field, never the personal data itself."""
+    with pytest.raises(SendValidationError) as err:
+        validate_request(email_request(to=["jane.doe-at-example.test"]))
+    assert "jane.doe" not in str(err.value) and "payload.to" in str(err.value)
+
+
+def test_otp_templates_get_the_otp_policy_unless_the_send_names_one():
+    assert build_send(validate_request({**email_request(), "template_id": "otp"}), "acme").policy == "otp"
+    assert build_send(validate_request(email_request()), "acme").policy == "transactional"
+    named = {**email_request(), "template_id": "otp", "policy": "transactional"}
+    assert build_send(validate_request(named), "acme").policy == "transactional"

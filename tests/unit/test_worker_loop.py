@@ -8,11 +8,13 @@ from collections import defaultdict
 
 import pytest
 
+from streams.dispatch.backlog import BacklogShare
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import StoreUnavailable
 from streams.gate.gate import Admission
+from streams.gate.token_bucket import Limit
 from streams.names import TopicNames
-from streams.providers.outcome import ProviderResult
+from streams.providers.outcome import ProviderResult, redact
 from streams.providers.registry import PROVIDERS, ProviderCredentials
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
@@ -87,8 +89,9 @@ class FakeProducer:
 
 
 class FakeGate:
-    def __init__(self, short_tenants=()):
+    def __init__(self, short_tenants=(), rates=None):
         self.short_tenants = set(short_tenants)
+        self.rates = rates or {}
 
     def acquire(self, provider, tenant, messages, reserve=False):
         if tenant in self.short_tenants:
@@ -96,7 +99,7 @@ class FakeGate:
         return Admission(True)
 
     def cool_down(self, provider, seconds): pass
-    def tenant_burst(self, provider, tenant): return 100
+    def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), 100)
 
 
 class FakeJobs:
@@ -121,6 +124,7 @@ class FakeJobs:
             self.state.pop(s, None)
 
     def keep_unknown(self, tenant, key): pass
+    def refresh(self, leases, owner): pass
 
 
 class FakeProvider:
@@ -245,3 +249,39 @@ def test_redis_failing_mid_dispatch_holds_the_work_and_resumes(methods):
         assert len(provider.sent) == 3 and len(producer.records[NAMES.outcomes]) == 3
     else:
         assert len(producer.records[NAMES.dlq]) == 3
+
+
+@pytest.mark.parametrize("answer, then", [
+    (ProviderResult("rejected", 422, error_name="validation_error",
+                    error_body=redact("Invalid `to`: jane@example.com"), latency_s=0.05), "dead_lettered"),
+    (ProviderResult("unavailable", error_name="ConnectError", latency_s=3.0), "retry_scheduled"),
+    (ProviderResult("unknown", error_name="ReadTimeout", latency_s=2.0), "retry_scheduled"),
+])
+def test_every_failed_attempt_leaves_evidence_without_personal_data(answer, then, caplog):
+    """One line per failed attempt (send id, provider, status or error class, duration, redacted body) and one
+    per retry scheduled or dead letter; the address in the provider's answer never reaches the log."""
+    sends, msgs = _messages(["acme"])
+    worker, *_ = _worker(msgs, answer=answer)
+    with caplog.at_level("WARNING"):
+        _run(worker)
+    lines = [r.getMessage() for r in caplog.records]
+    [failed] = [m for m in lines if m.startswith("attempt_failed")]
+    assert f"send_id={sends[0].send_id}" in failed and "provider=resend" in failed
+    assert f"error={answer.error_name}" in failed and "duration_s=" in failed
+    assert [m for m in lines if m.startswith(then)] and not any("jane" in m for m in lines)
+
+
+def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
+    """A tenant throttled to 5/s may hold 5 s of its work (25 messages) in the buffer; the rest is parked on a
+    retry tier, due back in turn, without using up an attempt, so the partition's offset moves on."""
+    sends, msgs = _messages(["slow"] * 60 + ["fast"] * 5)
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"slow": 5}))
+    worker.backlog = BacklogShare(horizon_s=5)
+    _run(worker)
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    assert len(parked) == 35
+    assert all(h["spilled"] == b"1" and h["attempt"] == b"1" for h in parked)
+    dues = [int(h["due_at_ms"]) for h in parked]
+    assert dues == sorted(dues) and dues[-1] - dues[0] >= 34 / 5 * 1000 - 50  # one turn (1/5 s) apart
+    assert len(provider.sent) == 30  # the 25 kept and the other tenant's 5
+    assert consumer.stored[(TOPIC, 0)] == 65

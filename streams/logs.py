@@ -1,0 +1,44 @@
+"""Log lines: plain text or JSON (`--log-format json`, `LOG_FORMAT=json`), and evidence lines.
+
+An evidence line records one fact an operator may need later (an attempt that failed, a retry
+scheduled, a dead letter) as an event name plus fields: `attempt_failed send_id=... status=429`
+in text, the same fields as JSON keys in JSON. Fields carry ids, statuses, durations and redacted
+excerpts only: no addresses, phone numbers, message bodies or keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import orjson
+
+_TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                               "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            doc.update(fields)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(doc, default=str).decode()
+
+
+def setup(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
+    """One line: `event k=v ...` in text, `{"msg": event, k: v ...}` in JSON."""
+    if logger.isEnabledFor(level):
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, ""))
+        logger.log(level, "%s %s", event, text, extra={"fields": {"event": event, **fields}})

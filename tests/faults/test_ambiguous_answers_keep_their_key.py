@@ -1,0 +1,60 @@
+"""An answer after which the provider may have accepted the request (a 502 from its gateway) is an
+unknown outcome: the same body goes again under the same idempotency key, so the provider answers
+from its store; the claims are never released and re-batched under a new key (which would send
+the blast twice)."""
+
+from tests.harness import committed_lag, email_request, wait_until
+
+BLAST = 300
+POLICIES = """
+[policy.otp]
+max_attempts = 4
+max_age = "10m"
+schedule = ["10s"]
+[policy.transactional]
+max_attempts = 4
+max_age = "10m"
+schedule = ["10s"]
+[policy.marketing]
+max_attempts = 4
+max_age = "10m"
+schedule = ["10s"]
+[policy.webhook]
+max_attempts = 4
+max_age = "10m"
+schedule = ["10s"]
+[routing]
+categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
+"""
+
+
+def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
+        fault_stack, fault_runtime, fault_topics, fault_processes, mock_provider, names, tmp_path):
+    """Given a 300-email marketing blast in batches of 100 and a provider whose gateway answers 502 to every
+    new request after accepting it,
+    When the worker and the retrier work through the blast (retrying after 10 s),
+    Then every request is sent again byte for byte under its own key and answered from the provider's store
+    (3 idempotent replays for 3 batches), no send is delivered twice, and the lane is committed."""
+    policies = tmp_path / "policies.toml"
+    policies.write_text(POLICIES)
+    fault_processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policies)
+    fault_topics("email", lane_partitions=1)
+    mock_provider.reset(rate=100, fault_502_after_accept_ratio=1.0)
+    limits = fault_runtime.limit_store()
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 1000, 100)
+    fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
+    fault_processes.worker("email", "marketing")
+    fault_processes.retrier("email", "marketing")
+    ids = fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
+
+    wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= BLAST // 100, 60,
+               "each batch to be sent again under its key", interval=0.5)
+    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
+                                     names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
+               interval=0.5)
+    stats = mock_provider.stats(deliveries=True)
+    assert set(ids) <= set(stats["deliveries"])
+    assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+    assert stats["faults_502_after_accept"] == BLAST // 100
+    assert stats["idempotent_replays"] == BLAST // 100 and stats["idempotency_conflicts"] == 0
