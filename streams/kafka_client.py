@@ -102,6 +102,7 @@ class _Record:
     headers: list[tuple[str, bytes]]
     on_ack: Callable[[], object] | None
     on_refused: Callable[[KafkaError], object] | None
+    on_written: Callable[[int, int], object] | None = None
 
 
 # Errors that producing again cannot fix: the record itself is refused.
@@ -127,14 +128,18 @@ class AckedWriter:
 
     def write(self, topic: str, value: bytes | None, key: bytes | None = None,
               headers: Iterable[tuple[str, bytes]] | None = None, on_ack: Callable[[], object] | None = None,
-              on_refused: Callable[[KafkaError], object] | None = None) -> None:
-        self._produce(_Record(topic, value, key, list(headers or ()), on_ack, on_refused))
+              on_refused: Callable[[KafkaError], object] | None = None,
+              on_written: Callable[[int, int], object] | None = None) -> None:
+        """`on_written(partition, offset)` runs just before `on_ack`, with where the record landed."""
+        self._produce(_Record(topic, value, key, list(headers or ()), on_ack, on_refused, on_written))
 
     def _produce(self, record: _Record) -> None:
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+        def on_delivery(err: KafkaError | None, msg: Any) -> None:
             self.unacknowledged -= 1
             if err is None:
                 self.outage.recovered(time.monotonic())
+                if record.on_written is not None:
+                    record.on_written(msg.partition(), msg.offset())
                 if record.on_ack is not None:
                     record.on_ack()
             elif err.code() in REFUSED and record.on_refused is not None:

@@ -68,3 +68,7 @@ SPILLED = Counter("dispatch_spilled_total", "Messages of a tenant over its share
                   "retry tier until their turn (not an attempt)", ["channel", "lane"])
 BACKPRESSURE_PAUSES = Counter("dispatch_backpressure_pauses_total", "Times a worker paused every partition because "
                               "its buffer was full", ["channel", "lane"])
+RETRY_TIER_WAITING = Gauge("dispatch_retry_tier_waiting_messages", "Retry messages not yet released, as the lag "
+                           "monitor measures them", ["channel", "lane", "tier"])
+RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the most overdue "
+                           "unreleased retry message is, as the lag monitor measures it", ["channel", "lane", "tier"])

@@ -92,7 +92,11 @@ class RedisKeys:
 
     # ---- ingest
     def send_status(self, send_id: str) -> str:
-        return f"{self.namespace}dr:send:{send_id}"
+        return f"{self.namespace}dr:send:{{{send_id}}}"
+
+    def send_attempts(self, send_id: str) -> str:
+        """The attempt history of a send (one hash field per attempt), beside its status."""
+        return f"{self.namespace}dr:send:{{{send_id}}}:attempts"
 
     @property
     def api_keys(self) -> str:

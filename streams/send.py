@@ -160,6 +160,7 @@ class Send(BaseModel):
     payload: dict[str, Any]
     created_at_ms: int
     correlation_id: str | None = None
+    replay_of: str | None = None  # a replay is a new send (new id); this is the send it replays
 
     @model_validator(mode="after")
     def _lane_follows_category(self) -> Send:

@@ -89,6 +89,17 @@ def keys(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _replay(rt: Runtime, send_id: str) -> int:
+    from ..ingest.status import StatusStore
+    from ..retry.replay import replay
+
+    new = replay(rt.bootstrap, rt.names, StatusStore(rt.redis(), rt.namespace),
+                 rt.send_client(known_policies=frozenset(rt.policies())), send_id)
+    print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
+          f"{rt.names.lane(new.channel, new.lane)}")
+    return 0
+
+
 def dlq(sub) -> None:
     p = sub.add_parser("dlq", help="operator: list, show and replay dead letters")
     p.add_argument("action", choices=["list", "show", "replay"])
@@ -97,11 +108,12 @@ def dlq(sub) -> None:
     p.add_argument("--limit", type=int, default=50)
 
     def run(args: argparse.Namespace) -> int:
+        from ..ingest.status import StatusStore
         from ..retry import dlq as tools
 
         rt = Runtime(args.config)
-        records = tools.read_all(rt.bootstrap, rt.names.dlq)
         if args.action == "list":
+            records = tools.read_all(rt.bootstrap, rt.names.dlq)
             shown = [r for r in records if not args.reason or r.reason == args.reason][-args.limit:]
             for r in shown:
                 print(f"{r.send_id:<38} {r.reason:<18} attempts={r.headers.get('attempts', '-'):<3} "
@@ -111,12 +123,33 @@ def dlq(sub) -> None:
             return 0
         if not args.send_id:
             raise ConfigError(f"`streams dlq {args.action}` needs a send id")
-        record = tools.find(records, args.send_id)
-        if args.action == "show":
-            print(tools.describe(record))
-            return 0
-        topic = tools.replay(rt.bootstrap, rt.names, record)
-        print(f"replayed {record.send_id} to {topic} as a new attempt record")
+        if args.action == "replay":
+            return _replay(rt, args.send_id)
+        status = StatusStore(rt.redis(), rt.namespace).get(args.send_id) or {}
+        position = (status["dlq_partition"], status["dlq_offset"]) if "dlq_offset" in status else None
+        print(tools.describe(tools.find(rt.bootstrap, rt.names.dlq, args.send_id, position)))
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def sends(sub) -> None:
+    p = sub.add_parser("sends", help="operator: a send's status and history, and replays")
+    p.add_argument("action", choices=["show", "replay"])
+    p.add_argument("send_id")
+
+    def run(args: argparse.Namespace) -> int:
+        import orjson
+
+        from ..ingest.status import StatusStore
+
+        rt = Runtime(args.config)
+        if args.action == "replay":
+            return _replay(rt, args.send_id)
+        status = StatusStore(rt.redis(), rt.namespace).get(args.send_id)
+        if status is None:
+            raise ConfigError(f"no send {args.send_id} (its history is kept 30 days)")
+        print(orjson.dumps({"send_id": args.send_id, **status}, option=orjson.OPT_INDENT_2).decode())
         return 0
 
     p.set_defaults(func=run)
@@ -153,4 +186,4 @@ def state(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [topics, limits, keys, dlq, state]
+COMMANDS = [topics, limits, keys, dlq, sends, state]

@@ -80,13 +80,16 @@ def retrier(sub) -> None:
 def lag_monitor(sub) -> None:
     p = sub.add_parser("lag-monitor", help="publish transactional lag to notif.lag and /metrics")
     p.add_argument("--interval", type=float, default=0.25, help="seconds between readings (<= 0.5)")
+    p.add_argument("--retry-watch-every", type=float, default=5.0,
+                   help="seconds between measurements of the retry tiers")
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
         from ..lag.monitor import LagMonitor
 
         rt = Runtime(args.config)
-        monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval)
+        monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval,
+                             retry_watch_every_s=args.retry_watch_every)
         return run_role(monitor, args.metrics_port,
                         f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", rt.config)
 

@@ -36,6 +36,7 @@ from starlette.routing import Route
 log = logging.getLogger("streams.mock_provider")
 _EMAIL = re.compile(r"^([^<>]*<)?[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+>?$")
 _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
+_TAG = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # Resend's rule for tag names and values
 IDEMPOTENCY_TTL_S = 24 * 3600
 
 
@@ -112,6 +113,10 @@ def _validate_email(item: object, where: str, in_batch: bool) -> str | None:
         return f"{where}: must be an object"
     if in_batch and ("attachments" in item or "scheduled_at" in item):
         return f"{where}: attachments and scheduled_at are not supported in batch emails"
+    for tag in item.get("tags") or []:
+        if not isinstance(tag, dict) or not all(isinstance(tag.get(k), str) and _TAG.match(tag[k])
+                                                for k in ("name", "value")):
+            return f"{where}: tags should only contain ASCII letters, numbers, underscores, or dashes"
     if not isinstance(item.get("from"), str) or not _EMAIL.match(item["from"]):
         return f"{where}: invalid `from` field"
     to = item.get("to")

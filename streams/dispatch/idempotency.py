@@ -1,7 +1,9 @@
 """`processed_jobs` in Redis: a send is delivered at most once, whoever handles it.
 
 Per send id the key holds nothing (free), `inflight:<idempotency key>` (a provider request carrying
-it was sent or is being sent) or `delivered`. Claiming a request records its exact body under its
+it was sent or is being sent), `delivered`, or `reconcile` (its outcome is unknown at a provider
+that does not honour idempotency keys: never sent again by dispatch itself).
+Claiming a request records its exact body under its
 idempotency key for as long as the provider remembers keys (24 h), plus a short lease held by the
 sender and kept alive by it (`refresh`, every few seconds, while the request is in flight): the
 lease lapses within LEASE_S of its holder dying, never while a live holder may still be sending.
@@ -89,7 +91,13 @@ class ProcessedJobs:
     def mark_delivered(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """Every send of the request `delivered`, and its lease and record gone, in one call."""
         with store_errors("marking sends delivered"):
-            self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S])
+            self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "delivered"])
+
+    def mark_reconcile(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
+        """The outcome is unknown at a provider that does not honour idempotency keys: nothing may send
+        these again by itself (a re-send could deliver twice); they wait for reconciliation."""
+        with store_errors("marking sends for reconciliation"):
+            self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
     def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """The provider did not accept the request: the sends are free again."""

@@ -55,9 +55,10 @@ class RecordWriter:
         self._label = (channel, lane)
 
     def produce(self, topic: str, key: bytes | None, value: bytes | None, headers: dict, on_ack: OnAck | None = None,
-                on_refused: Callable[[KafkaError], object] | None = None) -> None:
+                on_refused: Callable[[KafkaError], object] | None = None,
+                on_written: Callable[[int, int], object] | None = None) -> None:
         """Write a record; `on_ack` runs once the broker acknowledged it (it is produced again until then)."""
-        self.writer.write(topic, value, key, headers.items(), on_ack, on_refused)
+        self.writer.write(topic, value, key, headers.items(), on_ack, on_refused, on_written)
 
     # ------------------------------------------------------------------ outcomes and history
     def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int, provider_message_id: str = "",
@@ -67,7 +68,12 @@ class RecordWriter:
                 "status": status, "attempts": attempts, "provider": self.provider,
                 "provider_message_id": provider_message_id, "reason": reason,
                 "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
-                "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt}
+                "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt, "replay_of": s.replay_of}
+
+    @staticmethod
+    def origin(p: Pending) -> dict:
+        """Where the message was read: a replay of a delivered send finds its payload there."""
+        return {"topic": p.topic, "partition": p.partition, "offset": p.offset}
 
     def delivered_elsewhere_event(self, send_id: str, tenant: str, now_ms: int, provider_message_id: str) -> dict:
         """The outcome of a send settled by a recovered request whose message another consumer holds."""
@@ -128,11 +134,17 @@ class RecordWriter:
         metrics.SENDS.labels(*self._label, "dead_lettered").inc()
         evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
                  provider=self.provider, attempts=p.attempt, reason=reason)
+        attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
+        event = {**self.outcome_event(p.send, "dead_lettered", p.attempt, now_ms, reason=reason, attempt=attempt),
+                 "origin": self.origin(p)}
+
+        def written(partition: int, offset: int) -> None:  # the status store remembers where the letter is
+            self.outcome({**event, "dlq": {"partition": partition, "offset": offset}})
+
         self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, on_ack,
                      on_refused=lambda err: self._dead_letter_without_payload(p.send.send_id.encode(), headers,
-                                                                             on_ack))
-        attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
-        self.outcome(self.outcome_event(p.send, "dead_lettered", p.attempt, now_ms, reason=reason, attempt=attempt))
+                                                                             on_ack, written),
+                     on_written=written)
 
     def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack: OnAck) -> None:
         """An event that never became a send: dead-letter it with the reason; the partition moves on."""
@@ -149,13 +161,14 @@ class RecordWriter:
         self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, on_ack,
                      on_refused=lambda err: self._dead_letter_without_payload(send_id or None, dlq_headers, on_ack))
 
-    def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck) -> None:
+    def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck,
+                                     on_written: Callable[[int, int], object] | None = None) -> None:
         """The broker refused the dead letter for its size: keep the record, without its payload;
         the origin headers say where the original still is (within the lane's retention)."""
         headers = {**headers, "payload_omitted": b"too_large", "reason_detail": headers.get("reason", b"")}
         headers["reason"] = b"too_large"
         metrics.DLQ.labels(*self._label, "too_large").inc()
-        self.produce(self.names.dlq, key, None, headers, on_ack)
+        self.produce(self.names.dlq, key, None, headers, on_ack, on_written=on_written)
 
 
 def _peek_send_id(value: bytes | None) -> bytes:

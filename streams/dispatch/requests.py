@@ -129,7 +129,7 @@ class Dispatcher:
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(items, states, strict=True):
-            if state == "delivered":
+            if state in ("delivered", "reconcile"):
                 duplicates.append(p)
             elif state is None:
                 fresh.append(p)

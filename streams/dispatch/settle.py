@@ -25,6 +25,7 @@ from ..gate.gate import Gate
 from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
+from ..providers.registry import ProviderSpec
 from ..retry.policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
 from .idempotency import ProcessedJobs
 from .records import RecordWriter, attempt_info
@@ -35,10 +36,11 @@ log = logging.getLogger("streams.settle")
 
 
 class Settler:
-    def __init__(self, provider_name: str, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
+    def __init__(self, provider: ProviderSpec, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
                  redis_outage: Outage):
-        self.provider_name = provider_name
+        self.provider_name = provider.name
+        self.idempotent = provider.idempotent
         self.label = label
         self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
         self.records = records
@@ -85,7 +87,9 @@ class Settler:
             metrics.PROVIDER_429.labels(self.provider_name, result.error_name or result.outcome).inc()
             # Every worker holds off the provider, not only the one that saw the 429.
             self.gate.cool_down(self.provider_name, wait)
-        if result.outcome == "unknown":
+        if result.outcome == "unknown" and not self.idempotent:
+            self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
+        elif result.outcome == "unknown":
             self.jobs.keep_unknown(job.tenant, job.key)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key)
@@ -108,7 +112,7 @@ class Settler:
 
     def _decide(self, p: Pending, result: ProviderResult, now_ms: int):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
-                      self.rng.random())
+                      self.rng.random(), provider_idempotent=self.idempotent)
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
@@ -127,9 +131,10 @@ class Settler:
                 continue
             held.add(p.send.send_id)
             self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
-            events.append(self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
-                                                     ids.get(p.send.send_id, ""),
-                                                     attempt=attempt_info(p.attempt, result, now_ms)))
+            events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
+                                                        ids.get(p.send.send_id, ""),
+                                                        attempt=attempt_info(p.attempt, result, now_ms)),
+                           "origin": self.records.origin(p)})
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,

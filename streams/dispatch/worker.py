@@ -96,7 +96,7 @@ class LaneWorker:
         self.records = records
         self.redis_outage = Outage("Redis (dispatch)")
         self.consume_outage = Outage("Kafka (consume)")
-        self.settler = Settler(config.provider.name, self._label, self.queues, self.tracker, jobs, gate,
+        self.settler = Settler(config.provider, self._label, self.queues, self.tracker, jobs, gate,
                                records, policies, self.redis_outage)
         self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, provider, credentials, self._finish_duplicate,
@@ -230,11 +230,12 @@ class LaneWorker:
         queued = self.queues.size(self.queues.queue_key(p.send))
         try:
             limit = self.dispatcher.tenant_limit(tenant)
-            if queued < self.backlog.share(limit.rate, self.dispatcher.per_request(tenant)):
-                return False
+            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(tenant),
+                                       time.monotonic())
         except (StoreUnavailable, ConfigError):
             return False  # no limit to plan with: keep it (backpressure still bounds memory)
-        wait_s = self.backlog.due_in(tenant, queued, limit.rate, time.monotonic())
+        if wait_s is None:
+            return False
         due_ms = int(time.time() * 1000 + wait_s * 1000)
         self.records.spill(p, due_ms, tier_at_least(wait_s), self.settler.finisher(p.where))
         return True

@@ -25,6 +25,9 @@ from .status import StatusStore
 log = logging.getLogger("streams.api")
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
+# What a tenant sees of a send (statuses: accepted, retrying, unknown, delivered, dead_lettered).
+SEND_STATUS_FIELDS = ("tenant_id", "status", "channel", "lane", "attempts", "accepted_at_ms", "completed_at_ms",
+                      "provider", "provider_message_id", "reason", "replay_of", "attempt_history")
 
 
 class BatchRequest(BaseModel):
@@ -171,7 +174,7 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         if doc is None or doc.get("tenant_id") != tenant_id:
             raise HTTPException(404, {"error": "not_found", "errors": [
                 {"loc": ["path", "send_id"], "msg": "no such send for this tenant"}]})
-        return {"send_id": send_id, **doc}
+        return {"send_id": send_id, **{k: v for k, v in doc.items() if k in SEND_STATUS_FIELDS}}
 
     @app.get("/v1/admin/limits/{provider}")
     def get_limits(provider: str, _: Annotated[Principal, Depends(operator)]) -> dict:

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Literal
 import orjson
 import redis
 
-from ..errors import ConfigError, StoreUnavailable
+from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
+from ..send import check_tenant_id
 
 if TYPE_CHECKING:
     from ..state.log import OperatorLog
@@ -33,8 +34,11 @@ class ApiKeys:
         self.oplog = oplog
 
     def create(self, role: str, tenant: str | None = None) -> str:
-        if role == "tenant" and not tenant:
-            raise ConfigError("a tenant key needs a tenant id")
+        if role == "tenant":
+            try:
+                check_tenant_id(tenant or "")
+            except SendValidationError as exc:
+                raise ConfigError(str(exc)) from None
         token = f"dr_{role[:3]}_{secrets.token_urlsafe(24)}"
         digest = hashlib.sha256(token.encode()).hexdigest()
         entry = {"role": role, "tenant": tenant}

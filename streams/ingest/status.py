@@ -23,7 +23,15 @@ if TYPE_CHECKING:
 STATUS_TTL_S = 30 * 24 * 3600  # as long as notif.outcomes keeps outcomes
 
 
+# The statuses a send goes through: accepted at ingest; retrying (a definite failure, a retry is
+# scheduled) or unknown (the last attempt's outcome is unknown: retried under the same key, or
+# waiting for reconciliation); then delivered or dead_lettered, which are final.
+FINAL = frozenset({b"delivered", b"dead_lettered"})
+
+
 class StatusStore:
+    """Status, attempt history and where a send's payload can be found, kept 30 days."""
+
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self.client = client
         self.keys = RedisKeys(namespace)
@@ -33,36 +41,53 @@ class StatusStore:
         now = int(time.time() * 1000)
         for s in sends:
             key = self.keys.send_status(s.send_id)
-            pipe.hset(key, mapping={"tenant_id": s.tenant_id, "status": "accepted", "channel": s.channel,
-                                    "lane": s.lane, "accepted_at_ms": now, "attempts": 0})
+            fields = {"tenant_id": s.tenant_id, "status": "accepted", "channel": s.channel, "lane": s.lane,
+                      "accepted_at_ms": now, "attempts": 0}
+            if s.replay_of:
+                fields["replay_of"] = s.replay_of
+            pipe.hset(key, mapping=fields)
             pipe.expire(key, STATUS_TTL_S)
         with store_errors("recording accepted sends"):
             pipe.execute()
 
     def record_outcome(self, event: dict) -> None:
-        """Apply an outcome event; a terminal `delivered` is never overwritten by a later duplicate."""
-        key = self.keys.send_status(event["send_id"])
+        """Apply an outcome event (at least once: applying one twice changes nothing). A final status
+        is never replaced by an intermediate one that arrives late."""
+        send_id = event["send_id"]
+        key, attempts_key = self.keys.send_status(send_id), self.keys.send_attempts(send_id)
         fields = {"status": event["status"], "tenant_id": event["tenant_id"],
                   "completed_at_ms": event.get("completed_at_ms") or 0,
                   "provider": event.get("provider") or "", "reason": event.get("reason") or "",
                   "provider_message_id": event.get("provider_message_id") or ""}
-        if event.get("attempts"):
-            fields["attempts"] = event["attempts"]
+        for name in ("attempts", "replay_of"):
+            if event.get(name):
+                fields[name] = event[name]
+        for prefix, where in (("origin", event.get("origin")), ("dlq", event.get("dlq"))):
+            if isinstance(where, dict):
+                fields.update({f"{prefix}_{k}": v for k, v in where.items()})
         with store_errors("recording an outcome"):
-            if self.client.hget(key, "status") == b"delivered" and event["status"] != "delivered":
-                return
-            self.client.hset(key, mapping=fields)
-            self.client.expire(key, STATUS_TTL_S)
+            current = self.client.hget(key, "status")
+            pipe = self.client.pipeline(transaction=False)
+            if isinstance(event.get("attempt"), dict):
+                pipe.hset(attempts_key, str(event["attempt"].get("n")), orjson.dumps(event["attempt"]))
+                pipe.expire(attempts_key, STATUS_TTL_S)
+            if current not in FINAL or event["status"].encode() in FINAL and current != b"delivered":
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, STATUS_TTL_S)
+            pipe.execute()
 
     def get(self, send_id: str) -> dict | None:
         with store_errors("reading a send's status"):
             raw = self.client.hgetall(self.keys.send_status(send_id))
+            attempts = self.client.hgetall(self.keys.send_attempts(send_id))
         if not raw:
             return None
-        doc = {k.decode(): v.decode() for k, v in raw.items()}
-        for k in ("attempts", "accepted_at_ms", "completed_at_ms"):
+        doc: dict = {k.decode(): v.decode() for k, v in raw.items()}
+        for k in ("attempts", "accepted_at_ms", "completed_at_ms", "origin_partition", "origin_offset",
+                  "dlq_partition", "dlq_offset"):
             if k in doc:
                 doc[k] = int(doc[k] or 0)
+        doc["attempt_history"] = sorted((orjson.loads(v) for v in attempts.values()), key=lambda a: a.get("n") or 0)
         return doc
 
 

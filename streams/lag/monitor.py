@@ -19,6 +19,7 @@ from ..kafka_client import client_config, produce
 from ..lanes import CHANNELS, LANES
 from ..names import TopicNames, lag_key
 from .reader import LagReader
+from .retry_watch import RetryTierWatch
 
 log = logging.getLogger("streams.lag_monitor")
 MAX_INTERVAL_S = 0.5
@@ -26,7 +27,7 @@ MAX_INTERVAL_S = 0.5
 
 class LagMonitor:
     def __init__(self, bootstrap: str, names: TopicNames | None = None, channels=CHANNELS,
-                 interval_s: float = 0.25):
+                 interval_s: float = 0.25, retry_watch_every_s: float = 5.0):
         if not 0 < interval_s <= MAX_INTERVAL_S:
             raise ValueError(f"interval must be in (0, {MAX_INTERVAL_S}] s, got {interval_s}")
         self.names = names or TopicNames()
@@ -39,6 +40,7 @@ class LagMonitor:
         self.running = True
         self._failing: set[tuple[str, str]] = set()
         self.publish_outage = Outage("Kafka (notif.lag writes)")
+        self.retry_watch = RetryTierWatch(bootstrap, self.names, tuple(channels), every_s=retry_watch_every_s)
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -75,6 +77,7 @@ class LagMonitor:
             self.publish_outage.failed(time.monotonic(), err)
 
     def run(self, until=None) -> None:
+        self.retry_watch.start()
         next_tick = time.monotonic()
         try:
             while self.running and not (until and until()):
@@ -84,5 +87,6 @@ class LagMonitor:
                 time.sleep(max(0.0, next_tick - time.monotonic()))
                 next_tick = max(next_tick, time.monotonic())
         finally:
+            self.retry_watch.close()
             self.producer.flush(10)
             self.reader.close()

@@ -21,6 +21,7 @@ class ProviderSpec:
     adapter: str            # "module:Class" of the adapter
     batch_lanes: frozenset[str] = field(default_factory=frozenset)  # lanes that send through the batch endpoint
     batch_max: int = 1      # messages per batch request
+    idempotent: bool = True  # honours Idempotency-Key: an unknown outcome may be re-sent under the same key
 
 
 PROVIDERS: dict[str, ProviderSpec] = {

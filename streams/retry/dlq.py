@@ -1,22 +1,22 @@
-"""Operator tools for `notif.dlq`: list, show and replay dead letters (`streams dlq ...`).
-
-Replay re-publishes the send's original bytes to the lane its category belongs to, as attempt 1 of
-a new attempt record (headers `replay_of`, `replayed_at_ms`). It refuses, saying why, when the
-payload is gone (expired or never a valid send).
-"""
+"""Reading `notif.dlq` for operators (`streams dlq list|show`): every dead letter, or one send's,
+found by its recorded position or in the one partition its key maps to. Replays: `replay.py`.
+Dead letters keep their payload 7 days (the topic's retention), like the lane topics."""
 
 from __future__ import annotations
 
 import time
+import uuid
+import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from ..errors import DispatchError, MalformedEvent, ReplayRefused
-from ..kafka_client import client_config, durable_producer, produce
-from ..names import TopicNames
+from ..errors import ReplayRefused
+from ..kafka_client import client_config
 from ..providers.outcome import redact
-from ..send import decode
+
+PAYLOAD_DAYS = 7
 
 
 @dataclass(frozen=True)
@@ -67,34 +67,67 @@ def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLe
         c.close()
 
 
-def find(records: list[DeadLetterRecord], send_id: str) -> DeadLetterRecord:
-    matches = [r for r in records if r.send_id == send_id]
-    if not matches:
-        raise ReplayRefused(f"send {send_id} is not in the DLQ (never dead-lettered, or past the DLQ's "
-                            "30-day retention)")
-    return matches[-1]
-
-
-def replay(bootstrap: str, names: TopicNames, record: DeadLetterRecord) -> str:
-    """Re-publish a dead letter to its lane; returns the lane topic."""
-    if not record.value:
-        raise ReplayRefused(f"the payload of send {record.send_id} is gone (removed by retention); "
-                            "nothing is left to send")
+def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Any | None:
+    """The one record at (partition, offset), or None when it is gone (retention) or absent."""
+    c = Consumer(client_config(bootstrap, quiet=True, settings={
+        "group.id": f"record-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
     try:
-        send = decode(record.value)
-    except MalformedEvent as exc:
-        raise ReplayRefused(f"send {record.send_id} cannot be replayed: its event is not a valid send "
-                            f"({exc.reason}: {exc.detail})") from None
-    topic = names.lane(send.channel, send.lane)  # a lane violation goes back to its proper lane
-    producer = durable_producer(bootstrap)
-    headers = [("send_id", send.send_id.encode()), ("attempt", b"1"),
-               ("replay_of", f"{names.dlq}/{record.partition}/{record.offset}".encode()),
-               ("replayed_at_ms", str(int(time.time() * 1000)).encode()),
-               ("first_error", record.headers.get("first_error", "").encode())]
-    produce(producer, topic, record.value, key=send.tenant_id.encode(), headers=headers)
-    if producer.flush(30) != 0:
-        raise DispatchError(f"the broker did not acknowledge the replay of {send.send_id}")
-    return topic
+        low, high = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
+        if not low <= offset < high:
+            return None
+        c.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in c.consume(num_messages=1, timeout=0.2):
+                if not m.error() and m.offset() == offset:
+                    return m
+        return None
+    finally:
+        c.close()
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """librdkafka's default partitioner (consistent_random: CRC32 of the key): where a key's records are."""
+    return zlib.crc32(key) % partitions
+
+
+def _record(m: Any) -> DeadLetterRecord:
+    headers = {k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])}
+    return DeadLetterRecord(m.partition(), m.offset(), (m.key() or b"").decode(errors="replace"), m.value(),
+                            headers, m.timestamp()[1])
+
+
+def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | None = None) -> DeadLetterRecord:
+    """A send's dead letter: read at its recorded position (the status store keeps it), else searched in
+    the one partition its key maps to; never the whole topic."""
+    if position is not None:
+        m = fetch(bootstrap, topic, *position)
+        if m is not None and (m.key() or b"").decode(errors="replace") == send_id:
+            return _record(m)
+    c = Consumer(client_config(bootstrap, quiet=True, settings={
+        "group.id": f"dlq-finder-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+    try:
+        partitions = len(c.list_topics(topic, timeout=10).topics[topic].partitions)
+        partition = partition_for(send_id.encode(), partitions)
+        low, high = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
+        found = None
+        if high > low:
+            c.assign([TopicPartition(topic, partition, low)])
+            position_now = low
+            deadline = time.monotonic() + 60
+            while position_now < high and time.monotonic() < deadline:
+                for m in c.consume(num_messages=1000, timeout=0.2):
+                    if m.error():
+                        continue
+                    position_now = m.offset() + 1
+                    if (m.key() or b"").decode(errors="replace") == send_id:
+                        found = _record(m)
+    finally:
+        c.close()
+    if found is None:
+        raise ReplayRefused(f"send {send_id} is not in the DLQ (never dead-lettered, or its dead letter has "
+                            f"expired: dead letters are kept {PAYLOAD_DAYS} days)")
+    return found
 
 
 def describe(record: DeadLetterRecord) -> str:
@@ -104,5 +137,5 @@ def describe(record: DeadLetterRecord) -> str:
     for k in sorted(record.headers):
         if k not in ("send_id", "reason"):
             lines.append(f"{k:<12} {redact(record.headers[k], 300)}")
-    lines.append(f"payload      {len(record.value or b'')} bytes" + ("" if record.value else " (gone)"))
+    lines.append(f"payload      {len(record.value or b'')} bytes" + ("" if record.value else " (not in the DLQ)"))
     return "\n".join(lines)

@@ -1,9 +1,16 @@
-"""A send that keeps failing ends in notif.dlq after exactly its policy's attempts; replay delivers it."""
+"""A send that keeps failing ends in notif.dlq after exactly its policy's attempts, with its history; a
+replay is a new delivery (a new send id carrying `replay_of`), allowed while the payload is kept."""
 
 import subprocess
 import sys
+import time
 
+import pytest
+
+from streams.errors import ReplayRefused
+from streams.ingest.status import StatusStore
 from streams.retry.dlq import read_all
+from streams.retry.replay import replay
 from tests.harness import sms_request, wait_until
 
 POLICIES = """
@@ -16,29 +23,42 @@ schedule = ["10s"]
 max_attempts = 3
 max_age = "1h"
 schedule = ["10s"]
+
+[routing]
+categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
 """
 
 
-def test_exhausted_send_is_dead_lettered_then_replayed(stack, names, channel_topics, limits, processes,
-                                                      send_client, mock_provider, tmp_path, dispatch_env):
-    """Given retry policies allowing 3 attempts with a 10 s tier, a transactional SMS worker and its retrier, and a
-    provider that answers 500 to everything,
-    When one SMS send is published, and after it is dead-lettered the provider recovers and an operator runs `dlq
-    replay` on it,
-    Then the send lands once in notif.dlq after exactly 3 attempts (reason retries_exhausted, with its send id, tenant,
-    channel and the last 500 error), the replay delivers it exactly once, `dlq show` shows the reason without revealing
-    the phone number, and replaying an unknown send id fails saying it is not in the DLQ."""
+def _cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env, capture_output=True, text=True)
+
+
+def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new_send(
+        stack, names, namespace, channel_topics, limits, processes, send_client, mock_provider, tmp_path,
+        dispatch_env, redis_client):
+    """Given retry policies allowing 3 attempts with a 10 s tier, a transactional SMS worker, its retrier and the
+    outcome recorder, and a provider that answers 500 to everything,
+    When one SMS send is published, and after it is dead-lettered the provider recovers and an operator replays it,
+    Then the send lands once in notif.dlq after exactly 3 attempts (reason retries_exhausted, with its send id,
+    tenant, channel and the last 500 error), its status went through `retrying` and shows 3 attempts with their
+    status and duration; the replay is a new send with a new id and `replay_of` set, delivered once (the original
+    id is never sent again); a delivered send can be replayed too; `dlq show` does not reveal the phone number;
+    replaying an unknown id, or a send whose payload is older than 7 days, fails saying why."""
     channel_topics("sms")
     limits.set_provider("sms", 100, 100)
     limits.set_tenant("sms", "*", 100, 100)
     policy_file = tmp_path / "policies.toml"
     policy_file.write_text(POLICIES)
     processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policy_file)
+    env = {**dispatch_env, "DUAL_RAIL_RETRY_POLICIES": str(policy_file)}
     mock_provider.configure(fault_5xx_ratio=1.0)
     processes.worker("sms", "transactional")
     processes.retrier("sms", "transactional")
+    processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
+    store = StatusStore(redis_client, namespace)
 
-    send_id = send_client.publish("acme", sms_request())
+    send_id = send_client.publish("acme", {**sms_request(), "template_id": "receipt"})
+    wait_until(lambda: (store.get(send_id) or {}).get("status") == "retrying", 30, "the send to be retrying")
 
     records = wait_until(lambda: read_all(stack.bootstrap, names.dlq, timeout_s=5), 60,
                          "the send to be dead-lettered")
@@ -49,20 +69,36 @@ def test_exhausted_send_is_dead_lettered_then_replayed(stack, names, channel_top
     assert r.headers["tenant"] == "acme" and r.headers["channel"] == "sms"
     assert r.headers["last_error"].startswith("500 internal_server_error")
     assert mock_provider.stats()["faults_5xx"] == 3  # exactly the policy's attempts
+    status = wait_until(lambda: (s := store.get(send_id)) and s["status"] == "dead_lettered" and s, 30,
+                        "the dead-lettered status")
+    assert [(a["n"], a["status_code"], a["outcome"]) for a in status["attempt_history"]] == [
+        (1, 500, "unavailable"), (2, 500, "unavailable"), (3, 500, "unavailable")]
+    assert all(a["duration_ms"] >= 0 and a["at_ms"] > 0 for a in status["attempt_history"])
 
     # When the provider recovers and an operator replays the dead letter
     mock_provider.configure(fault_5xx_ratio=0.0)
-    env = {**dispatch_env, "DUAL_RAIL_RETRY_POLICIES": str(policy_file)}
-    out = subprocess.run([sys.executable, "-m", "streams.cli", "dlq", "replay", send_id], env=env,
-                         capture_output=True, text=True)
+    out = _cli(env, "dlq", "replay", send_id)
     assert out.returncode == 0, out.stderr
-    wait_until(lambda: send_id in mock_provider.stats(deliveries=True)["deliveries"], 30,
+    replay_id = out.stdout.split(" as a new send ")[1].split()[0]
+    assert replay_id != send_id
+    wait_until(lambda: replay_id in mock_provider.stats(deliveries=True)["deliveries"], 30,
                "the replayed send to be delivered")
-    assert mock_provider.stats()["duplicate_deliveries"] == 0
+    stats = mock_provider.stats(deliveries=True)
+    assert send_id not in stats["deliveries"] and stats["duplicate_deliveries"] == 0
+    replayed = wait_until(lambda: (s := store.get(replay_id)) and s["status"] == "delivered" and s, 30,
+                          "the replay's status")
+    assert replayed["replay_of"] == send_id
 
-    shown = subprocess.run([sys.executable, "-m", "streams.cli", "dlq", "show", send_id], env=env,
-                           capture_output=True, text=True)
+    # A delivered send can be replayed too: again a new delivery
+    again = _cli(env, "sends", "replay", replay_id)
+    assert again.returncode == 0, again.stderr
+    second_id = again.stdout.split(" as a new send ")[1].split()[0]
+    wait_until(lambda: second_id in mock_provider.stats(deliveries=True)["deliveries"], 30, "the second replay")
+
+    shown = _cli(env, "dlq", "show", send_id)
     assert "retries_exhausted" in shown.stdout and "+14155550123" not in shown.stdout
-    missing = subprocess.run([sys.executable, "-m", "streams.cli", "dlq", "replay", "no-such-send"], env=env,
-                             capture_output=True, text=True)
-    assert missing.returncode == 1 and "is not in the DLQ" in missing.stderr
+    missing = _cli(env, "dlq", "replay", "no-such-send")
+    assert missing.returncode == 1 and "no send no-such-send" in missing.stderr
+    eight_days_later = int(time.time() * 1000) + 8 * 24 * 3600 * 1000
+    with pytest.raises(ReplayRefused, match="has expired: payloads are kept 7 days"):
+        replay(stack.bootstrap, names, store, send_client, send_id, now_ms=eight_days_later)

@@ -25,15 +25,17 @@ def test_team_limit_answers_429_with_resend_headers(mock_provider):
 
 def test_batch_rules_are_strict(mock_provider):
     """Given the mock provider,
-    When a batch of 101 emails, a batch with one invalid address, and a batch with an attachment are posted, and
-    afterwards a batch of 100 valid emails,
-    Then the first three are rejected with 422 without delivering anything, and the batch of 100 is accepted (200)."""
+    When a batch of 101 emails, a batch with one invalid address, a batch with an attachment and a batch with a tag
+    value holding a dot are posted, and afterwards a batch of 100 valid emails,
+    Then the first four are rejected with 422 without delivering anything, and the batch of 100 is accepted (200)."""
     c = httpx.Client(base_url=mock_provider.url)
     assert c.post("/emails/batch", json=[EMAIL] * 101, headers=AUTH).status_code == 422
     one_bad = [EMAIL, {**EMAIL, "to": ["nope"]}]
     assert c.post("/emails/batch", json=one_bad, headers=AUTH).status_code == 422
     with_attachment = [{**EMAIL, "attachments": [{"filename": "a.txt"}]}]
     assert c.post("/emails/batch", json=with_attachment, headers=AUTH).status_code == 422
+    dotted_tenant = [{**EMAIL, "tags": [{"name": "tenant", "value": "acme.eu"}]}]  # Resend's tag rule
+    assert c.post("/emails/batch", json=dotted_tenant, headers=AUTH).status_code == 422
     assert mock_provider.stats()["messages_delivered"] == 0
     assert c.post("/emails/batch", json=[EMAIL] * 100, headers=AUTH).status_code == 200
 

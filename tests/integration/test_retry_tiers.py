@@ -68,3 +68,28 @@ def test_each_message_is_released_at_its_own_due_time(stack, names, channel_topi
     group = names.retry_group("sms", "transactional")
     wait_until(lambda: _committed(stack.bootstrap, group, ten_s, 0) == 2, 10, "partition 0 committed past its sends")
     assert _committed(stack.bootstrap, group, ten_s, 2) in (0, -1001)  # the unreleased head pins partition 2
+
+
+def test_the_lag_monitor_sees_a_tier_whose_due_messages_are_not_released(stack, names, channel_topics, processes):
+    """Given a retry message due in 1 s on the SMS transactional 10 s tier and no retrier running,
+    When the lag monitor watches the tiers (every second here),
+    Then it reports one message waiting on that tier, going overdue (the RetryTierStuck alert's input), and
+    once a retrier starts and releases it, nothing waits and nothing is overdue."""
+    channel_topics("sms")
+    port = free_port()
+    processes.start("lag-monitor", "lag-monitor", "--metrics-port", str(port), "--retry-watch-every", "1",
+                    ready="lag monitor publishing")
+    send = build_send(validate_request(sms_request()), "acme")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.retry("sms", "transactional", "10s"), key=b"acme", value=encode(send),
+                     headers=[("due_at_ms", str(int(time.time() * 1000) + 1000).encode()), ("attempt", b"2")])
+    producer.flush(10)
+
+    def tier(name):
+        return metric(port, name, channel="sms", lane="transactional", tier="10s")
+
+    wait_until(lambda: tier("dispatch_retry_tier_waiting_messages") == 1
+               and (tier("dispatch_retry_tier_overdue_seconds") or 0) > 2, 30, "the tier to show an overdue message")
+    processes.retrier("sms", "transactional")
+    wait_until(lambda: tier("dispatch_retry_tier_waiting_messages") == 0
+               and tier("dispatch_retry_tier_overdue_seconds") == 0, 30, "the tier to be clear")

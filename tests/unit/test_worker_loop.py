@@ -4,8 +4,11 @@ offsets are stored, for the delivered, throttled, rejected and duplicate paths."
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from dataclasses import replace
 
+import orjson
 import pytest
 
 from streams.dispatch.backlog import BacklogShare
@@ -76,12 +79,12 @@ class FakeProducer:
     def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
         self.records[topic].append((value, dict(headers or [])))
         if on_delivery:
-            self._acks.append(on_delivery)
+            self._acks.append((on_delivery, FakeMessage(0, len(self.records[topic]) - 1, value)))
 
     def poll(self, timeout=0):
         acks, self._acks = self._acks, []
-        for ack in acks:
-            ack(None, None)
+        for ack, written in acks:
+            ack(None, written)
         return len(acks)
 
     def flush(self, timeout=0):
@@ -118,6 +121,7 @@ class FakeJobs:
 
     def take_over(self, tenant, key, owner): return None
     def mark_delivered(self, tenant, send_ids, key): self.state.update({s: "delivered" for s in send_ids})
+    def mark_reconcile(self, tenant, send_ids, key): self.state.update({s: "reconcile" for s in send_ids})
 
     def release(self, tenant, send_ids, key):
         for s in send_ids:
@@ -152,8 +156,9 @@ def _messages(tenants: list[str]):
 DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
-def _worker(messages, answer=DELIVERED, gate=None, jobs=None):
-    cfg = WorkerConfig("email", "transactional", "unused:9092", PROVIDERS["email"], NAMES)
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True):
+    cfg = WorkerConfig("email", "transactional", "unused:9092", replace(PROVIDERS["email"], idempotent=idempotent),
+                       NAMES)
     consumer, producer, provider = FakeConsumer(messages), FakeProducer(), FakeProvider(answer)
     worker = LaneWorker(cfg, consumer, producer, provider, gate or FakeGate(), jobs or FakeJobs(),
                         ProviderCredentials({"*": "re_key"}), load_policies())
@@ -272,8 +277,9 @@ def test_every_failed_attempt_leaves_evidence_without_personal_data(answer, then
 
 
 def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
-    """A tenant throttled to 5/s may hold 5 s of its work (25 messages) in the buffer; the rest is parked on a
-    retry tier, due back in turn, without using up an attempt, so the partition's offset moves on."""
+    """A tenant throttled to 5/s may hold 5 s of its work (25 messages) in the buffer (the horizon is 5 s here);
+    the rest is parked on a retry tier, due back in turn, without using up an attempt, so the partition's
+    offset moves on."""
     sends, msgs = _messages(["slow"] * 60 + ["fast"] * 5)
     worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"slow": 5}))
     worker.backlog = BacklogShare(horizon_s=5)
@@ -285,3 +291,39 @@ def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
     assert dues == sorted(dues) and dues[-1] - dues[0] >= 34 / 5 * 1000 - 50  # one turn (1/5 s) apart
     assert len(provider.sent) == 30  # the 25 kept and the other tenant's 5
     assert consumer.stored[(TOPIC, 0)] == 65
+
+
+def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt():
+    """The age is checked before every attempt: a 10-minute OTP found two hours late is never sent."""
+    old = build_send(validate_request({**email_request(), "template_id": "otp"}), "acme",
+                     now_ms=int(time.time() * 1000) - 2 * 3600 * 1000)
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(old))])
+    _run(worker)
+    assert provider.sent == []
+    (_, headers), = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"too_old" and consumer.stored[(TOPIC, 0)] == 1
+
+
+def test_short_429s_waited_out_in_the_worker_do_not_use_up_attempts():
+    """A run of short 429s (the provider never looked at the send) must not exhaust a transactional send's
+    attempts: it is delivered as attempt 1, without ever reaching a retry tier."""
+    sends, msgs = _messages(["acme"])
+    worker, consumer, producer, provider = _worker(msgs)
+    answers = [ProviderResult("throttled", 429, retry_after="0", error_name="rate_limit_exceeded")] * 8 + [DELIVERED]
+    provider.post = lambda *args: (provider.sent.append(args[1]), answers.pop(0))[1]
+    _run(worker, steps=100)
+    assert len(provider.sent) == 9 and not any(".retry." in t for t in producer.records)
+    [(event, _)] = producer.records[NAMES.outcomes][-1:]
+    assert orjson.loads(event)["status"] == "delivered" and orjson.loads(event)["attempts"] == 1
+
+
+def test_an_unknown_outcome_at_a_provider_without_idempotency_keys_goes_to_reconciliation():
+    """Without idempotency keys a re-send could deliver twice: the send is dead-lettered `unknown_outcome` and
+    marked for reconciliation, so nothing sends it again by itself."""
+    sends, msgs = _messages(["acme"])
+    jobs = FakeJobs()
+    worker, consumer, producer, provider = _worker(msgs, answer=ProviderResult("unknown", error_name="ReadTimeout"),
+                                                   jobs=jobs, idempotent=False)
+    _run(worker)
+    (_, headers), = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"unknown_outcome" and jobs.state[sends[0].send_id] == "reconcile"

@@ -1,0 +1,99 @@
+"""Watching the retry tiers (part of `streams lag-monitor`): for every lane's tiers, how many messages
+wait to be released, and how far past its due time the most overdue of them is.
+
+A retrier that died, stalled or lost its partitions shows here, from the outside: its tier's
+messages go overdue (`dispatch_retry_tier_overdue_seconds`, alert RetryTierStuck). The count is the
+retry group's committed lag; the overdue time comes from the `due_at_ms` headers of up to `peek`
+messages from each partition's committed position (everything before that was released). It runs
+on a thread of its own, every few seconds, so the transactional lag keeps its 500 ms rhythm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from confluent_kafka import Consumer, TopicPartition
+
+from .. import metrics
+from ..errors import StackError
+from ..kafka_client import client_config
+from ..lanes import LANES, RETRY_TIERS
+from ..names import TopicNames
+from .reader import LagReader
+
+log = logging.getLogger("streams.retry_watch")
+
+
+class RetryTierWatch:
+    def __init__(self, bootstrap: str, names: TopicNames, channels: tuple[str, ...], every_s: float = 5.0,
+                 peek: int = 200):
+        self.bootstrap, self.names, self.channels = bootstrap, names, channels
+        self.every_s, self.peek = every_s, peek
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
+        self._failing: set[str] = set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        reader = LagReader(self.bootstrap)
+        peeker = Consumer(client_config(self.bootstrap, quiet=True, settings={
+            "group.id": f"retry-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        try:
+            while not self._stopping.is_set():
+                for channel in self.channels:
+                    for lane in LANES:
+                        for tier in RETRY_TIERS:
+                            self._measure(reader, peeker, channel, lane, tier)
+                self._stopping.wait(self.every_s)
+        finally:
+            peeker.close()
+            reader.close()
+
+    def _measure(self, reader: LagReader, peeker: Consumer, channel: str, lane: str, tier: str) -> None:
+        topic = self.names.retry(channel, lane, tier)
+        try:
+            positions = reader.positions(self.names.retry_group(channel, lane), topic)
+        except Exception as exc:  # noqa: BLE001 - one missing tier must not stop the others
+            if topic not in self._failing:
+                log.warning("retry tier %s unavailable: %s", topic, exc)
+                self._failing.add(topic)
+            return
+        self._failing.discard(topic)
+        waiting = sum(max(0, high - pos) for pos, high in positions.values())
+        overdue = self._overdue(peeker, topic, positions) if waiting else 0.0
+        metrics.RETRY_TIER_WAITING.labels(channel, lane, tier).set(waiting)
+        metrics.RETRY_TIER_OVERDUE.labels(channel, lane, tier).set(overdue)
+
+    def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:
+        """Seconds past due of the most overdue message among the first `peek` unreleased ones."""
+        ends = {p: min(high, pos + self.peek) for p, (pos, high) in positions.items() if high > pos}
+        peeker.assign([TopicPartition(topic, p, positions[p][0]) for p in ends])
+        now_ms = time.time() * 1000
+        worst = 0.0
+        deadline = time.monotonic() + 2.0
+        try:
+            while ends and time.monotonic() < deadline:
+                for m in peeker.consume(num_messages=500, timeout=0.1):
+                    if m.error() or m.partition() not in ends:
+                        continue
+                    due = dict(m.headers() or []).get("due_at_ms")
+                    try:
+                        worst = max(worst, (now_ms - int(due)) / 1000) if due else worst
+                    except ValueError:
+                        pass
+                    if m.offset() + 1 >= ends[m.partition()]:
+                        ends.pop(m.partition())
+        except StackError:
+            pass
+        finally:
+            peeker.unassign()
+        return max(0.0, worst)
