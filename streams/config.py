@@ -13,6 +13,7 @@ was expected. The variables and their defaults:
     RESEND_API_KEYS, SMS_API_KEYS provider API keys, JSON {tenant: key}; "*" is the default key
     PROVIDER_TIMEOUT_S            provider request timeout, seconds (default: 10)
     DUAL_RAIL_RETRY_POLICIES      retry policy file             (default: the packaged streams/retry/policies.toml)
+    DUAL_RAIL_RETRY_TIME_SCALE    tests only: multiplies every retry tier's delay (default: 1)
     YIELD_PAUSE_ABOVE             transactional lag (messages) at which marketing yields (default: 100)
     YIELD_RESUME_BELOW            ... and at or below which it resumes (default: 20)
     YIELD_PAUSE_ABOVE_SECONDS     also yield when the oldest transactional message is this old (default: 0, off)
@@ -21,6 +22,10 @@ was expected. The variables and their defaults:
     DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
     KAFKA_DELIVERY_TIMEOUT_MS     how long a record may wait for the broker's acknowledgement before it is
                                   reported failed and produced again (default: 60000)
+    WEBHOOK_REQUIRE_HTTPS         1: endpoint URLs must use https (default: 1; tests and the demo set 0)
+    WEBHOOK_ALLOW_HOSTS           hosts or addresses exempt from the SSRF address rules, comma-separated (default: none)
+    WEBHOOK_TIMEOUT_S             total time a webhook attempt may take (default: 10)
+    WEBHOOK_ENDPOINT_CONCURRENCY  deliveries in flight per healthy endpoint (default: 20; a failing one gets 1)
     LOG_LEVEL                     Python log level              (default: INFO)
     LOG_FORMAT                    text or json                  (default: text; `streams --log-format` overrides)
     METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
@@ -138,9 +143,14 @@ class Config:
     providers: dict[str, ProviderEndpoint] = field(default_factory=dict)  # by provider name
     provider_timeout_s: float = 10.0
     retry_policies_path: str | None = None
+    retry_time_scale: float = 1.0
     yield_policy: YieldPolicy = field(default_factory=YieldPolicy)
     commit_interval_ms: int = 1000
     delivery_timeout_ms: int = 60_000
+    webhook_require_https: bool = True
+    webhook_allow_hosts: frozenset[str] = frozenset()
+    webhook_timeout_s: float = 10.0
+    webhook_endpoint_concurrency: int = 20
     log_level: str = "INFO"
     log_format: str = "text"
     metrics_addr: str = "127.0.0.1"
@@ -155,12 +165,18 @@ class Config:
             stack=StackConfig.from_env(e),
             namespace=e.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
             providers={p.name: ProviderEndpoint(e.get(p.url_var) or None, _api_keys(e, p.keys_var))
-                       for p in PROVIDERS.values()},
+                       for p in PROVIDERS.values() if p.auth == "api_key"},
             provider_timeout_s=timeout,
             retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
+            retry_time_scale=_float(e, "DUAL_RAIL_RETRY_TIME_SCALE", 1.0),
             yield_policy=_yield_policy(e),
             commit_interval_ms=_int(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000),
             delivery_timeout_ms=_int(e, "KAFKA_DELIVERY_TIMEOUT_MS", 60_000),
+            webhook_require_https=_choice(e, "WEBHOOK_REQUIRE_HTTPS", "1", ("0", "1")) == "1",
+            webhook_allow_hosts=frozenset(h.strip() for h in (e.get("WEBHOOK_ALLOW_HOSTS") or "").split(",")
+                                          if h.strip()),
+            webhook_timeout_s=_float(e, "WEBHOOK_TIMEOUT_S", 10.0),
+            webhook_endpoint_concurrency=_int(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20),
             log_level=e.get("LOG_LEVEL") or "INFO",
             log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",

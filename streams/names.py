@@ -35,6 +35,11 @@ class TopicNames:
     def lag(self) -> str:
         return f"{self.namespace}notif.lag"
 
+    @property
+    def webhook_attempts(self) -> str:
+        """Every webhook delivery attempt, key = endpoint id (endpoint health follows it)."""
+        return f"{self.namespace}notif.webhook.attempts"
+
     def group(self, channel: str, lane: str) -> str:
         """The lane workers' group."""
         return f"{self.namespace}dispatch.{channel}.{lane}"
@@ -89,6 +94,14 @@ class RedisKeys:
 
     def request(self, tenant: str, request_key: str) -> str:
         return f"{self.namespace}dr:{{t:{tenant}}}:request:{request_key}"
+
+    # ---- webhook endpoints (a tenant's endpoints in one hash, under the tenant's tag)
+    def endpoints(self, tenant: str) -> str:
+        return f"{self.namespace}dr:{{t:{tenant}}}:endpoints"
+
+    def endpoint_deliveries(self, endpoint_id: str) -> str:
+        """An endpoint's deliveries by time (a sorted set), for `GET /v1/endpoints/{id}/deliveries`."""
+        return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries"
 
     # ---- ingest
     def send_status(self, send_id: str) -> str:

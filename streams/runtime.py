@@ -16,6 +16,7 @@ from .providers.registry import ProviderCredentials, adapter_class, provider_for
 from .redis_client import connect
 
 if TYPE_CHECKING:
+    from .dispatch.requests import Job
     from .dispatch.worker import LaneWorker
     from .gate.limits import LimitStore
     from .ingest.api_keys import ApiKeys
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from .send import Send
     from .state.guard import StateGuard
     from .state.log import OperatorLog
+    from .webhooks.endpoints import EndpointStore
+    from .webhooks.ssrf import UrlPolicy
 
 
 class Runtime:
@@ -60,12 +63,32 @@ class Runtime:
 
         return load_policies(self.config.retry_policies_path)
 
-    def provider(self, channel: str) -> Provider:
+    def url_policy(self) -> UrlPolicy:
+        from .webhooks.ssrf import UrlPolicy
+
+        return UrlPolicy(self.config.webhook_require_https, self.config.webhook_allow_hosts)
+
+    def endpoint_store(self, client: Redis | None = None) -> EndpointStore:
+        from .webhooks.endpoints import EndpointStore
+        from .webhooks.ssrf import system_resolver
+
+        return EndpointStore(client or self.redis(), self.namespace, self.operator_log(), self.url_policy(),
+                             system_resolver)
+
+    def provider(self, channel: str, concurrency: int = 8) -> Provider:
         spec = provider_for(channel)
+        if channel == "webhook":
+            from .webhooks.delivery import WebhookDelivery
+            from .webhooks.endpoints import EndpointDirectory
+
+            directory = EndpointDirectory(self.bootstrap, self.names.operator)
+            directory.start()
+            return WebhookDelivery(directory, self.url_policy(), self.config.webhook_timeout_s, concurrency)
         endpoint = self.config.providers[spec.name]
         if not endpoint.base_url:
             raise ConfigError(f"{spec.url_var} is not set: where is the {channel} provider?")
-        return adapter_class(spec)(endpoint.base_url, timeout_s=self.config.provider_timeout_s)
+        return adapter_class(spec)(endpoint.base_url, timeout_s=self.config.provider_timeout_s,
+                                   concurrency=concurrency)
 
     def operator_log(self) -> OperatorLog:
         from .state.log import OperatorLog
@@ -89,7 +112,10 @@ class Runtime:
         return StateGuard(client or self.redis(), self.config.keys, self.operator_log(), role)
 
     def credentials(self, channel: str) -> ProviderCredentials:
-        return ProviderCredentials(self.config.providers[provider_for(channel).name].api_keys)
+        spec = provider_for(channel)
+        if spec.auth == "none":
+            return ProviderCredentials({"*": "none"})  # webhook endpoints are authenticated by our signature
+        return ProviderCredentials(self.config.providers[spec.name].api_keys)
 
     def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
                queue_key: Callable[[Send], str] | None = None, yielding: bool = True,
@@ -98,7 +124,7 @@ class Runtime:
         naive baseline."""
         from .dispatch.backlog import BacklogShare
         from .dispatch.idempotency import ProcessedJobs
-        from .dispatch.tenant_queues import by_tenant
+        from .dispatch.tenant_queues import by_endpoint, by_tenant
         from .dispatch.worker import LaneWorker, WorkerConfig
         from .gate.gate import RedisGate
         from .kafka_client import durable_producer, lane_consumer
@@ -112,11 +138,28 @@ class Runtime:
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
         producer = durable_producer(c.bootstrap, **{"linger.ms": 5, "message.timeout.ms": c.delivery_timeout_ms})
         client = self.redis()
-        return LaneWorker(cfg, consumer, producer, self.provider(channel), RedisGate(client, c.namespace),
-                          ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.credentials(channel),
-                          self.policies(), queue_key or by_tenant,
-                          guard=self.state_guard(f"worker {channel}.{lane}", client),
-                          backlog=BacklogShare() if backlog else None)
+        webhook = channel == "webhook"
+        worker = LaneWorker(cfg, consumer, producer, self.provider(channel, concurrency),
+                            RedisGate(client, c.namespace), ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s),
+                            self.credentials(channel), self.policies(),
+                            queue_key or (by_endpoint if webhook else by_tenant),
+                            guard=self.state_guard(f"worker {channel}.{lane}", client),
+                            backlog=BacklogShare() if backlog else None,
+                            on_gone=self._disable_gone_endpoint(client) if webhook else None)
+        if webhook:  # one queue per endpoint, each with a bounded share of the requests in flight
+            worker.dispatcher.per_queue = c.webhook_endpoint_concurrency
+        worker.settler.time_scale = c.retry_time_scale
+        return worker
+
+    def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job], object]:
+        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled."""
+        store = self.endpoint_store(client)
+
+        def disable(job: Job) -> None:
+            payload = job.members[0].send.payload
+            store.set_state(job.tenant, payload["endpoint_id"], "disabled", "the receiver answered 410 Gone")
+
+        return disable
 
     def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None) -> SendClient:
         from .ingest.sdk import SendClient

@@ -13,6 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -29,6 +30,7 @@ MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented
 # and `-` there (up to 256), so that is all a tenant id (up to 64) or a tag may hold.
 TAG_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 TENANT_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+EVENT_TYPE_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 RESERVED_TAGS = frozenset({"send_id", "tenant", "lane"})  # the tags dispatch attaches itself
 
 _EMAIL = re.compile(r"^[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+$")
@@ -112,10 +114,22 @@ class SmsPayload(BaseModel):
 
 
 class WebhookPayload(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    url: str = Field(pattern=r"^https?://[^\s]+$")
-    event_type: str = Field(min_length=1, max_length=128)
-    body: dict[str, Any]
+    """An event for the tenant's webhook endpoints: each enabled endpoint subscribed to `event_type`
+    gets its own delivery of `{"id", "type", "timestamp", "data"}`."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    event_type: str = Field(pattern=EVENT_TYPE_PATTERN, description="e.g. invoice.paid")
+    occurred_at: str = Field(alias="occurredAt", description="when it happened (ISO 8601); receivers order by it")
+    data: dict[str, Any]
+
+    @field_validator("occurred_at")
+    @classmethod
+    def _iso(cls, v: str) -> str:
+        try:
+            datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError("occurredAt must be an ISO 8601 date and time") from None
+        return v
 
 
 PAYLOADS: dict[str, type[BaseModel]] = {"email": EmailPayload, "sms": SmsPayload, "webhook": WebhookPayload}
@@ -127,8 +141,9 @@ class SendRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     channel: Channel
     category: Category
-    template_id: Ident
-    template_version: Ident
+    template_id: Ident | None = Field(None, description="required for email and sms; webhooks default to the "
+                                                        "event type")
+    template_version: Ident | None = Field(None, description="required for email and sms")
     payload: dict[str, Any]
     policy: Ident | None = Field(None, description="named retry policy; when absent, chosen by template "
                                                    "and category (see streams/retry/policies.toml, [routing])")
@@ -136,6 +151,11 @@ class SendRequest(BaseModel):
 
     @model_validator(mode="after")
     def _payload_matches_channel(self) -> SendRequest:
+        if self.channel == "webhook":
+            self.template_id = self.template_id or str(self.payload.get("event_type", "webhook"))[:128]
+            self.template_version = self.template_version or "1"
+        elif self.template_id is None or self.template_version is None:
+            raise ValueError(f"a {self.channel} send needs template_id and template_version")
         try:
             PAYLOADS[self.channel].model_validate(self.payload)
         except ValidationError as exc:
@@ -231,11 +251,12 @@ def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None,
     """Freeze a validated request into the event: assign the send id, the lane and the policy (the
     request's own, else the routing's choice for its template and category)."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    policy = req.policy or (routing or default_routing()).policy_for(req.channel, req.category, req.template_id)
+    template_id, template_version = req.template_id or "webhook", req.template_version or "1"  # set by validation
+    policy = req.policy or (routing or default_routing()).policy_for(req.channel, req.category, template_id)
     return Send(
         v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=check_tenant_id(tenant_id), channel=req.channel,
         category=req.category, lane=lane_for(req.category), policy=policy,
-        template_id=req.template_id, template_version=req.template_version, payload=req.payload,
+        template_id=template_id, template_version=template_version, payload=req.payload,
         created_at_ms=now, correlation_id=req.correlation_id,
     )
 

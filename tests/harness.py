@@ -153,3 +153,42 @@ def answers(client: httpx.Client, path: str = "/openapi.json") -> bool:
         return client.get(path).status_code == 200
     except httpx.TransportError:
         return False
+
+
+class MockEndpoint:
+    """The mock webhook receiver process (`streams mock-endpoint`), driven over its control endpoints."""
+
+    def __init__(self, port: int, proc: subprocess.Popen):
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = proc
+        self.http = httpx.Client(base_url=self.base, timeout=10)
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/hooks/{name}"
+
+    def configure(self, name: str, **behaviour) -> None:
+        self.http.post(f"/_mock/endpoints/{name}", json=behaviour).raise_for_status()
+
+    def defaults(self, **behaviour) -> None:
+        self.http.post("/_mock/defaults", json=behaviour).raise_for_status()
+
+    def stats(self, deliveries: bool = False) -> dict:
+        return self.http.get("/_mock/stats", params={"deliveries": "1"} if deliveries else None).json()
+
+    def reset(self) -> None:
+        self.http.post("/_mock/reset").raise_for_status()
+
+
+def start_api(fleet, port: int, tenants: dict[str, str], redis_client, namespace: str) -> httpx.Client:
+    """Start the ingest API in `fleet`; returns a client with `.keys[name]` headers for each tenant
+    (and "operator")."""
+    from streams.ingest.api_keys import ApiKeys
+
+    fleet.start("api", "api", "--port", str(port))
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    wait_until(lambda: answers(client), 30, "the ingest API to answer")
+    keys = ApiKeys(redis_client, namespace)
+    client.keys = {name: {"Authorization": f"Bearer {keys.create('tenant', tenant)}"}  # type: ignore[attr-defined]
+                   for name, tenant in tenants.items()}
+    client.keys["operator"] = {"Authorization": f"Bearer {keys.create('operator')}"}  # type: ignore[attr-defined]
+    return client

@@ -58,9 +58,24 @@ def mock_provider(sub) -> None:
     p.set_defaults(func=run)
 
 
+def mock_endpoint(sub) -> None:
+    p = sub.add_parser("mock-endpoint", help="a webhook receiver that verifies signatures and counts deliveries")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18090)
+
+    def run(args: argparse.Namespace) -> int:
+        from ..devtools.mock_endpoint import serve
+
+        print(f"mock endpoint on http://{args.host}:{args.port}/hooks/<name>", flush=True)
+        serve(args.host, args.port)
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks against the local stack (print JSON)")
-    p.add_argument("which", choices=["blast-vs-otp", "throughput"])
+    p.add_argument("which", choices=["blast-vs-otp", "throughput", "webhooks"])
     p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     p.add_argument("--verbose", action="store_true", help="progress on stderr even with --json")
     p.add_argument("--duration", type=float, default=30.0, help="blast window, seconds")
@@ -86,6 +101,10 @@ def bench(sub) -> None:
             result = blast(duration_s=args.duration, provider_rps=args.provider_rps, otp_rps=args.otp_rps,
                            storm_s=args.provider_429_seconds, latency_ms=args.latency_ms, progress=progress,
                            baseline=not args.no_baseline)
+        elif args.which == "webhooks":
+            from ..devtools.bench_webhooks import run as webhooks
+
+            result = webhooks(deliveries=args.messages, progress=progress)
         else:
             from ..devtools.bench_throughput import run as throughput
 
@@ -144,4 +163,4 @@ def demo(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [dev, mock_provider, bench, fleet, demo]
+COMMANDS = [dev, mock_provider, mock_endpoint, bench, fleet, demo]

@@ -186,4 +186,56 @@ def state(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [topics, limits, keys, dlq, sends, state]
+def endpoints(sub) -> None:
+    p = sub.add_parser("endpoints", help="operator: a tenant's webhook endpoints")
+    p.add_argument("action", choices=["list", "show", "create", "enable", "disable", "delete", "rotate", "reactivate"])
+    p.add_argument("endpoint_id", nargs="?")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--url")
+    p.add_argument("--events", help="comma-separated event types ('*' for all)")
+    p.add_argument("--description", default="")
+
+    def run(args: argparse.Namespace) -> int:
+        import orjson
+
+        store = Runtime(args.config).endpoint_store()
+        if args.action == "list":
+            for ep in store.all(args.tenant):
+                print(f"{ep.id}  {ep.state:<9} {'enabled ' if ep.enabled else 'disabled'} {ep.url}  "
+                      f"[{', '.join(ep.event_types)}]")
+            return 0
+        if args.action == "create":
+            if not args.url or not args.events:
+                raise ConfigError("`streams endpoints create` needs --url and --events")
+            ep, secret = store.create(args.tenant, args.url, args.events.split(","), args.description)
+            print(orjson.dumps({**ep.public(), "secret": secret}, option=orjson.OPT_INDENT_2).decode())
+            return 0
+        if not args.endpoint_id:
+            raise ConfigError(f"`streams endpoints {args.action}` needs an endpoint id")
+        missing = ConfigError(f"no endpoint {args.endpoint_id} for tenant {args.tenant}")
+        if args.action == "delete":
+            if not store.delete(args.tenant, args.endpoint_id):
+                raise missing
+            print(f"deleted {args.endpoint_id}")
+            return 0
+        if args.action == "rotate":
+            rotated = store.rotate_secret(args.tenant, args.endpoint_id)
+            if rotated is None:
+                raise missing
+            print(rotated)
+            return 0
+        if args.action == "show":
+            found = store.get(args.tenant, args.endpoint_id)
+        elif args.action == "reactivate":
+            found = store.set_state(args.tenant, args.endpoint_id, "active", "reactivated by an operator")
+        else:
+            found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
+        if found is None:
+            raise missing
+        print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())
+        return 0
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [topics, limits, keys, dlq, sends, state, endpoints]

@@ -33,7 +33,8 @@ def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
 
     r = rt.redis()
     app = create_app(rt.send_client(router=router), StatusStore(r, rt.namespace), rt.api_keys(r),
-                     rt.limit_store(r), frozenset(rt.policies()), guard=rt.state_guard("api", r))
+                     rt.limit_store(r), frozenset(rt.policies()), guard=rt.state_guard("api", r),
+                     endpoints=rt.endpoint_store(r))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 
@@ -45,12 +46,14 @@ def worker(sub) -> None:
     p = sub.add_parser("worker", help="a lane worker (run many copies)")
     p.add_argument("--channel", required=True, choices=CHANNELS)
     p.add_argument("--lane", required=True, choices=LANES)
-    p.add_argument("--concurrency", type=int, default=8, help="provider requests in flight")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (default: 8; 1024 for webhooks, whose receivers are slow)")
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
         rt = Runtime(args.config)
-        w = rt.worker(args.channel, args.lane, concurrency=args.concurrency)
+        concurrency = args.concurrency or (1024 if args.channel == "webhook" else 8)
+        w = rt.worker(args.channel, args.lane, concurrency=concurrency)
         return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
                         rt.config)
 

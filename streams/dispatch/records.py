@@ -81,6 +81,29 @@ class RecordWriter:
                 "status": "delivered", "attempts": None, "provider": self.provider,
                 "provider_message_id": provider_message_id, "reason": "", "completed_at_ms": now_ms}
 
+    @staticmethod
+    def _webhook_fields(p: Pending) -> dict:
+        """A webhook delivery's endpoint and event, for its endpoint's delivery list."""
+        if p.send.channel != "webhook":
+            return {}
+        return {"endpoint_id": p.send.payload.get("endpoint_id"), "event_id": p.send.payload.get("event_id"),
+                "event_type": p.send.payload.get("event_type")}
+
+    def skipped(self, p: Pending, reason: str, now_ms: int, on_ack: OnAck) -> None:
+        """A delivery never attempted (its endpoint deleted, disabled or degraded): recorded, not sent."""
+        metrics.SENDS.labels(*self._label, "skipped").inc()
+        evidence(log, logging.INFO, "skipped", send_id=p.send.send_id, tenant=p.send.tenant_id, reason=reason)
+        self.outcome({**self.outcome_event(p.send, "skipped", p.attempt - 1, now_ms, reason=reason),
+                      "origin": self.origin(p), **self._webhook_fields(p)}, on_ack)
+
+    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int) -> None:
+        """One attempt of a webhook delivery, on the attempts topic (key = endpoint id)."""
+        fields = self._webhook_fields(p)
+        event = {"delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
+                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024]}
+        self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
+                     {})
+
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
 
@@ -96,8 +119,8 @@ class RecordWriter:
                  provider=self.provider, attempt=p.attempt, tier=decision.tier,
                  due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
         status = "unknown" if result.outcome == "unknown" else "retrying"
-        self.outcome(self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
-                                        attempt=attempt_info(p.attempt, result, now_ms)))
+        self.outcome({**self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
+                                           attempt=attempt_info(p.attempt, result, now_ms)), **self._webhook_fields(p)})
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, on_ack,
                      on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack))
@@ -135,8 +158,10 @@ class RecordWriter:
         evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
                  provider=self.provider, attempts=p.attempt, reason=reason)
         attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
-        event = {**self.outcome_event(p.send, "dead_lettered", p.attempt, now_ms, reason=reason, attempt=attempt),
-                 "origin": self.origin(p)}
+        # A webhook delivery that is given up on is "dropped" (the word its receivers' alerts use).
+        status = "dropped" if p.send.channel == "webhook" else "dead_lettered"
+        event = {**self.outcome_event(p.send, status, p.attempt, now_ms, reason=reason, attempt=attempt),
+                 "origin": self.origin(p), **self._webhook_fields(p)}
 
         def written(partition: int, offset: int) -> None:  # the status store remembers where the letter is
             self.outcome({**event, "dlq": {"partition": partition, "offset": offset}})

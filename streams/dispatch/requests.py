@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .. import metrics
@@ -43,6 +44,7 @@ class Job:
     tenant: str
     send_ids: tuple[str, ...]
     members: list[Pending]
+    queue: str = ""  # the tenant queue (the endpoint's, for webhooks) it was taken from
 
 
 class Dispatcher:
@@ -64,10 +66,14 @@ class Dispatcher:
         self.outage = redis_outage
         self.policies = policies
         self.on_expired = on_expired
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="provider")
         self.in_flight: dict[Future, Job] = {}
         self._limits: dict[str, tuple[float, Limit]] = {}  # tenant -> (read at, limit)
         self.rng = random.Random()
+        self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
+        self.in_flight_by_queue: Counter[str] = Counter()
+        # A queue whose requests fail gets one request in flight until one succeeds again, then earns
+        # its share back one by one: a failing webhook endpoint never holds many of the worker's slots.
+        self.queue_caps: dict[str, int] = {}
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
         self._next_refresh = 0.0
 
@@ -82,6 +88,8 @@ class Dispatcher:
                 return
             try:
                 self._dispatch_queue(key)
+                while self.per_queue is not None and self._room(key):
+                    self._dispatch_queue(key)
             except StoreUnavailable as exc:
                 self.outage.failed(time.monotonic(), exc)
                 return
@@ -90,6 +98,29 @@ class Dispatcher:
                 self.queues.hold(key, time.monotonic() + 5.0)
         if ready:
             self.outage.recovered(time.monotonic())
+
+    def _cap(self, key: str) -> int:
+        return self.queue_caps.get(key, self.per_queue or 1)
+
+    def _room(self, key: str) -> bool:
+        """Whether another request of this queue may start now (its own cap, the worker's, its hold)."""
+        return (self.queues.size(key) > 0 and self.queues.queues[key].ready_at <= time.monotonic()
+                and len(self.in_flight) < self.concurrency and self.in_flight_by_queue[key] < self._cap(key))
+
+    def done(self, job: Job, succeeded: bool) -> None:
+        """A request finished: its queue may start another, and earns or loses its share of slots."""
+        self.in_flight_by_queue[job.queue] -= 1
+        if self.in_flight_by_queue[job.queue] <= 0:
+            del self.in_flight_by_queue[job.queue]
+        if self.per_queue is not None:
+            if succeeded:
+                cap = self._cap(job.queue) + 1
+                if cap >= self.per_queue:
+                    self.queue_caps.pop(job.queue, None)
+                else:
+                    self.queue_caps[job.queue] = cap
+            else:
+                self.queue_caps[job.queue] = 1
 
     def tenant_limit(self, tenant: str) -> Limit:
         """The tenant's bucket limit, read from Redis at most every LIMITS_TTL_S (operators change it)."""
@@ -107,6 +138,8 @@ class Dispatcher:
         return min(self.spec.batch_max, self.tenant_limit(tenant).burst)
 
     def _dispatch_queue(self, key: str) -> None:
+        if self.per_queue is not None and self.in_flight_by_queue[key] >= self._cap(key):
+            return  # this endpoint has its share of requests in flight
         tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
         taken = self.queues.take(key, self.per_request(tenant))
         self._open = {id(p): p for p in taken}
@@ -158,8 +191,9 @@ class Dispatcher:
         api_key = self.credentials.for_tenant(job.tenant)
         for p in job.members:
             self._open.pop(id(p), None)
-        fut = self.pool.submit(self.provider.post, job.path, job.body, api_key, job.key)
+        fut = self.provider.submit(job.path, job.body, api_key, job.key)
         self.in_flight[fut] = job
+        self.in_flight_by_queue[job.queue] += 1
 
     # ---- the steps
     def _admit(self, key: str, tenant: str, fresh: list[Pending]) -> bool:
@@ -191,7 +225,7 @@ class Dispatcher:
                 [Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload) for p in fresh], batch=self.batches)
             busy = set(self.jobs.claim(ids, request_key, self.worker_id, path, body, tenant))
             if not busy:
-                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh))
+                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh, key))
                 return
             self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
@@ -217,7 +251,7 @@ class Dispatcher:
             return False
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
-        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members))
+        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue))
         log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
         return True
 
@@ -234,4 +268,4 @@ class Dispatcher:
             self.outage.failed(now, exc)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Nothing of its own to release: the provider owns the requests' threads or event loop."""

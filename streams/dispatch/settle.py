@@ -38,9 +38,13 @@ log = logging.getLogger("streams.settle")
 class Settler:
     def __init__(self, provider: ProviderSpec, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
-                 redis_outage: Outage):
+                 redis_outage: Outage, on_gone: Callable[[Job], object] | None = None):
+        """`on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
         self.provider_name = provider.name
         self.idempotent = provider.idempotent
+        self.shared_limit = provider.shared_limit
+        self.on_gone = on_gone
+        self.time_scale = 1.0  # tests that walk a whole retry schedule shrink it (same code path)
         self.label = label
         self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
         self.records = records
@@ -58,12 +62,17 @@ class Settler:
     def pending(self) -> int:
         return len(self.unsettled) + len(self.unmarked)
 
-    def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
-        """Settle one finished request; on a Redis error keep it for `retry`."""
+    def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None, first: bool = True) -> None:
+        """Settle one finished request; on a Redis error keep it for `retry` (`first=False` then)."""
         now_ms = now_ms or int(time.time() * 1000)
+        if first and result.outcome != "skipped" and job.members[0].send.channel == "webhook":
+            for p in job.members:  # every attempt is an event, once (endpoint health counts them)
+                self.records.webhook_attempt(p, result, now_ms)
         try:
             if result.outcome == "delivered":
                 self._delivered(job, result, now_ms)
+            elif result.outcome == "skipped":
+                self._skipped(job, result, now_ms)
             else:
                 self._failed(job, result, now_ms)
         except StoreUnavailable as exc:
@@ -75,7 +84,16 @@ class Settler:
         while self.unmarked and self.outage.ready(time.monotonic()):
             self._mark(self.unmarked.pop(0))
         while self.unsettled and self.outage.ready(time.monotonic()):
-            self.settle(*self.unsettled.pop(0))
+            job, result, now_ms = self.unsettled.pop(0)
+            self.settle(job, result, now_ms, first=False)
+
+    def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
+        It stays replayable while its payload is kept."""
+        self.jobs.release(job.tenant, job.send_ids, job.key)
+        self.outage.recovered(time.monotonic())
+        for p in job.members:
+            self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         evidence(log, logging.WARNING, "attempt_failed", provider=self.provider_name, request=job.key,
@@ -85,8 +103,12 @@ class Settler:
         wait = cool_down_s(result, now_ms)
         if wait is not None:
             metrics.PROVIDER_429.labels(self.provider_name, result.error_name or result.outcome).inc()
-            # Every worker holds off the provider, not only the one that saw the 429.
-            self.gate.cool_down(self.provider_name, wait)
+            if self.shared_limit:  # one limit for everyone: every worker holds off, not only this one
+                self.gate.cool_down(self.provider_name, wait)
+            else:  # a webhook endpoint's own limit: hold its queue only
+                self.queues.hold(job.queue, time.monotonic() + wait)
+        if result.outcome == "gone" and self.on_gone is not None:
+            self.on_gone(job)
         if result.outcome == "unknown" and not self.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
         elif result.outcome == "unknown":
@@ -112,7 +134,7 @@ class Settler:
 
     def _decide(self, p: Pending, result: ProviderResult, now_ms: int):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
-                      self.rng.random(), provider_idempotent=self.idempotent)
+                      self.rng.random(), provider_idempotent=self.idempotent, time_scale=self.time_scale)
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
@@ -134,7 +156,7 @@ class Settler:
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
                                                         attempt=attempt_info(p.attempt, result, now_ms)),
-                           "origin": self.records.origin(p)})
+                           "origin": self.records.origin(p), **self.records._webhook_fields(p)})
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,

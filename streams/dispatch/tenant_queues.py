@@ -45,6 +45,11 @@ def by_tenant(send: Send) -> str:
     return send.tenant_id
 
 
+def by_endpoint(send: Send) -> str:
+    """Webhook deliveries queue per endpoint: a slow receiver waits alone, like a throttled tenant."""
+    return str(send.payload.get("endpoint_id"))
+
+
 class TenantQueues:
     def __init__(self, queue_key: Callable[[Send], str] = by_tenant):
         self.queue_key = queue_key

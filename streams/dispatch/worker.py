@@ -41,7 +41,7 @@ from .idempotency import LEASE_S, REFRESH_EVERY_S, ProcessedJobs
 from .intake import Rejected, admit
 from .pauses import LanePauses
 from .records import RecordWriter
-from .requests import Dispatcher
+from .requests import Dispatcher, Job
 from .settle import Settler
 from .tenant_queues import Pending, TenantQueues, by_tenant
 
@@ -79,7 +79,8 @@ class LaneWorker:
     def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, provider: Provider,
                  gate: Gate, jobs: ProcessedJobs, credentials: ProviderCredentials,
                  policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant,
-                 guard: StateGuard | None = None, backlog: BacklogShare | None = None):
+                 guard: StateGuard | None = None, backlog: BacklogShare | None = None,
+                 on_gone: Callable[[Job], object] | None = None):
         """`backlog` (a share of the buffer per tenant, the excess parked on a retry tier) is on in
         every production worker; only the benchmarks' naive baseline runs without it."""
         self.cfg = config
@@ -97,7 +98,7 @@ class LaneWorker:
         self.redis_outage = Outage("Redis (dispatch)")
         self.consume_outage = Outage("Kafka (consume)")
         self.settler = Settler(config.provider, self._label, self.queues, self.tracker, jobs, gate,
-                               records, policies, self.redis_outage)
+                               records, policies, self.redis_outage, on_gone)
         self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, provider, credentials, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old)
@@ -135,7 +136,9 @@ class LaneWorker:
         # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
         # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
         # lost, nothing is dispatched until an operator recovers it.
-        if not (self.pauses.yielding or self.pauses.without_reading) and self._state_intact():
+        self.provider.poll()
+        if (not (self.pauses.yielding or self.pauses.without_reading) and self.provider.ready
+                and self._state_intact()):
             self.dispatcher.dispatch()
         self.records.writer.poll(0)
         self._redis_down.set(1 if self.redis_outage.active else 0)
@@ -256,6 +259,7 @@ class LaneWorker:
             except Exception as exc:  # noqa: BLE001 - a bug in an adapter must not lose the sends
                 log.exception("provider call failed unexpectedly")
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
+            self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"))
             metrics.PROVIDER_REQUESTS.labels(self.cfg.provider.name, result.outcome).inc()
             metrics.PROVIDER_LATENCY.labels(self.cfg.provider.name).observe(result.latency_s)
             self.settler.settle(job, result)

@@ -16,8 +16,12 @@ from pydantic import BaseModel, Field
 from .. import metrics
 from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.limits import LimitChange, LimitStore
-from ..send import MAX_BATCH, SendRequest, build_send, flatten_errors, policy_error
+from ..lanes import lane_for
+from ..send import MAX_BATCH, Send, SendRequest, build_send, flatten_errors, policy_error
 from ..state.guard import StateGuard
+from ..webhooks.api import webhook_routes
+from ..webhooks.endpoints import EndpointStore
+from ..webhooks.fanout import fan_out
 from .api_keys import ApiKeys, Principal
 from .sdk import SendClient
 from .status import StatusStore
@@ -34,9 +38,16 @@ class BatchRequest(BaseModel):
     sends: list[SendRequest] = Field(min_length=1, max_length=MAX_BATCH)
 
 
+class Delivery(BaseModel):
+    delivery_id: str
+    endpoint_id: str
+
+
 class Accepted(BaseModel):
-    send_id: str
+    send_id: str = Field(description="the send's id (for a webhook event: the event's id)")
     lane: str
+    deliveries: list[Delivery] | None = Field(None, description="webhook events: one delivery per subscribed endpoint")
+    note: str | None = None
 
 
 class LimitUpdate(BaseModel):
@@ -88,7 +99,7 @@ def _too_large(limit: int) -> JSONResponse:
 
 def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: LimitStore,
                known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES,
-               guard: StateGuard | None = None) -> FastAPI:
+               guard: StateGuard | None = None, endpoints: EndpointStore | None = None) -> FastAPI:
     """`guard` (checked at most every few seconds) rebuilds the API keys from the operator log
     when Redis has lost its data, so tenants keep publishing without an operator."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1",
@@ -141,13 +152,28 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
                             headers={"Retry-After": "1"})
 
-    def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list:
+    def _expand(tenant_id: str, req: SendRequest) -> tuple[Accepted, list[Send]]:
+        """A send, or a webhook event fanned out to its subscribed endpoints."""
+        if req.channel != "webhook":
+            send = build_send(req, tenant_id, routing=client.routing)
+            return Accepted(send_id=send.send_id, lane=send.lane, deliveries=None), [send]
+        event_type = req.payload["event_type"]
+        subscribed = endpoints.subscribers(tenant_id, event_type) if endpoints is not None else []
+        event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing)
+        note = None if deliveries else (f"accepted with no delivery: no enabled endpoint of this tenant subscribes "
+                                        f"to {event_type!r}")
+        return Accepted(send_id=event_id, lane=lane_for(req.category), note=note,
+                        deliveries=[Delivery(delivery_id=d.send_id, endpoint_id=d.payload["endpoint_id"])
+                                    for d in deliveries]), deliveries
+
+    def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list[Accepted]:
         # The schema checked every field; the policy name is checked against the policy file.
         errors = [e for i, r in enumerate(requests)
                   if (e := policy_error(r, known_policies, ("body", "sends", i) if batch else ("body",)))]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
-        sends = [build_send(r, tenant_id, routing=client.routing) for r in requests]
+        expanded = [_expand(tenant_id, r) for r in requests]
+        sends = [s for _, group in expanded for s in group]
         store.accepted(sends)
         try:
             client.publish_sends(sends)
@@ -155,17 +181,19 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
             raise HTTPException(503, {"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}) from None
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()
-        return sends
+        return [accepted for accepted, _ in expanded]
 
-    @app.post("/v1/sends", status_code=202, response_model=Accepted)
+    @app.post("/v1/sends", status_code=202, response_model=Accepted, response_model_exclude_none=True)
     def post_send(body: SendRequest, tenant_id: Annotated[str, Depends(tenant)]) -> Accepted:
-        send = _publish(tenant_id, [body], batch=False)[0]
-        return Accepted(send_id=send.send_id, lane=send.lane)
+        return _publish(tenant_id, [body], batch=False)[0]
 
     @app.post("/v1/sends/batch", status_code=202)
     def post_batch(body: BatchRequest, tenant_id: Annotated[str, Depends(tenant)]) -> dict:
-        sends = _publish(tenant_id, body.sends, batch=True)
-        return {"accepted": len(sends), "sends": [{"send_id": s.send_id, "lane": s.lane} for s in sends]}
+        accepted = _publish(tenant_id, body.sends, batch=True)
+        return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
+
+    if endpoints is not None:
+        app.include_router(webhook_routes(endpoints, store, client, tenant))
 
     @app.get("/v1/sends/{send_id}")
     def get_send(send_id: str, tenant_id: Annotated[str, Depends(tenant)]) -> dict:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaException
 
-from ..errors import PublishError
+from ..errors import PublishError, SendValidationError
 from ..kafka_client import durable_producer, produce
 from ..names import TopicNames
 from ..retry.policy import PolicyRouting, default_routing
@@ -32,6 +32,7 @@ class SendClient:
     def __init__(self, bootstrap: str, names: TopicNames | None = None,
                  known_policies: frozenset[str] | None = None, timeout_s: float = 30.0,
                  router: Router | None = None, routing: PolicyRouting | None = None):
+        self.bootstrap = bootstrap
         self.names = names or TopicNames()
         self.route = router or lane_topic(self.names)
         self.known_policies = known_policies
@@ -46,7 +47,11 @@ class SendClient:
 
     def publish_batch(self, tenant_id: str, requests: list[dict]) -> list[str]:
         """Validate every send first (any error rejects the whole batch), then publish them all."""
-        sends = [build_send(r, tenant_id, routing=self.routing) for r in validate_batch(requests, self.known_policies)]
+        valid = validate_batch(requests, self.known_policies)
+        if any(r.channel == "webhook" for r in valid):
+            raise SendValidationError([{"loc": ("channel",), "msg": "a webhook event fans out to the tenant's "
+                                        "endpoints: publish it through the ingest API (POST /v1/sends)"}])
+        sends = [build_send(r, tenant_id, routing=self.routing) for r in valid]
         self.publish_sends(sends)
         return [s.send_id for s in sends]
 

@@ -26,7 +26,7 @@ STATUS_TTL_S = 30 * 24 * 3600  # as long as notif.outcomes keeps outcomes
 # The statuses a send goes through: accepted at ingest; retrying (a definite failure, a retry is
 # scheduled) or unknown (the last attempt's outcome is unknown: retried under the same key, or
 # waiting for reconciliation); then delivered or dead_lettered, which are final.
-FINAL = frozenset({b"delivered", b"dead_lettered"})
+FINAL = frozenset({b"delivered", b"dead_lettered", b"dropped", b"skipped"})
 
 
 class StatusStore:
@@ -71,10 +71,40 @@ class StatusStore:
             if isinstance(event.get("attempt"), dict):
                 pipe.hset(attempts_key, str(event["attempt"].get("n")), orjson.dumps(event["attempt"]))
                 pipe.expire(attempts_key, STATUS_TTL_S)
+            if event.get("endpoint_id"):  # a webhook delivery: listed under its endpoint, 30 days
+                index = self.keys.endpoint_deliveries(event["endpoint_id"])
+                created = int(event.get("created_at_ms") or event.get("completed_at_ms") or 0)
+                pipe.zadd(index, {send_id: created})
+                pipe.zremrangebyscore(index, 0, created - STATUS_TTL_S * 1000)
+                pipe.expire(index, STATUS_TTL_S)
+                fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
             if current not in FINAL or event["status"].encode() in FINAL and current != b"delivered":
                 pipe.hset(key, mapping=fields)
                 pipe.expire(key, STATUS_TTL_S)
             pipe.execute()
+
+    def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None) -> list[str]:
+        """An endpoint's delivery ids, newest first."""
+        with store_errors("listing an endpoint's deliveries"):
+            ids = self.client.zrevrangebyscore(self.keys.endpoint_deliveries(endpoint_id),
+                                               "+inf" if before_ms is None else f"({before_ms}", "-inf",
+                                               start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int) -> list[str]:
+        """An endpoint's delivery ids created in [since_ms, until_ms), oldest first."""
+        with store_errors("listing an endpoint's deliveries"):
+            ids = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id), since_ms, f"({until_ms}")
+        return [i.decode() for i in ids]
+
+    def claim_replay(self, send_id: str) -> bool:
+        """True once per send: a bulk replay called twice replays each send once."""
+        with store_errors("claiming a replay"):
+            return bool(self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", "pending"))
+
+    def mark_replayed(self, send_id: str, replay_id: str) -> None:
+        with store_errors("recording a replay"):
+            self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
 
     def get(self, send_id: str) -> dict | None:
         with store_errors("reading a send's status"):

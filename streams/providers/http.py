@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import httpx
@@ -28,7 +29,18 @@ class Provider(Protocol):
         """The request path and body. Deterministic: the same messages give the same bytes."""
         ...
 
-    def post(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> ProviderResult: ...
+    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
+        """Start the request; the future holds its result (never an exception for a provider's answer)."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests may start (an adapter may need to catch up with some state first)."""
+        ...
+
+    def poll(self) -> None:
+        """Called on the worker's poll thread every step (adapters that follow a topic do it here)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -57,12 +69,22 @@ class HttpProvider:
     name = "http"
     allowed: set[tuple[str, str]] = set()
 
-    def __init__(self, base_url: str, timeout_s: float = 10.0, max_connections: int = 32):
+    def __init__(self, base_url: str, timeout_s: float = 10.0, max_connections: int = 32, concurrency: int = 8):
+        # Requests wait on the network in a small pool of threads; the worker's poll thread never does.
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"{self.name}-http")
         self.client = httpx.Client(
             base_url=base_url, transport=AllowlistTransport(self.allowed),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+
+    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
+        return self.pool.submit(self.post, path, body, api_key, idempotency_key)
+
+    ready = True
+
+    def poll(self) -> None:
+        """Nothing to follow."""
 
     def post(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> ProviderResult:
         started = time.monotonic()
@@ -95,4 +117,5 @@ class HttpProvider:
                               latency_s=latency)
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         self.client.close()

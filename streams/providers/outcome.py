@@ -12,7 +12,9 @@ from typing import Literal
 
 import orjson
 
-Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", "unknown", "auth"]
+# gone: the receiver answered 410 (a webhook endpoint that asks not to be called again);
+# skipped: never attempted (the webhook endpoint was deleted or disabled before its turn).
+Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", "unknown", "auth", "gone", "skipped"]
 QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")

@@ -22,6 +22,8 @@ class ProviderSpec:
     batch_lanes: frozenset[str] = field(default_factory=frozenset)  # lanes that send through the batch endpoint
     batch_max: int = 1      # messages per batch request
     idempotent: bool = True  # honours Idempotency-Key: an unknown outcome may be re-sent under the same key
+    shared_limit: bool = True  # one limit for all our traffic (a 429 holds every worker off it)
+    auth: str = "api_key"    # "api_key" (per tenant, from keys_var) or "none"
 
 
 PROVIDERS: dict[str, ProviderSpec] = {
@@ -30,6 +32,10 @@ PROVIDERS: dict[str, ProviderSpec] = {
                           # Email blasts travel only through the batch endpoint (100 per request).
                           batch_lanes=frozenset({"marketing"}), batch_max=100),
     "sms": ProviderSpec("sms", "sms", "SMS_BASE_URL", "SMS_API_KEYS", "streams.providers.sms:SmsGateway"),
+    # Each endpoint is its own receiver: no shared limit, no API key; receivers deduplicate by
+    # webhook-id, so an unknown outcome may be sent again with the same id.
+    "webhook": ProviderSpec("webhook", "webhook", "", "", "streams.webhooks.delivery:WebhookDelivery",
+                            shared_limit=False, auth="none"),
 }
 
 

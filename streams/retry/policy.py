@@ -240,13 +240,16 @@ def tier_at_least(seconds: float) -> str:
 
 
 def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderResult, now_ms: int,
-           jitter: float, provider_idempotent: bool = True) -> Decision:
-    """`attempt` is the attempt that just ran (1-based); `jitter` is a uniform draw in [0, 1)."""
+           jitter: float, provider_idempotent: bool = True, time_scale: float = 1.0) -> Decision:
+    """`attempt` is the attempt that just ran (1-based); `jitter` is a uniform draw in [0, 1).
+    `time_scale` shrinks the tiers' delays for tests that walk a whole schedule (1.0 in production)."""
     outcome = result.outcome
     if outcome == "delivered":
         return Delivered()
     if outcome == "rejected":
         return DeadLetter("permanent_error")
+    if outcome == "gone":
+        return DeadLetter("endpoint_gone")
     if outcome == "unknown" and not provider_idempotent:
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
     if attempt >= policy.max_attempts:
@@ -255,7 +258,7 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     at_least = {"quota": PARK_AT_LEAST_S,
                 "throttled": parse_retry_after(result.retry_after, now_ms)}.get(outcome) or 0.0
     tier = max(policy.tier_after(attempt), tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
-    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)))
+    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms - created_ms > policy.max_age_s * 1000:
         return DeadLetter("quota_exceeded" if outcome == "quota" else "too_old")

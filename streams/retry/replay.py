@@ -21,6 +21,7 @@ from ..send import Send, decode, new_send_id
 from .dlq import PAYLOAD_DAYS, fetch, find
 
 PAYLOAD_MS = PAYLOAD_DAYS * 24 * 3600 * 1000
+REPLAYABLE = frozenset({"delivered", "dead_lettered", "dropped", "skipped"})
 
 
 def _when(ms: int) -> str:
@@ -33,7 +34,7 @@ def _started(status: dict) -> int:
 
 def _payload(bootstrap: str, names: TopicNames, send_id: str, status: dict) -> bytes:
     """The send's original event bytes: its dead letter's, else the delivered lane message's."""
-    if status["status"] == "dead_lettered":
+    if status["status"] in ("dead_lettered", "dropped"):
         position = (status["dlq_partition"], status["dlq_offset"]) if "dlq_offset" in status else None
         try:
             record = find(bootstrap, names.dlq, send_id, position)
@@ -57,9 +58,9 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     status = store.get(send_id)
     if status is None or (tenant is not None and status.get("tenant_id") != tenant):
         raise ReplayRefused(f"no send {send_id} (its history is kept 30 days)")
-    if status["status"] not in ("delivered", "dead_lettered"):
-        raise ReplayRefused(f"send {send_id} is {status['status']}: only a delivered or dead-lettered send can be "
-                            "replayed (a send still in progress is retried by dispatch itself)")
+    if status["status"] not in REPLAYABLE:
+        raise ReplayRefused(f"send {send_id} is {status['status']}: only a finished send (delivered, dead-lettered, "
+                            "dropped or skipped) can be replayed (one still in progress is retried by dispatch itself)")
     if now_ms - _started(status) > PAYLOAD_MS:
         raise ReplayRefused(f"the payload of send {send_id} has expired: payloads are kept {PAYLOAD_DAYS} days "
                             f"(sent {_when(_started(status))}); nothing is left to send")

@@ -37,6 +37,8 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             pipe.hset(keys.limits(name), mapping=value)
         elif kind == "apikey":
             pipe.hset(keys.api_keys, name, orjson.dumps(value))
+        elif kind == "endpoint" and value:
+            pipe.hset(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
         else:
             continue
         written += 1

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from streams.devtools.fleet import Fleet
-from tests.harness import MockProvider, free_port, wait_until
+from tests.harness import MockEndpoint, MockProvider, answers, free_port, wait_until
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +39,27 @@ def _mock_process(tmp_path_factory):
     proc.wait(10)
 
 
+@pytest.fixture(scope="session")
+def _mock_endpoint_process(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("mock-endpoint") / "mock-endpoint.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "mock-endpoint", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    receiver = MockEndpoint(port, proc)
+    wait_until(lambda: answers(receiver.http, "/_mock/stats"), 20, "the mock endpoint to answer")
+    yield receiver
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def mock_endpoint(_mock_endpoint_process):
+    """The mock webhook receiver, reset for this test."""
+    _mock_endpoint_process.reset()
+    return _mock_endpoint_process
+
+
 @pytest.fixture
 def mock_provider(_mock_process):
     """The mock provider, reset for this test. After the test: no request reached a forbidden path."""
@@ -54,7 +75,9 @@ def dispatch_env(stack, namespace, mock_provider) -> dict:
     return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap, "REDIS_URL": stack.redis_url,
             "DUAL_RAIL_TOPIC_NAMESPACE": namespace, "RESEND_BASE_URL": mock_provider.url,
             "SMS_BASE_URL": mock_provider.url, "RESEND_API_KEYS": '{"*": "re_test_default"}',
-            "SMS_API_KEYS": '{"*": "re_test_sms"}', "PROVIDER_TIMEOUT_S": "2", "LOG_LEVEL": "WARNING"}
+            "SMS_API_KEYS": '{"*": "re_test_sms"}', "PROVIDER_TIMEOUT_S": "2", "LOG_LEVEL": "WARNING",
+            # Webhook receivers in tests are the mock endpoint on loopback, allowed explicitly.
+            "WEBHOOK_REQUIRE_HTTPS": "0", "WEBHOOK_ALLOW_HOSTS": "127.0.0.1"}
 
 
 @pytest.fixture

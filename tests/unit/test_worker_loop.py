@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import replace
 
 import orjson
@@ -133,6 +134,9 @@ class FakeJobs:
 
 class FakeProvider:
     name = "resend"
+    ready = True
+
+    def poll(self): pass
 
     def __init__(self, answer: ProviderResult):
         self.answer = answer
@@ -144,6 +148,11 @@ class FakeProvider:
     def post(self, path, body, api_key, idempotency_key):
         self.sent.append(body)
         return self.answer
+
+    def submit(self, path, body, api_key, idempotency_key):
+        done = Future()
+        done.set_result(self.post(path, body, api_key, idempotency_key))
+        return done
 
     def close(self): pass
 

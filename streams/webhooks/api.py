@@ -1,0 +1,166 @@
+"""The webhook part of the ingest API (tenant keys): endpoints, their deliveries, replays.
+
+    POST   /v1/endpoints                      register (the signing secret is shown once)
+    GET    /v1/endpoints                      list;  GET/PATCH/DELETE /v1/endpoints/{id}
+    POST   /v1/endpoints/{id}/rotate-secret   a new secret; the previous one stays valid 24 h
+    GET    /v1/endpoints/{id}/deliveries      its deliveries, newest first (30 days)
+    POST   /v1/endpoints/{id}/replay          replay its failed deliveries in a time range (bounded, idempotent)
+    GET    /v1/deliveries/{id}                a delivery with its attempts
+    POST   /v1/deliveries/{id}/replay         a new delivery (new webhook-id) carrying replay_of
+
+Another tenant's endpoint or delivery is indistinguishable from a missing one (404).
+"""
+
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
+from pydantic import BaseModel, Field
+
+from ..errors import ConfigError, ReplayRefused
+from ..ingest.sdk import SendClient
+from ..ingest.status import StatusStore
+from ..retry.replay import replay
+from .endpoints import EndpointStore
+
+MAX_BULK_REPLAY = 1000
+DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
+                   "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
+
+
+class EndpointCreate(BaseModel):
+    url: str = Field(description="https URL the deliveries are POSTed to")
+    event_types: list[str] = Field(min_length=1, description="event types it receives ('*' for all)")
+    description: str = ""
+    enabled: bool = True
+
+
+class EndpointUpdate(BaseModel):
+    url: str | None = None
+    event_types: list[str] | None = None
+    description: str | None = None
+    enabled: bool | None = None
+
+
+class BulkReplay(BaseModel):
+    since_ms: int = Field(description="replay deliveries created at or after this time (Unix ms)")
+    until_ms: int | None = Field(None, description="... and before this time (default: now)")
+    statuses: list[str] = Field(default=["dropped", "skipped"], description="which outcomes to replay")
+    limit: int = Field(MAX_BULK_REPLAY, ge=1, le=MAX_BULK_REPLAY)
+
+
+def _not_found(what: str) -> HTTPException:
+    return HTTPException(404, {"error": "not_found", "errors": [{"loc": ["path", f"{what}_id"],
+                                                                 "msg": f"no such {what} for this tenant"}]})
+
+
+def _invalid(exc: Exception) -> HTTPException:
+    return HTTPException(422, {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": str(exc)}]})
+
+
+def webhook_routes(endpoints: EndpointStore, store: StatusStore, client: SendClient,
+                   tenant: Callable[..., str]) -> APIRouter:
+    router = APIRouter(tags=["webhooks"])
+    Tenant = Annotated[str, Depends(tenant)]  # noqa: N806 - a type alias
+
+    @router.post("/v1/endpoints", status_code=201)
+    def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
+        try:
+            ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled)
+        except ConfigError as exc:
+            raise _invalid(exc) from None
+        return {**ep.public(), "secret": secret}
+
+    @router.get("/v1/endpoints")
+    def list_endpoints(tenant_id: Tenant) -> dict:
+        return {"endpoints": [e.public() for e in endpoints.all(tenant_id)]}
+
+    @router.get("/v1/endpoints/{endpoint_id}")
+    def get_endpoint(endpoint_id: str, tenant_id: Tenant) -> dict:
+        ep = endpoints.get(tenant_id, endpoint_id)
+        if ep is None:
+            raise _not_found("endpoint")
+        return ep.public()
+
+    @router.patch("/v1/endpoints/{endpoint_id}")
+    def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
+        try:
+            ep = endpoints.update(tenant_id, endpoint_id, **body.model_dump())
+        except ConfigError as exc:
+            raise _invalid(exc) from None
+        if ep is None:
+            raise _not_found("endpoint")
+        return ep.public()
+
+    @router.delete("/v1/endpoints/{endpoint_id}", status_code=204)
+    def delete_endpoint(endpoint_id: str, tenant_id: Tenant) -> Response:
+        if not endpoints.delete(tenant_id, endpoint_id):
+            raise _not_found("endpoint")
+        return Response(status_code=204)
+
+    @router.post("/v1/endpoints/{endpoint_id}/rotate-secret")
+    def rotate_secret(endpoint_id: str, tenant_id: Tenant) -> dict:
+        now_ms = int(time.time() * 1000)
+        secret = endpoints.rotate_secret(tenant_id, endpoint_id, now_ms)
+        if secret is None:
+            raise _not_found("endpoint")
+        return {"secret": secret, "previous_valid_until_ms": now_ms + 24 * 3600 * 1000}
+
+    @router.get("/v1/endpoints/{endpoint_id}/deliveries")
+    def endpoint_deliveries(endpoint_id: str, tenant_id: Tenant, limit: Annotated[int, Query(ge=1, le=500)] = 100,
+                            before_ms: int | None = None) -> dict:
+        if endpoints.get(tenant_id, endpoint_id) is None:
+            raise _not_found("endpoint")
+        found = [(d, store.get(d)) for d in store.endpoint_deliveries(endpoint_id, limit, before_ms)]
+        return {"deliveries": [_delivery(d, doc) for d, doc in found if doc]}
+
+    @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202)
+    def replay_endpoint(endpoint_id: str, body: BulkReplay, tenant_id: Tenant) -> dict:
+        """Replay the endpoint's deliveries with one of `statuses` created in [since_ms, until_ms):
+        at most `limit`, each at most once however often this is called (a receiver fixed its bug
+        and asks again for what it missed)."""
+        if endpoints.get(tenant_id, endpoint_id) is None:
+            raise _not_found("endpoint")
+        until = body.until_ms or int(time.time() * 1000)
+        candidates = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until)
+        replayed: list[dict] = []
+        already = 0
+        for delivery_id in candidates:
+            if len(replayed) >= body.limit:
+                break
+            doc = store.get(delivery_id)
+            if not doc or doc.get("tenant_id") != tenant_id or doc.get("status") not in body.statuses:
+                continue
+            if not store.claim_replay(delivery_id):
+                already += 1
+                continue
+            new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+            store.mark_replayed(delivery_id, new.send_id)
+            replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
+        return {"replayed": replayed, "already_replayed": already, "considered": len(candidates)}
+
+    @router.get("/v1/deliveries/{delivery_id}")
+    def get_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
+        doc = store.get(delivery_id)
+        if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
+            raise _not_found("delivery")
+        return _delivery(delivery_id, doc)
+
+    @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202)
+    def replay_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
+        doc = store.get(delivery_id)
+        if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
+            raise _not_found("delivery")
+        try:
+            new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+        except ReplayRefused as exc:
+            raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
+                {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
+        return {"delivery_id": new.send_id, "replay_of": delivery_id}
+
+    return router
+
+
+def _delivery(delivery_id: str, doc: dict) -> dict:
+    return {"delivery_id": delivery_id, **{k: v for k, v in doc.items() if k in DELIVERY_FIELDS}}

@@ -1,0 +1,81 @@
+"""Where webhooks may not go. Pure code; name resolution is passed in.
+
+A tenant registers the URL, so a URL must never make us call into our own network: hosts that
+resolve to loopback, private, link-local (cloud metadata lives there), multicast, reserved or
+unspecified addresses are refused, at registration and again at every delivery (DNS can change
+between the two). An operator allow-list (hosts or addresses) lifts the rule where a deployment
+needs it (the tests and the demo allow 127.0.0.1). In production mode only https is accepted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+Resolver = Callable[[str], Iterable[str]]  # host -> its addresses
+METADATA = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200"})  # AWS, AWS IPv6, Alibaba
+
+
+class UnsafeUrl(ValueError):
+    """A URL we refuse to call; the message says why."""
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    require_https: bool = True
+    allow: frozenset[str] = field(default_factory=frozenset)  # hosts or addresses exempt from the address rules
+
+    def check(self, url: str, resolve: Resolver) -> None:
+        """Raise UnsafeUrl for a URL we may not call (resolving its host with `resolve`)."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("https", "http") or not parts.hostname:
+            raise UnsafeUrl(f"{url!r} is not an http(s) URL with a host")
+        if parts.scheme != "https" and self.require_https:
+            raise UnsafeUrl("webhook URLs must use https")
+        if parts.username or parts.password:
+            raise UnsafeUrl("webhook URLs may not carry credentials")
+        host = parts.hostname
+        if host in self.allow:
+            return
+        try:
+            addresses = [host] if _is_ip(host) else list(resolve(host))
+        except OSError as exc:
+            raise UnsafeUrl(f"the host {host!r} does not resolve ({exc})") from None
+        if not addresses:
+            raise UnsafeUrl(f"the host {host!r} does not resolve")
+        for address in addresses:
+            if address not in self.allow and _forbidden(address):
+                raise UnsafeUrl(f"the host {host!r} resolves to {address}, a {_forbidden(address)} address")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _forbidden(address: str) -> str:
+    """Why an address may not be called ("" when it may)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    if address in METADATA:
+        return "cloud metadata"
+    for kind, hit in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
+                      ("link-local", ip.is_link_local), ("multicast", ip.is_multicast), ("private", ip.is_private),
+                      ("reserved", ip.is_reserved)):
+        if hit:
+            return kind
+    if ip in ipaddress.ip_network("100.64.0.0/10"):  # carrier-grade NAT: not the public internet
+        return "private"
+    return ""
+
+
+def system_resolver(host: str) -> list[str]:
+    import socket
+
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})

@@ -1,0 +1,41 @@
+"""Standard Webhooks signatures: the specification's published example, our own verifier, and the
+reference library as an independent check of what we sign."""
+
+import time
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from streams.webhooks.signing import InvalidSignature, headers, new_secret, sign, verify
+
+# The example published with the Standard Webhooks specification (and its reference libraries).
+SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+SPEC_ID, SPEC_TS, SPEC_BODY = "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}'
+SPEC_SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+def test_our_signature_matches_the_specifications_published_example():
+    assert sign(SPEC_SECRET, SPEC_ID, SPEC_TS, SPEC_BODY) == SPEC_SIGNATURE
+
+
+def test_our_verifier_accepts_the_published_example_and_refuses_tampering():
+    h = {"webhook-id": SPEC_ID, "webhook-timestamp": str(SPEC_TS), "webhook-signature": SPEC_SIGNATURE}
+    verify(h, SPEC_BODY, SPEC_SECRET, now=SPEC_TS + 10)
+    with pytest.raises(InvalidSignature, match="no signature matches"):
+        verify(h, b'{"test": 2432232315}', SPEC_SECRET, now=SPEC_TS + 10)
+    with pytest.raises(InvalidSignature, match="from now"):
+        verify(h, SPEC_BODY, SPEC_SECRET, now=SPEC_TS + 301)  # outside the 5-minute tolerance
+    with pytest.raises(InvalidSignature, match="missing"):
+        verify({"webhook-id": SPEC_ID}, SPEC_BODY, SPEC_SECRET, now=SPEC_TS)
+
+
+def test_the_reference_library_verifies_what_we_sign_with_either_secret_during_a_rotation():
+    old, new = new_secret(), new_secret()
+    body, ts = b'{"type":"invoice.paid","data":{"id":7}}', int(time.time())
+    signed = headers([new, old], "dlv_1", ts, body)
+    assert len(signed["webhook-signature"].split()) == 2
+    for secret in (old, new):
+        assert Webhook(secret).verify(body, signed)["data"]["id"] == 7
+        verify(signed, body, secret, now=time.time())
+    with pytest.raises(InvalidSignature):
+        verify(signed, body, new_secret(), now=time.time())

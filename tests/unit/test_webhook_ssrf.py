@@ -1,0 +1,41 @@
+"""Where webhooks may not go, decided with a fake resolver (no traffic to private ranges, ever)."""
+
+import pytest
+
+from streams.webhooks.ssrf import UnsafeUrl, UrlPolicy
+
+DNS = {"hooks.example.com": ["93.184.216.34"], "inside.example.com": ["10.0.0.7"],
+       "meta.example.com": ["169.254.169.254"], "dual.example.com": ["93.184.216.34", "192.168.1.2"],
+       "v6.example.com": ["::1"], "mapped.example.com": ["::ffff:127.0.0.1"], "cgnat.example.com": ["100.64.1.1"]}
+
+
+def resolve(host):
+    if host not in DNS:
+        raise OSError("no such host")
+    return DNS[host]
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://hooks.example.com/x", "must use https"),
+    ("https://inside.example.com/x", "private"),
+    ("https://meta.example.com/latest", "cloud metadata"),
+    ("https://dual.example.com/x", "private"),            # one bad address is enough
+    ("https://v6.example.com/x", "loopback"),
+    ("https://mapped.example.com/x", "loopback"),
+    ("https://cgnat.example.com/x", "private"),
+    ("https://127.0.0.1:8443/x", "loopback"),
+    ("https://[fe80::1]/x", "link-local"),
+    ("https://224.0.0.1/x", "multicast"),
+    ("https://0.0.0.0/x", "unspecified"),
+    ("https://nowhere.example.com/x", "does not resolve"),
+    ("https://user:pw@hooks.example.com/x", "credentials"),
+    ("ftp://hooks.example.com/x", "not an http"),
+])
+def test_unsafe_urls_are_refused_with_the_reason(url, why):
+    with pytest.raises(UnsafeUrl, match=why):
+        UrlPolicy().check(url, resolve)
+
+
+def test_public_https_and_operator_allowed_hosts_pass():
+    UrlPolicy().check("https://hooks.example.com/x", resolve)
+    UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})).check("http://127.0.0.1:9000/hooks/a", resolve)
