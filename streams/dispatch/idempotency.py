@@ -38,6 +38,18 @@ def idempotency_key(send_ids: list[str]) -> str:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One provider request to claim: its sends, under its idempotency key, with its exact body."""
+
+    tenant: str
+    key: str
+    send_ids: tuple[str, ...]
+    owner: str
+    path: str
+    body: bytes
+
+
+@dataclass(frozen=True)
 class StoredRequest:
     key: str
     path: str
@@ -66,11 +78,31 @@ class ProcessedJobs:
             values = self.client.mget([self.keys.processed(tenant, s) for s in send_ids])
         return [v.decode() if v else None for v in values]
 
+    def status_many(self, groups: list[tuple[str, list[str]]]) -> list[list[str | None]]:
+        """`status` for several (tenant, send ids) groups in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, send_ids in groups:
+            pipe.mget([self.keys.processed(tenant, s) for s in send_ids])
+        with store_errors("reading processed_jobs"):
+            replies = pipe.execute()
+        return [[v.decode() if v else None for v in values] for values in replies]
+
+    def claim_many(self, claims: list[Claim]) -> list[list[int]]:
+        """`claim` for several requests in one round trip (each all or none, as `claim`)."""
+        pipe = self.client.pipeline(transaction=False)
+        for c in claims:
+            self._claim(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=self._claim_args(c), client=pipe)
+        with store_errors("claiming sends"):
+            return [[int(i) for i in busy] for busy in pipe.execute()]
+
+    def _claim_args(self, c: Claim) -> list:
+        return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
+                orjson.dumps(sorted(c.send_ids))]
+
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str) -> list[int]:
         """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
-        args = [f"inflight:{key}", owner, self.lease_ms, RECORD_TTL_MS, path, body, tenant,
-                orjson.dumps(sorted(send_ids))]
+        args = self._claim_args(Claim(tenant, key, tuple(send_ids), owner, path, body))
         with store_errors("claiming sends"):
             return [int(i) for i in self._claim(keys=self._request_keys(tenant, key, send_ids), args=args)]
 
@@ -92,6 +124,14 @@ class ProcessedJobs:
         """Every send of the request `delivered`, and its lease and record gone, in one call."""
         with store_errors("marking sends delivered"):
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "delivered"])
+
+    def mark_delivered_many(self, requests: list[tuple[str, tuple[str, ...], str]]) -> None:
+        """`mark_delivered` for several (tenant, send ids, request key) in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, send_ids, key in requests:
+            self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "delivered"], client=pipe)
+        with store_errors("marking sends delivered"):
+            pipe.execute()
 
     def mark_reconcile(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """The outcome is unknown at a provider that does not honour idempotency keys: nothing may send

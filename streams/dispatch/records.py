@@ -96,11 +96,12 @@ class RecordWriter:
         self.outcome({**self.outcome_event(p.send, "skipped", p.attempt - 1, now_ms, reason=reason),
                       "origin": self.origin(p), **self._webhook_fields(p)}, on_ack)
 
-    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int) -> None:
-        """One attempt of a webhook delivery, on the attempts topic (key = endpoint id)."""
+    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
+        """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
+        delivery was given up after it."""
         fields = self._webhook_fields(p)
-        event = {"delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
-                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024]}
+        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
+                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024], "dropped": dropped}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {})
 

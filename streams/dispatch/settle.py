@@ -52,6 +52,7 @@ class Settler:
         self.outage = redis_outage
         self.unsettled: list[tuple[Job, ProviderResult, int]] = []  # met a Redis error; tried again
         self.unmarked: list[Job] = []  # delivered and recorded, the `delivered` mark not yet written
+        self.to_mark: list[Job] = []   # acknowledged during this poll; marked together by `flush_marks`
         self.rng = random.Random()
         self._end_to_end = metrics.END_TO_END.labels(*label)  # observed per delivered message
 
@@ -60,14 +61,28 @@ class Settler:
 
     @property
     def pending(self) -> int:
-        return len(self.unsettled) + len(self.unmarked)
+        return len(self.unsettled) + len(self.unmarked) + len(self.to_mark)
 
-    def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None, first: bool = True) -> None:
-        """Settle one finished request; on a Redis error keep it for `retry` (`first=False` then)."""
+    def flush_marks(self) -> None:
+        """Mark the requests acknowledged since the last flush delivered (one round trip), then finish
+        their offsets; on a Redis error they wait in `unmarked` and are tried one by one later."""
+        if not self.to_mark:
+            return
+        jobs, self.to_mark = self.to_mark, []
+        try:
+            self.jobs.mark_delivered_many([(j.tenant, j.send_ids, j.key) for j in jobs])
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            self.unmarked.extend(jobs)
+            return
+        self.outage.recovered(time.monotonic())
+        for job in jobs:
+            for p in job.members:
+                self.tracker.finish(*p.where)
+
+    def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
+        """Settle one finished request; on a Redis error keep it for `retry`."""
         now_ms = now_ms or int(time.time() * 1000)
-        if first and result.outcome != "skipped" and job.members[0].send.channel == "webhook":
-            for p in job.members:  # every attempt is an event, once (endpoint health counts them)
-                self.records.webhook_attempt(p, result, now_ms)
         try:
             if result.outcome == "delivered":
                 self._delivered(job, result, now_ms)
@@ -84,8 +99,7 @@ class Settler:
         while self.unmarked and self.outage.ready(time.monotonic()):
             self._mark(self.unmarked.pop(0))
         while self.unsettled and self.outage.ready(time.monotonic()):
-            job, result, now_ms = self.unsettled.pop(0)
-            self.settle(job, result, now_ms, first=False)
+            self.settle(*self.unsettled.pop(0))
 
     def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
@@ -116,17 +130,27 @@ class Settler:
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key)
         self.outage.recovered(time.monotonic())
+        # Past every Redis step (a Redis error above retries the whole settlement): announced once.
         if wait_in_process(result, now_ms):
+            for p in job.members:
+                self._announce(p, result, now_ms)
             self._back_off_in_process(job, result, now_ms)
             return
         for p in job.members:
             decision = self._decide(p, result, now_ms)
+            self._announce(p, result, now_ms, dropped=isinstance(decision, DeadLetter))
             if isinstance(decision, RetryAt):
                 self.records.retry(p, decision, result, now_ms, self.finisher(p.where))
             elif isinstance(decision, DeadLetter):
                 self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
+
+    def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
+        """Every webhook attempt is an event on the attempts topic; `dropped` marks the attempt after
+        which the delivery was given up (endpoint health counts both)."""
+        if p.send.channel == "webhook":
+            self.records.webhook_attempt(p, result, now_ms, dropped)
 
     def dead_letter_too_old(self, p: Pending) -> None:
         """A send found older than its policy's max_age before an attempt: never sent late."""
@@ -152,6 +176,7 @@ class Settler:
             if p.send.send_id in held:
                 continue
             held.add(p.send.send_id)
+            self._announce(p, result, now_ms)
             self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
@@ -166,7 +191,7 @@ class Settler:
         def acked() -> None:  # runs inside the producer's poll: it must not raise
             remaining[0] -= 1
             if remaining[0] == 0:
-                self._mark(job)
+                self.to_mark.append(job)  # marked with the others of this poll, in one round trip
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
         for event in events:

@@ -141,6 +141,7 @@ class LaneWorker:
                 and self._state_intact()):
             self.dispatcher.dispatch()
         self.records.writer.poll(0)
+        self.settler.flush_marks()
         self._redis_down.set(1 if self.redis_outage.active else 0)
         self._store_offsets()
         self.pauses.backpressure(self.queues.buffered, self.cfg.max_buffered)
@@ -179,10 +180,10 @@ class LaneWorker:
         while self.dispatcher.in_flight:
             self._collect(block=True)
         deadline = time.monotonic() + timeout_s
-        while self.settler.pending and time.monotonic() < deadline:
-            self.records.writer.poll(0.1)
+        while (self.settler.pending or self.records.writer.pending) and time.monotonic() < deadline:
+            self.records.writer.poll(0.1)  # acknowledgements finish offsets (after the marks below)
+            self.settler.flush_marks()
             self.settler.retry()
-        self.records.writer.drain(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import redis
 
-from ..errors import ConfigError, CostExceedsBurst, GateUnavailable
+from ..errors import ConfigError, CostExceedsBurst, GateError, GateUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore
@@ -29,6 +29,7 @@ class Admission:
 
 class Gate(Protocol):
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
+    def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
 
@@ -44,14 +45,39 @@ class RedisGate:
         self._cool = client.register_script(load_script(__package__, "cooldown.lua"))
 
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False) -> Admission:
-        k = self.keys
         try:
-            status, value, short = self._acquire(
-                keys=[k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant),
-                      k.cool(provider)],
-                args=[tenant, 1, messages, "1" if reserve else "0"])
+            reply = self._acquire(keys=self._keys(provider, tenant),
+                                  args=[tenant, 1, messages, "1" if reserve else "0"])
         except redis.RedisError as exc:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
+        return self._admission(reply, provider, tenant, messages)
+
+    def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]:
+        """Several admissions (provider, tenant, messages, reserve) in one round trip; each is decided
+        on its own, atomically, exactly as `acquire` would; a cost that can never pass comes back as
+        its error instead of an admission."""
+        pipe = self.client.pipeline(transaction=False)
+        for provider, tenant, messages, reserve in requests:
+            self._acquire(keys=self._keys(provider, tenant), args=[tenant, 1, messages, "1" if reserve else "0"],
+                          client=pipe)
+        try:
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
+        out: list[Admission | GateError | ConfigError] = []
+        for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
+            try:
+                out.append(self._admission(reply, provider, tenant, messages))
+            except (GateError, ConfigError) as exc:
+                out.append(exc)
+        return out
+
+    def _keys(self, provider: str, tenant: str) -> list[str]:
+        k = self.keys
+        return [k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant), k.cool(provider)]
+
+    def _admission(self, reply: list, provider: str, tenant: str, messages: int) -> Admission:
+        status, value, short = reply
         short = short.decode() if isinstance(short, bytes) else short
         if status == 1:
             return Admission(True)

@@ -102,6 +102,9 @@ class FakeGate:
             return Admission(False, 3600.0, "tenant")
         return Admission(True)
 
+    def acquire_many(self, requests):
+        return [self.acquire(*r) for r in requests]
+
     def cool_down(self, provider, seconds): pass
     def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), 100)
 
@@ -113,6 +116,12 @@ class FakeJobs:
         self.state = {s: "delivered" for s in delivered}
 
     def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
+    def status_many(self, groups): return [self.status(t, ids) for t, ids in groups]
+    def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant)
+                                          for c in claims]
+    def mark_delivered_many(self, requests):
+        for tenant, ids, key in requests:
+            self.mark_delivered(tenant, ids, key)
 
     def claim(self, send_ids, key, owner, path, body, tenant):
         busy = [i for i, s in enumerate(send_ids) if s in self.state]
