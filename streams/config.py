@@ -26,6 +26,11 @@ was expected. The variables and their defaults:
     WEBHOOK_ALLOW_HOSTS           hosts or addresses exempt from the SSRF address rules, comma-separated (default: none)
     WEBHOOK_TIMEOUT_S             total time a webhook attempt may take (default: 10)
     WEBHOOK_ENDPOINT_CONCURRENCY  deliveries in flight per healthy endpoint (default: 20; a failing one gets 1)
+    WEBHOOK_BACKLOG_MAX_COUNT     backlog shedding: new events for an endpoint are skipped while it has at least
+                                  this many undelivered deliveries ... (default: 10000)
+    WEBHOOK_BACKLOG_MAX_AGE_S     ... and the oldest of them is at least this old, seconds (default: 21600, 6 h)
+    ALERTS_TENANT                 the tenant endpoint alert emails are sent as (default: dual-rail)
+    ALERTS_FROM                   their sender    (default: Dual-rail webhooks <alerts@dual-rail.dev>)
     LOG_LEVEL                     Python log level              (default: INFO)
     LOG_FORMAT                    text or json                  (default: text; `streams --log-format` overrides)
     METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
@@ -41,7 +46,7 @@ from typing import TypeVar
 
 import orjson
 
-from .errors import ConfigError
+from .errors import ConfigError, SendValidationError
 from .lag.yield_policy import YieldPolicy
 from .names import RedisKeys, TopicNames
 from .providers.registry import PROVIDERS
@@ -85,6 +90,28 @@ def _api_keys(environ: Mapping[str, str], name: str) -> dict[str, str]:
     if not isinstance(keys, dict) or not all(isinstance(v, str) and v for v in keys.values()):
         raise ConfigError(f"environment variable {name} must be a JSON object of tenant -> API key")
     return keys
+
+
+def _tenant(environ: Mapping[str, str], name: str, default: str) -> str:
+    from .send import check_tenant_id
+
+    value = environ.get(name) or default
+    try:
+        return check_tenant_id(value)
+    except SendValidationError:
+        raise ConfigError(f"environment variable {name}={value!r} is not valid: expected 1 to 64 ASCII letters, "
+                          "digits, '_' or '-'") from None
+
+
+def _sender(environ: Mapping[str, str], name: str, default: str) -> str:
+    from .send import check_address
+
+    value = environ.get(name) or default
+    try:
+        return check_address(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name} is not valid: expected an email address "
+                          "('name@host' or 'Name <name@host>')") from None
 
 
 @dataclass(frozen=True)
@@ -151,6 +178,10 @@ class Config:
     webhook_allow_hosts: frozenset[str] = frozenset()
     webhook_timeout_s: float = 10.0
     webhook_endpoint_concurrency: int = 20
+    webhook_backlog_max_count: int = 10_000
+    webhook_backlog_max_age_s: float = 21_600.0
+    alerts_tenant: str = "dual-rail"
+    alerts_from: str = "Dual-rail webhooks <alerts@dual-rail.dev>"
     log_level: str = "INFO"
     log_format: str = "text"
     metrics_addr: str = "127.0.0.1"
@@ -177,6 +208,10 @@ class Config:
                                           if h.strip()),
             webhook_timeout_s=_float(e, "WEBHOOK_TIMEOUT_S", 10.0),
             webhook_endpoint_concurrency=_int(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20),
+            webhook_backlog_max_count=_int(e, "WEBHOOK_BACKLOG_MAX_COUNT", 10_000),
+            webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
+            alerts_tenant=_tenant(e, "ALERTS_TENANT", "dual-rail"),
+            alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
             log_level=e.get("LOG_LEVEL") or "INFO",
             log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",

@@ -13,6 +13,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from . import metrics
 from .backoff import Outage
+from .errors import PublishError
 from .offsets import OffsetTracker
 
 _log = logging.getLogger("streams.kafka")
@@ -65,6 +66,22 @@ def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | No
             return
         except BufferError:
             producer.poll(0.1)
+
+
+def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, timeout_s: float,
+              what: str) -> None:
+    """Write one record and wait for the broker's acknowledgement; raises PublishError (naming
+    `what`) when it does not come."""
+    failed: list[str] = []
+
+    def on_delivery(err, _msg) -> None:
+        if err is not None:
+            failed.append(str(err))
+
+    produce(producer, topic, value, key=key, on_delivery=on_delivery)
+    if producer.flush(timeout_s) or failed:
+        raise PublishError(f"{topic} did not acknowledge {what} ({failed[0] if failed else 'timed out'}); "
+                           "nothing was changed")
 
 
 def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tuple[str, int]]) -> None:

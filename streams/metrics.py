@@ -47,11 +47,6 @@ OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events 
                             ["status"])
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
 
-
-def serve(port: int, addr: str = "127.0.0.1") -> None:
-    """Serve /metrics on `port` (0: not at all) at `addr` (METRICS_ADDR, default loopback)."""
-    if port:
-        start_http_server(port, addr=addr)
 PRODUCE_RETRIES = Counter("dispatch_produce_retries_total", "Records produced again after the broker did not "
                           "acknowledge them", ["writer"])
 PRODUCE_PENDING = Gauge("dispatch_produce_pending_records", "Records a writer holds until the broker acknowledges "
@@ -72,3 +67,25 @@ RETRY_TIER_WAITING = Gauge("dispatch_retry_tier_waiting_messages", "Retry messag
                            "monitor measures them", ["channel", "lane", "tier"])
 RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the most overdue "
                            "unreleased retry message is, as the lag monitor measures it", ["channel", "lane", "tier"])
+# ---- webhook endpoint health (the endpoint-health app, except skipped deliveries)
+ENDPOINTS_BY_STATE = Gauge("webhook_endpoints", "Webhook endpoints by state, as this endpoint-health copy sees "
+                           "the whole fleet (every copy reports all endpoints: aggregate with max)", ["state"])
+CONSECUTIVE_FAILURES = Histogram("webhook_endpoint_consecutive_failures", "An endpoint's consecutive failed "
+                                 "attempts, observed at each failed attempt",
+                                 buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 50))
+DEGRADATIONS = Counter("webhook_endpoint_degradations_total", "Endpoints that became degraded (10 consecutive "
+                       "failures)")
+HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails by kind (dropped, stopped) and "
+                        "result (sent; suppressed by the 24 h window; no_members)", ["kind", "result"])
+HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "
+                        "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
+                        ["kind"])
+SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
+                             "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
+                             "(ingest, worker)", ["reason", "where"])
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve /metrics on `port` (0: not at all) at `addr` (METRICS_ADDR, default loopback)."""
+    if port:
+        start_http_server(port, addr=addr)

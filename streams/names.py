@@ -40,6 +40,21 @@ class TopicNames:
         """Every webhook delivery attempt, key = endpoint id (endpoint health follows it)."""
         return f"{self.namespace}notif.webhook.attempts"
 
+    @property
+    def endpoint_state(self) -> str:
+        """Webhook endpoint health, key = endpoint id (compacted; written by endpoint-health)."""
+        return f"{self.namespace}notif.endpoint.state"
+
+    @property
+    def webhook_skipped(self) -> str:
+        """Webhook deliveries never enqueued (degraded endpoint, shed backlog), kept 7 days for replay."""
+        return f"{self.namespace}notif.webhook.skipped"
+
+    @property
+    def endpoint_health_app(self) -> str:
+        """The endpoint-health app's id: its consumer group and the prefix of its changelog topic."""
+        return f"{self.namespace}endpoint-health"
+
     def group(self, channel: str, lane: str) -> str:
         """The lane workers' group."""
         return f"{self.namespace}dispatch.{channel}.{lane}"
@@ -102,6 +117,14 @@ class RedisKeys:
     def endpoint_deliveries(self, endpoint_id: str) -> str:
         """An endpoint's deliveries by time (a sorted set), for `GET /v1/endpoints/{id}/deliveries`."""
         return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries"
+
+    def endpoint_backlog(self, endpoint_id: str) -> str:
+        """An endpoint's undelivered deliveries by creation time (a sorted set): backlog shedding."""
+        return f"{self.namespace}dr:{{{endpoint_id}}}:backlog"
+
+    def members(self, tenant: str) -> str:
+        """The email addresses of a tenant's project members (endpoint alerts go to them)."""
+        return f"{self.namespace}dr:{{t:{tenant}}}:members"
 
     # ---- ingest
     def send_status(self, send_id: str) -> str:

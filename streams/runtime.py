@@ -21,13 +21,15 @@ if TYPE_CHECKING:
     from .gate.limits import LimitStore
     from .ingest.api_keys import ApiKeys
     from .ingest.sdk import Router, SendClient
+    from .ingest.status import StatusStore
     from .providers.http import Provider
     from .retry.policy import RetryPolicy
     from .retry.retrier import Retrier
     from .send import Send
     from .state.guard import StateGuard
     from .state.log import OperatorLog
-    from .webhooks.endpoints import EndpointStore
+    from .webhooks.endpoints import EndpointDirectory, EndpointStore
+    from .webhooks.ingest import WebhookIngest
     from .webhooks.ssrf import UrlPolicy
 
 
@@ -75,15 +77,34 @@ class Runtime:
         return EndpointStore(client or self.redis(), self.namespace, self.operator_log(), self.url_policy(),
                              system_resolver)
 
+    def webhook_ingest(self, client: Redis, send_client: SendClient, store: StatusStore) -> WebhookIngest:
+        """The webhook side of the ingest API (call `follow()` to keep its endpoint view current)."""
+        from .ingest.members import MemberStore
+        from .webhooks.backlog import EndpointBacklog
+        from .webhooks.fanout import BacklogLimit
+        from .webhooks.ingest import WebhookIngest
+
+        c = self.config
+        return WebhookIngest(self.endpoint_store(client), self.endpoint_directory(),
+                             EndpointBacklog(client, self.namespace),
+                             BacklogLimit(c.webhook_backlog_max_count, int(c.webhook_backlog_max_age_s * 1000)),
+                             MemberStore(client, self.namespace, self.operator_log()), send_client, store)
+
+    def endpoint_directory(self) -> EndpointDirectory:
+        """A started view of every endpoint, its health and every project's members (poll it)."""
+        from .webhooks.endpoints import EndpointDirectory
+
+        directory = EndpointDirectory(self.bootstrap, self.names.operator, self.names.endpoint_state)
+        directory.start()
+        return directory
+
     def provider(self, channel: str, concurrency: int = 8) -> Provider:
         spec = provider_for(channel)
         if channel == "webhook":
             from .webhooks.delivery import WebhookDelivery
-            from .webhooks.endpoints import EndpointDirectory
 
-            directory = EndpointDirectory(self.bootstrap, self.names.operator)
-            directory.start()
-            return WebhookDelivery(directory, self.url_policy(), self.config.webhook_timeout_s, concurrency)
+            return WebhookDelivery(self.endpoint_directory(), self.url_policy(), self.config.webhook_timeout_s,
+                                   concurrency)
         endpoint = self.config.providers[spec.name]
         if not endpoint.base_url:
             raise ConfigError(f"{spec.url_var} is not set: where is the {channel} provider?")

@@ -52,7 +52,7 @@ def new_send_id(now_ms: int | None = None) -> str:
     return str(uuid.UUID(int=value))
 
 
-def _check_address(value: str) -> str:
+def check_address(value: str) -> str:
     # The message does not repeat the value: these messages reach logs and DLQ headers.
     if not (_EMAIL.match(value) or _NAMED_EMAIL.match(value)):
         raise ValueError("not an email address")
@@ -93,12 +93,12 @@ class EmailPayload(BaseModel):
     @field_validator("from_")
     @classmethod
     def _from(cls, v: str) -> str:
-        return _check_address(v)
+        return check_address(v)
 
     @field_validator("to")
     @classmethod
     def _to(cls, v: list[str]) -> list[str]:
-        return [_check_address(a) for a in v]
+        return [check_address(a) for a in v]
 
     @model_validator(mode="after")
     def _body(self) -> EmailPayload:

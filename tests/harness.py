@@ -39,6 +39,10 @@ class MockProvider:
     def stats(self, deliveries: bool = False) -> dict:
         return self.http.get("/_mock/stats", params={"deliveries": "1"} if deliveries else None).json()
 
+    def emails(self) -> list[dict]:
+        """The emails the mock delivered (the last 1,000), oldest first."""
+        return self.http.get("/_mock/stats", params={"messages": "1"}).json()["messages"]
+
     def configure(self, **settings) -> None:
         self.http.post("/_mock/config", json=settings).raise_for_status()
 
@@ -192,3 +196,30 @@ def start_api(fleet, port: int, tenants: dict[str, str], redis_client, namespace
                    for name, tenant in tenants.items()}
     client.keys["operator"] = {"Authorization": f"Bearer {keys.create('operator')}"}  # type: ignore[attr-defined]
     return client
+
+
+# ---------------------------------------------------------------- webhooks through the ingest API
+def webhook_event(event_type: str = "invoice.paid", **data) -> dict:
+    return {"channel": "webhook", "category": "transactional",
+            "payload": {"event_type": event_type, "occurredAt": "2026-11-30T12:00:00Z", "data": {"id": 7, **data}}}
+
+
+def register_endpoint(api, mock_endpoint, name: str, who: str = "a", event_types=("invoice.paid",),
+                      **behaviour) -> dict:
+    """Register the mock receiver's endpoint `name` for tenant `who`, the receiver knowing its secret."""
+    r = api.post("/v1/endpoints", json={"url": mock_endpoint.url(name), "event_types": list(event_types),
+                                        "description": name}, headers=api.keys[who])
+    assert r.status_code == 201, r.text
+    ep = r.json()
+    assert ep["secret"].startswith("whsec_")
+    mock_endpoint.configure(name, secrets=[ep["secret"]], **behaviour)
+    return ep
+
+
+def delivery(api, delivery_id: str, who: str = "a") -> dict:
+    return api.get(f"/v1/deliveries/{delivery_id}", headers=api.keys[who]).json()
+
+
+def final_delivery(api, delivery_id: str, timeout: float = 30, who: str = "a") -> dict:
+    return wait_until(lambda: (d := delivery(api, delivery_id, who)).get("status") in ("delivered", "dropped", "skipped")
+                      and d, timeout, f"delivery {delivery_id} to finish", interval=0.3)

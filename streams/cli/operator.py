@@ -198,9 +198,15 @@ def endpoints(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         import orjson
 
-        store = Runtime(args.config).endpoint_store()
+        from ..ingest.status import StatusStore
+
+        rt = Runtime(args.config)
+        r = rt.redis()
+        webhooks = rt.webhook_ingest(r, rt.send_client(), StatusStore(r, rt.namespace))
+        webhooks.directory.catch_up()  # to show each endpoint's health
+        store = webhooks.endpoints
         if args.action == "list":
-            for ep in store.all(args.tenant):
+            for ep in map(webhooks.current, store.all(args.tenant)):
                 print(f"{ep.id}  {ep.state:<9} {'enabled ' if ep.enabled else 'disabled'} {ep.url}  "
                       f"[{', '.join(ep.event_types)}]")
             return 0
@@ -226,8 +232,9 @@ def endpoints(sub) -> None:
             return 0
         if args.action == "show":
             found = store.get(args.tenant, args.endpoint_id)
-        elif args.action == "reactivate":
-            found = store.set_state(args.tenant, args.endpoint_id, "active", "reactivated by an operator")
+            found = found and webhooks.current(found)
+        elif args.action == "reactivate":  # counter and alert window reset, deliveries resume
+            found = webhooks.reactivate(args.tenant, args.endpoint_id)
         else:
             found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
         if found is None:

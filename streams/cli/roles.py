@@ -1,5 +1,5 @@
-"""Long-lived process roles: lane workers, retriers, the lag monitor, the ingest API and the
-outcome recorder. Each can run as many copies as needed."""
+"""Long-lived process roles: lane workers, retriers, the lag monitor, the ingest API, the
+outcome recorder and the endpoint-health app. Each can run as many copies as needed."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
     from ..ingest.status import StatusStore
 
     r = rt.redis()
-    app = create_app(rt.send_client(router=router), StatusStore(r, rt.namespace), rt.api_keys(r),
-                     rt.limit_store(r), frozenset(rt.policies()), guard=rt.state_guard("api", r),
-                     endpoints=rt.endpoint_store(r))
+    client, store = rt.send_client(router=router), StatusStore(r, rt.namespace)
+    webhooks = rt.webhook_ingest(r, client, store)
+    webhooks.follow()
+    app = create_app(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
+                     guard=rt.state_guard("api", r), webhooks=webhooks)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 
@@ -129,4 +131,23 @@ def outcome_recorder(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [worker, retrier, lag_monitor, api, outcome_recorder]
+def endpoint_health(sub) -> None:
+    p = sub.add_parser("endpoint-health", help="the faust-streaming app keeping webhook endpoint health "
+                                               "(degradation, alert emails); run one or more copies")
+    p.add_argument("--data-dir", default=None, help="faust's working directory (default: a temporary one)")
+    _metrics_port(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from pathlib import Path
+
+        from ..health.app import EndpointHealthApp
+
+        rt = Runtime(args.config)
+        metrics.serve(args.metrics_port, rt.config.metrics_addr)
+        app = EndpointHealthApp(rt.config, rt.endpoint_directory(), Path(args.data_dir) if args.data_dir else None)
+        return app.run(f"endpoint health consuming {rt.names.webhook_attempts} as {rt.names.endpoint_health_app}")
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [worker, retrier, lag_monitor, api, outcome_recorder, endpoint_health]

@@ -22,8 +22,8 @@ import httpx
 
 from ..send import validate_request
 from ..webhooks.delivery import delivery_body
-from ..webhooks.endpoints import Endpoint
 from ..webhooks.fanout import fan_out
+from ..webhooks.model import Endpoint
 from ..webhooks.signing import headers as signed_headers
 from .fleet import Fleet, free_port
 

@@ -10,8 +10,9 @@
 - Faults: latency, a 5xx ratio, a ratio of timeouts *after* accepting (the message counts as
   delivered, the answer comes too late), a 401 ratio, and `hold_answers` (accept, then hold every
   answer until it is switched off; `held` in the stats counts them).
-- `GET /_mock/stats`: per-tenant counts, per-send receive times, duplicate deliveries, forbidden
-  requests. Any other path (audiences, contacts, segments, broadcasts, topics ...) is refused,
+- `GET /_mock/stats`: per-tenant counts, per-send receive times (`?deliveries=1`), duplicate
+  deliveries, forbidden requests, the last 1,000 emails (`?messages=1`: send id, tenant, to,
+  subject, text). Any other path (audiences, contacts, segments, broadcasts, topics ...) is refused,
   counted and logged as an error.
 """
 
@@ -38,6 +39,7 @@ _EMAIL = re.compile(r"^([^<>]*<)?[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+>?$")
 _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
 _TAG = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # Resend's rule for tag names and values
 IDEMPOTENCY_TTL_S = 24 * 3600
+MESSAGES_KEPT = 1000
 
 
 def _json(body: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -79,6 +81,7 @@ class MockState:
         "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0,
         "marketing_single_requests": 0, "messages_delivered": 0})
     forbidden_paths: list = field(default_factory=list)
+    messages: list = field(default_factory=list)      # the last emails delivered: send_id, tenant, to, subject
     held: int = 0                                     # accepted requests whose answer is held
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -216,6 +219,10 @@ def build_app(config: MockConfig) -> Starlette:
             state.counts["messages_delivered"] += 1
             if tags.get("send_id"):
                 state.deliveries.setdefault(tags["send_id"], []).append(now)
+            if "subject" in item:
+                state.messages.append({"send_id": tags.get("send_id"), "tenant": tags.get("tenant"),
+                                       "to": item.get("to"), "subject": item["subject"], "text": item.get("text")})
+                del state.messages[:-MESSAGES_KEPT]
         tags = _tags(items[0])
         tenant = state.tenant(tags.get("tenant", "unknown"))
         tenant["requests"] += 1
@@ -270,6 +277,8 @@ def build_app(config: MockConfig) -> Starlette:
                 "forbidden_paths": state.forbidden_paths[-50:]}
         if request.query_params.get("deliveries") == "1":
             body["deliveries"] = state.deliveries
+        if request.query_params.get("messages") == "1":
+            body["messages"] = state.messages
         return _json(body)
 
     async def configure(request: Request) -> Response:

@@ -25,6 +25,7 @@ from .. import metrics
 from ..kafka_client import AckedWriter
 from ..logs import evidence
 from ..names import TopicNames
+from ..outcomes import outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
 from ..retry.policy import RetryAt
 from ..send import Send
@@ -63,12 +64,7 @@ class RecordWriter:
     # ------------------------------------------------------------------ outcomes and history
     def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int, provider_message_id: str = "",
                       reason: str = "", attempt: dict | None = None) -> dict:
-        """`status`: delivered | retrying | unknown | dead_lettered; `attempt` the attempt that led here."""
-        return {"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
-                "status": status, "attempts": attempts, "provider": self.provider,
-                "provider_message_id": provider_message_id, "reason": reason,
-                "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
-                "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt, "replay_of": s.replay_of}
+        return outcome_event(s, status, attempts, now_ms, self.provider, provider_message_id, reason, attempt)
 
     @staticmethod
     def origin(p: Pending) -> dict:
@@ -81,25 +77,18 @@ class RecordWriter:
                 "status": "delivered", "attempts": None, "provider": self.provider,
                 "provider_message_id": provider_message_id, "reason": "", "completed_at_ms": now_ms}
 
-    @staticmethod
-    def _webhook_fields(p: Pending) -> dict:
-        """A webhook delivery's endpoint and event, for its endpoint's delivery list."""
-        if p.send.channel != "webhook":
-            return {}
-        return {"endpoint_id": p.send.payload.get("endpoint_id"), "event_id": p.send.payload.get("event_id"),
-                "event_type": p.send.payload.get("event_type")}
-
     def skipped(self, p: Pending, reason: str, now_ms: int, on_ack: OnAck) -> None:
         """A delivery never attempted (its endpoint deleted, disabled or degraded): recorded, not sent."""
         metrics.SENDS.labels(*self._label, "skipped").inc()
+        metrics.SKIPPED_DELIVERIES.labels(reason, "worker").inc()
         evidence(log, logging.INFO, "skipped", send_id=p.send.send_id, tenant=p.send.tenant_id, reason=reason)
         self.outcome({**self.outcome_event(p.send, "skipped", p.attempt - 1, now_ms, reason=reason),
-                      "origin": self.origin(p), **self._webhook_fields(p)}, on_ack)
+                      "origin": self.origin(p)}, on_ack)
 
     def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
         """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
         delivery was given up after it."""
-        fields = self._webhook_fields(p)
+        fields = webhook_fields(p.send)
         event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
                  **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024], "dropped": dropped}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
@@ -121,7 +110,7 @@ class RecordWriter:
                  due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
         status = "unknown" if result.outcome == "unknown" else "retrying"
         self.outcome({**self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
-                                           attempt=attempt_info(p.attempt, result, now_ms)), **self._webhook_fields(p)})
+                                           attempt=attempt_info(p.attempt, result, now_ms))})
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, on_ack,
                      on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack))
@@ -162,7 +151,7 @@ class RecordWriter:
         # A webhook delivery that is given up on is "dropped" (the word its receivers' alerts use).
         status = "dropped" if p.send.channel == "webhook" else "dead_lettered"
         event = {**self.outcome_event(p.send, status, p.attempt, now_ms, reason=reason, attempt=attempt),
-                 "origin": self.origin(p), **self._webhook_fields(p)}
+                 "origin": self.origin(p)}
 
         def written(partition: int, offset: int) -> None:  # the status store remembers where the letter is
             self.outcome({**event, "dlq": {"partition": partition, "offset": offset}})

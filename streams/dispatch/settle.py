@@ -181,7 +181,7 @@ class Settler:
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
                                                         attempt=attempt_info(p.attempt, result, now_ms)),
-                           "origin": self.records.origin(p), **self.records._webhook_fields(p)})
+                           "origin": self.records.origin(p)})
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,

@@ -17,11 +17,11 @@ from .. import metrics
 from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.limits import LimitChange, LimitStore
 from ..lanes import lane_for
-from ..send import MAX_BATCH, Send, SendRequest, build_send, flatten_errors, policy_error
+from ..send import MAX_BATCH, Send, SendRequest, build_send, flatten_errors, new_send_id, policy_error
 from ..state.guard import StateGuard
 from ..webhooks.api import webhook_routes
-from ..webhooks.endpoints import EndpointStore
 from ..webhooks.fanout import fan_out
+from ..webhooks.ingest import WebhookIngest
 from .api_keys import ApiKeys, Principal
 from .sdk import SendClient
 from .status import StatusStore
@@ -41,6 +41,8 @@ class BatchRequest(BaseModel):
 class Delivery(BaseModel):
     delivery_id: str
     endpoint_id: str
+    skipped: str | None = Field(None, description="why it was recorded as skipped instead of enqueued "
+                                                  "(endpoint_degraded, backlog_shed)")
 
 
 class Accepted(BaseModel):
@@ -99,7 +101,7 @@ def _too_large(limit: int) -> JSONResponse:
 
 def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: LimitStore,
                known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES,
-               guard: StateGuard | None = None, endpoints: EndpointStore | None = None) -> FastAPI:
+               guard: StateGuard | None = None, webhooks: WebhookIngest | None = None) -> FastAPI:
     """`guard` (checked at most every few seconds) rebuilds the API keys from the operator log
     when Redis has lost its data, so tenants keep publishing without an operator."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1",
@@ -152,19 +154,29 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
                             headers={"Retry-After": "1"})
 
-    def _expand(tenant_id: str, req: SendRequest) -> tuple[Accepted, list[Send]]:
-        """A send, or a webhook event fanned out to its subscribed endpoints."""
+    def _expand(tenant_id: str, req: SendRequest) -> tuple[Accepted, list[Send], list[tuple[Send, str]]]:
+        """A send, or a webhook event fanned out to its subscribed endpoints: the deliveries to
+        enqueue and those recorded as skipped (endpoint degraded, backlog shed)."""
         if req.channel != "webhook":
             send = build_send(req, tenant_id, routing=client.routing)
-            return Accepted(send_id=send.send_id, lane=send.lane, deliveries=None), [send]
+            return Accepted(send_id=send.send_id, lane=send.lane, deliveries=None), [send], []
         event_type = req.payload["event_type"]
-        subscribed = endpoints.subscribers(tenant_id, event_type) if endpoints is not None else []
-        event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing)
-        note = None if deliveries else (f"accepted with no delivery: no enabled endpoint of this tenant subscribes "
+        enqueue: list[Send] = []
+        skipped: list[tuple[Send, str]] = []
+        subscribed = []
+        if webhooks is None:
+            event_id = new_send_id()
+        else:
+            subscribed = webhooks.endpoints.subscribers(tenant_id, event_type)
+            event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing)
+            enqueue, skipped = webhooks.admit(deliveries)
+        note = None if subscribed else (f"accepted with no delivery: no enabled endpoint of this tenant subscribes "
                                         f"to {event_type!r}")
+        reasons = {d.send_id: reason for d, reason in skipped}
         return Accepted(send_id=event_id, lane=lane_for(req.category), note=note,
-                        deliveries=[Delivery(delivery_id=d.send_id, endpoint_id=d.payload["endpoint_id"])
-                                    for d in deliveries]), deliveries
+                        deliveries=[Delivery(delivery_id=d.send_id, endpoint_id=d.payload["endpoint_id"],
+                                             skipped=reasons.get(d.send_id))
+                                    for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
     def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list[Accepted]:
         # The schema checked every field; the policy name is checked against the policy file.
@@ -173,15 +185,20 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
         expanded = [_expand(tenant_id, r) for r in requests]
-        sends = [s for _, group in expanded for s in group]
-        store.accepted(sends)
+        sends = [s for _, group, _ in expanded for s in group]
+        skipped = [s for _, _, group in expanded for s in group]
+        store.accepted(sends + [s for s, _ in skipped])
         try:
+            if webhooks is not None:
+                webhooks.record_skipped(skipped)
             client.publish_sends(sends)
         except PublishError as exc:
             raise HTTPException(503, {"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}) from None
+        if webhooks is not None:
+            webhooks.enqueued([s for s in sends if s.channel == "webhook"])
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()
-        return [accepted for accepted, _ in expanded]
+        return [accepted for accepted, _, _ in expanded]
 
     @app.post("/v1/sends", status_code=202, response_model=Accepted, response_model_exclude_none=True)
     def post_send(body: SendRequest, tenant_id: Annotated[str, Depends(tenant)]) -> Accepted:
@@ -192,8 +209,8 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         accepted = _publish(tenant_id, body.sends, batch=True)
         return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
 
-    if endpoints is not None:
-        app.include_router(webhook_routes(endpoints, store, client, tenant))
+    if webhooks is not None:
+        app.include_router(webhook_routes(webhooks, store, client, tenant))
 
     @app.get("/v1/sends/{send_id}")
     def get_send(send_id: str, tenant_id: Annotated[str, Depends(tenant)]) -> dict:

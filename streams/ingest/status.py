@@ -78,6 +78,8 @@ class StatusStore:
                 pipe.zremrangebyscore(index, 0, created - STATUS_TTL_S * 1000)
                 pipe.expire(index, STATUS_TTL_S)
                 fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
+                if event["status"].encode() in FINAL:  # no longer part of the endpoint's backlog
+                    pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
             if current not in FINAL or event["status"].encode() in FINAL and current != b"delivered":
                 pipe.hset(key, mapping=fields)
                 pipe.expire(key, STATUS_TTL_S)

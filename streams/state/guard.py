@@ -3,10 +3,10 @@
 Redis holds an epoch id, written once per data set and recorded in the operator log. When Redis
 has no epoch but the log has one, Redis lost its data (restarted without persistence, flushed,
 failed over to an empty replica): every role that notices it rebuilds the operator state (limits,
-API keys) from the log by itself, and dispatch holds, failing closed, because the delivery marks
-(`processed_jobs`) are gone and re-sending everything is worse than waiting. It holds until an
-operator runs `streams state recover` (which rebuilds the marks from `notif.outcomes`, then
-writes the epoch back) or `streams state acknowledge-loss`.
+API keys, endpoints, project members) from the log by itself, and dispatch holds, failing closed,
+because the delivery marks (`processed_jobs`) are gone and re-sending everything is worse than
+waiting. It holds until an operator runs `streams state recover` (which rebuilds the marks from
+`notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             pipe.hset(keys.api_keys, name, orjson.dumps(value))
         elif kind == "endpoint" and value:
             pipe.hset(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
+        elif kind == "members" and value:
+            pipe.set(keys.members(name), orjson.dumps(value))
         else:
             continue
         written += 1

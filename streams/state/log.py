@@ -1,7 +1,8 @@
 """The operator log: a compacted topic (`notif.operator`, one partition) holding the latest value
-of every piece of operator state (a provider's limits, an API key, the Redis epoch). Every
-operator change is written here, acknowledged, before Redis; Redis is a cache that can be rebuilt
-from it. Keys: `limits/<provider>`, `apikey/<sha256 of the key>`, `epoch`."""
+of every piece of operator state (a provider's limits, an API key, an endpoint, a project's members,
+the Redis epoch). Every operator change is written here, acknowledged, before Redis; Redis is a
+cache that can be rebuilt from it. Keys: `limits/<provider>`, `apikey/<sha256 of the key>`,
+`endpoint/<id>`, `members/<tenant>`, `epoch`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import uuid
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from ..errors import PublishError, StackError
-from ..kafka_client import client_config, durable_producer, produce
+from ..errors import StackError
+from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
 
@@ -25,17 +26,8 @@ class OperatorLog:
 
     def put(self, key: str, value: dict | None) -> None:
         """Write one entry (None deletes it) and wait for the broker's acknowledgement."""
-        failed: list[str] = []
-
-        def on_delivery(err, _msg) -> None:
-            if err is not None:
-                failed.append(str(err))
-
-        produce(self._producer, self.topic, None if value is None else orjson.dumps(value), key=key.encode(),
-                on_delivery=on_delivery)
-        if self._producer.flush(TIMEOUT_S + 5) or failed:
-            raise PublishError(f"the operator log {self.topic} did not acknowledge {key!r} "
-                               f"({failed[0] if failed else 'timed out'}); nothing was changed")
+        put_acked(self._producer, self.topic, key.encode(), None if value is None else orjson.dumps(value),
+                  TIMEOUT_S + 5, f"the operator entry {key!r}")
 
     def snapshot(self) -> dict[str, dict]:
         """The latest value of every key (deleted keys left out), read from the start to the end."""

@@ -206,7 +206,7 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
 
 def channel_specs(specs: dict[str, TopicSpec], namespace: str, channels: tuple[str, ...]) -> dict[str, TopicSpec]:
     """The topics one or more channels need: their lanes and retry tiers, plus the shared
-    `notif.dlq`, `notif.outcomes`, `notif.lag` and `notif.operator`."""
-    shared = {f"{namespace}notif.{t}" for t in ("dlq", "outcomes", "lag", "operator")}
+    `notif.dlq`, `notif.outcomes`, `notif.lag`, `notif.operator` and `notif.endpoint.state`."""
+    shared = {f"{namespace}notif.{t}" for t in ("dlq", "outcomes", "lag", "operator", "endpoint.state")}
     prefixes = tuple(f"{namespace}notif.{c}." for c in channels)
     return {n: s for n, s in specs.items() if n in shared or n.startswith(prefixes)}

@@ -3,10 +3,12 @@
     POST   /v1/endpoints                      register (the signing secret is shown once)
     GET    /v1/endpoints                      list;  GET/PATCH/DELETE /v1/endpoints/{id}
     POST   /v1/endpoints/{id}/rotate-secret   a new secret; the previous one stays valid 24 h
+    POST   /v1/endpoints/{id}/reactivate      back to active after degradation (or a 410): counter and alerts reset
     GET    /v1/endpoints/{id}/deliveries      its deliveries, newest first (30 days)
     POST   /v1/endpoints/{id}/replay          replay its failed deliveries in a time range (bounded, idempotent)
     GET    /v1/deliveries/{id}                a delivery with its attempts
     POST   /v1/deliveries/{id}/replay         a new delivery (new webhook-id) carrying replay_of
+    PUT    /v1/members, GET /v1/members       the project's members: endpoint alert emails go to them
 
 Another tenant's endpoint or delivery is indistinguishable from a missing one (404).
 """
@@ -22,7 +24,8 @@ from ..errors import ConfigError, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..retry.replay import replay
-from .endpoints import EndpointStore
+from .ingest import WebhookIngest
+from .model import Endpoint
 
 MAX_BULK_REPLAY = 1000
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
@@ -43,6 +46,10 @@ class EndpointUpdate(BaseModel):
     enabled: bool | None = None
 
 
+class Members(BaseModel):
+    emails: list[str] = Field(description="every member's email address (at most 50); alerts go to all of them")
+
+
 class BulkReplay(BaseModel):
     since_ms: int = Field(description="replay deliveries created at or after this time (Unix ms)")
     until_ms: int | None = Field(None, description="... and before this time (default: now)")
@@ -59,10 +66,14 @@ def _invalid(exc: Exception) -> HTTPException:
     return HTTPException(422, {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": str(exc)}]})
 
 
-def webhook_routes(endpoints: EndpointStore, store: StatusStore, client: SendClient,
+def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClient,
                    tenant: Callable[..., str]) -> APIRouter:
     router = APIRouter(tags=["webhooks"])
     Tenant = Annotated[str, Depends(tenant)]  # noqa: N806 - a type alias
+    endpoints = webhooks.endpoints
+
+    def shown(ep: Endpoint) -> dict:
+        return webhooks.current(ep).public()
 
     @router.post("/v1/endpoints", status_code=201)
     def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
@@ -70,18 +81,18 @@ def webhook_routes(endpoints: EndpointStore, store: StatusStore, client: SendCli
             ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled)
         except ConfigError as exc:
             raise _invalid(exc) from None
-        return {**ep.public(), "secret": secret}
+        return {**shown(ep), "secret": secret}
 
     @router.get("/v1/endpoints")
     def list_endpoints(tenant_id: Tenant) -> dict:
-        return {"endpoints": [e.public() for e in endpoints.all(tenant_id)]}
+        return {"endpoints": [shown(e) for e in endpoints.all(tenant_id)]}
 
     @router.get("/v1/endpoints/{endpoint_id}")
     def get_endpoint(endpoint_id: str, tenant_id: Tenant) -> dict:
         ep = endpoints.get(tenant_id, endpoint_id)
         if ep is None:
             raise _not_found("endpoint")
-        return ep.public()
+        return shown(ep)
 
     @router.patch("/v1/endpoints/{endpoint_id}")
     def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
@@ -91,7 +102,7 @@ def webhook_routes(endpoints: EndpointStore, store: StatusStore, client: SendCli
             raise _invalid(exc) from None
         if ep is None:
             raise _not_found("endpoint")
-        return ep.public()
+        return shown(ep)
 
     @router.delete("/v1/endpoints/{endpoint_id}", status_code=204)
     def delete_endpoint(endpoint_id: str, tenant_id: Tenant) -> Response:
@@ -106,6 +117,27 @@ def webhook_routes(endpoints: EndpointStore, store: StatusStore, client: SendCli
         if secret is None:
             raise _not_found("endpoint")
         return {"secret": secret, "previous_valid_until_ms": now_ms + 24 * 3600 * 1000}
+
+    @router.post("/v1/endpoints/{endpoint_id}/reactivate")
+    def reactivate(endpoint_id: str, tenant_id: Tenant) -> dict:
+        """Back to active: deliveries resume, the failure counter and the alert window are reset (a
+        second incident the same day gets its own alert). Events skipped meanwhile can be replayed
+        (POST /v1/endpoints/{id}/replay)."""
+        ep = webhooks.reactivate(tenant_id, endpoint_id)
+        if ep is None:
+            raise _not_found("endpoint")
+        return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
+
+    @router.put("/v1/members")
+    def put_members(body: Members, tenant_id: Tenant) -> dict:
+        try:
+            return {"emails": list(webhooks.members.set(tenant_id, body.emails))}
+        except ConfigError as exc:
+            raise _invalid(exc) from None
+
+    @router.get("/v1/members")
+    def get_members(tenant_id: Tenant) -> dict:
+        return {"emails": list(webhooks.members.get(tenant_id))}
 
     @router.get("/v1/endpoints/{endpoint_id}/deliveries")
     def endpoint_deliveries(endpoint_id: str, tenant_id: Tenant, limit: Annotated[int, Query(ge=1, le=500)] = 100,

@@ -87,6 +87,8 @@ class WebhookDelivery:
             return ProviderResult("skipped", error_name="endpoint_deleted")
         if not ep.enabled or ep.state == "disabled":
             return ProviderResult("skipped", error_name="endpoint_disabled")
+        if ep.state == "degraded":  # never retried or probed until someone reactivates it
+            return ProviderResult("skipped", error_name="endpoint_degraded")
         started = time.monotonic()
         try:
             self.policy.check(ep.url, await self._resolve(urlsplit(ep.url).hostname or ""))

@@ -1,12 +1,10 @@
-"""Webhook endpoints: what tenants register, where it is kept, and the view workers follow.
+"""Webhook endpoints (`model.py`): where they are kept, and the view workers follow.
 
-An endpoint belongs to one tenant: a URL, a description, the event types it subscribes to (`*` for
-all), `enabled` (the tenant's switch), a health `state` (`active`, `degraded`, `disabled`) and its
-signing secrets (the current one first; after a rotation the previous one stays valid 24 h, and
-both sign). Like all operator state, endpoints are written first to the operator log (the
-compacted `notif.operator`, key `endpoint/<id>`), then to Redis for the API's reads; workers
-follow the log itself (`EndpointDirectory`), so a change reaches them within a poll, and Redis
-losing its data loses no endpoint.
+Like all operator state, endpoints are written first to the operator log (the compacted
+`notif.operator`, key `endpoint/<id>`), then to Redis for the API's reads; workers follow the log
+itself (`EndpointDirectory`), so a change reaches them within a poll, and Redis losing its data
+loses no endpoint. The directory also follows `notif.endpoint.state` (each endpoint's health) and
+the project members kept in the operator log.
 """
 
 from __future__ import annotations
@@ -14,69 +12,26 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StackError
 from ..kafka_client import client_config
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..state.log import OperatorLog
+from .model import STATES, Endpoint, Health, Secret, with_health
+
+__all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
 from .signing import new_secret
 from .ssrf import Resolver, UnsafeUrl, UrlPolicy
 
 ROTATION_OVERLAP_MS = 24 * 3600 * 1000
 log = logging.getLogger("streams.endpoints")
-STATES = ("active", "degraded", "disabled")
-
-
-@dataclass(frozen=True)
-class Secret:
-    value: str
-    expires_at_ms: int | None = None  # None: the current secret
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    id: str
-    tenant: str
-    url: str
-    event_types: tuple[str, ...]
-    description: str = ""
-    enabled: bool = True
-    state: str = "active"
-    state_reason: str = ""
-    secrets: tuple[Secret, ...] = ()
-    created_at_ms: int = 0
-
-    def subscribes(self, event_type: str) -> bool:
-        return "*" in self.event_types or event_type in self.event_types
-
-    @property
-    def deliverable(self) -> bool:
-        return self.enabled and self.state == "active"
-
-    def signing_secrets(self, now_ms: int) -> list[str]:
-        return [s.value for s in self.secrets if s.expires_at_ms is None or s.expires_at_ms > now_ms]
-
-    def public(self) -> dict[str, Any]:
-        """What the API shows (never the secrets)."""
-        doc = asdict(self)
-        doc.pop("secrets")
-        doc["event_types"] = list(self.event_types)
-        return doc
-
-    def to_doc(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> Endpoint:
-        return cls(**{**doc, "event_types": tuple(doc["event_types"]),
-                      "secrets": tuple(Secret(**s) for s in doc.get("secrets", ()))})
 
 
 def new_endpoint_id() -> str:
@@ -181,60 +136,97 @@ class EndpointStore:
 
 @dataclass
 class EndpointDirectory:
-    """Every endpoint, as the operator log says now: workers follow the log from its start, so a
-    change (a new URL, a rotated secret, a disabled endpoint) reaches them within a poll. Reads from
-    other threads see a consistent snapshot (the dict is replaced, never changed in place)."""
+    """Every endpoint and every project's members, as the operator log says now, and every
+    endpoint's health, as `notif.endpoint.state` says now. Followers (webhook workers, ingest, the
+    endpoint-health app) read both from their start, so a change (a new URL, a rotated secret, a
+    degraded endpoint) reaches them within a poll. Reads from other threads see a consistent
+    snapshot (the dicts are replaced, never changed in place)."""
 
     bootstrap: str
-    topic: str
+    topic: str                       # the operator log
+    state_topic: str | None = None   # endpoint health; None: not followed
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    health: dict[str, Health] = field(default_factory=dict)
+    members: dict[str, tuple[str, ...]] = field(default_factory=dict)
     caught_up: bool = False
     _consumer: Consumer | None = None
-    _end: int | None = None  # the log's end when we started: caught up once read to here
-    _position: int = 0
+    _ends: dict[str, int] = field(default_factory=dict)       # each topic's end when we started
+    _positions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def topics(self) -> tuple[str, ...]:
+        return (self.topic,) if self.state_topic is None else (self.topic, self.state_topic)
 
     def start(self) -> None:
         self._consumer = Consumer(client_config(self.bootstrap, quiet=True, settings={
             "group.id": f"endpoint-directory-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
-        self._consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+        self._consumer.assign([TopicPartition(t, 0, OFFSET_BEGINNING) for t in self.topics])
 
-    def _learn_end(self) -> None:
-        """The end offset to catch up to (asked again on the next poll while the broker cannot say)."""
+    def _learn_ends(self) -> None:
+        """The end offsets to catch up to (asked again on the next poll while the broker cannot say)."""
         assert self._consumer is not None
-        try:
-            low, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=1, cached=False)
-        except Exception as exc:  # noqa: BLE001 - e.g. a leader not elected yet: ask again next poll
-            log.debug("operator log %s end not known yet: %s", self.topic, exc)
-            return
-        self._end = high
-        self.caught_up = self._position >= high or high == low
+        for topic in self.topics:
+            if topic in self._ends:
+                continue
+            try:
+                low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=1, cached=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. a leader not elected yet: ask again next poll
+                log.debug("%s end not known yet: %s", topic, exc)
+                continue
+            self._ends[topic] = high if high > low else 0
+
+    def _check_caught_up(self) -> None:
+        self.caught_up = len(self._ends) == len(self.topics) and all(
+            self._positions.get(t, 0) >= end for t, end in self._ends.items())
 
     def poll(self) -> None:
-        """Apply what the log has gained since the last poll (never blocks long)."""
+        """Apply what the topics have gained since the last poll (never blocks long)."""
         if self._consumer is None:
             return
-        if self._end is None:
-            self._learn_end()
-        changed = dict(self.endpoints)
-        for m in self._consumer.consume(num_messages=1000, timeout=0):
+        if not self.caught_up:
+            self._learn_ends()
+        batch = self._consumer.consume(num_messages=1000, timeout=0)
+        if not batch:
+            if not self.caught_up:
+                self._check_caught_up()
+            return
+        endpoints, health, members = dict(self.endpoints), dict(self.health), dict(self.members)
+        for m in batch:
             if m.error():
                 continue
-            key = (m.key() or b"").decode()
-            self._position = m.offset() + 1
-            if self._end is not None and self._position >= self._end:
-                self.caught_up = True
-            if not key.startswith("endpoint/"):
-                continue
-            endpoint_id = key.removeprefix("endpoint/")
-            if m.value() is None:
-                changed.pop(endpoint_id, None)
-            else:
-                changed[endpoint_id] = Endpoint.from_doc(orjson.loads(m.value()))
-        if len(changed) != len(self.endpoints) or any(self.endpoints.get(k) is not v for k, v in changed.items()):
-            self.endpoints = changed
+            self._positions[m.topic()] = m.offset() + 1
+            key, value = (m.key() or b"").decode(), m.value()
+            if m.topic() == self.state_topic:
+                if value is None:
+                    health.pop(key, None)
+                else:
+                    doc = orjson.loads(value)
+                    health[key] = Health(doc.get("state", "active"), doc.get("reason", ""), doc.get("since_ms", 0))
+            elif key.startswith("endpoint/"):
+                if value is None:
+                    endpoints.pop(key.removeprefix("endpoint/"), None)
+                else:
+                    endpoints[key.removeprefix("endpoint/")] = Endpoint.from_doc(orjson.loads(value))
+            elif key.startswith("members/"):
+                members[key.removeprefix("members/")] = tuple(orjson.loads(value)["emails"]) if value else ()
+        if not self.caught_up:
+            self._check_caught_up()
+        self.endpoints, self.health, self.members = endpoints, health, members
+
+    def catch_up(self, timeout_s: float = 10.0) -> None:
+        """Poll until the view holds everything the topics held when it started (one-shot readers)."""
+        deadline = time.monotonic() + timeout_s
+        self.poll()
+        while not self.caught_up:
+            if time.monotonic() > deadline:
+                raise StackError(f"reading {', '.join(self.topics)} did not catch up within {timeout_s:.0f} s")
+            time.sleep(0.05)
+            self.poll()
 
     def get(self, endpoint_id: str) -> Endpoint | None:
-        return self.endpoints.get(endpoint_id)
+        """The endpoint, its state combining its configuration (`disabled` after a 410) and its health."""
+        ep = self.endpoints.get(endpoint_id)
+        return None if ep is None else with_health(ep, self.health.get(endpoint_id))
 
     def close(self) -> None:
         if self._consumer is not None:

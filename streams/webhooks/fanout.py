@@ -2,14 +2,28 @@
 
 The event gets an id (returned to the tenant); each delivery is a send of its own on the webhook
 lane, with its own id (stable across its retries: the `webhook-id` receivers deduplicate by), the
-event's payload, and the endpoint it goes to.
+event's payload, and the endpoint it goes to. A delivery to a degraded endpoint, or to one whose
+backlog is extreme, is not enqueued: it is recorded as skipped (`skip_reason`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..retry.policy import PolicyRouting
 from ..send import Send, SendRequest, build_send, new_send_id
-from .endpoints import Endpoint
+from .model import Endpoint, Health
+
+
+@dataclass(frozen=True)
+class BacklogLimit:
+    """When an endpoint's backlog is extreme (`backlog.py` says why both thresholds count)."""
+
+    max_count: int = 10_000
+    max_age_ms: int = 6 * 3600 * 1000
+
+    def extreme(self, count: int, oldest_ms: int | None, now_ms: int) -> bool:
+        return count >= self.max_count and oldest_ms is not None and now_ms - oldest_ms >= self.max_age_ms
 
 
 def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: PolicyRouting | None = None,
@@ -21,3 +35,13 @@ def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: P
                              tenant, now_ms, routing)
                   for ep in endpoints]
     return event_id, deliveries
+
+
+def skip_reason(health: Health | None, backlog: tuple[int, int | None], limit: BacklogLimit,
+                now_ms: int) -> str | None:
+    """Why a new delivery to an endpoint is recorded as skipped instead of enqueued (None: enqueue)."""
+    if health is not None and health.state == "degraded":
+        return "endpoint_degraded"
+    if limit.extreme(*backlog, now_ms):
+        return "backlog_shed"
+    return None

@@ -10,14 +10,12 @@ from streams.errors import ReplayRefused
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
+from tests.harness import final_delivery as _final
 from tests.harness import free_port, start_api, wait_until
+from tests.harness import register_endpoint as _register
+from tests.harness import webhook_event as event
 
 SCALE = 0.0002  # the 9-attempt schedule (10 s ... 12 h, about 22 h) walked in about 16 s: same code path
-
-
-def event(event_type: str = "invoice.paid", **data) -> dict:
-    return {"channel": "webhook", "category": "transactional",
-            "payload": {"event_type": event_type, "occurredAt": "2026-11-30T12:00:00Z", "data": {"id": 7, **data}}}
 
 
 @pytest.fixture
@@ -34,25 +32,6 @@ def hooks(stack, namespace, channel_topics, limits, processes, redis_client, moc
     api = start_api(processes, free_port(), {"a": "tenant-a", "b": "tenant-b"}, redis_client, namespace)
     api.store = StatusStore(redis_client, namespace)
     return api
-
-
-def _register(api, mock_endpoint, name: str, who: str = "a", event_types=("invoice.paid",), **behaviour) -> dict:
-    r = api.post("/v1/endpoints", json={"url": mock_endpoint.url(name), "event_types": list(event_types),
-                                        "description": name}, headers=api.keys[who])
-    assert r.status_code == 201, r.text
-    ep = r.json()
-    assert ep["secret"].startswith("whsec_")
-    mock_endpoint.configure(name, secrets=[ep["secret"]], **behaviour)
-    return ep
-
-
-def _delivery(api, delivery_id: str, who: str = "a") -> dict:
-    return api.get(f"/v1/deliveries/{delivery_id}", headers=api.keys[who]).json()
-
-
-def _final(api, delivery_id: str, timeout: float = 30) -> dict:
-    return wait_until(lambda: (d := _delivery(api, delivery_id)).get("status") in ("delivered", "dropped", "skipped")
-                      and d, timeout, f"delivery {delivery_id} to finish", interval=0.3)
 
 
 def test_a_signed_event_reaches_every_subscribed_endpoint_and_its_history_is_kept(hooks, mock_endpoint):

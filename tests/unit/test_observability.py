@@ -33,12 +33,12 @@ def metric_names(expr: str) -> set[str]:
     without_strings = re.sub(r'"[^"]*"', "", without_labels)
     tokens = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_strings))
     return {t for t in tokens if t not in PROMQL_WORDS and not re.fullmatch(r"\d+[smhd]?", t)
-            and t.startswith("dispatch_")}
+            and t.startswith(("dispatch_", "webhook_"))}
 
 
 def dashboard_exprs() -> list[str]:
     dash = json.loads((DEPLOY / "grafana/dashboards/dispatch.json").read_text())
-    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
 
 
 def alert_exprs() -> list[str]:
@@ -73,5 +73,6 @@ def test_dashboard_shows_what_operators_watch():
     used = set().union(*(metric_names(e) for e in dashboard_exprs()))
     for required in ("dispatch_lane_lag_messages", "dispatch_lane_paused", "dispatch_sends_total",
                      "dispatch_end_to_end_seconds_bucket", "dispatch_provider_429_total",
-                     "dispatch_dead_letters_total"):
+                     "dispatch_dead_letters_total", "webhook_endpoints", "webhook_endpoint_alerts_total",
+                     "webhook_deliveries_skipped_total", "webhook_endpoint_consecutive_failures_bucket"):
         assert required in used

@@ -9,7 +9,8 @@ import pytest
 PURE = ["streams.gate.token_bucket", "streams.retry.policy", "streams.lag.yield_policy",
         "streams.dispatch.tenant_queues", "streams.dispatch.intake", "streams.providers.outcome",
         "streams.providers.registry", "streams.send", "streams.offsets", "streams.lanes", "streams.names",
-        "streams.topology.spec", "streams.config", "streams.errors"]
+        "streams.topology.spec", "streams.config", "streams.errors", "streams.health.rules", "streams.outcomes",
+        "streams.webhooks.model", "streams.webhooks.fanout"]
 IO_LIBRARIES = ["confluent_kafka", "redis", "httpx", "fastapi", "starlette", "prometheus_client", "faust"]
 
 

@@ -22,7 +22,9 @@ def test_repository_definitions_cover_every_lane_tier_and_system_topic():
     assert specs["notif.email.marketing"].config["retention.ms"] == str(7 * 24 * 3600 * 1000)
     assert specs["notif.outcomes"].config["retention.ms"] == str(30 * 24 * 3600 * 1000)
     assert specs["notif.operator"].config["cleanup.policy"] == "compact" and specs["notif.operator"].partitions == 1
-    assert len(specs) == 3 * 2 * (1 + 8) + 5
+    assert specs["notif.endpoint.state"].config["cleanup.policy"] == "compact"
+    assert specs["notif.webhook.skipped"].config["retention.ms"] == str(7 * 24 * 3600 * 1000)  # the replay window
+    assert len(specs) == 3 * 2 * (1 + 8) + 7
 
 
 def test_namespace_prefixes_every_name():

@@ -1,0 +1,196 @@
+"""`streams endpoint-health`: the faust-streaming app that keeps every webhook endpoint's health.
+The only module that imports faust; the data plane does not depend on it.
+
+It consumes `notif.webhook.attempts` (key = endpoint id) and keeps one row per endpoint in a
+faust table (`health`, changelog topic `<app id>-health-changelog`): consecutive failures, state,
+last error, alert window. The rules are `rules.py`; this module does their I/O:
+
+- an alert goes out as a send on our own email transactional lane, to every member of the
+  endpoint's project, with a send id derived from (endpoint, incident, kind, window): re-sent after
+  a restart, dispatch recognises it and never delivers it twice;
+- a state change is published to the compacted `notif.endpoint.state`, which webhook workers and
+  ingest follow;
+- only then is the row written. Faust commits the source offset after the changelog write is
+  acknowledged (at least once), so an event is applied again only when the app died before its
+  commit; the row remembers the offset it has applied (`applied_upto`), and an event at or below
+  it changes nothing. An event whose alert went out but whose row was not written is applied again
+  and its alert sent again under the same send id.
+
+Settings and why: `store="memory://"` (the table is small, one row per endpoint; it is rebuilt from
+the changelog on start and on every rebalance, so no local disk state can disagree with the
+changelog); `processing_guarantee="at_least_once"` (faust's exactly-once producer transactions are
+not needed: the offset check and the stable send ids make a replayed event harmless); the table's
+partitions equal the attempts topic's (faust writes a row to the changelog partition of the event
+that changed it); a 10 s session timeout, so a copy killed with kill -9 hands its endpoints to the
+others within about 10 s; one standby replica, so the survivor already holds most rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import faust
+import orjson
+
+from .. import metrics
+from ..config import Config
+from ..retry.policy import default_routing
+from ..send import SCHEMA_VERSION, Send, encode
+from ..topology.spec import load_definitions
+from ..webhooks.endpoints import EndpointDirectory
+from ..webhooks.model import with_health
+from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
+
+log = logging.getLogger("streams.endpoint_health")
+ALERT_TEMPLATE = "endpoint-alert"
+SEND_RETRY_MAX_S = 5.0
+
+
+class EndpointHealthApp:
+    def __init__(self, config: Config, directory: EndpointDirectory, data_dir: Path | None = None):
+        self.config, self.names, self.directory = config, config.names, directory
+        attempts = load_definitions(namespace=config.namespace)[self.names.webhook_attempts]
+        self.app = faust.App(
+            self.names.endpoint_health_app,
+            broker=[f"kafka://{server}" for server in config.bootstrap.split(",")],
+            store="memory://",
+            processing_guarantee="at_least_once",
+            topic_partitions=attempts.partitions,
+            topic_replication_factor=attempts.replication_factor,
+            table_standby_replicas=1,
+            broker_session_timeout=10.0,
+            broker_heartbeat_interval=1.0,
+            broker_commit_interval=1.0,
+            consumer_auto_offset_reset="earliest",
+            producer_acks=-1,
+            web_enabled=False,
+            datadir=str(data_dir or Path(tempfile.gettempdir()) / f"{self.names.endpoint_health_app}-data"),
+        )
+        self.attempts = self.app.topic(self.names.webhook_attempts, key_type=bytes, value_type=bytes,
+                                       key_serializer="raw", value_serializer="raw",
+                                       partitions=attempts.partitions)
+        # Rows are JSON documents (the app's default value serializer), keys the raw endpoint ids.
+        self.table = self.app.Table("health", default=None, partitions=attempts.partitions)
+        self.app.agent(self.attempts, name="endpoint-health")(self._follow)
+        self.app.timer(2.0)(self._report)
+        self.routing = default_routing()
+
+    # ------------------------------------------------------------------ the agent
+    async def _follow(self, stream: Any) -> None:
+        async for event in stream.events():
+            await self._caught_up()
+            endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
+            try:
+                doc = orjson.loads(event.value)
+                if not endpoint_id or not isinstance(doc, dict):
+                    raise ValueError("not an attempt event")
+            except (orjson.JSONDecodeError, ValueError, TypeError):
+                metrics.HEALTH_EVENTS.labels("malformed").inc()
+                log.warning("ignoring a malformed event at %s[%d]@%d", event.message.topic, event.message.partition,
+                            event.message.offset)
+                continue
+            row = self.table.get(endpoint_id)
+            before = Health.from_doc(row) if row else Health(endpoint_id)
+            outcome = apply(before, doc, event.message.offset)
+            if outcome.health is before:
+                metrics.HEALTH_EVENTS.labels("replayed").inc()
+                continue
+            metrics.HEALTH_EVENTS.labels("reactivated" if doc.get("kind") == "reactivated" else "attempt").inc()
+            await self._act(outcome, doc)
+            if outcome.health != _with_offset(before, outcome.health.applied_upto):
+                self.table[endpoint_id] = outcome.health.to_doc()  # after its effects (see the module docstring)
+
+    async def _caught_up(self) -> None:
+        """Alerts name the endpoint and go to its members: know them before deciding anything."""
+        self.directory.poll()
+        while not self.directory.caught_up:
+            await asyncio.sleep(0.05)
+            self.directory.poll()
+
+    async def _act(self, outcome: Outcome, event: dict) -> None:
+        h = outcome.health
+        if event.get("outcome") not in (None, "delivered", "skipped") or event.get("dropped"):
+            metrics.CONSECUTIVE_FAILURES.observe(h.consecutive_failures)
+        for kind in outcome.suppressed:
+            metrics.HEALTH_ALERTS.labels(kind, "suppressed").inc()
+            log.info("alert %s for endpoint %s suppressed: one alert per endpoint per 24 h", kind, h.endpoint_id)
+        for alert in outcome.alerts:
+            await self._send_alert(h, alert)
+        if outcome.state_changed:
+            if h.state == "degraded":
+                metrics.DEGRADATIONS.inc()
+            log.warning("endpoint %s of tenant %s is now %s", h.endpoint_id, h.tenant, h.state)
+            await self._produce(self.names.endpoint_state, h.endpoint_id.encode(), orjson.dumps(state_doc(h)), [])
+
+    async def _send_alert(self, h: Health, alert: Alert) -> None:
+        members = list(self.directory.members.get(h.tenant, ()))
+        if not members:
+            metrics.HEALTH_ALERTS.labels(alert.kind, "no_members").inc()
+            log.warning("alert %s for endpoint %s not sent: project %s has no members (PUT /v1/members)",
+                        alert.kind, h.endpoint_id, h.tenant)
+            return
+        ep = self.directory.endpoints.get(h.endpoint_id)
+        payload = alert_email(alert.kind, h.endpoint_id, ep.url if ep else "(deleted)", h.tenant, h.last_error,
+                              members, self.config.alerts_from)
+        send = Send(v=SCHEMA_VERSION, send_id=alert.send_id, tenant_id=self.config.alerts_tenant, channel="email",
+                    category="transactional", lane="transactional",
+                    policy=self.routing.policy_for("email", "transactional", ALERT_TEMPLATE),
+                    template_id=ALERT_TEMPLATE, template_version="1", payload=payload,
+                    created_at_ms=int(time.time() * 1000), correlation_id=h.endpoint_id)
+        await self._produce(self.names.lane("email", "transactional"), send.tenant_id.encode(), encode(send),
+                            [("send_id", send.send_id.encode())])
+        metrics.HEALTH_ALERTS.labels(alert.kind, "sent").inc()
+        log.warning("alert %s for endpoint %s sent as %s", alert.kind, h.endpoint_id, alert.send_id)
+
+    async def _produce(self, topic: str, key: bytes, value: bytes, headers: list) -> None:
+        """Until the broker acknowledges it: the row is written only after its effects."""
+        wait = 0.1
+        while True:
+            try:
+                await self.app.producer.send_and_wait(topic, key, value, None, None, headers)
+                metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure: the same record again, later
+                metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
+                log.warning("publishing to %s failed (%s); trying again in %.1f s", topic, exc, wait)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, SEND_RETRY_MAX_S)
+
+    # ------------------------------------------------------------------ metrics
+    async def _report(self) -> None:
+        self.directory.poll()
+        states = Counter(_state(with_health(ep, self.directory.health.get(ep.id)))
+                         for ep in self.directory.endpoints.values())
+        for state in ("active", "degraded", "disabled"):
+            metrics.ENDPOINTS_BY_STATE.labels(state).set(states.get(state, 0))
+
+    # ------------------------------------------------------------------ running
+    def run(self, banner: str) -> int:
+        app = self
+
+        class Worker(faust.Worker):
+            async def on_startup_finished(self) -> None:
+                await super().on_startup_finished()
+                print(banner, flush=True)
+
+        worker = Worker(self.app, loglevel=self.config.log_level, quiet=True, redirect_stdouts=False)
+        try:
+            worker.execute_from_commandline()
+        finally:
+            app.directory.close()
+        return 0
+
+
+def _with_offset(h: Health, offset: int) -> Health:
+    return replace(h, applied_upto=offset)
+
+
+def _state(ep: Any) -> str:
+    return "disabled" if not ep.enabled else ep.state

@@ -1,0 +1,138 @@
+"""Endpoint health, exactly as the webhook delivery guarantees state it. Pure code; time comes from
+the events themselves, so replaying them decides the same way (and names the same alerts).
+
+- Every failed attempt counts; any successful delivery puts the count back to zero.
+- At 10 consecutive failures the endpoint is `degraded`: nothing more is sent to it, and it is never
+  retried or probed by itself; someone reactivates it once it is fixed.
+- Two alerts, to the members of the endpoint's project: "Webhook event dropped" (a delivery used up
+  its 9 attempts) and "Webhook delivery stopped" (the endpoint just became degraded).
+- At most one alert per endpoint per 24 h, with one deliberate exception: "stopped" is always sent,
+  even after a "dropped" in the window; after a "stopped", "dropped" alerts are silenced for the
+  rest of the window.
+- Reactivation puts the count back to zero and clears the alert state, so a second incident the
+  same day gets its own alert.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+
+DEGRADE_AFTER = 10
+ALERT_WINDOW_MS = 24 * 3600 * 1000
+ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
+
+
+@dataclass(frozen=True)
+class Health:
+    endpoint_id: str
+    tenant: str = ""
+    consecutive_failures: int = 0
+    state: str = "active"            # active | degraded
+    last_error: str = ""
+    incident: int = 0                # bumped by every reactivation: a new incident, new alerts
+    window_start_ms: int | None = None  # when the alert that opened the current 24 h window went out
+    stopped_sent: bool = False       # a "stopped" went out in the current window
+    applied_upto: int = -1           # offset of the last event applied (replays skip what is done)
+    since_ms: int = 0                # when the state last changed
+
+    def to_doc(self) -> dict:
+        return self.__dict__.copy()
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> Health:
+        return cls(**doc)
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str          # "dropped" | "stopped"
+    send_id: str       # stable per (endpoint, incident, window): a replay never sends it twice
+    at_ms: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    health: Health
+    state_changed: bool = False
+    alerts: tuple[Alert, ...] = ()
+    suppressed: tuple[str, ...] = field(default_factory=tuple)  # kinds of alerts held back by the window
+
+
+def alert_id(endpoint_id: str, incident: int, kind: str, window_start_ms: int) -> str:
+    """Stable per (endpoint, incident, kind, window): the same alert always gets the same send id."""
+    return str(uuid.uuid5(ALERT_IDS, f"{endpoint_id}:{incident}:{kind}:{window_start_ms}"))
+
+
+def window_open(h: Health, now_ms: int) -> bool:
+    return h.window_start_ms is not None and now_ms - h.window_start_ms < ALERT_WINDOW_MS
+
+
+def reactivation_event(endpoint_id: str, tenant: str, now_ms: int) -> dict:
+    """What reactivating an endpoint writes on the attempts topic (key = endpoint id), in line with
+    its attempts, so the health app applies it in order."""
+    return {"kind": "reactivated", "endpoint_id": endpoint_id, "tenant_id": tenant, "at_ms": now_ms}
+
+
+def state_doc(h: Health) -> dict:
+    """What `notif.endpoint.state` says about the endpoint (key = endpoint id)."""
+    reason = (f"{DEGRADE_AFTER} consecutive failed attempts; last error: {h.last_error}"
+              if h.state == "degraded" else "")
+    return {"endpoint_id": h.endpoint_id, "tenant_id": h.tenant, "state": h.state, "reason": reason,
+            "since_ms": h.since_ms, "incident": h.incident}
+
+
+def apply(h: Health, event: dict, offset: int) -> Outcome:
+    """The health after one event of the endpoint's attempts topic (`offset`: its position there)."""
+    if offset <= h.applied_upto:
+        return Outcome(h)  # already applied before a restart: nothing happens twice
+    h = replace(h, applied_upto=offset, tenant=event.get("tenant_id") or h.tenant)
+    now = int(event.get("at_ms") or 0)
+    if event.get("kind") == "reactivated":
+        reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
+                              incident=h.incident + 1, since_ms=now)
+        return Outcome(reactivated, state_changed=h.state != "active")
+    if event.get("outcome") == "delivered":
+        return Outcome(replace(h, consecutive_failures=0))
+    if event.get("outcome") == "skipped":
+        return Outcome(h)  # never attempted: neither a failure nor a success
+    h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))
+    alerts: list[Alert] = []
+    suppressed: list[str] = []
+    if event.get("dropped"):
+        if window_open(h, now):
+            suppressed.append("dropped")  # one alert per window; after a "stopped", silence
+        else:
+            h = replace(h, window_start_ms=now, stopped_sent=False)
+            alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now))
+    if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:
+        return Outcome(h, False, tuple(alerts), tuple(suppressed))
+    window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
+    h = replace(h, state="degraded", since_ms=now, window_start_ms=window, stopped_sent=True)
+    alerts.append(Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now))  # always sent
+    return Outcome(h, True, tuple(alerts), tuple(suppressed))
+
+
+def describe(event: dict) -> str:
+    """The last error, as the alert names it: the receiver's status, else what went wrong."""
+    code, error = event.get("status_code"), event.get("error") or event.get("outcome") or "failed"
+    return (f"HTTP {code}" if code else str(error))[:200]
+
+
+def alert_email(kind: str, endpoint_id: str, endpoint_url: str, tenant: str, last_error: str, members: list[str],
+                sender: str) -> dict:
+    """The rendered email of an alert (sent through our own transactional email lane): it names the
+    endpoint, the project and the last error."""
+    where = f"Your webhook endpoint {endpoint_url} ({endpoint_id}, project {tenant})"
+    if kind == "stopped":
+        subject = "Webhook delivery stopped"
+        text = (f"{where} failed {DEGRADE_AFTER} times in a row and has been marked as degraded: nothing more is "
+                f"sent to it, and it is not retried or probed. Last error: {last_error}.\n\n"
+                f"Fix the endpoint, then reactivate it (POST /v1/endpoints/{endpoint_id}/reactivate). Events it "
+                "missed are listed as skipped in its deliveries and can be replayed for 7 days.")
+    else:
+        subject = "Webhook event dropped"
+        text = (f"{where}: a delivery failed 9 attempts and was dropped. New events were still being sent when "
+                f"it was dropped. Last error: {last_error}.\n\n"
+                "The event can be replayed for 7 days (POST /v1/deliveries/{id}/replay).")
+    return {"from": sender, "to": members, "subject": subject, "text": text}

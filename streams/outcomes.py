@@ -1,0 +1,29 @@
+"""The outcome event: one per attempt and per final outcome of a send, on `notif.outcomes` (key =
+send id). The status store, replays and `streams state recover` read it. Pure code.
+
+Statuses: `retrying` and `unknown` (intermediate), `delivered`, `dead_lettered`, `dropped` (a
+webhook delivery given up) and `skipped` (a webhook delivery never attempted) (final).
+"""
+
+from __future__ import annotations
+
+from .send import Send
+
+
+def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provider: str,
+                  provider_message_id: str = "", reason: str = "", attempt: dict | None = None) -> dict:
+    """`attempt`: the attempt that led here (its number, time, status code, outcome, duration)."""
+    return {"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
+            "status": status, "attempts": attempts, "provider": provider,
+            "provider_message_id": provider_message_id, "reason": reason,
+            "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
+            "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt, "replay_of": s.replay_of,
+            **webhook_fields(s)}
+
+
+def webhook_fields(s: Send) -> dict:
+    """A webhook delivery's endpoint and event, for its endpoint's delivery list."""
+    if s.channel != "webhook":
+        return {}
+    return {"endpoint_id": s.payload.get("endpoint_id"), "event_id": s.payload.get("event_id"),
+            "event_type": s.payload.get("event_type")}

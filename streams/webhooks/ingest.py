@@ -1,0 +1,100 @@
+"""The webhook side of the ingest API: which deliveries of a new event are enqueued and which are
+recorded as skipped, each endpoint's backlog, and reactivation.
+
+Ingest follows `notif.endpoint.state` (an `EndpointDirectory` polled by a background thread every
+0.1 s), so a degraded endpoint gets no new delivery within a fraction of a second of the
+endpoint-health app publishing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+from ..errors import StoreUnavailable
+from ..health.rules import reactivation_event
+from ..ingest.members import MemberStore
+from ..ingest.sdk import SendClient
+from ..ingest.status import StatusStore
+from ..kafka_client import put_acked
+from ..send import Send
+from .backlog import EndpointBacklog
+from .endpoints import EndpointDirectory, EndpointStore
+from .fanout import BacklogLimit, skip_reason
+from .model import Endpoint, with_health
+from .skipped import record_skipped
+
+log = logging.getLogger("streams.webhooks")
+FOLLOW_EVERY_S = 0.1
+
+
+@dataclass
+class WebhookIngest:
+    endpoints: EndpointStore
+    directory: EndpointDirectory
+    backlog: EndpointBacklog
+    limit: BacklogLimit
+    members: MemberStore
+    client: SendClient
+    store: StatusStore
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def follow(self) -> None:
+        """Keep the endpoint view current from a background thread."""
+        def loop() -> None:
+            while not self._stop.wait(FOLLOW_EVERY_S):
+                try:
+                    self.directory.poll()
+                except Exception:  # noqa: BLE001 - the view goes stale, never the API down; logged
+                    log.exception("following endpoint state failed; trying again")
+
+        self.directory.poll()
+        threading.Thread(target=loop, name="endpoint-state", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def current(self, ep: Endpoint) -> Endpoint:
+        """The endpoint with its health (degraded) as the endpoint-health app published it."""
+        return with_health(ep, self.directory.health.get(ep.id))
+
+    def admit(self, deliveries: list[Send]) -> tuple[list[Send], list[tuple[Send, str]]]:
+        """The deliveries to enqueue, and those recorded as skipped with their reason."""
+        now_ms = int(time.time() * 1000)
+        sizes = self.backlog.sizes([d.payload["endpoint_id"] for d in deliveries])
+        enqueue, skipped = [], []
+        for d in deliveries:
+            endpoint_id = d.payload["endpoint_id"]
+            reason = skip_reason(self.directory.health.get(endpoint_id), sizes[endpoint_id], self.limit, now_ms)
+            if reason is None:
+                enqueue.append(d)
+            else:
+                skipped.append((d, reason))
+        return enqueue, skipped
+
+    def record_skipped(self, skipped: list[tuple[Send, str]]) -> None:
+        record_skipped(self.client.producer, self.client.names, self.store, skipped, self.client.timeout_s)
+
+    def enqueued(self, deliveries: list[Send]) -> None:
+        """Count them in their endpoints' backlogs. They are published already: a Redis failure here
+        only leaves the backlog short (shedding starts later), so it is logged, not raised."""
+        try:
+            self.backlog.enqueued(deliveries, int(time.time() * 1000))
+        except StoreUnavailable as exc:
+            log.warning("endpoint backlogs not updated for %d deliveries: %s", len(deliveries), exc)
+
+    def reactivate(self, tenant: str, endpoint_id: str) -> Endpoint | None:
+        """Back to active: its configured state (a 410 disables it) and its health, whose counter and
+        alert window the endpoint-health app resets when it reads the reactivation, in line with
+        the endpoint's attempts."""
+        ep = self.endpoints.set_state(tenant, endpoint_id, "active", "reactivated")
+        if ep is None:
+            return None
+        event = reactivation_event(endpoint_id, tenant, int(time.time() * 1000))
+        put_acked(self.client.producer, self.client.names.webhook_attempts, endpoint_id.encode(), orjson.dumps(event),
+                  self.client.timeout_s, f"the reactivation of endpoint {endpoint_id}")
+        return ep

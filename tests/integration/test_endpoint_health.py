@@ -1,0 +1,333 @@
+"""Endpoint health end to end: the faust-streaming app (`streams endpoint-health`, a real process)
+over the real broker, webhook workers delivering to the mock receiver, alert emails through our own
+email transactional lane to the mock provider, and ingest following the published state.
+
+Retry tiers are scaled so that no retry comes due while a test counts failures: the counts are the
+ones each test makes happen."""
+
+import signal
+import time
+
+import orjson
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from streams.health.rules import DEGRADE_AFTER
+from streams.ingest.status import StatusStore
+from tests.harness import (
+    committed_lag,
+    final_delivery,
+    free_port,
+    metric,
+    read_topic,
+    register_endpoint,
+    start_api,
+    wait_until,
+    webhook_event,
+)
+
+MEMBERS = ["owner@tenant-a.test", "Ops <ops@tenant-a.test>"]
+ALERTS = "dual-rail"
+
+
+class Rig:
+    """The processes of one test, started with the retry time scale the test needs."""
+
+    def __init__(self, processes, mock_endpoint, mock_provider, redis_client, namespace):
+        self.processes, self.receiver, self.provider = processes, mock_endpoint, mock_provider
+        self.redis, self.namespace = redis_client, namespace
+        self.health_ports: list[int] = []
+
+    def start(self, scale: float, health: bool = True, api_env: dict | None = None):
+        p = self.processes
+        p.env["DUAL_RAIL_RETRY_TIME_SCALE"] = str(scale)
+        p.env.update(api_env or {})
+        p.start("webhook-worker", "worker", "--channel", "webhook", "--lane", "transactional", ready="consuming")
+        p.retrier("webhook", "transactional")
+        p.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
+        p.start("email-worker", "worker", "--channel", "email", "--lane", "transactional", ready="consuming")
+        if health:
+            self.start_health()
+        self.api = start_api(p, free_port(), {"a": "tenant-a", "b": "tenant-b"}, self.redis, self.namespace)
+        self.api.store = StatusStore(self.redis, self.namespace)
+        r = self.api.put("/v1/members", json={"emails": MEMBERS}, headers=self.api.keys["a"])
+        assert r.status_code == 200, r.text
+        return self.api
+
+    def start_health(self, name: str = "endpoint-health"):
+        port = free_port()
+        self.health_ports.append(port)
+        return self.processes.start(name, "endpoint-health", "--metrics-port", str(port),
+                                    ready="endpoint health consuming")
+
+    def kill(self, name: str) -> None:
+        """kill -9 one process by name."""
+        [proc] = [m.proc for m in self.processes.members if m.name == name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    # ---- what users see
+    def register(self, name: str, **behaviour) -> dict:
+        return register_endpoint(self.api, self.receiver, name, **behaviour)
+
+    def publish(self, n: int) -> list[dict]:
+        """n invoice.paid events in one batch; their deliveries (one per subscribed endpoint)."""
+        body = self.api.post("/v1/sends/batch", json={"sends": [webhook_event()] * n}, headers=self.api.keys["a"])
+        assert body.status_code == 202, body.text
+        return [d for s in body.json()["sends"] for d in s["deliveries"]]
+
+    def failed(self, name: str) -> int:
+        return self.receiver.stats()["endpoints"].get(name, {}).get("failed", 0)
+
+    def wait_failed(self, name: str, n: int) -> None:
+        wait_until(lambda: self.failed(name) >= n, 30, f"{n} failed attempts at {name}")
+
+    def applied(self, port: int | None = None) -> float:
+        """Attempt events the endpoint-health copies have applied."""
+        return sum(metric(p, "webhook_endpoint_health_events_total", kind="attempt") or 0
+                   for p in ([port] if port else self.health_ports))
+
+    def wait_applied(self, n: int, port: int | None = None) -> None:
+        wait_until(lambda: self.applied(port) >= n, 60, f"endpoint health to apply {n} attempts")
+
+    def state(self, ep: dict) -> str:
+        return self.api.get(f"/v1/endpoints/{ep['id']}", headers=self.api.keys["a"]).json()["state"]
+
+    def wait_state(self, ep: dict, state: str, timeout: float = 30) -> float:
+        wait_until(lambda: self.state(ep) == state, timeout, f"endpoint {ep['id']} to be {state}", interval=0.05)
+        return time.time()
+
+    def alerts(self) -> list[dict]:
+        return [m for m in self.provider.emails() if m["tenant"] == ALERTS]
+
+
+@pytest.fixture
+def rig(stack, namespace, channel_topics, limits, processes, redis_client, mock_endpoint, mock_provider):
+    channel_topics("webhook")
+    channel_topics("email")
+    limits.set_provider("webhook", 10_000, 10_000)
+    limits.set_tenant("webhook", "*", 10_000, 1_000)
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    yield Rig(processes, mock_endpoint, mock_provider, redis_client, namespace)
+    processes.stop()
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})  # the app's own changelog and assignor topics
+    leftovers = [t for t in admin.list_topics(timeout=10).topics if t.startswith(f"{namespace}endpoint-health")]
+    if leftovers:
+        for f in admin.delete_topics(leftovers).values():
+            f.result()
+
+
+def test_a_success_resets_the_count_and_the_tenth_consecutive_failure_stops_all_sending(rig, stack, names):
+    """Given an endpoint answering 500, with members on the project,
+    When 9 deliveries fail, one succeeds, 9 fail again, then one more fails,
+    Then it stays active through the first 19 failures (the success reset the count), becomes degraded at
+    exactly the tenth consecutive failure, and ingest sees it within 2 s of its publication; from then on
+    nothing reaches it: new events are recorded as skipped (endpoint_degraded) in its delivery list, the
+    deliveries waiting in retry tiers are skipped when due, and one "Webhook delivery stopped" email
+    names the endpoint, the project and the last error."""
+    api = rig.start(scale=2.0)  # the first retries come due after 16 s, after this test's counting
+    ep = rig.register("flaky", status=500)
+    first = rig.publish(9)
+    rig.wait_failed("flaky", 9)
+    rig.receiver.configure("flaky", status=200)
+    [ok] = rig.publish(1)
+    assert final_delivery(api, ok["delivery_id"])["status"] == "delivered"
+    rig.receiver.configure("flaky", status=500)
+    second = rig.publish(9)
+    rig.wait_failed("flaky", 18)
+    rig.wait_applied(19)
+    assert rig.state(ep) == "active"  # 9 consecutive: not yet
+
+    [tenth] = rig.publish(1)
+    seen = rig.wait_state(ep, "degraded")
+    assert rig.failed("flaky") == 18 + 1
+    [published] = read_topic(stack.bootstrap, names.endpoint_state, 1)
+    assert orjson.loads(published.value())["state"] == "degraded"
+    lag_s = seen - published.timestamp()[1] / 1000
+    print(f"ingest showed the degraded state {lag_s:.2f} s after its publication")
+    assert lag_s < 2.0
+
+    after = rig.publish(3)
+    assert [d["skipped"] for d in after] == ["endpoint_degraded"] * 3
+    for d in after:
+        done = final_delivery(api, d["delivery_id"])
+        assert (done["status"], done["reason"]) == ("skipped", "endpoint_degraded")
+    listed = api.get(f"/v1/endpoints/{ep['id']}/deliveries", headers=api.keys["a"]).json()["deliveries"]
+    assert {d["delivery_id"] for d in after} <= {d["delivery_id"] for d in listed}
+    for d in first + second + [tenth]:  # in retry tiers: skipped when due, never attempted
+        done = final_delivery(api, d["delivery_id"], timeout=60)
+        assert (done["status"], done["reason"]) == ("skipped", "endpoint_degraded")
+    assert rig.failed("flaky") == 19 and rig.receiver.stats()["endpoints"]["flaky"]["requests"] == 20
+
+    [stopped] = wait_until(lambda: rig.alerts() or None, 30, "the stopped email")
+    assert stopped["subject"] == "Webhook delivery stopped" and stopped["to"] == MEMBERS
+    assert ep["id"] in stopped["text"] and "tenant-a" in stopped["text"] and "HTTP 500" in stopped["text"]
+    assert metric(rig.health_ports[0], "webhook_endpoint_degradations_total") == 1
+
+
+def test_dropped_then_stopped_sends_both_emails(rig):
+    """Given an endpoint answering 500 and the 9-attempt schedule shrunk 5,000 times,
+    When one delivery uses up its 9 attempts (9 failures in a row) and then a new event fails (the tenth),
+    Then its members get "Webhook event dropped" and then "Webhook delivery stopped": stopped is always sent,
+    even after a dropped in the same 24 h."""
+    api = rig.start(scale=0.0002)
+    rig.register("down", status=500)
+    [d] = rig.publish(1)
+    assert final_delivery(api, d["delivery_id"], timeout=60)["status"] == "dropped"
+    wait_until(lambda: len(rig.alerts()) == 1, 30, "the dropped email")
+    rig.publish(1)
+    wait_until(lambda: len(rig.alerts()) == 2, 30, "the stopped email")
+    assert [m["subject"] for m in rig.alerts()] == ["Webhook event dropped", "Webhook delivery stopped"]
+
+
+def test_after_stopped_a_dropped_delivery_is_silenced(rig, stack, names):
+    """Given a degraded endpoint whose "stopped" email went out,
+    When an attempt that was already in flight comes back failed and its delivery is dropped (the attempt
+    event a worker writes then, produced here directly),
+    Then no "dropped" email goes out (it is counted as suppressed), and the app's state is unchanged."""
+    from confluent_kafka import Producer
+
+    rig.start(scale=2.0)
+    ep = rig.register("late", status=500)
+    rig.publish(DEGRADE_AFTER)
+    rig.wait_state(ep, "degraded")
+    wait_until(lambda: len(rig.alerts()) == 1, 30, "the stopped email")
+    late = {"kind": "attempt", "delivery_id": "late-1", "tenant_id": "tenant-a", "endpoint_id": ep["id"],
+            "n": 9, "at_ms": int(time.time() * 1000), "status_code": 500, "outcome": "unavailable",
+            "error": "http_500", "dropped": True}
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.webhook_attempts, key=ep["id"].encode(), value=orjson.dumps(late))
+    assert producer.flush(10) == 0
+    port = rig.health_ports[0]
+    wait_until(lambda: metric(port, "webhook_endpoint_alerts_total", kind="dropped", result="suppressed") == 1, 30,
+               "the dropped alert to be suppressed")
+    assert [m["subject"] for m in rig.alerts()] == ["Webhook delivery stopped"]
+
+
+def test_a_second_incident_after_reactivation_gets_its_own_email(rig):
+    """Given an endpoint degraded by 10 failures ("stopped" sent),
+    When the tenant reactivates it and it fails 10 times again the same day,
+    Then it is active again within 2 s of the reactivation (its counter reset: it takes 10 new failures), and
+    degrades again with a second "stopped" email that has its own send id."""
+    api = rig.start(scale=10.0)
+    ep = rig.register("twice", status=500)
+    rig.publish(DEGRADE_AFTER)
+    rig.wait_state(ep, "degraded")
+    wait_until(lambda: len(rig.alerts()) == 1, 30, "the first stopped email")
+
+    r = api.post(f"/v1/endpoints/{ep['id']}/reactivate", headers=api.keys["a"])
+    assert r.status_code == 200, r.text
+    asked = time.time()
+    active = rig.wait_state(ep, "active")
+    print(f"active again {active - asked:.2f} s after the reactivation")
+    assert active - asked < 2.0
+    before = rig.failed("twice")
+    rig.publish(DEGRADE_AFTER - 1)
+    rig.wait_failed("twice", before + DEGRADE_AFTER - 1)
+    rig.wait_applied(2 * DEGRADE_AFTER - 1)
+    assert rig.state(ep) == "active"
+    rig.publish(1)
+    rig.wait_state(ep, "degraded")
+    wait_until(lambda: len(rig.alerts()) == 2, 30, "the second stopped email")
+    first, second = rig.alerts()
+    assert first["subject"] == second["subject"] == "Webhook delivery stopped"
+    assert first["send_id"] != second["send_id"]
+    assert api.post("/v1/endpoints/ep_missing/reactivate", headers=api.keys["a"]).status_code == 404
+    assert api.post(f"/v1/endpoints/{ep['id']}/reactivate", headers=api.keys["b"]).status_code == 404
+
+
+def test_the_app_killed_mid_incident_keeps_its_count_and_never_sends_an_email_twice(rig, stack, names):
+    """Given 5 consecutive failures applied by the endpoint-health app,
+    When the app is killed with kill -9, restarted, and the endpoint fails 5 more times; and the new copy is
+    killed with kill -9 right after the "stopped" email went out, and started again,
+    Then the restarted app degrades the endpoint at exactly the tenth failure (its count came back from the
+    changelog), and the members get exactly one email, delivered once."""
+    rig.start(scale=10.0)
+    ep = rig.register("crashy", status=500)
+    rig.publish(5)
+    rig.wait_failed("crashy", 5)
+    rig.wait_applied(5)
+    rig.kill("endpoint-health")
+    rig.start_health("endpoint-health-2")
+    rig.publish(4)
+    rig.wait_failed("crashy", 9)
+    rig.wait_applied(4, rig.health_ports[1])
+    assert rig.state(ep) == "active"
+    rig.publish(1)
+    rig.wait_state(ep, "degraded")
+    wait_until(lambda: rig.alerts() or None, 30, "the stopped email")
+    rig.kill("endpoint-health-2")
+
+    rig.start_health("endpoint-health-3")
+    wait_until(lambda: committed_lag(stack.bootstrap, names.endpoint_health_app, names.webhook_attempts) == 0, 60,
+               "the third copy to have read every attempt")
+    email = names.lane("email", "transactional")
+    wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "transactional"), email) == 0, 30,
+               "every alert email to be handled")
+    assert rig.failed("crashy") == 10 and rig.state(ep) == "degraded"
+    assert [m["subject"] for m in rig.alerts()] == ["Webhook delivery stopped"]
+    assert rig.provider.stats()["duplicate_deliveries"] == 0
+
+
+def test_state_moves_with_its_endpoints_when_copies_join_and_die(rig, names):
+    """Given one endpoint-health copy that applied 5 consecutive failures,
+    When a second copy joins (a rebalance), the first is then killed with kill -9 (the second takes every
+    partition after the session timeout), and the endpoint fails 5 more times,
+    Then the endpoint degrades at exactly the tenth failure and one "stopped" email goes out."""
+    rig.start(scale=10.0)
+    ep = rig.register("moving", status=500)
+    rig.publish(5)
+    rig.wait_failed("moving", 5)
+    rig.wait_applied(5)
+    rig.start_health("endpoint-health-2")
+    rig.kill("endpoint-health")
+    rig.publish(4)
+    rig.wait_failed("moving", 9)
+    rig.wait_applied(4, rig.health_ports[1])
+    assert rig.state(ep) == "active"
+    rig.publish(1)
+    rig.wait_state(ep, "degraded", timeout=60)
+    wait_until(lambda: rig.alerts() or None, 30, "the stopped email")
+    assert rig.failed("moving") == 10 and len(rig.alerts()) == 1
+
+
+def test_an_extreme_backlog_is_shed_separately_from_degradation(rig):
+    """Given backlog limits of 3 undelivered deliveries (any age) and an endpoint answering 500 (3 failures:
+    far from degraded), next to a healthy endpoint of the same tenant,
+    When a fourth event is published,
+    Then its delivery to the backlogged endpoint is recorded as skipped (backlog_shed) while the healthy
+    endpoint gets it; the skipped delivery is listed and can be replayed once the receiver is fixed."""
+    api = rig.start(scale=10.0, health=False,
+                    api_env={"WEBHOOK_BACKLOG_MAX_COUNT": "3", "WEBHOOK_BACKLOG_MAX_AGE_S": "0"})
+    slow = rig.register("behind", status=500)
+    rig.publish(3)
+    rig.wait_failed("behind", 3)
+    healthy = rig.register("fine")
+    fourth = rig.publish(1)
+    by_endpoint = {d["endpoint_id"]: d for d in fourth}
+    assert by_endpoint[slow["id"]]["skipped"] == "backlog_shed"
+    assert by_endpoint[healthy["id"]].get("skipped") is None
+    assert final_delivery(api, by_endpoint[healthy["id"]]["delivery_id"])["status"] == "delivered"
+    shed = final_delivery(api, by_endpoint[slow["id"]]["delivery_id"])
+    assert (shed["status"], shed["reason"]) == ("skipped", "backlog_shed") and rig.failed("behind") == 3
+
+    rig.receiver.configure("behind", status=200)
+    r = api.post(f"/v1/deliveries/{by_endpoint[slow['id']]['delivery_id']}/replay", headers=api.keys["a"])
+    assert r.status_code == 202, r.text
+    assert final_delivery(api, r.json()["delivery_id"])["status"] == "delivered"
+
+
+def test_members_are_validated_and_private_to_their_tenant(rig):
+    """Given tenant a's members,
+    When a tenant sets an address that is not one, or more than 50, and tenant b reads its own,
+    Then each bad list is refused (422) naming the field without echoing the address, a's list is unchanged,
+    and b sees only its own (empty) list."""
+    api = rig.start(scale=1.0, health=False)
+    bad = api.put("/v1/members", json={"emails": ["ok@tenant-a.test", "not-an-address"]}, headers=api.keys["a"])
+    assert bad.status_code == 422 and "emails[1]" in bad.text and "not-an-address" not in bad.text
+    many = api.put("/v1/members", json={"emails": [f"m{i}@tenant-a.test" for i in range(51)]},
+                   headers=api.keys["a"])
+    assert many.status_code == 422 and "at most 50" in many.text
+    assert api.get("/v1/members", headers=api.keys["a"]).json()["emails"] == MEMBERS
+    assert api.get("/v1/members", headers=api.keys["b"]).json()["emails"] == []

@@ -1,0 +1,158 @@
+"""Endpoint health rules (streams.health.rules), exactly as the webhook delivery guarantees state
+them: the counter, degradation at 10, the two alerts and their 24 h dedupe, reactivation, and
+replays after a restart. Pure: events are dicts, time comes from the events."""
+
+from streams.health.rules import ALERT_WINDOW_MS, DEGRADE_AFTER, Health, apply, reactivation_event, state_doc
+from streams.webhooks.fanout import BacklogLimit, skip_reason
+from streams.webhooks.model import Endpoint, with_health
+from streams.webhooks.model import Health as EndpointHealth
+
+HOUR = 3600 * 1000
+
+
+class Feed:
+    """One endpoint's attempts topic: events get increasing offsets; the health is carried along."""
+
+    def __init__(self):
+        self.h, self.offset, self.alerts, self.suppressed = Health("ep_1"), -1, [], []
+
+    def push(self, event: dict, at_ms: int):
+        self.offset += 1
+        out = apply(self.h, {"tenant_id": "acme", "at_ms": at_ms, **event}, self.offset)
+        self.h = out.health
+        self.alerts += [(a.kind, a.send_id) for a in out.alerts]
+        self.suppressed += list(out.suppressed)
+        return out
+
+    def fail(self, at_ms: int, dropped: bool = False):
+        return self.push({"kind": "attempt", "outcome": "unavailable", "status_code": 500, "dropped": dropped}, at_ms)
+
+    def ok(self, at_ms: int):
+        return self.push({"kind": "attempt", "outcome": "delivered", "status_code": 200}, at_ms)
+
+
+def test_a_success_resets_the_count_and_the_tenth_consecutive_failure_degrades():
+    """Given 9 failures, a success, then 9 failures,
+    When one more attempt fails,
+    Then the endpoint stays active until exactly that tenth consecutive failure, which degrades it and
+    sends one "stopped" alert naming the last error."""
+    f = Feed()
+    for t in range(9):
+        f.fail(t)
+    f.ok(9)
+    assert f.h.consecutive_failures == 0
+    for t in range(10, 19):
+        assert not f.fail(t).state_changed
+    assert f.h.state == "active" and f.h.consecutive_failures == DEGRADE_AFTER - 1
+    out = f.fail(19)
+    assert out.state_changed and f.h.state == "degraded" and [k for k, _ in f.alerts] == ["stopped"]
+    assert "HTTP 500" in state_doc(f.h)["reason"]
+
+
+def test_skipped_deliveries_count_neither_way():
+    f = Feed()
+    f.fail(0)
+    f.push({"kind": "attempt", "outcome": "skipped"}, 1)
+    assert f.h.consecutive_failures == 1
+
+
+def test_dropped_then_stopped_sends_both():
+    """Given a delivery dropped after 9 failed attempts (a "dropped" alert opens the 24 h window),
+    When the next attempt fails (the tenth in a row),
+    Then "stopped" is sent as well: the message that says we stopped is never the one left out."""
+    f = Feed()
+    for t in range(8):
+        f.fail(t)
+    f.fail(8, dropped=True)
+    f.fail(9)
+    assert [k for k, _ in f.alerts] == ["dropped", "stopped"]
+
+
+def test_after_stopped_dropped_alerts_are_silenced_for_the_rest_of_the_window():
+    """Given a degraded endpoint whose "stopped" went out,
+    When deliveries are dropped 1 h and 23 h later,
+    Then no "dropped" alert goes out (both suppressed); 25 h later the window is over and one would."""
+    f = Feed()
+    for t in range(10):
+        f.fail(t)
+    f.fail(1 * HOUR, dropped=True)
+    f.fail(23 * HOUR, dropped=True)
+    assert [k for k, _ in f.alerts] == ["stopped"] and f.suppressed == ["dropped", "dropped"]
+    f.fail(10 + ALERT_WINDOW_MS, dropped=True)
+    assert [k for k, _ in f.alerts] == ["stopped", "dropped"]
+
+
+def test_at_most_one_dropped_alert_per_window():
+    f = Feed()
+    f.fail(0, dropped=True)
+    f.ok(1)
+    f.fail(2 * HOUR, dropped=True)
+    assert [k for k, _ in f.alerts] == ["dropped"] and f.suppressed == ["dropped"]
+
+
+def test_reactivation_resets_the_counter_and_clears_the_alert_state():
+    """Given an endpoint degraded (stopped sent), then reactivated,
+    When it fails 10 times again the same day,
+    Then it degrades again and the second incident gets its own "stopped" alert (a different send id)."""
+    f = Feed()
+    for t in range(10):
+        f.fail(t)
+    out = f.push(reactivation_event("ep_1", "acme", 100), 100)
+    assert out.state_changed and f.h.state == "active" and f.h.consecutive_failures == 0
+    for t in range(101, 111):
+        f.fail(t)
+    assert [k for k, _ in f.alerts] == ["stopped", "stopped"] and f.alerts[0][1] != f.alerts[1][1]
+
+
+def test_an_event_applied_before_a_restart_changes_nothing_when_read_again():
+    """Given the tenth failure applied (stopped alert, degraded) at offset 9,
+    When the app restarts and reads offset 9 again (its commit came after),
+    Then nothing happens: no second alert, no second state change."""
+    f = Feed()
+    for t in range(10):
+        f.fail(t)
+    again = apply(f.h, {"kind": "attempt", "outcome": "unavailable", "at_ms": 9}, 9)
+    assert again.health is f.h and again.alerts == () and not again.state_changed
+
+
+def test_an_alert_sent_again_keeps_its_send_id():
+    """Given the tenth failure applied from a row that was never written (the app died after the alert
+    went out, before the row was saved),
+    When the same event is applied again from the previous row,
+    Then the alert has the same send id, so dispatch delivers it once."""
+    f = Feed()
+    for t in range(9):
+        f.fail(t)
+    before = f.h
+    first = f.fail(9)
+    second = apply(before, {"tenant_id": "acme", "kind": "attempt", "outcome": "unavailable", "status_code": 500,
+                            "at_ms": 9}, 9)
+    assert [a.send_id for a in first.alerts] == [a.send_id for a in second.alerts]
+
+
+def test_state_survives_its_document_round_trip():
+    f = Feed()
+    for t in range(10):
+        f.fail(t)
+    assert Health.from_doc(f.h.to_doc()) == f.h
+
+
+def test_degraded_health_shows_on_the_endpoint_but_a_disabled_one_stays_disabled():
+    ep = Endpoint("ep_1", "acme", "https://x.example/h", ("*",))
+    degraded = EndpointHealth("degraded", "10 consecutive failed attempts", 5)
+    assert with_health(ep, degraded).state == "degraded"
+    assert with_health(ep, None) is ep
+    gone = Endpoint("ep_1", "acme", "https://x.example/h", ("*",), state="disabled")
+    assert with_health(gone, degraded).state == "disabled"
+
+
+def test_new_events_are_skipped_for_a_degraded_endpoint_or_an_extreme_backlog():
+    """A degraded endpoint's new deliveries are skipped; so are those of an endpoint whose backlog holds
+    at least the count AND whose oldest undelivered delivery is at least the age (either alone is not)."""
+    limit = BacklogLimit(max_count=100, max_age_ms=HOUR)
+    now = 10 * HOUR
+    assert skip_reason(EndpointHealth("degraded"), (0, None), limit, now) == "endpoint_degraded"
+    assert skip_reason(None, (100, now - HOUR), limit, now) == "backlog_shed"
+    assert skip_reason(None, (99, now - 5 * HOUR), limit, now) is None       # old, but not many
+    assert skip_reason(None, (10_000, now - 60_000), limit, now) is None     # many, but draining fast
+    assert skip_reason(EndpointHealth("active"), (0, None), limit, now) is None
