@@ -9,9 +9,14 @@ was expected. The variables and their defaults:
     DUAL_RAIL_KAFKA_PORT          local Kafka port              (default: 19092; the controller uses the next port)
     DUAL_RAIL_REDIS_PORT          local Redis port              (default: 16379)
     DUAL_RAIL_TOPIC_NAMESPACE     prefix of every topic, group and Redis key name (default: none)
+    DUAL_RAIL_PROVIDERS           provider file  (default: the packaged streams/providers/providers.toml)
     RESEND_BASE_URL, SMS_BASE_URL provider base URLs            (required by the workers of that channel)
     RESEND_API_KEYS, SMS_API_KEYS provider API keys, JSON {tenant: key}; "*" is the default key
+    SMS_B_BASE_URL                the second SMS provider (optional: without it, SMS has no fallback)
+    SMS_B_CREDENTIALS             its client credentials for the token endpoint, JSON {"client_id", "client_secret"}
     PROVIDER_TIMEOUT_S            provider request timeout, seconds (default: 10)
+    PROVIDER_AUTH_HOLD_S          how long a provider (or a tenant's key) is held after a 401 a fresh token or key
+                                  did not cure, seconds (default: 30)
     DUAL_RAIL_RETRY_POLICIES      retry policy file             (default: the packaged streams/retry/policies.toml)
     DUAL_RAIL_RETRY_TIME_SCALE    tests only: multiplies every retry tier's delay (default: 1)
     YIELD_PAUSE_ABOVE             transactional lag (messages) at which marketing yields (default: 100)
@@ -49,7 +54,7 @@ import orjson
 from .errors import ConfigError, SendValidationError
 from .lag.yield_policy import YieldPolicy
 from .names import RedisKeys, TopicNames
-from .providers.registry import PROVIDERS
+from .providers.registry import Registry, load_registry
 
 DEFAULT_KAFKA_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
@@ -88,7 +93,8 @@ def _api_keys(environ: Mapping[str, str], name: str) -> dict[str, str]:
     except orjson.JSONDecodeError:
         keys = None
     if not isinstance(keys, dict) or not all(isinstance(v, str) and v for v in keys.values()):
-        raise ConfigError(f"environment variable {name} must be a JSON object of tenant -> API key")
+        raise ConfigError(f"environment variable {name} must be a JSON object of strings (API keys: "
+                          "{tenant: key}; token credentials: {client_id, client_secret})")
     return keys
 
 
@@ -144,6 +150,20 @@ class StackConfig:
         return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
 
 
+def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEndpoint]:
+    """Each provider's base URL and credentials from the environment variables its entry names."""
+    out = {}
+    for p in registry.providers.values():
+        if p.auth == "none":
+            continue
+        keys = _api_keys(e, p.keys_env)
+        if p.auth == "token" and keys and not {"client_id", "client_secret"} <= set(keys):
+            raise ConfigError(f"environment variable {p.keys_env} must hold client_id and client_secret "
+                              f"(provider {p.name!r} authenticates with a token)")
+        out[p.name] = ProviderEndpoint(e.get(p.base_url_env) or None, keys)
+    return out
+
+
 @dataclass(frozen=True)
 class ProviderEndpoint:
     """A provider's base URL and API keys per tenant (`*` is the default)."""
@@ -168,7 +188,9 @@ class Config:
     stack: StackConfig
     namespace: str = ""
     providers: dict[str, ProviderEndpoint] = field(default_factory=dict)  # by provider name
+    providers_path: str | None = None
     provider_timeout_s: float = 10.0
+    provider_auth_hold_s: float = 30.0
     retry_policies_path: str | None = None
     retry_time_scale: float = 1.0
     yield_policy: YieldPolicy = field(default_factory=YieldPolicy)
@@ -195,9 +217,10 @@ class Config:
         return cls(
             stack=StackConfig.from_env(e),
             namespace=e.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
-            providers={p.name: ProviderEndpoint(e.get(p.url_var) or None, _api_keys(e, p.keys_var))
-                       for p in PROVIDERS.values() if p.auth == "api_key"},
+            providers_path=e.get("DUAL_RAIL_PROVIDERS") or None,
+            providers=_endpoints(load_registry(e.get("DUAL_RAIL_PROVIDERS") or None), e),
             provider_timeout_s=timeout,
+            provider_auth_hold_s=_float(e, "PROVIDER_AUTH_HOLD_S", 30.0),
             retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
             retry_time_scale=_float(e, "DUAL_RAIL_RETRY_TIME_SCALE", 1.0),
             yield_policy=_yield_policy(e),
@@ -224,6 +247,10 @@ class Config:
     @property
     def redis_url(self) -> str:
         return self.stack.redis
+
+    @property
+    def registry(self) -> Registry:
+        return load_registry(self.providers_path)
 
     @property
     def names(self) -> TopicNames:

@@ -15,7 +15,8 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── GateError
     │   └── CostExceedsBurst     a cost larger than a bucket's burst can never be admitted
     └── ProviderError            a provider call did not deliver
-        └── ForbiddenProviderPath   a request to a path outside the allowlist (never sent)
+        ├── ForbiddenProviderPath   a request to a path outside the allowlist (never sent)
+        └── ProviderAuthError       no usable token from the provider's token endpoint
 """
 
 from __future__ import annotations
@@ -98,3 +99,7 @@ class ProviderError(DispatchError):
 
 class ForbiddenProviderPath(ProviderError):
     """A request to a provider path outside the allowlist. It is never sent."""
+
+
+class ProviderAuthError(ProviderError):
+    """No usable token: the token endpoint could not be reached, refused us, or stated no expiry."""

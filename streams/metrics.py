@@ -12,6 +12,15 @@ PROVIDER_REQUESTS = Counter("dispatch_provider_requests_total", "Provider HTTP r
                             ["provider", "outcome"])
 PROVIDER_LATENCY = Histogram("dispatch_provider_request_seconds", "Provider request latency",
                              ["provider"], buckets=_LATENCY)
+TOKEN_REFRESHES = Counter("dispatch_provider_token_refreshes_total", "Tokens fetched from a provider's token "
+                          "endpoint", ["provider"])
+PROVIDER_AUTH_FAILURES = Counter("dispatch_provider_auth_failures_total", "Requests a provider refused as "
+                                 "unauthenticated even with a fresh token or key (a 401 after the one refresh)",
+                                 ["provider"])
+PACING = Gauge("dispatch_provider_pacing", "A provider's pacing as this worker applies it: concurrency (requests "
+               "in flight) and pause_ms (between waves)", ["provider", "setting"])
+FALLBACKS = Counter("dispatch_provider_fallbacks_total", "Sends handed to the channel's next provider, by the "
+                    "provider that rejected them and why", ["channel", "from_provider", "to_provider", "reason"])
 PROVIDER_429 = Counter("dispatch_provider_429_total", "Provider 429 answers by kind", ["provider", "kind"])
 END_TO_END = Histogram("dispatch_end_to_end_seconds", "Accepted at ingest -> accepted by the provider",
                        ["channel", "lane"], buckets=_LATENCY)

@@ -3,6 +3,7 @@ and the tests all build roles here, so a role is wired one way only)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -12,12 +13,14 @@ from .config import Config
 from .errors import ConfigError
 from .lanes import CHANNELS, LANES
 from .names import TopicNames
-from .providers.registry import ProviderCredentials, adapter_class, provider_for
+from .providers.registry import ProviderCredentials, ProviderSpec, adapter_class
 from .redis_client import connect
 
 if TYPE_CHECKING:
     from .dispatch.requests import Job
+    from .dispatch.routes import Routes
     from .dispatch.worker import LaneWorker
+    from .gate.gate import Gate
     from .gate.limits import LimitStore
     from .ingest.api_keys import ApiKeys
     from .ingest.sdk import Router, SendClient
@@ -98,18 +101,32 @@ class Runtime:
         directory.start()
         return directory
 
-    def provider(self, channel: str, concurrency: int = 8) -> Provider:
-        spec = provider_for(channel)
-        if channel == "webhook":
+    def provider(self, spec: ProviderSpec, concurrency: int = 8) -> Provider:
+        """The adapter of one provider. ConfigError names the variable when its base URL is missing."""
+        if spec.channel == "webhook":
             from .webhooks.delivery import WebhookDelivery
 
             return WebhookDelivery(self.endpoint_directory(), self.url_policy(), self.config.webhook_timeout_s,
                                    concurrency)
         endpoint = self.config.providers[spec.name]
         if not endpoint.base_url:
-            raise ConfigError(f"{spec.url_var} is not set: where is the {channel} provider?")
-        return adapter_class(spec)(endpoint.base_url, timeout_s=self.config.provider_timeout_s,
-                                   concurrency=concurrency)
+            raise ConfigError(f"{spec.base_url_env} is not set: where is the {spec.channel} provider {spec.name!r}?")
+        return adapter_class(spec)(spec, endpoint.base_url, endpoint.api_keys if spec.auth == "token" else None,
+                                   timeout_s=self.config.provider_timeout_s, concurrency=concurrency)
+
+    def routes(self, channel: str, concurrency: int = 8, gate: Gate | None = None) -> Routes:
+        """The channel's providers in fallback order. The first is required; a later one whose base
+        URL is not set is left out (the channel then has no fallback), with a warning."""
+        from .dispatch.routes import Route, Routes
+
+        routes = []
+        for i, spec in enumerate(self.config.registry.for_channel(channel)):
+            if i > 0 and not self.config.providers[spec.name].base_url:
+                logging.getLogger("streams.runtime").warning(
+                    "%s is not set: %s sends have no fallback to provider %r", spec.base_url_env, channel, spec.name)
+                continue
+            routes.append(Route(spec, self.provider(spec, concurrency), self.credentials(spec)))
+        return Routes(routes, gate)
 
     def operator_log(self) -> OperatorLog:
         from .state.log import OperatorLog
@@ -132,10 +149,11 @@ class Runtime:
 
         return StateGuard(client or self.redis(), self.config.keys, self.operator_log(), role)
 
-    def credentials(self, channel: str) -> ProviderCredentials:
-        spec = provider_for(channel)
+    def credentials(self, spec: ProviderSpec) -> ProviderCredentials:
         if spec.auth == "none":
             return ProviderCredentials({"*": "none"})  # webhook endpoints are authenticated by our signature
+        if spec.auth == "token":
+            return ProviderCredentials({"*": "token"})  # one account: the adapter holds the token
         return ProviderCredentials(self.config.providers[spec.name].api_keys)
 
     def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
@@ -152,17 +170,16 @@ class Runtime:
 
         if channel not in CHANNELS or lane not in LANES:
             raise ConfigError(f"unknown lane {channel}.{lane} (channels: {CHANNELS}, lanes: {LANES})")
-        spec = provider_for(channel)
         c = self.config
-        cfg = WorkerConfig(channel, lane, c.bootstrap, spec, c.names, concurrency=concurrency,
+        cfg = WorkerConfig(channel, lane, c.bootstrap, c.registry.primary(channel), c.names, concurrency=concurrency,
                            yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
         producer = durable_producer(c.bootstrap, **{"linger.ms": 5, "message.timeout.ms": c.delivery_timeout_ms})
         client = self.redis()
         webhook = channel == "webhook"
-        worker = LaneWorker(cfg, consumer, producer, self.provider(channel, concurrency),
-                            RedisGate(client, c.namespace), ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s),
-                            self.credentials(channel), self.policies(),
+        gate = RedisGate(client, c.namespace)
+        worker = LaneWorker(cfg, consumer, producer, self.routes(channel, concurrency, gate),
+                            gate, ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.policies(),
                             queue_key or (by_endpoint if webhook else by_tenant),
                             guard=self.state_guard(f"worker {channel}.{lane}", client),
                             backlog=BacklogShare() if backlog else None,
@@ -170,6 +187,7 @@ class Runtime:
         if webhook:  # one queue per endpoint, each with a bounded share of the requests in flight
             worker.dispatcher.per_queue = c.webhook_endpoint_concurrency
         worker.settler.time_scale = c.retry_time_scale
+        worker.settler.auth_hold_s = c.provider_auth_hold_s
         return worker
 
     def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job], object]:

@@ -48,22 +48,28 @@ def topics(sub) -> None:
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
     p.add_argument("action", choices=["set", "show"])
-    p.add_argument("--provider", required=True, help="resend | sms")
+    p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook)")
     p.add_argument("--global-rate", type=int, help="provider requests per second (its real limit)")
     p.add_argument("--global-burst", type=int)
     p.add_argument("--reserve", type=int, help="global tokens marketing may not take (kept for transactional)")
     p.add_argument("--tenant", help="tenant id, or '*' for the default")
     p.add_argument("--rate", type=int, help="tenant messages per second")
     p.add_argument("--burst", type=int)
+    p.add_argument("--concurrency", type=int,
+                   help="pacing: requests in flight per worker to this provider (0: providers.toml's)")
+    p.add_argument("--pause-ms", type=int, help="pacing: the least pause between request waves (0: none)")
 
     def run(args: argparse.Namespace) -> int:
         from ..gate.limits import LimitChange
 
         rt = Runtime(args.config)
+        if args.provider not in rt.config.registry.providers:
+            raise ConfigError(f"no provider {args.provider!r} (providers: {', '.join(rt.config.registry.providers)})")
         store = rt.limit_store()
         if args.action == "set":
             shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
-                                                           args.tenant, args.rate, args.burst))
+                                                           args.tenant, args.rate, args.burst, args.concurrency,
+                                                           args.pause_ms))
         else:
             shown = store.show(args.provider)
         for key, value in shown.items():

@@ -89,7 +89,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
 
         progress("naive: one gate call and one HTTP request per message")
         gate = RedisGate(redis_client, fleet.namespace)
-        provider = ResendEmail(url)
+        provider = ResendEmail(rt.config.registry.primary("email"), url)
 
         def naive(msg) -> None:
             send = decode(msg.value())

@@ -5,6 +5,12 @@
   answers 429 to everything for N seconds.
 - `POST /emails`, `POST /emails/batch` (1..100, strict: one invalid email fails the batch, no
   attachments or scheduled_at), `POST /sms/messages`.
+- A second SMS protocol with short-lived tokens: `POST /oauth/token` (client credentials) issues
+  HS256 JWTs that live `token_ttl_s` (30 s; settable), `POST /v2/messages` answers 401 to an expired,
+  revoked (`revoke_tokens`) or forged token. Start a second instance to stand for a second provider.
+- SMS rules for fallback tests: `sms_no_id_ratio` answers 200 without a message id;
+  destinations starting with one of `sms_unsupported_prefixes` get 400 `unsupported_destination`,
+  with one of `sms_invalid_prefixes` 400 `invalid_recipient` (a business rule).
 - Idempotency keys kept 24 h per API key: same key and body -> the same response again (not a new
   delivery); a different body -> 409 `invalid_idempotent_request`.
 - Faults: latency, a 5xx ratio, a ratio of timeouts *after* accepting (the message counts as
@@ -28,6 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import jwt
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,6 +47,8 @@ _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
 _TAG = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # Resend's rule for tag names and values
 IDEMPOTENCY_TTL_S = 24 * 3600
 MESSAGES_KEPT = 1000
+TOKEN_SECRET = "mock-provider-token-signing-secret"  # noqa: S105 - a mock's own key
+CLIENT = ("mock-client", "mock-secret")  # the client credentials the token endpoint accepts
 
 
 def _json(body: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -49,6 +58,15 @@ def _json(body: object, status: int = 200, headers: dict | None = None) -> Respo
 
 def _error(status: int, name: str, message: str, headers: dict | None = None) -> Response:
     return _json({"statusCode": status, "name": name, "message": message}, status, headers)
+
+
+def _b_error(status: int, code: str, message: str) -> Response:
+    """The second SMS protocol's error shape."""
+    return _json({"error": {"code": code, "message": message}}, status)
+
+
+def _prefixes(raw: str) -> list[str]:
+    return [p.strip() for p in raw.split(",") if p.strip()]
 
 
 @dataclass
@@ -61,6 +79,11 @@ class MockConfig:
     fault_401_ratio: float = 0.0
     hold_answers: bool = False       # accept requests, then hold every answer until released
     fault_502_after_accept_ratio: float = 0.0  # accept (deliver), then answer 502 as a gateway that lost it
+    token_ttl_s: float = 30.0        # lifetime of the tokens /oauth/token issues
+    revoke_tokens: bool = False      # set: every token issued so far is refused (a forced 401)
+    sms_no_id_ratio: float = 0.0     # 200 without a message id (the message was not taken)
+    sms_unsupported_prefixes: str = ""  # comma-separated: 400 unsupported_destination
+    sms_invalid_prefixes: str = ""      # comma-separated: 400 invalid_recipient (a business rule)
     seed: int | None = None
 
 
@@ -78,9 +101,11 @@ class MockState:
         "requests_total": 0, "throttled": 0, "forbidden": 0, "faults_5xx": 0, "faults_timeout": 0,
         "faults_401": 0, "faults_502_after_accept": 0, "rejected": 0, "idempotent_replays": 0,
         "idempotency_conflicts": 0,
-        "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0,
+        "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0, "token_requests": 0,
+        "token_refused_401": 0, "sms_no_id": 0, "sms_unsupported": 0, "sms_invalid": 0,
         "marketing_single_requests": 0, "messages_delivered": 0})
     forbidden_paths: list = field(default_factory=list)
+    revoked_before: float = 0.0                       # tokens issued before this are refused
     messages: list = field(default_factory=list)      # the last emails delivered: send_id, tenant, to, subject
     held: int = 0                                     # accepted requests whose answer is held
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -149,21 +174,32 @@ def build_app(config: MockConfig) -> Starlette:
 
     async def guarded(request: Request, kind: str) -> Response:
         """Auth, idempotency and limits shared by every send endpoint."""
+
+        def err(status: int, name: str, message: str, headers: dict | None = None) -> Response:
+            if kind == "sms_b":
+                return _json({"error": {"code": name, "message": message}}, status, headers)
+            return _error(status, name, message, headers)
+
         c = state.counts
         c["requests_total"] += 1
         if config.latency_ms:
             await asyncio.sleep(config.latency_ms / 1000)
         auth = request.headers.get("authorization", "")
         api_key = auth.removeprefix("Bearer ").strip()
-        if not api_key.startswith("re_") or state.rng.random() < config.fault_401_ratio:
+        if kind == "sms_b":
+            refusal = token_refusal(api_key)
+            if refusal:
+                c["token_refused_401"] += 1
+                return _b_error(401, refusal, "the access token is not valid")
+        elif not api_key.startswith("re_") or state.rng.random() < config.fault_401_ratio:
             if api_key.startswith("re_"):
                 c["faults_401"] += 1
-            return _error(401, "validation_error" if not api_key else "invalid_api_key", "API key is invalid")
+            return err(401, "validation_error" if not api_key else "invalid_api_key", "API key is invalid")
         ok, wait = state.take_token()
         if not ok:
             c["throttled"] += 1
             reset = max(1, math.ceil(wait))
-            return _error(429, "rate_limit_exceeded",
+            return err(429, "rate_limit_exceeded",
                           f"Too many requests. You can only make {config.rate:g} requests per second.",
                           {"ratelimit-limit": f"{config.rate:g}", "ratelimit-remaining": "0",
                            "ratelimit-reset": str(reset), "retry-after": str(reset)})
@@ -176,21 +212,21 @@ def build_app(config: MockConfig) -> Starlette:
             if seen and seen[0] > now:
                 if seen[1] != digest:
                     c["idempotency_conflicts"] += 1
-                    return _error(409, "invalid_idempotent_request",
+                    return err(409, "invalid_idempotent_request",
                                   "Same idempotency key used with a different request payload.")
                 c["idempotent_replays"] += 1
                 return _json(seen[3], seen[2])
             if (api_key, key) in state.in_flight_keys:
-                return _error(409, "concurrent_idempotent_requests",
+                return err(409, "concurrent_idempotent_requests",
                               "Same idempotency key used while the original request is still in progress.")
         if state.rng.random() < config.fault_5xx_ratio:
             c["faults_5xx"] += 1
-            return _error(500, "internal_server_error", "An unexpected error occurred.")
+            return err(500, "internal_server_error", "An unexpected error occurred.")
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             c["rejected"] += 1
-            return _error(422, "validation_error", "Invalid JSON body.")
+            return err(422, "validation_error", "Invalid JSON body.")
         if key:
             state.in_flight_keys.add((api_key, key))
         try:
@@ -199,16 +235,30 @@ def build_app(config: MockConfig) -> Starlette:
                 state.idempotency[(api_key, key)] = (now + IDEMPOTENCY_TTL_S, digest, status, answer)
             if status == 200 and state.rng.random() < config.fault_502_after_accept_ratio:
                 c["faults_502_after_accept"] += 1
-                return _error(502, "bad_gateway", "The upstream answer was lost.")
+                return err(502, "bad_gateway", "The upstream answer was lost.")
             if status == 200 and config.hold_answers:
                 await hold(state)
             if status == 200 and state.rng.random() < config.fault_timeout_ratio:
                 c["faults_timeout"] += 1
                 await asyncio.sleep(config.timeout_delay_s)  # accepted, but the answer comes too late
-            return _json(answer, status)
+            if kind == "sms_b" and status != 200 and isinstance(answer, dict):
+                return err(status, answer["name"], answer["message"])
+            return _json(answer, 201 if kind == "sms_b" and status == 200 else status)
         finally:
             if key:
                 state.in_flight_keys.discard((api_key, key))
+
+    def token_refusal(token: str) -> str | None:
+        """Why a bearer token is refused (None: it is good)."""
+        try:
+            claims = jwt.decode(token, TOKEN_SECRET, algorithms=["HS256"])
+        except jwt.ExpiredSignatureError:
+            return "token_expired"
+        except jwt.PyJWTError:
+            return "invalid_token"
+        if claims.get("iat_ms", 0) / 1000 < state.revoked_before or state.rng.random() < config.fault_401_ratio:
+            return "token_revoked"
+        return None
 
     def deliver(items: list[dict], kind: str) -> None:
         now = time.time()
@@ -253,12 +303,28 @@ def build_app(config: MockConfig) -> Starlette:
             c["single_email_requests"] += 1
             deliver([body], "single")
             return 200, {"id": str(uuid.uuid4())}
+        if kind == "sms_b" and isinstance(body, dict):  # the second protocol's shape, as the first's
+            body = {"to": body.get("destination"), "body": body.get("text"),
+                    "tags": [{"name": k, "value": v} for k, v in (body.get("metadata") or {}).items()]}
         if not isinstance(body, dict) or not _E164.match(str(body.get("to", ""))) or not body.get("body"):
             c["rejected"] += 1
             return 422, {"statusCode": 422, "name": "validation_error", "message": "invalid `to` or `body`"}
+        to = str(body["to"])
+        if any(to.startswith(p) for p in _prefixes(config.sms_unsupported_prefixes)):
+            c["sms_unsupported"] += 1
+            return 400, {"statusCode": 400, "name": "unsupported_destination",
+                         "message": "this destination is not one we recognise"}
+        if any(to.startswith(p) for p in _prefixes(config.sms_invalid_prefixes)):
+            c["sms_invalid"] += 1
+            return 400, {"statusCode": 400, "name": "invalid_recipient", "message": "the recipient is not valid"}
+        if state.rng.random() < config.sms_no_id_ratio:
+            c["sms_no_id"] += 1
+            return 200, ({"message": {}} if kind == "sms_b" else {"status": "queued"})  # nothing taken
         c["sms_requests"] += 1
         deliver([body], "sms")
-        return 200, {"id": str(uuid.uuid4())}
+        message_id = str(uuid.uuid4())
+        return 200, ({"message": {"sid": "SM" + message_id.replace("-", "")}} if kind == "sms_b"
+                     else {"id": message_id})
 
     async def emails(request: Request) -> Response:
         return await guarded(request, "single")
@@ -268,6 +334,23 @@ def build_app(config: MockConfig) -> Starlette:
 
     async def sms(request: Request) -> Response:
         return await guarded(request, "sms")
+
+    async def sms_b(request: Request) -> Response:
+        return await guarded(request, "sms_b")
+
+    async def token(request: Request) -> Response:
+        state.counts["token_requests"] += 1
+        try:
+            doc = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict) or (doc.get("client_id"), doc.get("client_secret")) != CLIENT:
+            return _b_error(401, "invalid_client", "unknown client credentials")
+        now = time.time()
+        value = jwt.encode({"sub": doc["client_id"], "iat": int(now), "iat_ms": int(now * 1000),
+                            "exp": now + config.token_ttl_s, "jti": uuid.uuid4().hex}, TOKEN_SECRET,
+                           algorithm="HS256")
+        return _json({"access_token": value, "token_type": "Bearer", "expires_in": int(config.token_ttl_s)})
 
     async def stats(request: Request) -> Response:
         dup = {k: len(v) for k, v in state.deliveries.items() if len(v) > 1}
@@ -286,13 +369,19 @@ def build_app(config: MockConfig) -> Starlette:
         for key, value in change.items():
             if key == "throttle_all_for_s":
                 state.throttle_until = time.monotonic() + float(value)
+            elif key == "revoke_tokens":
+                state.revoked_before = time.time()
             elif key == "hold_answers":
                 config.hold_answers = bool(value)
                 if not value:  # answer everything held so far
                     state.release.set()
                     state.release = asyncio.Event()
             elif hasattr(config, key):
-                setattr(config, key, type(getattr(config, key) or 0.0)(value) if value is not None else None)
+                current = getattr(config, key)
+                if isinstance(current, bool | str):
+                    setattr(config, key, type(current)(value))
+                else:  # numbers (and the unset seed)
+                    setattr(config, key, float(value) if value is not None else None)
             else:
                 return _error(422, "validation_error", f"unknown mock setting {key!r}")
         return _json({"config": config.__dict__})
@@ -313,6 +402,8 @@ def build_app(config: MockConfig) -> Starlette:
         Route("/emails", emails, methods=["POST"]),
         Route("/emails/batch", emails_batch, methods=["POST"]),
         Route("/sms/messages", sms, methods=["POST"]),
+        Route("/v2/messages", sms_b, methods=["POST"]),
+        Route("/oauth/token", token, methods=["POST"]),
         Route("/_mock/stats", stats, methods=["GET"]),
         Route("/_mock/config", configure, methods=["POST"]),
         Route("/_mock/reset", reset, methods=["POST"]),

@@ -47,6 +47,7 @@ class Claim:
     owner: str
     path: str
     body: bytes
+    provider: str = ""  # "" : the channel's first provider
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StoredRequest:
     body: bytes
     tenant: str
     send_ids: tuple[str, ...]
+    provider: str = ""  # the provider it went to: a recovered request goes to the same one
 
 
 class ProcessedJobs:
@@ -97,12 +99,12 @@ class ProcessedJobs:
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
-                orjson.dumps(sorted(c.send_ids))]
+                orjson.dumps(sorted(c.send_ids)), c.provider]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
-              tenant: str) -> list[int]:
+              tenant: str, provider: str = "") -> list[int]:
         """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
-        args = self._claim_args(Claim(tenant, key, tuple(send_ids), owner, path, body))
+        args = self._claim_args(Claim(tenant, key, tuple(send_ids), owner, path, body, provider))
         with store_errors("claiming sends"):
             return [int(i) for i in self._claim(keys=self._request_keys(tenant, key, send_ids), args=args)]
 
@@ -118,7 +120,8 @@ class ProcessedJobs:
                 self.client.delete(k.lease(tenant, key))
                 return None
         ids = tuple(orjson.loads(rec[b"ids"]))
-        return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids)
+        return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids,
+                             rec.get(b"provider", b"").decode())
 
     def mark_delivered(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """Every send of the request `delivered`, and its lease and record gone, in one call."""

@@ -23,6 +23,7 @@ from confluent_kafka import KafkaError, Producer
 
 from .. import metrics
 from ..kafka_client import AckedWriter
+from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
 from ..outcomes import outcome_event, webhook_fields
@@ -63,8 +64,13 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ outcomes and history
     def outcome_event(self, s: Send, status: str, attempts: int | None, now_ms: int, provider_message_id: str = "",
-                      reason: str = "", attempt: dict | None = None) -> dict:
-        return outcome_event(s, status, attempts, now_ms, self.provider, provider_message_id, reason, attempt)
+                      reason: str = "", attempt: dict | None = None, tried: list[str] | None = None) -> dict:
+        """`tried`: the providers this send was tried on, in order (the last one answered this time)."""
+        event = outcome_event(s, status, attempts, now_ms, tried[-1] if tried else self.provider,
+                              provider_message_id, reason, attempt)
+        if tried:
+            event["providers_tried"] = tried
+        return event
 
     @staticmethod
     def origin(p: Pending) -> dict:
@@ -98,22 +104,46 @@ class RecordWriter:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
 
     # ------------------------------------------------------------------ retry copies
-    def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck) -> None:
-        """A copy of the original bytes for the tier; the route and payload never change."""
+    def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck,
+              tried: list[str] | None = None) -> None:
+        """A copy of the original bytes for the tier; the payload never changes, and the provider it
+        goes to stays the one it was last tried on."""
+        tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
         headers["last_error"] = error_header(result)
         headers.setdefault("first_error", headers["last_error"])
+        headers["providers_tried"] = ",".join(tried).encode()
         metrics.RETRIES.labels(*self._label, decision.tier).inc()
         metrics.SENDS.labels(*self._label, "retry").inc()
         evidence(log, logging.WARNING, "retry_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
-                 provider=self.provider, attempt=p.attempt, tier=decision.tier,
+                 provider=tried[-1], providers_tried=",".join(tried), attempt=p.attempt, tier=decision.tier,
                  due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
         status = "unknown" if result.outcome == "unknown" else "retrying"
         self.outcome({**self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
-                                           attempt=attempt_info(p.attempt, result, now_ms))})
+                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)})
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, on_ack,
-                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack))
+                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack,
+                                                             tried))
+
+    def fallback(self, p: Pending, provider: str, tried: list[str], result: ProviderResult, now_ms: int,
+                 on_ack: OnAck) -> None:
+        """Hand a send the provider rejected for a named fallback reason to the channel's next
+        provider: a copy on the first retry tier, due now, naming that provider; the next attempt
+        goes through that provider's own bucket."""
+        tier = next(iter(RETRY_TIERS))
+        headers = self._retry_headers(p, now_ms, tier, f"fallback:{result.error_name}", p.attempt + 1)
+        headers.update({"provider": provider.encode(), "providers_tried": ",".join(tried).encode(),
+                        "last_error": error_header(result)})
+        headers.setdefault("first_error", headers["last_error"])
+        metrics.SENDS.labels(*self._label, "fallback").inc()
+        evidence(log, logging.WARNING, "fallback_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
+                 provider=tried[-1], to_provider=provider, reason=result.error_name, attempt=p.attempt)
+        self.outcome({**self.outcome_event(p.send, "retrying", p.attempt, now_ms, reason=f"fallback:{provider}",
+                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)})
+        self.produce(self.names.retry(self.channel, self.lane, tier), p.send.tenant_id.encode(), p.raw, headers,
+                     on_ack, on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms,
+                                                                    on_ack, tried))
 
     def spill(self, p: Pending, due_ms: int, tier: str, on_ack: OnAck) -> None:
         """Park a message of a tenant whose backlog is over its share on a retry tier until its
@@ -132,7 +162,8 @@ class RecordWriter:
                 "origin_topic": self.topic.encode()}
 
     # ------------------------------------------------------------------ dead letters
-    def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck) -> None:
+    def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck,
+                    tried: list[str] | None = None) -> None:
         headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
                    "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
                    "reason": reason.encode(), "attempts": str(p.attempt).encode(),
@@ -143,14 +174,18 @@ class RecordWriter:
         if result is not None:
             headers["last_error"] = error_header(result)
             headers.setdefault("first_error", headers["last_error"])
+        if tried:
+            headers["providers_tried"] = ",".join(tried).encode()
         metrics.DLQ.labels(*self._label, reason).inc()
         metrics.SENDS.labels(*self._label, "dead_lettered").inc()
         evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
-                 provider=self.provider, attempts=p.attempt, reason=reason)
+                 provider=tried[-1] if tried else self.provider, providers_tried=",".join(tried or ()),
+                 attempts=p.attempt, reason=reason)
         attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
         # A webhook delivery that is given up on is "dropped" (the word its receivers' alerts use).
         status = "dropped" if p.send.channel == "webhook" else "dead_lettered"
-        event = {**self.outcome_event(p.send, status, p.attempt, now_ms, reason=reason, attempt=attempt),
+        event = {**self.outcome_event(p.send, status, p.attempt, now_ms, reason=reason, attempt=attempt,
+                                      tried=tried),
                  "origin": self.origin(p)}
 
         def written(partition: int, offset: int) -> None:  # the status store remembers where the letter is

@@ -21,11 +21,10 @@ from ..backoff import Outage
 from ..errors import ConfigError, CostExceedsBurst, StoreUnavailable
 from ..gate.gate import Admission, Gate
 from ..gate.token_bucket import Limit
-from ..providers.http import Provider
 from ..providers.outcome import Outbound
-from ..providers.registry import ProviderCredentials, ProviderSpec
 from ..retry.policy import RetryPolicy, expired
 from .idempotency import REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
+from .routes import Route, Routes
 from .tenant_queues import Pending, TenantQueues, unique_sends
 
 log = logging.getLogger("streams.dispatch")
@@ -42,6 +41,7 @@ class Draw:
     key: str
     tenant: str
     items: list[Pending]
+    route: Route
 
 
 @dataclass
@@ -55,6 +55,7 @@ class Job:
     send_ids: tuple[str, ...]
     members: list[Pending]
     queue: str = ""  # the tenant queue (the endpoint's, for webhooks) it was taken from
+    provider: str = ""  # the provider it went to
 
 
 class Dispatcher:
@@ -62,22 +63,19 @@ class Dispatcher:
     queued again): when Redis fails mid-way, the messages taken for the request go back to the front
     of their queue and the dispatcher holds, with backoff, until Redis answers."""
 
-    def __init__(self, spec: ProviderSpec, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
-                 jobs: ProcessedJobs, gate: Gate, provider: Provider, credentials: ProviderCredentials,
-                 on_duplicate: Callable[[Pending], None], redis_outage: Outage,
+    def __init__(self, routes: Routes, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
+                 jobs: ProcessedJobs, gate: Gate, on_duplicate: Callable[[Pending], None], redis_outage: Outage,
                  policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None]):
-        self.spec, self.lane, self.worker_id = spec, lane, worker_id
-        self.batches = lane in spec.batch_lanes
+        self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
         self.queues, self.jobs, self.gate = queues, jobs, gate
-        self.provider, self.credentials = provider, credentials
         self.on_duplicate = on_duplicate
         self.outage = redis_outage
         self.policies = policies
         self.on_expired = on_expired
         self.in_flight: dict[Future, Job] = {}
-        self._limits: dict[str, tuple[float, Limit]] = {}  # tenant -> (read at, limit)
+        self._limits: dict[tuple[str, str], tuple[float, Limit]] = {}  # (provider, tenant) -> (read at, limit)
         self.rng = random.Random()
         self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
         self.in_flight_by_queue: Counter[str] = Counter()
@@ -93,6 +91,7 @@ class Dispatcher:
         in one, and claims in one, instead of three round trips per request."""
         if not self.outage.ready(time.monotonic()):
             return
+        self.routes.refresh_pacing()
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
         while ready and len(self.in_flight) < self.concurrency and time.monotonic() >= self.queues.global_ready_at:
@@ -108,34 +107,44 @@ class Dispatcher:
                 self.outage.failed(time.monotonic(), exc)
                 return
             self._open = {}
+            now = time.monotonic()
+            for route in {id(d.route): d.route for d in draws}.values():
+                route.wave_started(now)  # pacing: the next wave to this provider waits its pause
             ready = [k for k in ready if self.per_queue is not None and self._room(k)]
         self.outage.recovered(time.monotonic())
 
     def _draw(self, ready: list[str]) -> list[Draw]:
         """One request's worth of messages from each ready queue (more than one per queue where each
-        queue may have several requests in flight), within the worker's concurrency."""
+        queue may have several requests in flight), within the worker's concurrency and each
+        provider's pacing."""
         draws: list[Draw] = []
         drawn: Counter[str] = Counter()
+        by_route: Counter[str] = Counter()
         size = min(self.concurrency - len(self.in_flight), ROUND_MAX)
+        now = time.monotonic()
         while len(draws) < size:
             added = False
             for key in ready:
                 if len(draws) >= size:
                     break
                 q = self.queues.queues.get(key)
-                if not q or not q.items or q.ready_at > time.monotonic():
+                if not q or not q.items or q.ready_at > now:
                     continue
                 if self.per_queue is not None and self.in_flight_by_queue[key] + drawn[key] >= self._cap(key):
                     continue  # this endpoint has its share of requests in flight
+                route = self.routes.of(self.queues.head_provider(key))
+                if route.room(now) - by_route[route.name] <= 0:
+                    continue  # the provider's pacing: enough in flight, or its pause is not over
                 tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
                 try:
-                    taken = self.queues.take(key, self.per_request(tenant))
+                    taken = self.queues.take(key, self.per_request(route, tenant))
                 except ConfigError as exc:
                     self._hold_misconfigured(key, exc)
                     continue
-                draws.append(Draw(key, tenant, taken))
+                draws.append(Draw(key, tenant, taken, route))
                 self._open.update({id(p): p for p in taken})
                 drawn[key] += 1
+                by_route[route.name] += 1
                 added = True
             if not added or self.per_queue is None:
                 break
@@ -150,7 +159,7 @@ class Dispatcher:
         live: list[Draw] = []
         for draw in draws:
             try:
-                self.credentials.for_tenant(draw.tenant)  # no API key: before anything is claimed
+                draw.route.credentials.for_tenant(draw.tenant)  # no API key: before anything is claimed
             except ConfigError as exc:
                 self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
                 log.error("%s; holding tenant %s", exc, draw.tenant)
@@ -189,15 +198,15 @@ class Dispatcher:
         return bool(fresh)
 
     def _admit_round(self, draws: list[Draw]) -> list[Draw]:
-        """Both buckets for every request of the round (one round trip); the denied go back to their
-        queue, holding whichever bucket was short."""
+        """Both buckets for every request of the round (one round trip), each at its own provider;
+        the denied go back to their queue, holding whichever bucket was short."""
         if not draws:
             return []
-        answers = self.gate.acquire_many([(self.spec.name, d.tenant, len(d.items), self.reserve) for d in draws])
+        answers = self.gate.acquire_many([(d.route.name, d.tenant, len(d.items), self.reserve) for d in draws])
         admitted = []
         for draw, answer in zip(draws, answers, strict=True):
             if isinstance(answer, CostExceedsBurst):
-                self._limits.pop(draw.tenant, None)  # limits changed: learn the burst again
+                self._limits.pop((draw.route.name, draw.tenant), None)  # limits changed: learn the burst again
                 self._requeue(draw.key, draw.items)
             elif isinstance(answer, Exception):
                 self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
@@ -209,37 +218,49 @@ class Dispatcher:
         return admitted
 
     def _denied(self, draw: Draw, admission: Admission) -> None:
-        metrics.GATE_DENIALS.labels(self.spec.name, self.lane, admission.short).inc()
-        metrics.GATE_WAIT.labels(self.spec.name, self.lane).observe(admission.wait_s)
+        metrics.GATE_DENIALS.labels(draw.route.name, self.lane, admission.short).inc()
+        metrics.GATE_WAIT.labels(draw.route.name, self.lane).observe(admission.wait_s)
         wait_s = admission.wait_s
         if admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
             wait_s *= 1 + COOL_DOWN_JITTER * self.rng.random()
         until = time.monotonic() + wait_s
-        self._requeue(draw.key, draw.items, hold_until=until if admission.short == "tenant" else None)
-        if admission.short != "tenant":
+        tenant_only = admission.short == "tenant"
+        self._requeue(draw.key, draw.items, hold_until=until if tenant_only else None)
+        if tenant_only:
+            return
+        if draw.route is self.routes.primary:
             self.queues.hold_all(until)
+        else:  # a fallback provider's bucket: hold its queues only, not the first provider's traffic
+            for q in self.queues.queues.values():
+                if q.items and q.items[0].provider == draw.route.name:
+                    q.ready_at = max(q.ready_at, until)
 
     def _claim_round(self, draws: list[Draw]) -> None:
         """Claim every admitted request with its exact body (one round trip) and start it; a request
         some of whose sends a racing worker claimed meanwhile is claimed again without them."""
         if not draws:
             return
-        claims = []
-        for d in draws:
-            ids = [p.send.send_id for p in d.items]
-            path, body = self.provider.build(
-                [Outbound(p.send.send_id, d.tenant, p.send.lane, p.send.payload) for p in d.items], batch=self.batches)
-            claims.append(Claim(d.tenant, idempotency_key(ids), tuple(ids), self.worker_id, path, body))
+        claims = [self._claim_of(d.route, d.tenant, d.items) for d in draws]
         for draw, claim, busy in zip(draws, claims, self.jobs.claim_many(claims), strict=True):
             if not busy:
-                self._start(Job(claim.key, claim.path, claim.body, draw.tenant, tuple(sorted(claim.send_ids)),
-                                draw.items, draw.key))
+                self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
+                                            tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider))
                 continue
             taken = set(busy)
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
             rest = [p for i, p in enumerate(draw.items) if i not in taken]
             if rest:
-                self._submit(draw.key, draw.tenant, rest)
+                self._submit(draw.route, draw.key, draw.tenant, rest)
+
+    def _claim_of(self, route: Route, tenant: str, items: list[Pending]) -> Claim:
+        """The request for these messages at this provider: its key (the provider's name appended for
+        a fallback provider), path and exact body."""
+        ids = [p.send.send_id for p in items]
+        key = idempotency_key(ids) if route is self.routes.primary else f"{idempotency_key(ids)}-{route.name}"
+        path, body = route.adapter.build([Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload)
+                                          for p in items], batch=self.lane in route.spec.batch_lanes)
+        provider = "" if route is self.routes.primary else route.name
+        return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider)
 
     def _cap(self, key: str) -> int:
         return self.queue_caps.get(key, self.per_queue or 1)
@@ -251,6 +272,7 @@ class Dispatcher:
 
     def done(self, job: Job, succeeded: bool) -> None:
         """A request finished: its queue may start another, and earns or loses its share of slots."""
+        self.routes.of(job.provider).in_flight -= 1
         self.in_flight_by_queue[job.queue] -= 1
         if self.in_flight_by_queue[job.queue] <= 0:
             del self.in_flight_by_queue[job.queue]
@@ -264,20 +286,21 @@ class Dispatcher:
             else:
                 self.queue_caps[job.queue] = 1
 
-    def tenant_limit(self, tenant: str) -> Limit:
-        """The tenant's bucket limit, read from Redis at most every LIMITS_TTL_S (operators change it)."""
-        cached = self._limits.get(tenant)
+    def tenant_limit(self, route: Route, tenant: str) -> Limit:
+        """The tenant's bucket limit at a provider, read from Redis at most every LIMITS_TTL_S
+        (operators change it)."""
+        cached = self._limits.get((route.name, tenant))
         now = time.monotonic()
         if cached is None or now - cached[0] > LIMITS_TTL_S:
-            cached = (now, self.gate.tenant_limit(self.spec.name, tenant))
-            self._limits[tenant] = cached
+            cached = (now, self.gate.tenant_limit(route.name, tenant))
+            self._limits[(route.name, tenant)] = cached
         return cached[1]
 
-    def per_request(self, tenant: str) -> int:
+    def per_request(self, route: Route, tenant: str) -> int:
         """Messages per provider request: a batch (up to the tenant's burst) where this lane batches."""
-        if not self.batches:
+        if self.lane not in route.spec.batch_lanes:
             return 1
-        return min(self.spec.batch_max, self.tenant_limit(tenant).burst)
+        return min(route.spec.batch_max, self.tenant_limit(route, tenant).burst)
 
     # ---- hand-offs: every message taken ends in exactly one of these
     def _skip(self, p: Pending) -> None:
@@ -289,24 +312,24 @@ class Dispatcher:
             self._open.pop(id(p), None)
         self.queues.put_back(key, items, hold_until=hold_until)
 
-    def _start(self, job: Job) -> None:
-        api_key = self.credentials.for_tenant(job.tenant)
+    def _start(self, route: Route, job: Job) -> None:
+        api_key = route.credentials.for_tenant(job.tenant)
         for p in job.members:
             self._open.pop(id(p), None)
-        fut = self.provider.submit(job.path, job.body, api_key, job.key)
+        fut = route.adapter.submit(job.path, job.body, api_key, job.key)
         self.in_flight[fut] = job
         self.in_flight_by_queue[job.queue] += 1
+        route.in_flight += 1
 
     # ---- the steps
-    def _submit(self, key: str, tenant: str, fresh: list[Pending]) -> None:
+    def _submit(self, route: Route, key: str, tenant: str, fresh: list[Pending]) -> None:
         for _ in range(CLAIM_RACE_ROUNDS):
-            ids = [p.send.send_id for p in fresh]
-            request_key = idempotency_key(ids)
-            path, body = self.provider.build(
-                [Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload) for p in fresh], batch=self.batches)
-            busy = set(self.jobs.claim(ids, request_key, self.worker_id, path, body, tenant))
+            claim = self._claim_of(route, tenant, fresh)
+            busy = set(self.jobs.claim(list(claim.send_ids), claim.key, self.worker_id, claim.path, claim.body,
+                                       tenant, claim.provider))
             if not busy:
-                self._start(Job(request_key, path, body, tenant, tuple(sorted(ids)), fresh, key))
+                self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
+                                       fresh, key, claim.provider))
                 return
             self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
@@ -316,24 +339,28 @@ class Dispatcher:
 
     def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
-        under its own idempotency key, once its sender's lease has lapsed. False: still held."""
+        under its own idempotency key, to the provider it went to, once its sender's lease has
+        lapsed. False: still held."""
         stored: StoredRequest | None = self.jobs.take_over(tenant, request_key, self.worker_id)
         if stored is None:
             return False
+        route = self.routes.of(stored.provider)
         try:
-            admission = self.gate.acquire(self.spec.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
+            admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
         except CostExceedsBurst:
             # Stored before the tenant's burst was lowered: it cannot be split (same body, same key),
             # so it is charged a full burst instead of never being admitted.
-            burst = self.gate.tenant_limit(self.spec.name, stored.tenant).burst
-            admission = self.gate.acquire(self.spec.name, stored.tenant, burst, reserve=self.reserve)
+            burst = self.gate.tenant_limit(route.name, stored.tenant).burst
+            admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
         if not admission.allowed:
             self.jobs.keep_unknown(tenant, request_key)
             return False
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
-        self._start(Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue))
-        log.info("re-sending request %s (%d sends) after an unknown outcome", request_key, len(stored.send_ids))
+        self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
+                               stored.provider))
+        log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
+                 len(stored.send_ids), route.name)
         return True
 
     def refresh_leases(self) -> None:
@@ -349,4 +376,5 @@ class Dispatcher:
             self.outage.failed(now, exc)
 
     def close(self) -> None:
-        """Nothing of its own to release: the provider owns the requests' threads or event loop."""
+        """The providers own the requests' threads or event loop."""
+        self.routes.close()

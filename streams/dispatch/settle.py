@@ -4,7 +4,10 @@ Delivered: outcome events (acknowledged) first, then the `delivered` mark, then 
 crash in between leaves the sends in flight: the next worker re-sends the same request under the
 same key, the provider replays its answer, and the outcomes are published again (at least once).
 Not delivered: a 429 holds every worker off the provider (shared cool-down); a short one is waited
-out here, anything else is copied to a retry tier or dead-lettered, per the send's retry policy.
+out here; a rejection for one of the provider's named fallback reasons goes once to the channel's
+next provider; a 401 that a fresh token or key did not cure holds the provider (or the tenant's
+key) and raises an alert, without using up attempts; anything else is copied to a retry tier or
+dead-lettered, per the send's retry policy.
 
 Redis failing in the middle never loses a settlement: the Redis steps of a failed request run
 before anything is written to Kafka, and a settlement (or a `delivered` mark) that meets a Redis
@@ -25,26 +28,32 @@ from ..gate.gate import Gate
 from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
-from ..providers.registry import ProviderSpec
 from ..retry.policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
 from .idempotency import ProcessedJobs
 from .records import RecordWriter, attempt_info
 from .requests import Job
+from .routes import Route, Routes
 from .tenant_queues import Offset, Pending, TenantQueues
 
 log = logging.getLogger("streams.settle")
+AUTH_HOLD_S = 30.0
+
+
+def providers_tried(p: Pending, route: Route) -> list[str]:
+    """The providers this send has been tried on, this one included (from its retry headers)."""
+    earlier = [n for n in (p.headers.get("providers_tried") or b"").decode().split(",") if n]
+    return earlier if route.name in earlier else [*earlier, route.name]
 
 
 class Settler:
-    def __init__(self, provider: ProviderSpec, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
+    def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
                  redis_outage: Outage, on_gone: Callable[[Job], object] | None = None):
         """`on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
-        self.provider_name = provider.name
-        self.idempotent = provider.idempotent
-        self.shared_limit = provider.shared_limit
+        self.routes = routes
         self.on_gone = on_gone
         self.time_scale = 1.0  # tests that walk a whole retry schedule shrink it (same code path)
+        self.auth_hold_s = AUTH_HOLD_S
         self.label = label
         self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
         self.records = records
@@ -110,20 +119,21 @@ class Settler:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
-        evidence(log, logging.WARNING, "attempt_failed", provider=self.provider_name, request=job.key,
+        route = self.routes.of(job.provider)
+        evidence(log, logging.WARNING, "attempt_failed", provider=route.name, request=job.key,
                  sends=len(job.send_ids), send_id=job.send_ids[0] if len(job.send_ids) == 1 else None,
                  tenant=job.tenant, status=result.status, outcome=result.outcome, error=result.error_name,
                  duration_s=round(result.latency_s, 3), body=result.error_body[:300])
         wait = cool_down_s(result, now_ms)
         if wait is not None:
-            metrics.PROVIDER_429.labels(self.provider_name, result.error_name or result.outcome).inc()
-            if self.shared_limit:  # one limit for everyone: every worker holds off, not only this one
-                self.gate.cool_down(self.provider_name, wait)
+            metrics.PROVIDER_429.labels(route.name, result.error_name or result.outcome).inc()
+            if route.spec.shared_limit:  # one limit for everyone: every worker holds off, not only this one
+                self.gate.cool_down(route.name, wait)
             else:  # a webhook endpoint's own limit: hold its queue only
                 self.queues.hold(job.queue, time.monotonic() + wait)
         if result.outcome == "gone" and self.on_gone is not None:
             self.on_gone(job)
-        if result.outcome == "unknown" and not self.idempotent:
+        if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
         elif result.outcome == "unknown":
             self.jobs.keep_unknown(job.tenant, job.key)
@@ -131,20 +141,45 @@ class Settler:
             self.jobs.release(job.tenant, job.send_ids, job.key)
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
+        if result.outcome == "auth":
+            self._unauthorised(route, job, result, now_ms)
+            return
         if wait_in_process(result, now_ms):
             for p in job.members:
                 self._announce(p, result, now_ms)
             self._back_off_in_process(job, result, now_ms)
             return
         for p in job.members:
-            decision = self._decide(p, result, now_ms)
+            tried = providers_tried(p, route)
+            fallback = self.routes.fallback_for(route, result, tried)
+            if fallback is not None:  # once, on a named reason, through the next provider's own bucket
+                metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
+                self.records.fallback(p, fallback.name, tried, result, now_ms, self.finisher(p.where))
+                continue
+            decision = self._decide(route, p, result, now_ms)
             self._announce(p, result, now_ms, dropped=isinstance(decision, DeadLetter))
             if isinstance(decision, RetryAt):
-                self.records.retry(p, decision, result, now_ms, self.finisher(p.where))
+                self.records.retry(p, decision, result, now_ms, self.finisher(p.where), tried)
             elif isinstance(decision, DeadLetter):
-                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where))
+                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where), tried)
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
+
+    def _unauthorised(self, route: Route, job: Job, result: ProviderResult, now_ms: int) -> None:
+        """The provider refused us even with a fresh token (or our key): retrying down the tiers
+        would only use up attempts. Hold the provider (token: one account for everyone) or the
+        tenant's queue (a key per tenant), page someone, and try again after `auth_hold_s`; the sends'
+        age is still checked before every attempt, so they are never sent too late."""
+        metrics.PROVIDER_AUTH_FAILURES.labels(route.name).inc()
+        evidence(log, logging.ERROR, "provider_auth_failed", provider=route.name, tenant=job.tenant,
+                 status=result.status, error=result.error_name, hold_s=self.auth_hold_s,
+                 action="check the provider credentials (alert ProviderAuthFailing)")
+        until = time.monotonic() + self.auth_hold_s
+        self.queues.put_back(job.queue, list(job.members), hold_until=until)
+        if route.spec.auth == "token":
+            for q in self.queues.queues.values():
+                if q.items and self.routes.of(q.items[0].provider) is route:
+                    q.ready_at = max(q.ready_at, until)
 
     def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
         """Every webhook attempt is an event on the attempts topic; `dropped` marks the attempt after
@@ -156,20 +191,21 @@ class Settler:
         """A send found older than its policy's max_age before an attempt: never sent late."""
         self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self.finisher(p.where))
 
-    def _decide(self, p: Pending, result: ProviderResult, now_ms: int):
+    def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
-                      self.rng.random(), provider_idempotent=self.idempotent, time_scale=self.time_scale)
+                      self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale)
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
         tenant queue (the shared cool-down holds every worker off until Retry-After). It does not
         use up an attempt (the provider never looked at the sends); their age is checked again
         before the next attempt, as before every attempt."""
-        self.queues.put_back(self.queues.queue_key(job.members[0].send), list(job.members))
+        self.queues.put_back(job.queue, list(job.members))
         metrics.SENDS.labels(*self.label, "throttled_in_process").inc(len(job.members))
 
     def _delivered(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         ids = dict(zip(sorted(job.send_ids), result.message_ids, strict=False))
+        route = self.routes.of(job.provider)
         events = []
         held = set()
         for p in job.members:
@@ -180,7 +216,8 @@ class Settler:
             self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
-                                                        attempt=attempt_info(p.attempt, result, now_ms)),
+                                                        attempt=attempt_info(p.attempt, result, now_ms),
+                                                        tried=providers_tried(p, route)),
                            "origin": self.records.origin(p)})
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds

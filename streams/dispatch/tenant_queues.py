@@ -29,6 +29,7 @@ class Pending:
     headers: dict[str, bytes]
     send: Send
     attempt: int
+    provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
 
     @property
     def where(self) -> Offset:
@@ -57,8 +58,14 @@ class TenantQueues:
         self.global_ready_at = 0.0
         self.buffered = 0
 
+    def key_of(self, p: Pending) -> str:
+        """A message's queue: its tenant's (its endpoint's), apart for a fallback provider's messages
+        (a request goes to one provider)."""
+        key = self.queue_key(p.send)
+        return f"{key}@{p.provider}" if p.provider else key
+
     def add(self, p: Pending) -> None:
-        self.queues.setdefault(self.queue_key(p.send), TenantQueue()).items.append(p)
+        self.queues.setdefault(self.key_of(p), TenantQueue()).items.append(p)
         self.buffered += 1
 
     def ready(self, now: float) -> list[str]:
@@ -80,6 +87,9 @@ class TenantQueues:
 
     def head_tenant(self, key: str) -> str:
         return self.queues[key].items[0].send.tenant_id
+
+    def head_provider(self, key: str) -> str:
+        return self.queues[key].items[0].provider
 
     def take(self, key: str, n: int) -> list[Pending]:
         """Up to n messages from the head of a queue, all of one tenant (one API key per request)."""

@@ -30,9 +30,8 @@ from ..kafka_client import commit_now, store_offsets
 from ..lag.yield_policy import YieldPolicy
 from ..names import TopicNames
 from ..offsets import OffsetTracker
-from ..providers.http import Provider
 from ..providers.outcome import ProviderResult
-from ..providers.registry import ProviderCredentials, ProviderSpec
+from ..providers.registry import ProviderSpec
 from ..retry.policy import RetryPolicy, tier_at_least
 from ..send import Send
 from ..state.guard import StateGuard
@@ -42,6 +41,7 @@ from .intake import Rejected, admit
 from .pauses import LanePauses
 from .records import RecordWriter
 from .requests import Dispatcher, Job
+from .routes import Routes
 from .settle import Settler
 from .tenant_queues import Pending, TenantQueues, by_tenant
 
@@ -53,7 +53,7 @@ class WorkerConfig:
     channel: str
     lane: str
     bootstrap: str
-    provider: ProviderSpec
+    provider: ProviderSpec          # the channel's first provider (its name labels the lane's records)
     names: TopicNames = TopicNames()
     concurrency: int = 8            # provider requests in flight
     max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
@@ -76,8 +76,8 @@ class WorkerConfig:
 
 
 class LaneWorker:
-    def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, provider: Provider,
-                 gate: Gate, jobs: ProcessedJobs, credentials: ProviderCredentials,
+    def __init__(self, config: WorkerConfig, consumer: Consumer, producer: Producer, routes: Routes,
+                 gate: Gate, jobs: ProcessedJobs,
                  policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant,
                  guard: StateGuard | None = None, backlog: BacklogShare | None = None,
                  on_gone: Callable[[Job], object] | None = None):
@@ -85,7 +85,7 @@ class LaneWorker:
         every production worker; only the benchmarks' naive baseline runs without it."""
         self.cfg = config
         self.topic, self.group = config.topic, config.group
-        self.consumer, self.producer, self.provider = consumer, producer, provider
+        self.consumer, self.producer, self.routes = consumer, producer, routes
         self.policies = policies
         self.queues = TenantQueues(queue_key)
         self.tracker = OffsetTracker()
@@ -97,10 +97,10 @@ class LaneWorker:
         self.records = records
         self.redis_outage = Outage("Redis (dispatch)")
         self.consume_outage = Outage("Kafka (consume)")
-        self.settler = Settler(config.provider, self._label, self.queues, self.tracker, jobs, gate,
+        self.settler = Settler(routes, self._label, self.queues, self.tracker, jobs, gate,
                                records, policies, self.redis_outage, on_gone)
-        self.dispatcher = Dispatcher(config.provider, config.lane, config.worker_id, config.concurrency,
-                                     self.queues, jobs, gate, provider, credentials, self._finish_duplicate,
+        self.dispatcher = Dispatcher(routes, config.lane, config.worker_id, config.concurrency,
+                                     self.queues, jobs, gate, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
@@ -136,8 +136,9 @@ class LaneWorker:
         # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
         # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
         # lost, nothing is dispatched until an operator recovers it.
-        self.provider.poll()
-        if (not (self.pauses.yielding or self.pauses.without_reading) and self.provider.ready
+        for route in self.routes.order:
+            route.adapter.poll()
+        if (not (self.pauses.yielding or self.pauses.without_reading) and self.routes.primary.adapter.ready
                 and self._state_intact()):
             self.dispatcher.dispatch()
         self.records.writer.poll(0)
@@ -172,7 +173,6 @@ class LaneWorker:
         self.consumer.close()
         self.pauses.close()
         self.dispatcher.close()
-        self.provider.close()
 
     def _drain(self, timeout_s: float = 30.0) -> None:
         """Wait for every provider request in flight and make its outcome durable (within
@@ -221,7 +221,8 @@ class LaneWorker:
             self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail,
                                          self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
             return
-        p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt)
+        p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt,
+                    (headers.get("provider") or b"").decode())
         if not self._parked(p):
             self.queues.add(p)
 
@@ -231,10 +232,11 @@ class LaneWorker:
         if self.backlog is None:
             return False
         tenant = p.send.tenant_id
-        queued = self.queues.size(self.queues.queue_key(p.send))
+        queued = self.queues.size(self.queues.key_of(p))
+        route = self.routes.of(p.provider)
         try:
-            limit = self.dispatcher.tenant_limit(tenant)
-            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(tenant),
+            limit = self.dispatcher.tenant_limit(route, tenant)
+            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant),
                                        time.monotonic())
         except (StoreUnavailable, ConfigError):
             return False  # no limit to plan with: keep it (backpressure still bounds memory)
@@ -261,8 +263,9 @@ class LaneWorker:
                 log.exception("provider call failed unexpectedly")
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
             self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"))
-            metrics.PROVIDER_REQUESTS.labels(self.cfg.provider.name, result.outcome).inc()
-            metrics.PROVIDER_LATENCY.labels(self.cfg.provider.name).observe(result.latency_s)
+            provider = self.routes.of(job.provider).name
+            metrics.PROVIDER_REQUESTS.labels(provider, result.outcome).inc()
+            metrics.PROVIDER_LATENCY.labels(provider).observe(result.latency_s)
             self.settler.settle(job, result)
 
     def _finish_duplicate(self, p: Pending) -> None:

@@ -16,7 +16,7 @@ import redis
 from ..errors import ConfigError, CostExceedsBurst, GateError, GateUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
-from .limits import LimitStore
+from .limits import LimitStore, Pacing
 from .token_bucket import Limit
 
 
@@ -32,6 +32,7 @@ class Gate(Protocol):
     def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
+    def pacing(self, provider: str) -> Pacing: ...
 
 
 class RedisGate:
@@ -98,3 +99,6 @@ class RedisGate:
 
     def tenant_limit(self, provider: str, tenant: str) -> Limit:
         return LimitStore(self.client, self.namespace).tenant(provider, tenant)
+
+    def pacing(self, provider: str) -> Pacing:
+        return LimitStore(self.client, self.namespace).pacing(provider)

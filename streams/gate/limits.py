@@ -29,6 +29,18 @@ class LimitChange:
     tenant: str | None = None
     tenant_rate: int | None = None
     tenant_burst: int | None = None
+    concurrency: int | None = None   # pacing: requests in flight per worker, at most (0: the provider's default)
+    pause_ms: int | None = None      # pacing: the least pause between request waves (0: none)
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Besides the buckets: how many requests a worker keeps in flight to a provider, and how long
+    it waits between waves of requests. Operators change both at run time (`streams limits set
+    --concurrency 5 --pause-ms 300`); workers pick them up within seconds."""
+
+    concurrency: int | None = None   # None: the provider's own cap (providers.toml)
+    pause_ms: int = 0
 
 
 def check_provider(rate: int, burst: int, reserve: int) -> None:
@@ -74,6 +86,13 @@ class LimitStore:
             check_tenant(change.tenant or "", change.tenant_rate, change.tenant_burst)
             writes.update({f"tenant_rate:{change.tenant}": change.tenant_rate,
                            f"tenant_burst:{change.tenant}": change.tenant_burst})
+        for name in ("concurrency", "pause_ms"):
+            value = getattr(change, name)
+            if value is not None:
+                if not 0 <= value <= (10_000 if name == "concurrency" else 60_000):
+                    raise ConfigError(f"{name} must be between 0 and {10_000 if name == 'concurrency' else 60_000} "
+                                      f"(got {value}; 0 means {'the default' if name == 'concurrency' else 'none'})")
+                writes[name] = value
         if writes:
             if self.oplog is not None:
                 self.oplog.put(f"limits/{provider}", {**current, **writes})
@@ -101,6 +120,10 @@ class LimitStore:
         if rate is None or burst is None:
             raise ConfigError(f"no limit for tenant {tenant!r} at provider {provider!r} and no default ('*')")
         return Limit(rate, burst)
+
+    def pacing(self, provider: str) -> Pacing:
+        d = self.show(provider)
+        return Pacing(d.get("concurrency") or None, d.get("pause_ms", 0))
 
     def _write(self, provider: str, fields: dict[str, int]) -> None:
         try:

@@ -59,6 +59,8 @@ class LimitUpdate(BaseModel):
     tenant: str | None = Field(None, description="a tenant id, or '*' for the default")
     tenant_rate: int | None = Field(None, ge=1)
     tenant_burst: int | None = Field(None, ge=1)
+    concurrency: int | None = Field(None, ge=0, description="pacing: requests in flight per worker (0: default)")
+    pause_ms: int | None = Field(None, ge=0, description="pacing: the least pause between request waves")
 
 
 class BodyLimit:

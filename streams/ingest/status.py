@@ -62,6 +62,8 @@ class StatusStore:
         for name in ("attempts", "replay_of"):
             if event.get(name):
                 fields[name] = event[name]
+        if event.get("providers_tried"):  # every provider the send was tried on, in order
+            fields["providers_tried"] = ",".join(event["providers_tried"])
         for prefix, where in (("origin", event.get("origin")), ("dlq", event.get("dlq"))):
             if isinstance(where, dict):
                 fields.update({f"{prefix}_{k}": v for k, v in where.items()})

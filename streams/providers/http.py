@@ -2,8 +2,9 @@
 
 A path outside a provider's allowlist (audiences, contacts, segments, broadcasts, topics,
 anything else) raises ForbiddenProviderPath and is never sent. httpx errors become a
-ProviderResult whose outcome the retry policy understands; every non-2xx is logged with its
-status and a redacted body.
+ProviderResult whose outcome the retry policy understands, named by their class (connection
+refused, timeout, TLS ...); the worker logs every failed attempt with its status or class and a
+redacted body.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Protocol
 import httpx
 import orjson
 
-from ..errors import ForbiddenProviderPath
+from ..errors import ForbiddenProviderPath, ProviderAuthError
 from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact
+from .registry import ProviderSpec
+from .tokens import TokenSource
 
 log = logging.getLogger("streams.providers")
 
@@ -63,20 +66,50 @@ class AllowlistTransport(httpx.BaseTransport):
         self.inner.close()
 
 
+def error_class(exc: httpx.TransportError) -> str:
+    """What kind of transport failure, for the evidence line: connection refused, timeout, TLS ..."""
+    text = str(exc).lower()
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect_timeout"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.ConnectError):
+        if "ssl" in text or "certificate" in text or "tls" in text:
+            return "tls"
+        if "refused" in text:
+            return "connection_refused"
+        if "name or service" in text or "nodename" in text or "name resolution" in text:
+            return "dns"
+        return "connect_error"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "protocol_error"
+    if isinstance(exc, httpx.ReadError):
+        return "connection_reset"
+    return type(exc).__name__
+
+
 class HttpProvider:
-    """Base of the JSON-over-HTTP adapters: subclasses set `name`, `allowed` and `build`."""
+    """Base of the JSON-over-HTTP adapters: a protocol module subclasses it and writes `build` (and,
+    when its answers differ from Resend's shape, `parse_ids` and `parse_error`). Everything else is
+    the same for every provider: the allowlist, authentication (a static key per tenant, or a
+    short-lived token refreshed once on a 401), error classification and the evidence it feeds."""
 
-    name = "http"
-    allowed: set[tuple[str, str]] = set()
-
-    def __init__(self, base_url: str, timeout_s: float = 10.0, max_connections: int = 32, concurrency: int = 8):
+    def __init__(self, spec: ProviderSpec, base_url: str, credentials: dict[str, str] | None = None,
+                 timeout_s: float = 10.0, concurrency: int = 8):
+        self.spec, self.name = spec, spec.name
         # Requests wait on the network in a small pool of threads; the worker's poll thread never does.
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"{self.name}-http")
         self.client = httpx.Client(
-            base_url=base_url, transport=AllowlistTransport(self.allowed),
+            base_url=base_url, transport=AllowlistTransport(set(spec.allowed)),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=max(concurrency, 4)),
         )
+        self.tokens: TokenSource | None = None
+        if spec.auth == "token":
+            assert spec.token_path is not None  # the registry requires it for token auth
+            creds = credentials or {}
+            self.tokens = TokenSource(spec.name, self.client, spec.token_path[1], creds.get("client_id", ""),
+                                      creds.get("client_secret", ""))
 
     def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
         return self.pool.submit(self.post, path, body, api_key, idempotency_key)
@@ -86,35 +119,69 @@ class HttpProvider:
     def poll(self) -> None:
         """Nothing to follow."""
 
+    def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
+        raise NotImplementedError
+
+    def parse_ids(self, body: bytes) -> tuple[str, ...]:
+        """Message ids from a 2xx body (Resend's shapes by default)."""
+        return message_ids(body)
+
+    def parse_error(self, body: bytes) -> str:
+        """The error's name from a non-2xx body (Resend's `name` by default)."""
+        return error_name(body)
+
     def post(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> ProviderResult:
+        """One request; with token auth, a 401 refreshes the token and sends the same request again,
+        once, under the same idempotency key (a second 401 is an `auth` outcome)."""
+        if ("POST", path) not in self.spec.paths:  # before a token is fetched (the transport checks again)
+            raise ForbiddenProviderPath(f"refused POST {path}: not in the provider allowlist {sorted(self.spec.paths)}")
         started = time.monotonic()
+        if self.tokens is None:
+            return self._post(path, body, api_key, idempotency_key, started)
+        for attempt in (1, 2):
+            try:
+                token = self.tokens.get()
+            except ProviderAuthError as exc:
+                # The send endpoint was never called: nothing can have been accepted.
+                return ProviderResult("unavailable", error_name="token_unavailable", error_body=str(exc),
+                                      latency_s=time.monotonic() - started)
+            result = self._post(path, body, token, idempotency_key, started)
+            if result.outcome != "auth":
+                return result
+            self.tokens.invalidate(token)
+            if attempt == 1:
+                log.info("provider %s answered 401: token refreshed, the same request goes once more", self.name)
+        return result
+
+    def _post(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float) -> ProviderResult:
         try:
             resp = self.client.post(path, content=body, headers={
-                "Authorization": f"Bearer {api_key}", "Content-Type": "application/json",
+                "Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
                 "Idempotency-Key": idempotency_key})
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             # Never reached the provider: safe to retry.
-            return ProviderResult("unavailable", error_name=type(exc).__name__,
-                                  latency_s=time.monotonic() - started)
+            return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started)
         except httpx.TransportError as exc:
             # Sent, and the answer was lost: the provider may have accepted it.
-            return ProviderResult("unknown", error_name=type(exc).__name__,
-                                  latency_s=time.monotonic() - started)
+            return ProviderResult("unknown", error_name=error_class(exc), latency_s=time.monotonic() - started)
         latency = time.monotonic() - started
         if resp.is_success:
             try:
-                ids = message_ids(resp.content)
-            except (orjson.JSONDecodeError, AttributeError, TypeError):
+                ids = self.parse_ids(resp.content)
+            except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
                 # Accepted, probably, but we cannot tell which messages: ask again under the same key.
                 log.warning("provider %s answered %s on %s with an unreadable body", self.name, resp.status_code, path)
                 return ProviderResult("unknown", resp.status_code, error_name="unreadable_body", latency_s=latency)
+            if not ids or not all(ids):
+                # A 2xx that names no message did not take it (the channel's next provider may).
+                return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
+                                      error_body=redact(resp.text), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
-        name = error_name(resp.content)
-        excerpt = redact(resp.text)
+        name = self.parse_error(resp.content)
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
-                              retry_after=resp.headers.get("retry-after"), error_name=name, error_body=excerpt,
-                              latency_s=latency)
+                              retry_after=resp.headers.get("retry-after"), error_name=name,
+                              error_body=redact(resp.text), latency_s=latency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

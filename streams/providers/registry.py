@@ -1,55 +1,157 @@
-"""Which provider serves which channel: one table. Pure code (adapters are imported when built).
+"""The providers, as data: `providers.toml` (or the file `DUAL_RAIL_PROVIDERS` names), validated
+when it is loaded; an error names the provider and the field. Pure code (adapters are imported
+when built).
 
-Adding a channel's provider means one entry here (and its adapter module); the worker, the
-runtime, the configuration and the CLI all read this table.
+The worker, the runtime, the configuration and the CLI all read this table.
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import import_module
+from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
+from ..lanes import CHANNELS, LANES
+
+AUTH_KINDS = ("api_key", "token", "none")
+DEFAULT_FILE = Path(__file__).with_name("providers.toml")
 
 
 @dataclass(frozen=True)
 class ProviderSpec:
-    name: str               # the gate's bucket key and the metrics label
+    name: str                # the gate's bucket key and the metrics label
     channel: str
-    url_var: str            # environment variable holding the base URL
-    keys_var: str           # environment variable holding the API keys (JSON {tenant: key})
-    adapter: str            # "module:Class" of the adapter
-    batch_lanes: frozenset[str] = field(default_factory=frozenset)  # lanes that send through the batch endpoint
-    batch_max: int = 1      # messages per batch request
+    adapter: str             # "module:Class" of the protocol's adapter
+    base_url_env: str = ""   # environment variable holding the base URL
+    auth: str = "api_key"    # api_key | token | none
+    keys_env: str = ""       # api_key: JSON {tenant: key}; token: JSON {"client_id", "client_secret"}
+    token_path: tuple[str, str] | None = None  # token auth: (method, path) of the token endpoint
+    paths: frozenset[tuple[str, str]] = frozenset()
+    batch_lanes: frozenset[str] = field(default_factory=frozenset)
+    batch_max: int = 1
     idempotent: bool = True  # honours Idempotency-Key: an unknown outcome may be re-sent under the same key
     shared_limit: bool = True  # one limit for all our traffic (a 429 holds every worker off it)
-    auth: str = "api_key"    # "api_key" (per tenant, from keys_var) or "none"
+    concurrency: int = 8     # requests in flight per worker, at most
+    fallback_errors: frozenset[str] = frozenset()
+
+    @property
+    def allowed(self) -> frozenset[tuple[str, str]]:
+        """Every (method, path) a request to this provider may use."""
+        return self.paths | ({self.token_path} if self.token_path else set())
 
 
-PROVIDERS: dict[str, ProviderSpec] = {
-    "email": ProviderSpec("resend", "email", "RESEND_BASE_URL", "RESEND_API_KEYS",
-                          "streams.providers.resend:ResendEmail",
-                          # Email blasts travel only through the batch endpoint (100 per request).
-                          batch_lanes=frozenset({"marketing"}), batch_max=100),
-    "sms": ProviderSpec("sms", "sms", "SMS_BASE_URL", "SMS_API_KEYS", "streams.providers.sms:SmsGateway"),
-    # Each endpoint is its own receiver: no shared limit, no API key; receivers deduplicate by
-    # webhook-id, so an unknown outcome may be sent again with the same id.
-    "webhook": ProviderSpec("webhook", "webhook", "", "", "streams.webhooks.delivery:WebhookDelivery",
-                            shared_limit=False, auth="none"),
-}
+@dataclass(frozen=True)
+class Registry:
+    providers: dict[str, ProviderSpec]
+    channels: dict[str, tuple[str, ...]]   # channel -> provider names, in fallback order
+
+    def for_channel(self, channel: str) -> list[ProviderSpec]:
+        names = self.channels.get(channel)
+        if not names:
+            raise ConfigError(f"no provider for channel {channel!r} (have: {', '.join(self.channels)})")
+        return [self.providers[n] for n in names]
+
+    def primary(self, channel: str) -> ProviderSpec:
+        return self.for_channel(channel)[0]
 
 
-def provider_for(channel: str) -> ProviderSpec:
-    """The provider of a channel; ConfigError when the channel has no adapter yet."""
-    spec = PROVIDERS.get(channel)
-    if spec is None:
-        raise ConfigError(f"no provider adapter for channel {channel!r} yet (have: {', '.join(PROVIDERS)})")
-    return spec
+def _path(where: str, value: Any) -> tuple[str, str]:
+    method, _, path = str(value).partition(" ")
+    if method not in ("GET", "POST", "PUT", "PATCH", "DELETE") or not path.startswith("/"):
+        raise ConfigError(f"{where}: {value!r} is not 'METHOD /path'")
+    return method, path
+
+
+def _provider(where: str, doc: dict) -> ProviderSpec:
+    def need(key: str, kind: type) -> Any:
+        if not isinstance(doc.get(key), kind):
+            raise ConfigError(f"{where}: field {key!r} must be a {kind.__name__}")
+        return doc[key]
+
+    name, channel, adapter = need("name", str), need("channel", str), need("adapter", str)
+    where = f"{where} ({name})"
+    known = {f for f in ProviderSpec.__dataclass_fields__} | {"paths", "token_path"}
+    if unknown := set(doc) - known:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    if channel not in CHANNELS:
+        raise ConfigError(f"{where}: field 'channel': {channel!r} is not one of {', '.join(CHANNELS)}")
+    if ":" not in adapter:
+        raise ConfigError(f"{where}: field 'adapter': {adapter!r} is not 'module:Class'")
+    auth = doc.get("auth", "api_key")
+    if auth not in AUTH_KINDS:
+        raise ConfigError(f"{where}: field 'auth': {auth!r} is not one of {', '.join(AUTH_KINDS)}")
+    if auth != "none" and not doc.get("keys_env"):
+        raise ConfigError(f"{where}: field 'keys_env' is required for auth {auth!r}")
+    if auth == "token" and not doc.get("token_path"):
+        raise ConfigError(f"{where}: field 'token_path' is required for token auth")
+    if auth != "none" and not doc.get("base_url_env"):
+        raise ConfigError(f"{where}: field 'base_url_env' is required")
+    lanes = frozenset(doc.get("batch_lanes", ()))
+    if not lanes <= set(LANES):
+        raise ConfigError(f"{where}: field 'batch_lanes': {sorted(lanes - set(LANES))} are not lanes")
+    for key in ("batch_max", "concurrency"):
+        if not isinstance(doc.get(key, 1), int) or doc.get(key, 1) < 1:
+            raise ConfigError(f"{where}: field {key!r} must be an integer >= 1")
+    if lanes and doc.get("batch_max", 1) < 2:
+        raise ConfigError(f"{where}: field 'batch_max' must be >= 2 when batch_lanes are given")
+    return ProviderSpec(
+        name=name, channel=channel, adapter=adapter, base_url_env=doc.get("base_url_env", ""), auth=auth,
+        keys_env=doc.get("keys_env", ""),
+        token_path=_path(f"{where}: field 'token_path'", doc["token_path"]) if doc.get("token_path") else None,
+        paths=frozenset(_path(f"{where}: field 'paths'", p) for p in doc.get("paths", ())),
+        batch_lanes=lanes, batch_max=doc.get("batch_max", 1), idempotent=bool(doc.get("idempotent", True)),
+        shared_limit=bool(doc.get("shared_limit", True)), concurrency=doc.get("concurrency", 8),
+        fallback_errors=frozenset(doc.get("fallback_errors", ())))
+
+
+def parse_registry(text: str, source: str = "providers.toml") -> Registry:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    providers: dict[str, ProviderSpec] = {}
+    for i, entry in enumerate(doc.get("provider", [])):
+        spec = _provider(f"{source}: provider #{i + 1}", entry)
+        if spec.name in providers:
+            raise ConfigError(f"{source}: provider {spec.name!r} is defined twice")
+        providers[spec.name] = spec
+    channels: dict[str, tuple[str, ...]] = {}
+    for channel, names in (doc.get("channels") or {}).items():
+        where = f"{source}: [channels] {channel}"
+        if channel not in CHANNELS:
+            raise ConfigError(f"{where}: not a channel ({', '.join(CHANNELS)})")
+        if not isinstance(names, list) or not names or len(set(names)) != len(names):
+            raise ConfigError(f"{where}: must list one or more distinct provider names")
+        for n in names:
+            if n not in providers:
+                raise ConfigError(f"{where}: no provider named {n!r}")
+            if providers[n].channel != channel:
+                raise ConfigError(f"{where}: provider {n!r} serves channel {providers[n].channel!r}")
+        channels[channel] = tuple(names)
+    return Registry(providers, channels)
+
+
+@lru_cache(maxsize=8)
+def load_registry(path: str | None = None) -> Registry:
+    """The packaged providers.toml, or the file at `path`."""
+    file = Path(path) if path else DEFAULT_FILE
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the provider file {file}: {exc.strerror}") from None
+    return parse_registry(text, str(file))
 
 
 def adapter_class(spec: ProviderSpec) -> type:
     module, _, cls = spec.adapter.partition(":")
-    return getattr(import_module(module), cls)
+    try:
+        return getattr(import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"provider {spec.name!r}: field 'adapter': cannot load {spec.adapter} ({exc})") from None
 
 
 class ProviderCredentials:

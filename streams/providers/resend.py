@@ -11,8 +11,6 @@ RESEND_BATCH_MAX = 100
 
 
 class ResendEmail(HttpProvider):
-    name = "resend"
-    allowed = {("POST", "/emails"), ("POST", "/emails/batch")}
     _FIELDS = ("from", "to", "subject", "html", "text", "reply_to", "cc", "bcc", "headers")
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:

@@ -1,4 +1,4 @@
-"""An SMS gateway's `POST /sms/messages` (one message per request)."""
+"""An SMS gateway's `POST /sms/messages` (one message per request; Resend-shaped answers)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ from .outcome import Outbound
 
 
 class SmsGateway(HttpProvider):
-    name = "sms"
-    allowed = {("POST", "/sms/messages")}
-
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
         if batch or len(messages) != 1:
             raise ValueError("the SMS gateway takes one message per request")

@@ -40,6 +40,21 @@ def _mock_process(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def _mock_b_process(tmp_path_factory):
+    """A second mock provider instance: the second SMS provider (token auth, its own protocol)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("mock-provider-b") / "mock-provider-b.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "mock-provider", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    mock = MockProvider(port, proc)
+    wait_until(mock.answering, 20, "the second mock provider to answer")
+    yield mock
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
 def _mock_endpoint_process(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("mock-endpoint") / "mock-endpoint.log"
@@ -61,20 +76,31 @@ def mock_endpoint(_mock_endpoint_process):
 
 
 @pytest.fixture
-def mock_provider(_mock_process):
-    """The mock provider, reset for this test. After the test: no request reached a forbidden path."""
+def mock_provider(_mock_process, _mock_b_process):
+    """The mock provider (and the second SMS provider's), reset for this test. After the test: no
+    request reached a forbidden path of either."""
     _mock_process.reset()
+    _mock_b_process.reset()
     yield _mock_process
-    stats = _mock_process.stats()
-    assert stats["forbidden"] == 0, f"requests reached forbidden provider paths: {stats['forbidden_paths']}"
+    for mock in (_mock_process, _mock_b_process):
+        stats = mock.stats()
+        assert stats["forbidden"] == 0, f"requests reached forbidden provider paths: {stats['forbidden_paths']}"
 
 
 @pytest.fixture
-def dispatch_env(stack, namespace, mock_provider) -> dict:
+def mock_provider_b(mock_provider, _mock_b_process):
+    """The second SMS provider's mock (token auth), reset for this test."""
+    return _mock_b_process
+
+
+@pytest.fixture
+def dispatch_env(stack, namespace, mock_provider, _mock_b_process) -> dict:
     """Environment for the project's processes in this test (own namespace, the mock provider)."""
     return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap, "REDIS_URL": stack.redis_url,
             "DUAL_RAIL_TOPIC_NAMESPACE": namespace, "RESEND_BASE_URL": mock_provider.url,
             "SMS_BASE_URL": mock_provider.url, "RESEND_API_KEYS": '{"*": "re_test_default"}',
+            "SMS_B_BASE_URL": _mock_b_process.url,
+            "SMS_B_CREDENTIALS": '{"client_id": "mock-client", "client_secret": "mock-secret"}',
             "SMS_API_KEYS": '{"*": "re_test_sms"}', "PROVIDER_TIMEOUT_S": "2", "LOG_LEVEL": "WARNING",
             # Webhook receivers in tests are the mock endpoint on loopback, allowed explicitly.
             "WEBHOOK_REQUIRE_HTTPS": "0", "WEBHOOK_ALLOW_HOSTS": "127.0.0.1"}

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from streams.errors import ForbiddenProviderPath
-from streams.providers.resend import ResendEmail
-from streams.providers.sms import SmsGateway
+from streams.providers.registry import adapter_class, load_registry
 
 FORBIDDEN = ["/audiences", "/contacts", "/segments", "/broadcasts", "/topics", "/audiences/a1/contacts",
              "/emails/e1"]
@@ -19,14 +18,21 @@ FORBIDDEN = ["/audiences", "/contacts", "/segments", "/broadcasts", "/topics", "
 
 @pytest.mark.parametrize("path", FORBIDDEN)
 def test_client_refuses_paths_outside_the_allowlist_before_sending(mock_provider, path):
-    """Given the email and SMS provider clients and a forbidden path (audiences, contacts, segments, broadcasts,
-    topics, or reading an email back),
-    When either client is asked to post to that path,
-    Then it refuses with "not in the provider allowlist" and no request reaches the provider."""
-    for provider in (ResendEmail(mock_provider.url), SmsGateway(mock_provider.url)):
+    """Given every HTTP provider of providers.toml (Resend, both SMS providers, one with token auth) and a
+    forbidden path (audiences, contacts, segments, broadcasts, topics, or reading an email back),
+    When its client is asked to post to that path,
+    Then it refuses with "not in the provider allowlist" and no request reaches the provider (not even a
+    token request)."""
+    creds = {"client_id": "mock-client", "client_secret": "mock-secret"}
+    specs = [s for s in load_registry().providers.values() if s.channel != "webhook"]
+    assert {s.name for s in specs} >= {"resend", "sms", "sms-b"}
+    for spec in specs:
+        provider = adapter_class(spec)(spec, mock_provider.url, creds)
         with pytest.raises(ForbiddenProviderPath, match="not in the provider allowlist"):
             provider.post(path, b"{}", "re_key", "k")
-    assert mock_provider.stats()["requests_total"] == 0
+        provider.close()
+    stats = mock_provider.stats()
+    assert stats["requests_total"] == 0 and stats["token_requests"] == 0
 
 
 def test_the_mock_counts_a_forbidden_request(mock_provider):

@@ -4,11 +4,14 @@ import httpx
 import pytest
 
 from streams.providers.outcome import Outbound, redact
+from streams.providers.registry import load_registry
 from streams.providers.resend import ResendEmail
+
+RESEND = load_registry().providers["resend"]
 
 
 def _provider(handler) -> ResendEmail:
-    p = ResendEmail("http://provider.test")
+    p = ResendEmail(RESEND, "http://provider.test")
     p.client._transport.inner = httpx.MockTransport(handler)  # unit test: no network, same allowlist
     return p
 
@@ -40,7 +43,7 @@ def test_lost_answer_is_unknown_and_refused_connection_is_unavailable():
 
 
 def test_batch_body_is_deterministic_and_carries_the_routing_tags():
-    p = ResendEmail("http://provider.test")
+    p = ResendEmail(RESEND, "http://provider.test")
     msgs = [Outbound(f"id-{i}", "acme", "marketing", {"from": "a@b.co", "to": ["c@d.co"], "subject": "s",
                                                        "text": "t", "internal": "not sent"}) for i in (2, 1)]
     path, body = p.build(msgs, batch=True)

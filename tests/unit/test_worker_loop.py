@@ -13,13 +13,15 @@ import orjson
 import pytest
 
 from streams.dispatch.backlog import BacklogShare
+from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import StoreUnavailable
 from streams.gate.gate import Admission
+from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
 from streams.names import TopicNames
 from streams.providers.outcome import ProviderResult, redact
-from streams.providers.registry import PROVIDERS, ProviderCredentials
+from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
 from tests.harness import email_request
@@ -107,6 +109,7 @@ class FakeGate:
 
     def cool_down(self, provider, seconds): pass
     def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), 100)
+    def pacing(self, provider): return Pacing()
 
 
 class FakeJobs:
@@ -123,7 +126,7 @@ class FakeJobs:
         for tenant, ids, key in requests:
             self.mark_delivered(tenant, ids, key)
 
-    def claim(self, send_ids, key, owner, path, body, tenant):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
         busy = [i for i, s in enumerate(send_ids) if s in self.state]
         if not busy:
             self.state.update({s: f"inflight:{key}" for s in send_ids})
@@ -175,11 +178,11 @@ DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
 def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True):
-    cfg = WorkerConfig("email", "transactional", "unused:9092", replace(PROVIDERS["email"], idempotent=idempotent),
-                       NAMES)
+    spec = replace(load_registry().primary("email"), idempotent=idempotent)
+    cfg = WorkerConfig("email", "transactional", "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), FakeProducer(), FakeProvider(answer)
-    worker = LaneWorker(cfg, consumer, producer, provider, gate or FakeGate(), jobs or FakeJobs(),
-                        ProviderCredentials({"*": "re_key"}), load_policies())
+    routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
+    worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     return worker, consumer, producer, provider
 

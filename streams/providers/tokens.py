@@ -1,0 +1,99 @@
+"""Short-lived provider tokens: obtained from the provider's token endpoint, cached until shortly
+before the expiry the token itself states (its JWT `exp`, else the endpoint's `expires_in`), never
+a guessed lifetime.
+
+One refresh at a time per process: a request that finds the token stale waits for the refresh
+already under way instead of starting its own. After a 401, `invalidate(token)` drops that token
+(only if it is still the current one: a request that used an older token must not throw away the
+fresh one), and the next `get()` fetches a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import jwt
+import orjson
+
+from .. import metrics
+from ..errors import ProviderAuthError
+
+log = logging.getLogger("streams.providers")
+MARGIN_S = 5.0          # refresh this long before the stated expiry ...
+MARGIN_SHARE = 0.2      # ... or a fifth of the lifetime, whichever is shorter (a 3 s token: 0.6 s)
+
+
+@dataclass(frozen=True)
+class Token:
+    value: str
+    expires_at: float   # monotonic clock
+    refresh_at: float
+
+
+def expiry_s(token: str, expires_in: object, now_unix: float) -> float:
+    """Seconds the token lives: its `exp` claim (read, not verified: we are its bearer, not its
+    audience), else `expires_in`. Raises ProviderAuthError when neither says."""
+    try:
+        exp = jwt.decode(token, options={"verify_signature": False}).get("exp")
+    except jwt.PyJWTError:
+        exp = None
+    if isinstance(exp, (int, float)):
+        return float(exp) - now_unix
+    if isinstance(expires_in, (int, float)) and expires_in > 0:
+        return float(expires_in)
+    raise ProviderAuthError("the token endpoint's answer states no expiry (no JWT exp, no expires_in)")
+
+
+class TokenSource:
+    def __init__(self, provider: str, client: httpx.Client, path: str, client_id: str, client_secret: str,
+                 clock: Callable[[], float] = time.monotonic):
+        self.provider, self.client, self.path = provider, client, path
+        self._credentials = {"grant_type": "client_credentials", "client_id": client_id,
+                             "client_secret": client_secret}
+        self.clock = clock
+        self._token: Token | None = None
+        self._lock = threading.Lock()
+        self.refreshes = 0
+
+    def get(self) -> str:
+        token = self._token
+        if token is not None and self.clock() < token.refresh_at:
+            return token.value
+        with self._lock:  # one refresh at a time; whoever waited finds the fresh token
+            token = self._token
+            if token is None or self.clock() >= token.refresh_at:
+                token = self._token = self._fetch()
+            return token.value
+
+    def invalidate(self, value: str) -> None:
+        with self._lock:
+            if self._token is not None and self._token.value == value:
+                self._token = None
+
+    def _fetch(self) -> Token:
+        started = self.clock()
+        try:
+            resp = self.client.post(self.path, content=orjson.dumps(self._credentials),
+                                    headers={"Content-Type": "application/json"})
+        except httpx.TransportError as exc:
+            raise ProviderAuthError(f"token endpoint of {self.provider} unreachable: {type(exc).__name__}") from None
+        if not resp.is_success:
+            raise ProviderAuthError(f"token endpoint of {self.provider} answered {resp.status_code}")
+        try:
+            doc = orjson.loads(resp.content)
+            value = str(doc["access_token"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise ProviderAuthError(f"token endpoint of {self.provider} answered without an access_token") from None
+        lifetime = expiry_s(value, doc.get("expires_in"), time.time())
+        if lifetime <= 0:
+            raise ProviderAuthError(f"token endpoint of {self.provider} issued an expired token")
+        self.refreshes += 1
+        metrics.TOKEN_REFRESHES.labels(self.provider).inc()
+        log.info("provider %s: new token, lives %.1f s", self.provider, lifetime)
+        margin = min(MARGIN_S, lifetime * MARGIN_SHARE)
+        return Token(value, started + lifetime, started + lifetime - margin)

@@ -1,0 +1,144 @@
+"""Providers as data (streams/providers/providers.toml): validation that names the provider and field,
+which rejections fall back to the channel's next provider, tokens whose expiry is read from the token,
+and the refresh-once rule on a 401. No network: the token endpoint and provider are httpx mocks."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jwt
+import pytest
+
+from streams.dispatch.routes import Route, Routes
+from streams.errors import ConfigError, ProviderAuthError
+from streams.providers.outcome import ProviderResult
+from streams.providers.registry import DEFAULT_FILE, ProviderCredentials, load_registry, parse_registry
+from streams.providers.sms_b import SmsGatewayB
+from streams.providers.tokens import TokenSource, expiry_s
+
+REGISTRY = load_registry()
+
+
+def test_the_packaged_file_declares_every_channel_in_order():
+    assert [p.name for p in REGISTRY.for_channel("sms")] == ["sms", "sms-b"]
+    assert REGISTRY.primary("email").batch_lanes == frozenset({"marketing"})
+    assert REGISTRY.providers["sms-b"].allowed == {("POST", "/v2/messages"), ("POST", "/oauth/token")}
+
+
+@pytest.mark.parametrize("change, message", [
+    (("auth = \"token\"\nkeys_env", "auth = \"bearer\"\nkeys_env"), "provider #3 (sms-b): field 'auth'"),
+    (('paths = ["POST /v2/messages"]', 'paths = ["/v2/messages"]'), "(sms-b): field 'paths'"),
+    (('sms = ["sms", "sms-b"]', 'sms = ["sms", "sms-c"]'), "[channels] sms: no provider named 'sms-c'"),
+    (('channel = "sms"\nadapter = "streams.providers.sms_b', 'channel = "fax"\nadapter = "streams.providers.sms_b'),
+     "(sms-b): field 'channel'"),
+    (('token_path = "POST /oauth/token"\n', ''), "(sms-b): field 'token_path' is required"),
+    (('concurrency = 8\n\n[[provider]]\nname = "webhook"', 'concurency = 8\n\n[[provider]]\nname = "webhook"'),
+     "unknown field(s) concurency"),
+])
+def test_a_bad_entry_is_refused_naming_the_provider_and_the_field(change, message):
+    text = DEFAULT_FILE.read_text()
+    assert change[0] in text
+    with pytest.raises(ConfigError) as exc:
+        parse_registry(text.replace(change[0], change[1], 1))
+    assert message in str(exc.value)
+
+
+class _Adapter:
+    def close(self): pass
+
+
+def _routes() -> Routes:
+    return Routes([Route(REGISTRY.providers[n], _Adapter(), ProviderCredentials({"*": "k"})) for n in ("sms", "sms-b")])
+
+
+@pytest.mark.parametrize("result, falls_back", [
+    (ProviderResult("rejected", 200, error_name="no_message_id"), True),              # nothing was taken
+    (ProviderResult("rejected", 400, error_name="unsupported_destination"), True),    # "not something we recognise"
+    (ProviderResult("rejected", 400, error_name="invalid_recipient"), False),         # a business rule
+    (ProviderResult("rejected", 422, error_name="validation_error"), False),
+    (ProviderResult("rejected", 400, error_name="suppressed"), False),
+    (ProviderResult("rejected", 409, error_name="invalid_idempotent_request"), False),  # already sent
+    (ProviderResult("unavailable", 500, error_name="internal_server_error"), False),   # retried, not moved
+    (ProviderResult("throttled", 429, error_name="rate_limit_exceeded"), False),
+    (ProviderResult("auth", 401, error_name="invalid_api_key"), False),
+    (ProviderResult("unknown", 502, error_name="bad_gateway"), False),                 # may have been sent
+])
+def test_only_named_rejections_fall_back(result, falls_back):
+    routes = _routes()
+    nxt = routes.fallback_for(routes.primary, result, ["sms"])
+    assert (nxt is not None and nxt.name == "sms-b") is falls_back
+
+
+def test_fallback_never_goes_back_nor_past_one_extra_provider():
+    routes = _routes()
+    unsupported = ProviderResult("rejected", 400, error_name="unsupported_destination")
+    second = routes.by_name["sms-b"]
+    assert routes.fallback_for(second, unsupported, ["sms", "sms-b"]) is None  # the last provider: none further
+    assert routes.fallback_for(routes.primary, unsupported, ["sms", "sms-b"]) is None  # already tried: no loop
+
+
+def _jwt(lifetime_s: float) -> str:
+    return jwt.encode({"exp": time.time() + lifetime_s}, "a-test-signing-key-of-32-bytes!!", algorithm="HS256")
+
+
+def test_the_expiry_comes_from_the_token_then_from_expires_in_never_a_guess():
+    assert expiry_s(_jwt(30), 3600, time.time()) == pytest.approx(30, abs=1)  # the token wins over expires_in
+    assert expiry_s("opaque-token", 45, time.time()) == 45
+    with pytest.raises(ProviderAuthError, match="no expiry"):
+        expiry_s("opaque-token", None, time.time())
+
+
+class TokenEndpoint:
+    def __init__(self, lifetime_s: float):
+        self.lifetime_s, self.calls = lifetime_s, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            self.calls += 1
+        time.sleep(0.05)  # a slow endpoint: concurrent requests must share one refresh
+        return httpx.Response(200, json={"access_token": _jwt(self.lifetime_s), "expires_in": 3600})
+
+
+def test_one_refresh_at_a_time_shared_by_every_request_and_before_the_expiry():
+    endpoint = TokenEndpoint(lifetime_s=3.0)
+    clock = [0.0]
+    source = TokenSource("p", httpx.Client(base_url="http://p.test", transport=httpx.MockTransport(endpoint)),
+                         "/oauth/token", "id", "secret", clock=lambda: clock[0])
+    with ThreadPoolExecutor(8) as pool:
+        tokens = set(pool.map(lambda _: source.get(), range(32)))
+    assert len(tokens) == 1 and endpoint.calls == 1
+    clock[0] = 2.0   # within the lifetime, before the margin (3 s - 0.6 s)
+    source.get()
+    assert endpoint.calls == 1
+    clock[0] = 2.5   # inside the margin: refreshed before it expires
+    source.get()
+    assert endpoint.calls == 2
+
+
+def test_a_401_refreshes_once_and_sends_the_same_request_again_a_second_401_is_auth():
+    endpoint = TokenEndpoint(lifetime_s=30)
+    sent: list[tuple[str, str]] = []
+    refuse = [1]
+
+    def provider(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/oauth/token":
+            return endpoint(request)
+        sent.append((request.headers["authorization"], request.headers["idempotency-key"]))
+        if refuse[0] > 0:
+            refuse[0] -= 1
+            return httpx.Response(401, json={"error": {"code": "token_expired", "message": "x"}})
+        return httpx.Response(201, json={"message": {"sid": "SM1"}})
+
+    spec = REGISTRY.providers["sms-b"]
+    adapter = SmsGatewayB(spec, "http://p.test", {"client_id": "id", "client_secret": "s"})
+    adapter.client._transport.inner = httpx.MockTransport(provider)  # no network, same allowlist
+    result = adapter.post("/v2/messages", b"{}", "unused", "send-1")
+    assert result.outcome == "delivered" and result.message_ids == ("SM1",)
+    assert len(sent) == 2 and sent[0][1] == sent[1][1] == "send-1" and sent[0][0] != sent[1][0]
+    assert endpoint.calls == 2
+    refuse[0] = 2
+    sent.clear()
+    assert adapter.post("/v2/messages", b"{}", "unused", "send-2").outcome == "auth"
+    assert len(sent) == 2  # once more, never a third time
