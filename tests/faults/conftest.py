@@ -21,7 +21,7 @@ from streams.runtime import Runtime
 from streams.topology.admin import TopicAdmin
 from streams.topology.spec import channel_specs, load_definitions
 from tests.harness import MockProvider, private_stack
-from tests.integration.conftest import _mock_process, mock_provider  # noqa: F401 - the same mock fixtures
+from tests.integration.conftest import _mock_b_process, _mock_process, mock_provider  # noqa: F401 - the same mocks
 
 
 def pytest_collection_modifyitems(config, items):
