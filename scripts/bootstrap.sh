@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian machine of this kind:
-# system packages (redis-server, prometheus for promtool), a virtualenv in .venv, and the package with its dev extra.
+# system packages (redis-server, prometheus for promtool, chromium for the docs page test), a virtualenv in .venv, and the package with its dev extra.
 # Java 17+ and Maven must already be there (they resolve and run the Kafka broker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,7 @@ done
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v promtool >/dev/null || missing+=(prometheus)   # promtool tests the alert rules
+command -v chromium >/dev/null || missing+=(chromium)     # a real browser loads the API's offline docs page
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing Debian packages: ${missing[*]}"

@@ -8,7 +8,8 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── SendValidationError      a send (or a batch) is invalid; carries field-level errors
     │   └── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
     ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
-    ├── PublishError             the broker did not acknowledge every send of a publish
+    ├── PublishError             the broker did not acknowledge every send of a publish (none is dispatched)
+    │   └── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
@@ -103,3 +104,13 @@ class ForbiddenProviderPath(ProviderError):
 
 class ProviderAuthError(ProviderError):
     """No usable token: the token endpoint could not be reached, refused us, or stated no expiry."""
+
+
+class SendTooLarge(PublishError):
+    """A send larger than the maximum a send may be; nothing of its request was produced."""
+
+    def __init__(self, index: int, size: int, limit: int | None = None):
+        from .send import MAX_SEND_BYTES
+
+        self.index, self.size, self.limit = index, size, limit or MAX_SEND_BYTES
+        super().__init__(f"send {index} is {size} bytes; a send may be at most {self.limit} bytes")

@@ -33,9 +33,14 @@ def client_config(bootstrap: str, quiet: bool = False, settings: dict[str, Any] 
     return conf
 
 
+MAX_RECORD_BYTES = 1_572_864  # the topics' max.message.bytes: a send (at most 1 MiB) plus room for headers
+
+
 def durable_producer(bootstrap: str, **extra: Any) -> Producer:
-    """A producer whose records are written once, in order, and acknowledged by all in-sync replicas."""
-    return Producer(client_config(bootstrap, settings={"enable.idempotence": True, "acks": "all", **extra}))
+    """A producer whose records are written once, in order, and acknowledged by all in-sync replicas.
+    It carries records as large as the topics accept (librdkafka's own default is about 1 MB)."""
+    return Producer(client_config(bootstrap, settings={"enable.idempotence": True, "acks": "all",
+                                                       "message.max.bytes": MAX_RECORD_BYTES, **extra}))
 
 
 def lane_consumer(bootstrap: str, group: str, commit_interval_ms: int = 1000, **extra: Any) -> Consumer:

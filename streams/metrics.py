@@ -51,6 +51,9 @@ PAUSED_PARTITIONS = Gauge("dispatch_worker_paused_partitions", "Assigned partiti
 ASSIGNED_PARTITIONS = Gauge("dispatch_worker_assigned_partitions", "Partitions assigned to a worker",
                             ["channel", "lane"])
 INGESTED = Counter("dispatch_ingest_sends_total", "Sends accepted by the ingest API", ["channel", "lane"])
+INGEST_TRANSACTION_SECONDS = Histogram("dispatch_ingest_transaction_seconds", "Time to publish a multi-record "
+                                       "request in one producer transaction", buckets=_LATENCY)
+INGEST_IN_FLIGHT = Gauge("dispatch_ingest_in_flight_requests", "Ingest requests being published right now")
 INGEST_REJECTED = Counter("dispatch_ingest_rejected_total", "Ingest requests refused, by HTTP status", ["status"])
 OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events applied to the status store",
                             ["status"])

@@ -8,6 +8,7 @@ never mixes tenants).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -49,6 +50,11 @@ class TopicNames:
     def webhook_skipped(self) -> str:
         """Webhook deliveries never enqueued (degraded endpoint, shed backlog), kept 7 days for replay."""
         return f"{self.namespace}notif.webhook.skipped"
+
+    @property
+    def audit(self) -> str:
+        """Every operator change: who, what, before, after, when."""
+        return f"{self.namespace}notif.audit"
 
     @property
     def endpoint_health_app(self) -> str:
@@ -127,6 +133,11 @@ class RedisKeys:
         return f"{self.namespace}dr:{{t:{tenant}}}:members"
 
     # ---- ingest
+    def ingest_idempotency(self, tenant: str, key: str) -> str:
+        """An Idempotency-Key of a tenant's ingest requests (its answer, 24 h)."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+        return f"{self.namespace}dr:{{t:{tenant}}}:idem:{digest}"
+
     def send_status(self, send_id: str) -> str:
         return f"{self.namespace}dr:send:{{{send_id}}}"
 
@@ -137,6 +148,11 @@ class RedisKeys:
     @property
     def api_keys(self) -> str:
         return f"{self.namespace}dr:apikeys"
+
+    @property
+    def api_keys_used(self) -> str:
+        """When each API key was last used (digest -> ms)."""
+        return f"{self.namespace}dr:apikeys:used"
 
     @property
     def epoch(self) -> str:

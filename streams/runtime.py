@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .retry.policy import RetryPolicy
     from .retry.retrier import Retrier
     from .send import Send
+    from .state.audit import AuditLog
     from .state.guard import StateGuard
     from .state.log import OperatorLog
     from .webhooks.endpoints import EndpointDirectory, EndpointStore
@@ -132,6 +133,11 @@ class Runtime:
         from .state.log import OperatorLog
 
         return OperatorLog(self.bootstrap, self.names.operator)
+
+    def audit_log(self) -> AuditLog:
+        from .state.audit import AuditLog
+
+        return AuditLog(self.bootstrap, self.names.audit)
 
     def limit_store(self, client: Redis | None = None) -> LimitStore:
         from .gate.limits import LimitStore

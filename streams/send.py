@@ -8,6 +8,7 @@ Unknown fields are tolerated; missing required ones are rejected.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -26,6 +27,7 @@ from .retry.policy import PolicyRouting, default_routing, unknown_policy
 SCHEMA_VERSION: Literal[1] = 1
 MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
 MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented in the README
+MAX_SEND_BYTES = 1024 * 1024  # one send as published (the topics carry 1.5 MiB: room for retry and DLQ headers)
 # Tags and tenant ids travel to providers as tags; Resend accepts only ASCII letters, digits, `_`
 # and `-` there (up to 256), so that is all a tenant id (up to 64) or a tag may hold.
 TAG_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
@@ -42,10 +44,12 @@ Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
 TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
 
 
-def new_send_id(now_ms: int | None = None) -> str:
-    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds then random bits, so ids sort by creation."""
+def new_send_id(now_ms: int | None = None, seed: bytes | None = None) -> str:
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds then random bits, so ids sort by creation.
+    With `seed`, the "random" bits come from it: the same milliseconds and seed give the same id
+    (an idempotent request published again gets the same send ids, which dispatch delivers once)."""
     ms = int(time.time() * 1000) if now_ms is None else now_ms
-    rand = int.from_bytes(os.urandom(10), "big")
+    rand = int.from_bytes(hashlib.sha256(seed).digest()[:10] if seed is not None else os.urandom(10), "big")
     value = (ms & ((1 << 48) - 1)) << 80 | rand & ((1 << 80) - 1)
     value = (value & ~(0xF << 76)) | (0x7 << 76)          # version 7
     value = (value & ~(0x3 << 62)) | (0x2 << 62)          # RFC 4122 variant
@@ -247,15 +251,15 @@ def check_tenant_id(tenant_id: str) -> str:
 
 
 def build_send(req: SendRequest, tenant_id: str, now_ms: int | None = None,
-               routing: PolicyRouting | None = None) -> Send:
+               routing: PolicyRouting | None = None, send_id: str | None = None) -> Send:
     """Freeze a validated request into the event: assign the send id, the lane and the policy (the
     request's own, else the routing's choice for its template and category)."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
     template_id, template_version = req.template_id or "webhook", req.template_version or "1"  # set by validation
     policy = req.policy or (routing or default_routing()).policy_for(req.channel, req.category, template_id)
     return Send(
-        v=SCHEMA_VERSION, send_id=new_send_id(now), tenant_id=check_tenant_id(tenant_id), channel=req.channel,
-        category=req.category, lane=lane_for(req.category), policy=policy,
+        v=SCHEMA_VERSION, send_id=send_id or new_send_id(now), tenant_id=check_tenant_id(tenant_id),
+        channel=req.channel, category=req.category, lane=lane_for(req.category), policy=policy,
         template_id=template_id, template_version=template_version, payload=req.payload,
         created_at_ms=now, correlation_id=req.correlation_id,
     )

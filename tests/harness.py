@@ -96,6 +96,27 @@ def committed_lag(bootstrap: str, group: str, topic: str) -> int:
         c.close()
 
 
+def count_records(bootstrap: str, topic: str, timeout: float = 30.0) -> int:
+    """The committed records of `topic` now (a transaction's commit marker takes an offset but is not
+    a record, and an aborted transaction's records are never read)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"counter-{uuid.uuid4().hex}",
+                  "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
+        c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
+        count, deadline = 0, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            count += sum(1 for m in c.consume(num_messages=1000, timeout=0.2) if not m.error())
+            positions = c.position([TopicPartition(topic, p) for p in parts])
+            if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][1] == ends[tp.partition][0]
+                   for tp in positions):
+                return count
+        raise AssertionError(f"counting the records of {topic} did not finish within {timeout:.0f} s")
+    finally:
+        c.close()
+
+
 def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list:
     """Read `expect` messages from the start of `topic` (fails after `timeout`)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",

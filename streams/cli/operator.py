@@ -48,7 +48,9 @@ def topics(sub) -> None:
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
     p.add_argument("action", choices=["set", "show"])
-    p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook)")
+    p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook), "
+                                                     "or an ingest quota (ingest-requests, ingest-transactional, "
+                                                     "ingest-marketing)")
     p.add_argument("--global-rate", type=int, help="provider requests per second (its real limit)")
     p.add_argument("--global-burst", type=int)
     p.add_argument("--reserve", type=int, help="global tokens marketing may not take (kept for transactional)")
@@ -63,13 +65,20 @@ def limits(sub) -> None:
         from ..gate.limits import LimitChange
 
         rt = Runtime(args.config)
-        if args.provider not in rt.config.registry.providers:
-            raise ConfigError(f"no provider {args.provider!r} (providers: {', '.join(rt.config.registry.providers)})")
+        from ..ingest.quotas import QUOTAS
+
+        known = [*rt.config.registry.providers, *QUOTAS]
+        if args.provider not in known:
+            raise ConfigError(f"no provider or quota {args.provider!r} (known: {', '.join(known)})")
         store = rt.limit_store()
         if args.action == "set":
+            from ..state.audit import cli_actor
+
+            before = store.show(args.provider)
             shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
                                                            args.tenant, args.rate, args.burst, args.concurrency,
                                                            args.pause_ms))
+            rt.audit_log().record(cli_actor(), f"limits/{args.provider}", before, shown)
         else:
             shown = store.show(args.provider)
         for key, value in shown.items():
@@ -80,16 +89,73 @@ def limits(sub) -> None:
 
 
 def keys(sub) -> None:
-    p = sub.add_parser("keys", help="operator: create API keys for the ingest API")
-    p.add_argument("action", choices=["create"])
-    who = p.add_mutually_exclusive_group(required=True)
-    who.add_argument("--tenant")
-    who.add_argument("--operator", action="store_true")
+    p = sub.add_parser("keys", help="operator: ingest API keys (create, list, revoke, rotate)")
+    p.add_argument("action", choices=["create", "list", "revoke", "rotate"])
+    p.add_argument("key_id", nargs="?", help="revoke / rotate: the key's id (from `streams keys list`)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--tenant", help="create: a tenant key; list: only this tenant's")
+    who.add_argument("--operator", action="store_true", help="create: an operator key")
+    p.add_argument("--label", default="", help="create: what the key is for")
+    p.add_argument("--overlap", type=int, default=24 * 3600, help="rotate: seconds the old key keeps working")
 
     def run(args: argparse.Namespace) -> int:
+        from ..ingest.api_keys import public
+        from ..state.audit import cli_actor
+
         rt = Runtime(args.config)
-        api_keys = rt.api_keys()
-        print(api_keys.create("operator") if args.operator else api_keys.create("tenant", args.tenant))
+        api_keys, audit = rt.api_keys(), rt.audit_log()
+        if args.action == "list":
+            for k in api_keys.list(args.tenant):
+                state = "revoked" if k.revoked_at_ms else ("expiring" if k.expires_at_ms else "valid")
+                print(f"{k.id}  {k.role:<8} {k.tenant or '-':<20} {state:<8} created={k.created_at_ms} "
+                      f"last_used={k.last_used_ms or '-'} {k.label}")
+            return 0
+        if args.action == "create":
+            if not args.operator and not args.tenant:
+                raise ConfigError("`streams keys create` needs --tenant T or --operator")
+            token = api_keys.create("operator" if args.operator else "tenant", args.tenant, args.label)
+            principal = api_keys.resolve(token)
+            assert principal is not None
+            audit.record(cli_actor(), f"apikey/{principal.key_id}", None,
+                         {"role": principal.role, "tenant": principal.tenant, "label": args.label})
+            print(token)
+            return 0
+        if not args.key_id:
+            raise ConfigError(f"`streams keys {args.action}` needs a key id")
+        before = api_keys.get(args.key_id)
+        if before is None:
+            raise ConfigError(f"no API key {args.key_id}")
+        if args.action == "revoke":
+            after = api_keys.revoke(args.key_id)
+            audit.record(cli_actor(), f"apikey/{args.key_id}", public(before), public(after) if after else None)
+            print(f"revoked {args.key_id}")
+            return 0
+        rotated = api_keys.rotate(args.key_id, args.overlap)
+        if rotated is None:
+            raise ConfigError(f"API key {args.key_id} is no longer valid: create a new one")
+        token, old = rotated
+        audit.record(cli_actor(), f"apikey/{args.key_id}", public(before), {"old": public(old)})
+        print(token)
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def audit(sub) -> None:
+    p = sub.add_parser("audit", help="operator: the audit trail of operator changes")
+    p.add_argument("--since-ms", type=int, default=0, help="only entries at or after this time (Unix ms)")
+    p.add_argument("--json", action="store_true", help="one JSON document per line")
+
+    def run(args: argparse.Namespace) -> int:
+        import orjson
+
+        rt = Runtime(args.config)
+        for entry in rt.audit_log().read(args.since_ms):
+            if args.json:
+                print(orjson.dumps(entry).decode())
+            else:
+                print(f"{entry['at_ms']}  {entry['who']:<30} {entry['what']:<40} "
+                      f"{orjson.dumps(entry['before']).decode()} -> {orjson.dumps(entry['after']).decode()}")
         return 0
 
     p.set_defaults(func=run)
@@ -251,4 +317,4 @@ def endpoints(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [topics, limits, keys, dlq, sends, state, endpoints]
+COMMANDS = [topics, limits, keys, audit, dlq, sends, state, endpoints]

@@ -28,15 +28,20 @@ def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
 def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
     import uvicorn
 
-    from ..ingest.api import create_app
+    from ..gate.gate import RedisGate
+    from ..ingest.api import Ingest, create_app
+    from ..ingest.idempotency import IngestIdempotency
+    from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
 
     r = rt.redis()
     client, store = rt.send_client(router=router), StatusStore(r, rt.namespace)
     webhooks = rt.webhook_ingest(r, client, store)
     webhooks.follow()
-    app = create_app(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
-                     guard=rt.state_guard("api", r), webhooks=webhooks)
+    app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
+                            quotas=IngestQuotas(RedisGate(r, rt.namespace)),
+                            idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
+                            guard=rt.state_guard("api", r), webhooks=webhooks))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 

@@ -1,37 +1,60 @@
-"""HTTP ingest API (`streams api`): tenants publish sends and read their status; operators set limits.
+"""HTTP ingest API (`streams api`): tenants publish sends and read their status; operators manage
+limits, quotas, keys, dead letters and endpoints (`operator_api.py`).
 
-Authentication is by API key (`Authorization: Bearer <key>`); keys are stored hashed in Redis and
-carry a role. The tenant always comes from the key, never from the request body. A tenant key
-cannot reach `/v1/admin/*`. Errors are JSON: `{"error": ..., "errors": [{"loc": [...], "msg": ...}]}`.
+Authentication is by API key (`Authorization: Bearer <key>`); the tenant always comes from the key,
+never from the request body, and a tenant key cannot reach `/v1/admin/*`. Errors have one shape
+(`web.ErrorBody`).
+
+Publishing a request is all or nothing: its sends are checked (schema, policy, size, the tenant's
+quotas), then published in one producer transaction (one send: one acknowledged record), and only
+then recorded as `accepted`. Handlers are async and wait for the broker without holding a thread;
+at most MAX_IN_FLIGHT requests publish at once, and one tenant at most TENANT_BATCHES multi-record
+requests at once, so a tenant posting large batches at full speed does not slow another's sends.
 """
 
+
+import asyncio
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+import orjson
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from .. import metrics
-from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
-from ..gate.limits import LimitChange, LimitStore
+from ..errors import PublishError, SendTooLarge, StoreUnavailable
+from ..gate.limits import LimitStore
 from ..lanes import lane_for
-from ..send import MAX_BATCH, Send, SendRequest, build_send, flatten_errors, new_send_id, policy_error
+from ..send import MAX_BATCH, MAX_SEND_BYTES, Send, SendRequest, build_send, flatten_errors, new_send_id, policy_error
+from ..state.audit import AuditLog
 from ..state.guard import StateGuard
 from ..webhooks.api import webhook_routes
 from ..webhooks.fanout import fan_out
 from ..webhooks.ingest import WebhookIngest
-from .api_keys import ApiKeys, Principal
-from .sdk import SendClient
+from ..webhooks.skipped import outcome_records, skipped_records
+from .api_keys import ApiKeys
+from .docs import mount_docs
+from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdempotency, body_hash
+from .publisher import RecordTooLarge
+from .quotas import BeyondBurst, IngestQuotas, OverQuota
+from .sdk import SendClient, keyed_send_id
 from .status import StatusStore
+from .web import Auth, BodyLimit, answer_options, documented, problem
 
 log = logging.getLogger("streams.api")
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
+MAX_IN_FLIGHT = 256               # requests publishing at once (the rest wait their turn)
+TENANT_BATCHES = 2                # multi-record requests of one tenant publishing at once
 # What a tenant sees of a send (statuses: accepted, retrying, unknown, delivered, dead_lettered).
 SEND_STATUS_FIELDS = ("tenant_id", "status", "channel", "lane", "attempts", "accepted_at_ms", "completed_at_ms",
-                      "provider", "provider_message_id", "reason", "replay_of", "attempt_history")
+                      "provider", "provider_message_id", "reason", "replay_of", "providers_tried", "attempt_history")
 
 
 class BatchRequest(BaseModel):
@@ -52,63 +75,50 @@ class Accepted(BaseModel):
     note: str | None = None
 
 
-class LimitUpdate(BaseModel):
-    global_rate: int | None = Field(None, ge=1)
-    global_burst: int | None = Field(None, ge=1)
-    reserve: int | None = Field(None, ge=0)
-    tenant: str | None = Field(None, description="a tenant id, or '*' for the default")
-    tenant_rate: int | None = Field(None, ge=1)
-    tenant_burst: int | None = Field(None, ge=1)
-    concurrency: int | None = Field(None, ge=0, description="pacing: requests in flight per worker (0: default)")
-    pause_ms: int | None = Field(None, ge=0, description="pacing: the least pause between request waves")
+class BatchAccepted(BaseModel):
+    accepted: int
+    sends: list[Accepted]
 
 
-class BodyLimit:
-    """Refuse bodies over `limit` bytes with 413 before they are buffered whole."""
-
-    def __init__(self, app, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(self.limit)(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
+class SendStatus(BaseModel):
+    send_id: str
+    tenant_id: str
+    status: str
+    model_config = {"extra": "allow"}
 
 
-class _BodyTooLarge(Exception):
-    pass
+@dataclass
+class Ingest:
+    """Everything the API works with."""
+
+    client: SendClient
+    store: StatusStore
+    keys: ApiKeys
+    limits: LimitStore
+    known_policies: frozenset[str]
+    quotas: IngestQuotas | None = None
+    idempotency: IngestIdempotency | None = None
+    audit: AuditLog | None = None
+    guard: StateGuard | None = None
+    webhooks: WebhookIngest | None = None
 
 
-def _too_large(limit: int) -> JSONResponse:
-    return JSONResponse({"error": "payload_too_large", "errors": [
-        {"loc": ["body"], "msg": f"request bodies are limited to {limit} bytes"}]}, status_code=413)
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=MAX_KEY_LENGTH,
+                                              description="the same key and body within 24 h: the first answer "
+                                                          "again, nothing published twice")]
 
 
-def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: LimitStore,
-               known_policies: frozenset[str], max_body: int = MAX_BODY_BYTES,
-               guard: StateGuard | None = None, webhooks: WebhookIngest | None = None) -> FastAPI:
-    """`guard` (checked at most every few seconds) rebuilds the API keys from the operator log
-    when Redis has lost its data, so tenants keep publishing without an operator."""
-    app = FastAPI(title="dual-rail dispatch ingest API", version="1",
-                  description="Publish notification sends and read their status. "
-                              f"Batches hold at most {MAX_BATCH} sends and are accepted or rejected whole.")
+def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
+                  description="Publish notification sends and read their status. Batches hold at most "
+                              f"{MAX_BATCH} sends and are accepted or rejected whole; a send may be at most "
+                              f"{MAX_SEND_BYTES} bytes, a request body at most {max_body} bytes.")
+    mount_docs(app)  # the docs' scripts come from the package, not a CDN: they work air-gapped
+    auth = Auth(ingest.keys, ingest.guard)
+    Tenant = Annotated[str, Depends(auth.tenant_dependency())]  # noqa: N806 - a type alias
+    client, store, webhooks = ingest.client, ingest.store, ingest.webhooks
+    in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+    tenant_batches: dict[str, asyncio.Semaphore] = {}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -117,37 +127,12 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         metrics.INGEST_REJECTED.labels(str(status)).inc()
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
 
-    def principal(request: Request) -> Principal:
-        if guard is not None:
-            try:
-                guard.check()
-            except StackError as exc:  # the operator log is unreadable: keys in Redis still work
-                log.warning("cannot check Redis state against the operator log: %s", exc)
-        auth = request.headers.get("authorization", "")
-        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        found = keys.resolve(token) if token else None
-        if found is None:
-            raise HTTPException(401, {"error": "unauthorized", "errors": [
-                {"loc": ["header", "authorization"], "msg": "a valid API key is required (Bearer)"}]})
-        return found
-
-    def tenant(p: Annotated[Principal, Depends(principal)]) -> str:
-        if p.role != "tenant" or not p.tenant:
-            raise HTTPException(403, {"error": "forbidden", "errors": [
-                {"loc": ["header", "authorization"], "msg": "sends are published with a tenant key"}]})
-        return p.tenant
-
-    def operator(p: Annotated[Principal, Depends(principal)]) -> Principal:
-        if p.role != "operator":
-            raise HTTPException(403, {"error": "forbidden", "errors": [
-                {"loc": ["header", "authorization"], "msg": "limits are set by operators only"}]})
-        return p
-
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        body = exc.detail if isinstance(exc.detail, dict) else {"error": str(exc.detail)}
+        body = exc.detail if isinstance(exc.detail, dict) else {"error": "http_error", "errors": [
+            {"loc": [], "msg": str(exc.detail)}]}
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -156,21 +141,22 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
         return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
                             headers={"Retry-After": "1"})
 
-    def _expand(tenant_id: str, req: SendRequest) -> tuple[Accepted, list[Send], list[tuple[Send, str]]]:
+    def expand(tenant_id: str, req: SendRequest, id_for: Callable[[str], str] | None
+               ) -> tuple[Accepted, list[Send], list[tuple[Send, str]]]:
         """A send, or a webhook event fanned out to its subscribed endpoints: the deliveries to
-        enqueue and those recorded as skipped (endpoint degraded, backlog shed)."""
+        enqueue and those recorded as skipped (endpoint degraded, backlog shed). Reads Redis."""
         if req.channel != "webhook":
-            send = build_send(req, tenant_id, routing=client.routing)
+            send = build_send(req, tenant_id, routing=client.routing, send_id=id_for("send") if id_for else None)
             return Accepted(send_id=send.send_id, lane=send.lane, deliveries=None), [send], []
         event_type = req.payload["event_type"]
         enqueue: list[Send] = []
         skipped: list[tuple[Send, str]] = []
         subscribed = []
         if webhooks is None:
-            event_id = new_send_id()
+            event_id = id_for("event") if id_for else new_send_id()
         else:
             subscribed = webhooks.endpoints.subscribers(tenant_id, event_type)
-            event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing)
+            event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing, id_for=id_for)
             enqueue, skipped = webhooks.admit(deliveries)
         note = None if subscribed else (f"accepted with no delivery: no enabled endpoint of this tenant subscribes "
                                         f"to {event_type!r}")
@@ -180,63 +166,148 @@ def create_app(client: SendClient, store: StatusStore, keys: ApiKeys, limits: Li
                                              skipped=reasons.get(d.send_id))
                                     for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
-    def _publish(tenant_id: str, requests: list[SendRequest], batch: bool) -> list[Accepted]:
-        # The schema checked every field; the policy name is checked against the policy file.
+    def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, first_ms: int
+                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]]]:
+        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas."""
+        def where(index: int) -> list[str | int]:
+            return ["body", "sends", index] if batch else ["body"]
+
         errors = [e for i, r in enumerate(requests)
-                  if (e := policy_error(r, known_policies, ("body", "sends", i) if batch else ("body",)))]
+                  if (e := policy_error(r, ingest.known_policies, ("body", "sends", i) if batch else ("body",)))]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
-        expanded = [_expand(tenant_id, r) for r in requests]
+
+        def ids(position: int) -> Callable[[str], str] | None:
+            if key is None:
+                return None
+            return lambda label: keyed_send_id(tenant_id, key, f"{position}:{label}", first_ms)  # type: ignore[arg-type]
+
+        expanded = [expand(tenant_id, r, ids(i)) for i, r in enumerate(requests)]
         sends = [s for _, group, _ in expanded for s in group]
         skipped = [s for _, _, group in expanded for s in group]
-        store.accepted(sends + [s for s, _ in skipped])
         try:
-            if webhooks is not None:
-                webhooks.record_skipped(skipped)
-            client.publish_sends(sends)
+            client.records(sends)
+        except SendTooLarge as exc:
+            raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
+        if ingest.quotas is not None:
+            verdict = ingest.quotas.admit(tenant_id, sends)
+            if isinstance(verdict, OverQuota):
+                raise problem(429, "quota_exceeded", ["header", "authorization"],
+                              f"over the {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s",
+                              headers={"Retry-After": str(max(1, round(verdict.retry_after_s + 0.5)))})
+            if isinstance(verdict, BeyondBurst):
+                raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],
+                              f"{verdict.cost} sends at once can never fit the {verdict.quota} quota's burst: "
+                              "send smaller batches")
+        return [a for a, _, _ in expanded], sends, skipped
+
+    async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
+                      first_ms: int) -> list[Accepted]:
+        def where(index: int) -> list[str | int]:
+            return ["body", "sends", index] if batch else ["body"]
+
+        accepted, sends, skipped = await run_in_threadpool(prepare, tenant_id, requests, batch, key, first_ms)
+        records = client.records(sends) + skipped_records(client.names, skipped)
+        fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
+        try:
+            async with in_flight:
+                metrics.INGEST_IN_FLIGHT.inc()
+                try:
+                    if fair is None:
+                        written = await client.publisher.publish_async(records)
+                    else:
+                        async with fair:
+                            written = await client.publisher.publish_async(records)
+                finally:
+                    metrics.INGEST_IN_FLIGHT.dec()
+        except RecordTooLarge as exc:
+            raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
         except PublishError as exc:
-            raise HTTPException(503, {"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}) from None
-        if webhooks is not None:
-            webhooks.enqueued([s for s in sends if s.channel == "webhook"])
+            raise problem(503, "unavailable", [], str(exc), headers={"Retry-After": "1"}) from None
+        await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()
-        return [accepted for accepted, _, _ in expanded]
+        return accepted
 
-    @app.post("/v1/sends", status_code=202, response_model=Accepted, response_model_exclude_none=True)
-    def post_send(body: SendRequest, tenant_id: Annotated[str, Depends(tenant)]) -> Accepted:
-        return _publish(tenant_id, [body], batch=False)[0]
+    def after_publish(sends: list[Send], skipped: list[tuple[Send, str]], skipped_written) -> None:
+        """Published: now recorded. A Redis or broker failure here does not undo the publish; the
+        statuses come from the outcomes as the sends are dispatched."""
+        try:
+            store.accepted(sends + [s for s, _ in skipped])
+            if skipped:
+                outcomes = outcome_records(client.names, skipped, skipped_written, int(time.time() * 1000))
+                for event, _ in outcomes:
+                    store.record_outcome(event)
+                client.publisher.publish([r for _, r in outcomes])
+            if webhooks is not None:
+                webhooks.enqueued([s for s in sends if s.channel == "webhook"])
+        except (StoreUnavailable, PublishError) as exc:
+            log.warning("published %d sends, but recording them failed (%s); their outcomes will", len(sends), exc)
 
-    @app.post("/v1/sends/batch", status_code=202)
-    def post_batch(body: BatchRequest, tenant_id: Annotated[str, Depends(tenant)]) -> dict:
-        accepted = _publish(tenant_id, body.sends, batch=True)
-        return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
+    async def idempotent(tenant_id: str, key: str | None, canonical: object, status: int,
+                         run: Callable[[int], object]) -> JSONResponse:
+        """Run `run(first_ms)` once per (tenant, key, body) within 24 h; replay its answer after that."""
+        if key is None or ingest.idempotency is None:
+            return JSONResponse(await run(int(time.time() * 1000)), status)  # type: ignore[misc]
+        if not key.strip():
+            raise problem(422, "invalid_request", ["header", "Idempotency-Key"], "an Idempotency-Key cannot be empty")
+        state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, body_hash(canonical))
+        if isinstance(state, Answered):
+            return JSONResponse(state.body, state.status, headers={"Idempotent-Replayed": "true"})
+        if isinstance(state, Conflict):
+            raise problem(422, "idempotency_key_reused", ["header", "Idempotency-Key"],
+                          "this Idempotency-Key was used with a different request body in the last 24 h")
+        if not isinstance(state, Claimed):
+            raise problem(409, "request_in_progress", ["header", "Idempotency-Key"],
+                          "a request with this Idempotency-Key is still being published", {"Retry-After": "1"})
+        try:
+            body = await run(state.first_ms)  # type: ignore[misc]
+        except BaseException:
+            await run_in_threadpool(ingest.idempotency.release, tenant_id, key)  # nothing was published
+            raise
+        try:
+            await run_in_threadpool(ingest.idempotency.finish, tenant_id, key, status, body)
+        except StoreUnavailable as exc:  # published: answer it; a retry publishes the same ids again
+            log.warning("an idempotent answer was not stored: %s", exc)
+        return JSONResponse(body, status)
+
+    @app.post("/v1/sends", status_code=202, response_model=Accepted, response_model_exclude_none=True,
+              responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
+    async def post_send(body: SendRequest, tenant_id: Tenant, request: Request,
+                        key: IdempotencyKey = None) -> JSONResponse:
+        async def run(first_ms: int) -> dict:
+            [accepted] = await publish(tenant_id, [body], False, key, first_ms)
+            return accepted.model_dump(exclude_none=True)
+
+        return await idempotent(tenant_id, key, orjson.loads(await request.body()), 202, run)
+
+    @app.post("/v1/sends/batch", status_code=202, response_model=BatchAccepted,
+              responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
+    async def post_batch(body: BatchRequest, tenant_id: Tenant, request: Request,
+                         key: IdempotencyKey = None) -> JSONResponse:
+        async def run(first_ms: int) -> dict:
+            accepted = await publish(tenant_id, body.sends, True, key, first_ms)
+            return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
+
+        return await idempotent(tenant_id, key, orjson.loads(await request.body()), 202, run)
 
     if webhooks is not None:
-        app.include_router(webhook_routes(webhooks, store, client, tenant))
+        app.include_router(webhook_routes(webhooks, store, client, auth.tenant_dependency()))
 
-    @app.get("/v1/sends/{send_id}")
-    def get_send(send_id: str, tenant_id: Annotated[str, Depends(tenant)]) -> dict:
+    @app.get("/v1/sends/{send_id}", response_model=SendStatus, responses=documented(401, 403, 404, 503))
+    def get_send(send_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(send_id)
         # Another tenant's send is indistinguishable from a missing one.
         if doc is None or doc.get("tenant_id") != tenant_id:
-            raise HTTPException(404, {"error": "not_found", "errors": [
-                {"loc": ["path", "send_id"], "msg": "no such send for this tenant"}]})
+            raise problem(404, "not_found", ["path", "send_id"], "no such send for this tenant")
         return {"send_id": send_id, **{k: v for k, v in doc.items() if k in SEND_STATUS_FIELDS}}
 
-    @app.get("/v1/admin/limits/{provider}")
-    def get_limits(provider: str, _: Annotated[Principal, Depends(operator)]) -> dict:
-        return {"provider": provider, "limits": limits.show(provider)}
+    from .operator_api import operator_routes
 
-    @app.put("/v1/admin/limits/{provider}")
-    def put_limits(provider: str, body: LimitUpdate, _: Annotated[Principal, Depends(operator)]) -> dict:
-        try:
-            return {"provider": provider, "limits": limits.apply(provider, LimitChange(**body.model_dump()))}
-        except ConfigError as exc:
-            raise HTTPException(422, {"error": "invalid_request",
-                                      "errors": [{"loc": ["body"], "msg": str(exc)}]}) from None
+    app.include_router(operator_routes(ingest, auth.operator_dependency()))
 
     from prometheus_client import make_asgi_app
 
     app.mount("/metrics", make_asgi_app())
+    answer_options(app)
     return BodyLimit(app, max_body)  # type: ignore[return-value]
-

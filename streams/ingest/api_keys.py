@@ -1,27 +1,60 @@
-"""Ingest API keys: stored as SHA-256 digests in Redis, each with a role (and a tenant)."""
+"""Ingest API keys, with a lifecycle: created, listed, rotated (the old key stays valid for a chosen
+overlap), revoked; the time each was last used.
+
+A key is shown once, when it is made. What is kept is its SHA-256 digest (in Redis, and first in the
+operator log, so keys outlive a loss of Redis data), its id (the first 12 hex digits of the digest:
+safe to show and log), role, tenant, creation time, and, once rotated or revoked, when it stops
+working. A key is looked up by its digest and the stored digest is compared in constant time. Every
+API process reads Redis on every request, so a revoked key is refused by all of them at once.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 import orjson
 import redis
 
-from ..errors import ConfigError, SendValidationError, StoreUnavailable
+from ..errors import ConfigError, SendValidationError
 from ..names import RedisKeys
+from ..redis_client import store_errors
 from ..send import check_tenant_id
 
 if TYPE_CHECKING:
     from ..state.log import OperatorLog
+
+LAST_USED_EVERY_S = 60  # last-used times are written at most this often per key
 
 
 @dataclass(frozen=True)
 class Principal:
     role: Literal["tenant", "operator"]
     tenant: str | None
+    key_id: str = ""
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: str
+    role: str
+    tenant: str | None
+    created_at_ms: int = 0
+    expires_at_ms: int | None = None   # a rotated key: valid until then
+    revoked_at_ms: int | None = None
+    last_used_ms: int | None = None
+    label: str = ""
+
+    def valid(self, now_ms: int) -> bool:
+        return self.revoked_at_ms is None and (self.expires_at_ms is None or now_ms < self.expires_at_ms)
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class ApiKeys:
@@ -30,32 +63,109 @@ class ApiKeys:
 
     def __init__(self, client: redis.Redis, namespace: str = "", oplog: OperatorLog | None = None):
         self.client = client
-        self.key = RedisKeys(namespace).api_keys
+        self.keys = RedisKeys(namespace)
+        self.key = self.keys.api_keys
         self.oplog = oplog
+        self._used: dict[str, float] = {}
 
-    def create(self, role: str, tenant: str | None = None) -> str:
+    # ------------------------------------------------------------------ lifecycle
+    def create(self, role: str, tenant: str | None = None, label: str = "") -> str:
+        if role not in ("tenant", "operator"):
+            raise ConfigError(f"role must be tenant or operator, not {role!r}")
         if role == "tenant":
             try:
                 check_tenant_id(tenant or "")
             except SendValidationError as exc:
                 raise ConfigError(str(exc)) from None
         token = f"dr_{role[:3]}_{secrets.token_urlsafe(24)}"
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        entry = {"role": role, "tenant": tenant}
-        if self.oplog is not None:
-            self.oplog.put(f"apikey/{digest}", entry)
-        try:
-            self.client.hset(self.key, digest, orjson.dumps(entry))
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"cannot store the API key ({exc})") from None
+        digest = _digest(token)
+        self._save(digest, {"role": role, "tenant": tenant if role == "tenant" else None,
+                            "created_at_ms": int(time.time() * 1000), "label": label[:100]})
         return token
 
+    def list(self, tenant: str | None = None) -> list[KeyInfo]:
+        """Every key (of one tenant), newest first; never the keys themselves."""
+        with store_errors("listing API keys"):
+            raw = self.client.hgetall(self.key)
+            used = self.client.hgetall(self.keys.api_keys_used)
+        out = []
+        for digest, value in raw.items():
+            info = self._info(digest.decode(), orjson.loads(value), used.get(digest))
+            if tenant is None or info.tenant == tenant:
+                out.append(info)
+        return sorted(out, key=lambda k: k.created_at_ms, reverse=True)
+
+    def get(self, key_id: str) -> KeyInfo | None:
+        return next((k for k in self.list() if k.id == key_id), None)
+
+    def revoke(self, key_id: str) -> KeyInfo | None:
+        """Refused from now on, by every API process."""
+        return self._change(key_id, revoked_at_ms=int(time.time() * 1000))
+
+    def rotate(self, key_id: str, overlap_s: int = 24 * 3600) -> tuple[str, KeyInfo] | None:
+        """A new key with the same role and tenant; the old one keeps working `overlap_s` seconds."""
+        old = self.get(key_id)
+        if old is None or not old.valid(int(time.time() * 1000)):
+            return None
+        if not 0 <= overlap_s <= 30 * 24 * 3600:
+            raise ConfigError(f"overlap must be between 0 and 30 days (got {overlap_s} s)")
+        token = self.create(old.role, old.tenant, old.label)
+        changed = self._change(key_id, expires_at_ms=int(time.time() * 1000) + overlap_s * 1000)
+        assert changed is not None
+        return token, changed
+
+    # ------------------------------------------------------------------ checking
     def resolve(self, token: str) -> Principal | None:
-        try:
-            raw = self.client.hget(self.key, hashlib.sha256(token.encode()).hexdigest())
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"cannot check the API key ({exc})") from None
+        digest = _digest(token)
+        with store_errors("checking the API key"):
+            raw = self.client.hget(self.key, digest)
         if not raw:
             return None
         doc = orjson.loads(raw)
-        return Principal(doc["role"], doc.get("tenant"))
+        stored = doc.get("digest", digest)
+        if not hmac.compare_digest(stored, digest):
+            return None
+        info = self._info(digest, doc, None)
+        if not info.valid(int(time.time() * 1000)):
+            return None
+        self._touch(digest)
+        return Principal(doc["role"], doc.get("tenant"), info.id)
+
+    # ------------------------------------------------------------------ storage
+    def _touch(self, digest: str) -> None:
+        now = time.time()
+        if now - self._used.get(digest, 0) < LAST_USED_EVERY_S:
+            return
+        self._used[digest] = now
+        try:
+            self.client.hset(self.keys.api_keys_used, digest, int(now * 1000))
+        except redis.RedisError:
+            pass  # a last-used time is a convenience: never a reason to refuse a request
+
+    def _change(self, key_id: str, **fields: int) -> KeyInfo | None:
+        with store_errors("reading API keys"):
+            raw = self.client.hgetall(self.key)
+        for digest, value in raw.items():
+            if digest.decode()[:12] == key_id:
+                doc = {**orjson.loads(value), **fields}
+                self._save(digest.decode(), doc)
+                return self._info(digest.decode(), doc, None)
+        return None
+
+    def _save(self, digest: str, doc: dict) -> None:
+        doc = {**doc, "digest": digest}
+        if self.oplog is not None:
+            self.oplog.put(f"apikey/{digest}", doc)
+        with store_errors("storing the API key"):
+            self.client.hset(self.key, digest, orjson.dumps(doc))
+
+    @staticmethod
+    def _info(digest: str, doc: dict, used: bytes | None) -> KeyInfo:
+        return KeyInfo(digest[:12], doc["role"], doc.get("tenant"), doc.get("created_at_ms", 0),
+                       doc.get("expires_at_ms"), doc.get("revoked_at_ms"), int(used) if used else None,
+                       doc.get("label", ""))
+
+
+
+def public(info: KeyInfo) -> dict:
+    return asdict(info)

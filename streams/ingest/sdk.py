@@ -5,20 +5,19 @@
     send_id = client.publish("acme", {"channel": "email", "category": "transactional", ...})
 
 The lane comes from the category, never from the caller, so a marketing send cannot enter the
-transactional lane. A batch is validated whole before anything is published.
+transactional lane. A batch is validated whole before anything is published, and published whole
+(a Kafka transaction) or not at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from confluent_kafka import KafkaException
-
-from ..errors import PublishError, SendValidationError
-from ..kafka_client import durable_producer, produce
+from ..errors import SendTooLarge, SendValidationError
 from ..names import TopicNames
 from ..retry.policy import PolicyRouting, default_routing
-from ..send import Send, build_send, encode, validate_batch
+from ..send import MAX_SEND_BYTES, Send, build_send, encode, new_send_id, validate_batch
+from .publisher import Publisher, Record, Written
 
 Router = Callable[[Send], str]
 
@@ -38,38 +37,52 @@ class SendClient:
         self.known_policies = known_policies
         self.routing = routing or default_routing()  # which policy a send that names none gets
         self.timeout_s = timeout_s
-        # No duplicates or reordering from producer retries; acknowledged by all in-sync replicas.
-        self.producer = durable_producer(bootstrap, **{"linger.ms": 2, "compression.type": "lz4"})
+        # Records written once, in order, acknowledged by all in-sync replicas; several at once in a
+        # transaction (all or nothing).
+        self.publisher = Publisher(bootstrap, self.names.namespace, timeout_s=timeout_s)
+        self.producer = self.publisher.single  # for single records of other kinds (put_acked)
 
-    def publish(self, tenant_id: str, request: dict) -> str:
+    def publish(self, tenant_id: str, request: dict, idempotency_key: str | None = None) -> str:
         """Validate and publish one send; returns its send id once the broker has it."""
-        return self.publish_batch(tenant_id, [request])[0]
+        return self.publish_batch(tenant_id, [request], idempotency_key)[0]
 
-    def publish_batch(self, tenant_id: str, requests: list[dict]) -> list[str]:
-        """Validate every send first (any error rejects the whole batch), then publish them all."""
+    def publish_batch(self, tenant_id: str, requests: list[dict], idempotency_key: str | None = None) -> list[str]:
+        """Validate every send first (any error rejects the whole batch), then publish them all or none.
+        With `idempotency_key`, the send ids are derived from (tenant, key, position): publishing the
+        same batch again under the same key gives the same ids, and dispatch delivers each id once.
+        (Such ids do not sort by creation time; the HTTP API keeps the first answer instead.)"""
         valid = validate_batch(requests, self.known_policies)
         if any(r.channel == "webhook" for r in valid):
             raise SendValidationError([{"loc": ("channel",), "msg": "a webhook event fans out to the tenant's "
                                         "endpoints: publish it through the ingest API (POST /v1/sends)"}])
-        sends = [build_send(r, tenant_id, routing=self.routing) for r in valid]
+        ids = [keyed_send_id(tenant_id, idempotency_key, i, 0) if idempotency_key else None
+               for i in range(len(valid))]
+        sends = [build_send(r, tenant_id, routing=self.routing, send_id=ids[i]) for i, r in enumerate(valid)]
         self.publish_sends(sends)
         return [s.send_id for s in sends]
 
-    def publish_sends(self, sends: list[Send]) -> None:
-        failed: list[str] = []
+    def records(self, sends: list[Send]) -> list[Record]:
+        """Each send as the record its lane topic gets; SendTooLarge names a send over the limit."""
+        out = []
+        for i, send in enumerate(sends):
+            value = encode(send)
+            if len(value) > MAX_SEND_BYTES:
+                raise SendTooLarge(i, len(value))
+            out.append(Record(self.route(send), send.tenant_id.encode(), value, (("send_id", send.send_id.encode()),)))
+        return out
 
-        def on_delivery(err, msg) -> None:
-            if err is not None:
-                failed.append(f"{msg.key().decode()}: {err.str()}")
+    def publish_sends(self, sends: list[Send]) -> list[Written]:
+        """All or none: the broker acknowledged every one, or PublishError and none is dispatched."""
+        return self.publisher.publish(self.records(sends))
 
-        for send in sends:
-            topic = self.route(send)
-            try:
-                produce(self.producer, topic, encode(send), key=send.tenant_id.encode(),
-                        headers=[("send_id", send.send_id.encode())], on_delivery=on_delivery)
-            except KafkaException as exc:
-                raise PublishError(f"cannot publish to {topic}: {exc}") from None
-        remaining = self.producer.flush(self.timeout_s)
-        if remaining or failed:
-            raise PublishError(f"{remaining} send(s) unacknowledged after {self.timeout_s:.0f} s; "
-                               f"errors: {failed[:5]}")
+    async def publish_sends_async(self, sends: list[Send]) -> list[Written]:
+        return await self.publisher.publish_async(self.records(sends))
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def keyed_send_id(tenant_id: str, idempotency_key: str, position: int, first_ms: int) -> str:
+    """The send id of the `position`-th send of an idempotent request: the same for the same tenant,
+    key and position (its time part is the key's first use, `first_ms`)."""
+    return new_send_id(first_ms, f"{tenant_id}\x00{idempotency_key}\x00{position}".encode())

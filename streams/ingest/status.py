@@ -37,15 +37,18 @@ class StatusStore:
         self.keys = RedisKeys(namespace)
 
     def accepted(self, sends: list) -> None:
+        """Recorded once published: a status an outcome already wrote (the send can be dispatched
+        before this runs) is never replaced by `accepted`."""
         pipe = self.client.pipeline(transaction=False)
         now = int(time.time() * 1000)
         for s in sends:
             key = self.keys.send_status(s.send_id)
-            fields = {"tenant_id": s.tenant_id, "status": "accepted", "channel": s.channel, "lane": s.lane,
-                      "accepted_at_ms": now, "attempts": 0}
+            fields = {"tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane, "accepted_at_ms": now}
             if s.replay_of:
                 fields["replay_of"] = s.replay_of
             pipe.hset(key, mapping=fields)
+            pipe.hsetnx(key, "status", "accepted")
+            pipe.hsetnx(key, "attempts", 0)
             pipe.expire(key, STATUS_TTL_S)
         with store_errors("recording accepted sends"):
             pipe.execute()

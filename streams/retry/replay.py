@@ -70,9 +70,9 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
         raise ReplayRefused(f"send {send_id} cannot be replayed: its event is not a valid send "
                             f"({exc.reason}: {exc.detail})") from None
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
-    store.accepted([new])
     try:
         client.publish_sends([new])
     except PublishError as exc:
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
+    store.accepted([new])  # after the broker has it: no status for a send that was never published
     return new

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from ..errors import ConfigError, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
+from ..ingest.web import documented, problem
 from ..retry.replay import replay
 from .ingest import WebhookIngest
 from .model import Endpoint
@@ -58,12 +59,11 @@ class BulkReplay(BaseModel):
 
 
 def _not_found(what: str) -> HTTPException:
-    return HTTPException(404, {"error": "not_found", "errors": [{"loc": ["path", f"{what}_id"],
-                                                                 "msg": f"no such {what} for this tenant"}]})
+    return problem(404, "not_found", ["path", f"{what}_id"], f"no such {what} for this tenant")
 
 
 def _invalid(exc: Exception) -> HTTPException:
-    return HTTPException(422, {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": str(exc)}]})
+    return problem(422, "invalid_request", ["body"], str(exc))
 
 
 def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClient,
@@ -75,7 +75,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
     def shown(ep: Endpoint) -> dict:
         return webhooks.current(ep).public()
 
-    @router.post("/v1/endpoints", status_code=201)
+    @router.post("/v1/endpoints", status_code=201, responses=documented(401, 403, 422, 503))
     def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
         try:
             ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled)
@@ -83,18 +83,18 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _invalid(exc) from None
         return {**shown(ep), "secret": secret}
 
-    @router.get("/v1/endpoints")
+    @router.get("/v1/endpoints", responses=documented(401, 403, 503))
     def list_endpoints(tenant_id: Tenant) -> dict:
         return {"endpoints": [shown(e) for e in endpoints.all(tenant_id)]}
 
-    @router.get("/v1/endpoints/{endpoint_id}")
+    @router.get("/v1/endpoints/{endpoint_id}", responses=documented(401, 403, 404, 422, 503))
     def get_endpoint(endpoint_id: str, tenant_id: Tenant) -> dict:
         ep = endpoints.get(tenant_id, endpoint_id)
         if ep is None:
             raise _not_found("endpoint")
         return shown(ep)
 
-    @router.patch("/v1/endpoints/{endpoint_id}")
+    @router.patch("/v1/endpoints/{endpoint_id}", responses=documented(401, 403, 404, 422, 503))
     def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
         try:
             ep = endpoints.update(tenant_id, endpoint_id, **body.model_dump())
@@ -104,13 +104,13 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return shown(ep)
 
-    @router.delete("/v1/endpoints/{endpoint_id}", status_code=204)
+    @router.delete("/v1/endpoints/{endpoint_id}", status_code=204, responses=documented(401, 403, 404, 503))
     def delete_endpoint(endpoint_id: str, tenant_id: Tenant) -> Response:
         if not endpoints.delete(tenant_id, endpoint_id):
             raise _not_found("endpoint")
         return Response(status_code=204)
 
-    @router.post("/v1/endpoints/{endpoint_id}/rotate-secret")
+    @router.post("/v1/endpoints/{endpoint_id}/rotate-secret", responses=documented(401, 403, 404, 422, 503))
     def rotate_secret(endpoint_id: str, tenant_id: Tenant) -> dict:
         now_ms = int(time.time() * 1000)
         secret = endpoints.rotate_secret(tenant_id, endpoint_id, now_ms)
@@ -118,7 +118,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return {"secret": secret, "previous_valid_until_ms": now_ms + 24 * 3600 * 1000}
 
-    @router.post("/v1/endpoints/{endpoint_id}/reactivate")
+    @router.post("/v1/endpoints/{endpoint_id}/reactivate", responses=documented(401, 403, 404, 422, 503))
     def reactivate(endpoint_id: str, tenant_id: Tenant) -> dict:
         """Back to active: deliveries resume, the failure counter and the alert window are reset (a
         second incident the same day gets its own alert). Events skipped meanwhile can be replayed
@@ -128,18 +128,18 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
 
-    @router.put("/v1/members")
+    @router.put("/v1/members", responses=documented(401, 403, 422, 503))
     def put_members(body: Members, tenant_id: Tenant) -> dict:
         try:
             return {"emails": list(webhooks.members.set(tenant_id, body.emails))}
         except ConfigError as exc:
             raise _invalid(exc) from None
 
-    @router.get("/v1/members")
+    @router.get("/v1/members", responses=documented(401, 403, 503))
     def get_members(tenant_id: Tenant) -> dict:
         return {"emails": list(webhooks.members.get(tenant_id))}
 
-    @router.get("/v1/endpoints/{endpoint_id}/deliveries")
+    @router.get("/v1/endpoints/{endpoint_id}/deliveries", responses=documented(401, 403, 404, 422, 503))
     def endpoint_deliveries(endpoint_id: str, tenant_id: Tenant, limit: Annotated[int, Query(ge=1, le=500)] = 100,
                             before_ms: int | None = None) -> dict:
         if endpoints.get(tenant_id, endpoint_id) is None:
@@ -147,7 +147,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         found = [(d, store.get(d)) for d in store.endpoint_deliveries(endpoint_id, limit, before_ms)]
         return {"deliveries": [_delivery(d, doc) for d, doc in found if doc]}
 
-    @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202)
+    @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202,
+                 responses=documented(401, 403, 404, 422, 503))
     def replay_endpoint(endpoint_id: str, body: BulkReplay, tenant_id: Tenant) -> dict:
         """Replay the endpoint's deliveries with one of `statuses` created in [since_ms, until_ms):
         at most `limit`, each at most once however often this is called (a receiver fixed its bug
@@ -172,14 +173,15 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
         return {"replayed": replayed, "already_replayed": already, "considered": len(candidates)}
 
-    @router.get("/v1/deliveries/{delivery_id}")
+    @router.get("/v1/deliveries/{delivery_id}", responses=documented(401, 403, 404, 422, 503))
     def get_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
             raise _not_found("delivery")
         return _delivery(delivery_id, doc)
 
-    @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202)
+    @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202,
+                 responses=documented(401, 403, 404, 409, 410, 503))
     def replay_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):

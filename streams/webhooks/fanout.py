@@ -8,6 +8,7 @@ backlog is extreme, is not enqueued: it is recorded as skipped (`skip_reason`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..retry.policy import PolicyRouting
@@ -27,12 +28,14 @@ class BacklogLimit:
 
 
 def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: PolicyRouting | None = None,
-            now_ms: int | None = None) -> tuple[str, list[Send]]:
-    """The event id and its deliveries (none when no enabled endpoint subscribes to its type)."""
-    event_id = new_send_id(now_ms)
+            now_ms: int | None = None, id_for: Callable[[str], str] | None = None) -> tuple[str, list[Send]]:
+    """The event id and its deliveries (none when no enabled endpoint subscribes to its type).
+    `id_for(label)` gives the ids (an idempotent request derives them; otherwise they are new)."""
+    new_id = id_for or (lambda _label: new_send_id(now_ms))
+    event_id = new_id("event")
     deliveries = [build_send(req.model_copy(update={"payload": {**req.payload, "event_id": event_id,
                                                                 "endpoint_id": ep.id}}),
-                             tenant, now_ms, routing)
+                             tenant, now_ms, routing, send_id=new_id(ep.id))
                   for ep in endpoints]
     return event_id, deliveries
 

@@ -76,8 +76,8 @@ class WebhookIngest:
                 skipped.append((d, reason))
         return enqueue, skipped
 
-    def record_skipped(self, skipped: list[tuple[Send, str]]) -> None:
-        record_skipped(self.client.producer, self.client.names, self.store, skipped, self.client.timeout_s)
+    async def record_skipped(self, skipped: list[tuple[Send, str]]) -> None:
+        await record_skipped(self.client.publisher, self.client.names, self.store, skipped)
 
     def enqueued(self, deliveries: list[Send]) -> None:
         """Count them in their endpoints' backlogs. They are published already: a Redis failure here

@@ -10,46 +10,39 @@ from __future__ import annotations
 import time
 
 import orjson
-from confluent_kafka import Producer
 
 from .. import metrics
-from ..errors import PublishError
+from ..ingest.publisher import Publisher, Record, Written
 from ..ingest.status import StatusStore
-from ..kafka_client import produce
 from ..names import TopicNames
 from ..outcomes import outcome_event
 from ..send import Send, encode
 
 
-def record_skipped(producer: Producer, names: TopicNames, store: StatusStore, skipped: list[tuple[Send, str]],
-                   timeout_s: float = 30.0) -> None:
+def skipped_records(names: TopicNames, skipped: list[tuple[Send, str]]) -> list[Record]:
+    return [Record(names.webhook_skipped, send.send_id.encode(), encode(send), (("reason", reason.encode()),))
+            for send, reason in skipped]
+
+
+def outcome_records(names: TopicNames, skipped: list[tuple[Send, str]], written: list[Written],
+                    now_ms: int) -> list[tuple[dict, Record]]:
+    """The `skipped` outcome of each, pointing at where its payload is kept."""
+    out = []
+    for (send, reason), w in zip(skipped, written, strict=True):
+        event = {**outcome_event(send, "skipped", 0, now_ms, "webhook", reason=reason),
+                 "origin": {"topic": w.topic, "partition": w.partition, "offset": w.offset}}
+        out.append((event, Record(names.outcomes, send.send_id.encode(), orjson.dumps(event))))
+    return out
+
+
+async def record_skipped(publisher: Publisher, names: TopicNames, store: StatusStore,
+                         skipped: list[tuple[Send, str]]) -> None:
     """Raises PublishError when the broker does not acknowledge them (the event is then refused whole)."""
     if not skipped:
         return
-    positions: dict[str, dict] = {}
-    failed: list[str] = []
-
-    def on_delivery(err, msg) -> None:
-        if err is not None:
-            failed.append(err.str())
-        else:
-            positions[msg.key().decode()] = {"topic": msg.topic(), "partition": msg.partition(),
-                                             "offset": msg.offset()}
-
-    for send, reason in skipped:
-        produce(producer, names.webhook_skipped, encode(send), key=send.send_id.encode(),
-                headers=[("reason", reason.encode())], on_delivery=on_delivery)
-    if producer.flush(timeout_s) or failed or len(positions) < len(skipped):
-        raise PublishError(f"{names.webhook_skipped} did not acknowledge {len(skipped) - len(positions)} skipped "
-                           f"deliveries ({failed[0] if failed else 'timed out'})")
-    now_ms = int(time.time() * 1000)
-    events = [{**outcome_event(send, "skipped", 0, now_ms, "webhook", reason=reason),
-               "origin": positions[send.send_id]} for send, reason in skipped]
-    for event in events:
-        produce(producer, names.outcomes, orjson.dumps(event), key=event["send_id"].encode(), on_delivery=on_delivery)
-    if producer.flush(timeout_s) or failed:
-        raise PublishError(f"{names.outcomes} did not acknowledge skipped deliveries "
-                           f"({failed[0] if failed else 'timed out'})")
-    for event in events:
+    written = await publisher.publish_async(skipped_records(names, skipped))
+    outcomes = outcome_records(names, skipped, written, int(time.time() * 1000))
+    await publisher.publish_async([r for _, r in outcomes])
+    for event, _ in outcomes:
         store.record_outcome(event)
         metrics.SKIPPED_DELIVERIES.labels(event["reason"], "ingest").inc()

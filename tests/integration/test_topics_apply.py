@@ -30,16 +30,16 @@ def topics_cli(stack, namespace, monkeypatch, capsys):
 def test_apply_creates_every_topic_then_plan_is_clean_and_apply_is_idempotent(topics_cli, stack, namespace):
     """Given the repository's topic definitions and an empty namespace on a real broker,
     When `streams topics plan` and `apply` are run, and both are run again,
-    Then the first plan exits 2 with 61 changes pending, apply succeeds, the second plan and apply report 61 topics
+    Then the first plan exits 2 with 62 changes pending, apply succeeds, the second plan and apply report 62 topics
     defined and 0 changes, notif.lag is compacted and the marketing email lane has 6 partitions."""
     code, out = topics_cli("plan", REPO_TOPICS)
-    assert code == 2 and "61 change(s) pending" in out
+    assert code == 2 and "62 change(s) pending" in out
 
     code, out = topics_cli("apply", REPO_TOPICS)
     assert code == 0, out
 
-    assert topics_cli("plan", REPO_TOPICS) == (0, "61 topics defined, 0 change(s) pending\n")
-    assert topics_cli("apply", REPO_TOPICS) == (0, "61 topics defined, 0 change(s) applied\n")
+    assert topics_cli("plan", REPO_TOPICS) == (0, "62 topics defined, 0 change(s) pending\n")
+    assert topics_cli("apply", REPO_TOPICS) == (0, "62 topics defined, 0 change(s) applied\n")
 
     state = TopicAdmin(stack.bootstrap).state([f"{namespace}notif.lag", f"{namespace}notif.email.marketing"])
     assert state[f"{namespace}notif.lag"].overrides["cleanup.policy"] == "compact"

@@ -33,7 +33,7 @@ def test_the_packaged_file_declares_every_channel_in_order():
     (('channel = "sms"\nadapter = "streams.providers.sms_b', 'channel = "fax"\nadapter = "streams.providers.sms_b'),
      "(sms-b): field 'channel'"),
     (('token_path = "POST /oauth/token"\n', ''), "(sms-b): field 'token_path' is required"),
-    (('concurrency = 8\n\n[[provider]]\nname = "webhook"', 'concurency = 8\n\n[[provider]]\nname = "webhook"'),
+    (('concurrency = 32\n\n[[provider]]\nname = "webhook"', 'concurency = 32\n\n[[provider]]\nname = "webhook"'),
      "unknown field(s) concurency"),
 ])
 def test_a_bad_entry_is_refused_naming_the_provider_and_the_field(change, message):

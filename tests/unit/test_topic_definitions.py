@@ -24,7 +24,7 @@ def test_repository_definitions_cover_every_lane_tier_and_system_topic():
     assert specs["notif.operator"].config["cleanup.policy"] == "compact" and specs["notif.operator"].partitions == 1
     assert specs["notif.endpoint.state"].config["cleanup.policy"] == "compact"
     assert specs["notif.webhook.skipped"].config["retention.ms"] == str(7 * 24 * 3600 * 1000)  # the replay window
-    assert len(specs) == 3 * 2 * (1 + 8) + 7
+    assert len(specs) == 3 * 2 * (1 + 8) + 8
 
 
 def test_namespace_prefixes_every_name():

@@ -1,0 +1,107 @@
+"""`Idempotency-Key` on the ingest API: per tenant, kept 24 h.
+
+The first request under a key claims it (`pending`, with a lease) and records the time of its
+first use; when it is answered, the answer (status and body) is stored under the key with a hash
+of the request's body. A request under the same key then gets, depending on its body and the key's
+state:
+
+- the same body, answered: the stored answer again (the same send ids), and nothing is published;
+- a different body: 422 (`idempotency_key_reused`), nothing is published;
+- the same key still pending (the first request is being published): 409 with Retry-After.
+
+A request that failed (nothing published: a 4xx, a 503) releases the key. If the API process dies
+while a key is pending, its lease lapses after PENDING_LEASE_S and the next request under the key
+publishes again; its send ids are derived from (tenant, key, position, first use), so they are the
+same ids, and dispatch delivers each id once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import orjson
+import redis
+
+from ..names import RedisKeys
+from ..redis_client import store_errors
+
+KEPT_S = 24 * 3600
+PENDING_LEASE_S = 60
+MAX_KEY_LENGTH = 255
+
+_BEGIN = """
+-- KEYS[1] the key's hash; ARGV: body hash, now ms, lease ms, kept s
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' then
+  if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
+  return {'done', redis.call('HGET', KEYS[1], 'status'), redis.call('HGET', KEYS[1], 'answer')}
+end
+if state == 'pending' then
+  if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
+  if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > tonumber(ARGV[2]) then return {'pending', 0} end
+  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms')}
+end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
+           'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {'claimed', ARGV[2]}
+"""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    first_ms: int   # the key's first use: the time part of its send ids
+
+
+@dataclass(frozen=True)
+class Answered:
+    status: int
+    body: dict
+
+
+@dataclass(frozen=True)
+class Conflict:
+    pass
+
+
+@dataclass(frozen=True)
+class Pending:
+    pass
+
+
+def body_hash(body: object) -> str:
+    """The request's body, canonically (key order does not matter)."""
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class IngestIdempotency:
+    def __init__(self, client: redis.Redis, namespace: str = ""):
+        self.client, self.keys = client, RedisKeys(namespace)
+        self._begin = client.register_script(_BEGIN)
+
+    def begin(self, tenant: str, key: str, digest: str) -> Claimed | Answered | Conflict | Pending:
+        now_ms = int(time.time() * 1000)
+        with store_errors("checking an Idempotency-Key"):
+            reply = self._begin(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                args=[digest, now_ms, PENDING_LEASE_S * 1000, KEPT_S])
+        state = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        if state == "done":
+            return Answered(int(reply[1]), orjson.loads(reply[2]))
+        if state == "conflict":
+            return Conflict()
+        if state == "pending":
+            return Pending()
+        return Claimed(int(reply[1]))
+
+    def finish(self, tenant: str, key: str, status: int, body: dict) -> None:
+        with store_errors("storing an idempotent answer"):
+            self.client.hset(self.keys.ingest_idempotency(tenant, key),
+                             mapping={"state": "done", "status": status, "answer": orjson.dumps(body)})
+
+    def release(self, tenant: str, key: str) -> None:
+        """Nothing was published: the key is free for the client's retry."""
+        with store_errors("releasing an Idempotency-Key"):
+            self.client.delete(self.keys.ingest_idempotency(tenant, key))

@@ -1,0 +1,168 @@
+"""The operator API (operator keys only; a tenant key gets 403 on every route):
+
+    GET/PUT /v1/admin/limits/{provider}          dispatch limits, pacing, and ingest quotas (ingest-*)
+    GET/POST /v1/admin/keys                      list keys (never the keys themselves) / create one
+    POST /v1/admin/keys/{id}/revoke              refused from now on, by every API process
+    POST /v1/admin/keys/{id}/rotate              a new key; the old one stays valid for `overlap_s`
+    GET  /v1/admin/dlq, GET /v1/admin/dlq/{id}   dead letters, newest last / one with its headers
+    POST /v1/admin/dlq/{id}/replay               a new send with the dead letter's payload (replay_of)
+    POST /v1/admin/endpoints/{id}/reactivate     a degraded or disabled webhook endpoint, back to active
+    GET  /v1/admin/audit                         the audit trail
+
+Every change is written to the audit trail (`notif.audit`: who, what, before, after, when) before
+it is answered.
+"""
+
+
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from ..errors import ConfigError, PublishError, ReplayRefused
+from ..gate.limits import LimitChange
+from ..retry import dlq as dead_letters
+from ..retry.replay import replay
+from .api_keys import Principal, public
+from .web import documented, problem
+
+
+class LimitUpdate(BaseModel):
+    global_rate: int | None = Field(None, ge=1)
+    global_burst: int | None = Field(None, ge=1)
+    reserve: int | None = Field(None, ge=0)
+    tenant: str | None = Field(None, description="a tenant id, or '*' for the default")
+    tenant_rate: int | None = Field(None, ge=1)
+    tenant_burst: int | None = Field(None, ge=1)
+    concurrency: int | None = Field(None, ge=0, le=10_000,
+                                    description="pacing: requests in flight per worker (0: the provider's default)")
+    pause_ms: int | None = Field(None, ge=0, le=60_000, description="pacing: the least pause between request waves")
+
+
+class KeyCreate(BaseModel):
+    role: str = Field(pattern="^(tenant|operator)$")
+    tenant: str | None = Field(None, description="required for a tenant key")
+    label: str = Field("", max_length=100)
+
+
+class KeyRotate(BaseModel):
+    overlap_s: int = Field(24 * 3600, ge=0, le=30 * 24 * 3600, description="how long the old key keeps working")
+
+
+def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  # ingest: api.Ingest
+    router = APIRouter(prefix="/v1/admin", tags=["operators"])
+    Operator = Annotated[Principal, Depends(operator)]  # noqa: N806 - a type alias
+    client, store = ingest.client, ingest.store
+
+    def audited(who: Principal, what: str, before: object, after: object) -> None:
+        if ingest.audit is not None:
+            ingest.audit.record(f"key:{who.key_id}", what, before, after)
+
+    @router.get("/limits/{provider}", responses=documented(401, 403, 503))
+    def get_limits(provider: str, _: Operator) -> dict:
+        return {"provider": provider, "limits": ingest.limits.show(provider)}
+
+    @router.put("/limits/{provider}", responses=documented(401, 403, 422, 503))
+    def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:
+        before = ingest.limits.show(provider)
+        try:
+            after = ingest.limits.apply(provider, LimitChange(**body.model_dump()))
+        except ConfigError as exc:
+            raise problem(422, "invalid_request", ["body"], str(exc)) from None
+        audited(who, f"limits/{provider}", before, after)
+        return {"provider": provider, "limits": after}
+
+    @router.get("/keys", responses=documented(401, 403, 503))
+    def list_keys(_: Operator, tenant: str | None = None) -> dict:
+        return {"keys": [public(k) for k in ingest.keys.list(tenant)]}
+
+    @router.post("/keys", status_code=201, responses=documented(401, 403, 422, 503))
+    def create_key(body: KeyCreate, who: Operator) -> dict:
+        try:
+            token = ingest.keys.create(body.role, body.tenant, body.label)
+        except ConfigError as exc:
+            raise problem(422, "invalid_request", ["body", "tenant"], str(exc)) from None
+        info = ingest.keys.resolve(token)
+        assert info is not None
+        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": body.tenant, "label": body.label})
+        return {"id": info.key_id, "key": token, "role": body.role, "tenant": body.tenant,
+                "note": "the key is shown once: store it now"}
+
+    @router.post("/keys/{key_id}/revoke", responses=documented(401, 403, 404, 503))
+    def revoke_key(key_id: str, who: Operator) -> dict:
+        before = ingest.keys.get(key_id)
+        after = ingest.keys.revoke(key_id)
+        if before is None or after is None:
+            raise problem(404, "not_found", ["path", "key_id"], "no such key")
+        audited(who, f"apikey/{key_id}", public(before), public(after))
+        return public(after)
+
+    @router.post("/keys/{key_id}/rotate", status_code=201, responses=documented(401, 403, 404, 422, 503))
+    def rotate_key(key_id: str, body: KeyRotate, who: Operator) -> dict:
+        before = ingest.keys.get(key_id)
+        rotated = ingest.keys.rotate(key_id, body.overlap_s)
+        if before is None or rotated is None:
+            raise problem(404, "not_found", ["path", "key_id"], "no such key that is still valid")
+        token, old = rotated
+        new = ingest.keys.resolve(token)
+        assert new is not None
+        audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": new.key_id})
+        return {"id": new.key_id, "key": token, "previous": public(old), "note": "the key is shown once: store it now"}
+
+    @router.get("/dlq", responses=documented(401, 403, 503))
+    def list_dead_letters(_: Operator, reason: str | None = None,
+                          limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
+        records = dead_letters.read_all(client.bootstrap, client.names.dlq)
+        shown = [r for r in records if not reason or r.reason == reason][-limit:]
+        return {"total": len(records), "dead_letters": [_letter(r) for r in shown]}
+
+    @router.get("/dlq/{send_id}", responses=documented(401, 403, 404, 503))
+    def show_dead_letter(send_id: str, _: Operator) -> dict:
+        status = store.get(send_id) or {}
+        position = (status["dlq_partition"], status["dlq_offset"]) if "dlq_offset" in status else None
+        try:
+            record = dead_letters.find(client.bootstrap, client.names.dlq, send_id, position)
+        except ReplayRefused as exc:
+            raise problem(404, "not_found", ["path", "send_id"], str(exc)) from None
+        return _letter(record)
+
+    @router.post("/dlq/{send_id}/replay", status_code=202, responses=documented(401, 403, 404, 409, 503))
+    def replay_dead_letter(send_id: str, who: Operator) -> dict:
+        try:
+            new = replay(client.bootstrap, client.names, store, client, send_id)
+        except ReplayRefused as exc:
+            code = 404 if str(exc).startswith("no send") else 409
+            raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
+        except PublishError as exc:
+            raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"}) from None
+        audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
+        return {"send_id": new.send_id, "replay_of": send_id}
+
+    @router.post("/endpoints/{endpoint_id}/reactivate", responses=documented(401, 403, 404, 503))
+    def reactivate_endpoint(endpoint_id: str, who: Operator) -> dict:
+        found = ingest.webhooks.directory.endpoints.get(endpoint_id) if ingest.webhooks else None
+        if found is None:
+            raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
+        before = ingest.webhooks.current(found).public()
+        ep = ingest.webhooks.reactivate(found.tenant, endpoint_id)
+        if ep is None:
+            raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
+        audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"})
+        return ep.public()
+
+    @router.get("/audit", responses=documented(401, 403, 503))
+    def read_audit(_: Operator, since_ms: int = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
+        entries = list(ingest.audit.read(since_ms)) if ingest.audit is not None else []
+        return {"entries": entries[-limit:]}
+
+    return router
+
+
+def _letter(record: dead_letters.DeadLetterRecord) -> dict:
+    """A dead letter as operators see it: its headers (reason, attempts, origin, errors: redacted
+    when written), never its payload."""
+    return {"send_id": record.send_id, "reason": record.reason, "partition": record.partition,
+            "offset": record.offset, "dead_lettered_at_ms": record.timestamp_ms,
+            "headers": {k: v for k, v in record.headers.items()}}
+

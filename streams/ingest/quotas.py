@@ -1,0 +1,65 @@
+"""Per-tenant quotas at ingest, from the same primitives as the dispatch gate: the same Lua token
+buckets, set by operators the same way (`streams limits set`, `PUT /v1/admin/limits/{provider}`),
+under these names:
+
+    ingest-requests        a tenant's requests per second (the tenant bucket: one per request)
+    ingest-transactional   a tenant's transactional and product sends per second
+    ingest-marketing       a tenant's marketing sends per second
+
+Each needs its global limit too (set it high: quotas are per tenant). A quota nobody has set is
+not enforced. Over a quota, the request is refused whole with 429 and Retry-After (nothing is
+published); a request larger than the tenant's burst can never pass and gets 422.
+
+The transactional quota is the ceiling that keeps one tenant from holding the transactional lane
+above the yield threshold by itself (every tenant's marketing would then wait): set it below what
+the channel's provider dispatches per second (`streams limits show --provider resend`), e.g. half.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..errors import ConfigError, CostExceedsBurst, GateError
+from ..gate.gate import Gate
+from ..send import Send
+
+REQUESTS = "ingest-requests"
+QUOTAS = (REQUESTS, "ingest-transactional", "ingest-marketing")
+
+
+def lane_quota(lane: str) -> str:
+    return f"ingest-{lane}"
+
+
+@dataclass(frozen=True)
+class OverQuota:
+    quota: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class BeyondBurst:
+    quota: str
+    cost: int
+    message: str
+
+
+class IngestQuotas:
+    def __init__(self, gate: Gate):
+        self.gate = gate
+
+    def admit(self, tenant: str, sends: list[Send]) -> OverQuota | BeyondBurst | None:
+        """None: within every quota that is set (the buckets are debited)."""
+        per_lane = Counter(s.lane for s in sends)
+        checks = [(REQUESTS, tenant, 1, False)] + [(lane_quota(lane), tenant, n, False) for lane, n in per_lane.items()]
+        for (quota, _, cost, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):
+            if isinstance(answer, CostExceedsBurst):
+                return BeyondBurst(quota, cost, str(answer))
+            if isinstance(answer, ConfigError):
+                continue  # nobody set this quota: not enforced
+            if isinstance(answer, GateError):
+                raise answer
+            if not answer.allowed:
+                return OverQuota(quota, answer.wait_s)
+        return None

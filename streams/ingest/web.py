@@ -1,0 +1,146 @@
+"""What every route of the ingest API shares: one error shape, documented status codes, the body
+size limit, OPTIONS answered for every path, and authentication.
+
+Every error is `{"error": <code>, "errors": [{"loc": [...], "msg": ...}]}` (ErrorBody), whatever
+answered it: validation, authentication, a missing resource, a quota, the broker.
+"""
+
+
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.routing import Match
+
+from ..errors import StackError
+from ..state.guard import StateGuard
+from .api_keys import ApiKeys, Principal
+
+log = logging.getLogger("streams.api")
+
+
+class ErrorDetail(BaseModel):
+    loc: list[str | int]
+    msg: str
+
+
+class ErrorBody(BaseModel):
+    error: str
+    errors: list[ErrorDetail]
+
+
+DESCRIPTIONS = {
+    400: "the body is not JSON", 401: "no valid API key", 403: "the key's role may not do this",
+    404: "no such resource for this tenant", 409: "a request with this Idempotency-Key is still in progress",
+    410: "gone: the payload has expired (payloads are kept 7 days)",
+    413: "the body, or one send in it, is too large", 422: "invalid: each error names its field",
+    429: "over a quota (see Retry-After)", 503: "a dependency is unavailable; nothing was changed (see Retry-After)",
+}
+
+
+def documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for the OpenAPI (401 and 403 come with every authenticated route)."""
+    return {code: {"model": ErrorBody, "description": DESCRIPTIONS[code]} for code in codes}
+
+
+def problem(status: int, error: str, loc: list[str | int], msg: str,
+            headers: dict[str, str] | None = None) -> HTTPException:
+    return HTTPException(status, {"error": error, "errors": [{"loc": loc, "msg": msg}]}, headers=headers)
+
+
+class BodyLimit:
+    """Refuse bodies over `limit` bytes with 413, declared or chunked, before the app sees them: the
+    body is read up to the limit here (never more), then handed on."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await too_large(self.limit)(scope, receive, send)
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
+                return await too_large(self.limit)(scope, receive, send)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+def too_large(limit: int) -> JSONResponse:
+    return JSONResponse({"error": "payload_too_large", "errors": [
+        {"loc": ["body"], "msg": f"request bodies are limited to {limit} bytes"}]}, status_code=413)
+
+
+def answer_options(app: FastAPI) -> None:
+    """OPTIONS on any path answers 204 with every method its routes allow (not only the first route's)."""
+    @app.middleware("http")
+    async def _options(request: Request, call_next):
+        if request.method != "OPTIONS":
+            return await call_next(request)
+        allowed = {method for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+                   if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                          for route in app.router.routes)}
+        if not allowed:
+            return JSONResponse({"error": "not_found", "errors": [{"loc": ["path"], "msg": "no such path"}]}, 404)
+        return Response(status_code=204, headers={"Allow": ", ".join(sorted(allowed | {"OPTIONS"}))})
+
+
+class Auth:
+    """The FastAPI dependencies that turn `Authorization: Bearer <key>` into a principal. `guard`
+    (checked at most every few seconds) rebuilds the API keys from the operator log when Redis has
+    lost its data, so tenants keep publishing without an operator."""
+
+    def __init__(self, keys: ApiKeys, guard: StateGuard | None):
+        self.keys, self.guard = keys, guard
+
+    def principal(self, request: Request) -> Principal:
+        if self.guard is not None:
+            try:
+                self.guard.check()
+            except StackError as exc:  # the operator log is unreadable: keys in Redis still work
+                log.warning("cannot check Redis state against the operator log: %s", exc)
+        auth = request.headers.get("authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        found = self.keys.resolve(token) if token else None
+        if found is None:
+            raise problem(401, "unauthorized", ["header", "authorization"], "a valid API key is required (Bearer)")
+        return found
+
+    def tenant_dependency(self) -> Callable[..., str]:
+        def tenant(p: Annotated[Principal, Depends(self.principal)]) -> str:
+            if p.role != "tenant" or not p.tenant:
+                raise problem(403, "forbidden", ["header", "authorization"], "this needs a tenant key")
+            return p.tenant
+
+        return tenant
+
+    def operator_dependency(self) -> Callable[..., Principal]:
+        def operator(p: Annotated[Principal, Depends(self.principal)]) -> Principal:
+            if p.role != "operator":
+                raise problem(403, "forbidden", ["header", "authorization"], "this needs an operator key")
+            return p
+
+        return operator

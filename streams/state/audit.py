@@ -1,0 +1,57 @@
+"""The audit trail: every operator change (limits and quotas, API keys, dead-letter replays,
+endpoint reactivations, state recovery) as one record on `notif.audit`: who (the operator key's
+id, or `cli:<user>@<host>`), what, the state before and after, when. Written and acknowledged
+before the change is answered; read with `streams audit`. Secrets never appear in it (keys by id).
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from ..kafka_client import client_config, durable_producer, put_acked
+
+TIMEOUT_S = 10.0
+
+
+def cli_actor() -> str:
+    return f"cli:{getpass.getuser()}@{socket.gethostname()}"
+
+
+class AuditLog:
+    def __init__(self, bootstrap: str, topic: str):
+        self.bootstrap, self.topic = bootstrap, topic
+        self._producer = durable_producer(bootstrap, **{"message.timeout.ms": int(TIMEOUT_S * 1000)})
+
+    def record(self, who: str, what: str, before: object, after: object) -> dict:
+        entry = {"at_ms": int(time.time() * 1000), "who": who, "what": what, "before": before, "after": after}
+        put_acked(self._producer, self.topic, what.encode(), orjson.dumps(entry), TIMEOUT_S + 5, f"the audit of {what}")
+        return entry
+
+    def read(self, since_ms: int = 0) -> Iterator[dict]:
+        """Every entry at or after `since_ms`, oldest first (from the topic's start to its end now)."""
+        c = Consumer(client_config(self.bootstrap, quiet=True, settings={
+            "group.id": f"audit-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        try:
+            tp = TopicPartition(self.topic, 0)
+            low, high = c.get_watermark_offsets(tp, timeout=TIMEOUT_S, cached=False)
+            if high <= low:
+                return
+            c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+            position, deadline = low, time.monotonic() + 30
+            while position < high and time.monotonic() < deadline:
+                for m in c.consume(num_messages=500, timeout=0.2):
+                    if m.error():
+                        continue
+                    position = m.offset() + 1
+                    entry = orjson.loads(m.value())
+                    if entry.get("at_ms", 0) >= since_ms:
+                        yield entry
+        finally:
+            c.close()

@@ -1,0 +1,195 @@
+"""The ingest API as demanding producers and operators use it: sizes that agree end to end,
+Idempotency-Key, all-or-nothing batches, per-tenant quotas, API keys with a lifecycle, operator
+routes with an audit trail, and OPTIONS that tells the truth."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from streams.ingest.idempotency import IngestIdempotency, body_hash
+from streams.send import MAX_SEND_BYTES
+from tests.harness import count_records, email_request, free_port, start_api, wait_until
+
+
+@pytest.fixture
+def api(stack, namespace, channel_topics, processes, redis_client):
+    channel_topics("email")
+    return start_api(processes, free_port(), {"a": "tenant-a", "b": "tenant-b"}, redis_client, namespace)
+
+
+def big_email(size: int) -> dict:
+    return email_request(html="<p>" + "x" * size + "</p>")
+
+
+def test_sizes_agree_end_to_end(api, stack, names):
+    """Given the documented maximum send size (1 MiB) and a 5 MiB request limit,
+    When a tenant posts a send just under the maximum, one just over it, a batch whose third send is over it,
+    and a 6 MiB body sent chunked (no Content-Length),
+    Then the first is accepted and reaches its lane whole; the second gets 413 naming the send and leaves no status
+    behind; the batch gets 413 naming send 2 and publishes nothing of its other sends; the chunked body gets 413."""
+    topic = names.lane("email", "transactional")
+    ok = api.post("/v1/sends", json=big_email(MAX_SEND_BYTES - 4096), headers=api.keys["a"])
+    assert ok.status_code == 202, ok.text
+    assert count_records(stack.bootstrap, topic) == 1
+
+    over = api.post("/v1/sends", json=big_email(MAX_SEND_BYTES + 1024), headers=api.keys["a"])
+    assert over.status_code == 413 and over.json()["error"] == "send_too_large"
+    assert over.json()["errors"][0]["loc"] == ["body"] and "at most" in over.json()["errors"][0]["msg"]
+
+    batch = api.post("/v1/sends/batch", json={"sends": [email_request(), email_request(),
+                                                        big_email(MAX_SEND_BYTES + 1024)]}, headers=api.keys["a"])
+    assert batch.status_code == 413 and batch.json()["errors"][0]["loc"] == ["body", "sends", 2]
+    assert count_records(stack.bootstrap, topic) == 1  # nothing of the batch
+
+    def chunks():
+        for _ in range(6):
+            yield b" " * (1024 * 1024)
+
+    chunked = api.post("/v1/sends", content=chunks(), headers={**api.keys["a"], "content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["error"] == "payload_too_large"
+
+
+def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client, namespace):
+    """Given a tenant retrying a batch of two sends with the same Idempotency-Key,
+    When it posts the batch twice, then the same key with a different body, then (while another API process is
+    still publishing under it) a third key,
+    Then the second answer is the first one again (same send ids, marked as replayed) and nothing more is published;
+    the different body gets 422 naming the header; the key in progress gets 409 with Retry-After; another tenant's
+    identical key is its own."""
+    topic = names.lane("email", "transactional")
+    headers = {**api.keys["a"], "Idempotency-Key": "order-42"}
+    body = {"sends": [email_request(), email_request()]}
+    first = api.post("/v1/sends/batch", json=body, headers=headers)
+    again = api.post("/v1/sends/batch", json=body, headers=headers)
+    assert first.status_code == again.status_code == 202
+    assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+    assert count_records(stack.bootstrap, topic) == 2
+
+    other = api.post("/v1/sends/batch", json={"sends": [email_request()]}, headers=headers)
+    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
+    assert other.json()["errors"][0]["loc"] == ["header", "Idempotency-Key"]
+
+    single = email_request()
+    IngestIdempotency(redis_client, namespace).begin("tenant-a", "in-flight", body_hash(single))
+    busy = api.post("/v1/sends", json=single, headers={**api.keys["a"], "Idempotency-Key": "in-flight"})
+    assert busy.status_code == 409 and busy.headers["retry-after"] == "1"
+
+    theirs = api.post("/v1/sends/batch", json=body, headers={**api.keys["b"], "Idempotency-Key": "order-42"})
+    assert theirs.status_code == 202 and theirs.json() != first.json()
+    assert count_records(stack.bootstrap, topic) == 4
+
+
+def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
+    """Given the SDK and an idempotency key,
+    When the same batch is published twice under it,
+    Then both calls return the same send ids (dispatch delivers each id once)."""
+    channel_topics("email")
+    first = send_client.publish_batch("tenant-a", [email_request()] * 3, idempotency_key="import-7")
+    second = send_client.publish_batch("tenant-a", [email_request()] * 3, idempotency_key="import-7")
+    assert first == second and len(set(first)) == 3
+
+
+def test_quotas_refuse_a_tenant_over_its_rate_and_no_one_else(api, limits, stack, names):
+    """Given an operator's transactional ingest quota of 5 sends per second (burst 5) per tenant,
+    When tenant a posts 5 sends, then 3 more at once, and tenant b posts 3,
+    Then a's first 5 are accepted, the 3 more get 429 with Retry-After (nothing published), b's 3 are accepted; a
+    batch larger than the burst can never pass and gets 422; after Retry-After, a is accepted again."""
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "*", 5, 5)
+    topic = names.lane("email", "transactional")
+    assert api.post("/v1/sends/batch", json={"sends": [email_request()] * 5}, headers=api.keys["a"]).status_code == 202
+    over = api.post("/v1/sends/batch", json={"sends": [email_request()] * 3}, headers=api.keys["a"])
+    assert over.status_code == 429 and over.json()["error"] == "quota_exceeded"
+    wait_s = int(over.headers["retry-after"])
+    assert 1 <= wait_s <= 2
+    assert api.post("/v1/sends/batch", json={"sends": [email_request()] * 3}, headers=api.keys["b"]).status_code == 202
+    never = api.post("/v1/sends/batch", json={"sends": [email_request()] * 6}, headers=api.keys["b"])
+    assert never.status_code == 422 and never.json()["error"] == "quota_burst_exceeded"
+    assert count_records(stack.bootstrap, topic) == 8
+    retried = wait_until(lambda: (r := api.post("/v1/sends/batch", json={"sends": [email_request()] * 3},
+                                                headers=api.keys["a"])).status_code == 202 and r,
+                         10, "tenant a to be admitted again", interval=wait_s)
+    assert retried.json()["accepted"] == 3
+
+
+def test_api_keys_are_rotated_and_revoked_everywhere_within_seconds(api, processes, redis_client, namespace):
+    """Given two API processes and an operator key,
+    When the operator creates a tenant key, lists keys, rotates it with a 2 s overlap, and revokes the new one,
+    Then the list shows ids, roles and last-used times but never a key; the old key works during the overlap and is
+    refused after it; the revoked key is refused by both API processes at once."""
+    second = start_api(processes, free_port(), {}, redis_client, namespace)
+    op = api.keys["operator"]
+    created = api.post("/v1/admin/keys", json={"role": "tenant", "tenant": "tenant-c", "label": "billing"}, headers=op)
+    assert created.status_code == 201
+    key = created.json()["key"]
+    tenant_c = {"Authorization": f"Bearer {key}"}
+    assert api.get("/v1/sends/nope", headers=tenant_c).status_code == 404  # authenticated, used
+    listed = api.get("/v1/admin/keys", params={"tenant": "tenant-c"}, headers=op).json()["keys"]
+    assert [k["id"] for k in listed] == [created.json()["id"]] and listed[0]["last_used_ms"]
+    assert key not in str(listed)
+
+    rotated = api.post(f"/v1/admin/keys/{created.json()['id']}/rotate", json={"overlap_s": 2}, headers=op)
+    assert rotated.status_code == 201
+    new = {"Authorization": f"Bearer {rotated.json()['key']}"}
+    assert api.get("/v1/sends/nope", headers=tenant_c).status_code == 404  # the old key, in its overlap
+    assert second.get("/v1/sends/nope", headers=new).status_code == 404
+    wait_until(lambda: api.get("/v1/sends/nope", headers=tenant_c).status_code == 401, 10,
+               "the old key to stop working after its overlap", interval=0.5)
+
+    assert api.post(f"/v1/admin/keys/{rotated.json()['id']}/revoke", headers=op).status_code == 200
+    assert api.get("/v1/sends/nope", headers=new).status_code == 401
+    assert second.get("/v1/sends/nope", headers=new).status_code == 401
+
+
+def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, dispatch_env):
+    """Given a tenant key and an operator key,
+    When the tenant calls every /v1/admin route and the operator changes a limit and creates a key,
+    Then every tenant call gets 403; each operator change is in the audit trail (who, what, before, after), through
+    the API and through `streams audit`; the key itself never appears in the trail."""
+    spec = api.get("/openapi.json").json()
+    for path, operations in spec["paths"].items():
+        if not path.startswith("/v1/admin"):
+            continue
+        for method in operations:
+            url = path.replace("{provider}", "resend").replace("{key_id}", "x").replace("{send_id}", "x") \
+                .replace("{endpoint_id}", "x")
+            r = api.request(method.upper(), url, json={}, headers=api.keys["a"])
+            assert r.status_code == 403, (method, path, r.status_code)
+    op = api.keys["operator"]
+    started = int(time.time() * 1000)
+    assert api.put("/v1/admin/limits/resend", json={"global_rate": 7, "global_burst": 7}, headers=op).status_code == 200
+    made = api.post("/v1/admin/keys", json={"role": "tenant", "tenant": "tenant-d"}, headers=op).json()
+    trail = api.get("/v1/admin/audit", params={"since_ms": started}, headers=op).json()["entries"]
+    limits = next(e for e in trail if e["what"] == "limits/resend")
+    assert limits["who"].startswith("key:") and limits["after"]["global_rate"] == 7 and limits["before"] == {}
+    assert any(e["what"] == f"apikey/{made['id']}" for e in trail)
+    assert made["key"] not in str(trail)
+    out = subprocess.run([sys.executable, "-m", "streams.cli", "audit", "--since-ms", str(started)],
+                         env=dispatch_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "limits/resend" in out.stdout and made["key"] not in out.stdout
+
+
+def test_options_names_every_method_of_a_path(api):
+    """Given the limits path, served by a GET and a PUT route,
+    When a client asks OPTIONS,
+    Then the answer is 204 with Allow naming GET, PUT and OPTIONS."""
+    r = api.options("/v1/admin/limits/resend")
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "PUT", "OPTIONS"}
+
+
+def test_error_bodies_have_one_shape(api):
+    """Every error answer (401, 403, 404, 413, 422) is {"error": str, "errors": [{"loc": [...], "msg": str}]}."""
+    answers = [api.get("/v1/sends/x"), api.get("/v1/admin/keys", headers=api.keys["a"]),
+               api.get("/v1/sends/x", headers=api.keys["a"]),
+               api.post("/v1/sends", json={"channel": "fax"}, headers=api.keys["a"]),
+               api.post("/v1/sends", content=b"{", headers={**api.keys["a"], "content-type": "application/json"}),
+               httpx.post(f"{api.base_url}/v1/sends", content=b"x" * (6 * 1024 * 1024), headers=api.keys["a"])]
+    assert [a.status_code for a in answers] == [401, 403, 404, 422, 400, 413]
+    for a in answers:
+        body = a.json()
+        assert set(body) == {"error", "errors"} and isinstance(body["error"], str)
+        assert all(set(e) == {"loc", "msg"} and isinstance(e["loc"], list) for e in body["errors"])
+
