@@ -91,8 +91,19 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
 
 def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tuple[str, int]]) -> None:
     """Store, for each assigned partition, the lowest offset whose work is unfinished; auto-commit
-    picks it up."""
-    offsets = [TopicPartition(t, p, o) for (t, p), o in tracker.committable().items() if (t, p) in assigned]
+    picks it up. A partition with nothing unfinished stores the consumer's position when that is
+    further: the control records a producer transaction leaves (its commit marker takes an offset
+    but is never returned to us) are then behind the stored offset too, and the lag reaches 0."""
+    committable = {tp: o for tp, o in tracker.committable().items() if tp in assigned}
+    idle = [TopicPartition(t, p) for (t, p) in committable if tracker.idle(t, p)]
+    if idle:
+        try:
+            for tp in consumer.position(idle):
+                if tp.offset > committable[(tp.topic, tp.partition)]:
+                    committable[(tp.topic, tp.partition)] = tp.offset
+        except KafkaException as exc:
+            _log.debug("position: %s", exc)
+    offsets = [TopicPartition(t, p, o) for (t, p), o in committable.items()]
     if offsets:
         try:
             consumer.store_offsets(offsets=offsets)

@@ -17,6 +17,8 @@ TOKEN_REFRESHES = Counter("dispatch_provider_token_refreshes_total", "Tokens fet
 PROVIDER_AUTH_FAILURES = Counter("dispatch_provider_auth_failures_total", "Requests a provider refused as "
                                  "unauthenticated even with a fresh token or key (a 401 after the one refresh)",
                                  ["provider"])
+REBALANCES = Counter("dispatch_worker_rebalances_total", "Partitions a worker was assigned, had revoked or lost in "
+                     "rebalances (cooperative: only the moving partitions)", ["channel", "lane", "kind"])
 PACING = Gauge("dispatch_provider_pacing", "A provider's pacing as this worker applies it: concurrency (requests "
                "in flight) and pause_ms (between waves)", ["provider", "setting"])
 FALLBACKS = Counter("dispatch_provider_fallbacks_total", "Sends handed to the channel's next provider, by the "

@@ -58,6 +58,11 @@ class OffsetTracker:
     def committable(self) -> dict[tuple[str, int], int]:
         return {tp: off for tp, p in self._parts.items() if (off := p.committable()) is not None}
 
+    def idle(self, topic: str, partition: int) -> bool:
+        """Nothing of this partition is unfinished."""
+        part = self._parts.get((topic, partition))
+        return part is None or len(part) == 0
+
     def forget(self, topic: str, partition: int) -> None:
         self._parts.pop((topic, partition), None)
 

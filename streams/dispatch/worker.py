@@ -188,15 +188,18 @@ class LaneWorker:
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
         # A new assignment starts unpaused: re-apply the desired pause state to it.
+        metrics.REBALANCES.labels(*self._label, "assigned").inc(len(partitions))
         self.pauses.on_assign(partitions)
 
     def _on_revoke(self, consumer, partitions) -> None:
+        metrics.REBALANCES.labels(*self._label, "revoked").inc(len(partitions))
         self._drain()
         self._store_offsets()
         commit_now(consumer)
         self._forget(partitions)
 
     def _on_lost(self, consumer, partitions) -> None:
+        metrics.REBALANCES.labels(*self._label, "lost").inc(len(partitions))
         self._forget(partitions)
 
     def _forget(self, partitions) -> None:

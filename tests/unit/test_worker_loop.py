@@ -63,6 +63,10 @@ class FakeConsumer:
         for tp in offsets:
             self.stored[(tp.topic, tp.partition)] = tp.offset
 
+    def position(self, partitions):
+        from confluent_kafka import TopicPartition
+        return [TopicPartition(tp.topic, tp.partition, -1001) for tp in partitions]  # no position known
+
     def pause(self, partitions): pass
     def resume(self, partitions): pass
     def commit(self, asynchronous=True): pass
