@@ -36,6 +36,7 @@ was expected. The variables and their defaults:
     WEBHOOK_BACKLOG_MAX_AGE_S     ... and the oldest of them is at least this old, seconds (default: 21600, 6 h)
     ALERTS_TENANT                 the tenant endpoint alert emails are sent as (default: dual-rail)
     ALERTS_FROM                   their sender    (default: Dual-rail webhooks <alerts@dual-rail.dev>)
+    DUAL_RAIL_STAGE_LOG           benchmarks only: a file where lane workers write each delivered send's stage timings
     LOG_LEVEL                     Python log level              (default: INFO)
     LOG_FORMAT                    text or json                  (default: text; `streams --log-format` overrides)
     METRICS_ADDR                  address /metrics binds to     (default: 127.0.0.1)
@@ -204,6 +205,7 @@ class Config:
     webhook_backlog_max_age_s: float = 21_600.0
     alerts_tenant: str = "dual-rail"
     alerts_from: str = "Dual-rail webhooks <alerts@dual-rail.dev>"
+    stage_log_path: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
     metrics_addr: str = "127.0.0.1"
@@ -235,6 +237,7 @@ class Config:
             webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
             alerts_tenant=_tenant(e, "ALERTS_TENANT", "dual-rail"),
             alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
+            stage_log_path=e.get("DUAL_RAIL_STAGE_LOG") or None,
             log_level=e.get("LOG_LEVEL") or "INFO",
             log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",

@@ -89,6 +89,16 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
                            "nothing was changed")
 
 
+def consume_ready(consumer: Consumer, max_messages: int, timeout: float) -> list:
+    """Up to `max_messages` messages, returning as soon as one is there (waiting at most `timeout`).
+    librdkafka's consume(n, timeout) waits for n messages or the whole timeout: an idle worker would
+    hold a lone OTP for up to its poll timeout."""
+    first = consumer.poll(timeout)
+    if first is None:
+        return []
+    return [first, *consumer.consume(num_messages=max_messages - 1, timeout=0)] if max_messages > 1 else [first]
+
+
 def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tuple[str, int]]) -> None:
     """Store, for each assigned partition, the lowest offset whose work is unfinished; auto-commit
     picks it up. A partition with nothing unfinished stores the consumer's position when that is

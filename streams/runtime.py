@@ -180,7 +180,9 @@ class Runtime:
         cfg = WorkerConfig(channel, lane, c.bootstrap, c.registry.primary(channel), c.names, concurrency=concurrency,
                            yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))
-        producer = durable_producer(c.bootstrap, **{"linger.ms": 5, "message.timeout.ms": c.delivery_timeout_ms})
+        # Outcomes of transactional sends go out at once; a blast's are batched for a few milliseconds.
+        producer = durable_producer(c.bootstrap, **{"linger.ms": 1 if lane == "transactional" else 5,
+                                                    "message.timeout.ms": c.delivery_timeout_ms})
         client = self.redis()
         webhook = channel == "webhook"
         gate = RedisGate(client, c.namespace)
@@ -194,6 +196,10 @@ class Runtime:
             worker.dispatcher.per_queue = c.webhook_endpoint_concurrency
         worker.settler.time_scale = c.retry_time_scale
         worker.settler.auth_hold_s = c.provider_auth_hold_s
+        if c.stage_log_path:
+            from .dispatch.stages import StageLog
+
+            worker.settler.stage_log = StageLog(c.stage_log_path)
         return worker
 
     def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job], object]:

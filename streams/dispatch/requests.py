@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import metrics
 from ..backoff import Outage
@@ -25,6 +25,7 @@ from ..providers.outcome import Outbound
 from ..retry.policy import RetryPolicy, expired
 from .idempotency import REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
 from .routes import Route, Routes
+from .stages import wall_ms
 from .tenant_queues import Pending, TenantQueues, unique_sends
 
 log = logging.getLogger("streams.dispatch")
@@ -42,6 +43,7 @@ class Draw:
     tenant: str
     items: list[Pending]
     route: Route
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Job:
     members: list[Pending]
     queue: str = ""  # the tenant queue (the endpoint's, for webhooks) it was taken from
     provider: str = ""  # the provider it went to
+    stamps: dict[str, float] = field(default_factory=dict)  # stage timings (dispatch/stages.py)
 
 
 class Dispatcher:
@@ -141,7 +144,7 @@ class Dispatcher:
                 except ConfigError as exc:
                     self._hold_misconfigured(key, exc)
                     continue
-                draws.append(Draw(key, tenant, taken, route))
+                draws.append(Draw(key, tenant, taken, route, {"dequeued": wall_ms()}))
                 self._open.update({id(p): p for p in taken})
                 drawn[key] += 1
                 by_route[route.name] += 1
@@ -176,6 +179,9 @@ class Dispatcher:
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
         fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s)]
         admitted = self._admit_round(fresh)
+        stamp = wall_ms()
+        for draw in admitted:
+            draw.stamps["admitted"] = stamp
         self._claim_round(admitted)
 
     def _sort_by_state(self, draw: Draw, states: list[str | None]) -> bool:
@@ -241,10 +247,13 @@ class Dispatcher:
         if not draws:
             return
         claims = [self._claim_of(d.route, d.tenant, d.items) for d in draws]
-        for draw, claim, busy in zip(draws, claims, self.jobs.claim_many(claims), strict=True):
+        answers = self.jobs.claim_many(claims)
+        stamp = wall_ms()
+        for draw, claim, busy in zip(draws, claims, answers, strict=True):
             if not busy:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
-                                            tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider))
+                                            tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
+                                            {**draw.stamps, "claimed": stamp}))
                 continue
             taken = set(busy)
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
@@ -316,6 +325,7 @@ class Dispatcher:
         api_key = route.credentials.for_tenant(job.tenant)
         for p in job.members:
             self._open.pop(id(p), None)
+        job.stamps["sent"] = wall_ms()
         fut = route.adapter.submit(job.path, job.body, api_key, job.key)
         self.in_flight[fut] = job
         self.in_flight_by_queue[job.queue] += 1

@@ -33,6 +33,7 @@ from .idempotency import ProcessedJobs
 from .records import RecordWriter, attempt_info
 from .requests import Job
 from .routes import Route, Routes
+from .stages import StageLog, wall_ms
 from .tenant_queues import Offset, Pending, TenantQueues
 
 log = logging.getLogger("streams.settle")
@@ -54,6 +55,7 @@ class Settler:
         self.on_gone = on_gone
         self.time_scale = 1.0  # tests that walk a whole retry schedule shrink it (same code path)
         self.auth_hold_s = AUTH_HOLD_S
+        self.stage_log = StageLog(None)  # the latency benchmark points it at a file
         self.label = label
         self.queues, self.tracker, self.jobs, self.gate = queues, tracker, jobs, gate
         self.records = records
@@ -85,9 +87,13 @@ class Settler:
             self.unmarked.extend(jobs)
             return
         self.outage.recovered(time.monotonic())
+        stamp = wall_ms()
         for job in jobs:
             for p in job.members:
                 self.tracker.finish(*p.where)
+                if self.stage_log.on:
+                    self.stage_log.write(p.send.send_id, p.send.created_at_ms,
+                                         {"consumed": p.consumed_at_ms, **job.stamps, "marked": stamp})
 
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
@@ -228,6 +234,7 @@ class Settler:
         def acked() -> None:  # runs inside the producer's poll: it must not raise
             remaining[0] -= 1
             if remaining[0] == 0:
+                job.stamps["acked"] = wall_ms()
                 self.to_mark.append(job)  # marked with the others of this poll, in one round trip
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))

@@ -30,6 +30,7 @@ class Pending:
     send: Send
     attempt: int
     provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
+    consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)
 
     @property
     def where(self) -> Offset:

@@ -26,7 +26,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.gate import Gate
-from ..kafka_client import commit_now, store_offsets
+from ..kafka_client import commit_now, consume_ready, store_offsets
 from ..lag.yield_policy import YieldPolicy
 from ..names import TopicNames
 from ..offsets import OffsetTracker
@@ -43,6 +43,7 @@ from .records import RecordWriter
 from .requests import Dispatcher, Job
 from .routes import Routes
 from .settle import Settler
+from .stages import wall_ms
 from .tenant_queues import Pending, TenantQueues, by_tenant
 
 log = logging.getLogger("streams.worker")
@@ -123,7 +124,7 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
-        msgs = self.consumer.consume(num_messages=500, timeout=self._idle_timeout())
+        msgs = consume_ready(self.consumer, 500, self._idle_timeout())
         for msg in msgs:
             self._intake(msg)
         if self.dispatcher.in_flight and not msgs:
@@ -158,10 +159,15 @@ class LaneWorker:
             return False
 
     def _idle_timeout(self) -> float:
-        """How long consume() may block: not at all while requests are in flight or a tenant is
-        ready, otherwise until the next tenant (or the provider) becomes ready, at most 0.2 s."""
+        """How long the consumer may block: not at all while requests are in flight or a tenant is
+        ready; a millisecond while outcome records wait for the broker's acknowledgement (served by
+        the producer's poll, once per step: a delivered send is marked, and its offset stored, as soon
+        as it is acknowledged); otherwise until the next tenant (or the provider) becomes ready, at
+        most 0.2 s."""
         if self.dispatcher.in_flight:
             return 0.0
+        if self.records.writer.pending or self.settler.pending:
+            return 0.001
         now = time.monotonic()
         next_ready = self.queues.next_ready(now)
         return 0.2 if next_ready is None else min(0.2, next_ready - now)
@@ -225,7 +231,7 @@ class LaneWorker:
                                          self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
             return
         p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt,
-                    (headers.get("provider") or b"").decode())
+                    (headers.get("provider") or b"").decode(), wall_ms())
         if not self._parked(p):
             self.queues.add(p)
 
@@ -265,6 +271,7 @@ class LaneWorker:
             except Exception as exc:  # noqa: BLE001 - a bug in an adapter must not lose the sends
                 log.exception("provider call failed unexpectedly")
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
+            job.stamps["answered"] = wall_ms()
             self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"))
             provider = self.routes.of(job.provider).name
             metrics.PROVIDER_REQUESTS.labels(provider, result.outcome).inc()

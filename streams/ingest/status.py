@@ -13,7 +13,7 @@ import redis
 from .. import metrics
 from ..backoff import Outage
 from ..errors import PublishError, StackError, StoreUnavailable
-from ..kafka_client import lane_consumer, store_message_offset
+from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
 from ..redis_client import store_errors
 
@@ -160,7 +160,7 @@ class OutcomeRecorder:
 
     def step(self) -> None:
         self._check_state()
-        msgs = self.consumer.consume(num_messages=500, timeout=0.2)
+        msgs = consume_ready(self.consumer, 500, 0.2)
         self.backlog.extend(m for m in msgs if not m.error())
         if self.backlog and self.outage.ready(time.monotonic()):
             self._record()

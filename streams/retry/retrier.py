@@ -28,7 +28,7 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from .. import metrics
 from ..backoff import Outage
-from ..kafka_client import AckedWriter, commit_now, durable_producer, lane_consumer, store_offsets
+from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_producer, lane_consumer, store_offsets
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
@@ -116,7 +116,7 @@ class Retrier:
             self.consumer.close()
 
     def step(self) -> None:
-        for msg in self.consumer.consume(num_messages=500, timeout=self._poll_timeout()):
+        for msg in consume_ready(self.consumer, 500, self._poll_timeout()):
             self._hold(msg)
         self._release_due()
         self.writer.poll(0)

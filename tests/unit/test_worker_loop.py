@@ -52,6 +52,10 @@ class FakeConsumer:
     def subscribe(self, topics, on_assign=None, on_revoke=None, on_lost=None):
         self.on_assign = on_assign
 
+    def poll(self, timeout=0):
+        msgs = self.consume(1, timeout)
+        return msgs[0] if msgs else None
+
     def consume(self, num_messages=1, timeout=0):
         if self.on_assign:
             assign, self.on_assign = self.on_assign, None

@@ -1,0 +1,102 @@
+"""`streams bench ingest`: does one tenant posting large batches at full speed slow another tenant's
+single sends? One run, side by side: tenant B's single-send latency at the ingest API (request to
+202, the broker's acknowledgement included) idle, then while tenant A posts batches of
+`batch_size` sends from `blasters` concurrent clients as fast as the API answers. Loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from .bench_blast import _email
+from .fleet import Fleet, free_port
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+async def _singles(client: httpx.AsyncClient, key: str, n: int, per_s: float) -> list[float]:
+    """n single sends, one every 1/per_s seconds (pacing a load generator), each timed."""
+    out: list[float] = []
+    started = time.perf_counter()
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = await client.post("/v1/sends", json=_email("transactional"), headers={"Authorization": f"Bearer {key}"})
+        if r.status_code != 202:
+            raise RuntimeError(f"a single send was refused: {r.status_code} {r.text[:200]}")
+        out.append((time.perf_counter() - t0) * 1000)
+        await asyncio.sleep(max(0.0, started + (i + 1) / per_s - time.perf_counter()))
+    return out
+
+
+async def _blast(client: httpx.AsyncClient, key: str, batch_size: int, stop: asyncio.Event, counts: list[int]) -> None:
+    body = {"sends": [_email("marketing")] * batch_size}
+    while not stop.is_set():
+        r = await client.post("/v1/sends/batch", json=body, headers={"Authorization": f"Bearer {key}"})
+        if r.status_code == 202:
+            counts[0] += batch_size
+        elif r.status_code not in (429, 503):
+            raise RuntimeError(f"a batch was refused: {r.status_code} {r.text[:200]}")
+
+
+async def _measure(base: str, singles_key: str, blaster_key: str, n: int, per_s: float, batch_size: int,
+                   blasters: int) -> dict:
+    limits = httpx.Limits(max_connections=blasters + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+        await _singles(client, singles_key, 20, per_s)  # warm up connections and the producer
+        idle = await _singles(client, singles_key, n, per_s)
+        stop, counts = asyncio.Event(), [0]
+        tasks = [asyncio.create_task(_blast(client, blaster_key, batch_size, stop, counts)) for _ in range(blasters)]
+        await asyncio.sleep(1.0)  # let the blast reach full speed before measuring
+        t0 = time.perf_counter()
+        loaded = await _singles(client, singles_key, n, per_s)
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        await asyncio.gather(*tasks)
+    return {"idle": idle, "loaded": loaded, "blast_sends": counts[0], "blast_s": elapsed}
+
+
+def run(n: int = 1000, per_s: float = 50.0, batch_size: int = 500, blasters: int = 4, progress=print) -> dict:
+    stamp = uuid.uuid4().hex[:6]
+    log_dir = Path(os.environ.get("DUAL_RAIL_HOME", Path.home() / ".cache" / "dual-rail")) / "bench" / f"ingest-{stamp}"
+    with Fleet(f"ingest{stamp}.", log_dir, base_env={**os.environ, "LOG_LEVEL": "ERROR"}) as fleet:
+        fleet.create_topics(("email",))
+        port = free_port()
+        fleet.start("api", "api", "--port", str(port))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:  # the API answers once uvicorn listens
+            try:
+                httpx.get(f"{base}/openapi.json", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        keys = fleet.runtime.api_keys()
+        singles_key, blaster_key = keys.create("tenant", "shop"), keys.create("tenant", "blaster")
+        progress(f"tenant shop: {n} single sends at {per_s:g}/s idle, then again while tenant blaster posts "
+                 f"batches of {batch_size} from {blasters} clients")
+        m = asyncio.run(_measure(base, singles_key, blaster_key, n, per_s, batch_size, blasters))
+    idle_p99, loaded_p99 = _pct(m["idle"], 0.99), _pct(m["loaded"], 0.99)
+    return {
+        "benchmark": "ingest-isolation",
+        "single_sends_per_phase": n, "single_sends_per_s": per_s,
+        "blast": {"batch_size": batch_size, "clients": blasters,
+                  "sends_accepted": m["blast_sends"], "sends_per_s": round(m["blast_sends"] / m["blast_s"])},
+        "single_send_ms": {
+            "idle": {"p50": round(statistics.median(m["idle"]), 2), "p99": round(idle_p99, 2)},
+            "under_blast": {"p50": round(statistics.median(m["loaded"]), 2), "p99": round(loaded_p99, 2)},
+        },
+        "p99_ratio_under_blast_to_idle": round(loaded_p99 / idle_p99, 2) if idle_p99 else None,
+        "target": "p99 under blast <= 2x idle",
+    }
