@@ -89,7 +89,8 @@ def _phase(sent: dict[str, tuple[float, float]], logged: dict[str, dict], latenc
             stages[name].append(stamps[b] - stamps[a])
         e2e.append(doc["answered"] - t0)
         overhead.append(doc["answered"] - t0 - (doc["answered"] - doc["sent"]))
-    return {"samples": len(e2e), "without_every_stage": partial, "end_to_end_ms": _summary(e2e), "overhead_ms": _summary(overhead),
+    return {"samples": len(e2e), "without_every_stage": partial, "end_to_end_ms": _summary(e2e),
+            "overhead_ms": _summary(overhead),
             "stages_ms": {k: _summary(v) for k, v in stages.items()},
             "dominant_stage_p99": max(stages, key=lambda k: _pct(stages[k], 0.99)) if e2e else None}
 

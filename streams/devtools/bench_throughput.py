@@ -34,6 +34,12 @@ class FirstMessageClock:
         self._consumer = consumer
         self.first_at: float | None = None
 
+    def poll(self, *args, **kwargs):
+        msg = self._consumer.poll(*args, **kwargs)
+        if msg is not None and self.first_at is None:
+            self.first_at = time.perf_counter()
+        return msg
+
     def consume(self, *args, **kwargs):
         msgs = self._consumer.consume(*args, **kwargs)
         if msgs and self.first_at is None:
@@ -67,7 +73,8 @@ def _consume(bootstrap: str, topic: str, n: int, handle) -> float:
     return time.perf_counter() - (started or time.perf_counter())
 
 
-def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None) -> dict:
+def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None,
+        profile: bool = False) -> dict:
     stamp = int(time.time())
     with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}")) as fleet:
         fleet.create_topics()
@@ -115,7 +122,18 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
 
         timed = FirstMessageClock(worker.consumer)
         worker.consumer = timed  # the clock starts at the first message, as for the others
-        worker.run(until=finished)
+        profile_top: list[str] = []
+        if profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.runcall(worker.run, until=finished)
+            top = pstats.Stats(profiler).sort_stats("tottime")
+            profile_top = [f"{fn[2]} ({Path(fn[0]).name}:{fn[1]}): {st[2]:.2f} s own, {st[3]:.2f} s total"
+                           for fn, st in sorted(top.stats.items(), key=lambda kv: -kv[1][2])[:15]]  # type: ignore[attr-defined]
+        else:
+            worker.run(until=finished)
         worker_s = time.perf_counter() - (timed.first_at or time.perf_counter())
         stats = mock.get("/_mock/stats").json()
 
@@ -129,4 +147,5 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         "ratio_vs_ceiling": round(worker_rate / ceiling_rate, 3),
         "worker_provider_requests": stats["requests_total"],
         "worker_duplicates": stats["duplicate_deliveries"],
+        **({"profile_top_own_time": profile_top} if profile else {}),
     }
