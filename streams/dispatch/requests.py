@@ -117,9 +117,9 @@ class Dispatcher:
         self.outage.recovered(time.monotonic())
 
     def _draw(self, ready: list[str]) -> list[Draw]:
-        """One request's worth of messages from each ready queue (more than one per queue where each
-        queue may have several requests in flight), within the worker's concurrency and each
-        provider's pacing."""
+        """Requests from the ready queues, one per queue per pass (so tenants take turns), in as many
+        passes as the worker's free concurrency allows: a lone tenant's blast fills every free slot in
+        one round (three Redis round trips for all of them), and each provider's pacing holds."""
         draws: list[Draw] = []
         drawn: Counter[str] = Counter()
         by_route: Counter[str] = Counter()
@@ -149,8 +149,8 @@ class Dispatcher:
                 drawn[key] += 1
                 by_route[route.name] += 1
                 added = True
-            if not added or self.per_queue is None:
-                break
+            if not added:
+                break  # passes repeat while any queue still gave a request: one per queue per pass (fair)
         return draws
 
     def _hold_misconfigured(self, key: str, exc: Exception) -> None:
@@ -210,7 +210,8 @@ class Dispatcher:
             return []
         answers = self.gate.acquire_many([(d.route.name, d.tenant, len(d.items), self.reserve) for d in draws])
         admitted = []
-        for draw, answer in zip(draws, answers, strict=True):
+        # Last to first: a queue's denied requests go back to its front in the order they were taken.
+        for draw, answer in reversed(list(zip(draws, answers, strict=True))):
             if isinstance(answer, CostExceedsBurst):
                 self._limits.pop((draw.route.name, draw.tenant), None)  # limits changed: learn the burst again
                 self._requeue(draw.key, draw.items)
@@ -221,7 +222,7 @@ class Dispatcher:
                 admitted.append(draw)
             else:
                 self._denied(draw, answer)
-        return admitted
+        return admitted[::-1]
 
     def _denied(self, draw: Draw, admission: Admission) -> None:
         metrics.GATE_DENIALS.labels(draw.route.name, self.lane, admission.short).inc()
