@@ -18,7 +18,19 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from .errors import MalformedEvent, PayloadError, SendValidationError, format_field_errors
 from .lanes import CATEGORY_TO_LANE, Category, Channel, Lane, lane_for
@@ -35,10 +47,18 @@ TENANT_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 EVENT_TYPE_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 RESERVED_TAGS = frozenset({"send_id", "tenant", "lane"})  # the tags dispatch attaches itself
 
-_EMAIL = re.compile(r"^[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+$")
-_NAMED_EMAIL = re.compile(r"^[^<>]*<([^@\s<>]+@[^@\s<>]+\.[^@\s<>]+)>$")
+# Python's `\s`, spelled out: the OpenAPI publishes these patterns, and ECMA-262's `\s` (which JSON
+# Schema validators use) is another set, so an address valid for one would be refused by the other.
+WHITE_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_ADDRESS = rf"[^@<>{WHITE_SPACE}]+@[^@<>{WHITE_SPACE}]+\.[^@<>{WHITE_SPACE}]+"
+_EMAIL = re.compile(rf"^{_ADDRESS}$")
+_NAMED_EMAIL = re.compile(rf"^[^<>]*<({_ADDRESS})>$")
+EMAIL_PATTERN = rf"^{_ADDRESS}$|^[^<>]*<{_ADDRESS}>$"  # what check_address accepts, as one pattern
 _E164 = re.compile(r"^\+[1-9]\d{6,14}$")
 _IDENT = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+# RFC 3339 date-time (JSON Schema's `date-time`): `t` and `z` in either case, any fraction, leap seconds.
+_RFC3339 = re.compile(r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))",
+                      re.ASCII)
 
 Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
 TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
@@ -66,7 +86,8 @@ def check_address(value: str) -> str:
 class Tag(BaseModel):
     """A provider tag (Resend's rules: ASCII letters, digits, `_` and `-`, up to 256 characters)."""
 
-    name: str = Field(pattern=TAG_PATTERN)
+    name: str = Field(pattern=TAG_PATTERN, json_schema_extra={"not": {"enum": [*sorted(RESERVED_TAGS)]}},
+                      description=f"not one of the names dispatch attaches itself ({', '.join(sorted(RESERVED_TAGS))})")
     value: str = Field(pattern=TAG_PATTERN)
 
     @field_validator("name")
@@ -77,12 +98,24 @@ class Tag(BaseModel):
         return v
 
 
-class EmailPayload(BaseModel):
-    """A rendered email, in the shape of Resend's `POST /emails` body."""
+def _one_of_two_bodies(schema: dict[str, Any]) -> None:
+    """The JSON schema of EmailPayload's model validator: `html` or `text`, not empty."""
+    schema["anyOf"] = [{"required": [name], "properties": {name: {"type": "string", "minLength": 1}}}
+                       for name in ("html", "text")]
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    from_: str = Field(alias="from")
-    to: list[str] = Field(min_length=1, max_length=MAX_RECIPIENTS)
+
+_ADDRESS_SCHEMA = {"type": "string", "pattern": EMAIL_PATTERN,
+                   "description": "an email address, alone or as `Name <address>`"}
+
+
+class EmailPayload(BaseModel):
+    """A rendered email, in the shape of Resend's `POST /emails` body (`html` or `text` required)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra=_one_of_two_bodies)
+    from_: Annotated[str, WithJsonSchema(_ADDRESS_SCHEMA)] = Field(alias="from")
+    to: Annotated[list[str], WithJsonSchema({"anyOf": [
+        _ADDRESS_SCHEMA, {"type": "array", "items": _ADDRESS_SCHEMA, "minItems": 1, "maxItems": MAX_RECIPIENTS}],
+        "description": f"one recipient, or 1 to {MAX_RECIPIENTS}"})] = Field(min_length=1, max_length=MAX_RECIPIENTS)
     subject: str = Field(min_length=1, max_length=998)
     tags: list[Tag] | None = Field(None, max_length=50)
     html: str | None = None
@@ -112,6 +145,8 @@ class EmailPayload(BaseModel):
 
 
 class SmsPayload(BaseModel):
+    """A rendered SMS."""
+
     model_config = ConfigDict(extra="allow")
     to: str = Field(pattern=_E164.pattern, description="E.164 number, e.g. +14155550123")
     body: str = Field(min_length=1, max_length=1600)
@@ -123,12 +158,16 @@ class WebhookPayload(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     event_type: str = Field(pattern=EVENT_TYPE_PATTERN, description="e.g. invoice.paid")
-    occurred_at: str = Field(alias="occurredAt", description="when it happened (ISO 8601); receivers order by it")
+    occurred_at: str = Field(alias="occurredAt", title="occurredAt", json_schema_extra={"format": "date-time"},
+                             description="when it happened (RFC 3339; other ISO 8601 forms are accepted too); "
+                                         "receivers order by it")
     data: dict[str, Any]
 
     @field_validator("occurred_at")
     @classmethod
     def _iso(cls, v: str) -> str:
+        if is_rfc3339(v):
+            return v
         try:
             datetime.fromisoformat(v.replace("Z", "+00:00"))
         except ValueError:
@@ -136,7 +175,67 @@ class WebhookPayload(BaseModel):
         return v
 
 
+def is_rfc3339(value: str) -> bool:
+    """An RFC 3339 date-time, as JSON Schema's `date-time` format means it: year 0000 to 9999, `T`/`t`,
+    `Z`/`z`, any fraction, and second 60 (a leap second; not checked against the leap-second table)."""
+    m = _RFC3339.fullmatch(value)
+    if m is None:
+        return False
+    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+    offset_hour, offset_minute = (int(g) for g in m.groups()[6:]) if m.group(7) else (0, 0)
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    days = (31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+    return (1 <= month <= 12 and 1 <= day <= days[month - 1] and hour <= 23 and minute <= 59 and second <= 60
+            and offset_hour <= 23 and offset_minute <= 59)
+
+
 PAYLOADS: dict[str, type[BaseModel]] = {"email": EmailPayload, "sms": SmsPayload, "webhook": WebhookPayload}
+
+_TEMPLATE_ID = "the template the payload was rendered from"
+_POLICY = ("named retry policy; when absent, chosen by template and category (see streams/retry/policies.toml, "
+           "[routing])")
+
+
+# The OpenAPI's view of a send, one model per channel (documentation only: SendRequest validates). A
+# request that fits one of them is one SendRequest accepts; the API narrows `policy` to its policy names.
+class EmailSend(BaseModel):
+    """An email send."""
+
+    channel: Literal["email"]
+    category: Category
+    template_id: Ident = Field(description=_TEMPLATE_ID)
+    template_version: Ident
+    payload: EmailPayload
+    policy: Ident | None = Field(None, description=_POLICY)
+    correlation_id: Ident | None = None
+
+
+class SmsSend(BaseModel):
+    """An SMS send."""
+
+    channel: Literal["sms"]
+    category: Category
+    template_id: Ident = Field(description=_TEMPLATE_ID)
+    template_version: Ident
+    payload: SmsPayload
+    policy: Ident | None = Field(None, description=_POLICY)
+    correlation_id: Ident | None = None
+
+
+class WebhookSend(BaseModel):
+    """A webhook event, delivered to each of the tenant's endpoints subscribed to its type."""
+
+    channel: Literal["webhook"]
+    category: Category
+    template_id: Ident | None = Field(None, description="default: the event type")
+    template_version: Ident | None = Field(None, description="default: 1")
+    payload: WebhookPayload
+    policy: Ident | None = Field(None, description=_POLICY)
+    correlation_id: Ident | None = None
+
+
+SEND_VARIANTS: dict[str, type[BaseModel]] = {"email": EmailSend, "sms": SmsSend, "webhook": WebhookSend}
+_SEND_SCHEMA = TypeAdapter(Annotated[EmailSend | SmsSend | WebhookSend, Field(discriminator="channel")])
 
 
 class SendRequest(BaseModel):
@@ -152,6 +251,11 @@ class SendRequest(BaseModel):
     policy: Ident | None = Field(None, description="named retry policy; when absent, chosen by template "
                                                    "and category (see streams/retry/policies.toml, [routing])")
     correlation_id: Ident | None = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """Published as one of EmailSend, SmsSend and WebhookSend, by `channel`: each with its exact payload."""
+        return {**handler(_SEND_SCHEMA.core_schema), "title": cls.__name__, "description": cls.__doc__}
 
     @model_validator(mode="after")
     def _payload_matches_channel(self) -> SendRequest:

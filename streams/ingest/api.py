@@ -18,20 +18,33 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import orjson
+from confluent_kafka import KafkaException
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import metrics
 from ..errors import PublishError, SendTooLarge, StoreUnavailable
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
-from ..send import MAX_BATCH, MAX_SEND_BYTES, Send, SendRequest, build_send, flatten_errors, new_send_id, policy_error
+from ..send import (
+    MAX_BATCH,
+    MAX_SEND_BYTES,
+    SEND_VARIANTS,
+    WHITE_SPACE,
+    Send,
+    SendRequest,
+    build_send,
+    flatten_errors,
+    new_send_id,
+    policy_error,
+)
 from ..state.audit import AuditLog
 from ..state.guard import StateGuard
 from ..webhooks.api import webhook_routes
@@ -45,7 +58,7 @@ from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
 from .status import StatusStore
-from .web import Auth, BodyLimit, answer_options, documented, problem
+from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, problem
 
 log = logging.getLogger("streams.api")
 
@@ -103,9 +116,68 @@ class Ingest:
     webhooks: WebhookIngest | None = None
 
 
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=MAX_KEY_LENGTH,
-                                              description="the same key and body within 24 h: the first answer "
-                                                          "again, nothing published twice")]
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", max_length=MAX_KEY_LENGTH,
+    # Documented only (the handler refuses a blank key with its own message): not only white space.
+    json_schema_extra={"pattern": f"[^{WHITE_SPACE}]"},
+    description="the same key and body within 24 h: the first answer again, nothing published twice; another "
+                "body under a key used in the last 24 h: 422 (idempotency_key_reused)")]
+HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+# The events are JSON encoded by orjson, which carries integers from -2^63 to 2^64-1 and strings of Unicode
+# scalar values (no unpaired surrogate): a payload holding anything else is refused (422), and said so.
+INTEGERS = (-(2**63), 2**64 - 1)
+JSON_VALUE = "#/components/schemas/JsonValue"
+PAYLOAD_OBJECTS = ("EmailPayload", "SmsPayload", "WebhookPayload", "Tag")
+
+
+def uncarried(value: object, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
+    """The first value in `value` the events cannot carry, with why (None when there is none)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return None
+    if isinstance(value, int):
+        return None if INTEGERS[0] <= value <= INTEGERS[1] else (path, "an integer outside -2^63 .. 2^64-1 cannot "
+                                                                      "be carried: send it as a string")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path, "a string with an unpaired surrogate (\\ud800-\\udfff) cannot be carried"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and (found := uncarried(key, path)):
+            return found
+        if found := uncarried(item, (*path, key)):
+            return found
+    return None
+
+
+def carried_values(schema: dict[str, Any]) -> None:
+    """Say in the OpenAPI what a payload's open parts (extra fields, a webhook's `data`) may hold."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["JsonValue"] = {
+        "description": f"any JSON value, but integers only from {INTEGERS[0]} to {INTEGERS[1]} and strings without "
+                       "unpaired surrogates (what the events carry)",
+        "anyOf": [{"type": ["null", "boolean", "string"]}, {"type": "number", "not": {"type": "integer"}},
+                  {"type": "integer", "minimum": INTEGERS[0], "maximum": INTEGERS[1]},
+                  {"type": "array", "items": {"$ref": JSON_VALUE}},
+                  {"type": "object", "additionalProperties": {"$ref": JSON_VALUE}}]}
+    for name in PAYLOAD_OBJECTS:
+        if name in components:
+            components[name]["additionalProperties"] = {"$ref": JSON_VALUE}
+    data = components.get("WebhookPayload", {}).get("properties", {}).get("data")
+    if data is not None:
+        data["additionalProperties"] = {"$ref": JSON_VALUE}
+
+
+def name_policies(schema: dict[str, Any], known_policies: frozenset[str]) -> None:
+    """`policy`, in the OpenAPI, is one of the names the policy file defines (the API refuses others)."""
+    components = schema.get("components", {}).get("schemas", {})
+    for variant in SEND_VARIANTS.values():
+        policy = components.get(variant.__name__, {}).get("properties", {}).get("policy")
+        if policy is not None:
+            named = [{"type": "string", "enum": sorted(known_policies)}] if known_policies else []
+            policy["anyOf"] = [*named, {"type": "null"}]
 
 
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
@@ -127,10 +199,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
         metrics.INGEST_REJECTED.labels(str(status)).inc()
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
 
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        body = exc.detail if isinstance(exc.detail, dict) else {"error": "http_error", "errors": [
-            {"loc": [], "msg": str(exc.detail)}]}
+    @app.exception_handler(StarletteHTTPException)  # ours, and the router's own (no such path, method not allowed)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = exc.detail if isinstance(exc.detail, dict) else {
+            "error": HTTP_ERRORS.get(exc.status_code, "http_error"), "errors": [{"loc": [], "msg": str(exc.detail)}]}
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
@@ -140,6 +212,25 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
         metrics.INGEST_REJECTED.labels("503").inc()
         return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
                             headers={"Retry-After": "1"})
+
+    @app.exception_handler(PublishError)
+    @app.exception_handler(KafkaException)
+    async def _broker(request: Request, exc: Exception) -> JSONResponse:
+        # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
+        # answer a read (dead letters, the audit trail).
+        metrics.INGEST_REJECTED.labels("503").inc()
+        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = finish_openapi(FastAPI.openapi(app))
+            name_policies(schema, ingest.known_policies)
+            carried_values(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def expand(tenant_id: str, req: SendRequest, id_for: Callable[[str], str] | None
                ) -> tuple[Accepted, list[Send], list[tuple[Send, str]]]:
@@ -189,6 +280,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
             client.records(sends)
         except SendTooLarge as exc:
             raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
+        except orjson.JSONEncodeError as exc:
+            found = [(i, where_) for i, r in enumerate(requests) if (where_ := uncarried(r.payload))]
+            errors = [{"loc": [*where(i), "payload", *path], "msg": msg} for i, (path, msg) in found]
+            raise HTTPException(422, {"error": "invalid_request",
+                                      "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
         if ingest.quotas is not None:
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
@@ -244,6 +340,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
         except (StoreUnavailable, PublishError) as exc:
             log.warning("published %d sends, but recording them failed (%s); their outcomes will", len(sends), exc)
 
+    async def canonical(request: Request) -> object:
+        """The body as the events read JSON (what an Idempotency-Key's body is compared on)."""
+        try:
+            return orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:  # valid for Python's parser, not for the events' (a lone surrogate)
+            raise problem(400, "invalid_request", ["body"], f"JSON decode error: {exc}") from None
+
     async def idempotent(tenant_id: str, key: str | None, canonical: object, status: int,
                          run: Callable[[int], object]) -> JSONResponse:
         """Run `run(first_ms)` once per (tenant, key, body) within 24 h; replay its answer after that."""
@@ -279,7 +382,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
             [accepted] = await publish(tenant_id, [body], False, key, first_ms)
             return accepted.model_dump(exclude_none=True)
 
-        return await idempotent(tenant_id, key, orjson.loads(await request.body()), 202, run)
+        return await idempotent(tenant_id, key, await canonical(request), 202, run)
 
     @app.post("/v1/sends/batch", status_code=202, response_model=BatchAccepted,
               responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
@@ -289,7 +392,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
             accepted = await publish(tenant_id, body.sends, True, key, first_ms)
             return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
 
-        return await idempotent(tenant_id, key, orjson.loads(await request.body()), 202, run)
+        return await idempotent(tenant_id, key, await canonical(request), 202, run)
 
     if webhooks is not None:
         app.include_router(webhook_routes(webhooks, store, client, auth.tenant_dependency()))

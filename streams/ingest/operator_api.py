@@ -15,39 +15,127 @@ it is answered.
 
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError, PublishError, ReplayRefused
 from ..gate.limits import LimitChange
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay
+from ..send import TENANT_ID_PATTERN
+from ..webhooks.api import EndpointView
 from .api_keys import Principal, public
 from .web import documented, problem
 
+TENANT_LIMIT = ("tenant", "tenant_rate", "tenant_burst")
+MAX_LIMIT = 2**53  # the gate's Lua works in doubles: larger rates and bursts would not be held exactly
+
 
 class LimitUpdate(BaseModel):
-    global_rate: int | None = Field(None, ge=1)
-    global_burst: int | None = Field(None, ge=1)
-    reserve: int | None = Field(None, ge=0)
-    tenant: str | None = Field(None, description="a tenant id, or '*' for the default")
-    tenant_rate: int | None = Field(None, ge=1)
-    tenant_burst: int | None = Field(None, ge=1)
+    """A partial update. A global rate or burst needs the other too while the provider has none yet, and
+    `reserve` must stay below the global burst: the answer is 422 otherwise."""
+
+    # A tenant's limit is the tenant, its rate and its burst together (or none of them).
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {name: {"type": "null"} for name in TENANT_LIMIT}},
+        {"properties": {name: {"not": {"type": "null"}} for name in TENANT_LIMIT}, "required": list(TENANT_LIMIT)}]})
+    global_rate: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    global_burst: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    reserve: int | None = Field(None, ge=0, le=MAX_LIMIT)
+    tenant: str | None = Field(None, description="a tenant id, or '*' for the default",
+                               json_schema_extra={"minLength": 1})
+    tenant_rate: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tenant_burst: int | None = Field(None, ge=1, le=MAX_LIMIT)
     concurrency: int | None = Field(None, ge=0, le=10_000,
                                     description="pacing: requests in flight per worker (0: the provider's default)")
     pause_ms: int | None = Field(None, ge=0, le=60_000, description="pacing: the least pause between request waves")
 
 
 class KeyCreate(BaseModel):
-    role: str = Field(pattern="^(tenant|operator)$")
-    tenant: str | None = Field(None, description="required for a tenant key")
+    # Documented: a tenant key names its tenant (an operator key's `tenant` is ignored).
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "operator"}}},
+        {"properties": {"role": {"const": "tenant"}, "tenant": {"type": "string", "pattern": TENANT_ID_PATTERN}},
+         "required": ["tenant"]}]})
+    role: str = Field(pattern="^(tenant|operator)$", json_schema_extra={"enum": ["tenant", "operator"]})
+    tenant: str | None = Field(None, description="required for a tenant key: 1 to 64 ASCII letters, digits, '_' "
+                                                 "or '-'")
     label: str = Field("", max_length=100)
 
 
 class KeyRotate(BaseModel):
     overlap_s: int = Field(24 * 3600, ge=0, le=30 * 24 * 3600, description="how long the old key keeps working")
+
+
+class Limits(BaseModel):
+    provider: str
+    limits: dict[str, int] = Field(description="global_rate, global_burst, reserve, tenant_rate:<tenant>, "
+                                               "tenant_burst:<tenant>, concurrency, pause_ms (those set)")
+
+
+class KeyView(BaseModel):
+    """An API key as operators see it (never the key itself)."""
+
+    id: str
+    role: str
+    tenant: str | None
+    created_at_ms: int
+    expires_at_ms: int | None = Field(description="a rotated key: valid until then")
+    revoked_at_ms: int | None
+    last_used_ms: int | None
+    label: str
+
+
+class Keys(BaseModel):
+    keys: list[KeyView]
+
+
+class KeyCreated(BaseModel):
+    id: str
+    key: str = Field(description="shown once")
+    role: str
+    tenant: str | None
+    note: str
+
+
+class KeyRotated(BaseModel):
+    id: str
+    key: str = Field(description="the new key, shown once")
+    previous: KeyView
+    note: str
+
+
+class DeadLetter(BaseModel):
+    send_id: str
+    reason: str
+    partition: int
+    offset: int
+    dead_lettered_at_ms: int
+    headers: dict[str, str]
+
+
+class DeadLetters(BaseModel):
+    total: int
+    dead_letters: list[DeadLetter]
+
+
+class Replayed(BaseModel):
+    send_id: str = Field(description="the new send")
+    replay_of: str
+
+
+class AuditEntry(BaseModel):
+    at_ms: int
+    who: str
+    what: str
+    before: Any
+    after: Any
+
+
+class AuditTrail(BaseModel):
+    entries: list[AuditEntry]
 
 
 def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  # ingest: api.Ingest
@@ -59,11 +147,11 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         if ingest.audit is not None:
             ingest.audit.record(f"key:{who.key_id}", what, before, after)
 
-    @router.get("/limits/{provider}", responses=documented(401, 403, 503))
+    @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 503))
     def get_limits(provider: str, _: Operator) -> dict:
         return {"provider": provider, "limits": ingest.limits.show(provider)}
 
-    @router.put("/limits/{provider}", responses=documented(401, 403, 422, 503))
+    @router.put("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 422, 503))
     def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:
         before = ingest.limits.show(provider)
         try:
@@ -73,11 +161,11 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         audited(who, f"limits/{provider}", before, after)
         return {"provider": provider, "limits": after}
 
-    @router.get("/keys", responses=documented(401, 403, 503))
+    @router.get("/keys", response_model=Keys, responses=documented(401, 403, 503))
     def list_keys(_: Operator, tenant: str | None = None) -> dict:
         return {"keys": [public(k) for k in ingest.keys.list(tenant)]}
 
-    @router.post("/keys", status_code=201, responses=documented(401, 403, 422, 503))
+    @router.post("/keys", status_code=201, response_model=KeyCreated, responses=documented(401, 403, 422, 503))
     def create_key(body: KeyCreate, who: Operator) -> dict:
         try:
             token = ingest.keys.create(body.role, body.tenant, body.label)
@@ -89,7 +177,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         return {"id": info.key_id, "key": token, "role": body.role, "tenant": body.tenant,
                 "note": "the key is shown once: store it now"}
 
-    @router.post("/keys/{key_id}/revoke", responses=documented(401, 403, 404, 503))
+    @router.post("/keys/{key_id}/revoke", response_model=KeyView, responses=documented(401, 403, 404, 503))
     def revoke_key(key_id: str, who: Operator) -> dict:
         before = ingest.keys.get(key_id)
         after = ingest.keys.revoke(key_id)
@@ -98,7 +186,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         audited(who, f"apikey/{key_id}", public(before), public(after))
         return public(after)
 
-    @router.post("/keys/{key_id}/rotate", status_code=201, responses=documented(401, 403, 404, 422, 503))
+    @router.post("/keys/{key_id}/rotate", status_code=201, response_model=KeyRotated,
+                 responses=documented(401, 403, 404, 422, 503))
     def rotate_key(key_id: str, body: KeyRotate, who: Operator) -> dict:
         before = ingest.keys.get(key_id)
         rotated = ingest.keys.rotate(key_id, body.overlap_s)
@@ -110,14 +199,14 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": new.key_id})
         return {"id": new.key_id, "key": token, "previous": public(old), "note": "the key is shown once: store it now"}
 
-    @router.get("/dlq", responses=documented(401, 403, 503))
+    @router.get("/dlq", response_model=DeadLetters, responses=documented(401, 403, 422, 503))
     def list_dead_letters(_: Operator, reason: str | None = None,
                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
         records = dead_letters.read_all(client.bootstrap, client.names.dlq)
         shown = [r for r in records if not reason or r.reason == reason][-limit:]
         return {"total": len(records), "dead_letters": [_letter(r) for r in shown]}
 
-    @router.get("/dlq/{send_id}", responses=documented(401, 403, 404, 503))
+    @router.get("/dlq/{send_id}", response_model=DeadLetter, responses=documented(401, 403, 404, 503))
     def show_dead_letter(send_id: str, _: Operator) -> dict:
         status = store.get(send_id) or {}
         position = (status["dlq_partition"], status["dlq_offset"]) if "dlq_offset" in status else None
@@ -127,7 +216,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             raise problem(404, "not_found", ["path", "send_id"], str(exc)) from None
         return _letter(record)
 
-    @router.post("/dlq/{send_id}/replay", status_code=202, responses=documented(401, 403, 404, 409, 503))
+    @router.post("/dlq/{send_id}/replay", status_code=202, response_model=Replayed,
+                 responses=documented(401, 403, 404, 409, 503))
     def replay_dead_letter(send_id: str, who: Operator) -> dict:
         try:
             new = replay(client.bootstrap, client.names, store, client, send_id)
@@ -139,7 +229,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
         return {"send_id": new.send_id, "replay_of": send_id}
 
-    @router.post("/endpoints/{endpoint_id}/reactivate", responses=documented(401, 403, 404, 503))
+    @router.post("/endpoints/{endpoint_id}/reactivate", response_model=EndpointView,
+                 responses=documented(401, 403, 404, 503))
     def reactivate_endpoint(endpoint_id: str, who: Operator) -> dict:
         found = ingest.webhooks.directory.endpoints.get(endpoint_id) if ingest.webhooks else None
         if found is None:
@@ -151,7 +242,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"})
         return ep.public()
 
-    @router.get("/audit", responses=documented(401, 403, 503))
+    @router.get("/audit", response_model=AuditTrail, responses=documented(401, 403, 422, 503))
     def read_audit(_: Operator, since_ms: int = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
         entries = list(ingest.audit.read(since_ms)) if ingest.audit is not None else []
         return {"entries": entries[-limit:]}

@@ -15,16 +15,17 @@ Another tenant's endpoint or delivery is indistinguishable from a missing one (4
 
 import time
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from ..errors import ConfigError, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import documented, problem
 from ..retry.replay import replay
+from ..send import EMAIL_PATTERN, MAX_RECIPIENTS
 from .ingest import WebhookIngest
 from .model import Endpoint
 
@@ -33,22 +34,107 @@ DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts"
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
 
 
+# Documented as check_event_types checks them (at run time, a 422 from the endpoint store).
+EventTypes = Annotated[list[str], WithJsonSchema({
+    "type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1, "maxLength": 128},
+    "description": "event types it receives ('*' for all)"})]
+URL = ("https URL the deliveries are POSTed to (a public address: private, loopback and link-local addresses are "
+       "refused, and the host must resolve)")
+
+
 class EndpointCreate(BaseModel):
-    url: str = Field(description="https URL the deliveries are POSTed to")
-    event_types: list[str] = Field(min_length=1, description="event types it receives ('*' for all)")
-    description: str = ""
+    url: str = Field(description=URL)
+    event_types: EventTypes = Field(min_length=1)
+    description: str = Field("", description="kept up to 500 characters")
     enabled: bool = True
 
 
 class EndpointUpdate(BaseModel):
-    url: str | None = None
-    event_types: list[str] | None = None
+    url: str | None = Field(None, description=URL)
+    event_types: EventTypes | None = None
     description: str | None = None
     enabled: bool | None = None
 
 
 class Members(BaseModel):
-    emails: list[str] = Field(description="every member's email address (at most 50); alerts go to all of them")
+    emails: list[str] = Field(description=f"every member's email address (at most {MAX_RECIPIENTS}); alerts go to "
+                                          "all of them",
+                              json_schema_extra={"maxItems": MAX_RECIPIENTS,
+                                                 "items": {"type": "string", "pattern": EMAIL_PATTERN}})
+
+
+class EndpointView(BaseModel):
+    """An endpoint as its tenant sees it (never its secrets)."""
+
+    id: str
+    tenant: str
+    url: str
+    event_types: list[str]
+    description: str
+    enabled: bool
+    state: str = Field(description="active, degraded or disabled")
+    state_reason: str
+    created_at_ms: int
+
+
+class EndpointCreated(EndpointView):
+    secret: str = Field(description="the signing secret, shown once")
+
+
+class EndpointReactivated(EndpointView):
+    note: str
+
+
+class EndpointList(BaseModel):
+    endpoints: list[EndpointView]
+
+
+class SecretRotated(BaseModel):
+    secret: str = Field(description="the new signing secret, shown once")
+    previous_valid_until_ms: int
+
+
+class MemberList(BaseModel):
+    emails: list[str]
+
+
+class DeliveryView(BaseModel):
+    """A delivery and its attempts (the fields its outcomes have recorded so far)."""
+
+    model_config = ConfigDict(extra="allow")
+    delivery_id: str
+    status: str | None = None
+    endpoint_id: str | None = None
+    event_id: str | None = None
+    event_type: str | None = None
+    attempts: int | None = None
+    accepted_at_ms: int | None = None
+    completed_at_ms: int | None = None
+    reason: str | None = None
+    replay_of: str | None = None
+    replayed_as: str | None = None
+    attempt_history: list[dict[str, Any]] | None = None
+
+
+class DeliveryList(BaseModel):
+    deliveries: list[DeliveryView]
+
+
+class ReplayedDelivery(BaseModel):
+    delivery_id: str = Field(description="the new delivery (a new webhook-id)")
+    replay_of: str
+
+
+class RefusedDelivery(BaseModel):
+    delivery_id: str
+    msg: str = Field(description="why it cannot be replayed (its payload expired, ...)")
+
+
+class BulkReplayed(BaseModel):
+    replayed: list[ReplayedDelivery]
+    already_replayed: int
+    refused: list[RefusedDelivery] = Field(description="deliveries that cannot be replayed (not asked again)")
+    considered: int
 
 
 class BulkReplay(BaseModel):
@@ -75,7 +161,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
     def shown(ep: Endpoint) -> dict:
         return webhooks.current(ep).public()
 
-    @router.post("/v1/endpoints", status_code=201, responses=documented(401, 403, 422, 503))
+    @router.post("/v1/endpoints", status_code=201, response_model=EndpointCreated,
+                 responses=documented(401, 403, 422, 503))
     def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
         try:
             ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled)
@@ -83,18 +170,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _invalid(exc) from None
         return {**shown(ep), "secret": secret}
 
-    @router.get("/v1/endpoints", responses=documented(401, 403, 503))
+    @router.get("/v1/endpoints", response_model=EndpointList, responses=documented(401, 403, 503))
     def list_endpoints(tenant_id: Tenant) -> dict:
         return {"endpoints": [shown(e) for e in endpoints.all(tenant_id)]}
 
-    @router.get("/v1/endpoints/{endpoint_id}", responses=documented(401, 403, 404, 422, 503))
+    @router.get("/v1/endpoints/{endpoint_id}", response_model=EndpointView, responses=documented(401, 403, 404, 503))
     def get_endpoint(endpoint_id: str, tenant_id: Tenant) -> dict:
         ep = endpoints.get(tenant_id, endpoint_id)
         if ep is None:
             raise _not_found("endpoint")
         return shown(ep)
 
-    @router.patch("/v1/endpoints/{endpoint_id}", responses=documented(401, 403, 404, 422, 503))
+    @router.patch("/v1/endpoints/{endpoint_id}", response_model=EndpointView,
+                  responses=documented(401, 403, 404, 422, 503))
     def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
         try:
             ep = endpoints.update(tenant_id, endpoint_id, **body.model_dump())
@@ -110,7 +198,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return Response(status_code=204)
 
-    @router.post("/v1/endpoints/{endpoint_id}/rotate-secret", responses=documented(401, 403, 404, 422, 503))
+    @router.post("/v1/endpoints/{endpoint_id}/rotate-secret", response_model=SecretRotated,
+                 responses=documented(401, 403, 404, 503))
     def rotate_secret(endpoint_id: str, tenant_id: Tenant) -> dict:
         now_ms = int(time.time() * 1000)
         secret = endpoints.rotate_secret(tenant_id, endpoint_id, now_ms)
@@ -118,7 +207,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return {"secret": secret, "previous_valid_until_ms": now_ms + 24 * 3600 * 1000}
 
-    @router.post("/v1/endpoints/{endpoint_id}/reactivate", responses=documented(401, 403, 404, 422, 503))
+    @router.post("/v1/endpoints/{endpoint_id}/reactivate", response_model=EndpointReactivated,
+                 responses=documented(401, 403, 404, 503))
     def reactivate(endpoint_id: str, tenant_id: Tenant) -> dict:
         """Back to active: deliveries resume, the failure counter and the alert window are reset (a
         second incident the same day gets its own alert). Events skipped meanwhile can be replayed
@@ -128,18 +218,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
 
-    @router.put("/v1/members", responses=documented(401, 403, 422, 503))
+    @router.put("/v1/members", response_model=MemberList, responses=documented(401, 403, 422, 503))
     def put_members(body: Members, tenant_id: Tenant) -> dict:
         try:
             return {"emails": list(webhooks.members.set(tenant_id, body.emails))}
         except ConfigError as exc:
             raise _invalid(exc) from None
 
-    @router.get("/v1/members", responses=documented(401, 403, 503))
+    @router.get("/v1/members", response_model=MemberList, responses=documented(401, 403, 503))
     def get_members(tenant_id: Tenant) -> dict:
         return {"emails": list(webhooks.members.get(tenant_id))}
 
-    @router.get("/v1/endpoints/{endpoint_id}/deliveries", responses=documented(401, 403, 404, 422, 503))
+    @router.get("/v1/endpoints/{endpoint_id}/deliveries", response_model=DeliveryList,
+                responses=documented(401, 403, 404, 422, 503))
     def endpoint_deliveries(endpoint_id: str, tenant_id: Tenant, limit: Annotated[int, Query(ge=1, le=500)] = 100,
                             before_ms: int | None = None) -> dict:
         if endpoints.get(tenant_id, endpoint_id) is None:
@@ -147,7 +238,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         found = [(d, store.get(d)) for d in store.endpoint_deliveries(endpoint_id, limit, before_ms)]
         return {"deliveries": [_delivery(d, doc) for d, doc in found if doc]}
 
-    @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202,
+    @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
                  responses=documented(401, 403, 404, 422, 503))
     def replay_endpoint(endpoint_id: str, body: BulkReplay, tenant_id: Tenant) -> dict:
         """Replay the endpoint's deliveries with one of `statuses` created in [since_ms, until_ms):
@@ -158,6 +249,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         until = body.until_ms or int(time.time() * 1000)
         candidates = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until)
         replayed: list[dict] = []
+        refused: list[dict] = []
         already = 0
         for delivery_id in candidates:
             if len(replayed) >= body.limit:
@@ -168,19 +260,23 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             if not store.claim_replay(delivery_id):
                 already += 1
                 continue
-            new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+            try:
+                new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+            except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
+                refused.append({"delivery_id": delivery_id, "msg": str(exc)})
+                continue
             store.mark_replayed(delivery_id, new.send_id)
             replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
-        return {"replayed": replayed, "already_replayed": already, "considered": len(candidates)}
+        return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": len(candidates)}
 
-    @router.get("/v1/deliveries/{delivery_id}", responses=documented(401, 403, 404, 422, 503))
+    @router.get("/v1/deliveries/{delivery_id}", response_model=DeliveryView, responses=documented(401, 403, 404, 503))
     def get_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
             raise _not_found("delivery")
         return _delivery(delivery_id, doc)
 
-    @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202,
+    @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202, response_model=ReplayedDelivery,
                  responses=documented(401, 403, 404, 409, 410, 503))
     def replay_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(delivery_id)
