@@ -4,11 +4,14 @@ No other module reads `os.environ`. A bad value raises ConfigError naming the va
 was expected. The variables and their defaults:
 
     KAFKA_BOOTSTRAP_SERVERS       Kafka bootstrap servers  (default: local stack, 127.0.0.1:DUAL_RAIL_KAFKA_PORT)
-    REDIS_URL                     Redis URL     (default: local stack, redis://127.0.0.1:DUAL_RAIL_REDIS_PORT/0)
+    REDIS_URL                     Redis URL     (default: local stack, redis://127.0.0.1:DUAL_RAIL_REDIS_PORT/0;
+                                  a Redis Cluster: redis+cluster://host:port[,host:port...])
     DUAL_RAIL_HOME                local stack cache and data    (default: ~/.cache/dual-rail)
     DUAL_RAIL_KAFKA_PORT          local Kafka port              (default: 19092; the controller uses the next port)
     DUAL_RAIL_REDIS_PORT          local Redis port              (default: 16379)
     DUAL_RAIL_TOPIC_NAMESPACE     prefix of every topic, group and Redis key name (default: none)
+    DUAL_RAIL_TOPIC_PROFILE       topic replication profile: dev (1 replica) or cluster (3 replicas,
+                                  min.insync.replicas 2) (default: none: as topics/*.toml say)
     DUAL_RAIL_PROVIDERS           provider file  (default: the packaged streams/providers/providers.toml)
     RESEND_BASE_URL, SMS_BASE_URL provider base URLs            (required by the workers of that channel)
     RESEND_API_KEYS, SMS_API_KEYS provider API keys, JSON {tenant: key}; "*" is the default key
@@ -56,6 +59,7 @@ from .errors import ConfigError, SendValidationError
 from .lag.yield_policy import YieldPolicy
 from .names import RedisKeys, TopicNames
 from .providers.registry import Registry, load_registry
+from .topology.spec import PROFILES
 
 DEFAULT_KAFKA_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
@@ -84,6 +88,14 @@ def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[
     value = environ.get(name) or default
     if value not in choices:
         raise ConfigError(f"environment variable {name}={value!r} is not valid: expected one of {', '.join(choices)}")
+    return value
+
+
+def _topic_profile(environ: Mapping[str, str]) -> str | None:
+    value = environ.get("DUAL_RAIL_TOPIC_PROFILE") or None
+    if value is not None and value not in PROFILES:
+        raise ConfigError(f"environment variable DUAL_RAIL_TOPIC_PROFILE={value!r} is not valid: expected one of "
+                          f"{', '.join(PROFILES)}")
     return value
 
 
@@ -188,6 +200,7 @@ def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
 class Config:
     stack: StackConfig
     namespace: str = ""
+    topic_profile: str | None = None  # a name of topology.spec.PROFILES; None: the definitions as written
     providers: dict[str, ProviderEndpoint] = field(default_factory=dict)  # by provider name
     providers_path: str | None = None
     provider_timeout_s: float = 10.0
@@ -219,6 +232,7 @@ class Config:
         return cls(
             stack=StackConfig.from_env(e),
             namespace=e.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
+            topic_profile=_topic_profile(e),
             providers_path=e.get("DUAL_RAIL_PROVIDERS") or None,
             providers=_endpoints(load_registry(e.get("DUAL_RAIL_PROVIDERS") or None), e),
             provider_timeout_s=timeout,

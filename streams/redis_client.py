@@ -1,20 +1,169 @@
 """The redis-py adapter pieces every role shares: a connection, the Lua scripts shipped beside
-their adapters, and the translation of every Redis error into StoreUnavailable."""
+their adapters, and the translation of every Redis error into StoreUnavailable.
+
+`REDIS_URL` names a single Redis (`redis://host:port/0`) or a Redis Cluster: the scheme
+`redis+cluster://` (`rediss+cluster://` with TLS), or `?cluster=1` on a `redis://` URL. A cluster URL
+may list several startup nodes, `redis+cluster://h1:p1,h2:p2,h3:p3`; the client discovers the rest.
+Every key a Lua script touches carries one hash tag (`streams.names.RedisKeys`), so each script
+call runs on one node; pipelines are split by node and the replies put back in order.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.exceptions import NoScriptError, RedisClusterException
 
 from .errors import StoreUnavailable
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_TRUE = {"1", "true", "yes", "on"}
+# Fail fast (a short timeout) so callers can hold and retry, never hang.
+_TIMEOUTS: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 2, "health_check_interval": 30}
+
 
 def connect(url: str) -> redis.Redis:
-    """A client that fails fast (a short timeout) so callers can hold and retry, never hang."""
-    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
+    """A client that fails fast (a short timeout) so callers can hold and retry, never hang. A
+    cluster URL gives a `ClusterClient` (a redis-py RedisCluster), which must reach one startup
+    node now: StoreUnavailable when none answers."""
+    if is_cluster_url(url):
+        return connect_cluster(url)
+    return redis.Redis.from_url(url, **_TIMEOUTS)
+
+
+def is_cluster_url(url: str) -> bool:
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        return True
+    return any(k == "cluster" and v.lower() in _TRUE for k, v in parse_qsl(parts.query))
+
+
+def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A cluster URL as redis-py takes it: a `redis://` URL of the first node (credentials, database
+    0 and options kept, `cluster` dropped), and every startup node (host, port)."""
+    scheme, rest = url.split("://", 1)
+    scheme = CLUSTER_SCHEMES.get(scheme, scheme)
+    netloc, sep, tail = rest.partition("/")
+    if "?" in netloc:  # no path: the query follows the hosts directly
+        netloc, _, query = netloc.partition("?")
+        tail, sep = f"?{query}", "/"
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes = []
+    for entry in hosts.split(","):
+        host, _, port = entry.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise StoreUnavailable(f"Redis Cluster URL: {entry.strip()!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    first = f"{userinfo}{at}{hosts.split(',')[0].strip()}"
+    parts = urlsplit(f"{scheme}://{first}{sep}{tail}")
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "cluster"])
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment)), nodes
+
+
+def connect_cluster(url: str) -> ClusterClient:
+    first, nodes = cluster_startup(url)
+    try:
+        return ClusterClient(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **_TIMEOUTS)
+    except (RedisClusterException, redis.RedisError) as exc:
+        where = ", ".join(f"{h}:{p}" for h, p in nodes)
+        raise StoreUnavailable(f"Redis Cluster unavailable: no startup node answered ({where}): {exc}") from None
+
+
+class ClusterUnavailable(redis.exceptions.ClusterError):
+    """A cluster failure redis-py reports outside its RedisError tree (no node for a slot, every
+    retry used up), as a RedisError, so that every caller fails closed on it like on any Redis error."""
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's RedisCluster, as the adapters use a Redis:
+
+    - every error is a RedisError (redis-py raises RedisClusterException, outside that tree, when
+      no node serves a slot), so the gate fails closed and dispatch holds instead of crashing;
+    - registered Lua scripts work in pipelines: redis-py's cluster pipeline refuses EVALSHA (it
+      cannot load scripts on the nodes first), so a pipelined script is sent as EVAL with its
+      source (Redis caches it); outside pipelines, EVALSHA with EVAL as the fallback on NOSCRIPT
+      (a failed-over or restarted node has an empty script cache);
+    - MGET works in pipelines (redis-py refuses it there; the project's MGETs have one hash tag).
+    """
+
+    pipeline_class: type[ClusterClientPipeline]  # set below the pipeline's class
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.scripts: dict[str, str | bytes] = {}  # sha1 -> source, for EVAL
+
+    def register_script(self, script: str | bytes) -> Any:
+        registered = super().register_script(script)
+        self.scripts[registered.sha] = script
+        return registered
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(f"Redis Cluster: {exc}") from exc
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        try:
+            return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
+        except NoScriptError:
+            if sha not in self.scripts:
+                raise
+            return self.execute_command("EVAL", self.scripts[sha], numkeys, *keys_and_args)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterClientPipeline:
+        if transaction:
+            raise ClusterUnavailable("Redis Cluster: MULTI/EXEC pipelines are not used with a cluster")
+        if shard_hint:
+            raise ClusterUnavailable("Redis Cluster: shard_hint is not supported")
+        pipe = self.pipeline_class(
+            nodes_manager=self.nodes_manager,
+            commands_parser=self.commands_parser,
+            startup_nodes=self.nodes_manager.startup_nodes,
+            result_callbacks=self.result_callbacks,
+            cluster_response_callbacks=self.cluster_response_callbacks,
+            read_from_replicas=self.read_from_replicas,
+            load_balancing_strategy=self.load_balancing_strategy,
+            reinitialize_steps=self.reinitialize_steps,
+            retry=self.retry,
+            lock=self._lock,
+            transaction=False,
+            event_dispatcher=self._event_dispatcher,
+        )
+        pipe.scripts = self.scripts
+        return pipe
+
+
+class ClusterClientPipeline(ClusterPipeline):
+    """A non-transactional cluster pipeline: commands are grouped by node, sent, and the replies
+    returned in the order of the commands (see ClusterClient)."""
+
+    scripts: dict[str, str | bytes] = {}
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        source = self.scripts.get(sha)
+        if source is None:
+            return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
+        return self.execute_command("EVAL", source, numkeys, *keys_and_args)
+
+    def mget(self, keys: Any, *args: Any) -> Any:
+        names = [keys] if isinstance(keys, (str, bytes)) else list(keys)
+        return self.execute_command("MGET", *names, *args)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return super().execute(raise_on_error)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(f"Redis Cluster: {exc}") from exc
+
+
+ClusterClient.pipeline_class = ClusterClientPipeline
 
 
 def load_script(package: str | None, name: str) -> str:
@@ -27,5 +176,5 @@ def store_errors(what: str, error: type[StoreUnavailable] = StoreUnavailable) ->
     """Translate any Redis failure inside the block into `error` naming `what` was being done."""
     try:
         yield
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
         raise error(f"{what}: Redis unavailable ({exc})") from None

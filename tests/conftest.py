@@ -66,9 +66,9 @@ def names(namespace) -> TopicNames:
 
 @pytest.fixture
 def redis_client(stack):
-    import redis
+    from streams.redis_client import connect
 
-    return redis.Redis.from_url(stack.redis_url)
+    return connect(stack.redis_url)  # a single Redis, or a Redis Cluster (redis+cluster://...)
 
 
 @pytest.fixture

@@ -9,29 +9,130 @@ import sys
 def dev(sub) -> None:
     p = sub.add_parser("dev", help="local Kafka (KRaft) and Redis on loopback")
     actions = p.add_subparsers(dest="action", required=True)
-    actions.add_parser("up", help="start (or reuse) the stack; prints KAFKA_BOOTSTRAP_SERVERS and REDIS_URL")
-    down = actions.add_parser("down", help="stop the processes this tool started")
+    up = actions.add_parser("up", help="start (or reuse) the stack; prints KAFKA_BOOTSTRAP_SERVERS and REDIS_URL")
+    up.add_argument("--brokers", type=int, choices=[1, 3], default=1,
+                    help="3: a three-node KRaft cluster (own ports and data) instead of the single broker; "
+                         "also prints DUAL_RAIL_TOPIC_PROFILE=cluster (docs/cluster.md)")
+    up.add_argument("--redis-cluster", action="store_true",
+                    help="a three-master Redis Cluster instead of the single Redis (REDIS_URL=redis+cluster://...)")
+    up.add_argument("--kafka-base-port", type=int, default=None,
+                    help="the Kafka cluster's first port (default 29092; node n uses base+2(n-1) and the next)")
+    up.add_argument("--redis-base-port", type=int, default=None,
+                    help="the Redis Cluster's first port (default 17001; node n uses base+n-1, bus +10000)")
+    down = actions.add_parser("down", help="stop the processes this tool started (every node of every cluster)")
     down.add_argument("--wipe", action="store_true", help="also delete Kafka and Redis data")
-    actions.add_parser("status", help="report both services (exit 3 when one is stopped)")
+    actions.add_parser("status", help="report every service and node (exit 3 when one is stopped)")
+    kill = actions.add_parser("kill-node", help="stop one node of the local Kafka cluster (or Redis Cluster)")
+    kill.add_argument("node", type=int, help="node number, from 1")
+    kill.add_argument("--signal", choices=["TERM", "KILL"], default="TERM",
+                      help="TERM: a clean shutdown (default); KILL: a crash")
+    kill.add_argument("--redis", action="store_true", help="a Redis Cluster node instead of a Kafka node")
+    start = actions.add_parser("start-node", help="start one stopped node again and wait until it has rejoined")
+    start.add_argument("node", type=int, help="node number, from 1")
+    start.add_argument("--redis", action="store_true", help="a Redis Cluster node instead of a Kafka node")
+    actions.add_parser("quorum", help="the local Kafka cluster's KRaft controller quorum (leader, voters)")
 
     def run(args: argparse.Namespace) -> int:
         from ..devtools.stack import LocalStack
 
         stack = LocalStack()
         if args.action == "up":
-            for key, value in stack.up().items():
+            for key, value in _up(stack, args).items():
                 print(f"{key}={value}")
         elif args.action == "down":
-            stopped = stack.down(wipe=args.wipe)
+            stopped, clusters = stack.down(wipe=args.wipe), _clusters()
+            for cluster in clusters:
+                stopped += cluster.stop()
+                if args.wipe:
+                    cluster.wipe()
             print(f"stopped: {', '.join(stopped) or 'nothing was running'}" + ("; data wiped" if args.wipe else ""))
+        elif args.action in ("kill-node", "start-node"):
+            return _node(args)
+        elif args.action == "quorum":
+            return _quorum()
         else:
+            clusters = _clusters()
             statuses = stack.status()
+            if clusters:  # the single-node services only when this home uses them
+                statuses = [s for s in statuses if s.state != "stopped" or _has_data(stack, s.name)]
+            statuses += [s for cluster in clusters for s in cluster.status()]
+            width = max([6] + [len(s.name) for s in statuses])
             for s in statuses:
-                print(f"{s.name:<6} {s.state:<20} {s.address}")
+                print(f"{s.name:<{width}} {s.state:<20} {s.address}")
             return 0 if all(s.state != "stopped" for s in statuses) else 3
         return 0
 
     p.set_defaults(func=run)
+
+
+def _up(stack, args: argparse.Namespace) -> dict[str, str]:
+    from ..devtools.stack import KafkaCluster, LocalRedisCluster
+    from ..errors import StackError
+
+    if args.brokers == 1 and not args.redis_cluster:
+        if args.kafka_base_port or args.redis_base_port:
+            raise StackError("--kafka-base-port goes with --brokers 3, --redis-base-port with --redis-cluster")
+        return stack.up()
+    if args.kafka_base_port and args.brokers == 1:
+        raise StackError("--kafka-base-port goes with --brokers 3")
+    if args.redis_base_port and not args.redis_cluster:
+        raise StackError("--redis-base-port goes with --redis-cluster")
+    # Both layouts are checked against what this home already has before anything starts.
+    kafka = KafkaCluster(stack.settings, args.brokers, args.kafka_base_port) if args.brokers > 1 else None
+    redis_cluster = LocalRedisCluster(stack.settings, base_port=args.redis_base_port) if args.redis_cluster else None
+    redis_url = redis_cluster.start() if redis_cluster else stack.start_redis()
+    env = {"KAFKA_BOOTSTRAP_SERVERS": kafka.start() if kafka else stack.start_kafka(), "REDIS_URL": redis_url}
+    if kafka:
+        env["DUAL_RAIL_TOPIC_PROFILE"] = "cluster"
+    return env
+
+
+def _clusters() -> list:
+    from ..devtools.stack import cluster_stacks
+
+    return list(cluster_stacks())
+
+
+def _has_data(stack, name: str) -> bool:
+    return (stack.kafka_data if name == "kafka" else stack.redis_data).exists()
+
+
+def _node(args: argparse.Namespace) -> int:
+    from ..devtools.stack import SIGNALS, KafkaCluster, LocalRedisCluster
+    from ..errors import StackError
+
+    cluster: KafkaCluster | LocalRedisCluster | None
+    if args.redis:
+        cluster, kind, name = LocalRedisCluster.existing(), "Redis Cluster", f"redis-cluster-{args.node}"
+    else:
+        cluster, kind, name = KafkaCluster.existing(), "Kafka cluster", f"kafka-{args.node}"
+    if cluster is None:
+        raise StackError(f"this home has no local {kind} (`streams dev up "
+                         f"{'--redis-cluster' if args.redis else '--brokers 3'}` starts one)")
+    if args.action == "kill-node":
+        stopped = cluster.stop_node(args.node, SIGNALS[args.signal])
+        print(f"{name} stopped (SIG{args.signal})" if stopped else f"{name} was not running")
+        return 0
+    cluster.start_node(args.node)
+    status = next(s for s in cluster.status() if s.name == name)
+    print(f"{name} {status.state} {status.address}")
+    return 0
+
+
+def _quorum() -> int:
+    from ..devtools.stack import KafkaCluster
+    from ..errors import StackError
+
+    cluster = KafkaCluster.existing()
+    if cluster is None:
+        raise StackError("this home has no local Kafka cluster (`streams dev up --brokers 3` starts one)")
+    q = cluster.quorum()
+    print(f"leader {q.leader_id} (epoch {q.leader_epoch}), high watermark {q.high_watermark}")
+    for node_id, offset in sorted(q.voters.items()):
+        print(f"voter {node_id}: log end offset {offset}" + (" (leader)" if node_id == q.leader_id else ""))
+    for node_id, offset in sorted(q.observers.items()):
+        print(f"observer {node_id}: log end offset {offset}")
+    return 0
 
 
 def mock_provider(sub) -> None:
@@ -75,7 +176,7 @@ def mock_endpoint(sub) -> None:
 
 def bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks against the local stack (print JSON)")
-    p.add_argument("which", choices=["blast-vs-otp", "throughput", "webhooks"])
+    p.add_argument("which", choices=["blast-vs-otp", "throughput", "webhooks", "ingest", "latency", "scale"])
     p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     p.add_argument("--verbose", action="store_true", help="progress on stderr even with --json")
     p.add_argument("--duration", type=float, default=30.0, help="blast window, seconds")
@@ -101,6 +202,18 @@ def bench(sub) -> None:
             result = blast(duration_s=args.duration, provider_rps=args.provider_rps, otp_rps=args.otp_rps,
                            storm_s=args.provider_429_seconds, latency_ms=args.latency_ms, progress=progress,
                            baseline=not args.no_baseline)
+        elif args.which == "scale":
+            from ..devtools.bench_scale import run as scale
+
+            result = scale(n=args.messages, progress=progress)
+        elif args.which == "latency":
+            from ..devtools.bench_latency import run as latency
+
+            result = latency(n=min(args.messages, 1000), progress=progress)
+        elif args.which == "ingest":
+            from ..devtools.bench_ingest import run as ingest
+
+            result = ingest(n=min(args.messages, 1000), progress=progress)
         elif args.which == "webhooks":
             from ..devtools.bench_webhooks import run as webhooks
 

@@ -15,6 +15,9 @@ def topics(sub) -> None:
     p.add_argument("--dir", help="definition folder (default: the repository's topics/)")
     p.add_argument("--namespace", default=None, help="prefix for every topic name (default: "
                    "DUAL_RAIL_TOPIC_NAMESPACE; isolates test runs)")
+    p.add_argument("--profile", choices=["dev", "cluster"], default=None,
+                   help="replication profile: dev (1 replica), cluster (3 replicas, min.insync.replicas=2) "
+                        "(default: DUAL_RAIL_TOPIC_PROFILE, else as topics/*.toml say)")
 
     def run(args: argparse.Namespace) -> int:
         from ..topology.admin import TopicAdmin
@@ -22,7 +25,8 @@ def topics(sub) -> None:
 
         config = args.config
         namespace = config.namespace if args.namespace is None else args.namespace
-        specs = load_definitions(topics_dir(args.dir), namespace=namespace)
+        specs = load_definitions(topics_dir(args.dir), namespace=namespace,
+                                 profile=args.profile or config.topic_profile)
         admin = TopicAdmin(config.bootstrap)
         changes = plan(specs, admin.state(list(specs)))
         if args.action == "plan":

@@ -105,7 +105,8 @@ class Fleet:
 
     def create_topics(self, channels: tuple[str, ...] = ("email",)) -> None:
         TopicAdmin(self.runtime.bootstrap).ensure(
-            channel_specs(load_definitions(namespace=self.namespace), self.namespace, channels))
+            channel_specs(load_definitions(namespace=self.namespace, profile=self.runtime.config.topic_profile),
+                          self.namespace, channels))
 
     def start(self, name: str, *args: str, ready: str | None = None, env: dict | None = None,
               module: str = "streams.cli") -> subprocess.Popen:

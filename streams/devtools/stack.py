@@ -1,13 +1,19 @@
-"""A local stack without Docker: a real single-node Apache Kafka (KRaft) and Redis on loopback.
+"""A local stack without Docker: a real single-node Apache Kafka (KRaft) and Redis on loopback,
+and, on request, a three-node KRaft cluster and a three-master Redis Cluster beside them.
 
 Kafka's broker jars are resolved from Maven Central into a cache outside the repository
 (`$DUAL_RAIL_HOME/kafka/<version>/libs`, laid out like the binary distribution's `libs/`).
 Every process started here is recorded by PID and stopped by that PID only.
+
+The clusters (`streams dev up --brokers 3`, `--redis-cluster`; docs/cluster.md) keep their layout
+(node count, ports) in `$DUAL_RAIL_HOME/run/*-cluster.json`, so that `status`, `down`,
+`kill-node` and `start-node` find every node without being told the ports again.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import signal
@@ -26,6 +32,14 @@ LOG4J_VERSION = "2.25.3"
 SLF4J_VERSION = "2.0.17"
 KAFKA_HEAP = "-Xmx768m"
 READY_TIMEOUT_S = 60.0
+# The local clusters: ports below the kernel's ephemeral range (32768-60999), clear of the
+# single-node defaults (Kafka 19092-19093, Redis 16379). Kafka node n (1..3) listens on
+# base + 2(n-1) (clients) and the next port (controller); Redis Cluster node n on base + n - 1,
+# and on that port + 10000 for the cluster bus.
+CLUSTER_KAFKA_PORT = 29092
+CLUSTER_REDIS_PORT = 17001
+CLUSTER_HEAP = "-Xmx512m"
+CLUSTER_READY_TIMEOUT_S = 120.0
 
 _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0"><modelVersion>4.0.0</modelVersion>
 <groupId>local.dual-rail</groupId><artifactId>kafka-dist</artifactId><version>1</version>
@@ -94,6 +108,20 @@ class _Process:
         # A recycled PID belongs to someone else: never signal it.
         return pid if self.marker in cmdline else None
 
+    def exited(self) -> bool:
+        """The process we last spawned is gone. Right after the fork its command line is still ours
+        (Python's), not the marker's: that is a process starting, not one that exited."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return False
+        _reap(pid)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return True
+        return state == "Z"
+
     def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
@@ -121,6 +149,43 @@ class _Process:
                 time.sleep(0.05)
         self.pid_file.unlink(missing_ok=True)
         return True
+
+    def signal(self, sig: signal.Signals) -> int | None:
+        """Send `sig` to the process if it is ours and alive; its PID, or None."""
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, sig)
+        return pid
+
+
+def _stop_all(procs: list[_Process], timeout: float = 30.0) -> list[str]:
+    """SIGTERM to every process at once, then wait; SIGKILL whatever is left at the deadline.
+    (Cluster nodes are stopped together: one by one, the last ones would wait for a quorum
+    that has already gone.)"""
+    stopped = [p for p in procs if p.signal(signal.SIGTERM) is not None]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.pid() is not None for p in stopped):
+        for p in stopped:
+            _reap_any(p)
+        time.sleep(0.1)
+    for p in stopped:
+        if p.pid() is not None:
+            p.signal(signal.SIGKILL)
+    for p in stopped:
+        while p.pid() is not None:
+            _reap_any(p)
+            time.sleep(0.05)
+    for p in procs:
+        p.pid_file.unlink(missing_ok=True)
+    return [p.name for p in stopped]
+
+
+def _reap_any(proc: _Process) -> None:
+    try:
+        pid = int(proc.pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return
+    _reap(pid)
 
 
 def _reap(pid: int) -> None:
@@ -303,7 +368,7 @@ def _wait_kafka_ready(bootstrap: str, timeout: float, proc: _Process) -> None:
     admin = AdminClient(client_config(bootstrap, quiet=True))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.pid() is None and proc.pid_file.exists():
+        if proc.exited():
             raise StackError(f"the Kafka broker exited during start-up; last log lines:\n{_tail(proc.log_file)}")
         try:
             md = admin.list_topics(timeout=1.0)
@@ -331,3 +396,423 @@ def _wait_redis_ready(url: str, timeout: float, proc: _Process) -> None:
     raise StackError(f"Redis at {url} did not answer PING within {timeout:.0f} s; "
                      f"last log lines:\n{_tail(proc.log_file)}")
 
+
+
+# ------------------------------------------------------------------------------------------ clusters
+def _load_layout(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise StackError(f"{path} is not valid JSON: delete it (and the cluster's data) or run "
+                         "`streams dev down --wipe`") from None
+
+
+def _check_free(ports: list[int]) -> None:
+    for port in ports:
+        if _port_open(port):
+            raise StackError(f"port {port} is taken by another process; free it or choose another base port "
+                             f"(see docs/cluster.md)")
+
+
+@dataclass(frozen=True)
+class KafkaNode:
+    """One combined controller+broker process of the local KRaft cluster."""
+
+    node_id: int
+    port: int             # PLAINTEXT, for clients and replication
+    controller_port: int  # CONTROLLER, for the Raft quorum
+    data: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The KRaft metadata quorum as the active controller describes it."""
+
+    leader_id: int
+    leader_epoch: int
+    high_watermark: int
+    voters: dict[int, int]      # node id -> log end offset
+    observers: dict[int, int]
+
+
+class KafkaCluster:
+    """A local Kafka cluster in KRaft mode: `brokers` combined controller+broker processes (same jars
+    as the single-node stack), each with its own ports and data directory, the controller quorum
+    made of all of them (a static voter set: `controller.quorum.voters`)."""
+
+    LAYOUT = "kafka-cluster.json"
+
+    def __init__(self, settings: StackConfig | None = None, brokers: int | None = None,
+                 base_port: int | None = None):
+        self.settings = settings or StackConfig.from_env()
+        home = self.settings.home
+        self.run_dir = home / "run"
+        self.data_dir = home / "data" / "cluster"
+        self.layout_file = self.run_dir / self.LAYOUT
+        layout = _load_layout(self.layout_file)
+        if layout is not None:
+            for key, wanted in (("brokers", brokers), ("base_port", base_port)):
+                if wanted is not None and wanted != layout[key]:
+                    raise StackError(
+                        f"a {layout['brokers']}-node Kafka cluster with base port {layout['base_port']} already "
+                        f"exists in {home}; stop and wipe it first (`streams dev down --wipe`)")
+            self.brokers, self.base_port, self.cluster_id = layout["brokers"], layout["base_port"], layout["cluster_id"]
+        else:
+            self.brokers = brokers or 3
+            self.base_port = base_port or CLUSTER_KAFKA_PORT
+            self.cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if self.brokers < 3:
+            raise StackError(f"a local Kafka cluster needs at least 3 nodes (got {self.brokers}); "
+                             "one broker is `streams dev up` without --brokers")
+        self.nodes = [KafkaNode(n, self.base_port + 2 * (n - 1), self.base_port + 2 * (n - 1) + 1,
+                                self.data_dir / f"kafka-{n}") for n in range(1, self.brokers + 1)]
+        # The trailing space ends the marker: node 1's must not match node 10's command line.
+        self.procs = {n.node_id: _Process(self.run_dir, f"kafka-{n.node_id}", f"-Ddual-rail-kafka={n.data} ")
+                      for n in self.nodes}
+
+    @classmethod
+    def existing(cls, settings: StackConfig | None = None) -> KafkaCluster | None:
+        """The cluster this home has (running or not), if `up --brokers N` ever created one."""
+        settings = settings or StackConfig.from_env()
+        return cls(settings) if (settings.home / "run" / cls.LAYOUT).exists() else None
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.address for n in self.nodes)
+
+    def node(self, node_id: int) -> KafkaNode:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise StackError(f"no Kafka node {node_id}: the cluster has nodes 1 to {self.brokers}")
+
+    def _properties(self, node: KafkaNode) -> Path:
+        rf, isr = str(min(3, self.brokers)), str(min(2, self.brokers))
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": str(node.node_id),
+            "controller.quorum.voters": ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes),
+            "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(node.data),
+            # Internal topics replicated like the cluster profile's topics (3 copies, 2 in sync).
+            "offsets.topic.replication.factor": rf,
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": isr,
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": isr,
+            "default.replication.factor": rf,
+            # min.insync.replicas stays at the broker default (1): topics get theirs from their
+            # profile, and topics created with one replica (the dev profile) must stay writable.
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "false",
+            "num.partitions": "1",
+        }
+        path = self.run_dir / f"kafka-{node.node_id}.properties"
+        path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        return path
+
+    def _format(self, classpath: str, nodes: list[KafkaNode]) -> None:
+        """Format the storage of nodes that have none, all with the cluster's id (in parallel)."""
+        pending = []
+        for node in nodes:
+            if (node.data / "meta.properties").exists():
+                continue
+            node.data.mkdir(parents=True, exist_ok=True)
+            pending.append((node, subprocess.Popen(
+                ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", self.cluster_id,
+                 "-c", str(self._properties(node))],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for node, proc in pending:
+            out, _ = proc.communicate(timeout=120)
+            if proc.returncode != 0:
+                raise StackError(f"formatting Kafka node {node.node_id}'s storage failed:\n{out}")
+
+    def _spawn(self, node: KafkaNode, classpath: str) -> None:
+        proc = self.procs[node.node_id]
+        props = self._properties(node)
+        proc.log_file.write_text("")
+        proc.spawn([
+            "java", CLUSTER_HEAP, "-Xms128m", "-XX:+UseG1GC",
+            f"-Ddual-rail-kafka={node.data}",
+            f"-Dlog4j2.configurationFile={self.run_dir / 'log4j2.yaml'}",
+            "-cp", classpath, "kafka.Kafka", str(props),
+        ])
+
+    def start(self, timeout: float = CLUSTER_READY_TIMEOUT_S) -> str:
+        """Start every node that is not running (all at once: a node waits for a quorum) and wait
+        until the metadata lists every broker."""
+        down = [n for n in self.nodes if self.procs[n.node_id].pid() is None]
+        if down:
+            _check_free([p for n in down for p in (n.port, n.controller_port)])
+            classpath = f"{LocalStack(self.settings).kafka_libs()}/*"
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.layout_file.write_text(json.dumps(
+                {"brokers": self.brokers, "base_port": self.base_port, "cluster_id": self.cluster_id}))
+            (self.run_dir / "log4j2.yaml").write_text(_LOG4J2)
+            self._format(classpath, down)
+            for node in down:
+                self._spawn(node, classpath)
+        self.wait_brokers({n.node_id for n in self.nodes}, timeout)
+        return self.bootstrap
+
+    def start_node(self, node_id: int, timeout: float = CLUSTER_READY_TIMEOUT_S) -> None:
+        """Start one node again (after `stop_node`) and wait until it is a registered broker."""
+        node = self.node(node_id)
+        if self.procs[node_id].pid() is None:
+            _check_free([node.port, node.controller_port])
+            self._spawn(node, f"{LocalStack(self.settings).kafka_libs()}/*")
+        self.wait_brokers({node_id}, timeout)
+
+    def stop_node(self, node_id: int, sig: signal.Signals = signal.SIGTERM, timeout: float = 60.0) -> bool:
+        """Stop one node: SIGTERM (a controlled shutdown; SIGKILL if it has not exited by `timeout`)
+        or SIGKILL (a crash). False when it was not running."""
+        self.node(node_id)
+        proc = self.procs[node_id]
+        pid = proc.signal(sig)
+        if pid is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while proc.pid() is not None:
+            _reap(pid)
+            if time.monotonic() > deadline:
+                proc.signal(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.05)
+        proc.pid_file.unlink(missing_ok=True)
+        return True
+
+    def stop(self) -> list[str]:
+        return _stop_all(list(self.procs.values()))
+
+    def wipe(self) -> None:
+        for node in self.nodes:
+            shutil.rmtree(node.data, ignore_errors=True)
+        self.layout_file.unlink(missing_ok=True)
+
+    def status(self) -> list[ServiceStatus]:
+        out = []
+        for node in self.nodes:
+            pid = self.procs[node.node_id].pid()
+            out.append(ServiceStatus(f"kafka-{node.node_id}", node.address,
+                                     f"running (pid {pid})" if pid else "stopped"))
+        return out
+
+    def wait_brokers(self, expected: set[int], timeout: float) -> None:
+        """Until each node of `expected` serves requests itself (a KRaft broker does once it has
+        caught up with the metadata log and the controller has unfenced it). A node that exits
+        meanwhile fails fast, with its last log lines. (The cluster's metadata is not enough: a
+        broker killed a moment ago is listed until its session times out.)"""
+        from ..topology.admin import broker_serves
+
+        deadline = time.monotonic() + timeout
+        waiting = set(expected)
+        while time.monotonic() < deadline:
+            for node_id in sorted(waiting):
+                proc = self.procs[node_id]
+                if proc.pid() is None:
+                    raise StackError(f"Kafka node {node_id} is not running (it exited during start-up?); "
+                                     f"last log lines:\n{_tail(proc.log_file)}")
+                if broker_serves(self.node(node_id).address) == node_id:
+                    waiting.discard(node_id)
+            if not waiting:
+                return
+            time.sleep(0.25)
+        raise StackError(f"Kafka nodes {sorted(waiting)} did not serve as brokers within {timeout:.0f} s; "
+                         f"see {self.run_dir}/kafka-N.log")
+
+    def quorum(self, timeout: float = 10.0) -> Quorum:
+        """The metadata quorum (leader, voters, observers), as the active controller reports it."""
+        from ..topology.admin import describe_quorum
+
+        leader, epoch, hw, voters, observers = describe_quorum(self.bootstrap, timeout)
+        return Quorum(leader, epoch, hw, voters, observers)
+
+
+@dataclass(frozen=True)
+class RedisNode:
+    index: int
+    port: int
+    data: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class LocalRedisCluster:
+    """A local Redis Cluster of `masters` masters and no replicas, from Debian's redis-server: one
+    process per node with `cluster-enabled yes`, durable like the single Redis (append-only file,
+    fsync every second, no eviction), formed once with `redis-cli --cluster create`."""
+
+    LAYOUT = "redis-cluster.json"
+    NODE_TIMEOUT_MS = 5000  # how long a node may be unreachable before the others mark it failed
+
+    def __init__(self, settings: StackConfig | None = None, masters: int | None = None, base_port: int | None = None):
+        self.settings = settings or StackConfig.from_env()
+        home = self.settings.home
+        self.run_dir = home / "run"
+        self.layout_file = self.run_dir / self.LAYOUT
+        layout = _load_layout(self.layout_file)
+        if layout is not None:
+            for key, wanted in (("masters", masters), ("base_port", base_port)):
+                if wanted is not None and wanted != layout[key]:
+                    raise StackError(
+                        f"a {layout['masters']}-master Redis Cluster with base port {layout['base_port']} "
+                        f"already exists in {home}; stop and wipe it first (`streams dev down --wipe`)")
+            self.masters, self.base_port = layout["masters"], layout["base_port"]
+        else:
+            self.masters = masters or 3
+            self.base_port = base_port or CLUSTER_REDIS_PORT
+        if self.masters < 3:
+            raise StackError(f"Redis Cluster needs at least 3 masters (got {self.masters})")
+        self.nodes = [RedisNode(i, self.base_port + i - 1, home / "data" / "cluster" / f"redis-{i}")
+                      for i in range(1, self.masters + 1)]
+        self.procs = {n.index: _Process(self.run_dir, f"redis-cluster-{n.index}", f"127.0.0.1:{n.port}")
+                      for n in self.nodes}
+
+    @classmethod
+    def existing(cls, settings: StackConfig | None = None) -> LocalRedisCluster | None:
+        settings = settings or StackConfig.from_env()
+        return cls(settings) if (settings.home / "run" / cls.LAYOUT).exists() else None
+
+    @property
+    def url(self) -> str:
+        """The REDIS_URL of this cluster (every node a startup node)."""
+        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+
+    def node(self, index: int) -> RedisNode:
+        for n in self.nodes:
+            if n.index == index:
+                return n
+        raise StackError(f"no Redis Cluster node {index}: the cluster has nodes 1 to {self.masters}")
+
+    def _spawn(self, node: RedisNode, binary: str) -> None:
+        node.data.mkdir(parents=True, exist_ok=True)
+        proc = self.procs[node.index]
+        proc.log_file.write_text("")
+        proc.spawn([
+            binary, "--bind", "127.0.0.1", "--port", str(node.port),
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS),
+            # Durable like the single Redis (README: Redis in production).
+            "--dir", str(node.data), "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            "--daemonize", "no", "--protected-mode", "yes",
+        ])
+
+    def start(self, timeout: float = 60.0, install: bool = True) -> str:
+        down = [n for n in self.nodes if self.procs[n.index].pid() is None]
+        if down:
+            _check_free([p for n in down for p in (n.port, n.port + 10000)])
+            binary = shutil.which("redis-server") or _install_redis(install)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.layout_file.write_text(json.dumps({"masters": self.masters, "base_port": self.base_port}))
+            for node in down:
+                self._spawn(node, binary)
+        for node in self.nodes:
+            _wait_redis_ready(f"redis://{node.address}/0", 15.0, self.procs[node.index])
+        if all(self._info(n).get("cluster_known_nodes") == "1" for n in self.nodes):
+            self._create()
+        self.wait_ok(timeout)
+        return self.url
+
+    def _create(self) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise StackError("`redis-cli` was not found on PATH (Debian package redis-tools): it forms the cluster")
+        proc = subprocess.run([cli, "--cluster", "create", *(n.address for n in self.nodes),
+                               "--cluster-replicas", "0", "--cluster-yes"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise StackError(f"`redis-cli --cluster create` failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+    def _info(self, node: RedisNode) -> dict[str, str]:
+        """CLUSTER INFO of one node ({} when it does not answer)."""
+        import redis
+
+        try:
+            raw = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2,
+                              socket_connect_timeout=1).execute_command("CLUSTER INFO")
+        except redis.RedisError:
+            return {}
+        if isinstance(raw, dict):
+            return {str(k): str(v) for k, v in raw.items()}
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+    def wait_ok(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
+        """Until every (running) node says `cluster_state:ok` with every slot assigned."""
+        watched = [self.node(i) for i in nodes] if nodes else self.nodes
+        deadline = time.monotonic() + timeout
+        infos: dict[int, dict[str, str]] = {}
+        while time.monotonic() < deadline:
+            infos = {n.index: self._info(n) for n in watched}
+            if all(i.get("cluster_state") == "ok" and i.get("cluster_slots_assigned") == "16384"
+                   and i.get("cluster_known_nodes") == str(self.masters) for i in infos.values()):
+                return
+            time.sleep(0.2)
+        states = {i: (info.get("cluster_state"), info.get("cluster_known_nodes")) for i, info in infos.items()}
+        raise StackError(f"the Redis Cluster is not ok after {timeout:.0f} s (node: (state, known nodes)) "
+                         f"{states}; logs in {self.run_dir}/redis-cluster-N.log")
+
+    def start_node(self, index: int, timeout: float = 60.0) -> None:
+        """Start one node again: it rejoins with its nodes.conf and its append-only file."""
+        node = self.node(index)
+        if self.procs[index].pid() is None:
+            _check_free([node.port, node.port + 10000])
+            self._spawn(node, shutil.which("redis-server") or _install_redis(True))
+        _wait_redis_ready(f"redis://{node.address}/0", 15.0, self.procs[index])
+        self.wait_ok(timeout)
+
+    def stop_node(self, index: int, sig: signal.Signals = signal.SIGTERM, timeout: float = 20.0) -> bool:
+        self.node(index)
+        proc = self.procs[index]
+        pid = proc.signal(sig)
+        if pid is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while proc.pid() is not None:
+            _reap(pid)
+            if time.monotonic() > deadline:
+                proc.signal(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.05)
+        proc.pid_file.unlink(missing_ok=True)
+        return True
+
+    def stop(self) -> list[str]:
+        return _stop_all(list(self.procs.values()))
+
+    def wipe(self) -> None:
+        for node in self.nodes:
+            shutil.rmtree(node.data, ignore_errors=True)
+        self.layout_file.unlink(missing_ok=True)
+
+    def status(self) -> list[ServiceStatus]:
+        out = []
+        for node in self.nodes:
+            pid = self.procs[node.index].pid()
+            out.append(ServiceStatus(f"redis-cluster-{node.index}", node.address,
+                                     f"running (pid {pid})" if pid else "stopped"))
+        return out
+
+
+def cluster_stacks(settings: StackConfig | None = None) -> list[KafkaCluster | LocalRedisCluster]:
+    """The clusters this home has created (running or not)."""
+    found: list[KafkaCluster | LocalRedisCluster | None] = [KafkaCluster.existing(settings),
+                                                           LocalRedisCluster.existing(settings)]
+    return [c for c in found if c is not None]
+
+
+# `streams dev kill-node --signal`: TERM is a clean shutdown, KILL a crash.
+SIGNALS: dict[str, signal.Signals] = {"TERM": signal.SIGTERM, "KILL": signal.SIGKILL}

@@ -56,7 +56,8 @@ SEND_RETRY_MAX_S = 5.0
 class EndpointHealthApp:
     def __init__(self, config: Config, directory: EndpointDirectory, data_dir: Path | None = None):
         self.config, self.names, self.directory = config, config.names, directory
-        attempts = load_definitions(namespace=config.namespace)[self.names.webhook_attempts]
+        topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
+        attempts = topics[self.names.webhook_attempts]
         self.app = faust.App(
             self.names.endpoint_health_app,
             broker=[f"kafka://{server}" for server in config.bootstrap.split(",")],
@@ -76,8 +77,10 @@ class EndpointHealthApp:
         self.attempts = self.app.topic(self.names.webhook_attempts, key_type=bytes, value_type=bytes,
                                        key_serializer="raw", value_serializer="raw",
                                        partitions=attempts.partitions)
-        # Rows are JSON documents (the app's default value serializer), keys the raw endpoint ids.
-        self.table = self.app.Table("health", default=None, partitions=attempts.partitions)
+        # Keys are endpoint ids (str: read back from the changelog as str too, not as the raw bytes a
+        # key without a type comes back as, which would miss every row after a recovery); rows are
+        # JSON documents (the app's default value serializer).
+        self.table = self.app.Table("health", default=None, partitions=attempts.partitions, key_type=str)
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
         self.routing = default_routing()

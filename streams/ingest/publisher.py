@@ -196,10 +196,17 @@ class Publisher:
         except queue.Empty:
             pass
         with self._create_lock:
-            if self._created < self._pool_size:
+            create = self._created < self._pool_size
+            if create:
                 self._created += 1
-                return self._new_transactional()
-        return self._pool.get()
+        if not create:
+            return self._pool.get()
+        try:
+            return self._new_transactional()
+        except PublishError:
+            with self._create_lock:
+                self._created -= 1
+            raise
 
     def _new_transactional(self) -> Producer:
         txn_id = f"{self._prefix}ingest-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -208,8 +215,6 @@ class Publisher:
         try:
             producer.init_transactions(self.timeout_s)
         except KafkaException as exc:
-            with self._create_lock:
-                self._created -= 1
             raise PublishError(f"cannot start a producer transaction: {exc.args[0].str()}") from None
         return producer
 

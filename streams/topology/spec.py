@@ -2,6 +2,10 @@
 
 A definition file holds `[[topic]]` tables. A name may use the placeholders `{channel}`, `{lane}`
 and `{tier}`, which expand over the channels, lanes and retry tiers of `streams.lanes`.
+
+A replication profile (`PROFILES`: `dev` 1 copy, `cluster` 3 copies with 2 in sync) sets every
+topic's replication factor and `min.insync.replicas`; without one, the definitions are taken as
+written (their `replication_factor`, the single-broker value). docs/cluster.md tells how to choose.
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 @dataclass(frozen=True)
+class Profile:
+    """How many copies of every partition a deployment keeps, and how many must acknowledge a
+    write (`acks=all`) before it counts: the topics' `min.insync.replicas`."""
+
+    name: str
+    replication_factor: int
+    min_insync_replicas: int
+
+
+PROFILES: dict[str, Profile] = {
+    "dev": Profile("dev", 1, 1),          # one broker: the local stack, the tests
+    "cluster": Profile("cluster", 3, 2),  # three brokers or more: one may fail without losing a write
+}
+
+
+@dataclass(frozen=True)
 class TopicSpec:
     name: str
     partitions: int
@@ -54,11 +74,12 @@ class TopicState:
 @dataclass(frozen=True)
 class Change:
     topic: str
-    kind: str  # create | add_partitions | set_config | delete_config | refused
+    kind: str  # create | add_partitions | add_replicas | set_config | delete_config | refused
     detail: str
     key: str = ""
     value: str = ""
     partitions: int = 0
+    replication_factor: int = 0  # add_replicas: the new replication factor
 
     def __str__(self) -> str:
         return f"{self.kind:<15} {self.topic}: {self.detail}"
@@ -142,8 +163,34 @@ def topics_dir(override: str | Path | None = None) -> Path:
     return REPO_TOPICS if REPO_TOPICS.is_dir() else Path.cwd() / "topics"
 
 
-def load_definitions(directory: Path | None = None, namespace: str = "") -> dict[str, TopicSpec]:
-    """Load every `*.toml` under `directory` (default: `topics_dir()`); a topic defined twice is an error."""
+def topic_profile(name: str) -> Profile:
+    """The replication profile called `name` (ConfigError naming the known ones)."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ConfigError(f"unknown topic profile {name!r} (known: {', '.join(PROFILES)})") from None
+
+
+def apply_profile(specs: dict[str, TopicSpec], chosen: Profile) -> dict[str, TopicSpec]:
+    """Every topic with the profile's replication factor and `min.insync.replicas`. A definition
+    that sets `min.insync.replicas` itself keeps it, if the profile's replicas can satisfy it."""
+    out = {}
+    for name, spec in specs.items():
+        config = dict(spec.config)
+        own = config.get("min.insync.replicas")
+        if own is None:
+            config["min.insync.replicas"] = str(chosen.min_insync_replicas)
+        elif not own.isdigit() or not 1 <= int(own) <= chosen.replication_factor:
+            raise ConfigError(f"{spec.source}: field 'config.min.insync.replicas' = {own} cannot be met with "
+                              f"the {chosen.name!r} profile's {chosen.replication_factor} replica(s)")
+        out[name] = TopicSpec(spec.name, spec.partitions, chosen.replication_factor, config, spec.source)
+    return out
+
+
+def load_definitions(directory: Path | None = None, namespace: str = "",
+                     profile: str | Profile | None = None) -> dict[str, TopicSpec]:
+    """Load every `*.toml` under `directory` (default: `topics_dir()`); a topic defined twice is an error.
+    With a `profile` (a name of PROFILES, or a Profile), every topic takes its replication settings."""
     directory = directory or topics_dir()
     files = sorted(directory.glob("*.toml"))
     if not files:
@@ -156,7 +203,9 @@ def load_definitions(directory: Path | None = None, namespace: str = "") -> dict
                                   f"{specs[spec.name].source}")
             specs[spec.name] = spec
     _check_retry_partitions(specs)
-    return specs
+    if profile is None:
+        return specs
+    return apply_profile(specs, topic_profile(profile) if isinstance(profile, str) else profile)
 
 
 def _check_retry_partitions(specs: dict[str, TopicSpec]) -> None:
@@ -188,11 +237,19 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
                 f"partitions {state.partitions} -> {spec.partitions}: Kafka cannot remove partitions, "
                 "and fewer partitions would remap tenant keys and strand unconsumed messages; "
                 "recreate the topic deliberately instead"))
-        if spec.replication_factor != state.replication_factor:
+        if spec.replication_factor > state.replication_factor:
+            changes.append(Change(
+                name, "add_replicas",
+                f"replication factor {state.replication_factor} -> {spec.replication_factor} "
+                "(partition reassignment: new replicas copy each partition; leaders stay)",
+                replication_factor=spec.replication_factor))
+        elif spec.replication_factor < state.replication_factor:
             changes.append(Change(
                 name, "refused",
-                f"replication factor {state.replication_factor} -> {spec.replication_factor}: "
-                "changing it needs a partition reassignment, which this tool does not do"))
+                f"replication factor {state.replication_factor} -> {spec.replication_factor}: lowering it "
+                "throws away copies of every partition, and with them the writes a broker failure would "
+                "otherwise keep; this tool only raises a replication factor (check the topic profile: "
+                "`--profile` / DUAL_RAIL_TOPIC_PROFILE)"))
         for key, value in sorted(spec.config.items()):
             if state.overrides.get(key) != value:
                 changes.append(Change(name, "set_config",
@@ -206,7 +263,7 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
 
 def channel_specs(specs: dict[str, TopicSpec], namespace: str, channels: tuple[str, ...]) -> dict[str, TopicSpec]:
     """The topics one or more channels need: their lanes and retry tiers, plus the shared
-    `notif.dlq`, `notif.outcomes`, `notif.lag`, `notif.operator` and `notif.endpoint.state`."""
-    shared = {f"{namespace}notif.{t}" for t in ("dlq", "outcomes", "lag", "operator", "endpoint.state")}
+    `notif.dlq`, `notif.outcomes`, `notif.lag`, `notif.operator`, `notif.endpoint.state` and `notif.audit`."""
+    shared = {f"{namespace}notif.{t}" for t in ("dlq", "outcomes", "lag", "operator", "endpoint.state", "audit")}
     prefixes = tuple(f"{namespace}notif.{c}." for c in channels)
     return {n: s for n, s in specs.items() if n in shared or n.startswith(prefixes)}

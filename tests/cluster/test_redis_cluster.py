@@ -1,0 +1,332 @@
+"""The Redis adapters on a three-master Redis Cluster (`REDIS_URL=redis+cluster://...`): every Lua
+script runs on one slot, the gate, processed_jobs and the status store give the same answers as on a
+single Redis, and a master that goes down fails closed until it is back, its data intact."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from redis.cluster import ClusterNode
+from redis.crc import key_slot
+
+from streams.dispatch.idempotency import Claim, ProcessedJobs, idempotency_key
+from streams.errors import GateUnavailable, StoreUnavailable
+from streams.gate.gate import RedisGate
+from streams.gate.limits import LimitStore
+from streams.ingest.idempotency import IngestIdempotency
+from streams.ingest.status import StatusStore
+from streams.redis_client import ClusterClient, ClusterClientPipeline, cluster_startup, connect
+from tests.harness import wait_until
+
+pytestmark = pytest.mark.cluster
+
+PACKAGE = Path(__file__).resolve().parents[2] / "streams"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class _RecordingPipeline(ClusterClientPipeline):
+    recorder: RecordingClient
+
+    def evalsha(self, sha, numkeys, *keys_and_args):
+        self.recorder.record(sha, keys_and_args[:numkeys])
+        return super().evalsha(sha, numkeys, *keys_and_args)
+
+
+class RecordingClient(ClusterClient):
+    """The production cluster client, noting where each script was registered and the keys of every call."""
+
+    pipeline_class = _RecordingPipeline
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sites: dict[str, str] = {}               # sha -> the file whose code registered it
+        self.calls: list[tuple[str, tuple]] = []      # (sha, keys)
+
+    def register_script(self, script):
+        caller = sys._getframe(1)
+        registered = super().register_script(script)
+        self.sites[registered.sha] = f"{Path(caller.f_code.co_filename).resolve().relative_to(PACKAGE.parent)}"
+        return registered
+
+    def record(self, sha, keys) -> None:
+        self.calls.append((sha, tuple(k if isinstance(k, str) else k.decode() for k in keys)))
+
+    def evalsha(self, sha, numkeys, *keys_and_args):
+        self.record(sha, keys_and_args[:numkeys])
+        return super().evalsha(sha, numkeys, *keys_and_args)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.recorder = self
+        return pipe
+
+
+def registration_sites() -> dict[str, int]:
+    """Every `register_script(` call in the package: file -> how many."""
+    found: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "redis_client.py":
+            continue
+        n = len(re.findall(r"\.register_script\(", path.read_text()))
+        if n:
+            found[str(path.relative_to(PACKAGE.parent))] = n
+    return found
+
+
+def spread(client, keys: list[str]) -> set[str]:
+    """The masters (host:port) these keys live on."""
+    return {client.get_node_from_key(k).name for k in keys}
+
+
+def pick_names(client, key_of, candidates, per_node: int = 1) -> list[str]:
+    """Names from `candidates` whose keys land on every master (`per_node` each), in a stable order."""
+    by_node: dict[str, list[str]] = {}
+    for name in candidates:
+        by_node.setdefault(client.get_node_from_key(key_of(name)).name, []).append(name)
+    assert len(by_node) == 3, f"the candidates cover only {sorted(by_node)}"
+    return sorted(n for names in by_node.values() for n in names[:per_node])
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster):
+    """Given every `register_script` call in the package (the gate's, processed_jobs' and ingest idempotency's), on a
+    client of the Redis Cluster that notes the keys of every script call,
+    When the gate (acquire, acquire_many, cool_down), processed_jobs (claim, claim_many, mark_delivered,
+    mark_delivered_many, mark_reconcile, release, refresh) and ingest idempotency (begin) run for tenants and
+    providers spread over all three masters,
+    Then every registration site was used, every registered script was called, and every call's keys hash to one
+    slot: the provider's for the gate, the tenant's for the rest."""
+    first, nodes = cluster_startup(healthy_redis_cluster.url)
+    recording = RecordingClient(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], socket_timeout=5)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    providers = pick_names(recording, lambda p: f"{ns}dr:{{{p}}}:limits", [f"prov{i}" for i in range(40)])
+    tenants = pick_names(recording, lambda t: f"{ns}dr:{{t:{t}}}:lease:x", [f"tenant{i}" for i in range(40)])
+    limits = LimitStore(recording, ns)
+    for p in providers:
+        limits.set_provider(p, 100, 100)
+        limits.set_tenant(p, "*", 100, 100)
+
+    gate = RedisGate(recording, ns)
+    jobs = ProcessedJobs(recording, ns)
+    ingest = IngestIdempotency(recording, ns)
+    gate.acquire(providers[0], tenants[0], 1)
+    gate.acquire_many([(p, t, 2, True) for p in providers for t in tenants])
+    gate.cool_down(providers[1], 0.01)
+    claims = [Claim(t, idempotency_key([f"{t}-{i}" for i in range(3)]), tuple(f"{t}-{i}" for i in range(3)), "w",
+                    "/emails/batch", b"[]") for t in tenants]
+    assert jobs.claim_many(claims) == [[]] * len(claims)
+    assert jobs.claim([f"{tenants[0]}-9"], "send-x", "w", "/emails", b"{}", tenants[0]) == []
+    jobs.refresh([(c.tenant, c.key) for c in claims], "w")
+    jobs.mark_delivered(claims[0].tenant, claims[0].send_ids, claims[0].key)
+    jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[1:2]])
+    jobs.mark_reconcile(tenants[0], [f"{tenants[0]}-9"], "send-x")
+    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key)
+    ingest.begin(tenants[1], "key-1", "digest")
+
+    sites = registration_sites()
+    used = {}
+    for site in recording.sites.values():
+        used[site] = used.get(site, 0) + 1
+    assert used == sites, (f"register_script calls in the package {sites}, exercised here {used}: a new Lua script "
+                           "needs its calls added to this test")
+    never_called = {recording.sites[sha] for sha in set(recording.sites) - {sha for sha, _ in recording.calls}}
+    assert not never_called, f"scripts registered in {never_called} were never called here"
+    for sha, keys in recording.calls:
+        slots = {key_slot(k.encode()) for k in keys}
+        assert len(slots) == 1, (f"a script registered in {recording.sites[sha]} was called with keys in "
+                                 f"{len(slots)} slots: {keys}")
+    gate_keys = [k for sha, keys in recording.calls if recording.sites[sha].startswith("streams/gate") for k in keys]
+    assert spread(recording, gate_keys) == spread(recording, [f"{ns}dr:{{{p}}}:x" for p in providers])
+    assert len(spread(recording, gate_keys)) == 3  # and the calls really went to all three masters
+
+
+@dataclass(frozen=True, eq=False)
+class Adm:
+    """An admission as compared across the two servers: the same decision and bucket, and a wait within
+    0.25 s (each side measures it at its own moment)."""
+
+    allowed: bool
+    short: str
+    wait_s: float
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Adm) and (self.allowed, self.short) == (other.allowed, other.short)
+                and abs(self.wait_s - other.wait_s) <= 0.25)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _admission(a) -> Adm | tuple:
+    if isinstance(a, Exception):
+        return (type(a).__name__, str(a))
+    return Adm(a.allowed, a.short, a.wait_s)
+
+
+def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[tuple]:
+    """One sequence of gate, processed_jobs and status-store calls; what each answered."""
+    out: list[tuple] = []
+    limits = LimitStore(client, ns)
+    for p in providers:
+        limits.set_provider(p, 1, 10, reserve=3)  # refills one token a second: the counts below are exact
+        limits.set_tenant(p, "*", 1000, 100)
+        limits.set_tenant(p, "small", 2, 2)
+    gate = RedisGate(client, ns)
+    p0, p1 = providers[0], providers[1]
+    out.append(("small takes its burst", _admission(gate.acquire(p0, "small", 2))))
+    out.append(("small denied", _admission(gate.acquire(p0, "small", 2))))
+    out.append(("marketing takes 7", [_admission(gate.acquire(p0, "big", 1, reserve=True)) for _ in range(7)]))
+    out.append(("marketing held by the reserve", _admission(gate.acquire(p0, "big", 1, reserve=True))))
+    out.append(("transactional passes", _admission(gate.acquire(p0, "otp", 1))))
+    out.append(("many", [_admission(a) for a in gate.acquire_many(
+        [(p, t, 3, False) for p in providers for t in tenants]
+        + [("unconfigured", tenants[0], 1, False), (p1, "small", 5, False), (p0, "big", 1, True)])]))
+    gate.cool_down(p1, 1.5)
+    out.append(("cool-down holds", _admission(gate.acquire(p1, tenants[0], 1))))
+    gate.cool_down(p1, 0.1)
+    out.append(("a shorter cool-down does not shorten it", _admission(gate.acquire(p1, tenants[0], 1))))
+
+    jobs = ProcessedJobs(client, ns)
+    claims = [Claim(t, idempotency_key([f"{t}-a", f"{t}-b"]), (f"{t}-a", f"{t}-b"), "w1", "/emails/batch",
+                    f"body of {t}".encode()) for t in tenants]
+    out.append(("claim_many", jobs.claim_many(claims)))
+    out.append(("claim_many again: all busy", jobs.claim_many(claims)))
+    out.append(("claim overlapping", jobs.claim([f"{tenants[0]}-c", f"{tenants[0]}-b"], "send-c", "w2", "/emails",
+                                                b"c", tenants[0])))
+    jobs.refresh([(c.tenant, c.key) for c in claims], "w1")
+    out.append(("take_over while held", jobs.take_over(claims[0].tenant, claims[0].key, "w2")))
+    jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[:2]])
+    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key)
+    jobs.keep_unknown(claims[3].tenant, claims[3].key)
+    out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2")))
+    out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
+
+    store = StatusStore(client, ns)
+    sends = [SimpleNamespace(send_id=f"send-{i}", tenant_id=tenants[i % len(tenants)], channel="email",
+                             lane="transactional", replay_of=None) for i in range(6)]
+    store.accepted(sends)
+    for i, s in enumerate(sends):
+        base = {"send_id": s.send_id, "tenant_id": s.tenant_id, "completed_at_ms": 1000 + i, "provider": "resend",
+                "attempts": 1, "attempt": {"n": 1, "status": 429}}
+        store.record_outcome({**base, "status": "retrying"})
+        if i % 2 == 0:
+            store.record_outcome({**base, "status": "delivered", "attempts": 2, "attempt": {"n": 2, "status": 200},
+                                  "provider_message_id": f"m-{i}"})
+            store.record_outcome({**base, "status": "retrying"})  # late: must not replace delivered
+    store.record_outcome({"send_id": "hook-1", "tenant_id": tenants[0], "status": "delivered", "completed_at_ms": 5,
+                          "endpoint_id": "ep_1", "event_id": "ev_1", "event_type": "order.paid", "created_at_ms": 4})
+    for s in [*sends, SimpleNamespace(send_id="hook-1")]:
+        doc = store.get(s.send_id) or {}
+        doc.pop("accepted_at_ms", None)
+        out.append(("get", s.send_id, sorted(doc.items(), key=lambda kv: kv[0])))
+    out.append(("endpoint deliveries", store.endpoint_deliveries("ep_1")))
+    out.append(("missing", store.get("send-none")))
+    return out
+
+
+def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_single_redis(healthy_redis_cluster,
+                                                                                           single_redis_url):
+    """Given one sequence of calls: the gate (a tenant's burst, a denial, the marketing reserve, acquire_many over
+    every provider and tenant with an unconfigured provider and a cost above a burst, a cool-down and a shorter
+    one), processed_jobs (claim_many, the same again, an overlapping claim, refresh, take_over while held,
+    mark_delivered_many, release, keep_unknown then take_over, status_many) and the status store (accepted,
+    outcomes including a late intermediate one, a webhook delivery, get), with providers and tenants whose keys
+    live on all three masters,
+    When it runs against the Redis Cluster (REDIS_URL=redis+cluster://...) and against a single Redis,
+    Then every answer is the same on both (waits compared to 0.1 s), and the answers are the expected ones."""
+    cluster = connect(healthy_redis_cluster.url)
+    assert isinstance(cluster, ClusterClient)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    providers = pick_names(cluster, lambda p: f"{ns}dr:{{{p}}}:limits", [f"prov{i}" for i in range(40)])
+    tenants = pick_names(cluster, lambda t: f"{ns}dr:{{t:{t}}}:lease:x", [f"tenant{i}" for i in range(40)], 2)
+    assert len(spread(cluster, [f"{ns}dr:send:{{send-{i}}}" for i in range(6)])) >= 2
+
+    on_cluster = scenario(cluster, ns, providers, tenants)
+    on_single = scenario(connect(single_redis_url), ns, providers, tenants)
+
+    assert on_cluster == on_single
+    answers = dict((row[0], row[1]) for row in on_cluster if row[0] != "get")
+    yes = Adm(True, "", 0.0)
+    assert answers["small takes its burst"] == yes
+    assert answers["small denied"] == Adm(False, "tenant", 1.0)
+    assert answers["marketing takes 7"] == [yes] * 6 + [Adm(False, "global", 1.0)]  # 9 left, 3 of them reserved
+    assert answers["marketing held by the reserve"].short == "global"
+    assert answers["transactional passes"] == yes
+    many = answers["many"]
+    assert many[:6] == [yes] * 2 + [Adm(False, "global", 1.0)] * 4  # the first provider had 2 tokens left
+    assert many[6:18] == [yes] * 12                                  # the other two: 6 each of a full 10
+    assert many[18][0] == "ConfigError" and many[19][0] == "CostExceedsBurst" and many[20].short == "global"
+    assert answers["cool-down holds"] == Adm(False, "cooldown", 1.5)
+    assert answers["a shorter cool-down does not shorten it"] == Adm(False, "cooldown", 1.5)
+    assert answers["claim_many"] == [[]] * 6 and answers["claim_many again: all busy"] == [[0, 1]] * 6
+    assert answers["claim overlapping"] == [1]
+    assert answers["take_over while held"] is None
+    assert answers["take_over after an unknown outcome"].body == f"body of {tenants[3]}".encode()
+    inflight = [f"inflight:{idempotency_key([f'{t}-a', f'{t}-b'])}" for t in tenants]
+    assert answers["status"] == [["delivered", "delivered", None]] * 2 + [[None, None, None]] + [
+        [inflight[i], inflight[i], None] for i in (3, 4, 5)]
+    gets = {row[1]: dict(row[2]) for row in on_cluster if row[0] == "get"}
+    assert gets["send-0"]["status"] == "delivered" and gets["send-0"]["provider_message_id"] == "m-0"
+    assert [a["n"] for a in gets["send-0"]["attempt_history"]] == [1, 2]
+    assert gets["send-1"]["status"] == "retrying"
+    assert gets["hook-1"]["endpoint_id"] == "ep_1"
+    assert answers["endpoint deliveries"] == ["hook-1"] and answers["missing"] is None
+
+
+def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healthy_redis_cluster):
+    """Given rate limits and a claim whose keys live on one master, written more than a second before (the
+    append-only file is fsynced every second), and a provider whose keys live on another master,
+    When that master is killed with SIGKILL, the cluster is waited on past its node timeout, and the master is
+    started again,
+    Then at once the gate fails closed (GateUnavailable) and processed_jobs raises StoreUnavailable for that master's
+    provider and tenant, while the other provider is still admitted; once the node timeout has passed the whole
+    cluster refuses (cluster down: every provider fails closed); and after the restart both providers are admitted
+    again and the claim is still there (nothing to re-send)."""
+    rc = healthy_redis_cluster
+    client = connect(rc.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    providers = pick_names(client, lambda p: f"{ns}dr:{{{p}}}:limits", [f"prov{i}" for i in range(40)])
+    victim_provider, other_provider = providers[0], next(
+        p for p in providers if client.get_node_from_key(f"{ns}dr:{{{p}}}:limits").name
+        != client.get_node_from_key(f"{ns}dr:{{{providers[0]}}}:limits").name)
+    victim = client.get_node_from_key(f"{ns}dr:{{{victim_provider}}}:limits")
+    tenant = next(t for t in (f"tenant{i}" for i in range(100))
+                  if client.get_node_from_key(f"{ns}dr:{{t:{t}}}:x").name == victim.name)
+    limits = LimitStore(client, ns)
+    for p in (victim_provider, other_provider):
+        limits.set_provider(p, 100, 100)
+        limits.set_tenant(p, "*", 100, 100)
+    gate, jobs = RedisGate(client, ns), ProcessedJobs(client, ns)
+    assert jobs.claim([f"{tenant}-1"], "send-1", "w1", "/emails", b"{}", tenant) == []
+    time.sleep(1.2)  # past the append-only file's once-a-second fsync
+    index = victim.port - rc.base_port + 1
+
+    rc.stop_node(index, signal.SIGKILL)
+    try:
+        with pytest.raises(GateUnavailable, match="failing closed"):
+            gate.acquire(victim_provider, tenant, 1)
+        with pytest.raises(StoreUnavailable):
+            jobs.status(tenant, [f"{tenant}-1"])
+        assert gate.acquire(other_provider, tenant, 1).allowed
+
+        def refused() -> bool:
+            try:
+                gate.acquire(other_provider, tenant, 1)
+                return False
+            except GateUnavailable:
+                return True
+
+        wait_until(refused, 30, "the cluster to be down as a whole (past cluster-node-timeout)", interval=0.5)
+    finally:
+        rc.start_node(index)
+
+    assert gate.acquire(victim_provider, tenant, 1).allowed
+    assert gate.acquire(other_provider, tenant, 1).allowed
+    assert jobs.status(tenant, [f"{tenant}-1"]) == ["inflight:send-1"]
