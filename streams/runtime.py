@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 class Runtime:
     def __init__(self, config: Config):
         self.config = config
+        self._send_clients: list[SendClient] = []
+
+    def close(self) -> None:
+        """Close every send client this runtime made (their producers flush and stop polling)."""
+        while self._send_clients:
+            self._send_clients.pop().close()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:
@@ -216,9 +222,11 @@ class Runtime:
         from .ingest.sdk import SendClient
         from .retry.policy import load_routing
 
-        return SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
-                          timeout_s=self.config.delivery_timeout_ms / 1000,
-                          routing=load_routing(self.config.retry_policies_path))
+        client = SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
+                            timeout_s=self.config.delivery_timeout_ms / 1000,
+                            routing=load_routing(self.config.retry_policies_path))
+        self._send_clients.append(client)
+        return client
 
     def retrier(self, channel: str, lane: str) -> Retrier:
         from .retry.retrier import Retrier, RetrierConfig

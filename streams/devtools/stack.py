@@ -282,7 +282,7 @@ class LocalStack:
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             fmt = subprocess.run(
                 ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", "--standalone",
-                 "-t", cluster_id, "-c", str(props)], capture_output=True, text=True)
+                 f"--cluster-id={cluster_id}", "-c", str(props)], capture_output=True, text=True)
             if fmt.returncode != 0:
                 raise StackError(f"formatting Kafka storage failed:\n{fmt.stdout}{fmt.stderr}")
         self.kafka.log_file.write_text("")
@@ -529,7 +529,7 @@ class KafkaCluster:
                 continue
             node.data.mkdir(parents=True, exist_ok=True)
             pending.append((node, subprocess.Popen(
-                ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", self.cluster_id,
+                ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={self.cluster_id}",
                  "-c", str(self._properties(node))],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         for node, proc in pending:

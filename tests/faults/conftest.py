@@ -86,8 +86,10 @@ def fault_env(fault_stack, namespace, mock_provider: MockProvider) -> dict:  # n
 
 
 @pytest.fixture
-def fault_runtime(fault_env) -> Runtime:
-    return Runtime.from_env(fault_env)
+def fault_runtime(fault_env):
+    runtime = Runtime.from_env(fault_env)
+    yield runtime
+    runtime.close()
 
 
 @pytest.fixture

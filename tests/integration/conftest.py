@@ -150,4 +150,6 @@ def processes(dispatch_env, namespace, tmp_path):
 def send_client(stack, names):
     from streams.ingest.sdk import SendClient
 
-    return SendClient(stack.bootstrap, names)
+    client = SendClient(stack.bootstrap, names)
+    yield client
+    client.close()
