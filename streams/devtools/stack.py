@@ -516,6 +516,11 @@ class KafkaCluster:
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
+            # A dead broker is fenced (its partitions, group coordinators included, get new leaders)
+            # after this: kept well under the consumers' 10 s session timeout, so losing a broker
+            # does not also expire every group member's session (a rebalance on top of the failover).
+            "broker.session.timeout.ms": "4000",
+            "broker.heartbeat.interval.ms": "1000",
         }
         path = self.run_dir / f"kafka-{node.node_id}.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
