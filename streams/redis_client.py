@@ -34,7 +34,47 @@ def connect(url: str) -> redis.Redis:
     node now: StoreUnavailable when none answers."""
     if is_cluster_url(url):
         return connect_cluster(url)
-    return redis.Redis.from_url(url, **_TIMEOUTS)
+    return Client.from_url(url, **_TIMEOUTS)
+
+
+class Client(redis.Redis):
+    """redis-py's Redis, whose pipelines run registered scripts in one round trip (ScriptPipeline)."""
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> ScriptPipeline:
+        return ScriptPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+class ScriptPipeline(redis.client.Pipeline):
+    """A pipeline that sends its scripts as EVALSHA straight away. redis-py asks `SCRIPT EXISTS`
+    before every pipeline that runs a script: a second round trip on the dispatch path, for a cache
+    that is empty only after Redis restarted. Here a command that meets NOSCRIPT gets its script
+    loaded and is sent again, alone: the commands that did run never run twice."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        if self.transaction or self.explicit_transaction or self.watching:
+            return super().execute(raise_on_error)  # MULTI/EXEC: redis-py's own way
+        stack = list(self.command_stack)
+        registered: set[Any] = self.scripts
+        scripts = {s.sha: s for s in registered}
+        self.scripts: set[Any] = set()  # skips redis-py's SCRIPT EXISTS
+        results = super().execute(raise_on_error=False)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            client = redis.Redis(connection_pool=self.connection_pool)
+            for sha in {stack[i][0][1] for i in missing}:
+                if sha in scripts:
+                    client.script_load(scripts[sha].script)
+            again = ScriptPipeline(self.connection_pool, self.response_callbacks, False, None)
+            for i in missing:
+                args, options = stack[i]
+                again.execute_command(*args, **options)
+            for i, result in zip(missing, again.execute(raise_on_error=False), strict=True):
+                results[i] = result
+        if raise_on_error:
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        return results
 
 
 def is_cluster_url(url: str) -> bool:

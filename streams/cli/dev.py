@@ -188,6 +188,7 @@ def bench(sub) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the single-lane baseline")
     p.add_argument("--messages", type=int, default=20_000, help="throughput: messages for worker and ceiling")
     p.add_argument("--naive-messages", type=int, default=2_000, help="throughput: messages for the naive loop")
+    p.add_argument("--profile", action="store_true", help="throughput: cProfile the worker (top entries by own time)")
 
     def run(args: argparse.Namespace) -> int:
         import orjson
@@ -221,7 +222,8 @@ def bench(sub) -> None:
         else:
             from ..devtools.bench_throughput import run as throughput
 
-            result = throughput(n=args.messages, naive_n=args.naive_messages, progress=progress)
+            result = throughput(n=args.messages, naive_n=args.naive_messages, progress=progress,
+                                profile=args.profile)
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return 0
 
