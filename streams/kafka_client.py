@@ -28,6 +28,8 @@ def client_config(bootstrap: str, quiet: bool = False, settings: dict[str, Any] 
         "bootstrap.servers": bootstrap,
         # librdkafka logs through Python logging instead of raw stderr lines.
         "logger": _quiet if quiet else _log,
+        # Small records leave at once: no waiting for an earlier packet's acknowledgement (Nagle).
+        "socket.nagle.disable": True,
     }
     conf.update(settings or {})
     return conf

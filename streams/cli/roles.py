@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from typing import Any
 
@@ -49,6 +50,13 @@ def _metrics_port(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
 
 
+def yield_cpu_if_marketing(rt: Runtime, lane: str) -> None:
+    """A marketing role runs at a lower CPU priority (nice DUAL_RAIL_MARKETING_NICE, 10 by default):
+    where both lanes share a host, a blast's CPU use never delays an OTP, as its provider tokens never do."""
+    if lane == "marketing" and rt.config.marketing_nice:
+        os.nice(rt.config.marketing_nice)
+
+
 def worker(sub) -> None:
     p = sub.add_parser("worker", help="a lane worker (run many copies)")
     p.add_argument("--channel", required=True, choices=CHANNELS)
@@ -59,6 +67,7 @@ def worker(sub) -> None:
 
     def run(args: argparse.Namespace) -> int:
         rt = Runtime(args.config)
+        yield_cpu_if_marketing(rt, args.lane)
         concurrency = args.concurrency or (1024 if args.channel == "webhook" else 8)
         w = rt.worker(args.channel, args.lane, concurrency=concurrency)
         return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
@@ -80,6 +89,7 @@ def retrier(sub) -> None:
         if args.tier:
             logging.getLogger("streams.retrier").warning(
                 "--tier %s is ignored: this retrier serves every tier of %s.%s", args.tier, args.channel, args.lane)
+        yield_cpu_if_marketing(rt, args.lane)
         r = rt.retrier(args.channel, args.lane)
         return run_role(r, args.metrics_port, f"retrier consuming {len(r.cfg.topics)} tiers of "
                         f"{args.channel}.{args.lane} as {r.cfg.group} -> {r.lane_topic}", rt.config)

@@ -127,9 +127,6 @@ class LaneWorker:
         msgs = consume_ready(self.consumer, 500, self._idle_timeout())
         for msg in msgs:
             self._intake(msg)
-        if self.dispatcher.in_flight and not msgs:
-            # Wake as soon as a provider request completes rather than on the next poll.
-            wait_futures(list(self.dispatcher.in_flight), timeout=0.01, return_when=FIRST_COMPLETED)
         self._collect()
         self.dispatcher.refresh_leases()
         self.settler.retry()
@@ -159,14 +156,14 @@ class LaneWorker:
             return False
 
     def _idle_timeout(self) -> float:
-        """How long the consumer may block: not at all while requests are in flight or a tenant is
-        ready; a millisecond while outcome records wait for the broker's acknowledgement (served by
-        the producer's poll, once per step: a delivered send is marked, and its offset stored, as soon
-        as it is acknowledged); otherwise until the next tenant (or the provider) becomes ready, at
-        most 0.2 s."""
-        if self.dispatcher.in_flight:
-            return 0.0
-        if self.records.writer.pending or self.settler.pending:
+        """How long the consumer may block. A new message ends the wait at once; a provider's answer
+        and the broker's acknowledgement of an outcome record cannot, so while either is awaited the
+        wait is a millisecond: an answer is settled, and an acknowledged send marked and its offset
+        stored, within about a millisecond, and a message that arrives meanwhile is taken at once
+        (an earlier version waited up to 10 ms on the provider's futures alone, and a lone OTP
+        arriving then waited with them). Otherwise until the next tenant (or the provider) becomes
+        ready, at most 0.2 s."""
+        if self.dispatcher.in_flight or self.records.writer.pending or self.settler.pending:
             return 0.001
         now = time.monotonic()
         next_ready = self.queues.next_ready(now)

@@ -119,3 +119,22 @@ def test_stale_lag_monitor_makes_workers_read_lag_directly(stack, names, channel
     wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "marketing"),
                                      names.lane("email", "marketing")) == 0, 120, "the blast to finish")
     assert mock_provider.stats()["duplicate_deliveries"] == 0
+
+
+def test_marketing_roles_give_up_cpu_priority_and_transactional_ones_keep_it(channel_topics, processes):
+    """Given both lanes' workers and retriers started as an operator starts them (the default settings), and a second
+    marketing worker started with DUAL_RAIL_MARKETING_NICE=0,
+    When their CPU priorities are read from the operating system,
+    Then the marketing worker and retrier run at nice 10, the transactional ones at nice 0 (when both share a host,
+    a blast's CPU use never delays an OTP), and the setting turns it off."""
+    import os
+
+    channel_topics("email")
+    roles = {(role, lane): start("email", lane) for lane in ("transactional", "marketing")
+             for role, start in (("worker", processes.worker), ("retrier", processes.retrier))}
+    unniced = processes.worker("email", "marketing", env={"DUAL_RAIL_MARKETING_NICE": "0"})
+
+    assert {key: os.getpriority(os.PRIO_PROCESS, proc.pid) for key, proc in roles.items()} == {
+        ("worker", "transactional"): 0, ("retrier", "transactional"): 0,
+        ("worker", "marketing"): 10, ("retrier", "marketing"): 10}
+    assert os.getpriority(os.PRIO_PROCESS, unniced.pid) == 0
