@@ -39,6 +39,13 @@ def machine_busy_s() -> tuple[float, float]:
     return (sum(fields) - idle) / tick, sum(fields) / tick
 
 
+def child_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a child process has used so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -102,6 +109,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
     with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}")) as fleet:
         fleet.create_topics()
         url = fleet.start_mock(rate=1_000_000, latency_ms=0)
+        mock_pid = fleet.members[-1].proc.pid
         rt = fleet.runtime
         redis_client = rt.redis()
         limits = LimitStore(redis_client, fleet.namespace)
@@ -133,6 +141,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         mock.post("/_mock/reset").raise_for_status()
 
         progress("worker: the lane worker, in this process")
+        mock_cpu_before = child_cpu_s(mock_pid)
         worker = rt.worker("email", "marketing")
         all_delivered = threading.Event()
 
@@ -163,6 +172,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         worker_cpu_s = process_cpu_s() - timed.cpu_at_first  # steady state, as the rate
         busy_after, total_after = machine_busy_s()
         busy_before, total_before = timed.machine_at_first
+        mock_cpu_s = child_cpu_s(mock_pid) - mock_cpu_before
         stats = mock.get("/_mock/stats").json()
 
     worker_rate, naive_rate, ceiling_rate = n / worker_s, naive_n / naive_s, n / ceiling_s
@@ -178,6 +188,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         "worker_cpu_us_per_msg": round(worker_cpu_s / n * 1e6, 1),
         "machine_cpu_busy": round((busy_after - busy_before) / max(1e-9, total_after - total_before), 2),
         "cpu_cores": os.cpu_count(),
+        "mock_provider_cpu_ms_per_request": round(mock_cpu_s / max(1, stats["requests_total"]) * 1000, 2),
         "worker_provider_requests": stats["requests_total"],
         "worker_duplicates": stats["duplicate_deliveries"],
         **({"profile_top_own_time": profile_top} if profile else {}),
