@@ -245,3 +245,16 @@ def delivery(api, delivery_id: str, who: str = "a") -> dict:
 def final_delivery(api, delivery_id: str, timeout: float = 30, who: str = "a") -> dict:
     return wait_until(lambda: (d := delivery(api, delivery_id, who)).get("status") in ("delivered", "dropped", "skipped")
                       and d, timeout, f"delivery {delivery_id} to finish", interval=0.3)
+
+
+def report_outcome(scenario: str, ids: list[str], stats: dict, procs) -> str:
+    """One line for a fault scenario's record: sends published, delivered (by the provider), lost and
+    duplicated, and the processes alive at the end. `stats` is the mock provider's, with deliveries."""
+    delivered = set(stats["deliveries"])
+    published = set(ids)
+    alive = [name for name, proc, _ in procs if proc.poll() is None]
+    line = (f"{scenario}: published {len(published)}, delivered {len(published & delivered)}, "
+            f"lost {len(published - delivered)}, duplicates {stats['duplicate_deliveries']}, "
+            f"processes alive {len(alive)}/{len(list(procs))} ({', '.join(alive)})")
+    print(line)
+    return line

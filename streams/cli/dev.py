@@ -189,6 +189,7 @@ def bench(sub) -> None:
     p.add_argument("--messages", type=int, default=20_000, help="throughput: messages for worker and ceiling")
     p.add_argument("--naive-messages", type=int, default=2_000, help="throughput: messages for the naive loop")
     p.add_argument("--profile", action="store_true", help="throughput: cProfile the worker (top entries by own time)")
+    p.add_argument("--concurrency", type=int, default=8, help="throughput: the worker's requests in flight")
 
     def run(args: argparse.Namespace) -> int:
         import orjson
@@ -223,7 +224,7 @@ def bench(sub) -> None:
             from ..devtools.bench_throughput import run as throughput
 
             result = throughput(n=args.messages, naive_n=args.naive_messages, progress=progress,
-                                profile=args.profile)
+                                profile=args.profile, concurrency=args.concurrency)
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return 0
 

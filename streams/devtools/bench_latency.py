@@ -30,6 +30,7 @@ from pathlib import Path
 
 import orjson
 
+from ..config import StackConfig
 from .bench_blast import _email
 from .fleet import Fleet, start_dispatch
 
@@ -102,7 +103,7 @@ OUTSIDE_WORLD_NICE = 10
 def run(n: int = 1000, rate: float = 40.0, provider_rps: int = 100, latency_ms: float = 50.0,
         progress=print) -> dict:
     stamp = uuid.uuid4().hex[:6]
-    home = Path(os.environ.get("DUAL_RAIL_HOME", Path.home() / ".cache" / "dual-rail"))
+    home = StackConfig.from_env().home
     stage_log = Path(tempfile.mkdtemp(prefix="stages-")) / "stages.jsonl"
     env = {**os.environ, "LOG_LEVEL": "ERROR", "DUAL_RAIL_STAGE_LOG": str(stage_log)}
     with Fleet(f"lat{stamp}.", home / "bench" / f"latency-{stamp}", base_env=env) as fleet:

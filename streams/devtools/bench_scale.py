@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from ..config import StackConfig
 from .bench_blast import _email
 from .fleet import Fleet
 
@@ -52,7 +53,7 @@ def _one(workers: int, n: int, home: Path, progress) -> dict:
 
 
 def run(n: int = 40_000, counts: tuple[int, ...] = (1, 2, 4), progress=print) -> dict:
-    home = Path(os.environ.get("DUAL_RAIL_HOME", Path.home() / ".cache" / "dual-rail"))
+    home = StackConfig.from_env().home
     runs = [_one(k, n, home, progress) for k in counts]
     one = runs[0]["msgs_per_s"] or 1.0
     for r in runs:

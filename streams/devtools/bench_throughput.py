@@ -104,7 +104,7 @@ def _consume(bootstrap: str, topic: str, n: int, handle) -> float:
 
 
 def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None,
-        profile: bool = False) -> dict:
+        profile: bool = False, concurrency: int = 8) -> dict:
     stamp = int(time.time())
     with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}")) as fleet:
         fleet.create_topics()
@@ -142,7 +142,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
 
         progress("worker: the lane worker, in this process")
         mock_cpu_before = child_cpu_s(mock_pid)
-        worker = rt.worker("email", "marketing")
+        worker = rt.worker("email", "marketing", concurrency=concurrency)
         all_delivered = threading.Event()
 
         def watch_mock() -> None:  # off the worker's thread: asking the mock costs the worker nothing
@@ -177,7 +177,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
 
     worker_rate, naive_rate, ceiling_rate = n / worker_s, naive_n / naive_s, n / ceiling_s
     return {
-        "messages": n, "naive_messages": naive_n,
+        "messages": n, "naive_messages": naive_n, "worker_concurrency": concurrency,
         "worker_msgs_per_s": round(worker_rate, 1),
         "naive_msgs_per_s": round(naive_rate, 1),
         "consume_ceiling_msgs_per_s": round(ceiling_rate, 1),

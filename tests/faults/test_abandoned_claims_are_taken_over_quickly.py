@@ -5,7 +5,7 @@ longest request, and never while it might still be sending."""
 import signal
 import time
 
-from tests.harness import email_request, wait_until
+from tests.harness import email_request, report_outcome, wait_until
 
 TAKEOVER_BOUND_S = 20  # a lease tied to liveness: 10 s, plus the new worker's start; the old lease was 30 s
 
@@ -39,5 +39,6 @@ def test_a_killed_workers_requests_are_taken_over_within_seconds(
     taken_over_s = time.monotonic() - killed_at
 
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("worker killed mid-request", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]) and stats["duplicate_deliveries"] == 0
     assert taken_over_s < TAKEOVER_BOUND_S

@@ -3,7 +3,7 @@ unknown outcome: the same body goes again under the same idempotency key, so the
 from its store; the claims are never released and re-batched under a new key (which would send
 the blast twice)."""
 
-from tests.harness import committed_lag, email_request, wait_until
+from tests.harness import committed_lag, email_request, report_outcome, wait_until
 
 BLAST = 300
 POLICIES = """
@@ -54,6 +54,7 @@ def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
                                      names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
                interval=0.5)
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("502 after acceptance", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"])
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
     assert stats["faults_502_after_accept"] == BLAST // 100

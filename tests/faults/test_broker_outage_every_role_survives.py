@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.harness import answers, committed_lag, email_request, free_port, metric, wait_until
+from tests.harness import answers, committed_lag, email_request, free_port, metric, report_outcome, wait_until
 
 BLAST = 4_000
 OUTAGE_S = 40
@@ -69,6 +69,7 @@ def test_broker_outage_mid_blast_every_role_survives_nothing_lost_or_doubled(
                                                    names.lane("email", lane)) == 0, 180,
                    f"the {lane} lane to be committed to its end", interval=1.0)
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("broker stopped 40 s mid-blast", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]), f"{len(set(ids) - set(stats['deliveries']))} sends lost"
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
     assert sum(metric(p, "dispatch_produce_retries_total") or 0 for p in worker_ports.values()) > 0

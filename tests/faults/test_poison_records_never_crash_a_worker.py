@@ -10,7 +10,7 @@ from streams.retry.dlq import read_all
 from streams.send import build_send, encode, validate_request
 from streams.topology.admin import TopicAdmin
 from streams.topology.spec import channel_specs, load_definitions
-from tests.harness import committed_lag, email_request, wait_until
+from tests.harness import committed_lag, email_request, report_outcome, wait_until
 
 SMALL = "60000"  # max.message.bytes of the retry tier and the DLQ in this test
 
@@ -83,5 +83,6 @@ def test_a_stored_request_larger_than_a_lowered_burst_is_still_recovered(
     wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
                                      names.lane("email", "marketing")) == 0, 30, "the lane to be committed")
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("stored request over a lowered burst", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]) and stats["duplicate_deliveries"] == 0
     assert second.poll() is None

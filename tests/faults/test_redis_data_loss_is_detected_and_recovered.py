@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.harness import answers, committed_lag, email_request, free_port, metric, wait_until
+from tests.harness import answers, committed_lag, email_request, free_port, metric, report_outcome, wait_until
 
 BLAST = 3_000
 HOLD_S = 3
@@ -73,6 +73,7 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
                                      names.lane("email", "marketing")) == 0, 120, "the blast to complete",
                interval=0.5)
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("Redis data lost (shutdown nosave) mid-blast", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]), "a send was lost"
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
 

@@ -4,7 +4,7 @@ offsets reach the end of the lanes."""
 
 import time
 
-from tests.harness import committed_lag, email_request, free_port, metric, wait_until
+from tests.harness import committed_lag, email_request, free_port, metric, report_outcome, wait_until
 
 BLAST = 3_000
 OTPS = 200
@@ -50,6 +50,7 @@ def test_redis_outage_mid_blast_holds_then_resumes_without_loss_or_duplicates(
                                                    names.lane("email", lane)) == 0, 120,
                    f"the {lane} lane to be committed to its end", interval=0.5)
     stats = mock_provider.stats(deliveries=True)
+    report_outcome("Redis stopped 10 s mid-blast", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]), "a send was lost"
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
     for port in ports.values():
