@@ -15,6 +15,8 @@ else (3xx, 4xx, 5xx, a connection error, a timeout) is a failure to retry.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +32,28 @@ from .ssrf import UnsafeUrl, UrlPolicy
 
 EXCERPT_BYTES = 1024
 DNS_TTL_S = 30.0
+
+
+class PinnedResolver(aiohttp.abc.AbstractResolver):
+    """The HTTP client's resolver: it answers only with the addresses the URL policy approved for a
+    host, so the connection goes where the check looked. (Resolving again at connect time would let
+    a DNS answer that changed in between, a rebinding, reach a private address.) A host not checked
+    yet does not resolve."""
+
+    def __init__(self) -> None:
+        self.approved: dict[str, list[str]] = {}
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
+        addresses = self.approved.get(host)
+        if not addresses:
+            raise OSError(f"{host}: no address approved by the URL policy")
+        return [{"hostname": host, "host": a, "port": port,
+                 "family": socket.AF_INET6 if ipaddress.ip_address(a).version == 6 else socket.AF_INET,
+                 "proto": 0, "flags": socket.AI_NUMERICHOST} for a in addresses]
+
+    async def close(self) -> None:
+        return None
 
 
 def delivery_body(payload: dict) -> bytes:
@@ -62,13 +86,15 @@ class WebhookDelivery:
                  concurrency: int = 256):
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self._dns: dict[str, tuple[float, list[str]]] = {}
+        self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
         self._thread.start()
         self.session = asyncio.run_coroutine_threadsafe(self._session(concurrency), self.loop).result(10)
 
     async def _session(self, concurrency: int) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=0),
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=0,
+                                                                    resolver=self.resolver, use_dns_cache=False),
                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
@@ -90,10 +116,16 @@ class WebhookDelivery:
         if ep.state == "degraded":  # never retried or probed until someone reactivates it
             return ProviderResult("skipped", error_name="endpoint_degraded")
         started = time.monotonic()
+        host = urlsplit(ep.url).hostname or ""
+        resolve = await self._resolve(host)
         try:
-            self.policy.check(ep.url, await self._resolve(urlsplit(ep.url).hostname or ""))
+            self.policy.check(ep.url, resolve)
         except UnsafeUrl as exc:
             return ProviderResult("unavailable", error_name="unsafe_url", error_body=str(exc)[:EXCERPT_BYTES])
+        try:
+            self.resolver.approved[host] = resolve(host)  # the connection may use only these
+        except OSError as exc:  # an allowlisted host that does not resolve
+            return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES])
         now = time.time()
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}

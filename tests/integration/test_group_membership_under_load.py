@@ -19,14 +19,17 @@ CHANGES = 6
 
 def test_members_join_and_leave_every_10_s_through_a_blast(stack, names, channel_topics, limits, processes,
                                                           send_client, mock_provider):
-    """Given 3 marketing and 2 transactional email workers, a 6,000-email blast and 300 OTPs trickling in,
+    """Given 3 marketing and 2 transactional email workers, a 6,000-email blast its tenant's limit spreads over
+    about 60 s, and 300 OTPs trickling in,
     When every 10 s a worker joins or leaves (6 changes: join, SIGTERM, join, kill -9, join, SIGTERM),
-    Then every send is delivered exactly once (0 lost, 0 duplicates) and both lanes are committed to their end;
+    Then the blast is still being delivered after the last change, every send is delivered exactly once (0 lost,
+    0 duplicates) and both lanes are committed to their end;
     the test prints the partitions moved by rebalances and the longest gap in deliveries (the longest stall)."""
     channel_topics("email")
     mock_provider.reset(rate=200, latency_ms=20)
     limits.set_provider("resend", 200, 200, reserve=20)
     limits.set_tenant("resend", "*", 100_000, 100)
+    limits.set_tenant("resend", "blaster", 100, 100)  # the blast lasts ~60 s: every change happens during it
     ports: dict[str, int] = {}
 
     def start(lane: str, n: int) -> None:
@@ -62,6 +65,7 @@ def test_members_join_and_leave_every_10_s_through_a_blast(stack, names, channel
             member.proc.send_signal(how)
             member.proc.wait(60)
             changes.append(f"{how.name} {name}")
+    last_change_at = time.time()
     delivered = wait_until(lambda: set(ids) <= set(mock_provider.stats(deliveries=True)["deliveries"]), 180,
                            "every send to be delivered", interval=1.0)
     for lane in ("marketing", "transactional"):
@@ -77,5 +81,6 @@ def test_members_join_and_leave_every_10_s_through_a_blast(stack, names, channel
                 for name, p in ports.items() if name in alive or name.startswith("transactional"))
     print(f"changes: {changes}; partitions assigned by rebalances (live workers): {moved:.0f}; "
           f"longest gap between blast deliveries: {max(gaps):.2f} s (blast took {times[-1] - times[0]:.1f} s); delivered {len(set(ids) - lost)} of {len(ids)}")
+    assert times[-1] > last_change_at, "the blast was over before the members stopped changing"
     assert not lost, f"{len(lost)} sends lost"
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]

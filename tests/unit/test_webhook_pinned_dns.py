@@ -1,0 +1,49 @@
+"""The webhook client connects only to addresses the URL policy approved (no second DNS lookup)."""
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from streams.webhooks.delivery import PinnedResolver
+
+
+async def _hits_at(approved: dict[str, list[str]], url: str) -> int:
+    resolver = PinnedResolver()
+    resolver.approved.update(approved)
+    connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
+    async with aiohttp.ClientSession(connector=connector) as session, session.get(url) as resp:
+        return resp.status
+
+
+def test_a_host_connects_to_its_approved_address_and_an_unchecked_host_nowhere():
+    """Given a receiver on 127.0.0.1 and a resolver that approved `hook.test` -> 127.0.0.1 only,
+    When the client calls http://hook.test and http://rebind.test (a name nobody checked) on that port,
+    Then the first reaches the receiver (the approved address, no system DNS asked) and the second is never
+    connected: the host does not resolve."""
+
+    async def scenario() -> None:
+        hits: list[str] = []
+
+        async def receive(request: web.Request) -> web.Response:
+            hits.append(request.host)
+            return web.Response(status=204)
+
+        app = web.Application()
+        app.router.add_get("/", receive)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            assert await _hits_at({"hook.test": ["127.0.0.1"]}, f"http://hook.test:{port}/") == 204
+            with pytest.raises(aiohttp.ClientConnectorError) as refused:
+                await _hits_at({"hook.test": ["127.0.0.1"]}, f"http://rebind.test:{port}/")
+            assert "no address approved" in str(refused.value.os_error)
+            assert hits == [f"hook.test:{port}"]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
