@@ -83,7 +83,7 @@ class ClusterHome:
         return proc
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster_home(tmp_path_factory) -> ClusterHome:
     home = tmp_path_factory.mktemp("cluster-home")
     shared = StackConfig.from_env().home / "kafka"  # the Kafka jars, resolved once per machine
@@ -115,7 +115,7 @@ class RunningKafkaCluster:
     up_output: dict[str, str]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kafka_cluster(cluster_home) -> RunningKafkaCluster:
     """`streams dev up --brokers 3`, in the private home (it also starts that home's single Redis)."""
     out = cluster_home.cli("dev", "up", "--brokers", "3", "--kafka-base-port", str(cluster_home.kafka_base)).stdout
@@ -135,7 +135,7 @@ def healthy_kafka_cluster(kafka_cluster) -> RunningKafkaCluster:
     return kafka_cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def redis_cluster(cluster_home) -> LocalRedisCluster:
     """A three-master Redis Cluster in the private home (`streams dev up --redis-cluster` does the same)."""
     cluster = LocalRedisCluster(cluster_home.settings, base_port=cluster_home.redis_base)
@@ -149,7 +149,7 @@ def healthy_redis_cluster(redis_cluster) -> LocalRedisCluster:
     return redis_cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def single_redis_url(cluster_home) -> str:
     """A single Redis of the private home, to compare the Redis Cluster with."""
     return LocalStack(cluster_home.settings).start_redis()
