@@ -48,7 +48,11 @@ class ScriptPipeline(redis.client.Pipeline):
     """A pipeline that sends its scripts as EVALSHA straight away. redis-py asks `SCRIPT EXISTS`
     before every pipeline that runs a script: a second round trip on the dispatch path, for a cache
     that is empty only after Redis restarted. Here a command that meets NOSCRIPT gets its script
-    loaded and is sent again, alone: the commands that did run never run twice."""
+    loaded and is sent again, alone, after the others (the project's script pipelines hold only
+    scripts, independent of each other). What NOSCRIPT refused never ran, so this resends nothing
+    that ran. (A connection lost mid-pipeline is another matter: redis-py's own retry sends the
+    whole pipeline again, as it always did; the claim, gate and mark scripts tolerate that, at the
+    cost of a request held until its own lease lapses.)"""
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         if self.transaction or self.explicit_transaction or self.watching:

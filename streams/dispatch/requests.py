@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -78,6 +78,9 @@ class Dispatcher:
         self.policies = policies
         self.on_expired = on_expired
         self.in_flight: dict[Future, Job] = {}
+        # Requests that finished, in the order they did (appended by the thread that completed them):
+        # the worker settles these without scanning every request in flight on every step.
+        self.finished: deque[Future] = deque()
         self._limits: dict[tuple[str, str], tuple[float, Limit]] = {}  # (provider, tenant) -> (read at, limit)
         self.rng = random.Random()
         self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
@@ -329,6 +332,7 @@ class Dispatcher:
         job.stamps["sent"] = wall_ms()
         fut = route.adapter.submit(job.path, job.body, api_key, job.key)
         self.in_flight[fut] = job
+        fut.add_done_callback(self.finished.append)
         self.in_flight_by_queue[job.queue] += 1
         route.in_flight += 1
 

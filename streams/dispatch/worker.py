@@ -253,14 +253,17 @@ class LaneWorker:
         return True
 
     def _collect(self, block: bool = False) -> None:
-        in_flight = self.dispatcher.in_flight
-        done = [f for f in in_flight if f.done()]
-        if block and not done and in_flight:
+        in_flight, finished = self.dispatcher.in_flight, self.dispatcher.finished
+        if block and not finished and in_flight:
             # Wait for the next answer, keeping our leases alive meanwhile (a rebalance or a shutdown
             # drains here, and a lapsed lease would let another worker send the same request).
             wait_futures(list(in_flight), timeout=1.0, return_when=FIRST_COMPLETED)
             self.dispatcher.refresh_leases()
-            done = [f for f in in_flight if f.done()]
+        done = []
+        while finished:
+            fut = finished.popleft()
+            if fut in in_flight:
+                done.append(fut)
         for fut in done:
             job = in_flight.pop(fut)
             try:

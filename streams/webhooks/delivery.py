@@ -43,6 +43,15 @@ class PinnedResolver(aiohttp.abc.AbstractResolver):
     def __init__(self) -> None:
         self.approved: dict[str, list[str]] = {}
 
+    def approve(self, host: str, addresses: list[str]) -> None:
+        """Under the host as written and as the client looks it up (an internationalised name in its
+        ASCII form)."""
+        self.approved[host] = addresses
+        try:
+            self.approved[host.encode("idna").decode("ascii")] = addresses
+        except UnicodeError:
+            pass  # a name the codec cannot encode: the client cannot ask for it either
+
     async def resolve(self, host: str, port: int = 0,
                       family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
         addresses = self.approved.get(host)
@@ -123,9 +132,10 @@ class WebhookDelivery:
         except UnsafeUrl as exc:
             return ProviderResult("unavailable", error_name="unsafe_url", error_body=str(exc)[:EXCERPT_BYTES])
         try:
-            self.resolver.approved[host] = resolve(host)  # the connection may use only these
+            addresses = resolve(host)  # the connection may use only these
         except OSError as exc:  # an allowlisted host that does not resolve
             return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES])
+        self.resolver.approve(host, addresses)
         now = time.time()
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}

@@ -47,3 +47,15 @@ def test_a_host_connects_to_its_approved_address_and_an_unchecked_host_nowhere()
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_an_internationalised_host_is_approved_under_the_name_the_client_looks_up():
+    """Given a URL policy that approved bücher.example -> 127.0.0.1,
+    When the HTTP client asks for the host in its ASCII form (as aiohttp does),
+    Then it gets the approved address (and not a DNS failure that would degrade the endpoint)."""
+    resolver = PinnedResolver()
+    resolver.approve("bücher.example", ["127.0.0.1"])
+
+    [answer] = asyncio.run(resolver.resolve("xn--bcher-kva.example", 443))
+
+    assert answer["host"] == "127.0.0.1" and answer["port"] == 443
