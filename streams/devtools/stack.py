@@ -582,19 +582,7 @@ class KafkaCluster:
         """Stop one node: SIGTERM (a controlled shutdown; SIGKILL if it has not exited by `timeout`)
         or SIGKILL (a crash). False when it was not running."""
         self.node(node_id)
-        proc = self.procs[node_id]
-        pid = proc.signal(sig)
-        if pid is None:
-            return False
-        deadline = time.monotonic() + timeout
-        while proc.pid() is not None:
-            _reap(pid)
-            if time.monotonic() > deadline:
-                proc.signal(signal.SIGKILL)
-                deadline = float("inf")
-            time.sleep(0.05)
-        proc.pid_file.unlink(missing_ok=True)
-        return True
+        return _stop_node_process(self.procs[node_id], sig, timeout)
 
     def stop(self) -> list[str]:
         return _stop_all(list(self.procs.values()))
@@ -781,19 +769,7 @@ class LocalRedisCluster:
 
     def stop_node(self, index: int, sig: signal.Signals = signal.SIGTERM, timeout: float = 20.0) -> bool:
         self.node(index)
-        proc = self.procs[index]
-        pid = proc.signal(sig)
-        if pid is None:
-            return False
-        deadline = time.monotonic() + timeout
-        while proc.pid() is not None:
-            _reap(pid)
-            if time.monotonic() > deadline:
-                proc.signal(signal.SIGKILL)
-                deadline = float("inf")
-            time.sleep(0.05)
-        proc.pid_file.unlink(missing_ok=True)
-        return True
+        return _stop_node_process(self.procs[index], sig, timeout)
 
     def stop(self) -> list[str]:
         return _stop_all(list(self.procs.values()))
@@ -810,6 +786,23 @@ class LocalRedisCluster:
             out.append(ServiceStatus(f"redis-cluster-{node.index}", node.address,
                                      f"running (pid {pid})" if pid else "stopped"))
         return out
+
+
+def _stop_node_process(proc: _Process, sig: signal.Signals, timeout: float) -> bool:
+    """Signal one cluster node and wait until it has exited (SIGKILL once `timeout` passes). False
+    when it was not running."""
+    pid = proc.signal(sig)
+    if pid is None:
+        return False
+    deadline = time.monotonic() + timeout
+    while proc.pid() is not None:
+        _reap(pid)
+        if time.monotonic() > deadline:
+            proc.signal(signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.05)
+    proc.pid_file.unlink(missing_ok=True)
+    return True
 
 
 def cluster_stacks(settings: StackConfig | None = None) -> list[KafkaCluster | LocalRedisCluster]:
