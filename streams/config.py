@@ -80,11 +80,17 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     return _parse(environ, name, default, int, "an integer")
 
 
-def _nice(environ: Mapping[str, str]) -> int:
-    value = _int(environ, "DUAL_RAIL_MARKETING_NICE", 10)
+def _nice(environ: Mapping[str, str], name: str) -> int:
+    value = _int(environ, name, 10)
     if not 0 <= value <= 19:
-        raise ConfigError(f"environment variable DUAL_RAIL_MARKETING_NICE={value} must be from 0 to 19 (a nice value)")
+        raise ConfigError(f"environment variable {name}={value} must be from 0 to 19 (a nice value)")
     return value
+
+
+def _bulk_nice(environ: Mapping[str, str]) -> int | None:
+    if _choice(environ, "DUAL_RAIL_INGEST_BULK", "process", ("process", "off")) == "off":
+        return None
+    return _nice(environ, "DUAL_RAIL_INGEST_BULK_NICE")
 
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -224,6 +230,7 @@ class Config:
     webhook_backlog_max_count: int = 10_000
     webhook_backlog_max_age_s: float = 21_600.0
     marketing_nice: int = 10  # CPU priority the marketing lane's roles give up (nice), 0..19
+    ingest_bulk_nice: int | None = 10  # the ingest API's bulk process's nice value; None: batches served in-process
     alerts_tenant: str = "dual-rail"
     alerts_from: str = "Dual-rail webhooks <alerts@dual-rail.dev>"
     stage_log_path: str | None = None
@@ -257,7 +264,8 @@ class Config:
             webhook_endpoint_concurrency=_int(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20),
             webhook_backlog_max_count=_int(e, "WEBHOOK_BACKLOG_MAX_COUNT", 10_000),
             webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
-            marketing_nice=_nice(e),
+            marketing_nice=_nice(e, "DUAL_RAIL_MARKETING_NICE"),
+            ingest_bulk_nice=_bulk_nice(e),
             alerts_tenant=_tenant(e, "ALERTS_TENANT", "dual-rail"),
             alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
             stage_log_path=e.get("DUAL_RAIL_STAGE_LOG") or None,

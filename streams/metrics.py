@@ -57,6 +57,8 @@ INGEST_TRANSACTION_SECONDS = Histogram("dispatch_ingest_transaction_seconds", "T
                                        "request in one producer transaction", buckets=_LATENCY)
 INGEST_IN_FLIGHT = Gauge("dispatch_ingest_in_flight_requests", "Ingest requests being published right now")
 INGEST_REJECTED = Counter("dispatch_ingest_rejected_total", "Ingest requests refused, by HTTP status", ["status"])
+INGEST_BULK_RESTARTS = Counter("dispatch_ingest_bulk_process_restarts_total", "Times the ingest API started its "
+                               "bulk process again after it exited")
 OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events applied to the status store",
                             ["status"])
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])

@@ -218,13 +218,14 @@ class Runtime:
 
         return disable
 
-    def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None) -> SendClient:
+    def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None,
+                    txn_instance: str | None = None) -> SendClient:
         from .ingest.sdk import SendClient
         from .retry.policy import load_routing
 
         client = SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
                             timeout_s=self.config.delivery_timeout_ms / 1000,
-                            routing=load_routing(self.config.retry_policies_path))
+                            routing=load_routing(self.config.retry_policies_path), txn_instance=txn_instance)
         self._send_clients.append(client)
         return client
 

@@ -205,12 +205,13 @@ class MockEndpoint:
         self.http.post("/_mock/reset").raise_for_status()
 
 
-def start_api(fleet, port: int, tenants: dict[str, str], redis_client, namespace: str) -> httpx.Client:
-    """Start the ingest API in `fleet`; returns a client with `.keys[name]` headers for each tenant
-    (and "operator")."""
+def start_api(fleet, port: int, tenants: dict[str, str], redis_client, namespace: str,
+              env: dict | None = None) -> httpx.Client:
+    """Start the ingest API in `fleet` (with `env` added to its environment); returns a client with
+    `.keys[name]` headers for each tenant (and "operator")."""
     from streams.ingest.api_keys import ApiKeys
 
-    fleet.start("api", "api", "--port", str(port))
+    fleet.start("api", "api", "--port", str(port), env=env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     wait_until(lambda: answers(client), 30, "the ingest API to answer")
     keys = ApiKeys(redis_client, namespace)

@@ -14,6 +14,8 @@ from ..config import Config
 from ..lanes import CHANNELS, LANES, RETRY_TIERS
 from ..runtime import Runtime
 
+log = logging.getLogger("streams.roles")
+
 
 def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
     """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served; the banner is
@@ -26,24 +28,47 @@ def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
     return 0
 
 
-def serve_api(rt: Runtime, host: str, port: int, router=None) -> None:
+def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | None = None,
+              bulk_socket: str | None = None, bulk_instance: str | None = None) -> None:
+    """The ingest API on host:port; batches are forwarded to a bulk process it starts and keeps running
+    (ingest/bulk.py) unless DUAL_RAIL_INGEST_BULK=off or a `router` is given (the baseline's single
+    lane). With `bulk_socket`, this *is* the bulk process: the same app on that Unix socket."""
     import uvicorn
 
+    from ..errors import PublishError
     from ..gate.gate import RedisGate
     from ..ingest.api import Ingest, create_app
+    from ..ingest.bulk import BulkProcess
     from ..ingest.idempotency import IngestIdempotency
     from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
 
-    r = rt.redis()
-    client, store = rt.send_client(router=router), StatusStore(r, rt.namespace)
-    webhooks = rt.webhook_ingest(r, client, store)
-    webhooks.follow()
-    app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
-                            quotas=IngestQuotas(RedisGate(r, rt.namespace)),
-                            idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
-                            guard=rt.state_guard("api", r), webhooks=webhooks))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    bulk = None
+    if bulk_socket is None and router is None and rt.config.ingest_bulk_nice is not None:
+        bulk = BulkProcess(rt.config.ingest_bulk_nice, log_format)
+        bulk.start()
+    try:
+        r = rt.redis()
+        client, store = rt.send_client(router=router, txn_instance=bulk_instance), StatusStore(r, rt.namespace)
+        if bulk_instance is not None:
+            try:  # fences what a crashed predecessor left open (see ingest/bulk.py)
+                client.publisher.open_pool()
+            except PublishError as exc:
+                log.warning("cannot start the transactional producers yet (%s); the first batch will", exc)
+        webhooks = rt.webhook_ingest(r, client, store)
+        webhooks.follow()
+        app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
+                                quotas=IngestQuotas(RedisGate(r, rt.namespace)),
+                                idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
+                                guard=rt.state_guard("api", r), webhooks=webhooks),
+                         bulk_socket=bulk.socket_path if bulk else None)
+        if bulk_socket is not None:
+            uvicorn.run(app, uds=bulk_socket, log_level="warning", access_log=False)
+        else:
+            uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        if bulk is not None:
+            bulk.stop()
 
 
 def _metrics_port(p: argparse.ArgumentParser) -> None:
@@ -120,10 +145,14 @@ def api(sub) -> None:
     p = sub.add_parser("api", help="the HTTP ingest API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18000)
+    # Used by the API to start its bulk process (ingest/bulk.py); not for people.
+    p.add_argument("--bulk-socket", help=argparse.SUPPRESS)
+    p.add_argument("--bulk-instance", help=argparse.SUPPRESS)
 
     def run(args: argparse.Namespace) -> int:
         rt = Runtime(args.config)
-        serve_api(rt, args.host, args.port)
+        serve_api(rt, args.host, args.port, log_format=args.log_format, bulk_socket=args.bulk_socket,
+                  bulk_instance=args.bulk_instance)
         return 0
 
     p.set_defaults(func=run)

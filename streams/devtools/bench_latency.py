@@ -32,7 +32,7 @@ import orjson
 
 from ..config import StackConfig
 from .bench_blast import _email
-from .fleet import Fleet, start_dispatch
+from .fleet import OUTSIDE_WORLD_NICE, Fleet, start_dispatch
 
 STAGES = {"ack_to_poll": ("ack", "consumed"), "queueing": ("consumed", "dequeued"), "gate": ("dequeued", "admitted"),
           "claim": ("admitted", "claimed"), "provider": ("sent", "answered"), "outcome_ack": ("answered", "acked"),
@@ -95,9 +95,6 @@ def _phase(sent: dict[str, tuple[float, float]], logged: dict[str, dict], latenc
             "dominant_stage_p99": max(stages, key=lambda k: _pct(stages[k], 0.99)) if e2e else None}
 
 
-# The mock provider and the blaster stand for other machines (the provider's, a producer's): they
-# run at this nice value, so the CPU they take on this machine does not count as our latency.
-OUTSIDE_WORLD_NICE = 10
 
 
 def run(n: int = 1000, rate: float = 40.0, provider_rps: int = 100, latency_ms: float = 50.0,

@@ -52,6 +52,7 @@ from ..webhooks.fanout import fan_out
 from ..webhooks.ingest import WebhookIngest
 from ..webhooks.skipped import outcome_records, skipped_records
 from .api_keys import ApiKeys
+from .bulk import BulkProxy
 from .docs import mount_docs
 from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdempotency, body_hash
 from .publisher import RecordTooLarge
@@ -64,7 +65,7 @@ log = logging.getLogger("streams.api")
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
 MAX_IN_FLIGHT = 256               # requests publishing at once (the rest wait their turn)
-TENANT_BATCHES = 2                # multi-record requests of one tenant publishing at once
+TENANT_BATCHES = 1                # multi-record requests of one tenant publishing at once
 # What a tenant sees of a send (statuses: accepted, retrying, unknown, delivered, dead_lettered).
 SEND_STATUS_FIELDS = ("tenant_id", "status", "channel", "lane", "attempts", "accepted_at_ms", "completed_at_ms",
                       "provider", "provider_message_id", "reason", "replay_of", "providers_tried", "attempt_history")
@@ -180,7 +181,8 @@ def name_policies(schema: dict[str, Any], known_policies: frozenset[str]) -> Non
             policy["anyOf"] = [*named, {"type": "null"}]
 
 
-def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
+    """The API; with `bulk_socket`, batches are forwarded to the bulk process listening there (bulk.py)."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
                   description="Publish notification sends and read their status. Batches hold at most "
                               f"{MAX_BATCH} sends and are accepted or rejected whole; a send may be at most "
@@ -413,4 +415,4 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES) -> FastAPI:
 
     app.mount("/metrics", make_asgi_app())
     answer_options(app)
-    return BodyLimit(app, max_body)  # type: ignore[return-value]
+    return BodyLimit(BulkProxy(app, bulk_socket) if bulk_socket else app, max_body)  # type: ignore[return-value]

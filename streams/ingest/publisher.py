@@ -94,16 +94,24 @@ class TopicSizes:
 
 
 class Publisher:
-    def __init__(self, bootstrap: str, prefix: str = "", transactional: int = 4, timeout_s: float = 30.0):
+    def __init__(self, bootstrap: str, prefix: str = "", transactional: int = 4, timeout_s: float = 30.0,
+                 instance: str | None = None):
         """`transactional`: producers in the pool (concurrent multi-record requests); `prefix` keeps
-        transactional ids apart between namespaces."""
+        transactional ids apart between namespaces. `instance`: a name this process's successor will
+        have too (the bulk process's, kept by the API process that restarts it): its producers then take
+        the same transactional ids, one per pool slot, and a successor's `open_pool` fences and aborts
+        whatever transaction a crashed predecessor left open, at once. Without it, the ids are new per
+        process, and such a transaction holds back read-committed consumers of its partitions until the
+        broker times it out (transaction.timeout.ms, twice `timeout_s`)."""
         self.timeout_s = timeout_s
         self.single = durable_producer(bootstrap, **{"linger.ms": 1, "message.timeout.ms": int(timeout_s * 1000)})
         self.sizes = TopicSizes(AdminClient(client_config(bootstrap, quiet=True)))
         self._bootstrap, self._prefix = bootstrap, prefix
         self._pool: queue.Queue[Producer] = queue.Queue()
         self._pool_size = max(1, transactional)
-        self._created = 0
+        self._instance = instance
+        self._free_slots = list(range(self._pool_size))  # slots without a producer (the last one is taken next)
+        self._slot_of: dict[int, int] = {}               # id(producer) -> its slot
         self._create_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(self._pool_size, thread_name_prefix="ingest-txn")
         self._stop = threading.Event()
@@ -190,26 +198,38 @@ class Publisher:
                 if not error.retriable() or error.txn_requires_abort() or time.monotonic() >= deadline:
                     raise
 
+    def open_pool(self) -> None:
+        """Start every transactional producer of the pool now (with `instance`: fencing a predecessor's)."""
+        while (producer := self._create()) is not None:
+            self._return(producer)
+
     def _borrow(self) -> Producer:
         try:
             return self._pool.get_nowait()
         except queue.Empty:
             pass
+        producer = self._create()
+        return self._pool.get() if producer is None else producer
+
+    def _create(self) -> Producer | None:
+        """A new transactional producer in a free slot; None when every slot has one."""
         with self._create_lock:
-            create = self._created < self._pool_size
-            if create:
-                self._created += 1
-        if not create:
-            return self._pool.get()
+            if not self._free_slots:
+                return None
+            slot = self._free_slots.pop()
         try:
-            return self._new_transactional()
+            producer = self._new_transactional(slot)
         except PublishError:
             with self._create_lock:
-                self._created -= 1
+                self._free_slots.append(slot)
             raise
+        with self._create_lock:
+            self._slot_of[id(producer)] = slot
+        return producer
 
-    def _new_transactional(self) -> Producer:
-        txn_id = f"{self._prefix}ingest-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    def _new_transactional(self, slot: int) -> Producer:
+        instance = self._instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        txn_id = f"{self._prefix}ingest-{instance}-{slot}"
         producer = durable_producer(self._bootstrap, **{"transactional.id": txn_id, "linger.ms": 1,
                                                         "transaction.timeout.ms": int(self.timeout_s * 2000)})
         try:
@@ -231,7 +251,7 @@ class Publisher:
             except KafkaException as exc:
                 log.warning("aborting a transaction failed (%s); replacing the producer", exc.args[0].str())
         with self._create_lock:
-            self._created -= 1
+            self._free_slots.append(self._slot_of.pop(id(producer)))
 
     def close(self) -> None:
         self._stop.set()

@@ -30,7 +30,8 @@ def lane_topic(names: TopicNames) -> Router:
 class SendClient:
     def __init__(self, bootstrap: str, names: TopicNames | None = None,
                  known_policies: frozenset[str] | None = None, timeout_s: float = 30.0,
-                 router: Router | None = None, routing: PolicyRouting | None = None):
+                 router: Router | None = None, routing: PolicyRouting | None = None,
+                 txn_instance: str | None = None):
         self.bootstrap = bootstrap
         self.names = names or TopicNames()
         self.route = router or lane_topic(self.names)
@@ -39,7 +40,7 @@ class SendClient:
         self.timeout_s = timeout_s
         # Records written once, in order, acknowledged by all in-sync replicas; several at once in a
         # transaction (all or nothing).
-        self.publisher = Publisher(bootstrap, self.names.namespace, timeout_s=timeout_s)
+        self.publisher = Publisher(bootstrap, self.names.namespace, timeout_s=timeout_s, instance=txn_instance)
         self.producer = self.publisher.single  # for single records of other kinds (put_acked)
 
     def publish(self, tenant_id: str, request: dict, idempotency_key: str | None = None) -> str:

@@ -176,16 +176,17 @@ class Auth:
             raise problem(401, "unauthorized", ["header", "authorization"], "a valid API key is required (Bearer)")
         return found
 
-    def tenant_dependency(self) -> Callable[..., str]:
-        def tenant(p: Annotated[Principal, Depends(self.principal)]) -> str:
+    # The role checks are async: no I/O, so no hop to a worker thread (only `principal` reads Redis).
+    def tenant_dependency(self) -> Callable[..., Any]:
+        async def tenant(p: Annotated[Principal, Depends(self.principal)]) -> str:
             if p.role != "tenant" or not p.tenant:
                 raise problem(403, "forbidden", ["header", "authorization"], "this needs a tenant key")
             return p.tenant
 
         return tenant
 
-    def operator_dependency(self) -> Callable[..., Principal]:
-        def operator(p: Annotated[Principal, Depends(self.principal)]) -> Principal:
+    def operator_dependency(self) -> Callable[..., Any]:
+        async def operator(p: Annotated[Principal, Depends(self.principal)]) -> Principal:
             if p.role != "operator":
                 raise problem(403, "forbidden", ["header", "authorization"], "this needs an operator key")
             return p

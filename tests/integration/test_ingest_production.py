@@ -193,3 +193,32 @@ def test_error_bodies_have_one_shape(api):
         assert set(body) == {"error", "errors"} and isinstance(body["error"], str)
         assert all(set(e) == {"loc", "msg"} and isinstance(e["loc"], list) for e in body["errors"])
 
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in a Prometheus text exposition (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, processes, redis_client, namespace):
+    """Given the API (batches forwarded to its bulk process) and a second API process with DUAL_RAIL_INGEST_BULK=off,
+    When a tenant posts a batch of 3 and a single send to each,
+    Then both answer alike (202, ids, Idempotency-Key replays included); with the bulk process, the batch is
+    counted in /metrics/bulk (the bulk process's own metrics) and the single send in /metrics; without it, both in
+    /metrics."""
+    inline = start_api(processes, free_port(), {}, redis_client, namespace, env={"DUAL_RAIL_INGEST_BULK": "off"})
+    sends = "dispatch_ingest_sends_total{"
+    for client, bulk in ((api, True), (inline, False)):
+        batch = {"sends": [email_request("marketing") for _ in range(3)]}
+        headers = {**api.keys["a"], "Idempotency-Key": f"bulk-{bulk}"}
+        first = client.post("/v1/sends/batch", json=batch, headers=headers)
+        assert first.status_code == 202 and first.json()["accepted"] == 3, first.text
+        again = client.post("/v1/sends/batch", json=batch, headers=headers)
+        assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+        assert client.post("/v1/sends", json=email_request(), headers=api.keys["a"]).status_code == 202
+        own = client.get("/metrics", follow_redirects=True).text
+        if bulk:
+            assert metric(client.get("/metrics/bulk").text, sends) == 3
+            assert metric(own, sends) == 1
+        else:
+            assert metric(own, sends) == 4

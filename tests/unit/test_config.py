@@ -16,3 +16,16 @@ def test_marketing_nice_defaults_to_ten_and_names_the_variable_when_out_of_range
         Config.from_env({"DUAL_RAIL_MARKETING_NICE": "25"})
     with pytest.raises(ConfigError, match="DUAL_RAIL_MARKETING_NICE"):
         Config.from_env({"DUAL_RAIL_MARKETING_NICE": "low"})
+
+
+def test_the_ingest_bulk_process_defaults_to_nice_ten_and_can_be_turned_off():
+    """Given no DUAL_RAIL_INGEST_BULK settings, then nice 19, then `off`, then bad values,
+    Then batches go to a bulk process at nice 10, then 19; `off` serves them in the API process; a nice value out
+    of range or an unknown mode is refused naming its variable."""
+    assert Config.from_env({}).ingest_bulk_nice == 10
+    assert Config.from_env({"DUAL_RAIL_INGEST_BULK_NICE": "19"}).ingest_bulk_nice == 19
+    assert Config.from_env({"DUAL_RAIL_INGEST_BULK": "off", "DUAL_RAIL_INGEST_BULK_NICE": "19"}).ingest_bulk_nice is None
+    with pytest.raises(ConfigError, match="DUAL_RAIL_INGEST_BULK_NICE=20 must be from 0 to 19"):
+        Config.from_env({"DUAL_RAIL_INGEST_BULK_NICE": "20"})
+    with pytest.raises(ConfigError, match="DUAL_RAIL_INGEST_BULK='thread' is not valid"):
+        Config.from_env({"DUAL_RAIL_INGEST_BULK": "thread"})
