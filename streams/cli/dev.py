@@ -215,7 +215,7 @@ def bench(sub) -> None:
         elif args.which == "ingest":
             from ..devtools.bench_ingest import run as ingest
 
-            result = ingest(n=min(args.messages, 1000), progress=progress)
+            result = ingest(n=min(args.messages, 2000), progress=progress)
         elif args.which == "webhooks":
             from ..devtools.bench_webhooks import run as webhooks
 

@@ -106,7 +106,7 @@ def _consume(bootstrap: str, topic: str, n: int, handle) -> float:
 def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None,
         profile: bool = False, concurrency: int = 8) -> dict:
     stamp = int(time.time())
-    with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}")) as fleet:
+    with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}"), forget_keys=True) as fleet:
         fleet.create_topics()
         url = fleet.start_mock(rate=1_000_000, latency_ms=0)
         mock_pid = fleet.members[-1].proc.pid
