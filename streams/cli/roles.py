@@ -28,6 +28,10 @@ def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | None = None,
               bulk_socket: str | None = None, bulk_instance: str | None = None) -> None:
     """The ingest API on host:port; batches are forwarded to a bulk process it starts and keeps running
@@ -45,6 +49,9 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
 
     bulk = None
     if bulk_socket is None and router is None and rt.config.ingest_bulk_nice is not None:
+        # uvicorn raises SIGTERM again once it has shut down; as SystemExit, `finally` below still stops
+        # the bulk process and removes its socket's directory.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         bulk = BulkProcess(rt.config.ingest_bulk_nice, log_format)
         bulk.start()
     try:

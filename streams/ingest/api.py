@@ -9,7 +9,8 @@ Publishing a request is all or nothing: its sends are checked (schema, policy, s
 quotas), then published in one producer transaction (one send: one acknowledged record), and only
 then recorded as `accepted`. Handlers are async and wait for the broker without holding a thread;
 at most MAX_IN_FLIGHT requests publish at once, and one tenant at most TENANT_BATCHES multi-record
-requests at once, so a tenant posting large batches at full speed does not slow another's sends.
+requests at once. With `bulk_socket`, batches are served by the bulk process (bulk.py) at a lower CPU
+priority, so a tenant posting large batches at full speed does not slow another's single sends.
 """
 
 
