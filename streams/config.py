@@ -28,6 +28,12 @@ was expected. The variables and their defaults:
     YIELD_MIN_DWELL_S             shortest pause, seconds (default: 2)
     YIELD_STALE_AFTER_S           a lag reading older than this is not trusted, seconds (default: 3)
     DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
+    DUAL_RAIL_MARKETING_NICE      the CPU priority marketing workers and retriers give up, a nice value 0-19 (default: 10)
+    DUAL_RAIL_INGEST_BULK         process: the ingest API serves batches in a bulk process of its own; off: in
+                                  the API process (default: process)
+    DUAL_RAIL_INGEST_BULK_NICE    the bulk process's nice value, 0-19 (default: 10)
+    DUAL_RAIL_INGEST_INSTANCE     names the bulk process's transactional producers: unique per API process, the
+                                  same after a restart (default: hostname-pid)
     KAFKA_DELIVERY_TIMEOUT_MS     how long a record may wait for the broker's acknowledgement before it is
                                   reported failed and produced again (default: 60000)
     WEBHOOK_REQUIRE_HTTPS         1: endpoint URLs must use https (default: 1; tests and the demo set 0)
@@ -48,6 +54,7 @@ was expected. The variables and their defaults:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +98,14 @@ def _bulk_nice(environ: Mapping[str, str]) -> int | None:
     if _choice(environ, "DUAL_RAIL_INGEST_BULK", "process", ("process", "off")) == "off":
         return None
     return _nice(environ, "DUAL_RAIL_INGEST_BULK_NICE")
+
+
+def _instance(environ: Mapping[str, str]) -> str | None:
+    value = environ.get("DUAL_RAIL_INGEST_INSTANCE") or None
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", value):
+        raise ConfigError(f"environment variable DUAL_RAIL_INGEST_INSTANCE={value!r} must be 1-100 letters, digits, "
+                          "'.', '_' or '-' (it names the API instance's transactional producers)")
+    return value
 
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -231,6 +246,7 @@ class Config:
     webhook_backlog_max_age_s: float = 21_600.0
     marketing_nice: int = 10  # CPU priority the marketing lane's roles give up (nice), 0..19
     ingest_bulk_nice: int | None = 10  # the ingest API's bulk process's nice value; None: batches served in-process
+    ingest_instance: str | None = None  # names the bulk process's transactional ids; None: hostname-pid
     alerts_tenant: str = "dual-rail"
     alerts_from: str = "Dual-rail webhooks <alerts@dual-rail.dev>"
     stage_log_path: str | None = None
@@ -266,6 +282,7 @@ class Config:
             webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
             marketing_nice=_nice(e, "DUAL_RAIL_MARKETING_NICE"),
             ingest_bulk_nice=_bulk_nice(e),
+            ingest_instance=_instance(e),
             alerts_tenant=_tenant(e, "ALERTS_TENANT", "dual-rail"),
             alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
             stage_log_path=e.get("DUAL_RAIL_STAGE_LOG") or None,

@@ -35,6 +35,9 @@ def setup(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # httpx logs every request at INFO with its full URL (a webhook URL may carry a token): warnings only.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:

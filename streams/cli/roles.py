@@ -7,9 +7,13 @@ import argparse
 import logging
 import os
 import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from .. import metrics
+from ..backoff import Outage
 from ..config import Config
 from ..lanes import CHANNELS, LANES, RETRY_TIERS
 from ..runtime import Runtime
@@ -33,35 +37,35 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | None = None,
-              bulk_socket: str | None = None, bulk_instance: str | None = None) -> None:
+              bulk_socket: str | None = None, bulk_instance: str | None = None, bulk_parent: int | None = None) -> None:
     """The ingest API on host:port; batches are forwarded to a bulk process it starts and keeps running
     (ingest/bulk.py) unless DUAL_RAIL_INGEST_BULK=off or a `router` is given (the baseline's single
     lane). With `bulk_socket`, this *is* the bulk process: the same app on that Unix socket."""
     import uvicorn
 
-    from ..errors import PublishError
     from ..gate.gate import RedisGate
     from ..ingest.api import Ingest, create_app
-    from ..ingest.bulk import BulkProcess
+    from ..ingest.bulk import BulkProcess, die_with_parent, remove_socket
     from ..ingest.idempotency import IngestIdempotency
     from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
 
     bulk = None
-    if bulk_socket is None and router is None and rt.config.ingest_bulk_nice is not None:
-        # uvicorn raises SIGTERM again once it has shut down; as SystemExit, `finally` below still stops
-        # the bulk process and removes its socket's directory.
+    bulk_nice = rt.config.ingest_bulk_nice if bulk_socket is None and router is None else None
+    if bulk_nice is not None or bulk_socket is not None:
+        # uvicorn raises SIGTERM again once it has shut down; as SystemExit, `finally` below still
+        # stops the bulk process and removes its socket's directory.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        bulk = BulkProcess(rt.config.ingest_bulk_nice, log_format)
-        bulk.start()
+    if bulk_parent is not None:
+        die_with_parent(bulk_parent)
     try:
+        if bulk_nice is not None:
+            bulk = BulkProcess(bulk_nice, log_format, rt.config.ingest_instance)
+            bulk.start()
         r = rt.redis()
         client, store = rt.send_client(router=router, txn_instance=bulk_instance), StatusStore(r, rt.namespace)
         if bulk_instance is not None:
-            try:  # fences what a crashed predecessor left open (see ingest/bulk.py)
-                client.publisher.open_pool()
-            except PublishError as exc:
-                log.warning("cannot start the transactional producers yet (%s); the first batch will", exc)
+            _fence_predecessor(client.publisher)
         webhooks = rt.webhook_ingest(r, client, store)
         webhooks.follow()
         app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
@@ -76,6 +80,32 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
     finally:
         if bulk is not None:
             bulk.stop()
+        if bulk_socket is not None:  # also when the API process was killed: it would leave the directory
+            remove_socket(bulk_socket)
+
+
+def _fence_predecessor(publisher) -> None:
+    """Start every transactional producer of the bulk process now: each aborts what a crashed
+    predecessor left open under its id. While the broker refuses, keep trying in the background
+    (a batch meanwhile starts the producer it needs itself)."""
+    from ..errors import PublishError
+
+    def until_done() -> None:
+        outage = Outage("the bulk process's transactional producers", base_s=1.0, cap_s=30.0)
+        while True:
+            try:
+                publisher.open_pool()
+            except PublishError as exc:
+                time.sleep(max(0.0, outage.failed(time.monotonic(), exc) - time.monotonic()))  # backoff, not sync
+            else:
+                outage.recovered(time.monotonic())
+                return
+
+    try:
+        publisher.open_pool()
+    except PublishError as exc:
+        log.warning("cannot start the transactional producers yet (%s); trying again in the background", exc)
+        threading.Thread(target=until_done, name="fence-predecessor", daemon=True).start()
 
 
 def _metrics_port(p: argparse.ArgumentParser) -> None:
@@ -155,11 +185,12 @@ def api(sub) -> None:
     # Used by the API to start its bulk process (ingest/bulk.py); not for people.
     p.add_argument("--bulk-socket", help=argparse.SUPPRESS)
     p.add_argument("--bulk-instance", help=argparse.SUPPRESS)
+    p.add_argument("--bulk-parent", type=int, help=argparse.SUPPRESS)
 
     def run(args: argparse.Namespace) -> int:
         rt = Runtime(args.config)
         serve_api(rt, args.host, args.port, log_format=args.log_format, bulk_socket=args.bulk_socket,
-                  bulk_instance=args.bulk_instance)
+                  bulk_instance=args.bulk_instance, bulk_parent=args.bulk_parent)
         return 0
 
     p.set_defaults(func=run)
@@ -189,8 +220,7 @@ def endpoint_health(sub) -> None:
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
-        from pathlib import Path
-
+        
         from ..health.app import EndpointHealthApp
 
         rt = Runtime(args.config)

@@ -15,6 +15,7 @@ priority, so a tenant posting large batches at full speed does not slow another'
 
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -309,16 +310,15 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         records = client.records(sends) + skipped_records(client.names, skipped)
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
-            async with in_flight:
-                metrics.INGEST_IN_FLIGHT.inc()
-                try:
-                    if fair is None:
+            # A tenant's batches queue for their turn before taking one of the process's in-flight
+            # places, so one tenant's many batches cannot hold every place while waiting.
+            async with fair if fair is not None else contextlib.nullcontext():
+                async with in_flight:
+                    metrics.INGEST_IN_FLIGHT.inc()
+                    try:
                         written = await client.publisher.publish_async(records)
-                    else:
-                        async with fair:
-                            written = await client.publisher.publish_async(records)
-                finally:
-                    metrics.INGEST_IN_FLIGHT.dec()
+                    finally:
+                        metrics.INGEST_IN_FLIGHT.dec()
         except RecordTooLarge as exc:
             raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
         except PublishError as exc:
@@ -416,4 +416,4 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
     app.mount("/metrics", make_asgi_app())
     answer_options(app)
-    return BodyLimit(BulkProxy(app, bulk_socket) if bulk_socket else app, max_body)  # type: ignore[return-value]
+    return BodyLimit(BulkProxy(app, bulk_socket), max_body)  # type: ignore[return-value]

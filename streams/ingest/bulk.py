@@ -15,9 +15,14 @@ What can fail, and what the client is told:
   nothing was published; the API process starts it again, with backoff.
 - it dies while publishing a batch: the batch's producer transaction is either committed or never
   will be (its successor takes the same transactional ids and aborts what was left open at start),
-  and the API process cannot know which: 503 saying so; a retry with the same Idempotency-Key
-  answers either way without publishing twice.
-- the API process dies: the kernel stops the bulk process with it (PR_SET_PDEATHSIG).
+  and the API process cannot know which: 503 saying so. A retry with the same Idempotency-Key gets
+  the original answer, or (once the key's 60 s lease has passed) publishes the batch again under
+  the same send ids, which dispatch sends at most once.
+- it stops answering (hung, its socket removed): the API process asks it every 5 s and, after 3
+  unanswered probes in a row, kills it; it is then started again like a crashed one.
+- it takes longer than PUBLISH_WAIT_S: 503 saying it may still publish the batch (same advice).
+- the API process dies: the kernel stops the bulk process with it (PR_SET_PDEATHSIG, set by the
+  bulk process itself at start), and the bulk process removes its socket's directory on its way out.
 
 Metrics: the bulk process's own are served at `/metrics/bulk` of the API's port.
 """
@@ -50,46 +55,79 @@ METRICS_PATH = "/metrics/bulk"
 # Headers that describe one hop of a connection, not the request or answer (RFC 9110 7.6.1), and the
 # length, which the forwarding side sets again.
 HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-                         b"proxy-connection", b"content-length", b"host"})
-PUBLISH_WAIT_S = 180.0  # longer than the bulk process ever takes to answer (its publish gives up after ~65 s)
+                         b"proxy-connection", b"content-length", b"host", b"expect"})
+# Set by the server that sends the answer on; forwarded, they would appear twice.
+SERVER_HEADERS = frozenset({b"date", b"server"})
+# How long a client's batch waits for the bulk process's answer. A bound on the wait, not on the
+# publish: a broker in trouble can hold a transaction longer, and the answer then says so.
+NOT_FORWARDED_BACK = HOP_HEADERS | SERVER_HEADERS
+PUBLISH_WAIT_S = 180.0
+PROBE_EVERY_S, PROBE_TIMEOUT_S, PROBES_MISSED_MAX = 5.0, 5.0, 3
+STARTUP_GRACE_S = 60.0  # a new bulk process is not probed until it answered once or this has passed
+BULK_DIR_PREFIX = "dual-rail-bulk-"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent(parent_pid: int) -> None:
+    """Called by the bulk process at start: the kernel sends it SIGTERM when the API process exits.
+    (Set here, not between fork and exec in the API process, which has threads by then.) If the
+    API process already exited, exit now."""
     PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        raise SystemExit("the ingest API process that started this bulk process has exited")
+
+
+def remove_socket(socket_path: str) -> None:
+    """The bulk process, on its way out: its socket, and the directory BulkProcess made for it."""
+    path = Path(socket_path)
+    path.unlink(missing_ok=True)
+    if path.parent.name.startswith(BULK_DIR_PREFIX):  # that directory, never one given by hand
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass
 
 
 class BulkProcess:
     """Starts the bulk process and starts it again whenever it exits, until `stop()`."""
 
-    def __init__(self, nice: int, log_format: str | None = None):
-        self._dir = Path(tempfile.mkdtemp(prefix="dual-rail-bulk-"))
+    def __init__(self, nice: int, log_format: str | None = None, instance: str | None = None):
+        self._dir = Path(tempfile.mkdtemp(prefix=BULK_DIR_PREFIX))
         self.socket_path = str(self._dir / "bulk.sock")
         # Kept across restarts: a successor takes its predecessor's transactional ids (see module doc).
-        self.instance = f"{socket.gethostname()}-{os.getpid()}-bulk"
+        # Two API processes must never share it: DUAL_RAIL_INGEST_INSTANCE names each where hostname
+        # and pid may repeat (containers sharing the host's name, each its own pid 1).
+        self.instance = f"{instance or f'{socket.gethostname()}-{os.getpid()}'}-bulk"
         self.argv = ["nice", "-n", str(nice), sys.executable, "-m", "streams.cli",
                      *(["--log-format", log_format] if log_format else []),
-                     "api", "--bulk-socket", self.socket_path, "--bulk-instance", self.instance]
+                     "api", "--bulk-socket", self.socket_path, "--bulk-instance", self.instance,
+                     "--bulk-parent", str(os.getpid())]
         self._stopping = threading.Event()
         self._process: subprocess.Popen | None = None
         self._started = threading.Event()
         # Started and waited on by one thread: PR_SET_PDEATHSIG follows the thread that started the child.
         self._supervisor = threading.Thread(target=self._supervise, name="bulk-process", daemon=True)
 
-    def start(self, ready_timeout_s: float = 60.0) -> None:
-        """Start it and return once it answers (the API then opens its port with batches served)."""
+    def start(self, ready_timeout_s: float = 60.0) -> bool:
+        """Start it and return once it answers, so the API opens its port with batches served; if it
+        does not answer in time, return False anyway: single sends are served, batches get 503 until
+        it does (it is probed, killed and started again like a crashed one)."""
         self._supervisor.start()
         self._started.wait(10)
         deadline = time.monotonic() + ready_timeout_s
         while not self._answers():
-            if time.monotonic() > deadline or self._stopping.is_set():
-                raise RuntimeError(f"the bulk ingest process did not answer on {self.socket_path} "
-                                   f"within {ready_timeout_s:.0f} s (see its log lines above)")
+            if self._stopping.is_set():
+                return False
+            if time.monotonic() > deadline:
+                log.error("the bulk ingest process did not answer on %s within %.0f s (see its log lines above); "
+                          "serving single sends, batches get 503 until it does", self.socket_path, ready_timeout_s)
+                return False
             self._stopping.wait(0.05)  # start-up: polled, a few seconds at most
+        return True
 
-    def _answers(self) -> bool:
+    def _answers(self, timeout_s: float = 2.0) -> bool:
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=self.socket_path), timeout=2) as client:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=self.socket_path), timeout=timeout_s) as client:
                 client.get("http://bulk/openapi.json").raise_for_status()
             return True
         except httpx.HTTPError:
@@ -98,18 +136,41 @@ class BulkProcess:
     def _supervise(self) -> None:
         outage = Outage("the bulk ingest process", base_s=0.5, cap_s=30.0)
         while not self._stopping.is_set():
+            self._dir.mkdir(mode=0o700, exist_ok=True)  # the previous one removes it on its way out
             Path(self.socket_path).unlink(missing_ok=True)
-            self._process = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)  # noqa: S603, PLW1509
+            # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
+            self._process = subprocess.Popen(self.argv, start_new_session=True)  # noqa: S603
             self._started.set()
             started = time.monotonic()
-            code = self._process.wait()
+            code = self._watch(self._process, started)
             if self._stopping.is_set():
                 return
             metrics.INGEST_BULK_RESTARTS.inc()
             if time.monotonic() - started > 60:  # it ran a while: a new episode, not a crash loop
                 outage.recovered(time.monotonic())
             outage.failed(time.monotonic(), f"exited with {code}")
+            log.error("the bulk ingest process exited with %s; starting it again in %.1f s (batches get 503 "
+                      "until then)", code, max(0.0, outage.next_try_at - time.monotonic()))
             self._stopping.wait(max(0.0, outage.next_try_at - time.monotonic()))
+
+    def _watch(self, process: subprocess.Popen, started: float) -> int:
+        """Wait for it to exit; kill it once it has missed PROBES_MISSED_MAX probes in a row."""
+        missed, answered_once = 0, False
+        while True:
+            try:
+                return process.wait(PROBE_EVERY_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if self._stopping.is_set():
+                return process.wait()
+            if self._answers(PROBE_TIMEOUT_S):
+                missed, answered_once = 0, True
+            elif answered_once or time.monotonic() - started > STARTUP_GRACE_S:
+                missed += 1
+                if missed >= PROBES_MISSED_MAX and process.poll() is None:
+                    log.error("the bulk ingest process did not answer %d probes in a row (%.0f s); killing it",
+                              missed, missed * (PROBE_EVERY_S + PROBE_TIMEOUT_S))
+                    process.kill()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -125,16 +186,18 @@ class BulkProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def unavailable(message: str) -> JSONResponse:
-    metrics.INGEST_REJECTED.labels("503").inc()
+def unavailable(message: str, count: bool = True) -> JSONResponse:
+    if count:
+        metrics.INGEST_REJECTED.labels("503").inc()
     return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": message}]}, status_code=503,
                         headers={"Retry-After": "1"})
 
 
 class BulkProxy:
-    """ASGI: `POST /v1/sends/batch` (and `/metrics/bulk`) answered by the bulk process; the rest by `app`."""
+    """ASGI: `POST /v1/sends/batch` (and `/metrics/bulk`) answered by the bulk process; the rest by `app`.
+    Without a socket (no bulk process), `/metrics/bulk` is 404, so no scrape counts the API's twice."""
 
-    def __init__(self, app, socket_path: str):
+    def __init__(self, app, socket_path: str | None):
         self.app = app
         self.socket_path = socket_path
         self._client: httpx.AsyncClient | None = None
@@ -148,6 +211,12 @@ class BulkProxy:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] == METRICS_PATH and self.socket_path is None:
+            return await JSONResponse({"error": "not_found", "errors": [{"loc": ["path"], "msg": (
+                "this API process has no bulk process (DUAL_RAIL_INGEST_BULK=off): its metrics are at /metrics")}]},
+                status_code=404)(scope, receive, send)
+        if self.socket_path is None:
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
             return await self._forward(scope, receive, send)
@@ -171,15 +240,20 @@ class BulkProxy:
         except (httpx.ConnectError, httpx.ConnectTimeout):
             response: Response = unavailable("the bulk ingest process is not running (it is being started again): "
                                              "nothing was published; retry after a moment")
+        except httpx.ReadTimeout:
+            log.warning("the bulk ingest process did not answer a batch within %.0f s", PUBLISH_WAIT_S)
+            response = unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "
+                                   "still publish this batch; retry later with the same Idempotency-Key to find "
+                                   "out without it being sent twice")
         except httpx.HTTPError as exc:
             log.warning("the bulk ingest process did not answer a batch (%s)", type(exc).__name__)
             response = unavailable("the bulk ingest process stopped while publishing this batch: it may or may "
                                    "not have been published; retry with the same Idempotency-Key to find out "
-                                   "without publishing it twice")
+                                   "without it being sent twice")
         else:
             response = Response(answer.content, answer.status_code,
                                 headers={k: v for k, v in answer.headers.items()
-                                         if k.encode().lower() not in HOP_HEADERS})
+                                         if k.encode().lower() not in NOT_FORWARDED_BACK})
         await response(scope, receive, send)
 
     async def _metrics(self, scope, receive, send) -> None:
@@ -187,6 +261,6 @@ class BulkProxy:
             answer = await self.client().get("/metrics/")  # the app mounts its exposition at /metrics/
             response: Response = Response(answer.content, answer.status_code,
                                           media_type=answer.headers.get("content-type"))
-        except httpx.HTTPError:
-            response = unavailable("the bulk ingest process is not running")
+        except httpx.HTTPError:  # a scrape, not a rejected send: not counted
+            response = unavailable("the bulk ingest process is not running", count=False)
         await response(scope, receive, send)

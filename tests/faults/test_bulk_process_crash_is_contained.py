@@ -162,6 +162,60 @@ def test_a_killed_bulk_process_is_restarted_and_fences_its_open_transaction(
         else:
             assert counts.get(batch, 0) in (0, BATCH), f"batch {batch} (answered {status}) is half published"
 
+    socket_dir = socket_dir_of(bulk_pid)
+    assert socket_dir.is_dir()
     api_process.kill()
     wait_until(lambda: not alive(bulk_pid), 15,
                "the bulk process to stop with its API process")
+    wait_until(lambda: not socket_dir.exists(), 15, "the bulk process to remove its socket's directory")
+
+
+def socket_dir_of(pid: int) -> Path:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return Path(argv[argv.index(b"--bulk-socket") + 1].decode()).parent
+
+
+def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_topics, fault_processes):
+    """Given the ingest API with its bulk process,
+    When the bulk process hangs (SIGSTOP: it holds its socket but never answers) while a batch is waiting for it,
+    Then the API process kills it after missed probes and starts a new one (counted in
+    dispatch_ingest_bulk_process_restarts_total), the waiting batch is answered 503 saying it may or may not have been
+    published, single sends are accepted throughout, and the same batch retried with the same Idempotency-Key (once
+    its lease lets it) is accepted, a further retry replaying that answer."""
+    fault_topics("email")
+    api_key = fault_runtime.api_keys().create("tenant", "shop")
+    port = free_port()
+    api_process = fault_processes.start("api", "api", "--port", str(port))
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+    wait_until(lambda: answers(api), 30, "the ingest API")
+    hung = bulk_process_of(api_process.pid)
+    assert hung is not None, "the API started no bulk process"
+    batch = {"sends": [email_request("marketing") for _ in range(5)]}
+    assert api.post("/v1/sends/batch", json=batch).status_code == 202  # the bulk process serves batches
+
+    os.kill(hung, signal.SIGSTOP)
+    hung_at = time.monotonic()
+    waiting = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
+    answered_s = time.monotonic() - hung_at
+    singles = [api.post("/v1/sends", json=email_request()).status_code for _ in range(5)]
+    wait_until(lambda: (bulk_process_of(api_process.pid) or hung) != hung, 60, "a new bulk process")
+    replaced_s = time.monotonic() - hung_at
+    wait_until(lambda: not alive(hung), 10, "the hung bulk process to be gone")
+    retried = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
+    while retried.status_code in (409, 503):  # the key's lease, or the new process starting: as a client would
+        time.sleep(float(retried.headers.get("retry-after", "1")))  # pacing a retrying client
+        retried = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
+    restarts = metric(api.get("/metrics/").text, "dispatch_ingest_bulk_process_restarts_total")
+    print(f"hung bulk process: the waiting batch answered {waiting.status_code} after {answered_s:.1f} s, "
+          f"a new bulk process {replaced_s:.1f} s after the hang; retry answered {retried.status_code}; "
+          f"restarts counted {restarts:g}")
+    assert waiting.status_code == 503 and "may or may not" in waiting.text, waiting.text
+    assert set(singles) == {202}, f"single sends were refused while the bulk process hung: {singles}"
+    assert restarts == 1
+    assert retried.status_code == 202 and retried.json()["accepted"] == 5, retried.text
+    replayed = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
+    assert replayed.headers.get("idempotent-replayed") == "true" and replayed.json() == retried.json()
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))

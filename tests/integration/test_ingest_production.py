@@ -203,9 +203,9 @@ def metric(text: str, name: str) -> float:
 def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, processes, redis_client, namespace):
     """Given the API (batches forwarded to its bulk process) and a second API process with DUAL_RAIL_INGEST_BULK=off,
     When a tenant posts a batch of 3 and a single send to each,
-    Then both answer alike (202, ids, Idempotency-Key replays included); with the bulk process, the batch is
-    counted in /metrics/bulk (the bulk process's own metrics) and the single send in /metrics; without it, both in
-    /metrics."""
+    Then both answer alike (202, ids, Idempotency-Key replays included, one Date and one Server header); with the bulk
+    process, the batch is counted in /metrics/bulk (the bulk process's own metrics) and the single send in /metrics;
+    without it, both in /metrics, and /metrics/bulk is 404 (a scrape of it must not count the API's metrics twice)."""
     inline = start_api(processes, free_port(), {}, redis_client, namespace, env={"DUAL_RAIL_INGEST_BULK": "off"})
     sends = "dispatch_ingest_sends_total{"
     for client, bulk in ((api, True), (inline, False)):
@@ -215,6 +215,8 @@ def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, proce
         assert first.status_code == 202 and first.json()["accepted"] == 3, first.text
         again = client.post("/v1/sends/batch", json=batch, headers=headers)
         assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+        for header in ("date", "server", "content-type", "content-length"):
+            assert len(first.headers.get_list(header)) == 1, f"{header}: {first.headers.get_list(header)} (bulk={bulk})"
         assert client.post("/v1/sends", json=email_request(), headers=api.keys["a"]).status_code == 202
         own = client.get("/metrics", follow_redirects=True).text
         if bulk:
@@ -222,3 +224,5 @@ def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, proce
             assert metric(own, sends) == 1
         else:
             assert metric(own, sends) == 4
+            missing = client.get("/metrics/bulk")
+            assert missing.status_code == 404 and "DUAL_RAIL_INGEST_BULK=off" in missing.text, missing.text

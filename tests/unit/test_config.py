@@ -29,3 +29,13 @@ def test_the_ingest_bulk_process_defaults_to_nice_ten_and_can_be_turned_off():
         Config.from_env({"DUAL_RAIL_INGEST_BULK_NICE": "20"})
     with pytest.raises(ConfigError, match="DUAL_RAIL_INGEST_BULK='thread' is not valid"):
         Config.from_env({"DUAL_RAIL_INGEST_BULK": "thread"})
+
+
+def test_an_ingest_instance_name_must_be_usable_in_a_transactional_id():
+    """Given DUAL_RAIL_INGEST_INSTANCE unset, set to a pod's name, then to names with a space or a slash,
+    Then it is None (hostname-pid is used), the name, then refused naming the variable and what it may hold."""
+    assert Config.from_env({}).ingest_instance is None
+    assert Config.from_env({"DUAL_RAIL_INGEST_INSTANCE": "api-7d9f8-x2k4q"}).ingest_instance == "api-7d9f8-x2k4q"
+    for bad in ("api 1", "api/1", "x" * 101):
+        with pytest.raises(ConfigError, match="DUAL_RAIL_INGEST_INSTANCE=.* must be 1-100 letters, digits"):
+            Config.from_env({"DUAL_RAIL_INGEST_INSTANCE": bad})
