@@ -28,7 +28,7 @@ was expected. The variables and their defaults:
     YIELD_MIN_DWELL_S             shortest pause, seconds (default: 2)
     YIELD_STALE_AFTER_S           a lag reading older than this is not trusted, seconds (default: 3)
     DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
-    DUAL_RAIL_MARKETING_NICE      the CPU priority marketing workers and retriers give up, a nice value 0-19 (default: 10)
+    DUAL_RAIL_MARKETING_NICE      the CPU priority marketing workers and retriers give up, nice 0-19 (default: 10)
     DUAL_RAIL_INGEST_BULK         process: the ingest API serves batches in a bulk process of its own; off: in
                                   the API process (default: process)
     DUAL_RAIL_INGEST_BULK_NICE    the bulk process's nice value, 0-19 (default: 10)

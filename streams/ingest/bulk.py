@@ -63,7 +63,8 @@ SERVER_HEADERS = frozenset({b"date", b"server"})
 NOT_FORWARDED_BACK = HOP_HEADERS | SERVER_HEADERS
 PUBLISH_WAIT_S = 180.0
 PROBE_EVERY_S, PROBE_TIMEOUT_S, PROBES_MISSED_MAX = 5.0, 5.0, 3
-STARTUP_GRACE_S = 60.0  # a new bulk process is not probed until it answered once or this has passed
+STARTUP_POLL_S = 0.05
+STARTUP_GRACE_S = 60.0  # a new bulk process is not killed for silence until it answered once or this has passed
 BULK_DIR_PREFIX = "dual-rail-bulk-"
 
 
@@ -104,7 +105,7 @@ class BulkProcess:
                      "--bulk-parent", str(os.getpid())]
         self._stopping = threading.Event()
         self._process: subprocess.Popen | None = None
-        self._started = threading.Event()
+        self._ready = threading.Event()  # it answered once
         # Started and waited on by one thread: PR_SET_PDEATHSIG follows the thread that started the child.
         self._supervisor = threading.Thread(target=self._supervise, name="bulk-process", daemon=True)
 
@@ -113,25 +114,25 @@ class BulkProcess:
         does not answer in time, return False anyway: single sends are served, batches get 503 until
         it does (it is probed, killed and started again like a crashed one)."""
         self._supervisor.start()
-        self._started.wait(10)
-        deadline = time.monotonic() + ready_timeout_s
-        while not self._answers():
-            if self._stopping.is_set():
-                return False
-            if time.monotonic() > deadline:
-                log.error("the bulk ingest process did not answer on %s within %.0f s (see its log lines above); "
-                          "serving single sends, batches get 503 until it does", self.socket_path, ready_timeout_s)
-                return False
-            self._stopping.wait(0.05)  # start-up: polled, a few seconds at most
-        return True
+        if self._ready.wait(ready_timeout_s):
+            return True
+        log.error("the bulk ingest process did not answer on %s within %.0f s (see its log lines above); serving "
+                  "single sends, batches get 503 until it does", self.socket_path, ready_timeout_s)
+        return False
 
     def _answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether it answers an HTTP request within timeout_s. A bare socket and the status line only:
+        this runs every few seconds in the API process, next to its single sends (an httpx client
+        built per probe loads the CA store, ~30 ms of CPU holding the GIL, visible in their p99)."""
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=self.socket_path), timeout=timeout_s) as client:
-                client.get("http://bulk/openapi.json").raise_for_status()
-            return True
-        except httpx.HTTPError:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(timeout_s)
+                probe.connect(self.socket_path)
+                probe.sendall(b"OPTIONS /v1/sends HTTP/1.1\r\nHost: bulk\r\nConnection: close\r\n\r\n")
+                status = probe.recv(64)
+        except OSError:  # missing, refused, timed out
             return False
+        return status.startswith(b"HTTP/1.1 2")
 
     def _supervise(self) -> None:
         outage = Outage("the bulk ingest process", base_s=0.5, cap_s=30.0)
@@ -140,7 +141,6 @@ class BulkProcess:
             Path(self.socket_path).unlink(missing_ok=True)
             # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
             self._process = subprocess.Popen(self.argv, start_new_session=True)  # noqa: S603
-            self._started.set()
             started = time.monotonic()
             code = self._watch(self._process, started)
             if self._stopping.is_set():
@@ -157,14 +157,15 @@ class BulkProcess:
         """Wait for it to exit; kill it once it has missed PROBES_MISSED_MAX probes in a row."""
         missed, answered_once = 0, False
         while True:
-            try:
-                return process.wait(PROBE_EVERY_S)
+            try:  # until it first answers (start-up, a few seconds) it is polled, then probed every 5 s
+                return process.wait(PROBE_EVERY_S if answered_once else STARTUP_POLL_S)
             except subprocess.TimeoutExpired:
                 pass
             if self._stopping.is_set():
                 return process.wait()
             if self._answers(PROBE_TIMEOUT_S):
                 missed, answered_once = 0, True
+                self._ready.set()
             elif answered_once or time.monotonic() - started > STARTUP_GRACE_S:
                 missed += 1
                 if missed >= PROBES_MISSED_MAX and process.poll() is None:
