@@ -42,11 +42,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
 from .. import metrics
 from ..backoff import Outage
+from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
 
 log = logging.getLogger("streams.api")
 
@@ -201,31 +201,24 @@ class BulkProxy:
     def __init__(self, app, socket_path: str | None):
         self.app = app
         self.socket_path = socket_path
-        self._client: httpx.AsyncClient | None = None
-
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # made on the server's event loop, on first use
-            self._client = httpx.AsyncClient(
-                base_url="http://bulk", transport=httpx.AsyncHTTPTransport(uds=self.socket_path),
-                timeout=httpx.Timeout(PUBLISH_WAIT_S, connect=2.0), limits=httpx.Limits(max_connections=None))
-        return self._client
+        self.bulk = UnixHttp(socket_path, host=b"bulk") if socket_path else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["path"] == METRICS_PATH and self.socket_path is None:
-            return await JSONResponse({"error": "not_found", "errors": [{"loc": ["path"], "msg": (
-                "this API process has no bulk process (DUAL_RAIL_INGEST_BULK=off): its metrics are at /metrics")}]},
-                status_code=404)(scope, receive, send)
-        if self.socket_path is None:
+        if self.bulk is None:
+            if scope["path"] == METRICS_PATH:
+                return await JSONResponse({"error": "not_found", "errors": [{"loc": ["path"], "msg": (
+                    "this API process has no bulk process (DUAL_RAIL_INGEST_BULK=off): its metrics are at /metrics"
+                )}]}, status_code=404)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
-            return await self._forward(scope, receive, send)
+            return await self._forward(self.bulk, scope, receive, send)
         if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
-            return await self._metrics(scope, receive, send)
+            return await self._metrics(self.bulk, scope, receive, send)
         return await self.app(scope, receive, send)
 
-    async def _forward(self, scope, receive, send) -> None:
+    async def _forward(self, bulk: UnixHttp, scope, receive, send) -> None:
         chunks, more = [], True
         while more:
             message = await receive()
@@ -236,32 +229,34 @@ class BulkProxy:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_HEADERS]
         query = scope.get("query_string", b"").decode("latin-1")
         try:
-            answer = await self.client().post(BATCH_PATH + (f"?{query}" if query else ""), content=b"".join(chunks),
-                                              headers=headers)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
-            response: Response = unavailable("the bulk ingest process is not running (it is being started again): "
-                                             "nothing was published; retry after a moment")
-        except httpx.ReadTimeout:
+            answer = await bulk.request("POST", BATCH_PATH + (f"?{query}" if query else ""), headers, chunks,
+                                        PUBLISH_WAIT_S)
+        except Unreachable:
+            return await unavailable("the bulk ingest process is not running (it is being started again): "
+                                     "nothing was published; retry after a moment")(scope, receive, send)
+        except TimeoutError:
             log.warning("the bulk ingest process did not answer a batch within %.0f s", PUBLISH_WAIT_S)
-            response = unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "
-                                   "still publish this batch; retry later with the same Idempotency-Key to find "
-                                   "out without it being sent twice")
-        except httpx.HTTPError as exc:
-            log.warning("the bulk ingest process did not answer a batch (%s)", type(exc).__name__)
-            response = unavailable("the bulk ingest process stopped while publishing this batch: it may or may "
-                                   "not have been published; retry with the same Idempotency-Key to find out "
-                                   "without it being sent twice")
-        else:
-            response = Response(answer.content, answer.status_code,
-                                headers={k: v for k, v in answer.headers.items()
-                                         if k.encode().lower() not in NOT_FORWARDED_BACK})
-        await response(scope, receive, send)
+            return await unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "
+                                     "still publish this batch; retry later with the same Idempotency-Key to find "
+                                     "out without it being sent twice")(scope, receive, send)
+        except Interrupted as exc:
+            log.warning("the bulk ingest process did not answer a batch (%s)", exc)
+            return await unavailable("the bulk ingest process stopped while publishing this batch: it may or may "
+                                     "not have been published; retry with the same Idempotency-Key to find out "
+                                     "without it being sent twice")(scope, receive, send)
+        await _send_back(answer, send)
 
-    async def _metrics(self, scope, receive, send) -> None:
-        try:
-            answer = await self.client().get("/metrics/")  # the app mounts its exposition at /metrics/
-            response: Response = Response(answer.content, answer.status_code,
-                                          media_type=answer.headers.get("content-type"))
-        except httpx.HTTPError:  # a scrape, not a rejected send: not counted
-            response = unavailable("the bulk ingest process is not running", count=False)
-        await response(scope, receive, send)
+    async def _metrics(self, bulk: UnixHttp, scope, receive, send) -> None:
+        try:  # the app mounts its exposition at /metrics/
+            answer = await bulk.request("GET", "/metrics/", [], [], PROBE_TIMEOUT_S)
+        except (Unreachable, Interrupted, TimeoutError):  # a scrape, not a rejected send: not counted
+            return await unavailable("the bulk ingest process is not running", count=False)(scope, receive, send)
+        await _send_back(answer, send)
+
+
+async def _send_back(answer: Answer, send) -> None:
+    """The bulk process's answer as it came, less what the API's own server sets."""
+    headers = [(k, v) for k, v in answer.headers if k not in NOT_FORWARDED_BACK]
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
