@@ -59,7 +59,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
     if bulk_parent is not None:
         die_with_parent(bulk_parent)
     try:
-        if bulk_nice is not None:
+        if bulk_nice is not None:  # it starts while this process sets itself up
             bulk = BulkProcess(bulk_nice, log_format, rt.config.ingest_instance)
             bulk.start()
         r = rt.redis()
@@ -73,6 +73,8 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
                                 idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
                                 guard=rt.state_guard("api", r), webhooks=webhooks),
                          bulk_socket=bulk.socket_path if bulk else None)
+        if bulk is not None:
+            bulk.wait_ready()
         if bulk_socket is not None:
             uvicorn.run(app, uds=bulk_socket, log_level="warning", access_log=False)
         else:

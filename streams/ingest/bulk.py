@@ -109,15 +109,18 @@ class BulkProcess:
         # Started and waited on by one thread: PR_SET_PDEATHSIG follows the thread that started the child.
         self._supervisor = threading.Thread(target=self._supervise, name="bulk-process", daemon=True)
 
-    def start(self, ready_timeout_s: float = 60.0) -> bool:
-        """Start it and return once it answers, so the API opens its port with batches served; if it
-        does not answer in time, return False anyway: single sends are served, batches get 503 until
-        it does (it is probed, killed and started again like a crashed one)."""
+    def start(self) -> None:
+        """Start it (and keep it running); `wait_ready` then waits for its first answer."""
         self._supervisor.start()
-        if self._ready.wait(ready_timeout_s):
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """Return once it answers, so the API opens its port with batches served; if it does not
+        answer in time, return False anyway: single sends are served, batches get 503 until it does
+        (it is probed, killed and started again like a crashed one)."""
+        if self._ready.wait(timeout_s):
             return True
         log.error("the bulk ingest process did not answer on %s within %.0f s (see its log lines above); serving "
-                  "single sends, batches get 503 until it does", self.socket_path, ready_timeout_s)
+                  "single sends, batches get 503 until it does", self.socket_path, timeout_s)
         return False
 
     def _answers(self, timeout_s: float = 2.0) -> bool:
