@@ -231,3 +231,16 @@ class AckedWriter:
             if self._failed:
                 time.sleep(min(0.2, max(0.0, self.outage.next_try_at - time.monotonic())))
         return self.pending == 0
+
+
+def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:
+    """A partition's low and high offsets; a retriable error (a topic just created or a leader just
+    moved: NOT_LEADER_FOR_PARTITION) is asked again until timeout_s, as the producer would."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return c.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+        except KafkaException as exc:
+            if not exc.args[0].retriable() or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # backoff before asking again, not synchronisation

@@ -259,3 +259,8 @@ def report_outcome(scenario: str, ids: list[str], stats: dict, procs) -> str:
             f"processes alive {len(alive)}/{len(list(procs))} ({', '.join(alive)})")
     print(line)
     return line
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples in a Prometheus text exposition (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))

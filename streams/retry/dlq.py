@@ -10,10 +10,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from ..errors import ReplayRefused
-from ..kafka_client import client_config
+from ..kafka_client import client_config, watermarks
 from ..providers.outcome import redact
 
 PAYLOAD_DAYS = 7
@@ -37,19 +37,6 @@ class DeadLetterRecord:
         return self.headers.get("reason", "")
 
 
-def _watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:
-    """A partition's low and high offsets; a retriable error (a topic just created or a leader just
-    moved: NOT_LEADER_FOR_PARTITION) is asked again until timeout_s, as the producer would."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return c.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
-        except KafkaException as exc:
-            if not exc.args[0].retriable() or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)  # backoff before asking again, not synchronisation
-
-
 def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLetterRecord]:
     """Every record currently in the DLQ (from the start to the end offsets read at call time)."""
     c = Consumer(client_config(bootstrap, quiet=True, settings={"group.id": "dlq-reader", "enable.auto.commit": False}))
@@ -58,7 +45,7 @@ def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLe
         ends = {}
         assignment = []
         for p in parts:
-            low, high = _watermarks(c, TopicPartition(topic, p))
+            low, high = watermarks(c, TopicPartition(topic, p))
             if high > low:
                 ends[p] = high
                 assignment.append(TopicPartition(topic, p, low))
@@ -85,7 +72,7 @@ def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: fl
     c = Consumer(client_config(bootstrap, quiet=True, settings={
         "group.id": f"record-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
     try:
-        low, high = _watermarks(c, TopicPartition(topic, partition))
+        low, high = watermarks(c, TopicPartition(topic, partition))
         if not low <= offset < high:
             return None
         c.assign([TopicPartition(topic, partition, offset)])
@@ -122,7 +109,7 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
     try:
         partitions = len(c.list_topics(topic, timeout=10).topics[topic].partitions)
         partition = partition_for(send_id.encode(), partitions)
-        low, high = _watermarks(c, TopicPartition(topic, partition))
+        low, high = watermarks(c, TopicPartition(topic, partition))
         found = None
         if high > low:
             c.assign([TopicPartition(topic, partition, low)])

@@ -13,7 +13,7 @@ from confluent_kafka import IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from tests.faults.test_batches_are_atomic_through_a_broker_outage import committed_by_batch
-from tests.harness import answers, email_request, free_port, wait_until
+from tests.harness import answers, email_request, free_port, metric_sum, wait_until
 
 BATCH = 200
 
@@ -205,7 +205,7 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     while retried.status_code in (409, 503):  # the key's lease, or the new process starting: as a client would
         time.sleep(float(retried.headers.get("retry-after", "1")))  # pacing a retrying client
         retried = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
-    restarts = metric(api.get("/metrics/").text, "dispatch_ingest_bulk_process_restarts_total")
+    restarts = metric_sum(api.get("/metrics/").text, "dispatch_ingest_bulk_process_restarts_total")
     print(f"hung bulk process: the waiting batch answered {waiting.status_code} after {answered_s:.1f} s, "
           f"a new bulk process {replaced_s:.1f} s after the hang; retry answered {retried.status_code}; "
           f"restarts counted {restarts:g}")
@@ -216,6 +216,3 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     replayed = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
     assert replayed.headers.get("idempotent-replayed") == "true" and replayed.json() == retried.json()
 
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))

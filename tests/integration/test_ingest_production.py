@@ -11,7 +11,7 @@ import pytest
 
 from streams.ingest.idempotency import IngestIdempotency, body_hash
 from streams.send import MAX_SEND_BYTES
-from tests.harness import count_records, email_request, free_port, start_api, wait_until
+from tests.harness import count_records, email_request, free_port, metric_sum, start_api, wait_until
 
 
 @pytest.fixture
@@ -195,11 +195,6 @@ def test_error_bodies_have_one_shape(api):
 
 
 
-def metric(text: str, name: str) -> float:
-    """The sum of a metric's samples in a Prometheus text exposition (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, processes, redis_client, namespace):
     """Given the API (batches forwarded to its bulk process) and a second API process with DUAL_RAIL_INGEST_BULK=off,
     When a tenant posts a batch of 3 and a single send to each,
@@ -220,9 +215,9 @@ def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, proce
         assert client.post("/v1/sends", json=email_request(), headers=api.keys["a"]).status_code == 202
         own = client.get("/metrics", follow_redirects=True).text
         if bulk:
-            assert metric(client.get("/metrics/bulk").text, sends) == 3
-            assert metric(own, sends) == 1
+            assert metric_sum(client.get("/metrics/bulk").text, sends) == 3
+            assert metric_sum(own, sends) == 1
         else:
-            assert metric(own, sends) == 4
+            assert metric_sum(own, sends) == 4
             missing = client.get("/metrics/bulk")
             assert missing.status_code == 404 and "DUAL_RAIL_INGEST_BULK=off" in missing.text, missing.text
