@@ -233,14 +233,30 @@ class AckedWriter:
         return self.pending == 0
 
 
-def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:
-    """A partition's low and high offsets; a retriable error (a topic just created or a leader just
-    moved: NOT_LEADER_FOR_PARTITION) is asked again until timeout_s, as the producer would."""
+# The errors a watermark read asks again on. Decided by code: the KafkaError that
+# get_watermark_offsets raises never has its retriable() flag set, even for NOT_LEADER_FOR_PARTITION.
+WATERMARK_RETRIABLE = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.OFFSET_NOT_AVAILABLE,
+    KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._UNKNOWN_PARTITION,
+})
+
+
+def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
+    """A partition's low and high offsets. A retriable error (a topic just created, a broker just started
+    or a leader just moved: NOT_LEADER_FOR_PARTITION) is asked again until timeout_s, as the producer
+    would: each try is bounded to a few seconds, and the client's metadata is refreshed before the next
+    one, so a stale leader in its cache is not asked again and again."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return c.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+            return c.get_watermark_offsets(tp, timeout=min(3.0, max(0.1, deadline - time.monotonic())),
+                                           cached=False)
         except KafkaException as exc:
-            if not exc.args[0].retriable() or time.monotonic() >= deadline:
+            if exc.args[0].code() not in WATERMARK_RETRIABLE or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)  # backoff before asking again, not synchronisation
+            try:
+                c.list_topics(tp.topic, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+            except KafkaException:
+                pass  # the next try reports what is wrong

@@ -45,7 +45,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
 
     from ..gate.gate import RedisGate
     from ..ingest.api import Ingest, create_app
-    from ..ingest.bulk import BulkProcess, die_with_parent, remove_socket
+    from ..ingest.bulk import BULK_VIEW_SYNC_S, BulkProcess, die_with_parent, remove_socket
     from ..ingest.idempotency import IngestIdempotency
     from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
@@ -67,6 +67,8 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         if bulk_instance is not None:
             _fence_predecessor(client.publisher)
         webhooks = rt.webhook_ingest(r, client, store)
+        if bulk_socket is not None:
+            webhooks.sync_view_s = BULK_VIEW_SYNC_S
         webhooks.follow()
         app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
                                 quotas=IngestQuotas(RedisGate(r, rt.namespace)),

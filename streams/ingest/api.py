@@ -277,6 +277,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 return None
             return lambda label: keyed_send_id(tenant_id, key, f"{position}:{label}", first_ms)  # type: ignore[arg-type]
 
+        if webhooks is not None and any(r.channel == "webhook" for r in requests):
+            webhooks.sync_view()
         expanded = [expand(tenant_id, r, ids(i)) for i, r in enumerate(requests)]
         sends = [s for _, group, _ in expanded for s in group]
         skipped = [s for _, _, group in expanded for s in group]

@@ -21,6 +21,9 @@ What can fail, and what the client is told:
 - it stops answering (hung, its socket removed): the API process asks it every 5 s and, after 3
   unanswered probes in a row, kills it; it is then started again like a crashed one.
 - it takes longer than PUBLISH_WAIT_S: 503 saying it may still publish the batch (same advice).
+- the endpoint view: both processes follow the endpoint topics, each a moment apart. Before a batch
+  of webhook events is fanned out, the bulk process brings its view up to the topics' ends (at most
+  BULK_VIEW_SYNC_S), so an endpoint the API process has shown as active again gets the deliveries.
 - the API process dies: the kernel stops the bulk process with it (PR_SET_PDEATHSIG, set by the
   bulk process itself at start), and the bulk process removes its socket's directory on its way out.
 
@@ -66,6 +69,9 @@ PROBE_EVERY_S, PROBE_TIMEOUT_S, PROBES_MISSED_MAX = 5.0, 5.0, 3
 STARTUP_POLL_S = 0.05
 STARTUP_GRACE_S = 60.0  # a new bulk process is not killed for silence until it answered once or this has passed
 BULK_DIR_PREFIX = "dual-rail-bulk-"
+# A batch of webhook events waits at most this long for the bulk process's endpoint view to hold what
+# the topics hold, so it fans out to what the API process has already shown the client.
+BULK_VIEW_SYNC_S = 2.0
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -10,6 +10,7 @@ the project members kept in the operator log.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from ..errors import ConfigError, StackError
-from ..kafka_client import client_config
+from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..state.log import OperatorLog
@@ -152,6 +153,8 @@ class EndpointDirectory:
     _consumer: Consumer | None = None
     _ends: dict[str, int] = field(default_factory=dict)       # each topic's end when we started
     _positions: dict[str, int] = field(default_factory=dict)
+    _polled: threading.Condition = field(default_factory=threading.Condition)
+    _applied: dict[str, int] = field(default_factory=dict)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -189,6 +192,7 @@ class EndpointDirectory:
         if not batch:
             if not self.caught_up:
                 self._check_caught_up()
+            self._mark_applied()  # a position may move past control records alone
             return
         endpoints, health, members = dict(self.endpoints), dict(self.health), dict(self.members)
         for m in batch:
@@ -212,6 +216,37 @@ class EndpointDirectory:
         if not self.caught_up:
             self._check_caught_up()
         self.endpoints, self.health, self.members = endpoints, health, members
+        self._mark_applied()
+
+    def _mark_applied(self) -> None:
+        """Each topic's offset the view's dicts now hold everything before (read after they were replaced)."""
+        assert self._consumer is not None
+        positions = self._consumer.position([TopicPartition(t, 0) for t in self.topics])
+        with self._polled:
+            self._applied = {tp.topic: tp.offset for tp in positions}
+            self._polled.notify_all()
+
+    def sync(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until this view holds everything the topics hold now, while another
+        thread polls it. Two processes following the same topics each see a change a moment apart;
+        this makes a process that acts on a request see what another process already showed the
+        client (an endpoint it showed as reactivated gets the deliveries sent right after). False:
+        not within timeout_s (the view is used as it is, as before)."""
+        assert self._consumer is not None
+        deadline = time.monotonic() + timeout_s
+        try:
+            ends = {t: watermarks(self._consumer, TopicPartition(t, 0), timeout_s) for t in self.topics}
+        except Exception as exc:  # noqa: BLE001 - the view stays usable; the broker's trouble shows elsewhere
+            log.warning("endpoint view not brought up to date: %s", exc)
+            return False
+        with self._polled:
+            while True:
+                if all(high <= low or self._applied.get(t, -1) >= high for t, (low, high) in ends.items()):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._polled.wait(remaining)
 
     def catch_up(self, timeout_s: float = 10.0) -> None:
         """Poll until the view holds everything the topics held when it started (one-shot readers)."""

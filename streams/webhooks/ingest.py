@@ -41,6 +41,10 @@ class WebhookIngest:
     members: MemberStore
     client: SendClient
     store: StatusStore
+    # How long a request's admission may wait for the endpoint view to hold what the topics hold (0: it
+    # does not wait). The bulk process sets it: its view must not lag what the API process, which
+    # follows the same topics, has already shown the client (a reactivated endpoint, a new one).
+    sync_view_s: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def follow(self) -> None:
@@ -61,6 +65,12 @@ class WebhookIngest:
     def current(self, ep: Endpoint) -> Endpoint:
         """The endpoint with its health (degraded) as the endpoint-health app published it."""
         return with_health(ep, self.directory.health.get(ep.id))
+
+    def sync_view(self) -> None:
+        """Before admitting a request's deliveries (see sync_view_s)."""
+        if self.sync_view_s > 0 and not self.directory.sync(self.sync_view_s):
+            log.warning("endpoint view not caught up within %.1f s: admitting with the view as it is",
+                        self.sync_view_s)
 
     def admit(self, deliveries: list[Send]) -> tuple[list[Send], list[tuple[Send, str]]]:
         """The deliveries to enqueue, and those recorded as skipped with their reason."""
