@@ -59,37 +59,40 @@ def test_a_broker_killed_mid_blast_loses_and_doubles_nothing(victim, healthy_kaf
             fleet.worker("email", lane)
             fleet.retrier("email", lane)
         client = rt.send_client()
-        ids: list[str] = []
-        for _ in range(BLAST // 1000):
-            ids += client.publish_batch("blaster", [email_request("marketing")] * 1000)
-        otps: dict[str, float] = {}
-        node = _leader_of(bootstrap, rt.names.lane("email", "transactional")) if victim == "lane leader" \
-            else _controller(cluster_home)
-        started = time.monotonic()
-        killed_at = restarted_at = None
-        while time.monotonic() - started < 40:
-            asked_at = time.time()  # before the publish: waiting for the broker's ack is part of the journey
-            [otp] = client.publish_batch("shop", [email_request("transactional")])
-            otps[otp] = asked_at
-            elapsed = time.monotonic() - started
-            if killed_at is None and elapsed >= 10:
-                cluster_home.cli("dev", "kill-node", str(node), "--signal", "KILL")
-                killed_at = time.time()
-            if restarted_at is None and elapsed >= 25:
-                cluster_home.cli("dev", "start-node", str(node))
-                restarted_at = time.time()
-            time.sleep(1 / OTP_RATE)  # pacing the OTP stream
-        ids += list(otps)
-        wait_until(lambda: set(ids) <= set(mock_provider.stats(deliveries=True)["deliveries"]), 180,
-                   "every send to be delivered", interval=1.0)
-        for lane in ("marketing", "transactional"):
-            wait_until(lambda lane=lane: committed_lag(bootstrap, rt.names.group("email", lane),
-                                                       rt.names.lane("email", lane)) == 0, 120,
-                       f"the {lane} lane to be committed to its end", interval=1.0)
-        stats = mock_provider.stats(deliveries=True)
-        during = [stats["deliveries"][s][0] - t for s, t in otps.items() if killed_at <= t <= restarted_at]
-        after = [stats["deliveries"][s][0] - t for s, t in otps.items() if t > restarted_at]
-        print(f"{victim} (node {node}) killed: OTP p99 during the failover {_p99(during) * 1000:.0f} ms over "
-              f"{len(during)} OTPs (each, ms: {[round(d * 1000) for d in during]}); p99 after the restart "
-              f"{_p99(after) * 1000:.0f} ms; {len(ids)} sends, duplicates {stats['duplicate_deliveries']}")
-        assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+        try:
+            ids: list[str] = []
+            for _ in range(BLAST // 1000):
+                ids += client.publish_batch("blaster", [email_request("marketing")] * 1000)
+            otps: dict[str, float] = {}
+            node = _leader_of(bootstrap, rt.names.lane("email", "transactional")) if victim == "lane leader" \
+                else _controller(cluster_home)
+            started = time.monotonic()
+            killed_at = restarted_at = None
+            while time.monotonic() - started < 40:
+                asked_at = time.time()  # before the publish: waiting for the broker's ack is part of the journey
+                [otp] = client.publish_batch("shop", [email_request("transactional")])
+                otps[otp] = asked_at
+                elapsed = time.monotonic() - started
+                if killed_at is None and elapsed >= 10:
+                    cluster_home.cli("dev", "kill-node", str(node), "--signal", "KILL")
+                    killed_at = time.time()
+                if restarted_at is None and elapsed >= 25:
+                    cluster_home.cli("dev", "start-node", str(node))
+                    restarted_at = time.time()
+                time.sleep(1 / OTP_RATE)  # pacing the OTP stream
+            ids += list(otps)
+            wait_until(lambda: set(ids) <= set(mock_provider.stats(deliveries=True)["deliveries"]), 180,
+                       "every send to be delivered", interval=1.0)
+            for lane in ("marketing", "transactional"):
+                wait_until(lambda lane=lane: committed_lag(bootstrap, rt.names.group("email", lane),
+                                                           rt.names.lane("email", lane)) == 0, 120,
+                           f"the {lane} lane to be committed to its end", interval=1.0)
+            stats = mock_provider.stats(deliveries=True)
+            during = [stats["deliveries"][s][0] - t for s, t in otps.items() if killed_at <= t <= restarted_at]
+            after = [stats["deliveries"][s][0] - t for s, t in otps.items() if t > restarted_at]
+            print(f"{victim} (node {node}) killed: OTP p99 during the failover {_p99(during) * 1000:.0f} ms over "
+                  f"{len(during)} OTPs (each, ms: {[round(d * 1000) for d in during]}); p99 after the restart "
+                  f"{_p99(after) * 1000:.0f} ms; {len(ids)} sends, duplicates {stats['duplicate_deliveries']}")
+            assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+        finally:
+            client.close()  # its producer's thread would log into a closed capture after the cluster stops
