@@ -183,6 +183,20 @@ def name_policies(schema: dict[str, Any], known_policies: frozenset[str]) -> Non
             policy["anyOf"] = [*named, {"type": "null"}]
 
 
+async def keep_lease(idempotency: IngestIdempotency, tenant_id: str, key: str, holder: str) -> None:
+    """Renew a claimed Idempotency-Key's lease every third of it until cancelled (the request is
+    answered). A Redis error is logged and tried again at the next turn; a lease no longer ours
+    (it lapsed and another request took the key) is not taken back."""
+    while True:
+        await asyncio.sleep(idempotency.lease_s / 3)  # the renewal's period, not synchronisation
+        try:
+            if not await run_in_threadpool(idempotency.renew, tenant_id, key, holder):
+                log.warning("an Idempotency-Key's lease lapsed while its request was being published")
+                return
+        except StoreUnavailable as exc:
+            log.warning("an Idempotency-Key's lease was not renewed: %s", exc)
+
+
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
     """The API; with `bulk_socket`, batches are forwarded to the bulk process listening there (bulk.py)."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
@@ -368,11 +382,14 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         if not isinstance(state, Claimed):
             raise problem(409, "request_in_progress", ["header", "Idempotency-Key"],
                           "a request with this Idempotency-Key is still being published", {"Retry-After": "1"})
+        lease = asyncio.create_task(keep_lease(ingest.idempotency, tenant_id, key, state.holder))
         try:
             body = await run(state.first_ms)  # type: ignore[misc]
         except BaseException:
+            lease.cancel()
             await run_in_threadpool(ingest.idempotency.release, tenant_id, key)  # nothing was published
             raise
+        lease.cancel()
         try:
             await run_in_threadpool(ingest.idempotency.finish, tenant_id, key, status, body)
         except StoreUnavailable as exc:  # published: answer it; a retry publishes the same ids again

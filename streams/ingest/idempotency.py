@@ -9,16 +9,20 @@ state:
 - a different body: 422 (`idempotency_key_reused`), nothing is published;
 - the same key still pending (the first request is being published): 409 with Retry-After.
 
-A request that failed (nothing published: a 4xx, a 503) releases the key. If the API process dies
-while a key is pending, its lease lapses after PENDING_LEASE_S and the next request under the key
-publishes again; its send ids are derived from (tenant, key, position, first use), so they are the
-same ids, and dispatch delivers each id once.
+A request that failed (nothing published: a 4xx, a 503) releases the key. While a request is being
+published, the process serving it renews its lease every third of PENDING_LEASE_S (only its own
+lease: each claim has a holder token), so a publish that waits on a broker in trouble for minutes
+still answers duplicates with 409. If the process dies while a key is pending, the lease lapses
+after PENDING_LEASE_S and the next request under the key publishes again; its send ids are derived
+from (tenant, key, position, first use), so they are the same ids, and dispatch delivers each id
+once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from dataclasses import dataclass
 
 import orjson
@@ -32,7 +36,7 @@ PENDING_LEASE_S = 60
 MAX_KEY_LENGTH = 255
 
 _BEGIN = """
--- KEYS[1] the key's hash; ARGV: body hash, now ms, lease ms, kept s
+-- KEYS[1] the key's hash; ARGV: body hash, now ms, lease ms, kept s, holder token
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
@@ -41,19 +45,29 @@ end
 if state == 'pending' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
   if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > tonumber(ARGV[2]) then return {'pending', 0} end
-  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5])
   return {'claimed', redis.call('HGET', KEYS[1], 'first_ms')}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
-           'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+           'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'claimed', ARGV[2]}
+"""
+
+_RENEW = """
+-- KEYS[1] the key's hash; ARGV: holder token, now ms, lease ms. 1: renewed; 0: no longer ours
+if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+  return 1
+end
+return 0
 """
 
 
 @dataclass(frozen=True)
 class Claimed:
     first_ms: int   # the key's first use: the time part of its send ids
+    holder: str = ""  # this claim's token: only its holder renews the lease
 
 
 @dataclass(frozen=True)
@@ -78,15 +92,18 @@ def body_hash(body: object) -> str:
 
 
 class IngestIdempotency:
-    def __init__(self, client: redis.Redis, namespace: str = ""):
+    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = PENDING_LEASE_S):
         self.client, self.keys = client, RedisKeys(namespace)
+        self.lease_s = lease_s
         self._begin = client.register_script(_BEGIN)
+        self._renew = client.register_script(_RENEW)
 
     def begin(self, tenant: str, key: str, digest: str) -> Claimed | Answered | Conflict | Pending:
         now_ms = int(time.time() * 1000)
+        holder = uuid.uuid4().hex
         with store_errors("checking an Idempotency-Key"):
             reply = self._begin(keys=[self.keys.ingest_idempotency(tenant, key)],
-                                args=[digest, now_ms, PENDING_LEASE_S * 1000, KEPT_S])
+                                args=[digest, now_ms, int(self.lease_s * 1000), KEPT_S, holder])
         state = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
         if state == "done":
             return Answered(int(reply[1]), orjson.loads(reply[2]))
@@ -94,7 +111,13 @@ class IngestIdempotency:
             return Conflict()
         if state == "pending":
             return Pending()
-        return Claimed(int(reply[1]))
+        return Claimed(int(reply[1]), holder)
+
+    def renew(self, tenant: str, key: str, holder: str) -> bool:
+        """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""
+        with store_errors("renewing an Idempotency-Key's lease"):
+            return bool(self._renew(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                    args=[holder, int(time.time() * 1000), int(self.lease_s * 1000)]))
 
     def finish(self, tenant: str, key: str, status: int, body: dict) -> None:
         with store_errors("storing an idempotent answer"):

@@ -2,6 +2,7 @@
 Idempotency-Key, all-or-nothing batches, per-tenant quotas, API keys with a lifecycle, operator
 routes with an audit trail, and OPTIONS that tells the truth."""
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -9,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from streams.ingest.idempotency import IngestIdempotency, body_hash
+from streams.ingest.api import keep_lease
+from streams.ingest.idempotency import Claimed, IngestIdempotency, Pending, body_hash
 from streams.send import MAX_SEND_BYTES
 from tests.harness import count_records, email_request, free_port, metric_sum, start_api, wait_until
 
@@ -80,6 +82,34 @@ def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client
     theirs = api.post("/v1/sends/batch", json=body, headers={**api.keys["b"], "Idempotency-Key": "order-42"})
     assert theirs.status_code == 202 and theirs.json() != first.json()
     assert count_records(stack.bootstrap, topic) == 4
+
+
+def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(redis_client, namespace):
+    """Given a request that claimed an Idempotency-Key with a 0.6 s lease and is still being published,
+    When 2 s pass while the API renews the lease (three leases' time),
+    Then a duplicate still gets `pending` (409), not a second publish; and once renewals stop, the lease
+    lapses, a duplicate takes the key over, and the first holder can no longer renew it."""
+    idem = IngestIdempotency(redis_client, namespace, lease_s=0.6)
+    digest = body_hash(email_request())
+    claim = idem.begin("tenant-a", "slow-batch", digest)
+    assert isinstance(claim, Claimed)
+
+    async def publishing_for(seconds: float) -> None:
+        renewing = asyncio.create_task(keep_lease(idem, "tenant-a", "slow-batch", claim.holder))
+        await asyncio.sleep(seconds)  # the scenario: a publish this long
+        assert not renewing.done()
+        renewing.cancel()
+
+    asyncio.run(publishing_for(2.0))
+    assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
+    def taken_over() -> Claimed | None:
+        state = idem.begin("tenant-a", "slow-batch", digest)
+        return state if isinstance(state, Claimed) else None
+
+    taken = wait_until(taken_over, 10, "the lease to lapse", interval=0.1)
+    assert taken.holder != claim.holder and taken.first_ms == claim.first_ms  # the same send ids
+    assert idem.renew("tenant-a", "slow-batch", claim.holder) is False
+    assert idem.renew("tenant-a", "slow-batch", taken.holder) is True
 
 
 def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
