@@ -1,5 +1,11 @@
-"""The outcome event: one per attempt and per final outcome of a send, on `notif.outcomes` (key =
-send id). The status store, replays and `streams state recover` read it. Pure code.
+"""The outcome event: one per attempt and per final outcome of a send, on `notif.outcomes`. The
+status store, replays and `streams state recover` read it. Pure code.
+
+A record holds one event (key = its send id), or the `delivered` events of one provider request
+together, `{"events": [...]}` (key = the request's idempotency key; at most OUTCOMES_PER_RECORD
+each): a worker writes, and waits for the broker to acknowledge, one record per request instead of
+one per send. Readers take the events of a record with `events_of`; each event means the same
+either way.
 
 Statuses: `retrying` and `unknown` (intermediate), `delivered`, `dead_lettered`, `dropped` (a
 webhook delivery given up) and `skipped` (a webhook delivery never attempted) (final).
@@ -7,7 +13,11 @@ webhook delivery given up) and `skipped` (a webhook delivery never attempted) (f
 
 from __future__ import annotations
 
+from typing import Any
+
 from .send import Send
+
+OUTCOMES_PER_RECORD = 100
 
 
 def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provider: str,
@@ -27,3 +37,10 @@ def webhook_fields(s: Send) -> dict:
         return {}
     return {"endpoint_id": s.payload.get("endpoint_id"), "event_id": s.payload.get("event_id"),
             "event_type": s.payload.get("event_type")}
+
+
+def events_of(doc: Any) -> list[dict]:
+    """The outcome events a record's value holds (none when it is not an outcome record)."""
+    if isinstance(doc, dict) and isinstance(doc.get("events"), list):
+        return [e for e in doc["events"] if isinstance(e, dict)]
+    return [doc] if isinstance(doc, dict) else []

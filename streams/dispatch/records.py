@@ -26,7 +26,7 @@ from ..kafka_client import AckedWriter
 from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
-from ..outcomes import outcome_event, webhook_fields
+from ..outcomes import OUTCOMES_PER_RECORD, outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
 from ..retry.policy import RetryAt
 from ..send import Send
@@ -102,6 +102,21 @@ class RecordWriter:
 
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
+
+    @staticmethod
+    def records_for(events: int) -> int:
+        """How many records `outcomes` writes for that many events."""
+        return 1 if events == 1 else -(-events // OUTCOMES_PER_RECORD)
+
+    def outcomes(self, events: list[dict], key: str, on_ack: OnAck) -> None:
+        """Several events (one provider request's) in as few records as they fit (`records_for`),
+        keyed by the request; `on_ack` runs once per record."""
+        if len(events) == 1:
+            self.outcome(events[0], on_ack)
+            return
+        for i in range(0, len(events), OUTCOMES_PER_RECORD):
+            self.produce(self.names.outcomes, key.encode(),
+                         orjson.dumps({"events": events[i:i + OUTCOMES_PER_RECORD]}), {}, on_ack)
 
     # ------------------------------------------------------------------ retry copies
     def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck,

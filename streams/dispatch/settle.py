@@ -229,7 +229,7 @@ class Settler:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,
                                                                      ids.get(send_id, "")))
-        remaining = [len(events)]
+        remaining = [self.records.records_for(len(events))]  # records not yet acknowledged
 
         def acked() -> None:  # runs inside the producer's poll: it must not raise
             remaining[0] -= 1
@@ -238,8 +238,9 @@ class Settler:
                 self.to_mark.append(job)  # marked with the others of this poll, in one round trip
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
-        for event in events:
-            self.records.outcome(event, acked)
+        # One record per request (up to 100 events each), not one per send: a record for the broker
+        # to acknowledge, and a delivery report to serve, per request.
+        self.records.outcomes(events, job.key, acked)
 
     def _mark(self, job: Job) -> None:
         """Mark the request's sends delivered, then finish their offsets; on a Redis error keep it."""

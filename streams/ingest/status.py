@@ -15,6 +15,7 @@ from ..backoff import Outage
 from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
+from ..outcomes import events_of
 from ..redis_client import store_errors
 
 if TYPE_CHECKING:
@@ -179,9 +180,9 @@ class OutcomeRecorder:
         while self.backlog:
             msg = self.backlog[0]
             try:
-                event = orjson.loads(msg.value())
-                self.store.record_outcome(event)
-                metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
+                for event in events_of(orjson.loads(msg.value())):  # a record may hold several
+                    self.store.record_outcome(event)
+                    metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
             except StoreUnavailable as exc:
                 self.outage.failed(time.monotonic(), exc)
                 self.consumer.pause(self.consumer.assignment())  # fetch nothing more meanwhile

@@ -25,6 +25,7 @@ from ..errors import StackError
 from ..ingest.status import StatusStore
 from ..kafka_client import client_config
 from ..names import RedisKeys, TopicNames
+from ..outcomes import events_of
 from ..redis_client import store_errors
 from .log import OperatorLog
 
@@ -61,9 +62,11 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> Non
                 if m.offset() + 1 >= ends.get(m.partition(), 0):
                     ends.pop(m.partition(), None)
                 try:
-                    handle(orjson.loads(m.value()))
+                    doc = orjson.loads(m.value())
                 except (orjson.JSONDecodeError, TypeError):
                     continue
+                for event in events_of(doc):  # a record may hold several (one provider request's)
+                    handle(event)
     finally:
         c.close()
 

@@ -20,6 +20,7 @@ from streams.gate.gate import Admission
 from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
 from streams.names import TopicNames
+from streams.outcomes import events_of
 from streams.providers.outcome import ProviderResult, redact
 from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
@@ -356,3 +357,56 @@ def test_an_unknown_outcome_at_a_provider_without_idempotency_keys_goes_to_recon
     _run(worker)
     (_, headers), = producer.records[NAMES.dlq]
     assert headers["reason"] == b"unknown_outcome" and jobs.state[sends[0].send_id] == "reconcile"
+
+
+class AckHoldingProducer(FakeProducer):
+    """Acknowledges nothing until `release()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.holding = True
+
+    def poll(self, timeout=0):
+        return 0 if self.holding else super().poll(timeout)
+
+    def release(self):
+        self.holding = False
+
+
+def test_a_batched_request_writes_its_outcomes_in_one_record_and_finishes_offsets_on_its_ack():
+    """Given three marketing emails of one tenant, sent in one batch request and delivered,
+    When the worker settles the request,
+    Then notif.outcomes gets one record keyed by the request, holding the three `delivered` events (each
+    naming its send and where its message was read), and no offset is stored before the broker
+    acknowledged that record; after the acknowledgement, all three are."""
+    spec = load_registry().primary("email")
+    cfg = WorkerConfig("email", "marketing", "unused:9092", spec, NAMES)
+    sends = [build_send(validate_request(email_request("marketing")), "acme") for _ in range(3)]
+    consumer, producer = FakeConsumer([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]), AckHoldingProducer()
+    provider = FakeProvider(ProviderResult("delivered", 200, ("m1", "m2", "m3")))
+    routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
+    worker = LaneWorker(cfg, consumer, producer, routes, FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    for _ in range(20):
+        worker.step()
+
+    assert len(provider.sent) == 1  # one batch request
+    [(value, _)] = producer.records[NAMES.outcomes]
+    events = events_of(orjson.loads(value))
+    assert sorted(e["send_id"] for e in events) == sorted(s.send_id for s in sends)
+    assert {e["status"] for e in events} == {"delivered"} and {e["provider_message_id"] for e in events} == {
+        "m1", "m2", "m3"}
+    assert sorted(e["origin"]["offset"] for e in events) == [0, 1, 2]
+    assert consumer.stored.get((TOPIC, 0), 0) == 0  # not acknowledged yet: nothing finished
+
+    producer.release()
+    _run(worker, steps=5)
+    assert consumer.stored[(TOPIC, 0)] == 3
+    assert worker.settler.pending == 0 and len(producer.records[NAMES.outcomes]) == 1
+
+
+def test_outcome_records_hold_one_event_or_several():
+    single = {"send_id": "s1", "status": "delivered"}
+    assert events_of(single) == [single]
+    assert events_of({"events": [single, {"send_id": "s2"}, "not an event"]}) == [single, {"send_id": "s2"}]
+    assert events_of([1, 2]) == [] and events_of("x") == []
