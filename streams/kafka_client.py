@@ -242,7 +242,7 @@ WATERMARK_RETRIABLE = frozenset({
 })
 
 
-def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
+def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:
     """A partition's low and high offsets. A retriable error (a topic just created, a broker just started
     or a leader just moved: NOT_LEADER_FOR_PARTITION) is asked again until timeout_s, as the producer
     would: each try is bounded to a few seconds, and the client's metadata is refreshed before the next

@@ -193,7 +193,7 @@ async def keep_lease(idempotency: IngestIdempotency, tenant_id: str, key: str, h
             if not await run_in_threadpool(idempotency.renew, tenant_id, key, holder):
                 log.warning("an Idempotency-Key's lease lapsed while its request was being published")
                 return
-        except StoreUnavailable as exc:
+        except Exception as exc:  # noqa: BLE001 - Redis down or anything else: renewing goes on
             log.warning("an Idempotency-Key's lease was not renewed: %s", exc)
 
 
@@ -387,11 +387,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             body = await run(state.first_ms)  # type: ignore[misc]
         except BaseException:
             lease.cancel()
-            await run_in_threadpool(ingest.idempotency.release, tenant_id, key)  # nothing was published
+            await run_in_threadpool(ingest.idempotency.release, tenant_id, key, state.holder)  # nothing published
             raise
         lease.cancel()
         try:
-            await run_in_threadpool(ingest.idempotency.finish, tenant_id, key, status, body)
+            if not await run_in_threadpool(ingest.idempotency.finish, tenant_id, key, status, body, state.holder):
+                log.warning("an idempotent answer was not stored: the key's lease had lapsed and another "
+                            "request took it over")
         except StoreUnavailable as exc:  # published: answer it; a retry publishes the same ids again
             log.warning("an idempotent answer was not stored: %s", exc)
         return JSONResponse(body, status)

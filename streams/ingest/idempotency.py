@@ -54,6 +54,25 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'claimed', ARGV[2]}
 """
 
+_FINISH = """
+-- KEYS[1] the key's hash; ARGV: holder token, status, answer, kept s. 1: stored; 0: the key is no longer ours
+if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[2], 'answer', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  return 1
+end
+return 0
+"""
+
+_RELEASE = """
+-- KEYS[1] the key's hash; ARGV: holder token. Frees the key only while this claim holds it
+if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
 _RENEW = """
 -- KEYS[1] the key's hash; ARGV: holder token, now ms, lease ms. 1: renewed; 0: no longer ours
 if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
@@ -97,6 +116,8 @@ class IngestIdempotency:
         self.lease_s = lease_s
         self._begin = client.register_script(_BEGIN)
         self._renew = client.register_script(_RENEW)
+        self._finish = client.register_script(_FINISH)
+        self._release = client.register_script(_RELEASE)
 
     def begin(self, tenant: str, key: str, digest: str) -> Claimed | Answered | Conflict | Pending:
         now_ms = int(time.time() * 1000)
@@ -119,12 +140,14 @@ class IngestIdempotency:
             return bool(self._renew(keys=[self.keys.ingest_idempotency(tenant, key)],
                                     args=[holder, int(time.time() * 1000), int(self.lease_s * 1000)]))
 
-    def finish(self, tenant: str, key: str, status: int, body: dict) -> None:
+    def finish(self, tenant: str, key: str, status: int, body: dict, holder: str) -> bool:
+        """Store the answer under the key, if this claim (`holder`) still holds it; False: its lease
+        lapsed and another request took the key over (that request's answer is the one kept)."""
         with store_errors("storing an idempotent answer"):
-            self.client.hset(self.keys.ingest_idempotency(tenant, key),
-                             mapping={"state": "done", "status": status, "answer": orjson.dumps(body)})
+            return bool(self._finish(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                     args=[holder, status, orjson.dumps(body), KEPT_S]))
 
-    def release(self, tenant: str, key: str) -> None:
-        """Nothing was published: the key is free for the client's retry."""
+    def release(self, tenant: str, key: str, holder: str) -> None:
+        """Nothing was published: the key is free for the client's retry (only while this claim holds it)."""
         with store_errors("releasing an Idempotency-Key"):
-            self.client.delete(self.keys.ingest_idempotency(tenant, key))
+            self._release(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder])

@@ -235,7 +235,8 @@ class EndpointDirectory:
         assert self._consumer is not None
         deadline = time.monotonic() + timeout_s
         try:
-            ends = {t: watermarks(self._consumer, TopicPartition(t, 0), timeout_s) for t in self.topics}
+            ends = {t: watermarks(self._consumer, TopicPartition(t, 0), max(0.1, deadline - time.monotonic()))
+                    for t in self.topics}
         except Exception as exc:  # noqa: BLE001 - the view stays usable; the broker's trouble shows elsewhere
             log.warning("endpoint view not brought up to date: %s", exc)
             return False

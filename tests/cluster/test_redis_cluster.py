@@ -100,7 +100,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     """Given every `register_script` call in the package (the gate's, processed_jobs' and ingest idempotency's), on a
     client of the Redis Cluster that notes the keys of every script call,
     When the gate (acquire, acquire_many, cool_down), processed_jobs (claim, claim_many, mark_delivered,
-    mark_delivered_many, mark_reconcile, release, refresh) and ingest idempotency (begin, renew) run for tenants and
+    mark_delivered_many, mark_reconcile, release, refresh) and ingest idempotency (begin, renew, finish, release) run for tenants and
     providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
@@ -131,6 +131,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key)
     claimed = ingest.begin(tenants[1], "key-1", "digest")
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
+    assert ingest.finish(tenants[1], "key-1", 202, {}, claimed.holder)
+    ingest.release(tenants[2], "key-2", ingest.begin(tenants[2], "key-2", "digest").holder)
 
     sites = registration_sites()
     used = {}

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from streams.ingest.api import keep_lease
-from streams.ingest.idempotency import Claimed, IngestIdempotency, Pending, body_hash
+from streams.ingest.idempotency import Answered, Claimed, IngestIdempotency, Pending, body_hash
 from streams.send import MAX_SEND_BYTES
 from tests.harness import count_records, email_request, free_port, metric_sum, start_api, wait_until
 
@@ -85,11 +85,12 @@ def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client
 
 
 def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(redis_client, namespace):
-    """Given a request that claimed an Idempotency-Key with a 0.6 s lease and is still being published,
-    When 2 s pass while the API renews the lease (three leases' time),
+    """Given a request that claimed an Idempotency-Key with a 1.5 s lease and is still being published,
+    When 4.5 s pass while the API renews the lease (three leases' time),
     Then a duplicate still gets `pending` (409), not a second publish; and once renewals stop, the lease
-    lapses, a duplicate takes the key over, and the first holder can no longer renew it."""
-    idem = IngestIdempotency(redis_client, namespace, lease_s=0.6)
+    lapses, a duplicate takes the key over, and the first holder can no longer renew it, free it or
+    store its answer under it: the new holder's answer is the one kept."""
+    idem = IngestIdempotency(redis_client, namespace, lease_s=1.5)
     digest = body_hash(email_request())
     claim = idem.begin("tenant-a", "slow-batch", digest)
     assert isinstance(claim, Claimed)
@@ -100,7 +101,7 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
         assert not renewing.done()
         renewing.cancel()
 
-    asyncio.run(publishing_for(2.0))
+    asyncio.run(publishing_for(4.5))
     assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
     def taken_over() -> Claimed | None:
         state = idem.begin("tenant-a", "slow-batch", digest)
@@ -110,6 +111,11 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
     assert taken.holder != claim.holder and taken.first_ms == claim.first_ms  # the same send ids
     assert idem.renew("tenant-a", "slow-batch", claim.holder) is False
     assert idem.renew("tenant-a", "slow-batch", taken.holder) is True
+    idem.release("tenant-a", "slow-batch", claim.holder)  # the first request failing late frees nothing
+    assert idem.finish("tenant-a", "slow-batch", 202, {"from": "first"}, claim.holder) is False
+    assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
+    assert idem.finish("tenant-a", "slow-batch", 202, {"from": "second"}, taken.holder) is True
+    assert idem.begin("tenant-a", "slow-batch", digest) == Answered(202, {"from": "second"})
 
 
 def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
