@@ -248,15 +248,18 @@ def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tupl
     would: each try is bounded to a few seconds, and the client's metadata is refreshed before the next
     one, so a stale leader in its cache is not asked again and again."""
     deadline = time.monotonic() + timeout_s
+
+    def one_try_s() -> float:
+        return min(3.0, max(0.1, deadline - time.monotonic()))
+
     while True:
         try:
-            return c.get_watermark_offsets(tp, timeout=min(3.0, max(0.1, deadline - time.monotonic())),
-                                           cached=False)
+            return c.get_watermark_offsets(tp, timeout=one_try_s(), cached=False)
         except KafkaException as exc:
             if exc.args[0].code() not in WATERMARK_RETRIABLE or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)  # backoff before asking again, not synchronisation
             try:
-                c.list_topics(tp.topic, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+                c.list_topics(tp.topic, timeout=one_try_s())
             except KafkaException:
                 pass  # the next try reports what is wrong

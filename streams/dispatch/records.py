@@ -103,20 +103,23 @@ class RecordWriter:
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
 
-    @staticmethod
-    def records_for(events: int) -> int:
-        """How many records `outcomes` writes for that many events."""
-        return 1 if events == 1 else -(-events // OUTCOMES_PER_RECORD)
-
-    def outcomes(self, events: list[dict], key: str, on_ack: OnAck) -> None:
-        """Several events (one provider request's) in as few records as they fit (`records_for`),
-        keyed by the request; `on_ack` runs once per record."""
+    def outcomes(self, events: list[dict], key: str, on_all_acked: OnAck) -> None:
+        """Several events (one provider request's) in as few records as they fit, keyed by the request
+        (one event alone: as `outcome`); `on_all_acked` runs once the broker acknowledged every one."""
         if len(events) == 1:
-            self.outcome(events[0], on_ack)
+            self.outcome(events[0], on_all_acked)
             return
-        for i in range(0, len(events), OUTCOMES_PER_RECORD):
-            self.produce(self.names.outcomes, key.encode(),
-                         orjson.dumps({"events": events[i:i + OUTCOMES_PER_RECORD]}), {}, on_ack)
+        values = [orjson.dumps({"events": events[i:i + OUTCOMES_PER_RECORD]})
+                  for i in range(0, len(events), OUTCOMES_PER_RECORD)]
+        remaining = [len(values)]
+
+        def acked() -> None:  # runs inside the producer's poll: it must not raise
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                on_all_acked()
+
+        for value in values:
+            self.produce(self.names.outcomes, key.encode(), value, {}, acked)
 
     # ------------------------------------------------------------------ retry copies
     def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck,

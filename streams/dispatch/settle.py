@@ -229,17 +229,13 @@ class Settler:
             if send_id not in held:  # recovered request: a send whose message another consumer holds
                 events.append(self.records.delivered_elsewhere_event(send_id, job.tenant, now_ms,
                                                                      ids.get(send_id, "")))
-        remaining = [self.records.records_for(len(events))]  # records not yet acknowledged
-
         def acked() -> None:  # runs inside the producer's poll: it must not raise
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                job.stamps["acked"] = wall_ms()
-                self.to_mark.append(job)  # marked with the others of this poll, in one round trip
+            job.stamps["acked"] = wall_ms()
+            self.to_mark.append(job)  # marked with the others of this poll, in one round trip
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
         # One record per request (up to 100 events each), not one per send: a record for the broker
-        # to acknowledge, and a delivery report to serve, per request.
+        # to acknowledge, and a delivery report to serve, per request; `acked` once all are.
         self.records.outcomes(events, job.key, acked)
 
     def _mark(self, job: Job) -> None:

@@ -54,39 +54,29 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'claimed', ARGV[2]}
 """
 
-_FINISH = """
--- KEYS[1] the key's hash; ARGV: holder token, status, answer, kept s. 1: stored; 0: the key is no longer ours
-if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[2], 'answer', ARGV[3])
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  return 1
+_AS_HOLDER = """
+-- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | release), then the action's own:
+-- renew: now ms, lease ms; finish: status, answer, kept s. Acts only while the key is pending under this
+-- holder's claim (its lease did not lapse into another request's hands). 1: done; 0: no longer ours
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then
+  return 0
 end
-return 0
-"""
-
-_RELEASE = """
--- KEYS[1] the key's hash; ARGV: holder token. Frees the key only while this claim holds it
-if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
+if ARGV[2] == 'renew' then
+  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[3]) + tonumber(ARGV[4]))
+elseif ARGV[2] == 'finish' then
+  redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[3], 'answer', ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+else
   redis.call('DEL', KEYS[1])
-  return 1
 end
-return 0
-"""
-
-_RENEW = """
--- KEYS[1] the key's hash; ARGV: holder token, now ms, lease ms. 1: renewed; 0: no longer ours
-if redis.call('HGET', KEYS[1], 'state') == 'pending' and redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]))
-  return 1
-end
-return 0
+return 1
 """
 
 
 @dataclass(frozen=True)
 class Claimed:
     first_ms: int   # the key's first use: the time part of its send ids
-    holder: str = ""  # this claim's token: only its holder renews the lease
+    holder: str     # this claim's token: only its holder renews, answers or frees the key
 
 
 @dataclass(frozen=True)
@@ -115,9 +105,7 @@ class IngestIdempotency:
         self.client, self.keys = client, RedisKeys(namespace)
         self.lease_s = lease_s
         self._begin = client.register_script(_BEGIN)
-        self._renew = client.register_script(_RENEW)
-        self._finish = client.register_script(_FINISH)
-        self._release = client.register_script(_RELEASE)
+        self._as_holder = client.register_script(_AS_HOLDER)
 
     def begin(self, tenant: str, key: str, digest: str) -> Claimed | Answered | Conflict | Pending:
         now_ms = int(time.time() * 1000)
@@ -137,17 +125,17 @@ class IngestIdempotency:
     def renew(self, tenant: str, key: str, holder: str) -> bool:
         """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""
         with store_errors("renewing an Idempotency-Key's lease"):
-            return bool(self._renew(keys=[self.keys.ingest_idempotency(tenant, key)],
-                                    args=[holder, int(time.time() * 1000), int(self.lease_s * 1000)]))
+            return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                        args=[holder, "renew", int(time.time() * 1000), int(self.lease_s * 1000)]))
 
     def finish(self, tenant: str, key: str, status: int, body: dict, holder: str) -> bool:
         """Store the answer under the key, if this claim (`holder`) still holds it; False: its lease
         lapsed and another request took the key over (that request's answer is the one kept)."""
         with store_errors("storing an idempotent answer"):
-            return bool(self._finish(keys=[self.keys.ingest_idempotency(tenant, key)],
-                                     args=[holder, status, orjson.dumps(body), KEPT_S]))
+            return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                        args=[holder, "finish", status, orjson.dumps(body), KEPT_S]))
 
     def release(self, tenant: str, key: str, holder: str) -> None:
         """Nothing was published: the key is free for the client's retry (only while this claim holds it)."""
         with store_errors("releasing an Idempotency-Key"):
-            self._release(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder])
+            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "release"])

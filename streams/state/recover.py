@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, TopicPartition
 from ..dispatch.idempotency import DELIVERED_TTL_S
 from ..errors import StackError
 from ..ingest.status import StatusStore
-from ..kafka_client import client_config
+from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import events_of
 from ..redis_client import store_errors
@@ -44,7 +44,7 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> Non
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         ends, assignment = {}, []
         for p in parts:
-            low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+            low, high = watermarks(c, TopicPartition(topic, p))
             if high > low:
                 ends[p] = high
                 assignment.append(TopicPartition(topic, p, low))

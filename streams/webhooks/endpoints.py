@@ -152,7 +152,6 @@ class EndpointDirectory:
     caught_up: bool = False
     _consumer: Consumer | None = None
     _ends: dict[str, int] = field(default_factory=dict)       # each topic's end when we started
-    _positions: dict[str, int] = field(default_factory=dict)
     _polled: threading.Condition = field(default_factory=threading.Condition)
     _applied: dict[str, int] = field(default_factory=dict)
 
@@ -180,7 +179,7 @@ class EndpointDirectory:
 
     def _check_caught_up(self) -> None:
         self.caught_up = len(self._ends) == len(self.topics) and all(
-            self._positions.get(t, 0) >= end for t, end in self._ends.items())
+            end == 0 or self._applied.get(t, -1) >= end for t, end in self._ends.items())
 
     def poll(self) -> None:
         """Apply what the topics have gained since the last poll (never blocks long)."""
@@ -190,15 +189,14 @@ class EndpointDirectory:
             self._learn_ends()
         batch = self._consumer.consume(num_messages=1000, timeout=0)
         if not batch:
+            self._mark_applied()  # a position may move past control records alone
             if not self.caught_up:
                 self._check_caught_up()
-            self._mark_applied()  # a position may move past control records alone
             return
         endpoints, health, members = dict(self.endpoints), dict(self.health), dict(self.members)
         for m in batch:
             if m.error():
                 continue
-            self._positions[m.topic()] = m.offset() + 1
             key, value = (m.key() or b"").decode(), m.value()
             if m.topic() == self.state_topic:
                 if value is None:
@@ -213,10 +211,10 @@ class EndpointDirectory:
                     endpoints[key.removeprefix("endpoint/")] = Endpoint.from_doc(orjson.loads(value))
             elif key.startswith("members/"):
                 members[key.removeprefix("members/")] = tuple(orjson.loads(value)["emails"]) if value else ()
-        if not self.caught_up:
-            self._check_caught_up()
         self.endpoints, self.health, self.members = endpoints, health, members
         self._mark_applied()
+        if not self.caught_up:
+            self._check_caught_up()
 
     def _mark_applied(self) -> None:
         """Each topic's offset the view's dicts now hold everything before (read after they were replaced)."""
