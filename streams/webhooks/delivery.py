@@ -88,6 +88,24 @@ def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float
                           error_body=excerpt, latency_s=latency_s)
 
 
+async def post_delivery(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
+                        started: float) -> ProviderResult:
+    """POST one delivery. A pooled connection that the receiver closed while it sat idle (many servers
+    close idle connections after 5 s) fails the next request before any answer; that request is sent
+    once more, on another connection, within the same attempt. Its webhook-id is the same, so a
+    receiver that did get the first copy deduplicates it."""
+    try:
+        resp = await session.post(url, data=body, headers=headers, allow_redirects=False)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError):  # no connection at all: a new one is no different
+            raise
+        resp = await session.post(url, data=body, headers=headers, allow_redirects=False)
+    async with resp:
+        head = await resp.content.read(EXCERPT_BYTES)
+        answer = {k.lower(): v for k, v in resp.headers.items()}
+        return classify(resp.status, answer, head, time.monotonic() - started)
+
+
 class WebhookDelivery:
     name = "webhook"
 
@@ -140,10 +158,7 @@ class WebhookDelivery:
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
-            async with self.session.post(ep.url, data=body, headers=h, allow_redirects=False) as resp:
-                head = await resp.content.read(EXCERPT_BYTES)
-                headers = {k.lower(): v for k, v in resp.headers.items()}
-                return classify(resp.status, headers, head, time.monotonic() - started)
+            return await post_delivery(self.session, ep.url, body, h, started)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:

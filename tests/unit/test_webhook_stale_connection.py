@@ -1,0 +1,70 @@
+"""A webhook delivery on a pooled connection that the receiver closed meanwhile is sent again on a new
+connection within the same attempt, instead of counting as a failure against the endpoint's health."""
+
+import asyncio
+import time
+
+import aiohttp
+
+from streams.webhooks.delivery import post_delivery
+
+
+async def _receiver(answered_per_connection: int) -> tuple[asyncio.base_events.Server, list[int]]:
+    """A receiver that answers 204 to the first `answered_per_connection` requests of each connection, then
+    closes it when the next request arrives, without answering (as a server that closed an idle
+    connection just as the client reused it). Returns the server and the requests answered per connection."""
+    answered: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered.append(0)
+        me = len(answered) - 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if answered[me] == answered_per_connection:
+                writer.close()
+                return
+            answered[me] += 1
+            writer.write(b"HTTP/1.1 204 No Content\r\nConnection: keep-alive\r\n\r\n")
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, answered
+
+
+def test_a_request_on_a_connection_the_receiver_closed_is_sent_again_on_a_new_one():
+    """Given a receiver that closes a connection when its second request arrives, unanswered,
+    When two deliveries are posted one after the other (the second reuses the pooled connection),
+    Then both are delivered (204): the second was sent again on a new connection, and the receiver
+    answered one request on each of the two connections."""
+
+    async def scenario() -> None:
+        server, answered = await _receiver(answered_per_connection=1)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/hook"
+        async with server, aiohttp.ClientSession() as session:
+            first = await post_delivery(session, url, b"{}", {"webhook-id": "msg_1"}, time.monotonic())
+            second = await post_delivery(session, url, b"{}", {"webhook-id": "msg_2"}, time.monotonic())
+        assert (first.outcome, first.status) == ("delivered", 204)
+        assert (second.outcome, second.status) == ("delivered", 204)
+        assert answered == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_receiver_that_refuses_connections_is_not_asked_twice():
+    async def scenario() -> None:
+        server, _ = await _receiver(answered_per_connection=1)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        async with aiohttp.ClientSession() as session:
+            try:
+                await post_delivery(session, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic())
+            except aiohttp.ClientConnectorError:
+                return
+        raise AssertionError("a refused connection was not reported")
+
+    asyncio.run(scenario())
