@@ -37,7 +37,7 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             pipe.hset(keys.limits(name), mapping=value)
         elif kind == "apikey":
             pipe.hset(keys.api_keys, name, orjson.dumps(value))
-        elif kind == "endpoint" and value:
+        elif kind == "endpoint" and isinstance(value.get("tenant"), str):
             pipe.hset(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
         elif kind == "members" and value:
             pipe.set(keys.members(name), orjson.dumps(value))

@@ -6,16 +6,19 @@ cache that can be rebuilt from it. Keys: `limits/<provider>`, `apikey/<sha256 of
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
+from .. import metrics
 from ..errors import StackError
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
+log = logging.getLogger("streams.operator_log")
 
 
 class OperatorLog:
@@ -54,11 +57,20 @@ class OperatorLog:
                     if m.error():
                         continue
                     position = m.offset() + 1
-                    key = (m.key() or b"").decode()
+                    key = (m.key() or b"").decode(errors="replace")
                     if m.value() is None:
                         state.pop(key, None)
-                    else:
-                        state[key] = orjson.loads(m.value())
+                        continue
+                    try:
+                        value = orjson.loads(m.value())
+                    except orjson.JSONDecodeError:
+                        value = None
+                    if not isinstance(value, dict):  # every entry is an object: skipped, its key as it was
+                        metrics.STATE_RECORDS_UNREADABLE.labels(self.topic).inc()
+                        log.error("skipping an unreadable record of %s at offset %d (key %r)", self.topic,
+                                  m.offset(), key[:80])
+                        continue
+                    state[key] = value
             return state
         finally:
             c.close()

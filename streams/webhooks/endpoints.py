@@ -20,6 +20,7 @@ import orjson
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from .. import metrics
 from ..errors import ConfigError, StackError
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
@@ -197,24 +198,37 @@ class EndpointDirectory:
         for m in batch:
             if m.error():
                 continue
-            key, value = (m.key() or b"").decode(), m.value()
-            if m.topic() == self.state_topic:
-                if value is None:
-                    health.pop(key, None)
-                else:
-                    doc = orjson.loads(value)
-                    health[key] = Health(doc.get("state", "active"), doc.get("reason", ""), doc.get("since_ms", 0))
-            elif key.startswith("endpoint/"):
-                if value is None:
-                    endpoints.pop(key.removeprefix("endpoint/"), None)
-                else:
-                    endpoints[key.removeprefix("endpoint/")] = Endpoint.from_doc(orjson.loads(value))
-            elif key.startswith("members/"):
-                members[key.removeprefix("members/")] = tuple(orjson.loads(value)["emails"]) if value else ()
+            try:
+                self._apply(m.topic(), (m.key() or b"").decode(), m.value(), endpoints, health, members)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:  # orjson's errors are ValueErrors
+                # Skipped, the key keeping what it held: one bad record must not cost the rest of the
+                # batch, nor stop every follower (workers poll on their own thread). The value is not
+                # logged: an endpoint's record holds its signing secrets.
+                metrics.STATE_RECORDS_UNREADABLE.labels(m.topic()).inc()
+                log.error("skipping an unreadable record of %s at offset %d (key %r): %s", m.topic(), m.offset(),
+                          (m.key() or b"")[:80], type(exc).__name__)
         self.endpoints, self.health, self.members = endpoints, health, members
         self._mark_applied()
         if not self.caught_up:
             self._check_caught_up()
+
+    def _apply(self, topic: str, key: str, value: bytes | None, endpoints: dict[str, Endpoint],
+               health: dict[str, Health], members: dict[str, tuple[str, ...]]) -> None:
+        """One record into the new dicts (a None value deletes the key); raises when it cannot be read."""
+        if topic == self.state_topic:
+            if value is None:
+                health.pop(key, None)
+            else:
+                doc = orjson.loads(value)
+                health[key] = Health(str(doc.get("state", "active")), str(doc.get("reason", "")),
+                                     int(doc.get("since_ms", 0)))
+        elif key.startswith("endpoint/"):
+            if value is None:
+                endpoints.pop(key.removeprefix("endpoint/"), None)
+            else:
+                endpoints[key.removeprefix("endpoint/")] = Endpoint.from_doc(orjson.loads(value))
+        elif key.startswith("members/"):
+            members[key.removeprefix("members/")] = tuple(orjson.loads(value)["emails"]) if value else ()
 
     def _mark_applied(self) -> None:
         """Each topic's offset the view's dicts now hold everything before (read after they were replaced)."""

@@ -10,7 +10,7 @@ two into the state everyone shows and acts on.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 STATES = ("active", "degraded", "disabled")
@@ -57,8 +57,11 @@ class Endpoint:
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> Endpoint:
-        return cls(**{**doc, "event_types": tuple(doc["event_types"]),
-                      "secrets": tuple(Secret(**s) for s in doc.get("secrets", ()))})
+        """Unknown fields (written by a newer version) are ignored; missing required ones raise."""
+        known = {k: v for k, v in doc.items() if k in _ENDPOINT_FIELDS}
+        return cls(**{**known, "event_types": tuple(doc["event_types"]),
+                      "secrets": tuple(Secret(**{k: v for k, v in s.items() if k in _SECRET_FIELDS})
+                                       for s in doc.get("secrets", ()))})
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class Health:
     state: str = "active"   # active | degraded
     reason: str = ""
     since_ms: int = 0
+
+
+_ENDPOINT_FIELDS = frozenset(f.name for f in fields(Endpoint))
+_SECRET_FIELDS = frozenset(f.name for f in fields(Secret))
 
 
 def with_health(ep: Endpoint, health: Health | None) -> Endpoint:

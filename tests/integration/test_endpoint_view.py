@@ -3,6 +3,7 @@ to the topics' ends, so it never fans out to an endpoint state older than one an
 showed the client (the bulk process serves batches while the API process answers `GET /v1/endpoints`)."""
 
 import threading
+import uuid
 
 import orjson
 from confluent_kafka import Producer
@@ -45,3 +46,78 @@ def test_a_synced_view_holds_a_state_published_a_moment_before(stack, channel_to
     assert directory.sync(0.5) is False  # nobody polls it any more
     assert directory.health["ep_view"].state == "degraded"
     directory.close()
+
+
+def test_unreadable_records_are_skipped_and_the_rest_of_their_batch_is_applied(stack, channel_topics, names, caplog,
+                                                                            redis_client):
+    """Given endpoint records on the operator log and health records on notif.endpoint.state, some of
+    them unreadable (not JSON, a required field missing, a JSON array, a key that is not UTF-8), all
+    fetched in one batch between good ones,
+    When a view reads them,
+    Then it holds every good record, before and after the bad ones (a record written by a newer
+    version, with a field this one does not know, included); a bad record leaves its key as it was;
+    each bad record is counted and logged by offset without its value (endpoint records hold signing
+    secrets); and reading does not raise (webhook workers poll the view on their own thread). The
+    operator log's snapshot (which every worker's Redis-loss guard reads, and restores Redis from)
+    skips the entries that are not JSON objects the same way."""
+    from streams import metrics
+    from streams.names import RedisKeys
+    from streams.state.guard import restore
+    from streams.state.log import OperatorLog
+    from streams.webhooks.model import Endpoint, Secret
+
+    channel_topics("webhook")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+
+    def put(topic: str, key: bytes, value: bytes | None) -> None:
+        put_acked(producer, topic, key, value, 10, "a test record")
+
+    def endpoint(ep_id: str, url: str) -> bytes:
+        return orjson.dumps(Endpoint(ep_id, "t1", url, ("invoice.paid",), secrets=(Secret("whsec_TOPSECRET"),))
+                            .to_doc())
+
+    def unreadable(topic: str) -> float:
+        return metrics.STATE_RECORDS_UNREADABLE.labels(topic)._value.get()
+
+    before = (unreadable(names.operator), unreadable(names.endpoint_state))
+    put(names.operator, b"endpoint/ep_a", endpoint("ep_a", "https://a.example/hook"))
+    put(names.operator, b"endpoint/ep_a", b"{not json whsec_TOPSECRET")            # A keeps its first record
+    put(names.operator, b"endpoint/ep_bad", orjson.dumps({"id": "ep_bad", "tenant": "t1"}))  # no url, no types
+    put(names.operator, b"members/t1", orjson.dumps(["a list, not an object"]))
+    put(names.operator, b"endpoint/\xff\xfe", endpoint("ep_x", "https://x.example/hook"))
+    newer = {**orjson.loads(endpoint("ep_b", "https://b.example/hook")), "field_of_a_newer_version": 1}
+    put(names.operator, b"endpoint/ep_b", orjson.dumps(newer))
+    put(names.operator, b"members/t2", orjson.dumps({"emails": ["ops@t2.example"]}))
+    put(names.endpoint_state, b"ep_a", orjson.dumps({"state": "degraded", "reason": "10 consecutive failures"}))
+    put(names.endpoint_state, b"ep_b", orjson.dumps([1, 2]))
+    put(names.endpoint_state, b"ep_b", orjson.dumps({"state": "degraded", "since_ms": "not a number"}))
+    put(names.endpoint_state, b"ep_c", orjson.dumps({"state": "degraded", "since_ms": 5}))
+
+    directory = EndpointDirectory(stack.bootstrap, names.operator, names.endpoint_state)
+    directory.start()
+    try:
+        directory.catch_up(30.0)
+        assert sorted(directory.endpoints) == ["ep_a", "ep_b"]
+        assert directory.endpoints["ep_a"].url == "https://a.example/hook"
+        assert directory.endpoints["ep_b"].url == "https://b.example/hook"
+        assert directory.members == {"t2": ("ops@t2.example",)}
+        assert directory.get("ep_a").state == "degraded"
+        assert "ep_b" not in directory.health and directory.health["ep_c"].since_ms == 5
+        assert unreadable(names.operator) - before[0] == 4
+        assert unreadable(names.endpoint_state) - before[1] == 2
+        skipped = [r.getMessage() for r in caplog.records if "unreadable record" in r.getMessage()]
+        assert len(skipped) == 6 and all("offset" in line for line in skipped)
+        assert not any("TOPSECRET" in line for line in caplog.messages)
+    finally:
+        directory.close()
+
+    snapshot = OperatorLog(stack.bootstrap, names.operator).snapshot()
+    assert snapshot["endpoint/ep_a"]["url"] == "https://a.example/hook"
+    assert "members/t1" not in snapshot and snapshot["members/t2"] == {"emails": ["ops@t2.example"]}
+    assert unreadable(names.operator) - before[0] == 4 + 2
+    keys = RedisKeys(f"view{uuid.uuid4().hex[:8]}:")
+    assert restore(redis_client, keys, snapshot) >= 3
+    try:
+        assert orjson.loads(redis_client.hget(keys.endpoints("t1"), "ep_b"))["url"] == "https://b.example/hook"
+    finally:
+        redis_client.delete(keys.endpoints("t1"), keys.members("t2"))
