@@ -176,6 +176,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         stats = mock.get("/_mock/stats").json()
 
     worker_rate, naive_rate, ceiling_rate = n / worker_s, naive_n / naive_s, n / ceiling_s
+    machine_cpu_s = busy_after - busy_before
     return {
         "messages": n, "naive_messages": naive_n, "worker_concurrency": concurrency,
         "worker_msgs_per_s": round(worker_rate, 1),
@@ -189,6 +190,12 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         "machine_cpu_busy": round((busy_after - busy_before) / max(1e-9, total_after - total_before), 2),
         "cpu_cores": os.cpu_count(),
         "mock_provider_cpu_ms_per_request": round(mock_cpu_s / max(1, stats["requests_total"]) * 1000, 2),
+        # Every process on the machine shares its cores: the machine's CPU per message, and what the
+        # broker, Redis and the OS took of it (neither this process nor the mock provider), bound
+        # the rate any worker could reach here: cores / machine CPU per message.
+        "machine_cpu_us_per_msg": round(machine_cpu_s / n * 1e6, 1),
+        "others_cpu_us_per_msg": round((machine_cpu_s - worker_cpu_s - mock_cpu_s) / n * 1e6, 1),
+        "machine_bound_msgs_per_s": round((os.cpu_count() or 1) * n / max(1e-9, machine_cpu_s), 1),
         "worker_provider_requests": stats["requests_total"],
         "worker_duplicates": stats["duplicate_deliveries"],
         **({"profile_top_own_time": profile_top} if profile else {}),
