@@ -122,10 +122,12 @@ class Dispatcher:
     def _draw(self, ready: list[str]) -> list[Draw]:
         """Requests from the ready queues, one per queue per pass (so tenants take turns), in as many
         passes as the worker's free concurrency allows: a lone tenant's blast fills every free slot in
-        one round (three Redis round trips for all of them), and each provider's pacing holds."""
+        one round (three Redis round trips for all of them) as far as its bucket's burst can admit
+        them, and each provider's pacing holds."""
         draws: list[Draw] = []
         drawn: Counter[str] = Counter()
         by_route: Counter[str] = Counter()
+        by_bucket: Counter[tuple[str, str]] = Counter()  # messages drawn per (provider, tenant) bucket
         size = min(self.concurrency - len(self.in_flight), ROUND_MAX)
         now = time.monotonic()
         while len(draws) < size:
@@ -143,10 +145,17 @@ class Dispatcher:
                     continue  # the provider's pacing: enough in flight, or its pause is not over
                 tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
                 try:
-                    taken = self.queues.take(key, self.per_request(route, tenant))
+                    n, burst = self.per_request(route, tenant), self.tenant_limit(route, tenant).burst
                 except ConfigError as exc:
                     self._hold_misconfigured(key, exc)
                     continue
+                bucket = (route.name, tenant)
+                if by_bucket[bucket] and by_bucket[bucket] + n > burst:
+                    # The tenant's bucket holds at most `burst` tokens: the gate would deny a further
+                    # request this round, after its processed_jobs read, and it would only go back.
+                    continue
+                taken = self.queues.take(key, n)
+                by_bucket[bucket] += len(taken)
                 draws.append(Draw(key, tenant, taken, route, {"dequeued": wall_ms()}))
                 self._open.update({id(p): p for p in taken})
                 drawn[key] += 1

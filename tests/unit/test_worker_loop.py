@@ -186,9 +186,9 @@ def _messages(tenants: list[str]):
 DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
-def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True):
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional"):
     spec = replace(load_registry().primary("email"), idempotent=idempotent)
-    cfg = WorkerConfig("email", "transactional", "unused:9092", spec, NAMES)
+    cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), FakeProducer(), FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
     worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
@@ -410,3 +410,44 @@ def test_outcome_records_hold_one_event_or_several():
     assert events_of(single) == [single]
     assert events_of({"events": [single, {"send_id": "s2"}, "not an event"]}) == [single, {"send_id": "s2"}]
     assert events_of([1, 2]) == [] and events_of("x") == []
+
+
+class CountingJobs(FakeJobs):
+    """processed_jobs that counts the sends each dispatch round reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[int] = []
+
+    def status_many(self, groups):
+        self.reads.append(sum(len(ids) for _, ids in groups))
+        return super().status_many(groups)
+
+
+class BurstGate(FakeGate):
+    def __init__(self, burst: int):
+        super().__init__()
+        self.burst, self.asked = burst, []
+
+    def tenant_limit(self, provider, tenant): return Limit(1_000_000, self.burst)
+
+    def acquire_many(self, requests):
+        self.asked.append(sum(r[2] for r in requests))
+        return super().acquire_many(requests)
+
+
+@pytest.mark.parametrize("burst, per_round", [(100, 100), (300, 300), (1000, 450)])
+def test_a_round_draws_no_more_of_a_tenant_than_its_bucket_can_admit(burst, per_round):
+    """A lone tenant's marketing blast (batches of 100) fills the worker's free slots in one round only as
+    far as its bucket's burst reaches: the processed_jobs read and the gate see just the requests that
+    can be admitted together, and nothing drawn goes back. Every send still goes out once."""
+    sends = [build_send(validate_request({**email_request(), "category": "marketing"}), "blast")
+             for _ in range(450)]
+    jobs, gate = CountingJobs(), BurstGate(burst)
+    worker, consumer, producer, provider = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)],
+                                                   gate=gate, jobs=jobs, lane="marketing")
+    worker.step()
+    assert jobs.reads[0] == per_round and gate.asked[0] == per_round
+    _run(worker)
+    assert sum(body.count(b"|") + 1 for body in provider.sent) == 450
+    assert sum(jobs.reads) == 450 and consumer.stored[(TOPIC, 0)] == 450
