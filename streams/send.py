@@ -150,6 +150,7 @@ class SmsPayload(BaseModel):
     model_config = ConfigDict(extra="allow")
     to: str = Field(pattern=_E164.pattern, description="E.164 number, e.g. +14155550123")
     body: str = Field(min_length=1, max_length=1600)
+    tags: list[Tag] | None = Field(None, max_length=50)
 
 
 class WebhookPayload(BaseModel):
@@ -387,7 +388,7 @@ def decode(value: bytes | None) -> Send:
         raise MalformedEvent("unknown_version", f"schema version {doc.get('v')!r} is not supported "
                                                 f"(this worker reads {SCHEMA_VERSION})")
     category, lane = doc.get("category"), doc.get("lane")
-    if category in CATEGORY_TO_LANE and lane != lane_for(category):
+    if isinstance(category, str) and category in CATEGORY_TO_LANE and lane != lane_for(category):
         # The lane is derived from the category; an event that says otherwise is not trusted.
         raise MalformedEvent("lane_violation", f"a {category} send labelled lane {lane!r}")
     try:

@@ -28,6 +28,8 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
         send = decode(value)
     except MalformedEvent as exc:
         return Rejected(exc.reason, exc.detail)
+    except Exception as exc:  # noqa: BLE001 - an event no check foresaw is dead-lettered, never a crash loop
+        return Rejected("malformed", f"the event cannot be read: {type(exc).__name__}")
     if send.channel != channel:
         return Rejected("channel_mismatch", f"a {send.channel} send on the {channel} lane topic")
     if lane == "transactional" and send.lane == "marketing":
@@ -36,9 +38,9 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
         return Rejected("unknown_policy", unknown_policy(send.policy, policies))
     raw_attempt = headers.get("attempt", b"1")
     try:
-        attempt = int(raw_attempt)
-    except ValueError:
-        return Rejected("malformed", f"header 'attempt' is not an integer: {raw_attempt[:20]!r}")
+        attempt = int(raw_attempt)  # a header may also carry no value at all (None)
+    except (ValueError, TypeError):
+        return Rejected("malformed", f"header 'attempt' is not an integer: {repr(raw_attempt)[:30]}")
     if attempt < 1:
         return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}")
     return Admitted(send, attempt)

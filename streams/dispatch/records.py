@@ -181,7 +181,7 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ dead letters
     def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck,
-                    tried: list[str] | None = None) -> None:
+                    tried: list[str] | None = None, detail: str = "") -> None:
         headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
                    "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
                    "reason": reason.encode(), "attempts": str(p.attempt).encode(),
@@ -194,11 +194,13 @@ class RecordWriter:
             headers.setdefault("first_error", headers["last_error"])
         if tried:
             headers["providers_tried"] = ",".join(tried).encode()
+        if detail:
+            headers["detail"] = redact(detail, 1000).encode()
         metrics.DLQ.labels(*self._label, reason).inc()
         metrics.SENDS.labels(*self._label, "dead_lettered").inc()
         evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
                  provider=tried[-1] if tried else self.provider, providers_tried=",".join(tried or ()),
-                 attempts=p.attempt, reason=reason)
+                 attempts=p.attempt, reason=reason, **({"detail": redact(detail, 200)} if detail else {}))
         attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
         # A webhook delivery that is given up on is "dropped" (the word its receivers' alerts use).
         status = "dropped" if p.send.channel == "webhook" else "dead_lettered"

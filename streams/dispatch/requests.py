@@ -31,6 +31,8 @@ from .tenant_queues import Pending, TenantQueues, unique_sends
 log = logging.getLogger("streams.dispatch")
 CLAIM_RACE_ROUNDS = 3  # sends claimed meanwhile by a racing worker drop out of the request
 LIMITS_TTL_S = 10.0
+# What a provider adapter raises on a payload it cannot read (a field missing or of the wrong type).
+BUILD_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
 ROUND_MAX = 256  # requests per dispatch round (each round: three Redis round trips for all of them)
 COOL_DOWN_JITTER = 0.2  # workers leave a shared 429 cool-down up to 20% after it ends, not all at once
 
@@ -68,7 +70,8 @@ class Dispatcher:
 
     def __init__(self, routes: Routes, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
                  jobs: ProcessedJobs, gate: Gate, on_duplicate: Callable[[Pending], None], redis_outage: Outage,
-                 policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None]):
+                 policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None],
+                 on_unbuildable: Callable[[Pending, str], None]):
         self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
@@ -77,6 +80,7 @@ class Dispatcher:
         self.outage = redis_outage
         self.policies = policies
         self.on_expired = on_expired
+        self.on_unbuildable = on_unbuildable
         self.in_flight: dict[Future, Job] = {}
         # Requests that finished, in the order they did (appended by the thread that completed them):
         # the worker settles these without scanning every request in flight on every step.
@@ -259,7 +263,17 @@ class Dispatcher:
         some of whose sends a racing worker claimed meanwhile is claimed again without them."""
         if not draws:
             return
-        claims = [self._claim_of(d.route, d.tenant, d.items) for d in draws]
+        built: list[Draw] = []
+        claims: list[Claim] = []
+        for d in draws:
+            try:
+                claims.append(self._claim_of(d.route, d.tenant, d.items))
+                built.append(d)
+            except BUILD_ERRORS:
+                self._set_aside_unbuildable(d)
+        draws = built
+        if not draws:
+            return
         answers = self.jobs.claim_many(claims)
         stamp = wall_ms()
         for draw, claim, busy in zip(draws, claims, answers, strict=True):
@@ -283,6 +297,25 @@ class Dispatcher:
                                           for p in items], batch=self.lane in route.spec.batch_lanes)
         provider = "" if route is self.routes.primary else route.name
         return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider)
+
+    def _set_aside_unbuildable(self, draw: Draw) -> None:
+        """A request the provider adapter could not build (a payload it cannot read: a producer that
+        wrote to the lane topic directly, past ingest's validation). Each message is tried alone:
+        those that cannot be built are dead-lettered (`malformed`, with the error), the others go
+        back to the front of their queue, to go out in the next round without them."""
+        batch = self.lane in draw.route.spec.batch_lanes
+        fine: list[Pending] = []
+        for p in draw.items:
+            try:
+                draw.route.adapter.build([Outbound(p.send.send_id, draw.tenant, p.send.lane, p.send.payload)], batch)
+            except BUILD_ERRORS as exc:
+                self._open.pop(id(p), None)
+                self.on_unbuildable(p, f"the {draw.route.name} request cannot be built from this payload: "
+                                       f"{type(exc).__name__} {str(exc)[:200]}")
+                continue
+            fine.append(p)
+        if fine:
+            self._requeue(draw.key, fine)
 
     def _cap(self, key: str) -> int:
         return self.queue_caps.get(key, self.per_queue or 1)

@@ -42,7 +42,7 @@ AUTH_HOLD_S = 30.0
 
 def providers_tried(p: Pending, route: Route) -> list[str]:
     """The providers this send has been tried on, this one included (from its retry headers)."""
-    earlier = [n for n in (p.headers.get("providers_tried") or b"").decode().split(",") if n]
+    earlier = [n for n in (p.headers.get("providers_tried") or b"").decode(errors="replace").split(",") if n]
     return earlier if route.name in earlier else [*earlier, route.name]
 
 
@@ -196,6 +196,10 @@ class Settler:
     def dead_letter_too_old(self, p: Pending) -> None:
         """A send found older than its policy's max_age before an attempt: never sent late."""
         self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self.finisher(p.where))
+
+    def dead_letter_unbuildable(self, p: Pending, detail: str) -> None:
+        """A send whose payload the provider adapter cannot turn into a request: it never can be."""
+        self.records.dead_letter(p, "malformed", None, int(time.time() * 1000), self.finisher(p.where), detail=detail)
 
     def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,

@@ -37,7 +37,7 @@ from ..send import Send
 from ..state.guard import StateGuard
 from .backlog import BacklogShare
 from .idempotency import LEASE_S, REFRESH_EVERY_S, ProcessedJobs
-from .intake import Rejected, admit
+from .intake import Admitted, Rejected, admit
 from .pauses import LanePauses
 from .records import RecordWriter
 from .requests import Dispatcher, Job
@@ -102,7 +102,8 @@ class LaneWorker:
                                records, policies, self.redis_outage, on_gone)
         self.dispatcher = Dispatcher(routes, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, self._finish_duplicate,
-                                     self.redis_outage, policies, self.settler.dead_letter_too_old)
+                                     self.redis_outage, policies, self.settler.dead_letter_too_old,
+                                     self.settler.dead_letter_unbuildable)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog
@@ -221,14 +222,19 @@ class LaneWorker:
         if self.consume_outage.active:
             self.consume_outage.recovered(time.monotonic())
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
-        headers = dict(msg.headers() or [])
-        verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
+        try:
+            headers = dict(msg.headers() or [])
+        except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8
+            headers = {}
+            verdict: Admitted | Rejected = Rejected("malformed", "a header name is not UTF-8")
+        else:
+            verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
         if isinstance(verdict, Rejected):
             self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail,
                                          self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
             return
         p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt,
-                    (headers.get("provider") or b"").decode(), wall_ms())
+                    (headers.get("provider") or b"").decode(errors="replace"), wall_ms())
         if not self._parked(p):
             self.queues.add(p)
 

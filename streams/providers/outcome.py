@@ -49,7 +49,8 @@ class Outbound:
     payload: dict
 
     def tags(self) -> list[dict]:
-        own = [t for t in self.payload.get("tags", []) if isinstance(t, dict)]
+        tags = self.payload.get("tags")
+        own = [t for t in tags if isinstance(t, dict)] if isinstance(tags, list) else []  # `null`: no tags
         return own + [{"name": "send_id", "value": self.send_id}, {"name": "tenant", "value": self.tenant},
                       {"name": "lane", "value": self.lane}]
 

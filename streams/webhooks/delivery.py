@@ -67,8 +67,9 @@ class PinnedResolver(aiohttp.abc.AbstractResolver):
 
 def delivery_body(payload: dict) -> bytes:
     """What a receiver gets: the same bytes on every attempt (the payload's own key order)."""
+    occurred = payload["occurredAt"] if "occurredAt" in payload else payload["occurred_at"]  # ingest takes both
     return orjson.dumps({"id": payload.get("event_id"), "type": payload["event_type"],
-                         "timestamp": payload["occurredAt"], "data": payload["data"]})
+                         "timestamp": occurred, "data": payload["data"]})
 
 
 def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float) -> ProviderResult:

@@ -86,3 +86,49 @@ def test_a_stored_request_larger_than_a_lowered_burst_is_still_recovered(
     report_outcome("stored request over a lowered burst", ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"]) and stats["duplicate_deliveries"] == 0
     assert second.poll() is None
+
+
+def test_events_no_check_foresaw_are_dead_lettered_or_delivered_never_a_crash_loop(
+        fault_stack, fault_runtime, fault_topics, fault_processes, mock_provider, names):
+    """Given events written to the transactional email lane directly (past ingest's validation):
+    a category that is a JSON array, an `attempt` header with no value, a `provider` header and a
+    `providers_tried` header that are not UTF-8, and an email whose `tags` is null,
+    When a worker process reads them,
+    Then the first two are dead-lettered as malformed with a detail saying why, the other three are
+    delivered once (an unreadable provider name means the channel's first provider; null tags mean
+    none), the worker stays alive, and the lane is committed to its end."""
+    fault_topics("email", lane_partitions=1)
+    limits = fault_runtime.limit_store()
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    mock_provider.reset()
+    worker = fault_processes.worker("email", "transactional")
+    lane = names.lane("email", "transactional")
+
+    def event(**payload) -> tuple[str, bytes]:
+        send = build_send(validate_request(email_request(**payload)), "acme")
+        return send.send_id, encode(send)
+
+    producer = Producer({"bootstrap.servers": fault_stack.bootstrap})
+    producer.produce(lane, key=b"acme", value=b'{"v": 1, "category": [1], "lane": "transactional"}')
+    no_attempt, raw = event()
+    producer.produce(lane, key=b"acme", value=raw, headers=[("attempt", None)])
+    delivered = []
+    for headers, payload in (([("provider", b"\xff\xfe")], {}), ([("providers_tried", b"\xffresend")], {}),
+                             ([], {"tags": None})):
+        send_id, raw = event(**payload)
+        producer.produce(lane, key=b"acme", value=raw, headers=headers)
+        delivered.append(send_id)
+    assert producer.flush(10) == 0
+
+    dead = wait_until(lambda: d if len(d := read_all(fault_stack.bootstrap, names.dlq, timeout_s=3)) >= 2 else None,
+                      60, "both unreadable events in the DLQ", interval=1.0)
+    assert [r.headers["reason"] for r in dead] == ["malformed", "malformed"]
+    assert "category: Input should be" in dead[0].headers["detail"]
+    assert dead[1].send_id == no_attempt and "attempt" in dead[1].headers["detail"]
+    wait_until(lambda: set(delivered) <= set(mock_provider.stats(deliveries=True)["deliveries"]), 30,
+               "the three readable emails")
+    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "transactional"), lane) == 0, 30,
+               "the lane to be committed")
+    assert mock_provider.stats()["duplicate_deliveries"] == 0
+    assert worker.poll() is None

@@ -54,6 +54,19 @@ def test_batch_body_is_deterministic_and_carries_the_routing_tags():
         p.build(msgs * 51, batch=True)
 
 
+def test_null_tags_mean_none_and_a_webhook_event_may_spell_occurred_at_either_way():
+    """Ingest accepts `"tags": null` and `occurred_at` (the field's own name) besides `occurredAt`; the
+    request built from such a payload has no tags of its own, and the same delivery body."""
+    from streams.webhooks.delivery import delivery_body
+
+    email = Outbound("id-1", "acme", "marketing", {"from": "a@b.co", "to": ["c@d.co"], "subject": "s", "text": "t",
+                                                   "tags": None})
+    assert [t["name"] for t in email.tags()] == ["send_id", "tenant", "lane"]
+    event = {"event_id": "e1", "event_type": "invoice.paid", "data": {"n": 1}}
+    assert delivery_body({**event, "occurred_at": "2026-12-01T10:00:00Z"}) == \
+        delivery_body({**event, "occurredAt": "2026-12-01T10:00:00Z"})
+
+
 def test_redaction_removes_addresses_numbers_and_keys():
     text = redact('{"message": "bad to: jane.doe@example.com, +1 415 555 0123, key re_AbC123"}')
     assert "jane" not in text and "555" not in text and "AbC123" not in text

@@ -186,10 +186,10 @@ def _messages(tenants: list[str]):
 DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
-def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional"):
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None):
     spec = replace(load_registry().primary("email"), idempotent=idempotent)
     cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
-    consumer, producer, provider = FakeConsumer(messages), FakeProducer(), FakeProvider(answer)
+    consumer, producer, provider = FakeConsumer(messages), FakeProducer(), provider or FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
     worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
@@ -451,3 +451,46 @@ def test_a_round_draws_no_more_of_a_tenant_than_its_bucket_can_admit(burst, per_
     _run(worker)
     assert sum(body.count(b"|") + 1 for body in provider.sent) == 450
     assert sum(jobs.reads) == 450 and consumer.stored[(TOPIC, 0)] == 450
+
+
+class PickyProvider(FakeProvider):
+    """An adapter that cannot build a request from a payload whose subject is `poison`."""
+
+    def build(self, messages, batch):
+        if any(m.payload.get("subject") == "poison" for m in messages):
+            raise KeyError("endpoint_id")
+        return super().build(messages, batch)
+
+
+def test_a_payload_the_adapter_cannot_build_is_dead_lettered_and_its_batch_goes_without_it():
+    """A marketing batch of six, one of whose payloads the provider adapter cannot read (written to the lane
+    directly, past ingest): that send is dead-lettered as malformed, with the adapter's error, the five others
+    go out together once, and every offset is finished; the worker does not raise."""
+    def marketing(**payload):
+        return build_send(validate_request({**email_request(**payload), "category": "marketing"}), "blast")
+
+    sends = [marketing() for _ in range(2)] + [marketing(subject="poison")] + [marketing() for _ in range(3)]
+    provider = PickyProvider(DELIVERED)
+    worker, consumer, producer, _ = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)],
+                                            lane="marketing", provider=provider)
+    _run(worker)
+    good = [s.send_id for i, s in enumerate(sends) if i != 2]
+    assert len(provider.sent) == 1 and sorted(provider.sent[0].decode().split("|")) == sorted(good)
+    (value, headers), = producer.records[NAMES.dlq]
+    assert value == encode(sends[2]) and headers["reason"] == b"malformed"
+    assert b"cannot be built" in headers["detail"] and b"KeyError" in headers["detail"]
+    assert consumer.stored[(TOPIC, 0)] == 6
+
+
+@pytest.mark.parametrize("headers, detail", [([("attempt", None)], "'attempt' is not an integer: None"),
+                                             ([], "category: Input should be")])
+def test_an_event_of_an_unforeseen_shape_is_dead_lettered_not_a_crash(headers, detail):
+    """A category that is a JSON array, or an `attempt` header without a value: dead-lettered as malformed
+    with a detail saying why; the offset moves on."""
+    sends, msgs = _messages(["acme"])
+    value = msgs[0].value() if headers else b'{"v": 1, "category": [1], "lane": "transactional"}'
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, value, headers)])
+    _run(worker)
+    (_, dlq_headers), = producer.records[NAMES.dlq]
+    assert dlq_headers["reason"] == b"malformed" and detail in dlq_headers["detail"].decode()
+    assert provider.sent == [] and consumer.stored[(TOPIC, 0)] == 1
