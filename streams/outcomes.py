@@ -44,3 +44,33 @@ def events_of(doc: Any) -> list[dict]:
     if isinstance(doc, dict) and isinstance(doc.get("events"), list):
         return [e for e in doc["events"] if isinstance(e, dict)]
     return [doc] if isinstance(doc, dict) else []
+
+
+_TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id", "event_id", "event_type")
+_INTEGERS = ("attempts", "completed_at_ms", "created_at_ms")
+
+
+def unusable(event: dict) -> str | None:
+    """Why an outcome event cannot be recorded, naming the field (None: it can). Our writers never
+    write such events; another producer on the topic, or a newer version, might."""
+    for name in ("send_id", "status", "tenant_id"):
+        if not isinstance(event.get(name), str) or not event[name]:
+            return f"'{name}' is not a non-empty string"
+    for name in _TEXT:
+        if event.get(name) is not None and not isinstance(event[name], str):
+            return f"'{name}' is not a string"
+    for name in _INTEGERS:
+        value = event.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"'{name}' is not an integer"
+    tried = event.get("providers_tried")
+    if tried is not None and not (isinstance(tried, list) and all(isinstance(t, str) for t in tried)):
+        return "'providers_tried' is not a list of strings"
+    for name in ("origin", "dlq"):
+        where = event.get(name)
+        if where is not None and not (isinstance(where, dict) and all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in where.values())):
+            return f"'{name}' is not an object of strings and integers"
+    if event.get("attempt") is not None and not isinstance(event["attempt"], dict):
+        return "'attempt' is not an object"
+    return None

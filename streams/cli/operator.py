@@ -252,8 +252,9 @@ def state(sub) -> None:
         if args.action == "recover":
             done = recover(rt.bootstrap, client, rt.names, rt.config.keys, oplog,
                            progress=lambda m: print(f"  {m}", file=sys.stderr))
+            skipped = f" ({done.skipped} unusable events skipped)" if done.skipped else ""
             print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks and "
-                  f"{done.statuses} statuses rebuilt; dispatch resumes")
+                  f"{done.statuses} statuses rebuilt{skipped}; dispatch resumes")
         else:
             print(f"acknowledged: epoch {acknowledge_loss(client, rt.config.keys, oplog)}; dispatch resumes "
                   "(sends delivered before the loss may be sent again)")

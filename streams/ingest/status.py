@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -15,13 +16,18 @@ from ..backoff import Outage
 from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
-from ..outcomes import events_of
+from ..outcomes import events_of, unusable
 from ..redis_client import store_errors
 
 if TYPE_CHECKING:
     from ..state.guard import StateGuard
 
 STATUS_TTL_S = 30 * 24 * 3600  # as long as notif.outcomes keeps outcomes
+log = logging.getLogger("streams.outcome_recorder")
+
+
+class UnusableOutcome(ValueError):
+    """An outcome event with a field of the wrong type: it can never be recorded."""
 
 
 # The statuses a send goes through: accepted at ingest; retrying (a definite failure, a retry is
@@ -56,7 +62,11 @@ class StatusStore:
 
     def record_outcome(self, event: dict) -> None:
         """Apply an outcome event (at least once: applying one twice changes nothing). A final status
-        is never replaced by an intermediate one that arrives late."""
+        is never replaced by an intermediate one that arrives late. Raises UnusableOutcome, before
+        writing anything, for an event with a field of the wrong type."""
+        problem = unusable(event)
+        if problem:
+            raise UnusableOutcome(problem)
         send_id = event["send_id"]
         key, attempts_key = self.keys.send_status(send_id), self.keys.send_attempts(send_id)
         fields = {"status": event["status"], "tenant_id": event["tenant_id"],
@@ -159,6 +169,11 @@ class OutcomeRecorder:
         gone = {(p.topic, p.partition) for p in partitions}
         self.backlog = [m for m in self.backlog if (m.topic(), m.partition()) not in gone]
 
+    def _skip(self, msg, why: str) -> None:
+        """A record, or an event in it, that can never be recorded: skipped, counted, logged by offset."""
+        metrics.OUTCOMES_SKIPPED.inc()
+        log.error("skipping an unusable outcome in %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), why)
+
     def step(self) -> None:
         self._check_state()
         msgs = consume_ready(self.consumer, 500, 0.2)
@@ -180,15 +195,22 @@ class OutcomeRecorder:
         while self.backlog:
             msg = self.backlog[0]
             try:
-                for event in events_of(orjson.loads(msg.value())):  # a record may hold several
-                    self.store.record_outcome(event)
-                    metrics.OUTCOMES_RECORDED.labels(event.get("status", "")).inc()
+                events = events_of(orjson.loads(msg.value())) if msg.value() is not None else []  # may hold several
+            except orjson.JSONDecodeError:
+                events = []
+                self._skip(msg, "not JSON")
+            try:
+                for event in events:  # again from the first after a Redis error: applying twice is harmless
+                    try:
+                        self.store.record_outcome(event)
+                    except UnusableOutcome as exc:  # the others of its record are still recorded
+                        self._skip(msg, str(exc))
+                    else:
+                        metrics.OUTCOMES_RECORDED.labels(event["status"]).inc()
             except StoreUnavailable as exc:
                 self.outage.failed(time.monotonic(), exc)
                 self.consumer.pause(self.consumer.assignment())  # fetch nothing more meanwhile
                 return
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                pass  # not an outcome event; nothing to record
             store_message_offset(self.consumer, msg)
             self.backlog.pop(0)
         if self.outage.active:

@@ -25,7 +25,7 @@ from ..errors import StackError
 from ..ingest.status import StatusStore
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
-from ..outcomes import events_of
+from ..outcomes import events_of, unusable
 from ..redis_client import store_errors
 from .log import OperatorLog
 
@@ -35,6 +35,7 @@ class Recovery:
     events: int = 0
     delivered_marks: int = 0
     statuses: int = 0
+    skipped: int = 0  # events with a field of the wrong type (the outcome recorder skips them too)
 
 
 def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> None:
@@ -78,7 +79,8 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
     now_ms = int(time.time() * 1000)
 
     def apply(event: dict) -> None:
-        if not isinstance(event, dict) or "send_id" not in event or "tenant_id" not in event:
+        if unusable(event):  # the outcome recorder skipped it too
+            result.skipped += 1
             return
         result.events += 1
         if event.get("status") == "delivered":

@@ -1,0 +1,34 @@
+"""Which outcome events the status store can record: the checks the outcome recorder and `streams state
+recover` share (pure code)."""
+
+import pytest
+
+from streams.outcomes import events_of, unusable
+
+
+def _event(**fields) -> dict:
+    return {"send_id": "s-1", "tenant_id": "acme", "status": "delivered", "attempts": 1, "provider": "resend",
+            "completed_at_ms": 1, "origin": {"topic": "t", "partition": 0, "offset": 5}, **fields}
+
+
+def test_events_our_writers_produce_are_usable():
+    assert unusable(_event()) is None
+    assert unusable(_event(attempts=None, providers_tried=["resend", "sms_b"], dlq={"partition": 0, "offset": 1},
+                           attempt={"n": 1}, endpoint_id="ep_1", replay_of=None)) is None
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"send_id": ""}, "'send_id'"), ({"tenant_id": None}, "'tenant_id'"), ({"status": 5}, "'status'"),
+    ({"provider": ["resend"]}, "'provider'"), ({"completed_at_ms": "x"}, "'completed_at_ms'"),
+    ({"attempts": True}, "'attempts'"), ({"origin": {"offset": {}}}, "'origin'"), ({"dlq": [1]}, "'dlq'"),
+    ({"providers_tried": "resend"}, "'providers_tried'"), ({"attempt": 3}, "'attempt'"),
+    ({"endpoint_id": ["e"]}, "'endpoint_id'"),
+])
+def test_an_event_with_a_field_of_the_wrong_type_is_unusable_and_the_field_named(fields, named):
+    assert named in unusable(_event(**fields))
+
+
+def test_a_record_holds_one_event_or_several():
+    assert events_of(_event()) == [_event()]
+    assert events_of({"events": [_event(), 5, _event(send_id="s-2")]}) == [_event(), _event(send_id="s-2")]
+    assert events_of([1, 2]) == [] and events_of(None) == []
