@@ -89,19 +89,19 @@ class EndpointHealthApp:
     async def _follow(self, stream: Any) -> None:
         async for event in stream.events():
             await self._caught_up()
-            endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
-            try:
+            try:  # UnicodeDecodeError and orjson's errors are ValueErrors
+                endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
                 doc = orjson.loads(event.value)
-                if not endpoint_id or not isinstance(doc, dict):
+                if not endpoint_id or not isinstance(doc, dict) or not _typed(doc):
                     raise ValueError("not an attempt event")
-            except (orjson.JSONDecodeError, ValueError, TypeError):
+                row = self.table.get(endpoint_id)
+                before = Health.from_doc(row) if row else Health(endpoint_id)
+                outcome = apply(before, doc, event.message.offset)
+            except (ValueError, TypeError, AttributeError, KeyError):
                 metrics.HEALTH_EVENTS.labels("malformed").inc()
                 log.warning("ignoring a malformed event at %s[%d]@%d", event.message.topic, event.message.partition,
                             event.message.offset)
                 continue
-            row = self.table.get(endpoint_id)
-            before = Health.from_doc(row) if row else Health(endpoint_id)
-            outcome = apply(before, doc, event.message.offset)
             if outcome.health is before:
                 metrics.HEALTH_EVENTS.labels("replayed").inc()
                 continue
@@ -197,3 +197,10 @@ def _with_offset(h: Health, offset: int) -> Health:
 
 def _state(ep: Any) -> str:
     return "disabled" if not ep.enabled else ep.state
+
+
+def _typed(doc: dict) -> bool:
+    """The fields the rules read have the types our writers give them (an event from elsewhere may not)."""
+    at_ms, tenant = doc.get("at_ms"), doc.get("tenant_id")
+    return ((at_ms is None or isinstance(at_ms, int) and not isinstance(at_ms, bool))
+            and (tenant is None or isinstance(tenant, str)))

@@ -85,10 +85,10 @@ class RetryTierWatch:
                 for m in peeker.consume(num_messages=500, timeout=0.1):
                     if m.error() or m.partition() not in ends:
                         continue
-                    due = dict(m.headers() or []).get("due_at_ms")
                     try:
+                        due = dict(m.headers() or []).get("due_at_ms")
                         worst = max(worst, (now_ms - int(due)) / 1000) if due else worst
-                    except ValueError:
+                    except (ValueError, TypeError, OverflowError):  # not a due time a worker writes
                         pass
                     if m.offset() + 1 >= ends[m.partition()]:
                         ends.pop(m.partition())

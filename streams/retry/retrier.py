@@ -32,6 +32,7 @@ from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_produ
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
+from .policy import JITTER
 
 log = logging.getLogger("streams.retrier")
 MAX_POLL_WAIT_S = 0.5
@@ -72,14 +73,23 @@ class Held:
         return len(self.value or b"") + sum(len(k) + len(v or b"") for k, v in self.headers.items())
 
 
-def due_time(headers: dict[str, bytes], where: str) -> int:
+# No retry copy is due later than the longest tier (jittered) from now; an hour of slack for clocks.
+LATEST_DUE_MS = int((max(RETRY_TIERS.values()) * (1 + JITTER) + 3600) * 1000)
+
+
+def due_time(headers: dict[str, bytes], where: str, now_ms: float) -> int:
     """The due time of a retry copy; a copy without one is due now (the worker decided to retry:
-    retry now rather than drop)."""
+    retry now rather than drop). One due further ahead than any tier (not written by a worker) is
+    held for the longest tier, not for ever: it would pin its partition's committed offset."""
     try:
-        return int(headers["due_at_ms"])
+        due = int(headers["due_at_ms"])
     except (KeyError, ValueError):
         log.warning("retry message %s has no usable due_at_ms; re-publishing now", where)
         return 0
+    if due > now_ms + LATEST_DUE_MS:
+        log.warning("retry message %s is due further ahead than any retry tier; holding it for the longest", where)
+        return int(now_ms + max(RETRY_TIERS.values()) * 1000)
+    return due
 
 
 class Retrier:
@@ -139,8 +149,8 @@ class Retrier:
         self.consume_outage.recovered(time.monotonic())
         headers = {k: v or b"" for k, v in (msg.headers() or [])}
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-        held = Held(due_time(headers, where), msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(),
-                    headers)
+        held = Held(due_time(headers, where, self.clock() * 1000), msg.offset(), msg.topic(), msg.partition(),
+                    msg.key(), msg.value(), headers)
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         heapq.heappush(self.heap, held)
         self.held_bytes += held.size

@@ -338,3 +338,29 @@ def test_members_are_validated_and_private_to_their_tenant(rig):
     assert many.status_code == 422 and "at most 50" in many.text
     assert api.get("/v1/members", headers=api.keys["a"]).json()["emails"] == MEMBERS
     assert api.get("/v1/members", headers=api.keys["b"]).json()["emails"] == []
+
+
+def test_attempt_events_it_cannot_read_are_counted_as_malformed_and_the_rest_applied(rig, stack, names):
+    """Given attempt events written by someone else: a key that is not UTF-8, a time that is a string, a
+    dropped delivery whose tenant is a list, and then a good event,
+    When the endpoint-health app reads them,
+    Then the three are counted as malformed (not a crash of its agent), the good one is applied, the app
+    commits to the end, and it keeps running."""
+    from confluent_kafka import Producer
+
+    health = rig.start_health()
+    port = rig.health_ports[0]
+    now = int(time.time() * 1000)
+    event = {"kind": "attempt", "delivery_id": "d-1", "tenant_id": "tenant-a", "endpoint_id": "ep_poison", "n": 1,
+             "at_ms": now, "status_code": 500, "outcome": "unavailable", "error": "http_500"}
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for key, value in ((b"\xff\xfe", event), (b"ep_poison", {**event, "at_ms": "x"}),
+                       (b"ep_poison", {**event, "tenant_id": ["tenant-a"], "dropped": True}),
+                       (b"ep_poison", event)):
+        producer.produce(names.webhook_attempts, key=key, value=orjson.dumps(value))
+    assert producer.flush(10) == 0
+    wait_until(lambda: metric(port, "webhook_endpoint_health_events_total", kind="malformed") == 3, 60,
+               "the three unreadable events to be counted")
+    rig.wait_applied(1, port)
+    rig.wait_committed(stack, names)
+    assert health.poll() is None
