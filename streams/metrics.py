@@ -85,9 +85,9 @@ RETRY_TIER_WAITING = Gauge("dispatch_retry_tier_waiting_messages", "Retry messag
                            "monitor measures them", ["channel", "lane", "tier"])
 RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the most overdue "
                            "unreleased retry message is, as the lag monitor measures it", ["channel", "lane", "tier"])
-STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log or "
-                                   "notif.endpoint.state a reader could not read and skipped (the key keeps what it "
-                                   "held), by topic", ["topic"])
+STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
+                                   "audit log or notif.endpoint.state a reader could not read and skipped (the key "
+                                   "keeps what it held), by topic", ["topic"])
 # ---- webhook endpoint health (the endpoint-health app, except skipped deliveries)
 ENDPOINTS_BY_STATE = Gauge("webhook_endpoints", "Webhook endpoints by state, as this endpoint-health copy sees "
                            "the whole fleet (every copy reports all endpoints: aggregate with max)", ["state"])

@@ -7,6 +7,7 @@ before the change is answered; read with `streams audit`. Secrets never appear i
 from __future__ import annotations
 
 import getpass
+import logging
 import socket
 import time
 import uuid
@@ -15,9 +16,11 @@ from collections.abc import Iterator
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from .. import metrics
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
+log = logging.getLogger("streams.audit")
 
 
 def cli_actor() -> str:
@@ -50,8 +53,23 @@ class AuditLog:
                     if m.error():
                         continue
                     position = m.offset() + 1
-                    entry = orjson.loads(m.value())
-                    if entry.get("at_ms", 0) >= since_ms:
+                    entry = _entry(m.value())
+                    if entry is None:  # kept for a year: one bad record must not hide the rest
+                        metrics.STATE_RECORDS_UNREADABLE.labels(self.topic).inc()
+                        log.error("skipping an unreadable audit record of %s at offset %d", self.topic, m.offset())
+                    elif entry["at_ms"] >= since_ms:
                         yield entry
         finally:
             c.close()
+
+
+def _entry(value: bytes | None) -> dict | None:
+    """An audit entry as `record` writes it (None: a record that is not one)."""
+    try:
+        entry = orjson.loads(value) if value is not None else None
+    except orjson.JSONDecodeError:
+        return None
+    if not (isinstance(entry, dict) and isinstance(entry.get("at_ms"), int) and isinstance(entry.get("who"), str)
+            and isinstance(entry.get("what"), str) and "before" in entry and "after" in entry):
+        return None
+    return entry

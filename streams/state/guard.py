@@ -27,6 +27,12 @@ log = logging.getLogger("streams.state")
 CHECK_EVERY_S = 5.0
 
 
+def log_epoch(snapshot: dict[str, dict]) -> str | None:
+    """The epoch the operator log records (None: none, or one that is not a string, which no role writes)."""
+    epoch = (snapshot.get("epoch") or {}).get("epoch")
+    return epoch if isinstance(epoch, str) and epoch else None
+
+
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
     """Write the operator state of a log snapshot into Redis; returns the entries written."""
     pipe = client.pipeline(transaction=False)
@@ -34,7 +40,13 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
         if kind == "limits" and value:
-            pipe.hset(keys.limits(name), mapping=value)
+            scalars = {k: v for k, v in value.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+            if len(scalars) < len(value):  # Redis cannot hold the rest; never written by our own commands
+                log.error("operator entry %r: skipping %d limit field(s) that are not numbers or strings", key,
+                          len(value) - len(scalars))
+            if not scalars:
+                continue
+            pipe.hset(keys.limits(name), mapping=scalars)
         elif kind == "apikey":
             pipe.hset(keys.api_keys, name, orjson.dumps(value))
         elif kind == "endpoint" and isinstance(value.get("tenant"), str):
@@ -79,22 +91,22 @@ class StateGuard:
                 present = self.client.get(self.keys.epoch)
             redis_epoch = present.decode() if present else None
         self._verified = True
-        log_epoch = (snapshot.get("epoch") or {}).get("epoch")
-        if redis_epoch is not None and redis_epoch == log_epoch:
+        recorded = log_epoch(snapshot)
+        if redis_epoch is not None and redis_epoch == recorded:
             if self.lost:
                 log.warning("%s: Redis state recovered (epoch %s); resuming", self.role, redis_epoch)
             self.lost = False
-        elif redis_epoch is not None and log_epoch is None:
+        elif redis_epoch is not None and recorded is None:
             self.oplog.put("epoch", {"epoch": redis_epoch})  # an existing Redis, first seen by the log
             self.lost = False
-        elif redis_epoch is None and log_epoch is None:
+        elif redis_epoch is None and recorded is None:
             self._first_epoch()
         else:
             written = restore(self.client, self.keys, snapshot)
             if not self.lost:
                 log.error("%s: Redis has lost its data (epoch %s expected, found %s): restored %d operator "
                           "entries from the operator log; dispatch holds until an operator runs "
-                          "`streams state recover`", self.role, log_epoch, redis_epoch, written)
+                          "`streams state recover`", self.role, recorded, redis_epoch, written)
             self.lost = True
 
     def _first_epoch(self) -> None:

@@ -27,6 +27,7 @@ from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import events_of, unusable
 from ..redis_client import store_errors
+from .guard import log_epoch
 from .log import OperatorLog
 
 
@@ -96,7 +97,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             progress(f"{result.events} outcome events applied")
 
     _read_all(bootstrap, names.outcomes, apply)
-    epoch = (oplog.snapshot().get("epoch") or {}).get("epoch") or uuid.uuid4().hex
+    epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
     oplog.put("epoch", {"epoch": epoch})
     with store_errors("writing the Redis epoch"):
         client.set(keys.epoch, epoch)
@@ -105,7 +106,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
 
 def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
     """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent)."""
-    epoch = (oplog.snapshot().get("epoch") or {}).get("epoch") or uuid.uuid4().hex
+    epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
     oplog.put("epoch", {"epoch": epoch})
     with store_errors("writing the Redis epoch"):
         client.set(keys.epoch, epoch)
