@@ -69,8 +69,9 @@ def unusable(event: dict) -> str | None:
     for name in ("origin", "dlq"):
         where = event.get(name)
         if where is not None and not (isinstance(where, dict) and all(
-                isinstance(v, (str, int)) and not isinstance(v, bool) for v in where.values())):
-            return f"'{name}' is not an object of strings and integers"
+                isinstance(v, int) and not isinstance(v, bool) if k in ("partition", "offset") else isinstance(v, str)
+                for k, v in where.items())):
+            return f"'{name}' is not an object of a topic and integer partition and offset"
     if event.get("attempt") is not None and not isinstance(event["attempt"], dict):
         return "'attempt' is not an object"
     return None

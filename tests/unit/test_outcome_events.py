@@ -21,6 +21,7 @@ def test_events_our_writers_produce_are_usable():
     ({"send_id": ""}, "'send_id'"), ({"tenant_id": None}, "'tenant_id'"), ({"status": 5}, "'status'"),
     ({"provider": ["resend"]}, "'provider'"), ({"completed_at_ms": "x"}, "'completed_at_ms'"),
     ({"attempts": True}, "'attempts'"), ({"origin": {"offset": {}}}, "'origin'"), ({"dlq": [1]}, "'dlq'"),
+    ({"origin": {"topic": "t", "partition": "0", "offset": 5}}, "'origin'"), ({"origin": {"topic": 5}}, "'origin'"),
     ({"providers_tried": "resend"}, "'providers_tried'"), ({"attempt": 3}, "'attempt'"),
     ({"endpoint_id": ["e"]}, "'endpoint_id'"),
 ])
