@@ -72,6 +72,8 @@ def unusable(event: dict) -> str | None:
                 isinstance(v, int) and not isinstance(v, bool) if k in ("partition", "offset") else isinstance(v, str)
                 for k, v in where.items())):
             return f"'{name}' is not an object of a topic and integer partition and offset"
-    if event.get("attempt") is not None and not isinstance(event["attempt"], dict):
-        return "'attempt' is not an object"
+    attempt = event.get("attempt")
+    if attempt is not None and not (isinstance(attempt, dict) and isinstance(attempt.get("n"), int)
+                                    and not isinstance(attempt["n"], bool)):
+        return "'attempt' is not an object with an integer 'n'"
     return None

@@ -150,7 +150,6 @@ class SmsPayload(BaseModel):
     model_config = ConfigDict(extra="allow")
     to: str = Field(pattern=_E164.pattern, description="E.164 number, e.g. +14155550123")
     body: str = Field(min_length=1, max_length=1600)
-    tags: list[Tag] | None = Field(None, max_length=50)
 
 
 class WebhookPayload(BaseModel):

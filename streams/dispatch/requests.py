@@ -31,8 +31,9 @@ from .tenant_queues import Pending, TenantQueues, unique_sends
 log = logging.getLogger("streams.dispatch")
 CLAIM_RACE_ROUNDS = 3  # sends claimed meanwhile by a racing worker drop out of the request
 LIMITS_TTL_S = 10.0
-# What a provider adapter raises on a payload it cannot read (a field missing or of the wrong type).
-BUILD_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
+# What a provider adapter raises on a payload it cannot read (a field missing or of the wrong type); a
+# ValueError is the adapter refusing the request's shape (a batch too big, a batch where it takes one).
+PAYLOAD_ERRORS = (KeyError, TypeError, AttributeError)
 ROUND_MAX = 256  # requests per dispatch round (each round: three Redis round trips for all of them)
 COOL_DOWN_JITTER = 0.2  # workers leave a shared 429 cool-down up to 20% after it ends, not all at once
 
@@ -105,10 +106,11 @@ class Dispatcher:
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
         while ready and len(self.in_flight) < self.concurrency and time.monotonic() >= self.queues.global_ready_at:
-            draws = self._draw(ready)
-            if not draws:
-                break
+            draws: list[Draw] = []
             try:
+                self._draw(ready, draws)  # reads a tenant's limits from Redis once they are 10 s old
+                if not draws:
+                    break
                 self._run_round(draws)
             except StoreUnavailable as exc:
                 for draw in reversed(draws):  # back to the front, in the order they were taken
@@ -123,12 +125,12 @@ class Dispatcher:
             ready = [k for k in ready if self.per_queue is not None and self._room(k)]
         self.outage.recovered(time.monotonic())
 
-    def _draw(self, ready: list[str]) -> list[Draw]:
+    def _draw(self, ready: list[str], draws: list[Draw]) -> None:
         """Requests from the ready queues, one per queue per pass (so tenants take turns), in as many
         passes as the worker's free concurrency allows: a lone tenant's blast fills every free slot in
         one round (three Redis round trips for all of them) as far as its bucket's burst can admit
-        them, and each provider's pacing holds."""
-        draws: list[Draw] = []
+        them, and each provider's pacing holds. Appends to `draws` as it goes: what it drew before a
+        Redis error goes back to its queue."""
         drawn: Counter[str] = Counter()
         by_route: Counter[str] = Counter()
         by_bucket: Counter[tuple[str, str]] = Counter()  # messages drawn per (provider, tenant) bucket
@@ -167,7 +169,6 @@ class Dispatcher:
                 added = True
             if not added:
                 break  # passes repeat while any queue still gave a request: one per queue per pass (fair)
-        return draws
 
     def _hold_misconfigured(self, key: str, exc: Exception) -> None:
         log.error("%s; holding tenant %s", exc, self.queues.head_tenant(key))
@@ -265,12 +266,28 @@ class Dispatcher:
             return
         built: list[Draw] = []
         claims: list[Claim] = []
+        held: list[tuple[Draw, str]] = []
         for d in draws:
             try:
                 claims.append(self._claim_of(d.route, d.tenant, d.items))
                 built.append(d)
-            except BUILD_ERRORS:
-                self._set_aside_unbuildable(d)
+                continue
+            except PAYLOAD_ERRORS:
+                d.items = self._set_aside_unreadable(d)  # the rest, already admitted, goes in this round
+            except ValueError as exc:  # the adapter refuses the request's shape: configuration, not payload
+                held.append((d, str(exc)))
+                continue
+            if not d.items:
+                continue
+            try:
+                claims.append(self._claim_of(d.route, d.tenant, d.items))
+                built.append(d)
+            except (*PAYLOAD_ERRORS, ValueError) as exc:
+                held.append((d, f"{type(exc).__name__}: {exc}"))
+        for d, why in reversed(held):  # back to the front, in the order they were taken
+            log.error("the %s adapter cannot build a request for tenant %s (%s); holding the queue", d.route.name,
+                      d.tenant, why)
+            self._requeue(d.key, d.items, hold_until=time.monotonic() + 5.0)
         draws = built
         if not draws:
             return
@@ -298,24 +315,28 @@ class Dispatcher:
         provider = "" if route is self.routes.primary else route.name
         return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider)
 
-    def _set_aside_unbuildable(self, draw: Draw) -> None:
-        """A request the provider adapter could not build (a payload it cannot read: a producer that
-        wrote to the lane topic directly, past ingest's validation). Each message is tried alone:
-        those that cannot be built are dead-lettered (`malformed`, with the error), the others go
-        back to the front of their queue, to go out in the next round without them."""
+    def _set_aside_unreadable(self, draw: Draw) -> list[Pending]:
+        """The adapter could not read a payload of this request (a field missing or of the wrong type:
+        a producer wrote to the lane topic directly, past ingest's validation). Each message is tried
+        alone: those it cannot read are dead-lettered (`malformed`, naming the error), and the others
+        are returned, to be sent without them."""
         batch = self.lane in draw.route.spec.batch_lanes
         fine: list[Pending] = []
         for p in draw.items:
             try:
                 draw.route.adapter.build([Outbound(p.send.send_id, draw.tenant, p.send.lane, p.send.payload)], batch)
-            except BUILD_ERRORS as exc:
+            except PAYLOAD_ERRORS as exc:
                 self._open.pop(id(p), None)
-                self.on_unbuildable(p, f"the {draw.route.name} request cannot be built from this payload: "
-                                       f"{type(exc).__name__} {str(exc)[:200]}")
+                # The error's type and, for a missing field, its name: never its text (it may quote the payload).
+                what = type(exc).__name__
+                if isinstance(exc, KeyError) and exc.args:
+                    what = f"missing field {exc.args[0]!r}"
+                self.on_unbuildable(p, f"the {draw.route.name} request cannot be built from this payload: {what}")
                 continue
+            except ValueError:
+                pass  # the request's shape, not this payload: the caller holds the queue
             fine.append(p)
-        if fine:
-            self._requeue(draw.key, fine)
+        return fine
 
     def _cap(self, key: str) -> int:
         return self.queue_caps.get(key, self.per_queue or 1)

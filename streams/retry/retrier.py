@@ -32,7 +32,6 @@ from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_produ
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
-from .policy import JITTER
 
 log = logging.getLogger("streams.retrier")
 MAX_POLL_WAIT_S = 0.5
@@ -73,21 +72,23 @@ class Held:
         return len(self.value or b"") + sum(len(k) + len(v or b"") for k, v in self.headers.items())
 
 
-# No retry copy is due later than the longest tier (jittered) from now; an hour of slack for clocks.
-LATEST_DUE_MS = int((max(RETRY_TIERS.values()) * (1 + JITTER) + 3600) * 1000)
+# Nothing is due later than the lanes keep payloads (7 days): a retry is due within its tier (at most
+# 12 h), a parked message when its tenant's turn comes (spills of a slow tenant may wait days).
+LATEST_DUE_MS = 7 * 24 * 3600 * 1000
 
 
 def due_time(headers: dict[str, bytes], where: str, now_ms: float) -> int:
     """The due time of a retry copy; a copy without one is due now (the worker decided to retry:
-    retry now rather than drop). One due further ahead than any tier (not written by a worker) is
-    held for the longest tier, not for ever: it would pin its partition's committed offset."""
+    retry now rather than drop). One due later than the lanes keep payloads (not written by a worker)
+    is held for the longest tier, not for ever: it would pin its partition's committed offset."""
     try:
         due = int(headers["due_at_ms"])
     except (KeyError, ValueError):
         log.warning("retry message %s has no usable due_at_ms; re-publishing now", where)
         return 0
     if due > now_ms + LATEST_DUE_MS:
-        log.warning("retry message %s is due further ahead than any retry tier; holding it for the longest", where)
+        log.warning("retry message %s is due later than the lanes keep payloads; holding it for the longest tier",
+                    where)
         return int(now_ms + max(RETRY_TIERS.values()) * 1000)
     return due
 
@@ -147,8 +148,12 @@ class Retrier:
                 self.consume_outage.failed(time.monotonic(), msg.error())
             return
         self.consume_outage.recovered(time.monotonic())
-        headers = {k: v or b"" for k, v in (msg.headers() or [])}
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+        try:
+            headers = {k: v or b"" for k, v in (msg.headers() or [])}
+        except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8: due now
+            log.warning("retry message %s has headers that cannot be read; re-publishing it without them", where)
+            headers = {}
         held = Held(due_time(headers, where, self.clock() * 1000), msg.offset(), msg.topic(), msg.partition(),
                     msg.key(), msg.value(), headers)
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())

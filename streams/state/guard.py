@@ -40,9 +40,9 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
         if kind == "limits" and value:
-            scalars = {k: v for k, v in value.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
-            if len(scalars) < len(value):  # Redis cannot hold the rest; never written by our own commands
-                log.error("operator entry %r: skipping %d limit field(s) that are not numbers or strings", key,
+            scalars = {k: v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+            if len(scalars) < len(value):  # limits are integers (LimitStore reads them so); never written otherwise
+                log.error("operator entry %r: skipping %d limit field(s) that are not integers", key,
                           len(value) - len(scalars))
             if not scalars:
                 continue

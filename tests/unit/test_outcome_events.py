@@ -23,6 +23,7 @@ def test_events_our_writers_produce_are_usable():
     ({"attempts": True}, "'attempts'"), ({"origin": {"offset": {}}}, "'origin'"), ({"dlq": [1]}, "'dlq'"),
     ({"origin": {"topic": "t", "partition": "0", "offset": 5}}, "'origin'"), ({"origin": {"topic": 5}}, "'origin'"),
     ({"providers_tried": "resend"}, "'providers_tried'"), ({"attempt": 3}, "'attempt'"),
+    ({"attempt": {"n": "1"}}, "'attempt'"),
     ({"endpoint_id": ["e"]}, "'endpoint_id'"),
 ])
 def test_an_event_with_a_field_of_the_wrong_type_is_unusable_and_the_field_named(fields, named):

@@ -149,10 +149,11 @@ def test_routing_to_an_unknown_policy_is_refused():
         parse_routing(text, "policies.toml", parse_policies(text, "policies.toml"))
 
 
-def test_a_retry_copy_due_further_ahead_than_any_tier_is_held_for_the_longest_not_for_ever():
-    """A due time the retrier cannot use means now; one beyond every tier (not written by a worker, e.g.
-    10^16 ms or a 400-digit number) is held for the longest tier (12 h), so its partition's committed offset
-    is not pinned for ever and no float conversion overflows."""
+def test_a_retry_copy_due_later_than_the_lanes_keep_payloads_is_held_for_the_longest_tier_not_for_ever():
+    """A due time the retrier cannot use means now; one later than the lanes keep payloads (7 days: not
+    written by a worker, e.g. 10^16 ms or a 400-digit number) is held for the longest tier (12 h), so its
+    partition's committed offset is not pinned for ever and no float conversion overflows. A slow
+    tenant's parked message due in 3 days keeps its due time."""
     from streams.retry.retrier import due_time
 
     now_ms = 1_800_000_000_000.0
@@ -160,5 +161,5 @@ def test_a_retry_copy_due_further_ahead_than_any_tier_is_held_for_the_longest_no
     assert due_time({}, "t[0]@1", now_ms) == 0 and due_time({"due_at_ms": b"2x"}, "t[0]@1", now_ms) == 0
     for far in (b"10000000000000000", b"9" * 400):
         assert due_time({"due_at_ms": far}, "t[0]@1", now_ms) == now_ms + 12 * 3600 * 1000
-    longest_jittered = now_ms + 12 * 3600 * 1000 * 1.2
-    assert due_time({"due_at_ms": str(int(longest_jittered)).encode()}, "t[0]@1", now_ms) == int(longest_jittered)
+    in_three_days = int(now_ms + 3 * 24 * 3600 * 1000)
+    assert due_time({"due_at_ms": str(in_three_days).encode()}, "t[0]@1", now_ms) == in_three_days

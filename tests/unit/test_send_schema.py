@@ -82,12 +82,6 @@ def test_tags_follow_the_providers_rules(tags, message):
     assert validate_request(email_request(tags=[{"name": "campaign", "value": "spring_sale-2"}]))
 
 
-def test_sms_tags_follow_the_same_rules_as_email_tags():
-    with pytest.raises(SendValidationError, match="valid list"):
-        validate_request({**sms_request(), "payload": {**sms_request()["payload"], "tags": 5}})
-    assert validate_request({**sms_request(), "payload": {**sms_request()["payload"], "tags": None}})
-
-
 def test_an_invalid_address_is_not_repeated_in_the_error():
     """Errors reach logs and DLQ headers: they say which field, never the personal data itself."""
     with pytest.raises(SendValidationError) as err:

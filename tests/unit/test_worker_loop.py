@@ -478,7 +478,7 @@ def test_a_payload_the_adapter_cannot_build_is_dead_lettered_and_its_batch_goes_
     assert len(provider.sent) == 1 and sorted(provider.sent[0].decode().split("|")) == sorted(good)
     (value, headers), = producer.records[NAMES.dlq]
     assert value == encode(sends[2]) and headers["reason"] == b"malformed"
-    assert b"cannot be built" in headers["detail"] and b"KeyError" in headers["detail"]
+    assert headers["detail"] == b"the resend request cannot be built from this payload: missing field 'endpoint_id'"
     assert consumer.stored[(TOPIC, 0)] == 6
 
 
@@ -494,3 +494,62 @@ def test_an_event_of_an_unforeseen_shape_is_dead_lettered_not_a_crash(headers, d
     (_, dlq_headers), = producer.records[NAMES.dlq]
     assert dlq_headers["reason"] == b"malformed" and detail in dlq_headers["detail"].decode()
     assert provider.sent == [] and consumer.stored[(TOPIC, 0)] == 1
+
+
+class LimitsDownGate(FakeGate):
+    """A gate whose tenant limits cannot be read (Redis down) for the first `failures` reads."""
+
+    def __init__(self, failures: int):
+        super().__init__()
+        self.failures = failures
+
+    def tenant_limit(self, provider, tenant):
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreUnavailable("Redis unavailable (test)")
+        return super().tenant_limit(provider, tenant)
+
+
+def test_redis_failing_while_a_round_is_drawn_holds_the_messages_and_resumes():
+    """The tenant's limits are read (from Redis, once they are 10 s old) while a round is drawn: when that
+    read fails, what was drawn goes back to its queue and the worker holds with backoff, instead of the
+    error leaving the worker's loop; once Redis answers, every send goes out once."""
+    sends, msgs = _messages(["acme", "globex", "acme"])
+    worker, consumer, producer, provider = _worker(msgs, gate=LimitsDownGate(failures=2))
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
+    worker.step()
+    assert worker.redis_outage.active and worker.queues.buffered + len(worker.dispatcher.in_flight) >= 1
+    _run(worker)
+    assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
+    assert consumer.stored[(TOPIC, 0)] == 3
+
+
+class SingleOnlyProvider(FakeProvider):
+    """An adapter configured for batches it cannot make (the way the SMS adapters refuse one)."""
+
+    refuse = True
+
+    def build(self, messages, batch):
+        if self.refuse and len(messages) > 1:
+            raise ValueError("the SMS gateway takes one message per request")
+        return super().build(messages, batch)
+
+
+def test_an_adapter_refusing_the_requests_shape_holds_the_queue_and_dead_letters_nothing(caplog):
+    """A provider whose adapter refuses batches but is configured to batch (a configuration error, not bad
+    payloads): the sends are held and the error is logged; none is dead-lettered, none is lost, and they go
+    out once the configuration is fixed."""
+    sends = [build_send(validate_request({**email_request(), "category": "marketing"}), "blast") for _ in range(4)]
+    provider = SingleOnlyProvider(DELIVERED)
+    worker, consumer, producer, _ = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)],
+                                            lane="marketing", provider=provider)
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            worker.step()
+    assert provider.sent == [] and not producer.records.get(NAMES.dlq)
+    assert worker.queues.buffered == 4 and "holding the queue" in caplog.text
+    provider.refuse = False
+    for q in worker.queues.queues.values():
+        q.ready_at = 0.0  # the hold (5 s) is over
+    _run(worker)
+    assert sum(body.count(b"|") + 1 for body in provider.sent) == 4 and consumer.stored[(TOPIC, 0)] == 4
