@@ -268,22 +268,10 @@ class Dispatcher:
         claims: list[Claim] = []
         held: list[tuple[Draw, str]] = []
         for d in draws:
-            try:
-                claims.append(self._claim_of(d.route, d.tenant, d.items))
+            claim = self._buildable_claim(d, held)
+            if claim is not None:
+                claims.append(claim)
                 built.append(d)
-                continue
-            except PAYLOAD_ERRORS:
-                d.items = self._set_aside_unreadable(d)  # the rest, already admitted, goes in this round
-            except ValueError as exc:  # the adapter refuses the request's shape: configuration, not payload
-                held.append((d, str(exc)))
-                continue
-            if not d.items:
-                continue
-            try:
-                claims.append(self._claim_of(d.route, d.tenant, d.items))
-                built.append(d)
-            except (*PAYLOAD_ERRORS, ValueError) as exc:
-                held.append((d, f"{type(exc).__name__}: {exc}"))
         for d, why in reversed(held):  # back to the front, in the order they were taken
             log.error("the %s adapter cannot build a request for tenant %s (%s); holding the queue", d.route.name,
                       d.tenant, why)
@@ -314,6 +302,25 @@ class Dispatcher:
                                           for p in items], batch=self.lane in route.spec.batch_lanes)
         provider = "" if route is self.routes.primary else route.name
         return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider)
+
+    def _buildable_claim(self, d: Draw, held: list[tuple[Draw, str]]) -> Claim | None:
+        """The claim of this draw's request; None when there is nothing to send now. A send whose payload
+        the adapter cannot read is dead-lettered and the request built without it (the rest is already
+        admitted); a request whose shape the adapter refuses (a configuration error) goes to `held`."""
+        try:
+            return self._claim_of(d.route, d.tenant, d.items)
+        except PAYLOAD_ERRORS:
+            d.items = self._set_aside_unreadable(d)
+        except ValueError as exc:
+            held.append((d, str(exc)))
+            return None
+        if not d.items:
+            return None
+        try:
+            return self._claim_of(d.route, d.tenant, d.items)
+        except (*PAYLOAD_ERRORS, ValueError) as exc:
+            held.append((d, f"{type(exc).__name__}: {exc}"))
+            return None
 
     def _set_aside_unreadable(self, draw: Draw) -> list[Pending]:
         """The adapter could not read a payload of this request (a field missing or of the wrong type:

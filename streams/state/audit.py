@@ -7,7 +7,6 @@ before the change is answered; read with `streams audit`. Secrets never appear i
 from __future__ import annotations
 
 import getpass
-import logging
 import socket
 import time
 import uuid
@@ -16,11 +15,10 @@ from collections.abc import Iterator
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from .. import metrics
 from ..kafka_client import client_config, durable_producer, put_acked
+from .log import skip_unreadable
 
 TIMEOUT_S = 10.0
-log = logging.getLogger("streams.audit")
 
 
 def cli_actor() -> str:
@@ -55,8 +53,7 @@ class AuditLog:
                     position = m.offset() + 1
                     entry = _entry(m.value())
                     if entry is None:  # kept for a year: one bad record must not hide the rest
-                        metrics.STATE_RECORDS_UNREADABLE.labels(self.topic).inc()
-                        log.error("skipping an unreadable audit record of %s at offset %d", self.topic, m.offset())
+                        skip_unreadable(self.topic, m.offset(), m.key() or b"")
                     elif entry["at_ms"] >= since_ms:
                         yield entry
         finally:

@@ -21,6 +21,14 @@ TIMEOUT_S = 10.0
 log = logging.getLogger("streams.operator_log")
 
 
+def skip_unreadable(topic: str, offset: int, key: bytes | str, why: str = "") -> None:
+    """A state record a reader skips (its key keeps what it held): counted, and logged by topic, offset
+    and key, never by value (endpoint records hold signing secrets)."""
+    metrics.STATE_RECORDS_UNREADABLE.labels(topic).inc()
+    log.error("skipping an unreadable record of %s at offset %d (key %r)%s", topic, offset, key[:80],
+              f": {why}" if why else "")
+
+
 class OperatorLog:
     def __init__(self, bootstrap: str, topic: str):
         self.bootstrap = bootstrap
@@ -66,9 +74,7 @@ class OperatorLog:
                     except orjson.JSONDecodeError:
                         value = None
                     if not isinstance(value, dict):  # every entry is an object: skipped, its key as it was
-                        metrics.STATE_RECORDS_UNREADABLE.labels(self.topic).inc()
-                        log.error("skipping an unreadable record of %s at offset %d (key %r)", self.topic,
-                                  m.offset(), key[:80])
+                        skip_unreadable(self.topic, m.offset(), key)
                         continue
                     state[key] = value
             return state

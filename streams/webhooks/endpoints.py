@@ -20,12 +20,11 @@ import orjson
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from .. import metrics
 from ..errors import ConfigError, StackError
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import store_errors
-from ..state.log import OperatorLog
+from ..state.log import OperatorLog, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
 
 __all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
@@ -201,12 +200,9 @@ class EndpointDirectory:
             try:
                 self._apply(m.topic(), (m.key() or b"").decode(), m.value(), endpoints, health, members)
             except (ValueError, TypeError, KeyError, AttributeError) as exc:  # orjson's errors are ValueErrors
-                # Skipped, the key keeping what it held: one bad record must not cost the rest of the
-                # batch, nor stop every follower (workers poll on their own thread). The value is not
-                # logged: an endpoint's record holds its signing secrets.
-                metrics.STATE_RECORDS_UNREADABLE.labels(m.topic()).inc()
-                log.error("skipping an unreadable record of %s at offset %d (key %r): %s", m.topic(), m.offset(),
-                          (m.key() or b"")[:80], type(exc).__name__)
+                # One bad record must not cost the rest of the batch, nor stop every follower (workers
+                # poll on their own thread).
+                skip_unreadable(m.topic(), m.offset(), m.key() or b"", type(exc).__name__)
         self.endpoints, self.health, self.members = endpoints, health, members
         self._mark_applied()
         if not self.caught_up:
