@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from .webhooks.ssrf import UrlPolicy
 
 
+MARKETING_CONCURRENCY = 8     # batch requests in flight per marketing worker
+WEBHOOK_CONCURRENCY = 1024    # deliveries in flight per webhook worker
+
+
 class Runtime:
     def __init__(self, config: Config):
         self.config = config
@@ -168,11 +172,24 @@ class Runtime:
             return ProviderCredentials({"*": "token"})  # one account: the adapter holds the token
         return ProviderCredentials(self.config.providers[spec.name].api_keys)
 
-    def worker(self, channel: str, lane: str, concurrency: int = 8, consumer_overrides: dict | None = None,
+    def default_concurrency(self, channel: str, lane: str) -> int:
+        """Requests in flight per worker unless set: webhooks WEBHOOK_CONCURRENCY (receivers are slow
+        and each endpoint gets its own share); the transactional lane as many as its first provider
+        takes from one worker (providers.toml `concurrency`): its requests are single sends, and a
+        provider slowed by a blast must not queue the next OTP behind a few slow answers;
+        marketing MARKETING_CONCURRENCY batch requests (the gate, not the slots, sets its pace)."""
+        if channel == "webhook":
+            return WEBHOOK_CONCURRENCY
+        if lane == "transactional":
+            return self.config.registry.primary(channel).concurrency
+        return MARKETING_CONCURRENCY
+
+    def worker(self, channel: str, lane: str, concurrency: int | None = None, consumer_overrides: dict | None = None,
                queue_key: Callable[[Send], str] | None = None, yielding: bool = True,
                backlog: bool = True) -> LaneWorker:
-        """A lane worker. `queue_key`, `yielding=False` and `backlog=False` exist for the benchmarks'
-        naive baseline."""
+        """A lane worker, with `concurrency` provider requests in flight at most (default:
+        `default_concurrency`). `queue_key`, `yielding=False` and `backlog=False` exist for the
+        benchmarks' naive baseline."""
         from .dispatch.backlog import BacklogShare
         from .dispatch.idempotency import ProcessedJobs
         from .dispatch.tenant_queues import by_endpoint, by_tenant
@@ -183,6 +200,7 @@ class Runtime:
         if channel not in CHANNELS or lane not in LANES:
             raise ConfigError(f"unknown lane {channel}.{lane} (channels: {CHANNELS}, lanes: {LANES})")
         c = self.config
+        concurrency = concurrency or self.default_concurrency(channel, lane)
         cfg = WorkerConfig(channel, lane, c.bootstrap, c.registry.primary(channel), c.names, concurrency=concurrency,
                            yield_policy=c.yield_policy if lane == "marketing" and yielding else None)
         consumer = lane_consumer(c.bootstrap, cfg.group, c.commit_interval_ms, **(consumer_overrides or {}))

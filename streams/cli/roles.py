@@ -128,14 +128,14 @@ def worker(sub) -> None:
     p.add_argument("--channel", required=True, choices=CHANNELS)
     p.add_argument("--lane", required=True, choices=LANES)
     p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight (default: 8; 1024 for webhooks, whose receivers are slow)")
+                   help="provider requests in flight (default: transactional, the provider's `concurrency` "
+                        "in providers.toml; marketing 8; webhooks 1024, whose receivers are slow)")
     _metrics_port(p)
 
     def run(args: argparse.Namespace) -> int:
         rt = Runtime(args.config)
         yield_cpu_if_marketing(rt, args.lane)
-        concurrency = args.concurrency or (1024 if args.channel == "webhook" else 8)
-        w = rt.worker(args.channel, args.lane, concurrency=concurrency)
+        w = rt.worker(args.channel, args.lane, concurrency=args.concurrency)
         return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
                         rt.config)
 

@@ -138,3 +138,28 @@ def test_marketing_roles_give_up_cpu_priority_and_transactional_ones_keep_it(cha
         ("worker", "transactional"): 0, ("retrier", "transactional"): 0,
         ("worker", "marketing"): 10, ("retrier", "marketing"): 10}
     assert os.getpriority(os.PRIO_PROCESS, unniced.pid) == 0
+
+
+def test_otps_are_not_queued_behind_a_few_slow_provider_answers(channel_topics, limits, processes, send_client,
+                                                              mock_provider):
+    """Given a transactional email worker started with the default settings and a provider that accepts requests but
+    holds every answer (slowed down, as under a blast),
+    When 20 OTPs arrive at once,
+    Then all 20 requests are at the provider together (the lane keeps as many single sends in flight as providers.toml
+    allows one worker, 32 for Resend, not 8), and once the answers come each OTP is delivered exactly once."""
+    channel_topics("email")
+    mock_provider.reset(rate=1000)
+    limits.set_provider("resend", 1000, 1000)
+    limits.set_tenant("resend", "*", 1000, 1000)
+    mock_provider.configure(hold_answers=True)
+    processes.worker("email", "transactional", env={"PROVIDER_TIMEOUT_S": "60"})  # no answer is given up meanwhile
+    ids = send_client.publish_batch("shop", [email_request("transactional")] * 20)
+
+    try:
+        wait_until(lambda: mock_provider.stats()["held"] == 20, 15, "all 20 OTP requests at the provider together")
+    finally:
+        mock_provider.configure(hold_answers=False)
+    wait_until(lambda: mock_provider.stats()["distinct_sends"] == 20, 30, "every OTP to be delivered")
+    stats = mock_provider.stats(deliveries=True)
+    assert set(stats["deliveries"]) == set(ids)
+    assert stats["duplicate_deliveries"] == 0
