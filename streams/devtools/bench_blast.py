@@ -137,7 +137,7 @@ def run(duration_s: float = 30.0, provider_rps: int = 20, otp_rps: float | None 
                     "provider_latency_ms": latency_ms, "provider_429_seconds": storm_s, "blast_size": blast_n}
 
     # ---------------------------------------------------------------- dual lane (the design)
-    with Fleet(f"bench{stamp}.", log_dir / "dual-lane", supervise=True, forget_keys=True) as fleet:
+    with Fleet(f"bench{stamp}.", log_dir / "dual-lane", supervise=True, forget=True) as fleet:
         progress("starting the stack: topics, mock provider, workers, retriers, lag monitor")
         metrics_port = free_port()
         start_dispatch(fleet, provider_rps, latency_ms, with_api=False, marketing_metrics_port=metrics_port)
@@ -206,7 +206,7 @@ def run(duration_s: float = 30.0, provider_rps: int = 20, otp_rps: float | None 
 
     # ---------------------------------------------------------------- single FIFO lane (naive)
     if baseline:
-        with Fleet(f"bench{stamp}b.", log_dir / "single-lane", supervise=True, forget_keys=True) as fleet:
+        with Fleet(f"bench{stamp}b.", log_dir / "single-lane", supervise=True, forget=True) as fleet:
             progress("baseline: one shared FIFO lane, no yielding")
             start_dispatch(fleet, provider_rps, latency_ms, baseline=True, with_api=False)
             mock = httpx.Client(base_url=fleet.mock_url, timeout=30)

@@ -117,7 +117,7 @@ async def _measure(base: str, singles_key: str, blaster_key: str, n: int, per_s:
 def run(n: int = 2000, per_s: float = 50.0, batch_size: int = 500, blasters: int = 4, progress=print) -> dict:
     stamp = uuid.uuid4().hex[:6]
     log_dir = StackConfig.from_env().home / "bench" / f"ingest-{stamp}"
-    with Fleet(f"ingest{stamp}.", log_dir, base_env={**os.environ, "LOG_LEVEL": "ERROR"}, forget_keys=True) as fleet:
+    with Fleet(f"ingest{stamp}.", log_dir, base_env={**os.environ, "LOG_LEVEL": "ERROR"}, forget=True) as fleet:
         fleet.create_topics(("email",))
         port = free_port()
         fleet.start("api", "api", "--port", str(port))

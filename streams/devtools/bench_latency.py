@@ -103,7 +103,7 @@ def run(n: int = 1000, rate: float = 40.0, provider_rps: int = 100, latency_ms: 
     home = StackConfig.from_env().home
     stage_log = Path(tempfile.mkdtemp(prefix="stages-")) / "stages.jsonl"
     env = {**os.environ, "LOG_LEVEL": "ERROR", "DUAL_RAIL_STAGE_LOG": str(stage_log)}
-    with Fleet(f"lat{stamp}.", home / "bench" / f"latency-{stamp}", base_env=env, forget_keys=True) as fleet:
+    with Fleet(f"lat{stamp}.", home / "bench" / f"latency-{stamp}", base_env=env, forget=True) as fleet:
         progress(f"starting: mock provider ({provider_rps} req/s, {latency_ms:g} ms), both lanes, lag monitor")
         fleet.outside_world_nice = OUTSIDE_WORLD_NICE
         start_dispatch(fleet, provider_rps, latency_ms, with_api=False)

@@ -25,7 +25,7 @@ from .fleet import Fleet
 def _one(workers: int, n: int, home: Path, progress) -> dict:
     stamp = uuid.uuid4().hex[:6]
     env = {**os.environ, "LOG_LEVEL": "ERROR"}
-    with Fleet(f"scale{stamp}.", home / "bench" / f"scale-{stamp}-{workers}", base_env=env, forget_keys=True) as fleet:
+    with Fleet(f"scale{stamp}.", home / "bench" / f"scale-{stamp}-{workers}", base_env=env, forget=True) as fleet:
         fleet.create_topics()
         url = fleet.start_mock(1_000_000, 0.0)
         rt = fleet.runtime

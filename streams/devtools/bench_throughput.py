@@ -104,9 +104,9 @@ def _consume(bootstrap: str, topic: str, n: int, handle) -> float:
 
 
 def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, progress=lambda m: None,
-        profile: bool = False, concurrency: int = 8) -> dict:
+        profile: bool = False, concurrency: int = 8, tenant_burst: int = 100) -> dict:
     stamp = int(time.time())
-    with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}"), forget_keys=True) as fleet:
+    with Fleet(f"tput{stamp}.", log_dir or Path(f"/tmp/dual-rail-tput-{stamp}"), forget=True) as fleet:
         fleet.create_topics()
         url = fleet.start_mock(rate=1_000_000, latency_ms=0)
         mock_pid = fleet.members[-1].proc.pid
@@ -114,7 +114,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         redis_client = rt.redis()
         limits = LimitStore(redis_client, fleet.namespace)
         limits.set_provider("resend", 1_000_000, 1_000_000)
-        limits.set_tenant("resend", "*", 1_000_000, 100)
+        limits.set_tenant("resend", "*", 1_000_000, tenant_burst)
         topic = rt.names.lane("email", "marketing")
         client = rt.send_client()
         progress(f"publishing {n} marketing emails")
@@ -178,7 +178,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
     worker_rate, naive_rate, ceiling_rate = n / worker_s, naive_n / naive_s, n / ceiling_s
     machine_cpu_s = busy_after - busy_before
     return {
-        "messages": n, "naive_messages": naive_n, "worker_concurrency": concurrency,
+        "messages": n, "naive_messages": naive_n, "worker_concurrency": concurrency, "tenant_burst": tenant_burst,
         "worker_msgs_per_s": round(worker_rate, 1),
         "naive_msgs_per_s": round(naive_rate, 1),
         "consume_ceiling_msgs_per_s": round(ceiling_rate, 1),

@@ -102,7 +102,7 @@ def _run_once(stamp: int, label: str, log_dir: Path, burst: int, failing: int, l
               paced_s: float, progress) -> dict:
     env = {"WEBHOOK_REQUIRE_HTTPS": "0", "WEBHOOK_ALLOW_HOSTS": "127.0.0.1", "LOG_LEVEL": "ERROR"}
     with Fleet(f"hooks{stamp}{label}.", log_dir / label, base_env={**os.environ, **env}, supervise=True,
-               forget_keys=True) as fleet:
+               forget=True) as fleet:
         fleet.create_topics(("webhook",))
         receiver = Receiver(fleet, latency_ms)
         rt = fleet.runtime
@@ -148,7 +148,7 @@ def _run_once(stamp: int, label: str, log_dir: Path, burst: int, failing: int, l
 
 def _naive(stamp: int, log_dir: Path, n: int, latency_ms: float) -> float:
     """One request at a time, signed, to healthy endpoints: what a simple loop reaches."""
-    with Fleet(f"hooks{stamp}naive.", log_dir / "naive", forget_keys=True) as fleet:
+    with Fleet(f"hooks{stamp}naive.", log_dir / "naive", forget=True) as fleet:
         receiver = Receiver(fleet, latency_ms)
         body = delivery_body({"event_id": "e", "event_type": "bench.tick", "occurredAt": "2026-11-30T12:00:00Z",
                               "data": {"n": 1}})

@@ -43,13 +43,16 @@ class TopicAdmin:
         self.admin = AdminClient(client_config(bootstrap, quiet=True))
         self.reassign_timeout_s = reassign_timeout_s
 
-    def state(self, names: list[str]) -> dict[str, TopicState]:
-        """Partitions and topic-level overrides of those of `names` that exist."""
+    def _metadata(self):
         try:
-            md = self.admin.list_topics(timeout=10.0)
+            return self.admin.list_topics(timeout=10.0)
         except KafkaException as exc:
             raise StackError(f"cannot reach Kafka at {self.bootstrap} ({exc.args[0].str()}); "
                              "is the stack up? (`streams dev up`)") from None
+
+    def state(self, names: list[str]) -> dict[str, TopicState]:
+        """Partitions and topic-level overrides of those of `names` that exist."""
+        md = self._metadata()
         present = [n for n in names if n in md.topics and md.topics[n].error is None]
         if not present:
             return {}
@@ -232,6 +235,10 @@ class TopicAdmin:
     def ensure(self, specs: dict[str, TopicSpec]) -> None:
         """Create or reconcile exactly these topics (tests, benchmarks and the demo use a subset)."""
         self.apply(plan(specs, self.state(list(specs))), specs)
+
+    def named(self, prefix: str) -> list[str]:
+        """The cluster's topics whose names start with `prefix` (a namespace)."""
+        return sorted(name for name in self._metadata().topics if name.startswith(prefix))
 
     def delete(self, names: list[str]) -> None:
         """Delete topics (tests clean up their own namespaces with this)."""

@@ -1,7 +1,11 @@
 """A supervised fleet (`streams fleet up`, the demo, the benchmarks) restarts a role that exits, with
-backoff, and says so, as a process supervisor would in a deployment."""
+backoff, and says so, as a process supervisor would in a deployment; a benchmark's fleet leaves
+nothing behind."""
+
+import pytest
 
 from streams.devtools.fleet import Fleet
+from streams.topology.admin import TopicAdmin
 from tests.harness import wait_until
 
 
@@ -25,3 +29,30 @@ def test_an_unsupervised_fleet_leaves_a_dead_role_alone(tmp_path):
         proc = fleet.start("short-lived", "dev", "status")
         proc.wait(30)
         assert fleet.members[0].restarts == 0 and fleet.members[0].proc is proc
+
+
+def test_a_benchmark_fleet_leaves_no_topics_or_redis_keys_behind(stack, redis_client, namespace, tmp_path):
+    """Given a fleet started as the benchmarks start theirs (`forget=True`), with its topics created and keys written,
+    When it exits,
+    Then none of its namespace's topics or Redis keys are left (a broker or a Redis grown by earlier runs would
+    stretch the next benchmark's tail), and nothing of another namespace is touched."""
+    admin = TopicAdmin(stack.bootstrap)
+    neighbour = f"{namespace[:-1]}-other."  # a namespace ends with its dot: this one is not inside it
+    with Fleet(neighbour, tmp_path / "other") as other:
+        other.create_topics()
+    redis_client.set(f"{neighbour}some-key", "1")
+    with Fleet(namespace, tmp_path / "logs", forget=True) as fleet:
+        fleet.create_topics()
+        redis_client.set(f"{namespace}some-key", "1")
+        assert len(admin.named(namespace)) == len(admin.named(neighbour)) > 0
+    assert list(redis_client.scan_iter(match=f"{namespace}*")) == []
+    wait_until(lambda: admin.named(namespace) == [], 30, "the deleted topics to leave the cluster's metadata")
+    assert len(admin.named(neighbour)) > 0 and redis_client.get(f"{neighbour}some-key") == b"1"
+    admin.delete(admin.named(neighbour))
+    redis_client.delete(f"{neighbour}some-key")
+
+
+def test_a_fleet_without_a_namespace_refuses_to_forget(tmp_path):
+    """Forgetting deletes everything under the namespace: without one it would be the whole stack."""
+    with pytest.raises(ValueError, match="namespace"):
+        Fleet("", tmp_path / "logs", forget=True)
