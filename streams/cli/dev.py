@@ -190,6 +190,8 @@ def bench(sub) -> None:
     p.add_argument("--naive-messages", type=int, default=2_000, help="throughput: messages for the naive loop")
     p.add_argument("--profile", action="store_true", help="throughput: cProfile the worker (top entries by own time)")
     p.add_argument("--concurrency", type=int, default=8, help="throughput: the worker's requests in flight")
+    p.add_argument("--tenant-burst", type=int, default=100,
+                   help="throughput: the tenant bucket's burst (100: one batch request per dispatch round)")
 
     def run(args: argparse.Namespace) -> int:
         import orjson
@@ -224,7 +226,8 @@ def bench(sub) -> None:
             from ..devtools.bench_throughput import run as throughput
 
             result = throughput(n=args.messages, naive_n=args.naive_messages, progress=progress,
-                                profile=args.profile, concurrency=args.concurrency)
+                                profile=args.profile, concurrency=args.concurrency,
+                                tenant_burst=args.tenant_burst)
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return 0
 

@@ -121,8 +121,16 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.stop()
         if self.forget:
-            self.delete_keys()
-            self.delete_topics()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Best effort: a stack that went away must not hide the run's result (or its own error)."""
+        for what, delete in (("Redis keys", self.delete_keys), ("topics", self.delete_topics)):
+            try:
+                delete()
+            except Exception as exc:  # noqa: BLE001 - reported, and the stack can be wiped by hand
+                print(f"fleet: could not delete the {what} of namespace {self.namespace!r} ({type(exc).__name__}: "
+                      f"{exc}); `streams dev down --wipe` clears a local stack", file=sys.stderr, flush=True)
 
     def delete_keys(self) -> int:
         """Delete every Redis key of this fleet's namespace; returns how many."""
