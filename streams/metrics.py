@@ -20,7 +20,8 @@ PROVIDER_AUTH_FAILURES = Counter("dispatch_provider_auth_failures_total", "Reque
 REBALANCES = Counter("dispatch_worker_rebalances_total", "Partitions a worker was assigned, had revoked or lost in "
                      "rebalances (cooperative: only the moving partitions)", ["channel", "lane", "kind"])
 PACING = Gauge("dispatch_provider_pacing", "A provider's pacing as this worker applies it: concurrency (requests "
-               "in flight) and pause_ms (between waves)", ["provider", "setting"])
+               "in flight: the operator's pacing or providers.toml's, at most the worker's own --concurrency) and "
+               "pause_ms (between waves)", ["provider", "setting"])
 FALLBACKS = Counter("dispatch_provider_fallbacks_total", "Sends handed to the channel's next provider, by the "
                     "provider that rejected them and why", ["channel", "from_provider", "to_provider", "reason"])
 PROVIDER_429 = Counter("dispatch_provider_429_total", "Provider 429 answers by kind", ["provider", "kind"])

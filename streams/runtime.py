@@ -136,7 +136,7 @@ class Runtime:
                 logging.getLogger("streams.runtime").warning(
                     "%s is not set: %s sends have no fallback to provider %r", spec.base_url_env, channel, spec.name)
                 continue
-            routes.append(Route(spec, self.provider(spec, concurrency), self.credentials(spec)))
+            routes.append(Route(spec, self.provider(spec, concurrency), self.credentials(spec), slots=concurrency))
         return Routes(routes, gate)
 
     def operator_log(self) -> OperatorLog:

@@ -7,6 +7,7 @@ own file; `stop()` ends them all (SIGTERM, then SIGKILL), also on Ctrl-C.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,6 +56,9 @@ def _spawn(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+_FORGETTABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.")
+
+
 class Fleet:
     """`supervise=True` restarts a member that dies, with exponential backoff (1 s ... 30 s), and
     logs it, as a process supervisor would in a real deployment. Tests leave it off: they kill
@@ -67,9 +71,11 @@ class Fleet:
 
     def __init__(self, namespace: str, log_dir: Path, base_env: dict | None = None, supervise: bool = False,
                  forget: bool = False):
-        if forget and not namespace:
-            raise ValueError("a fleet that forgets its topics and keys needs a namespace (without one: every "
-                             "topic and key of the stack)")
+        if forget and (not _FORGETTABLE.fullmatch(namespace) or namespace == "notif."):
+            # Forgetting deletes every topic and key whose name starts with the namespace: "bench1"
+            # would take "bench10." with it, "" or "notif." the stack's own, and "*" is a key pattern.
+            raise ValueError(f"a fleet that forgets its topics and keys needs a namespace of letters, digits, '_' or "
+                             f"'-' ending with a dot, not the stack's own 'notif.' (got {namespace!r})")
         self.namespace = namespace
         self.forget = forget
         self.log_dir = log_dir
@@ -130,7 +136,8 @@ class Fleet:
                 delete()
             except Exception as exc:  # noqa: BLE001 - reported, and the stack can be wiped by hand
                 print(f"fleet: could not delete the {what} of namespace {self.namespace!r} ({type(exc).__name__}: "
-                      f"{exc}); `streams dev down --wipe` clears a local stack", file=sys.stderr, flush=True)
+                      f"{exc}); delete those whose names start with {self.namespace!r} (on a local stack, "
+                      f"`streams dev down --wipe` clears every namespace)", file=sys.stderr, flush=True)
 
     def delete_keys(self) -> int:
         """Delete every Redis key of this fleet's namespace; returns how many."""

@@ -31,6 +31,7 @@ class Route:
     adapter: Provider
     credentials: ProviderCredentials
     pacing: Pacing = Pacing()
+    slots: int | None = None    # the worker's own requests in flight at most (its --concurrency); None: no bound
     in_flight: int = 0
     next_wave_at: float = 0.0   # monotonic: no new request before this (the pause after a wave)
 
@@ -40,8 +41,10 @@ class Route:
 
     @property
     def cap(self) -> int:
-        """Requests in flight per worker, at most: the operator's pacing, else providers.toml's."""
-        return self.pacing.concurrency or self.spec.concurrency
+        """Requests in flight per worker, at most: the operator's pacing, else providers.toml's, and
+        never more than the worker's own slots (pacing above them changes nothing on this worker)."""
+        cap = self.pacing.concurrency or self.spec.concurrency
+        return min(cap, self.slots) if self.slots else cap
 
     def room(self, now: float) -> int:
         """Requests that may start now."""
@@ -88,9 +91,10 @@ class Routes:
                 log.debug("pacing of %s not read: %s", route.name, exc)
                 continue
             if pacing != route.pacing:
-                log.info("provider %s pacing now: concurrency %s, pause %d ms", route.name,
-                         pacing.concurrency or f"{route.spec.concurrency} (default)", pacing.pause_ms)
                 route.pacing = pacing
+                log.info("provider %s pacing now: concurrency %s, pause %d ms; this worker: at most %d in flight",
+                         route.name, pacing.concurrency or f"{route.spec.concurrency} (default)", pacing.pause_ms,
+                         route.cap)
             metrics.PACING.labels(route.name, "concurrency").set(route.cap)
             metrics.PACING.labels(route.name, "pause_ms").set(route.pacing.pause_ms)
 

@@ -19,6 +19,7 @@ from ..lanes import CHANNELS, LANES
 
 AUTH_KINDS = ("api_key", "token", "none")
 DEFAULT_FILE = Path(__file__).with_name("providers.toml")
+MAX_CONCURRENCY = 1024  # a provider's requests in flight per worker (webhooks: 1,024 slow receivers)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
     for key in ("batch_max", "concurrency"):
         if not isinstance(doc.get(key, 1), int) or doc.get(key, 1) < 1:
             raise ConfigError(f"{where}: field {key!r} must be an integer >= 1")
+    if doc.get("concurrency", 1) > MAX_CONCURRENCY:
+        # A transactional worker keeps this many requests in flight: as many threads and connections.
+        raise ConfigError(f"{where}: field 'concurrency' must be at most {MAX_CONCURRENCY} (requests in flight "
+                          f"per worker: one thread and one connection each)")
     if lanes and doc.get("batch_max", 1) < 2:
         raise ConfigError(f"{where}: field 'batch_max' must be >= 2 when batch_lanes are given")
     return ProviderSpec(

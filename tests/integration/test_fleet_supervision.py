@@ -2,8 +2,6 @@
 backoff, and says so, as a process supervisor would in a deployment; a benchmark's fleet leaves
 nothing behind."""
 
-import pytest
-
 from streams.devtools.fleet import Fleet
 from streams.topology.admin import TopicAdmin
 from tests.harness import wait_until
@@ -38,21 +36,17 @@ def test_a_benchmark_fleet_leaves_no_topics_or_redis_keys_behind(stack, redis_cl
     stretch the next benchmark's tail), and nothing of another namespace is touched."""
     admin = TopicAdmin(stack.bootstrap)
     neighbour = f"{namespace[:-1]}-other."  # a namespace ends with its dot: this one is not inside it
-    with Fleet(neighbour, tmp_path / "other") as other:
-        other.create_topics()
-    redis_client.set(f"{neighbour}some-key", "1")
-    with Fleet(namespace, tmp_path / "logs", forget=True) as fleet:
-        fleet.create_topics()
-        redis_client.set(f"{namespace}some-key", "1")
-        assert len(admin.named(namespace)) == len(admin.named(neighbour)) > 0
-    assert list(redis_client.scan_iter(match=f"{namespace}*")) == []
-    wait_until(lambda: admin.named(namespace) == [], 30, "the deleted topics to leave the cluster's metadata")
-    assert len(admin.named(neighbour)) > 0 and redis_client.get(f"{neighbour}some-key") == b"1"
-    admin.delete(admin.named(neighbour))
-    redis_client.delete(f"{neighbour}some-key")
-
-
-def test_a_fleet_without_a_namespace_refuses_to_forget(tmp_path):
-    """Forgetting deletes everything under the namespace: without one it would be the whole stack."""
-    with pytest.raises(ValueError, match="namespace"):
-        Fleet("", tmp_path / "logs", forget=True)
+    try:
+        with Fleet(neighbour, tmp_path / "other") as other:
+            other.create_topics()
+        redis_client.set(f"{neighbour}some-key", "1")
+        with Fleet(namespace, tmp_path / "logs", forget=True) as fleet:
+            fleet.create_topics()
+            redis_client.set(f"{namespace}some-key", "1")
+            assert len(admin.named(namespace)) == len(admin.named(neighbour)) > 0
+        assert list(redis_client.scan_iter(match=f"{namespace}*")) == []
+        wait_until(lambda: admin.named(namespace) == [], 30, "the deleted topics to leave the cluster's metadata")
+        assert len(admin.named(neighbour)) > 0 and redis_client.get(f"{neighbour}some-key") == b"1"
+    finally:
+        admin.delete(admin.named(neighbour))
+        redis_client.delete(f"{neighbour}some-key")

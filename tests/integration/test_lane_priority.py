@@ -156,7 +156,7 @@ def test_otps_are_not_queued_behind_a_few_slow_provider_answers(channel_topics, 
     ids = send_client.publish_batch("shop", [email_request("transactional")] * 20)
 
     try:
-        wait_until(lambda: mock_provider.stats()["held"] == 20, 15, "all 20 OTP requests at the provider together")
+        wait_until(lambda: mock_provider.stats()["held"] == 20, 30, "all 20 OTP requests at the provider together")
     finally:
         mock_provider.configure(hold_answers=False)
     wait_until(lambda: mock_provider.stats()["distinct_sends"] == 20, 30, "every OTP to be delivered")

@@ -23,4 +23,12 @@ def test_a_store_that_went_away_is_reported_and_does_not_hide_the_run(tmp_path, 
             raise RuntimeError("the run's own error")
     assert deleted == ["topics"]
     err = capsys.readouterr().err
-    assert "could not delete the Redis keys of namespace 'bench1.'" in err and "streams dev down --wipe" in err
+    assert "could not delete the Redis keys of namespace 'bench1.'" in err and "start with 'bench1.'" in err
+
+
+@pytest.mark.parametrize("namespace", ["", "bench1", "notif.", "*.", "a.b."])
+def test_a_namespace_that_could_take_others_with_it_is_refused(namespace, tmp_path):
+    """Forgetting deletes every topic and key whose name starts with the namespace: without its dot "bench1" would
+    take "bench10." with it, "" or "notif." the stack's own topics, and "*" is a Redis key pattern."""
+    with pytest.raises(ValueError, match="namespace"):
+        Fleet(namespace, tmp_path / "logs", forget=True)

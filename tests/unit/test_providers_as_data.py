@@ -35,6 +35,8 @@ def test_the_packaged_file_declares_every_channel_in_order():
     (('token_path = "POST /oauth/token"\n', ''), "(sms-b): field 'token_path' is required"),
     (('concurrency = 32\n\n[[provider]]\nname = "webhook"', 'concurency = 32\n\n[[provider]]\nname = "webhook"'),
      "unknown field(s) concurency"),
+    (('concurrency = 32\n\n[[provider]]\nname = "webhook"', 'concurrency = 5000\n\n[[provider]]\nname = "webhook"'),
+     "(sms-b): field 'concurrency' must be at most 1024"),
 ])
 def test_a_bad_entry_is_refused_naming_the_provider_and_the_field(change, message):
     text = DEFAULT_FILE.read_text()
@@ -142,3 +144,14 @@ def test_a_401_refreshes_once_and_sends_the_same_request_again_a_second_401_is_a
     sent.clear()
     assert adapter.post("/v2/messages", b"{}", "unused", "send-2").outcome == "auth"
     assert len(sent) == 2  # once more, never a third time
+
+
+@pytest.mark.parametrize("operator_pacing, cap", [(0, 8), (5, 5), (50, 8)])
+def test_a_worker_never_keeps_more_requests_in_flight_than_its_own_slots(operator_pacing, cap):
+    """providers.toml allows 32 per worker; a worker started with --concurrency 8 keeps at most 8, whatever the
+    operator's pacing says above that (and what it reports in dispatch_provider_pacing is that cap)."""
+    from streams.gate.limits import Pacing
+
+    route = Route(REGISTRY.providers["sms"], _Adapter(), ProviderCredentials({"*": "k"}), slots=8)
+    route.pacing = Pacing(concurrency=operator_pacing)
+    assert REGISTRY.providers["sms"].concurrency == 32 and route.cap == cap
