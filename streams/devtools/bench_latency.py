@@ -1,8 +1,8 @@
 """`streams bench latency`: where an OTP's milliseconds go, idle and under a marketing blast.
 
 One OTP at a time at a steady rate is published with the SDK (timed: ingest -> broker ack), and
-the transactional lane worker writes each delivered send's stage timings from its own clock
-(DUAL_RAIL_STAGE_LOG; `streams/dispatch/stages.py`). Stages per OTP:
+the transactional lane worker (only it: the blast's worker runs as in production) writes each
+delivered send's stage timings from its own clock (DUAL_RAIL_STAGE_LOG; `streams/dispatch/stages.py`). Stages per OTP:
 
     ingest_to_ack      publish call -> the broker acknowledged it (the SDK's own measurement)
     ack_to_poll        broker ack -> the worker's consumer returned it
@@ -102,11 +102,11 @@ def run(n: int = 1000, rate: float = 40.0, provider_rps: int = 100, latency_ms: 
     stamp = uuid.uuid4().hex[:6]
     home = StackConfig.from_env().home
     stage_log = Path(tempfile.mkdtemp(prefix="stages-")) / "stages.jsonl"
-    env = {**os.environ, "LOG_LEVEL": "ERROR", "DUAL_RAIL_STAGE_LOG": str(stage_log)}
+    env = {**os.environ, "LOG_LEVEL": "ERROR"}
     with Fleet(f"lat{stamp}.", home / "bench" / f"latency-{stamp}", base_env=env, forget=True) as fleet:
         progress(f"starting: mock provider ({provider_rps} req/s, {latency_ms:g} ms), both lanes, lag monitor")
         fleet.outside_world_nice = OUTSIDE_WORLD_NICE
-        start_dispatch(fleet, provider_rps, latency_ms, with_api=False)
+        start_dispatch(fleet, provider_rps, latency_ms, with_api=False, stage_log=stage_log)
         client = fleet.runtime.send_client()
         _otps(client, 20, rate, {})  # warm up the producer, the workers' connections, the provider's pool
         progress(f"idle: {n} OTPs at {rate:g}/s")

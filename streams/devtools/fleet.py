@@ -240,11 +240,12 @@ class Fleet:
 
 
 def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline: bool = False,
-                   with_api: bool = True, marketing_metrics_port: int = 0) -> dict:
+                   with_api: bool = True, marketing_metrics_port: int = 0, stage_log: Path | None = None) -> dict:
     """The whole dispatch stack for one channel (email): mock provider, limits, ingest API and
     outcome recorder (`with_api`), lag monitor, workers and retriers. `baseline` runs the naive
-    design instead: one shared FIFO lane, no yielding. Returns the addresses (and API keys) a load
-    generator needs."""
+    design instead: one shared FIFO lane, no yielding. With `stage_log`, the transactional worker
+    (only: a blast's worker does not pay for a line per send) writes its stage timings there.
+    Returns the addresses (and API keys) a load generator needs."""
     fleet.create_topics()
     fleet.start_mock(provider_rps, latency_ms)
     rt = fleet.runtime
@@ -270,7 +271,7 @@ def start_dispatch(fleet: Fleet, provider_rps: int, latency_ms: float, baseline:
                     module="streams.devtools.baseline")
     else:
         fleet.start("lag-monitor", "lag-monitor", "--interval", "0.25", ready="lag monitor publishing")
-        fleet.worker("email", "transactional")
+        fleet.worker("email", "transactional", env={"DUAL_RAIL_STAGE_LOG": str(stage_log)} if stage_log else None)
         fleet.worker("email", "marketing", "--metrics-port", str(marketing_metrics_port))
         for lane in ("transactional", "marketing"):
             fleet.retrier("email", lane)
