@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
 import time
@@ -15,6 +14,7 @@ from typing import Any
 from .. import metrics
 from ..backoff import Outage
 from ..config import Config
+from ..cpu_priority import lower_own_priority
 from ..lanes import CHANNELS, LANES, RETRY_TIERS
 from ..runtime import Runtime
 
@@ -120,7 +120,7 @@ def yield_cpu_if_marketing(rt: Runtime, lane: str) -> None:
     """A marketing role runs at a lower CPU priority (nice DUAL_RAIL_MARKETING_NICE, 10 by default):
     where both lanes share a host, a blast's CPU use never delays an OTP, as its provider tokens never do."""
     if lane == "marketing" and rt.config.marketing_nice:
-        os.nice(rt.config.marketing_nice)
+        lower_own_priority(rt.config.marketing_nice)
 
 
 def worker(sub) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from ..cpu_priority import lower_session_group
 from ..errors import StackError
 from ..runtime import Runtime
 from ..topology.admin import TopicAdmin
@@ -46,14 +47,21 @@ class Member:
     proc: subprocess.Popen
     restarts: int = 0
     restart_at: float | None = None  # when a dead member is started again (supervised fleets)
+    nice: int = 0
 
     def respawn(self) -> None:
-        self.proc = _spawn(self.argv, self.env, self.log)
+        self.proc = _spawn(self.argv, self.env, self.log, self.nice)
 
 
-def _spawn(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+def _spawn(argv: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
+    """A process in a session of its own; at a lower CPU priority with `nice` (nice execs the
+    command: the pid stays the role's), set for its session's scheduling group too."""
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(["nice", "-n", str(nice), *argv] if nice else argv, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    if nice:
+        lower_session_group(proc.pid, nice)
+    return proc
 
 
 _FORGETTABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.")
@@ -177,10 +185,8 @@ class Fleet:
         log = self.log_dir / f"{len(self.members):02d}-{name}.log"
         log.write_bytes(b"")
         argv, full_env = [sys.executable, "-m", module, *args], {**self.env, **(env or {})}
-        if nice:
-            argv = ["nice", "-n", str(nice), *argv]  # nice execs the command: the pid stays the role's
-        proc = _spawn(argv, full_env, log)
-        self.members.append(Member(name, argv, full_env, log, proc))
+        proc = _spawn(argv, full_env, log, nice)
+        self.members.append(Member(name, argv, full_env, log, proc, nice=nice))
         if ready:
             deadline = time.monotonic() + 60
             while ready not in log.read_text(errors="replace"):

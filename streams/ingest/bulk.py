@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse
 
 from .. import metrics
 from ..backoff import Outage
+from ..cpu_priority import lower_session_group
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
 
 log = logging.getLogger("streams.api")
@@ -105,6 +106,7 @@ class BulkProcess:
         # Two API processes must never share it: DUAL_RAIL_INGEST_INSTANCE names each where hostname
         # and pid may repeat (containers sharing the host's name, each its own pid 1).
         self.instance = f"{instance or f'{socket.gethostname()}-{os.getpid()}'}-bulk"
+        self.nice = nice
         self.argv = ["nice", "-n", str(nice), sys.executable, "-m", "streams.cli",
                      *(["--log-format", log_format] if log_format else []),
                      "api", "--bulk-socket", self.socket_path, "--bulk-instance", self.instance,
@@ -150,6 +152,7 @@ class BulkProcess:
             Path(self.socket_path).unlink(missing_ok=True)
             # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
             self._process = subprocess.Popen(self.argv, start_new_session=True)  # noqa: S603
+            lower_session_group(self._process.pid, self.nice)  # its own session: nice alone holds only inside it
             started = time.monotonic()
             code = self._watch(self._process, started)
             if self._stopping.is_set():
