@@ -6,52 +6,94 @@ scheduling group of its own, weighted like any other, and a thread's nice value 
 the threads of its own session. A role that runs in a session of its own (the fleet and the ingest
 API's bulk process start every process that way, and so do service managers) at nice 10 took as
 much CPU as the broker beside it: two busy loops pinned to one core, in two sessions, one at nice 19,
-got 50% each. A session leader therefore also sets its session's group to its nice value
-(`/proc/<pid>/autogroup`). Inside a container (a cgroup CPU controller) autogroup does not apply:
-nice weighs against the container's own processes, and the container's CPU weight (Kubernetes
-CPU requests) sets its share of the host.
+got 50% each. So the session's group gets the same nice value (`/proc/<pid>/autogroup`), unless
+that would lower a process that did not ask for it (another role in the same session).
+
+Autogroup applies only to processes in the host's root CPU cgroup. Inside a cgroup with a CPU
+controller (a container, a systemd unit with CPU accounting) the write changes nothing and nice
+weighs against that cgroup's own processes: the cgroup's CPU weight (Kubernetes CPU requests,
+systemd `CPUWeight=`, compose `cpu_shares`) sets its share of the host.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import random
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# An unprivileged process may change an autogroup's nice value once per 100 ms, machine-wide.
-_AUTOGROUP_RETRY_S = 0.1
-_AUTOGROUP_ATTEMPTS = 5
+PROC = Path("/proc")
+# An unprivileged process may change an autogroup's nice value once per 100 ms, host-wide; writers
+# that start together retry at jittered intervals for this long.
+AUTOGROUP_RETRY_FOR_S = 3.0
 
 
 def lower_own_priority(increment: int) -> int:
-    """Add `increment` to this process's nice value and, if it leads its session, set the session's
-    group to the same value. Returns the new nice value."""
+    """Add `increment` to this process's nice value and set its session's group to the result, when
+    every other process of the session is one of its ancestors (a shell or init that started it).
+    Returns the new nice value."""
     value = os.nice(increment)
-    if os.getsid(0) == os.getpid():
+    others = _others_in_session(os.getpid())
+    if others:
+        log.info("nice %d holds against this session only: its group is not lowered, since it would lower "
+                 "processes %s too (start this role in a session of its own)", value, sorted(others)[:5])
+    else:
         lower_session_group(os.getpid(), value)
     return value
 
 
 def lower_session_group(pid: int, nice: int) -> bool:
-    """Set the scheduling group of the session `pid` leads to `nice`. False where that could not
-    be done (logged); a kernel without autogroup scheduling has no such group, and nothing to do."""
-    path = Path(f"/proc/{pid}/autogroup")
+    """Set the scheduling group of the session of `pid` to `nice`. False where that could not be
+    done (logged); a kernel without autogroup scheduling has no such group, and nothing to do."""
+    path = PROC / str(pid) / "autogroup"
     if not path.exists():
         return True
-    for _ in range(_AUTOGROUP_ATTEMPTS):
+    deadline = time.monotonic() + AUTOGROUP_RETRY_FOR_S
+    while True:
         try:
-            path.write_text(str(nice))
+            _write(path, str(nice))
             return True
-        except BlockingIOError:  # another change within the last 100 ms (unprivileged callers)
-            time.sleep(_AUTOGROUP_RETRY_S)  # the kernel's rate limit, not a synchronization
         except OSError as exc:
-            log.warning("could not set the CPU priority of process %d's session to nice %d (%s): its nice value "
-                        "holds only against its own session", pid, nice, exc)
-            return False
-    log.warning("could not set the CPU priority of process %d's session to nice %d: the kernel kept refusing "
-                "(one change per 100 ms); its nice value holds only against its own session", pid, nice)
-    return False
+            if exc.errno != errno.EAGAIN or time.monotonic() > deadline:
+                log.warning("could not set the CPU priority of process %d's session to nice %d (%s): its nice "
+                            "value holds only against its own session", pid, nice, exc.strerror or exc)
+                return False
+        time.sleep(random.uniform(0.1, 0.2))  # noqa: S311 - the kernel's rate limit, spread out; not a sync
 
+
+def _write(path: Path, text: str) -> None:
+    """One write(2), so that the kernel's refusal (EAGAIN) comes back from it, not from a close."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _others_in_session(pid: int) -> set[int]:
+    """The processes in the session of `pid` other than itself and its ancestors."""
+    sid = os.getsid(pid)
+    ancestors, p = set(), pid
+    while (stat := _stat(p)) and stat[1] > 0:
+        p = stat[1]
+        ancestors.add(p)
+    others = set()
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and int(entry.name) != pid and int(entry.name) not in ancestors:
+            stat = _stat(int(entry.name))
+            if stat and stat[2] == sid:
+                others.add(int(entry.name))
+    return others
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(pid, parent pid, session id) from /proc/<pid>/stat; None once it is gone."""
+    try:
+        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return pid, int(fields[1]), int(fields[3])

@@ -18,6 +18,7 @@ import orjson
 
 from ..config import StackConfig
 from ..cpu_priority import lower_own_priority
+from ..ingest.bulk import die_with_parent
 from .bench_blast import _email
 from .fleet import OUTSIDE_WORLD_NICE, Fleet, free_port
 
@@ -82,12 +83,13 @@ async def _blast(client: httpx.AsyncClient, key: str, batch_size: int, stop, cou
             raise RuntimeError(f"a batch was refused: {r.status_code} {r.text[:200]}")
 
 
-def _blaster_process(base: str, key: str, batch_size: int, blasters: int, stop, counts) -> None:
+def _blaster_process(base: str, key: str, batch_size: int, blasters: int, stop, counts, parent: int) -> None:
     """Tenant A's clients, in a process of their own at the outside world's nice value (they stand for
     another machine): their work shares neither the measuring process's event loop nor our CPU share.
-    A session of its own, so that its nice value holds against the API's sessions too (the parent
-    stops it; a Ctrl-C does not reach it)."""
+    A session of its own, so that its nice value holds against the API's sessions too: a Ctrl-C no
+    longer reaches it, so the parent stops it, and the kernel does if the parent dies."""
     os.setsid()
+    die_with_parent(parent)
     lower_own_priority(OUTSIDE_WORLD_NICE)
     async def main() -> None:
         limits = httpx.Limits(max_connections=blasters)
@@ -106,8 +108,10 @@ async def _measure(base: str, singles_key: str, blaster_key: str, n: int, per_s:
     try:
         await _singles(client, 20, per_s)  # warm up the connection and the producer
         idle = await _singles(client, n, per_s)
-        blaster = ctx.Process(target=_blaster_process, args=(base, blaster_key, batch_size, blasters, stop, counts))
-        blaster.start()
+        process = ctx.Process(target=_blaster_process,
+                              args=(base, blaster_key, batch_size, blasters, stop, counts, os.getpid()))
+        process.start()
+        blaster = process
         await asyncio.sleep(2.0)  # let the blast reach full speed before measuring
         t0 = time.perf_counter()
         loaded = await _singles(client, n, per_s)
@@ -118,6 +122,7 @@ async def _measure(base: str, singles_key: str, blaster_key: str, n: int, per_s:
             blaster.join(60)
             if blaster.is_alive():
                 blaster.terminate()
+                blaster.join(10)
         await client.close()
     return {"idle": idle, "loaded": loaded, "blast_sends": counts.value, "blast_s": elapsed}
 

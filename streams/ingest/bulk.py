@@ -152,7 +152,8 @@ class BulkProcess:
             Path(self.socket_path).unlink(missing_ok=True)
             # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
             self._process = subprocess.Popen(self.argv, start_new_session=True)  # noqa: S603
-            lower_session_group(self._process.pid, self.nice)  # its own session: nice alone holds only inside it
+            if self.nice:  # its own session: nice alone would hold only inside it
+                lower_session_group(self._process.pid, self.nice)
             started = time.monotonic()
             code = self._watch(self._process, started)
             if self._stopping.is_set():
