@@ -21,8 +21,10 @@ import errno
 import logging
 import os
 import random
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,16 @@ def lower_own_priority(increment: int) -> int:
     else:
         lower_session_group(os.getpid(), value)
     return value
+
+
+def start_in_own_session(argv: list[str], nice: int = 0, **popen: Any) -> subprocess.Popen:
+    """Start `argv` in a session of its own, at nice value `nice` when given, its session's
+    scheduling group included (`nice` execs the command: the pid is the command's)."""
+    proc = subprocess.Popen(["nice", "-n", str(nice), *argv] if nice else argv,  # noqa: S603
+                            start_new_session=True, **popen)
+    if nice:
+        lower_session_group(proc.pid, nice)
+    return proc
 
 
 def lower_session_group(pid: int, nice: int) -> bool:
@@ -83,10 +95,9 @@ def _others_in_session(pid: int) -> set[int]:
         ancestors.add(p)
     others = set()
     for entry in PROC.iterdir():
-        if entry.name.isdigit() and int(entry.name) != pid and int(entry.name) not in ancestors:
-            stat = _stat(int(entry.name))
-            if stat and stat[2] == sid:
-                others.add(int(entry.name))
+        other = int(entry.name) if entry.name.isdigit() else pid
+        if other != pid and other not in ancestors and (stat := _stat(other)) and stat[2] == sid:
+            others.add(other)
     return others
 
 

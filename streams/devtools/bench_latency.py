@@ -2,7 +2,8 @@
 
 One OTP at a time at a steady rate is published with the SDK (timed: ingest -> broker ack), and
 the transactional lane worker (only it: the blast's worker runs as in production) writes each
-delivered send's stage timings from its own clock (DUAL_RAIL_STAGE_LOG; `streams/dispatch/stages.py`). Stages per OTP:
+delivered send's stage timings from its own clock (DUAL_RAIL_STAGE_LOG; `streams/dispatch/stages.py`).
+Stages per OTP:
 
     ingest_to_ack      publish call -> the broker acknowledged it (the SDK's own measurement)
     ack_to_poll        broker ack -> the worker's consumer returned it

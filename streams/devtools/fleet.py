@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from ..cpu_priority import lower_session_group
+from ..cpu_priority import start_in_own_session
 from ..errors import StackError
 from ..runtime import Runtime
 from ..topology.admin import TopicAdmin
@@ -54,14 +54,8 @@ class Member:
 
 
 def _spawn(argv: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
-    """A process in a session of its own; at a lower CPU priority with `nice` (nice execs the
-    command: the pid stays the role's), set for its session's scheduling group too."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(["nice", "-n", str(nice), *argv] if nice else argv, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    if nice:
-        lower_session_group(proc.pid, nice)
-    return proc
+        return start_in_own_session(argv, nice, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 _FORGETTABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.")

@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse
 
 from .. import metrics
 from ..backoff import Outage
-from ..cpu_priority import lower_session_group
+from ..cpu_priority import start_in_own_session
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
 
 log = logging.getLogger("streams.api")
@@ -107,7 +107,7 @@ class BulkProcess:
         # and pid may repeat (containers sharing the host's name, each its own pid 1).
         self.instance = f"{instance or f'{socket.gethostname()}-{os.getpid()}'}-bulk"
         self.nice = nice
-        self.argv = ["nice", "-n", str(nice), sys.executable, "-m", "streams.cli",
+        self.argv = [sys.executable, "-m", "streams.cli",
                      *(["--log-format", log_format] if log_format else []),
                      "api", "--bulk-socket", self.socket_path, "--bulk-instance", self.instance,
                      "--bulk-parent", str(os.getpid())]
@@ -151,9 +151,7 @@ class BulkProcess:
             self._dir.mkdir(mode=0o700, exist_ok=True)  # the previous one removes it on its way out
             Path(self.socket_path).unlink(missing_ok=True)
             # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
-            self._process = subprocess.Popen(self.argv, start_new_session=True)  # noqa: S603
-            if self.nice:  # its own session: nice alone would hold only inside it
-                lower_session_group(self._process.pid, self.nice)
+            self._process = start_in_own_session(self.argv, self.nice)
             started = time.monotonic()
             code = self._watch(self._process, started)
             if self._stopping.is_set():

@@ -82,6 +82,8 @@ def test_a_killed_bulk_process_is_restarted_and_fences_its_open_transaction(
     assert bulk_pid is not None, "the API started no bulk process"
     expected_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # DUAL_RAIL_INGEST_BULK_NICE's default
     assert os.getpriority(os.PRIO_PROCESS, bulk_pid) == expected_nice, "the bulk process does not run at nice 10"
+    autogroup = Path(f"/proc/{bulk_pid}/autogroup")  # a session of its own: its group must give up priority too
+    assert not autogroup.exists() or autogroup.read_text().split()[-1] == "10", autogroup.read_text()
 
     answered: dict[str, tuple[int, str | None]] = {}
     singles: list[int] = []

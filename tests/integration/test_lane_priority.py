@@ -126,8 +126,10 @@ def test_marketing_roles_give_up_cpu_priority_and_transactional_ones_keep_it(cha
     marketing worker started with DUAL_RAIL_MARKETING_NICE=0,
     When their CPU priorities are read from the operating system,
     Then the marketing worker and retrier run at nice 10, the transactional ones at nice 0 (when both share a host,
-    a blast's CPU use never delays an OTP), and the setting turns it off."""
+    a blast's CPU use never delays an OTP), and the setting turns it off. Each runs in a session of its own, so with
+    autogroup scheduling its session's group has the same nice value (or nice would hold only within it)."""
     import os
+    from pathlib import Path
 
     channel_topics("email")
     roles = {(role, lane): start("email", lane) for lane in ("transactional", "marketing")
@@ -138,6 +140,10 @@ def test_marketing_roles_give_up_cpu_priority_and_transactional_ones_keep_it(cha
         ("worker", "transactional"): 0, ("retrier", "transactional"): 0,
         ("worker", "marketing"): 10, ("retrier", "marketing"): 10}
     assert os.getpriority(os.PRIO_PROCESS, unniced.pid) == 0
+    if Path(f"/proc/{unniced.pid}/autogroup").exists():  # a kernel with autogroup scheduling
+        assert {key: Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1] for key, proc in roles.items()} == {
+            ("worker", "transactional"): "0", ("retrier", "transactional"): "0",
+            ("worker", "marketing"): "10", ("retrier", "marketing"): "10"}
 
 
 def test_otps_are_not_queued_behind_a_few_slow_provider_answers(channel_topics, limits, processes, send_client,
