@@ -90,21 +90,21 @@ def _others_in_session(pid: int) -> set[int]:
     """The processes in the session of `pid` other than itself and its ancestors."""
     sid = os.getsid(pid)
     ancestors, p = set(), pid
-    while (stat := _stat(p)) and stat[1] > 0:
-        p = stat[1]
+    while (stat := _stat(p)) and stat[0] > 0:
+        p = stat[0]
         ancestors.add(p)
     others = set()
     for entry in PROC.iterdir():
         other = int(entry.name) if entry.name.isdigit() else pid
-        if other != pid and other not in ancestors and (stat := _stat(other)) and stat[2] == sid:
+        if other != pid and other not in ancestors and (stat := _stat(other)) and stat[1] == sid:
             others.add(other)
     return others
 
 
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(pid, parent pid, session id) from /proc/<pid>/stat; None once it is gone."""
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, session id) from /proc/<pid>/stat; None once it is gone."""
     try:
         fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return pid, int(fields[1]), int(fields[3])
+    return int(fields[1]), int(fields[3])
