@@ -13,8 +13,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from streams import cpu_priority
 from streams.cpu_priority import lower_session_group
 from streams.devtools.fleet import _spawn
@@ -65,10 +63,8 @@ def test_a_lowered_role_yields_the_cpu_to_a_process_of_another_session():
 def test_a_niced_fleet_member_runs_with_its_session_group_niced_too(tmp_path: Path):
     proc = _spawn(["sleep", "30"], dict(os.environ), tmp_path / "sleep.log", nice=10)
     try:
-        autogroup = Path(f"/proc/{proc.pid}/autogroup")
-        if not autogroup.exists():
-            pytest.skip("this kernel has no autogroup scheduling: nice alone holds machine-wide")
-        assert autogroup.read_text().split()[-1] == "10", autogroup.read_text()
+        autogroup = Path(f"/proc/{proc.pid}/autogroup")  # none on a kernel without autogroup: nothing to set
+        assert not autogroup.exists() or autogroup.read_text().split()[-1] == "10", autogroup.read_text()
     finally:
         proc.kill()
         proc.wait()
@@ -78,15 +74,14 @@ SHARED_SESSION = textwrap.dedent("""
     import os
     from streams.cpu_priority import lower_own_priority
     lower_own_priority(10)
-    print(os.getpriority(os.PRIO_PROCESS, 0), open("/proc/self/autogroup").read().split()[-1], flush=True)
+    group = open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else "none"
+    print(os.getpriority(os.PRIO_PROCESS, 0), group, flush=True)
 """)
 
 
 def test_a_role_sharing_its_session_with_another_leaves_the_session_group_alone():
     """`streams worker --lane transactional & exec streams worker --lane marketing`: lowering the
     marketing role's session group would lower the OTP worker with it."""
-    if not Path("/proc/self/autogroup").exists():
-        pytest.skip("this kernel has no autogroup scheduling")
     role = subprocess.Popen(["sh", "-c", f'sleep 60 >/dev/null 2>&1 & exec {sys.executable} -c "$0"', SHARED_SESSION],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -94,7 +89,8 @@ def test_a_role_sharing_its_session_with_another_leaves_the_session_group_alone(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(role.pid, signal.SIGKILL)  # the sleep, still in the role's process group
-    assert out.split() == ["10", "0"], err
+    untouched = "0" if Path("/proc/self/autogroup").exists() else "none"  # a kernel without autogroup has none
+    assert out.split() == ["10", untouched], err
 
 
 def _refusals(monkeypatch, tmp_path: Path, errors: list[int]) -> list[str]:
