@@ -15,6 +15,9 @@ last error, alert window. The rules are `rules.py`; this module does their I/O:
   commit; the row remembers the offset it has applied (`applied_upto`), and an event at or below
   it changes nothing. An event whose alert went out but whose row was not written is applied again
   and its alert sent again under the same send id.
+- faust can lose the records it fetched as a rebalance's recovery completes; every STALL_CHECK_S
+  the app reads again, from its committed offset, a partition whose records never reached the
+  agent (`stall.py`).
 
 Settings and why: `store="memory://"` (the table is small, one row per endpoint; it is rebuilt from
 the changelog on start and on every rebalance, so no local disk state can disagree with the
@@ -38,19 +41,24 @@ from typing import Any
 
 import faust
 import orjson
+from confluent_kafka import Consumer, TopicPartition
+from faust.types import TP
 
 from .. import metrics
 from ..config import Config
+from ..kafka_client import client_config
 from ..retry.policy import default_routing
 from ..send import SCHEMA_VERSION, Send, encode
 from ..topology.spec import load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
+from .stall import StallWatch
 
 log = logging.getLogger("streams.endpoint_health")
 ALERT_TEMPLATE = "endpoint-alert"
 SEND_RETRY_MAX_S = 5.0
+STALL_CHECK_S = 5.0
 
 
 class EndpointHealthApp:
@@ -83,32 +91,43 @@ class EndpointHealthApp:
         self.table = self.app.Table("health", default=None, partitions=attempts.partitions, key_type=str)
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
+        self.app.timer(STALL_CHECK_S)(self._reread_stalled)
         self.routing = default_routing()
+        self.stalls, self.taken, self.busy = StallWatch(), 0, False
+        self._offsets: Consumer | None = None  # reads the group's committed offsets and the partitions' ends
 
     # ------------------------------------------------------------------ the agent
     async def _follow(self, stream: Any) -> None:
         async for event in stream.events():
-            await self._caught_up()
-            try:  # UnicodeDecodeError and orjson's errors are ValueErrors
-                endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
-                doc = orjson.loads(event.value)
-                if not endpoint_id or not isinstance(doc, dict) or not _typed(doc):
-                    raise ValueError("not an attempt event")
-                row = self.table.get(endpoint_id)
-                before = Health.from_doc(row) if row else Health(endpoint_id)
-                outcome = apply(before, doc, event.message.offset)
-            except (ValueError, TypeError, AttributeError, KeyError):
-                metrics.HEALTH_EVENTS.labels("malformed").inc()
-                log.warning("ignoring a malformed event at %s[%d]@%d", event.message.topic, event.message.partition,
-                            event.message.offset)
-                continue
-            if outcome.health is before:
-                metrics.HEALTH_EVENTS.labels("replayed").inc()
-                continue
-            metrics.HEALTH_EVENTS.labels("reactivated" if doc.get("kind") == "reactivated" else "attempt").inc()
-            await self._act(outcome, doc)
-            if outcome.health != _with_offset(before, outcome.health.applied_upto):
-                self.table[endpoint_id] = outcome.health.to_doc()  # after its effects (see the module docstring)
+            self.taken, self.busy = self.taken + 1, True
+            try:
+                await self._apply(event)
+            finally:
+                self.busy = False
+
+    async def _apply(self, event: Any) -> None:
+        """One attempt event (or reactivation) into the table, after its effects."""
+        await self._caught_up()
+        try:  # UnicodeDecodeError and orjson's errors are ValueErrors
+            endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
+            doc = orjson.loads(event.value)
+            if not endpoint_id or not isinstance(doc, dict) or not _typed(doc):
+                raise ValueError("not an attempt event")
+            row = self.table.get(endpoint_id)
+            before = Health.from_doc(row) if row else Health(endpoint_id)
+            outcome = apply(before, doc, event.message.offset)
+        except (ValueError, TypeError, AttributeError, KeyError):
+            metrics.HEALTH_EVENTS.labels("malformed").inc()
+            log.warning("ignoring a malformed event at %s[%d]@%d", event.message.topic, event.message.partition,
+                        event.message.offset)
+            return
+        if outcome.health is before:
+            metrics.HEALTH_EVENTS.labels("replayed").inc()
+            return
+        metrics.HEALTH_EVENTS.labels("reactivated" if doc.get("kind") == "reactivated" else "attempt").inc()
+        await self._act(outcome, doc)
+        if outcome.health != _with_offset(before, outcome.health.applied_upto):
+            self.table[endpoint_id] = outcome.health.to_doc()  # after its effects (see the module docstring)
 
     async def _caught_up(self) -> None:
         """Alerts name the endpoint and go to its members: know them before deciding anything."""
@@ -166,6 +185,46 @@ class EndpointHealthApp:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, SEND_RETRY_MAX_S)
 
+    # ------------------------------------------------------------------ stalled partitions
+    async def _reread_stalled(self) -> None:
+        """Read again, from its committed offset, an attempts partition whose records never reached the
+        agent (see `stall.py`)."""
+        topic = self.names.webhook_attempts
+        partitions = sorted(tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic)
+        if self.app.rebalancing or not partitions:
+            self.stalls.forget()
+            return
+        try:
+            behind = await asyncio.get_running_loop().run_in_executor(None, self._behind, topic, partitions)
+        except Exception as exc:  # noqa: BLE001 - the broker cannot say now: ask again at the next check
+            log.info("committed offsets of %s not read: %s", topic, exc)
+            self.stalls.forget()
+            return
+        for partition, offset in self.stalls.observe(self.taken, self.busy, behind).items():
+            if self.app.rebalancing or TP(topic, partition) not in self.app.consumer.assignment():
+                continue
+            metrics.HEALTH_REREADS.inc()
+            log.warning("%s[%d] has records past its committed offset %d that never reached the agent: reading "
+                        "them again", topic, partition, offset)
+            await self.app.consumer.seek(TP(topic, partition), offset)
+
+    def _behind(self, topic: str, partitions: list[int]) -> dict[int, int]:
+        """Each partition with records past the group's committed offset -> that offset (blocking)."""
+        if self._offsets is None:
+            self._offsets = Consumer(client_config(self.config.bootstrap, quiet=True, settings={
+                "group.id": self.names.endpoint_health_app, "enable.auto.commit": False}))
+        committed = self._offsets.committed([TopicPartition(topic, p) for p in partitions], timeout=5)
+        behind = {}
+        for tp in committed:
+            if tp.error is not None:
+                raise RuntimeError(f"{topic}[{tp.partition}]: {tp.error}")
+            low, high = self._offsets.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=5,
+                                                            cached=False)
+            start = tp.offset if tp.offset >= 0 else low  # nothing committed: earliest (auto.offset.reset)
+            if high > start:
+                behind[tp.partition] = start
+        return behind
+
     # ------------------------------------------------------------------ metrics
     async def _report(self) -> None:
         self.directory.poll()
@@ -188,6 +247,8 @@ class EndpointHealthApp:
             worker.execute_from_commandline()
         finally:
             app.directory.close()
+            if app._offsets is not None:
+                app._offsets.close()
         return 0
 
 
