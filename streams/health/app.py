@@ -46,10 +46,12 @@ from faust.types import TP
 
 from .. import metrics
 from ..config import Config
+from ..errors import StackError
 from ..kafka_client import client_config
 from ..retry.policy import default_routing
 from ..send import SCHEMA_VERSION, Send, encode
-from ..topology.spec import load_definitions
+from ..topology.admin import TopicAdmin
+from ..topology.spec import TopicSpec, load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
@@ -65,7 +67,7 @@ class EndpointHealthApp:
     def __init__(self, config: Config, directory: EndpointDirectory, data_dir: Path | None = None):
         self.config, self.names, self.directory = config, config.names, directory
         topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
-        attempts = topics[self.names.webhook_attempts]
+        attempts = self.attempts_spec = topics[self.names.webhook_attempts]
         self.app = faust.App(
             self.names.endpoint_health_app,
             broker=[f"kafka://{server}" for server in config.bootstrap.split(",")],
@@ -234,8 +236,30 @@ class EndpointHealthApp:
             metrics.ENDPOINTS_BY_STATE.labels(state).set(states.get(state, 0))
 
     # ------------------------------------------------------------------ running
+    def ensure_changelog(self) -> None:
+        """Create the table's changelog topic before faust starts, and wait until the brokers show it.
+        faust would create it itself, but a consumer that subscribes before every broker shows a topic
+        just created leaves it out of its metadata until the next refresh (minutes), and the first row
+        written meanwhile crashes the agent ("the changelog topic has 0 partitions")."""
+        name = self.table.changelog_topic.get_topic_name()
+        config = {"cleanup.policy": "compact", **{k: v for k, v in self.attempts_spec.config.items()
+                                                  if k == "min.insync.replicas"}}
+        spec = TopicSpec(name, self.attempts_spec.partitions, self.attempts_spec.replication_factor, config)
+        admin, wait = TopicAdmin(self.config.bootstrap), 0.5
+        while True:  # a copy started while the broker is away waits for it, as faust itself would
+            try:
+                admin.create_missing({name: spec})
+                metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
+                return
+            except StackError as exc:
+                metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
+                log.warning("changelog topic %s not ready (%s); trying again in %.1f s", name, exc, wait)
+                time.sleep(wait)
+                wait = min(wait * 2, SEND_RETRY_MAX_S)
+
     def run(self, banner: str) -> int:
         app = self
+        self.ensure_changelog()
 
         class Worker(faust.Worker):
             async def on_startup_finished(self) -> None:

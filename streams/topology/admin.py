@@ -236,6 +236,22 @@ class TopicAdmin:
         """Create or reconcile exactly these topics (tests, benchmarks and the demo use a subset)."""
         self.apply(plan(specs, self.state(list(specs))), specs)
 
+    def create_missing(self, specs: dict[str, TopicSpec]) -> None:
+        """Create those of `specs` that do not exist (the others are left as they are; another client
+        creating one at the same moment is fine), and return once the brokers' metadata shows them."""
+        missing = [s for name, s in specs.items() if name not in self.state([name])]
+        if missing:
+            futures = self.admin.create_topics(
+                [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
+                          config=s.config) for s in missing], request_timeout=TIMEOUT_S)
+            for name, fut in futures.items():
+                try:
+                    fut.result()
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise StackError(f"the broker refused to create {name}: {exc.args[0].str()}") from None
+        self._wait_visible({name: s.partitions for name, s in specs.items()})
+
     def named(self, prefix: str) -> list[str]:
         """The cluster's topics whose names start with `prefix` (a namespace)."""
         return sorted(name for name in self._metadata().topics if name.startswith(prefix))

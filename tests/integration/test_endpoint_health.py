@@ -442,3 +442,33 @@ def test_a_partition_whose_records_never_reached_the_agent_is_read_again_from_it
     assert first == [] and seeks == [(0, 1)]
     assert rereads() == before + 1
     assert asyncio.run(checks_while_taking()) == []
+
+
+def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, names, channel_topics, dispatch_env):
+    """Given no changelog topic yet (a fresh deployment),
+    When a copy of the app prepares to start, twice (a second copy starting alongside),
+    Then the table's changelog topic exists, compacted, with the attempts topic's partitions, and the brokers'
+    metadata shows it before faust subscribes (a consumer that subscribed earlier would not see it for
+    minutes, and the first row written would crash the agent); the second time changes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streams.config import Config
+    from streams.health.app import EndpointHealthApp
+    from streams.topology.admin import TopicAdmin
+
+    channel_topics("webhook")
+    changelog = f"{names.endpoint_health_app}-health-changelog"
+    admin = TopicAdmin(stack.bootstrap)
+    assert admin.state([changelog]) == {}
+    try:
+        copies = [EndpointHealthApp(Config.from_env(dispatch_env), directory=None)  # type: ignore[arg-type]
+                  for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:  # two copies starting at the same moment: both succeed
+            list(pool.map(lambda copy: copy.ensure_changelog(), copies))
+        state = admin.state([changelog])[changelog]
+        assert state.partitions == admin.state([names.webhook_attempts])[names.webhook_attempts].partitions == 6
+        assert state.overrides.get("cleanup.policy") == "compact"
+        copies[0].ensure_changelog()
+        assert admin.state([changelog])[changelog] == state
+    finally:
+        admin.delete(admin.named(f"{names.endpoint_health_app}-"))
