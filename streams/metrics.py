@@ -102,9 +102,9 @@ HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails 
 HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "
                         "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
                         ["kind"])
-HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Attempts partitions the endpoint-health app read "
-                         "again from their committed offset: records past it that never reached its agent "
-                         "(a faust rebalance race)")
+HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the endpoint-health app read an attempts "
+                         "partition again from its committed offset because records past it never reached its "
+                         "agent (a faust rebalance race; an event read twice changes nothing)")
 SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
                              "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
                              "(ingest, worker)", ["reason", "where"])

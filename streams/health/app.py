@@ -15,9 +15,9 @@ last error, alert window. The rules are `rules.py`; this module does their I/O:
   commit; the row remembers the offset it has applied (`applied_upto`), and an event at or below
   it changes nothing. An event whose alert went out but whose row was not written is applied again
   and its alert sent again under the same send id.
-- faust can lose the records it fetched as a rebalance's recovery completes; every STALL_CHECK_S
-  the app reads again, from its committed offset, a partition whose records never reached the
-  agent (`stall.py`).
+- faust can lose the records it fetched as a rebalance's recovery completes; the app then reads
+  the partition again from its committed offset: when the first event after the rebalance lies
+  past it, or when nothing more arrives (checked every STALL_CHECK_S); see `stall.py`.
 
 Settings and why: `store="memory://"` (the table is small, one row per endpoint; it is rebuilt from
 the changelog on start and on every rebalance, so no local disk state can disagree with the
@@ -35,6 +35,7 @@ import logging
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from ..topology.spec import TopicSpec, load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
-from .stall import StallWatch
+from .stall import FirstEvents, StallWatch, Verdict
 
 log = logging.getLogger("streams.endpoint_health")
 ALERT_TEMPLATE = "endpoint-alert"
@@ -95,17 +96,44 @@ class EndpointHealthApp:
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
         self.routing = default_routing()
-        self.stalls, self.taken, self.busy = StallWatch(), 0, False
-        self._offsets: Consumer | None = None  # reads the group's committed offsets and the partitions' ends
+        self.stalls, self.first = StallWatch(), FirstEvents()
+        self.taken: dict[int, int] = {}  # attempts partition -> events the agent took from it
+        self.busy = False                # the agent holds an event
+        # The group's committed offsets and the partitions' ends, asked on a thread of their own.
+        self._offsets: Consumer | None = None
+        self._offsets_thread = ThreadPoolExecutor(1, thread_name_prefix="health-offsets")
 
     # ------------------------------------------------------------------ the agent
     async def _follow(self, stream: Any) -> None:
         async for event in stream.events():
-            self.taken, self.busy = self.taken + 1, True
+            partition = event.message.partition
+            self.taken[partition], self.busy = self.taken.get(partition, 0) + 1, True
             try:
-                await self._apply(event)
+                if await self._in_turn(event):
+                    await self._apply(event)
             finally:
                 self.busy = False
+
+    async def _in_turn(self, event: Any) -> bool:
+        """False: faust lost records before this one, and its partition is read again from the committed
+        offset (see `stall.py`); this event comes again after them."""
+        topic, partition, offset = event.message.topic, event.message.partition, event.message.offset
+        generation = self.app.consumer_generation_id
+        verdict = self.first.take(generation, partition, offset)
+        if verdict is Verdict.CHECK:
+            try:
+                [(committed, _)] = (await self._ask(topic, [partition])).values()
+            except Exception as exc:  # noqa: BLE001 - the broker cannot say now: take the event as it comes
+                log.info("committed offset of %s[%d] not read: %s", topic, partition, exc)
+                committed = offset
+            verdict = self.first.take(generation, partition, offset, committed)
+            if verdict is Verdict.REREAD:
+                if await self._read_again(topic, partition, committed, f"the first event after a rebalance was "
+                                                                       f"at {offset}"):
+                    return False
+                self.first.abandon(partition)
+                return True
+        return verdict is Verdict.APPLY
 
     async def _apply(self, event: Any) -> None:
         """One attempt event (or reactivation) into the table, after its effects."""
@@ -190,42 +218,59 @@ class EndpointHealthApp:
     # ------------------------------------------------------------------ stalled partitions
     async def _reread_stalled(self) -> None:
         """Read again, from its committed offset, an attempts partition whose records never reached the
-        agent (see `stall.py`)."""
+        agent and after which nothing came (see `stall.py`)."""
         topic = self.names.webhook_attempts
         partitions = sorted(tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic)
         if self.app.rebalancing or not partitions:
-            self.stalls.forget()
             return
+        generation, taken, busy = self.app.consumer_generation_id, dict(self.taken), self.busy
         try:
-            behind = await asyncio.get_running_loop().run_in_executor(None, self._behind, topic, partitions)
+            offsets = await self._ask(topic, partitions)
         except Exception as exc:  # noqa: BLE001 - the broker cannot say now: ask again at the next check
             log.info("committed offsets of %s not read: %s", topic, exc)
             self.stalls.forget()
             return
-        for partition, offset in self.stalls.observe(self.taken, self.busy, behind).items():
-            if self.app.rebalancing or TP(topic, partition) not in self.app.consumer.assignment():
-                continue
-            metrics.HEALTH_REREADS.inc()
-            log.warning("%s[%d] has records past its committed offset %d that never reached the agent: reading "
-                        "them again", topic, partition, offset)
-            await self.app.consumer.seek(TP(topic, partition), offset)
+        behind = {p: start for p, (start, end) in offsets.items() if end > start}
+        busy = busy or self.busy or self.app.rebalancing or generation != self.app.consumer_generation_id
+        for partition, offset in self.stalls.observe(generation, taken, busy, behind).items():
+            if await self._read_again(topic, partition, offset, "nothing reached the agent since"):
+                self.stalls.reread(partition, offset)
 
-    def _behind(self, topic: str, partitions: list[int]) -> dict[int, int]:
-        """Each partition with records past the group's committed offset -> that offset (blocking)."""
+    async def _read_again(self, topic: str, partition: int, offset: int, why: str) -> bool:
+        """Seek the partition back to `offset` (on faust's consumer thread); False: not done."""
+        tp = TP(topic, partition)
+        if self.app.rebalancing or tp not in self.app.consumer.assignment():
+            return False
+        try:
+            await self.app.consumer.seek_wait({tp: offset})
+        except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner reads it from there
+            log.warning("could not read %s[%d] again from %d: %s", topic, partition, offset, exc)
+            return False
+        metrics.HEALTH_REREADS.inc()
+        log.warning("%s[%d]: records from the committed offset %d never reached the agent (%s): reading them "
+                    "again", topic, partition, offset, why)
+        return True
+
+    async def _ask(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
+        return await asyncio.get_running_loop().run_in_executor(self._offsets_thread, self._offsets_of, topic,
+                                                                partitions)
+
+    def _offsets_of(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
+        """Each partition -> (where the group reads it from next, its end), from the broker (blocking).
+        Where to read from: the committed offset, the earliest record kept if that is past it (retention),
+        or the earliest record if the group committed nothing (auto.offset.reset=earliest)."""
         if self._offsets is None:
             self._offsets = Consumer(client_config(self.config.bootstrap, quiet=True, settings={
                 "group.id": self.names.endpoint_health_app, "enable.auto.commit": False}))
         committed = self._offsets.committed([TopicPartition(topic, p) for p in partitions], timeout=5)
-        behind = {}
+        out = {}
         for tp in committed:
             if tp.error is not None:
                 raise RuntimeError(f"{topic}[{tp.partition}]: {tp.error}")
             low, high = self._offsets.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=5,
                                                             cached=False)
-            start = tp.offset if tp.offset >= 0 else low  # nothing committed: earliest (auto.offset.reset)
-            if high > start:
-                behind[tp.partition] = start
-        return behind
+            out[tp.partition] = (max(tp.offset, low), high)
+        return out
 
     # ------------------------------------------------------------------ metrics
     async def _report(self) -> None:
@@ -251,15 +296,25 @@ class EndpointHealthApp:
                 admin.create_missing({name: spec})
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
                 return
-            except StackError as exc:
+            except StackError as exc:  # the broker is away or slow; a TopicPlanError (waiting will not help) ends it
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
                 log.warning("changelog topic %s not ready (%s); trying again in %.1f s", name, exc, wait)
                 time.sleep(wait)
                 wait = min(wait * 2, SEND_RETRY_MAX_S)
 
+    def close(self) -> None:
+        self._offsets_thread.shutdown(wait=True)  # no call of the offsets consumer is left running
+        if self._offsets is not None:
+            self._offsets.close()
+        self.directory.close()
+
     def run(self, banner: str) -> int:
         app = self
-        self.ensure_changelog()
+        try:
+            self.ensure_changelog()
+        except BaseException:
+            self.close()
+            raise
 
         class Worker(faust.Worker):
             async def on_startup_finished(self) -> None:
@@ -270,9 +325,7 @@ class EndpointHealthApp:
         try:
             worker.execute_from_commandline()
         finally:
-            app.directory.close()
-            if app._offsets is not None:
-                app._offsets.close()
+            app.close()
         return 0
 
 

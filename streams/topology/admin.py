@@ -223,7 +223,11 @@ class TopicAdmin:
         so that a plan right after an apply sees what was applied."""
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
-            md = self.admin.list_topics(timeout=10.0)
+            try:
+                md = self.admin.list_topics(timeout=10.0)
+            except KafkaException:
+                time.sleep(0.1)
+                continue  # the broker went away meanwhile: the deadline decides
             if all(n in md.topics and md.topics[n].error is None
                    and len(md.topics[n].partitions) >= p
                    and all(pm.leader >= 0 for pm in md.topics[n].partitions.values())
@@ -237,20 +241,32 @@ class TopicAdmin:
         self.apply(plan(specs, self.state(list(specs))), specs)
 
     def create_missing(self, specs: dict[str, TopicSpec]) -> None:
-        """Create those of `specs` that do not exist (the others are left as they are; another client
-        creating one at the same moment is fine), and return once the brokers' metadata shows them."""
-        missing = [s for name, s in specs.items() if name not in self.state([name])]
-        if missing:
-            futures = self.admin.create_topics(
-                [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
-                          config=s.config) for s in missing], request_timeout=TIMEOUT_S)
-            for name, fut in futures.items():
-                try:
-                    fut.result()
-                except KafkaException as exc:
-                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise StackError(f"the broker refused to create {name}: {exc.args[0].str()}") from None
-        self._wait_visible({name: s.partitions for name, s in specs.items()})
+        """Create those of `specs` that do not exist (another client creating one at the same moment is
+        fine), and return once every broker shows them. Raises TopicPlanError when one exists with another
+        partition count or the broker refuses for good (waiting will not help), StackError when the
+        broker cannot be reached or does not answer in time (it may)."""
+        existing = self.state(list(specs))
+        for name, state in existing.items():
+            if state.partitions != specs[name].partitions:
+                raise TopicPlanError(f"{name} has {state.partitions} partitions where {specs[name].partitions} "
+                                     "are needed; recreate it deliberately")
+        missing = [s for name, s in specs.items() if name not in existing]
+        if not missing:
+            return
+        futures = self.admin.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
+                      config=s.config) for s in missing], request_timeout=TIMEOUT_S)
+        for name, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                error = exc.args[0]
+                if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    refused = f"the broker refused to create {name}: {error.str()}"
+                    raise (StackError(refused) if error.retriable() else TopicPlanError(refused)) from None
+        self._wait_visible({s.name: s.partitions for s in missing})
+        self._wait_brokers_agree([Change(s.name, "create", "", partitions=s.partitions) for s in missing],
+                                 {s.name: s for s in missing})
 
     def named(self, prefix: str) -> list[str]:
         """The cluster's topics whose names start with `prefix` (a namespace)."""

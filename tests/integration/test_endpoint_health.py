@@ -367,8 +367,8 @@ def test_attempt_events_it_cannot_read_are_counted_as_malformed_and_the_rest_app
 
 
 class _Assigned:
-    """The app's view of its faust consumer that `_reread_stalled` uses: its assignment, and the seeks it
-    asks for (faust's own consumer loses fetched records only in a race a test cannot time)."""
+    """The parts of faust's consumer the app's re-reading uses: the assignment, and the seeks it asks for
+    (faust's own consumer loses fetched records only in a race a test cannot time)."""
 
     def __init__(self, tps):
         self.tps, self.seeks = set(tps), []
@@ -376,99 +376,146 @@ class _Assigned:
     def assignment(self):
         return set(self.tps)
 
-    async def seek(self, tp, offset):
-        self.seeks.append((tp.partition, offset))
+    async def seek_wait(self, offsets):
+        self.seeks.extend((tp.partition, offset) for tp, offset in offsets.items())
+
+
+@pytest.fixture
+def attempts_at(stack, names, channel_topics):
+    """Attempt events on the real attempts topic and the endpoint-health group's committed offsets:
+    {partition: (records, committed)}."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    channel_topics("webhook")
+
+    def _write(layout: dict[int, tuple[int, int]]) -> None:
+        producer = Producer({"bootstrap.servers": stack.bootstrap})
+        for partition, (records, _) in layout.items():
+            for _ in range(records):
+                producer.produce(names.webhook_attempts, key=b"ep", value=b"{}", partition=partition)
+        assert producer.flush(10) == 0
+        group = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": names.endpoint_health_app,
+                          "enable.auto.commit": False})
+        group.commit(offsets=[TopicPartition(names.webhook_attempts, p, committed)
+                              for p, (_, committed) in layout.items()], asynchronous=False)
+        group.close()
+
+    return _write
+
+
+def _health_app(dispatch_env, assigned):
+    from types import SimpleNamespace
+
+    from streams.config import Config
+    from streams.health.app import EndpointHealthApp
+
+    health = EndpointHealthApp(Config.from_env(dispatch_env), directory=SimpleNamespace(close=lambda: None))
+    health.app.consumer = assigned
+    return health
+
+
+def _rereads() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("webhook_endpoint_health_rereads_total") or 0.0
 
 
 def test_a_partition_whose_records_never_reached_the_agent_is_read_again_from_its_committed_offset(
-        stack, names, channel_topics, dispatch_env):
+        names, attempts_at, dispatch_env):
     """Given attempt events past the group's committed offset on partitions 0 and 2, and partition 1 caught up,
     with partitions 0 and 1 assigned to this copy (as faust leaves a partition whose fetched records it lost),
     When the app checks its partitions against the broker, with its agent idle,
     Then at the second check in a row it reads partition 0 again from its committed offset, once; never the
-    partition another copy holds, nor one whose agent took an event in between."""
+    partition another copy holds, nor one the agent took an event from in between."""
     import asyncio
 
-    from confluent_kafka import Consumer, Producer, TopicPartition
     from faust.types import TP
-    from prometheus_client import REGISTRY
 
-    from streams.config import Config
-    from streams.health.app import EndpointHealthApp
-
-    channel_topics("webhook")
     topic = names.webhook_attempts
-    producer = Producer({"bootstrap.servers": stack.bootstrap})
-    for partition, n in ((0, 3), (1, 2), (2, 4)):
-        for _ in range(n):
-            producer.produce(topic, key=b"ep", value=b"{}", partition=partition)
-    assert producer.flush(10) == 0
-    group = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": names.endpoint_health_app,
-                      "enable.auto.commit": False})
-    group.commit(offsets=[TopicPartition(topic, 0, 1), TopicPartition(topic, 1, 2), TopicPartition(topic, 2, 1)],
-                 asynchronous=False)
-    group.close()
+    attempts_at({0: (3, 1), 1: (2, 2), 2: (4, 1)})
 
-    def rereads() -> float:
-        return REGISTRY.get_sample_value("webhook_endpoint_health_rereads_total") or 0.0
-
-    async def checks() -> tuple[list, list]:
-        health = EndpointHealthApp(Config.from_env(dispatch_env), directory=None)  # type: ignore[arg-type]
+    async def checks(take_between: bool) -> tuple[list, list]:
         assigned = _Assigned({TP(topic, 0), TP(topic, 1)})
-        health.app.consumer = assigned
+        health = _health_app(dispatch_env, assigned)
         try:
             await health._reread_stalled()
             first = list(assigned.seeks)
+            if take_between:
+                health.taken[0] = 1  # the agent took an event from partition 0: its commit will follow
             await health._reread_stalled()
-            await health._reread_stalled()  # still at offset 1: not read again from it
+            await health._reread_stalled()  # still at offset 1 (when read again): not again from it
             return first, assigned.seeks
         finally:
-            health._offsets.close()
+            health.close()
 
-    async def checks_while_taking() -> list:
-        health = EndpointHealthApp(Config.from_env(dispatch_env), directory=None)  # type: ignore[arg-type]
-        assigned = _Assigned({TP(topic, 0)})
-        health.app.consumer = assigned
+    before = _rereads()
+    assert asyncio.run(checks(take_between=False)) == ([], [(0, 1)])
+    assert _rereads() == before + 1
+    first, seeks = asyncio.run(checks(take_between=True))
+    assert first == [] and seeks == [(0, 1)]  # only after two more checks without an event from it
+
+
+def test_a_first_event_past_the_committed_offset_reads_its_partition_again_in_order(names, attempts_at, dispatch_env):
+    """Given partition 0 holding offsets 0-5 with the group committed at 2 (this copy just took it over),
+    When the agent's first event from it is offset 4 (faust lost 2 and 3) and offset 5 is queued behind it,
+    Then partition 0 is read again from offset 2, offsets 4 and 5 are left to come again, and from offset 2 on
+    every event is applied in order; partition 1, whose first event is at its committed offset, goes on."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from faust.types import TP
+
+    topic = names.webhook_attempts
+    attempts_at({0: (6, 2), 1: (3, 1)})
+
+    def event(partition: int, offset: int):
+        return SimpleNamespace(message=SimpleNamespace(topic=topic, partition=partition, offset=offset))
+
+    async def takes() -> tuple[list, list]:
+        assigned = _Assigned({TP(topic, 0), TP(topic, 1)})
+        health = _health_app(dispatch_env, assigned)
         try:
-            await health._reread_stalled()
-            health.taken += 1  # the agent took an event: its commit will follow
-            await health._reread_stalled()
-            return assigned.seeks
+            order = [(0, 4), (0, 5), (1, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 2)]
+            return [await health._in_turn(event(p, o)) for p, o in order], assigned.seeks
         finally:
-            health._offsets.close()
+            health.close()
 
-    before = rereads()
-    first, seeks = asyncio.run(checks())
-    assert first == [] and seeks == [(0, 1)]
-    assert rereads() == before + 1
-    assert asyncio.run(checks_while_taking()) == []
+    before = _rereads()
+    applied, seeks = asyncio.run(takes())
+    assert applied == [False, False, True, True, True, True, True, True]
+    assert seeks == [(0, 2)] and _rereads() == before + 1
 
 
 def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, names, channel_topics, dispatch_env):
     """Given no changelog topic yet (a fresh deployment),
-    When a copy of the app prepares to start, twice (a second copy starting alongside),
+    When two copies of the app prepare to start at the same moment, and later one again,
     Then the table's changelog topic exists, compacted, with the attempts topic's partitions, and the brokers'
     metadata shows it before faust subscribes (a consumer that subscribed earlier would not see it for
-    minutes, and the first row written would crash the agent); the second time changes nothing."""
+    minutes, and the first row written would crash the agent); the third time changes nothing. A changelog
+    with another partition count stops the copy with the reason, instead of a crash at the first row."""
     from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
 
-    from streams.config import Config
-    from streams.health.app import EndpointHealthApp
+    from streams.errors import TopicPlanError
     from streams.topology.admin import TopicAdmin
 
     channel_topics("webhook")
     changelog = f"{names.endpoint_health_app}-health-changelog"
     admin = TopicAdmin(stack.bootstrap)
     assert admin.state([changelog]) == {}
+    copies = [_health_app(dispatch_env, None) for _ in range(3)]
     try:
-        copies = [EndpointHealthApp(Config.from_env(dispatch_env), directory=None)  # type: ignore[arg-type]
-                  for _ in range(2)]
         with ThreadPoolExecutor(2) as pool:  # two copies starting at the same moment: both succeed
-            list(pool.map(lambda copy: copy.ensure_changelog(), copies))
+            list(pool.map(lambda copy: copy.ensure_changelog(), copies[:2]))
         state = admin.state([changelog])[changelog]
         assert state.partitions == admin.state([names.webhook_attempts])[names.webhook_attempts].partitions == 6
         assert state.overrides.get("cleanup.policy") == "compact"
-        copies[0].ensure_changelog()
+        copies[2].ensure_changelog()
         assert admin.state([changelog])[changelog] == state
+        copies[2].attempts_spec = replace(copies[2].attempts_spec, partitions=3)  # e.g. a redefined topic
+        with pytest.raises(TopicPlanError, match="has 6 partitions where 3 are needed"):
+            copies[2].ensure_changelog()
     finally:
+        for copy in copies:
+            copy.close()
         admin.delete(admin.named(f"{names.endpoint_health_app}-"))

@@ -1,38 +1,83 @@
 """When the endpoint-health app reads a partition again (`streams.health.stall`)."""
 
-from streams.health.stall import StallWatch
+from streams.health.stall import FirstEvents, StallWatch, Verdict
 
 
 def test_a_partition_behind_at_the_same_offset_twice_while_the_agent_is_idle_is_read_again_once():
     watch = StallWatch()
-    assert watch.observe(taken=10, busy=False, behind={0: 9}) == {}
-    assert watch.observe(taken=10, busy=False, behind={0: 9, 3: 4}) == {0: 9}
-    assert watch.observe(taken=10, busy=False, behind={0: 9, 3: 4}) == {3: 4}
+    assert watch.observe(1, {0: 10}, False, {0: 9}) == {}
+    assert watch.observe(1, {0: 10}, False, {0: 9, 3: 4}) == {0: 9}
+    watch.reread(0, 9)
+    assert watch.observe(1, {0: 10}, False, {0: 9, 3: 4}) == {3: 4}
+    watch.reread(3, 4)
     # still at 9 after reading it again (e.g. only a transaction marker past it): not again from 9
-    assert watch.observe(taken=10, busy=False, behind={0: 9}) == {}
-    assert watch.observe(taken=10, busy=False, behind={0: 9}) == {}
-    watch.observe(taken=10, busy=False, behind={0: 12})
-    assert watch.observe(taken=10, busy=False, behind={0: 12}) == {0: 12}  # a new offset: once more
+    assert watch.observe(1, {0: 10}, False, {0: 9}) == {}
+    assert watch.observe(1, {0: 10}, False, {0: 12}) == {}
+    assert watch.observe(1, {0: 10}, False, {0: 12}) == {0: 12}  # a new offset: once more
 
 
-def test_an_agent_that_took_an_event_or_holds_one_is_not_stalled():
+def test_a_read_again_that_was_not_done_is_offered_again():
     watch = StallWatch()
-    watch.observe(taken=10, busy=False, behind={0: 9})
-    assert watch.observe(taken=11, busy=False, behind={0: 9}) == {}   # it is reading: the commit will follow
-    assert watch.observe(taken=11, busy=True, behind={0: 9}) == {}    # e.g. waiting for the broker to ack an alert
-    assert watch.observe(taken=11, busy=False, behind={0: 9}) == {0: 9}
+    watch.observe(1, {}, False, {0: 9})
+    assert watch.observe(1, {}, False, {0: 9}) == {0: 9}  # e.g. the seek failed: reread() not called
+    assert watch.observe(1, {}, False, {0: 9}) == {0: 9}
 
 
-def test_a_committed_offset_that_moved_or_a_partition_caught_up_is_not_stalled():
+def test_events_taken_from_other_partitions_do_not_hide_a_stalled_one():
     watch = StallWatch()
-    watch.observe(taken=3, busy=False, behind={0: 9, 1: 2})
-    assert watch.observe(taken=3, busy=False, behind={0: 10}) == {}  # 0 moved on, 1 caught up
-    assert watch.observe(taken=3, busy=False, behind={0: 10, 1: 2}) == {0: 10}  # 1 is seen once again
+    watch.observe(1, {0: 10, 1: 5}, False, {0: 9})
+    assert watch.observe(1, {0: 10, 1: 80}, False, {0: 9, 1: 79}) == {0: 9}
 
 
-def test_forget_starts_over():
+def test_a_partition_whose_agent_took_an_event_or_that_was_busy_is_not_stalled():
     watch = StallWatch()
-    watch.observe(taken=3, busy=False, behind={0: 9})
+    watch.observe(1, {0: 10}, False, {0: 9})
+    assert watch.observe(1, {0: 11}, False, {0: 9}) == {}   # it is reading: the commit will follow
+    assert watch.observe(1, {0: 11}, True, {0: 9}) == {}    # e.g. waiting for the broker to ack an alert
+    assert watch.observe(1, {0: 11}, False, {0: 9}) == {}   # a busy check does not count as the first
+    assert watch.observe(1, {0: 11}, False, {0: 9}) == {0: 9}
+
+
+def test_a_moved_committed_offset_a_caught_up_partition_or_a_rebalance_starts_over():
+    watch = StallWatch()
+    watch.observe(1, {}, False, {0: 9, 1: 2})
+    assert watch.observe(1, {}, False, {0: 10}) == {}  # 0 moved on, 1 caught up
+    assert watch.observe(2, {}, False, {0: 10, 1: 2}) == {}  # a rebalance: seen once in this generation
+    assert watch.observe(2, {}, False, {0: 10, 1: 2}) == {0: 10, 1: 2}
     watch.forget()
-    assert watch.observe(taken=3, busy=False, behind={0: 9}) == {}
-    assert watch.observe(taken=3, busy=False, behind={0: 9}) == {0: 9}
+    assert watch.observe(2, {}, False, {0: 10}) == {}
+
+
+def test_the_first_event_at_the_committed_offset_is_applied_and_the_rest_need_no_check():
+    first = FirstEvents()
+    assert first.take(1, 0, 9) is Verdict.CHECK
+    assert first.take(1, 0, 9, committed=9) is Verdict.APPLY
+    assert first.take(1, 0, 10) is Verdict.APPLY
+    assert first.take(1, 1, 0) is Verdict.CHECK  # each partition once
+    assert first.take(1, 1, 0, committed=0) is Verdict.APPLY
+    assert first.take(2, 0, 11) is Verdict.CHECK  # again after each rebalance
+
+
+def test_a_first_event_past_the_committed_offset_reads_the_partition_again_skipping_what_was_queued():
+    """faust lost 9 and 10 and delivers 11, then 12 (queued); after the seek, 9 comes again."""
+    first = FirstEvents()
+    assert first.take(1, 0, 11) is Verdict.CHECK
+    assert first.take(1, 0, 11, committed=9) is Verdict.REREAD
+    assert first.take(1, 0, 12) is Verdict.SKIP
+    assert first.take(1, 3, 4) is Verdict.CHECK  # other partitions go on as they are
+    assert [first.take(1, 0, o) for o in (9, 10, 11, 12, 13)] == [Verdict.APPLY] * 5
+
+
+def test_when_the_committed_offset_is_gone_the_partition_is_taken_from_the_earliest_record_kept():
+    first = FirstEvents()
+    first.take(1, 0, 11, committed=9)
+    assert first.take(1, 0, 10) is Verdict.APPLY  # 9 was deleted by retention meanwhile
+
+
+def test_a_partition_is_read_again_from_one_offset_once_per_rebalance_and_can_be_abandoned():
+    first = FirstEvents()
+    assert first.take(1, 0, 11, committed=9) is Verdict.REREAD
+    first.abandon(0)  # the seek could not be done
+    assert first.take(1, 0, 12) is Verdict.APPLY
+    assert first.take(2, 0, 11, committed=9) is Verdict.REREAD
+    assert first.take(2, 0, 9) is Verdict.APPLY
