@@ -103,8 +103,9 @@ HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events 
                         "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
                         ["kind"])
 HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the endpoint-health app read an attempts "
-                         "partition again from its committed offset because records past it never reached its "
-                         "agent (a faust rebalance race; an event read twice changes nothing)")
+                         "partition again from its committed offset after no progress past it at two checks while "
+                         "its agent was idle (records faust lost in a rebalance; an event read twice changes "
+                         "nothing)")
 SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
                              "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
                              "(ingest, worker)", ["reason", "where"])

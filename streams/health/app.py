@@ -15,9 +15,9 @@ last error, alert window. The rules are `rules.py`; this module does their I/O:
   commit; the row remembers the offset it has applied (`applied_upto`), and an event at or below
   it changes nothing. An event whose alert went out but whose row was not written is applied again
   and its alert sent again under the same send id.
-- faust can lose the records it fetched as a rebalance's recovery completes; the app then reads
-  the partition again from its committed offset: when the first event after the rebalance lies
-  past it, or when nothing more arrives (checked every STALL_CHECK_S); see `stall.py`.
+- faust can lose the records it fetched as a rebalance's recovery completes; when nothing more
+  arrives on that partition, the app reads it again from its committed offset (checked every
+  STALL_CHECK_S; see `stall.py`, which also says what this does not cover).
 
 Settings and why: `store="memory://"` (the table is small, one row per endpoint; it is rebuilt from
 the changelog on start and on every rebalance, so no local disk state can disagree with the
@@ -56,7 +56,7 @@ from ..topology.spec import TopicSpec, load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
-from .stall import FirstEvents, StallWatch, Verdict
+from .stall import StallWatch
 
 log = logging.getLogger("streams.endpoint_health")
 ALERT_TEMPLATE = "endpoint-alert"
@@ -96,7 +96,7 @@ class EndpointHealthApp:
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
         self.routing = default_routing()
-        self.stalls, self.first = StallWatch(), FirstEvents()
+        self.stalls = StallWatch()
         self.taken: dict[int, int] = {}  # attempts partition -> events the agent took from it
         self.busy = False                # the agent holds an event
         # The group's committed offsets and the partitions' ends, asked on a thread of their own.
@@ -109,31 +109,9 @@ class EndpointHealthApp:
             partition = event.message.partition
             self.taken[partition], self.busy = self.taken.get(partition, 0) + 1, True
             try:
-                if await self._in_turn(event):
-                    await self._apply(event)
+                await self._apply(event)
             finally:
                 self.busy = False
-
-    async def _in_turn(self, event: Any) -> bool:
-        """False: faust lost records before this one, and its partition is read again from the committed
-        offset (see `stall.py`); this event comes again after them."""
-        topic, partition, offset = event.message.topic, event.message.partition, event.message.offset
-        generation = self.app.consumer_generation_id
-        verdict = self.first.take(generation, partition, offset)
-        if verdict is Verdict.CHECK:
-            try:
-                [(committed, _)] = (await self._ask(topic, [partition])).values()
-            except Exception as exc:  # noqa: BLE001 - the broker cannot say now: take the event as it comes
-                log.info("committed offset of %s[%d] not read: %s", topic, partition, exc)
-                committed = offset
-            verdict = self.first.take(generation, partition, offset, committed)
-            if verdict is Verdict.REREAD:
-                if await self._read_again(topic, partition, committed, f"the first event after a rebalance was "
-                                                                       f"at {offset}"):
-                    return False
-                self.first.abandon(partition)
-                return True
-        return verdict is Verdict.APPLY
 
     async def _apply(self, event: Any) -> None:
         """One attempt event (or reactivation) into the table, after its effects."""
@@ -233,10 +211,10 @@ class EndpointHealthApp:
         behind = {p: start for p, (start, end) in offsets.items() if end > start}
         busy = busy or self.busy or self.app.rebalancing or generation != self.app.consumer_generation_id
         for partition, offset in self.stalls.observe(generation, taken, busy, behind).items():
-            if await self._read_again(topic, partition, offset, "nothing reached the agent since"):
+            if await self._read_again(topic, partition, offset):
                 self.stalls.reread(partition, offset)
 
-    async def _read_again(self, topic: str, partition: int, offset: int, why: str) -> bool:
+    async def _read_again(self, topic: str, partition: int, offset: int) -> bool:
         """Seek the partition back to `offset` (on faust's consumer thread); False: not done."""
         tp = TP(topic, partition)
         if self.app.rebalancing or tp not in self.app.consumer.assignment():
@@ -247,8 +225,8 @@ class EndpointHealthApp:
             log.warning("could not read %s[%d] again from %d: %s", topic, partition, offset, exc)
             return False
         metrics.HEALTH_REREADS.inc()
-        log.warning("%s[%d]: records from the committed offset %d never reached the agent (%s): reading them "
-                    "again", topic, partition, offset, why)
+        log.warning("%s[%d] made no progress past its committed offset %d at two checks while the agent was "
+                    "idle (records faust lost in a rebalance): reading them again", topic, partition, offset)
         return True
 
     async def _ask(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
@@ -296,7 +274,7 @@ class EndpointHealthApp:
                 admin.create_missing({name: spec})
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
                 return
-            except StackError as exc:  # the broker is away or slow; a TopicPlanError (waiting will not help) ends it
+            except StackError as exc:  # away, slow or refusing: ask again (a TopicPlanError ends the copy)
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
                 log.warning("changelog topic %s not ready (%s); trying again in %.1f s", name, exc, wait)
                 time.sleep(wait)

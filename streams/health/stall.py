@@ -2,25 +2,28 @@
 
 faust-streaming can lose the records it fetched in the moment a rebalance's recovery completes
 (it resumes the partitions, fetches, then clears its queues as it resumes its flow): the agent never
-sees them, and faust's position is past them. Seen after a kill -9 and a restart. Two things follow,
-and each has its watch here:
+sees them, and faust's position is past them. Seen after a kill -9 and a restart. When nothing more
+arrives on that partition, the group's committed offset stays below the partition's end for good,
+and the copy silently stops counting for the partition's endpoints.
 
-- nothing more arrives on that partition: the group's committed offset stays below the partition's
-  end for good. `StallWatch` recognises that from what the broker says (committed offset, end) and
-  what the agent did (events taken from the partition, an event in hand);
-- the next record arrives: it is the first the agent sees from that partition since the
-  rebalance, and it lies past the committed offset. `FirstEvents` recognises that; the records
-  between were lost, and faust would commit past them.
+`StallWatch` recognises that state from what the broker says (the group's committed offset and the
+partition's end) and what the agent did (events taken from the partition, an event in hand): a
+partition is stalled when, at two checks in a row, it had records past its committed offset, that
+offset had not moved, the agent took no event from it in between and held none at either check. It
+is then read again from its committed offset; an event read twice changes nothing (the table row
+remembers the offset it applied). A partition is read again from one offset once per rebalance: if
+its committed offset stays there (e.g. nothing but a transaction marker lies past it, which no event
+acknowledges), reading again would not change that.
 
-Either way the partition is read again from its committed offset. An event read twice changes
-nothing (the table row remembers the offset it applied). A partition is read again from one offset
-once per rebalance: if its committed offset stays there (e.g. nothing but a transaction marker lies
-past it, which no event acknowledges), reading again would not change that."""
+Not covered: when the next record on that partition arrives first, the lost ones are not applied
+(faust takes their offsets as done, or they come again only after later events of their endpoint,
+which the row's offset check then ignores). Seeking back from
+inside the agent was tried and dropped: a batch faust's fetcher is still delivering can undo the
+seek, and the partition would then be skipped until the next rebalance."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 
 @dataclass
@@ -53,49 +56,3 @@ class StallWatch:
     def forget(self) -> None:
         """Start over (the broker could not say)."""
         self._behind, self._taken = {}, {}
-
-
-class Verdict(Enum):
-    APPLY = "apply"    # the event is the next one: apply it
-    CHECK = "check"    # the first from its partition since the rebalance: ask for the committed offset
-    REREAD = "reread"  # records before it were lost: read the partition again from the committed offset
-    SKIP = "skip"      # the partition is being read again: this event comes again in its turn
-
-
-@dataclass
-class FirstEvents:
-    """After each rebalance, the first event the agent takes from a partition must be the one at the
-    group's committed offset. One past it means faust lost what lay between; the partition is then
-    read again from the committed offset, and the events still queued after the one that showed the
-    loss are skipped until the partition's events come again from there (applying them first would
-    put them before the lost ones, and the row's offset check would then ignore those)."""
-
-    _generation: int | None = None
-    _checked: set[int] = field(default_factory=set)
-    _rereading: dict[int, int] = field(default_factory=dict)    # partition -> the offset that showed the loss
-    _reread: set[tuple[int, int]] = field(default_factory=set)  # (partition, offset) read again this generation
-
-    def take(self, generation: int, partition: int, offset: int, committed: int | None = None) -> Verdict:
-        """`committed`: the group's committed offset of `partition`, once a CHECK asked for it."""
-        if generation != self._generation:
-            self._generation, self._checked, self._rereading, self._reread = generation, set(), {}, set()
-        seen = self._rereading.get(partition)
-        if seen is not None:
-            if offset > seen:  # still queued from before the seek; read again, it comes after
-                return Verdict.SKIP
-            del self._rereading[partition]  # read again from the committed offset (or the earliest kept)
-            return Verdict.APPLY
-        if partition in self._checked:
-            return Verdict.APPLY
-        if committed is None:
-            return Verdict.CHECK
-        self._checked.add(partition)
-        if offset > committed and (partition, committed) not in self._reread:
-            self._reread.add((partition, committed))
-            self._rereading[partition] = offset
-            return Verdict.REREAD
-        return Verdict.APPLY
-
-    def abandon(self, partition: int) -> None:
-        """The partition could not be read again (e.g. revoked meanwhile): take its events as they come."""
-        self._rereading.pop(partition, None)

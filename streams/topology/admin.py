@@ -242,31 +242,30 @@ class TopicAdmin:
 
     def create_missing(self, specs: dict[str, TopicSpec]) -> None:
         """Create those of `specs` that do not exist (another client creating one at the same moment is
-        fine), and return once every broker shows them. Raises TopicPlanError when one exists with another
-        partition count or the broker refuses for good (waiting will not help), StackError when the
-        broker cannot be reached or does not answer in time (it may)."""
+        fine), and return once the brokers show them all (each broker asked, best effort and bounded,
+        as after an apply). Raises TopicPlanError when one exists with another partition count, and
+        StackError when the broker cannot be reached, does not answer in time or refuses (the admin
+        client does not say which refusals would pass: a caller that waits asks again)."""
         existing = self.state(list(specs))
         for name, state in existing.items():
             if state.partitions != specs[name].partitions:
                 raise TopicPlanError(f"{name} has {state.partitions} partitions where {specs[name].partitions} "
                                      "are needed; recreate it deliberately")
         missing = [s for name, s in specs.items() if name not in existing]
-        if not missing:
-            return
-        futures = self.admin.create_topics(
-            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
-                      config=s.config) for s in missing], request_timeout=TIMEOUT_S)
-        for name, fut in futures.items():
-            try:
-                fut.result()
-            except KafkaException as exc:
-                error = exc.args[0]
-                if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    refused = f"the broker refused to create {name}: {error.str()}"
-                    raise (StackError(refused) if error.retriable() else TopicPlanError(refused)) from None
-        self._wait_visible({s.name: s.partitions for s in missing})
-        self._wait_brokers_agree([Change(s.name, "create", "", partitions=s.partitions) for s in missing],
-                                 {s.name: s for s in missing})
+        if missing:
+            futures = self.admin.create_topics(
+                [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
+                          config=s.config) for s in missing], request_timeout=TIMEOUT_S)
+            for name, fut in futures.items():
+                try:
+                    fut.result()
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise StackError(f"the broker refused to create {name}: {exc.args[0].str()}") from None
+        # Also when it existed: another client may have created it a moment ago.
+        self._wait_visible({name: s.partitions for name, s in specs.items()})
+        self._wait_brokers_agree([Change(name, "add_partitions", "", partitions=s.partitions)  # its partitions only
+                                  for name, s in specs.items()], specs)
 
     def named(self, prefix: str) -> list[str]:
         """The cluster's topics whose names start with `prefix` (a namespace)."""

@@ -455,37 +455,6 @@ def test_a_partition_whose_records_never_reached_the_agent_is_read_again_from_it
     assert first == [] and seeks == [(0, 1)]  # only after two more checks without an event from it
 
 
-def test_a_first_event_past_the_committed_offset_reads_its_partition_again_in_order(names, attempts_at, dispatch_env):
-    """Given partition 0 holding offsets 0-5 with the group committed at 2 (this copy just took it over),
-    When the agent's first event from it is offset 4 (faust lost 2 and 3) and offset 5 is queued behind it,
-    Then partition 0 is read again from offset 2, offsets 4 and 5 are left to come again, and from offset 2 on
-    every event is applied in order; partition 1, whose first event is at its committed offset, goes on."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from faust.types import TP
-
-    topic = names.webhook_attempts
-    attempts_at({0: (6, 2), 1: (3, 1)})
-
-    def event(partition: int, offset: int):
-        return SimpleNamespace(message=SimpleNamespace(topic=topic, partition=partition, offset=offset))
-
-    async def takes() -> tuple[list, list]:
-        assigned = _Assigned({TP(topic, 0), TP(topic, 1)})
-        health = _health_app(dispatch_env, assigned)
-        try:
-            order = [(0, 4), (0, 5), (1, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 2)]
-            return [await health._in_turn(event(p, o)) for p, o in order], assigned.seeks
-        finally:
-            health.close()
-
-    before = _rereads()
-    applied, seeks = asyncio.run(takes())
-    assert applied == [False, False, True, True, True, True, True, True]
-    assert seeks == [(0, 2)] and _rereads() == before + 1
-
-
 def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, names, channel_topics, dispatch_env):
     """Given no changelog topic yet (a fresh deployment),
     When two copies of the app prepare to start at the same moment, and later one again,

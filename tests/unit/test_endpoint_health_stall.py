@@ -1,6 +1,6 @@
 """When the endpoint-health app reads a partition again (`streams.health.stall`)."""
 
-from streams.health.stall import FirstEvents, StallWatch, Verdict
+from streams.health.stall import StallWatch
 
 
 def test_a_partition_behind_at_the_same_offset_twice_while_the_agent_is_idle_is_read_again_once():
@@ -46,38 +46,3 @@ def test_a_moved_committed_offset_a_caught_up_partition_or_a_rebalance_starts_ov
     assert watch.observe(2, {}, False, {0: 10, 1: 2}) == {0: 10, 1: 2}
     watch.forget()
     assert watch.observe(2, {}, False, {0: 10}) == {}
-
-
-def test_the_first_event_at_the_committed_offset_is_applied_and_the_rest_need_no_check():
-    first = FirstEvents()
-    assert first.take(1, 0, 9) is Verdict.CHECK
-    assert first.take(1, 0, 9, committed=9) is Verdict.APPLY
-    assert first.take(1, 0, 10) is Verdict.APPLY
-    assert first.take(1, 1, 0) is Verdict.CHECK  # each partition once
-    assert first.take(1, 1, 0, committed=0) is Verdict.APPLY
-    assert first.take(2, 0, 11) is Verdict.CHECK  # again after each rebalance
-
-
-def test_a_first_event_past_the_committed_offset_reads_the_partition_again_skipping_what_was_queued():
-    """faust lost 9 and 10 and delivers 11, then 12 (queued); after the seek, 9 comes again."""
-    first = FirstEvents()
-    assert first.take(1, 0, 11) is Verdict.CHECK
-    assert first.take(1, 0, 11, committed=9) is Verdict.REREAD
-    assert first.take(1, 0, 12) is Verdict.SKIP
-    assert first.take(1, 3, 4) is Verdict.CHECK  # other partitions go on as they are
-    assert [first.take(1, 0, o) for o in (9, 10, 11, 12, 13)] == [Verdict.APPLY] * 5
-
-
-def test_when_the_committed_offset_is_gone_the_partition_is_taken_from_the_earliest_record_kept():
-    first = FirstEvents()
-    first.take(1, 0, 11, committed=9)
-    assert first.take(1, 0, 10) is Verdict.APPLY  # 9 was deleted by retention meanwhile
-
-
-def test_a_partition_is_read_again_from_one_offset_once_per_rebalance_and_can_be_abandoned():
-    first = FirstEvents()
-    assert first.take(1, 0, 11, committed=9) is Verdict.REREAD
-    first.abandon(0)  # the seek could not be done
-    assert first.take(1, 0, 12) is Verdict.APPLY
-    assert first.take(2, 0, 11, committed=9) is Verdict.REREAD
-    assert first.take(2, 0, 9) is Verdict.APPLY
