@@ -198,7 +198,12 @@ class EndpointHealthApp:
         """Read again, from its committed offset, an attempts partition whose records never reached the
         agent and after which nothing came (see `stall.py`)."""
         topic = self.names.webhook_attempts
-        partitions = sorted(tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic)
+        try:
+            assignment = self.app.consumer.assignment()
+        except Exception as exc:  # noqa: BLE001 - e.g. the consumer not started yet: an exception would end the app
+            log.info("assignment not known yet: %s", exc)
+            return
+        partitions = sorted(tp.partition for tp in assignment if tp.topic == topic)
         if self.app.rebalancing or not partitions:
             return
         generation, taken, busy = self.app.consumer_generation_id, dict(self.taken), self.busy
@@ -217,9 +222,9 @@ class EndpointHealthApp:
     async def _read_again(self, topic: str, partition: int, offset: int) -> bool:
         """Seek the partition back to `offset` (on faust's consumer thread); False: not done."""
         tp = TP(topic, partition)
-        if self.app.rebalancing or tp not in self.app.consumer.assignment():
-            return False
         try:
+            if self.app.rebalancing or tp not in self.app.consumer.assignment():
+                return False
             await self.app.consumer.seek_wait({tp: offset})
         except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner reads it from there
             log.warning("could not read %s[%d] again from %d: %s", topic, partition, offset, exc)

@@ -455,6 +455,25 @@ def test_a_partition_whose_records_never_reached_the_agent_is_read_again_from_it
     assert first == [] and seeks == [(0, 1)]  # only after two more checks without an event from it
 
 
+def test_a_check_before_the_consumer_can_say_its_assignment_passes_without_ending_the_app(dispatch_env):
+    """Given faust's consumer not started yet (it raises when asked for its assignment),
+    When the stall check runs (a faust timer: an exception there would end the whole app),
+    Then it passes without an exception and without reading anything again."""
+    import asyncio
+
+    class NotStarted(_Assigned):
+        def assignment(self):
+            raise RuntimeError("consumer not started")
+
+    assigned = NotStarted(set())
+    health = _health_app(dispatch_env, assigned)
+    try:
+        asyncio.run(health._reread_stalled())
+    finally:
+        health.close()
+    assert assigned.seeks == []
+
+
 def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, names, channel_topics, dispatch_env):
     """Given no changelog topic yet (a fresh deployment),
     When two copies of the app prepare to start at the same moment, and later one again,
