@@ -42,13 +42,12 @@ from typing import Any
 
 import faust
 import orjson
-from confluent_kafka import Consumer, TopicPartition
 from faust.types import TP
 
 from .. import metrics
 from ..config import Config
 from ..errors import StackError
-from ..kafka_client import client_config
+from ..lag.reader import LagReader
 from ..retry.policy import default_routing
 from ..send import SCHEMA_VERSION, Send, encode
 from ..topology.admin import TopicAdmin
@@ -100,7 +99,7 @@ class EndpointHealthApp:
         self.taken: dict[int, int] = {}  # attempts partition -> events the agent took from it
         self.busy = False                # the agent holds an event
         # The group's committed offsets and the partitions' ends, asked on a thread of their own.
-        self._offsets: Consumer | None = None
+        self._offsets: LagReader | None = None
         self._offsets_thread = ThreadPoolExecutor(1, thread_name_prefix="health-offsets")
 
     # ------------------------------------------------------------------ the agent
@@ -239,21 +238,11 @@ class EndpointHealthApp:
                                                                 partitions)
 
     def _offsets_of(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
-        """Each partition -> (where the group reads it from next, its end), from the broker (blocking).
-        Where to read from: the committed offset, the earliest record kept if that is past it (retention),
-        or the earliest record if the group committed nothing (auto.offset.reset=earliest)."""
+        """Each of `partitions` -> (where the group reads it from next, its end), from the broker (blocking)."""
         if self._offsets is None:
-            self._offsets = Consumer(client_config(self.config.bootstrap, quiet=True, settings={
-                "group.id": self.names.endpoint_health_app, "enable.auto.commit": False}))
-        committed = self._offsets.committed([TopicPartition(topic, p) for p in partitions], timeout=5)
-        out = {}
-        for tp in committed:
-            if tp.error is not None:
-                raise RuntimeError(f"{topic}[{tp.partition}]: {tp.error}")
-            low, high = self._offsets.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=5,
-                                                            cached=False)
-            out[tp.partition] = (max(tp.offset, low), high)
-        return out
+            self._offsets = LagReader(self.config.bootstrap)
+        positions = self._offsets.positions(self.names.endpoint_health_app, topic)
+        return {p: positions[p] for p in partitions if p in positions}
 
     # ------------------------------------------------------------------ metrics
     async def _report(self) -> None:
