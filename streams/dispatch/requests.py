@@ -62,6 +62,9 @@ class Job:
     queue: str = ""  # the tenant queue (the endpoint's, for webhooks) it was taken from
     provider: str = ""  # the provider it went to
     stamps: dict[str, float] = field(default_factory=dict)  # stage timings (dispatch/stages.py)
+    # Re-sent after an unknown outcome: the provider may hold the first copy, so no failure of this
+    # one may free its sends (they would be re-batched under a new key and delivered twice).
+    resent: bool = False
 
 
 class Dispatcher:
@@ -443,7 +446,7 @@ class Dispatcher:
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
-                               stored.provider))
+                               stored.provider, resent=True))
         log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
                  len(stored.send_ids), route.name)
         return True

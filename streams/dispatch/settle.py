@@ -141,7 +141,10 @@ class Settler:
             self.on_gone(job)
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
-        elif result.outcome == "unknown":
+        elif result.outcome == "unknown" or (job.resent and route.spec.idempotent):
+            # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
+            # copy, which the provider may have accepted: the sends stay claimed under this key, and
+            # only this request, byte for byte, is sent again (answered from the provider's store).
             self.jobs.keep_unknown(job.tenant, job.key)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key)

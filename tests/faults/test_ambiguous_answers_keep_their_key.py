@@ -59,3 +59,43 @@ def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
     assert stats["faults_502_after_accept"] == BLAST // 100
     assert stats["idempotent_replays"] == BLAST // 100 and stats["idempotency_conflicts"] == 0
+
+
+def test_a_resend_refused_before_the_provider_reads_its_key_keeps_the_sends_on_that_key(
+        fault_stack, fault_runtime, fault_topics, fault_processes, mock_provider, names, tmp_path):
+    """Given a 300-email marketing blast whose three batches the provider accepted but answered 502,
+    When each batch is sent again under its key and the provider refuses those re-sends before it reads
+    the key (401: its checks come before its idempotency store, as a 429's do), and then recovers,
+    Then the sends stay claimed under their first keys (never freed and re-batched under new ones): the
+    re-sends are answered from the provider's store, no email is delivered twice, and the lane is
+    committed."""
+    policies = tmp_path / "policies.toml"
+    policies.write_text(POLICIES)
+    fault_processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policies)
+    fault_processes.env["PROVIDER_AUTH_HOLD_S"] = "2"
+    fault_topics("email", lane_partitions=1)
+    mock_provider.reset(rate=100, fault_502_after_accept_ratio=1.0)
+    limits = fault_runtime.limit_store()
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 1000, 100)
+    fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
+    fault_processes.worker("email", "marketing")
+    fault_processes.retrier("email", "marketing")
+    ids = fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
+
+    wait_until(lambda: mock_provider.stats()["faults_502_after_accept"] == BLAST // 100, 60,
+               "every batch to be accepted and answered 502", interval=0.2)
+    mock_provider.configure(fault_502_after_accept_ratio=0.0, fault_401_ratio=1.0)  # before the 10 s retry
+    wait_until(lambda: mock_provider.stats()["faults_401"] >= BLAST // 100, 60,
+               "the re-sends to be refused", interval=0.2)
+    mock_provider.configure(fault_401_ratio=0.0)
+    wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= BLAST // 100, 60,
+               "each batch to be answered from the provider's store", interval=0.5)
+    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
+                                     names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
+               interval=0.5)
+    stats = mock_provider.stats(deliveries=True)
+    report_outcome("re-send refused after a 502", ids, stats, fault_processes.procs)
+    assert set(ids) <= set(stats["deliveries"])
+    assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+    assert stats["idempotency_conflicts"] == 0

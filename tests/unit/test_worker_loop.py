@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from streams.dispatch.backlog import BacklogShare
+from streams.dispatch.idempotency import StoredRequest
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import StoreUnavailable
@@ -357,6 +358,85 @@ def test_an_unknown_outcome_at_a_provider_without_idempotency_keys_goes_to_recon
     _run(worker)
     (_, headers), = producer.records[NAMES.dlq]
     assert headers["reason"] == b"unknown_outcome" and jobs.state[sends[0].send_id] == "reconcile"
+
+
+class RecordingJobs(FakeJobs):
+    """FakeJobs that keeps each claimed request's record, so a later attempt can take it over (the
+    holder's lease is taken as lapsed at once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: dict[str, StoredRequest] = {}
+
+    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
+        busy = super().claim(send_ids, key, owner, path, body, tenant, provider)
+        if not busy:
+            self.records[key] = StoredRequest(key, path, body, tenant, tuple(sorted(send_ids)), provider)
+        return busy
+
+    def take_over(self, tenant, key, owner): return self.records.get(key)
+
+    def release(self, tenant, send_ids, key):
+        super().release(tenant, send_ids, key)
+        self.records.pop(key, None)
+
+
+class KeyedProvider(FakeProvider):
+    """A provider that honours idempotency keys: a key it accepted before is answered from its store.
+    `answers` come first, in order ("accept, answer lost" or an answer given without accepting)."""
+
+    LOST = "accepted, answer lost"
+
+    def __init__(self, answers):
+        super().__init__(DELIVERED)
+        self.answers = list(answers)
+        self.keys: list[str] = []
+        self.accepted: dict[str, bytes] = {}  # idempotency key -> the body it delivered
+
+    def build(self, messages, batch):
+        return "/emails/batch", b"|".join(sorted(m.send_id.encode() for m in messages))
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.keys.append(idempotency_key)
+        answer = self.answers.pop(0) if self.answers else DELIVERED
+        if answer is self.LOST or answer is DELIVERED:
+            self.accepted.setdefault(idempotency_key, body)
+        if answer is self.LOST:
+            return ProviderResult("unknown", 502, error_name="bad_gateway")
+        return answer
+
+    def deliveries(self) -> dict[bytes, int]:
+        counts: dict[bytes, int] = defaultdict(int)
+        for body in self.accepted.values():
+            for send_id in body.split(b"|"):
+                counts[send_id] += 1
+        return dict(counts)
+
+
+@pytest.mark.parametrize("refusal", [
+    ProviderResult("throttled", 429, retry_after="0", error_name="rate_limit_exceeded"),
+    ProviderResult("unavailable", error_name="connection_refused"),
+], ids=["429", "connection refused"])
+def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refusal):
+    """Given a batch of three marketing emails the provider accepted but whose answer was lost (502),
+    When the first retry copy back re-sends the request under its key and that re-send is refused
+    before the provider looks at the key (a 429, a refused connection), and every copy comes back,
+    Then the sends stay claimed under the first key: every request the provider sees carries that key,
+    and each email is delivered once (a release would re-batch them under a new key: twice)."""
+    sends, msgs = _messages(["acme"] * 3)
+    provider = KeyedProvider([KeyedProvider.LOST, refusal])
+    worker, consumer, producer, _ = _worker(msgs, jobs=RecordingJobs(), lane="marketing", provider=provider)
+    _run(worker)
+    retry_topic, = (t for t in producer.records if ".retry." in t)
+    assert len(producer.records[retry_topic]) == 3 and len(provider.keys) == 1
+    returned = 0
+    while returned < len(producer.records[retry_topic]):  # the retrier brings each copy back, one at a time
+        value, headers = producer.records[retry_topic][returned]
+        consumer.pending.append(FakeMessage(0, 3 + returned, value, list(headers.items())))
+        returned += 1
+        _run(worker)
+    assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 3, provider.keys
+    assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
 class AckHoldingProducer(FakeProducer):
