@@ -163,10 +163,11 @@ class RecordWriter:
                      on_ack, on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms,
                                                                     on_ack, tried))
 
-    def spill(self, p: Pending, due_ms: int, tier: str, on_ack: OnAck) -> None:
-        """Park a message of a tenant whose backlog is over its share on a retry tier until its
-        turn is near. Not an attempt: the `attempt` header is unchanged."""
-        headers = self._retry_headers(p, due_ms, tier, "tenant_backlog", p.attempt)
+    def spill(self, p: Pending, due_ms: int, tier: str, on_ack: OnAck, reason: str = "tenant_backlog") -> None:
+        """Park a message on a retry tier until `due_ms`: a tenant's backlog over its share
+        (`tenant_backlog`), or an endpoint that asked to be left alone for long (`endpoint_retry_after`).
+        Not an attempt: the `attempt` header is unchanged."""
+        headers = self._retry_headers(p, due_ms, tier, reason, p.attempt)
         headers["spilled"] = b"1"
         metrics.SPILLED.labels(*self._label).inc()
         self.produce(self.names.retry(self.channel, self.lane, tier), p.send.tenant_id.encode(), p.raw, headers,

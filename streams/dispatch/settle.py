@@ -28,7 +28,17 @@ from ..gate.gate import Gate
 from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
-from ..retry.policy import DeadLetter, RetryAt, RetryPolicy, cool_down_s, decide, wait_in_process
+from ..retry.policy import (
+    IN_PROCESS_BACKOFF_MAX_S,
+    DeadLetter,
+    RetryAt,
+    RetryPolicy,
+    cool_down_s,
+    decide,
+    expired,
+    tier_at_least,
+    wait_in_process,
+)
 from .idempotency import ProcessedJobs
 from .records import RecordWriter, attempt_info
 from .requests import Job
@@ -64,6 +74,8 @@ class Settler:
         self.unsettled: list[tuple[Job, ProviderResult, int]] = []  # met a Redis error; tried again
         self.unmarked: list[Job] = []  # delivered and recorded, the `delivered` mark not yet written
         self.to_mark: list[Job] = []   # acknowledged during this poll; marked together by `flush_marks`
+        # Endpoint queues held by a long Retry-After: queue -> (monotonic end, wall-clock end in ms)
+        self.long_holds: dict[str, tuple[float, int]] = {}
         self.rng = random.Random()
         self._end_to_end = metrics.END_TO_END.labels(*label)  # observed per delivered message
 
@@ -136,7 +148,7 @@ class Settler:
             if route.spec.shared_limit:  # one limit for everyone: every worker holds off, not only this one
                 self.gate.cool_down(route.name, wait)
             else:  # a webhook endpoint's own limit: hold its queue only
-                self.queues.hold(job.queue, time.monotonic() + wait)
+                self._hold_endpoint(job.queue, wait, now_ms)
         if result.outcome == "gone" and self.on_gone is not None:
             self.on_gone(job)
         if result.outcome == "unknown" and not route.spec.idempotent:
@@ -173,6 +185,31 @@ class Settler:
                 self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where), tried)
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
+
+    def _hold_endpoint(self, queue: str, wait: float, now_ms: int) -> None:
+        """A receiver's 429 holds its endpoint's queue until Retry-After. A wait longer than the
+        worker waits in process is not spent in memory: `spill_long_holds` moves what is queued for
+        the endpoint, and what arrives for it meanwhile, to the retry tier due when it asked (so its
+        partition's offset moves on, and each message's age is checked again when it comes back)."""
+        self.queues.hold(queue, time.monotonic() + wait)
+        if wait > IN_PROCESS_BACKOFF_MAX_S:
+            self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000))
+
+    def spill_long_holds(self) -> None:
+        if not self.long_holds:
+            return
+        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        for queue, (until, due_ms) in list(self.long_holds.items()):
+            if until - now <= IN_PROCESS_BACKOFF_MAX_S:  # the rest of the wait is spent in memory
+                del self.long_holds[queue]
+                continue
+            while self.queues.size(queue):
+                for p in self.queues.take(queue, self.queues.size(queue)):
+                    if expired(self.policies[p.send.policy], p.send.created_at_ms, due_ms):
+                        self.dead_letter_too_old(p)  # due after its max age: it could never be sent in time
+                    else:
+                        self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000),
+                                           self.finisher(p.where), reason="endpoint_retry_after")
 
     def _unauthorised(self, route: Route, job: Job, result: ProviderResult, now_ms: int) -> None:
         """The provider refused us even with a fresh token (or our key): retrying down the tiers

@@ -129,6 +129,7 @@ class LaneWorker:
         for msg in msgs:
             self._intake(msg)
         self._collect()
+        self.settler.spill_long_holds()
         self.dispatcher.refresh_leases()
         self.settler.retry()
         self.pauses.follow_lag()

@@ -439,6 +439,34 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
+@pytest.mark.parametrize("retry_after, spilled", [("600", True), ("31536000", False)], ids=["10 min", "a year"])
+def test_a_receivers_long_retry_after_moves_its_queued_deliveries_off_the_worker(retry_after, spilled):
+    """Given a receiver with its own limit (as a webhook endpoint) that answers 429 with a long Retry-After,
+    When more messages for it arrive while it is held, behind them another tenant's,
+    Then the held queue's messages leave the worker's memory: each to the retry tier due when the receiver
+    asked (not an attempt), or dead-lettered `too_old` when that is past its max age; the partition's offset
+    moves past all of them instead of waiting in memory for the whole Retry-After."""
+    sends, msgs = _messages(["acme", "acme", "acme", "globex"])
+    answers = [ProviderResult("throttled", 429, retry_after=retry_after, error_name="http_429"), DELIVERED]
+    worker, consumer, producer, provider = _worker(msgs[:1])
+    worker.routes.primary.spec = replace(worker.routes.primary.spec, shared_limit=False)
+    provider.post = lambda *args: (provider.sent.append(args[1]), answers.pop(0) if answers else DELIVERED)[1]
+    _run(worker)
+    consumer.pending += msgs[1:]
+    _run(worker)
+    assert provider.sent == [sends[0].send_id.encode(), sends[3].send_id.encode()]  # acme's endpoint: left alone
+    assert worker.queues.buffered == 0 and consumer.stored[(TOPIC, 0)] == 4
+    parked = [h for t, records in producer.records.items() if ".retry." in t for _, h in records
+              if h.get("retry_reason") == b"endpoint_retry_after"]
+    too_old = [h for _, h in producer.records.get(NAMES.dlq, []) if h["reason"] == b"too_old"]
+    if spilled:
+        assert sorted(h["send_id"] for h in parked) == sorted(s.send_id.encode() for s in sends[1:3])
+        assert {h["attempt"] for h in parked} == {b"1"}
+        assert {h["tier"] for h in parked} == {b"15m"}  # the shortest tier that covers 10 min
+    else:
+        assert not parked and len(too_old) == 3  # the first by its own decision, then the two queued
+
+
 class AckHoldingProducer(FakeProducer):
     """Acknowledges nothing until `release()`."""
 
