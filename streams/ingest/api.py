@@ -224,20 +224,24 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    # A 503 says which kind of dependency failed, never its error text: that names internal hosts and
+    # ports, and it is answered before the caller's key could be checked (the keys live in Redis).
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
         # Nothing was published or changed: the client may retry after a moment.
-        metrics.INGEST_REJECTED.labels("503").inc()
-        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
-                            headers={"Retry-After": "1"})
+        return _unavailable(request, exc, "the state store is unavailable; retry after a moment")
 
     @app.exception_handler(PublishError)
     @app.exception_handler(KafkaException)
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
         # answer a read (dead letters, the audit trail).
+        return _unavailable(request, exc, "the message broker did not answer; retry after a moment")
+
+    def _unavailable(request: Request, exc: Exception, msg: str) -> JSONResponse:
+        log.warning("503 on %s %s: %s", request.method, request.url.path, exc)
         metrics.INGEST_REJECTED.labels("503").inc()
-        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": str(exc)}]}, status_code=503,
+        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": msg}]}, status_code=503,
                             headers={"Retry-After": "1"})
 
     def openapi() -> dict[str, Any]:
