@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 Resolver = Callable[[str], Iterable[str]]  # host -> its addresses
 METADATA = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200"})  # AWS, AWS IPv6, Alibaba
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known NAT64 prefix: the last 32 bits are an IPv4 host
 
 
 class UnsafeUrl(ValueError):
@@ -39,15 +40,17 @@ class UrlPolicy:
         host = parts.hostname
         if host in self.allow:
             return
+        # The reasons name the kind of address, never the address a name resolved to nor the
+        # resolver's error: a tenant reads them, and must not map our internal names with them.
         try:
             addresses = [host] if _is_ip(host) else list(resolve(host))
-        except OSError as exc:
-            raise UnsafeUrl(f"the host {host!r} does not resolve ({exc})") from None
+        except OSError:
+            raise UnsafeUrl(f"the host {host!r} does not resolve") from None
         if not addresses:
             raise UnsafeUrl(f"the host {host!r} does not resolve")
         for address in addresses:
             if address not in self.allow and _forbidden(address):
-                raise UnsafeUrl(f"the host {host!r} resolves to {address}, a {_forbidden(address)} address")
+                raise UnsafeUrl(f"the host {host!r} resolves to a {_forbidden(address)} address")
 
 
 def _is_ip(host: str) -> bool:
@@ -61,8 +64,13 @@ def _is_ip(host: str) -> bool:
 def _forbidden(address: str) -> str:
     """Why an address may not be called ("" when it may)."""
     ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        # An IPv4 address carried inside an IPv6 one reaches that IPv4 host: judge the IPv4 one.
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is None and ip in NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            return _forbidden(str(embedded))
     if address in METADATA:
         return "cloud metadata"
     for kind, hit in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),

@@ -28,6 +28,10 @@ def resolve(host):
     ("https://224.0.0.1/x", "multicast"),
     ("https://0.0.0.0/x", "unspecified"),
     ("https://nowhere.example.com/x", "does not resolve"),
+    ("https://[2002:a9fe:a9fe::1]/x", "cloud metadata"),  # 6to4 around 169.254.169.254
+    ("https://[2002:0a00:0007::1]/x", "private"),  # 6to4 around 10.0.0.7
+    ("https://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/x", "private"),  # Teredo: client 10.0.0.1
+    ("https://[64:ff9b::7f00:1]/x", "loopback"),  # NAT64 around 127.0.0.1
     ("https://user:pw@hooks.example.com/x", "credentials"),
     ("ftp://hooks.example.com/x", "not an http"),
 ])
@@ -39,3 +43,11 @@ def test_unsafe_urls_are_refused_with_the_reason(url, why):
 def test_public_https_and_operator_allowed_hosts_pass():
     UrlPolicy().check("https://hooks.example.com/x", resolve)
     UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})).check("http://127.0.0.1:9000/hooks/a", resolve)
+
+
+def test_a_refusal_never_names_the_address_a_name_resolved_to_nor_the_resolvers_error():
+    """A tenant reads these reasons: they must not map our internal names for it."""
+    for url, hidden in (("https://inside.example.com/x", "10.0.0.7"), ("https://nowhere.example.com/x", "no such")):
+        with pytest.raises(UnsafeUrl) as refused:
+            UrlPolicy().check(url, resolve)
+        assert hidden not in str(refused.value)
