@@ -10,9 +10,10 @@ poll timeout is the time to the next due message (at most 0.5 s).
 
 Offsets are tracked per partition and stored only up to the lowest message not yet acknowledged
 in its lane topic, so a crash re-reads only unreleased messages (the lane worker's idempotency
-absorbs the few released twice). Memory is bounded: past `max_held` messages or `max_held_bytes`,
-the retrier pauses its partitions until half of that is released. A copy the broker did not
-acknowledge is produced again until it is.
+absorbs the few released twice). Memory is bounded (`memory_bound.py`): past `max_held` messages
+or `max_held_bytes` the retrier pauses the partitions holding messages due late, so the short tiers
+keep flowing; past twice that, every partition; each until half is released. A copy the broker did
+not acknowledge is produced again until it is.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_produ
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
+from .memory_bound import MemoryBound, Partition, far_partitions
 
 log = logging.getLogger("streams.retrier")
 MAX_POLL_WAIT_S = 0.5
@@ -105,7 +107,9 @@ class Retrier:
         self.heap: list[Held] = []
         self.held_bytes = 0
         self.assigned: set[tuple[str, int]] = set()
-        self.paused = False
+        self.paused: set[Partition] = set()
+        self.bound = MemoryBound(cfg.max_held, cfg.max_held_bytes)
+        self._far: tuple[float, set[Partition]] = (0.0, set())  # (asked at, monotonic), cached for a second
         self.consume_outage = Outage("Kafka (retrier consume)")
         self.running = True
         self._next_metrics_at = 0.0
@@ -177,21 +181,25 @@ class Retrier:
         metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
 
     def _bound_memory(self) -> None:
-        """Pause every partition past the bound; resume below half of it."""
-        over = len(self.heap) >= self.cfg.max_held or self.held_bytes >= self.cfg.max_held_bytes
-        under = len(self.heap) <= self.cfg.max_held // 2 and self.held_bytes <= self.cfg.max_held_bytes // 2
-        if over and not self.paused:
-            log.warning("holding %d retry messages (%d bytes): pausing until half are released",
-                        len(self.heap), self.held_bytes)
-            self._set_paused(True)
-        elif under and self.paused:
-            self._set_paused(False)
+        wanted = self.bound.paused(len(self.heap), self.held_bytes, self.assigned, self.paused, self._far_partitions)
+        if wanted == self.paused:
+            return
+        if wanted - self.paused:
+            log.warning("holding %d retry messages (%d bytes): pausing %d of %d partitions (those holding "
+                        "messages due late) until half are released", len(self.heap), self.held_bytes,
+                        len(wanted), len(self.assigned))
+            self.consumer.pause([TopicPartition(t, p) for t, p in wanted - self.paused])
+        if self.paused - wanted:
+            self.consumer.resume([TopicPartition(t, p) for t, p in (self.paused - wanted) & self.assigned])
+        self.paused = wanted
 
-    def _set_paused(self, paused: bool) -> None:
-        parts = [TopicPartition(t, p) for t, p in self.assigned]
-        if parts:
-            (self.consumer.pause if paused else self.consumer.resume)(parts)
-        self.paused = paused
+    def _far_partitions(self) -> set[Partition]:
+        """Partitions holding a message due late (reads all that is held: at most once a second)."""
+        asked_at, far = self._far
+        if time.monotonic() - asked_at >= 1.0:
+            far = far_partitions((((h.topic, h.partition), h.due_ms) for h in self.heap), self.clock() * 1000)
+            self._far = (time.monotonic(), far)
+        return far
 
     def _store(self) -> None:
         store_offsets(self.consumer, self.tracker, self.assigned)
@@ -212,8 +220,11 @@ class Retrier:
     def _on_assign(self, consumer: Any, partitions: list) -> None:
         # Set each new partition's state explicitly: librdkafka may keep a pause flag from before.
         self.assigned |= {(p.topic, p.partition) for p in partitions}
-        if partitions:
-            (consumer.pause if self.paused else consumer.resume)(partitions)
+        if partitions:  # a new partition holds nothing here yet: it is read unless nothing more may be
+            full = self.bound.full(len(self.heap), self.held_bytes)
+            if full:
+                self.paused |= {(p.topic, p.partition) for p in partitions}
+            (consumer.pause if full else consumer.resume)(partitions)
 
     def _on_revoke(self, consumer: Any, partitions: list) -> None:
         self.writer.drain(30)
@@ -224,6 +235,7 @@ class Retrier:
     def _on_lost(self, consumer: Any, partitions: list) -> None:
         gone = {(p.topic, p.partition) for p in partitions}
         self.assigned -= gone
+        self.paused -= gone
         for tp in gone:
             self.tracker.forget(*tp)
         kept = [h for h in self.heap if (h.topic, h.partition) not in gone]

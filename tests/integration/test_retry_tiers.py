@@ -4,6 +4,7 @@ import time
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from streams.retry.retrier import Retrier, RetrierConfig
 from streams.send import build_send, encode, validate_request
 from tests.harness import free_port, metric, read_topic, sms_request, wait_until
 
@@ -93,3 +94,46 @@ def test_the_lag_monitor_sees_a_tier_whose_due_messages_are_not_released(stack, 
     processes.retrier("sms", "transactional")
     wait_until(lambda: tier("dispatch_retry_tier_waiting_messages") == 0
                and tier("dispatch_retry_tier_overdue_seconds") == 0, 30, "the tier to be clear")
+
+
+def test_a_retrier_full_of_messages_due_late_keeps_reading_its_short_tiers(stack, names, channel_topics):
+    """Given a retrier bounded to 4 held messages that holds 4 sends due in 10 hours (a tenant's backlog
+    parked on the 12 h tier),
+    When a send due now arrives on the 10 s tier,
+    Then the retrier pauses only the 12 h tier's partition that holds the late ones: it still reads the 10 s
+    tier and re-publishes that send to the lane at once (a plain bound would pause every tier for hours)."""
+    channel_topics("sms")
+    lane = names.lane("sms", "transactional")
+    ten_s, twelve_h = (names.retry("sms", "transactional", t) for t in ("10s", "12h"))
+    retrier = Retrier(RetrierConfig("sms", "transactional", stack.bootstrap, names, max_held=4))
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    now = int(time.time() * 1000)
+
+    def put(topic: str, due_ms: int) -> str:
+        send = build_send(validate_request(sms_request()), "acme")
+        producer.produce(topic, partition=0, key=b"acme", value=encode(send),
+                         headers=[("due_at_ms", str(due_ms).encode()), ("attempt", b"2"),
+                                  ("send_id", send.send_id.encode())])
+        producer.flush(10)
+        return send.send_id
+
+    for _ in range(4):
+        put(twelve_h, now + 10 * 3_600_000)
+    near: list[str] = []
+    paused: list[set] = []  # what the retrier had paused when the short tier's send was released
+    deadline = time.monotonic() + 60
+    released = retrier.tracker  # a message leaves it once its copy on the lane is acknowledged
+
+    def until() -> bool:
+        if not near and len(retrier.heap) == 4:  # the bound is reached: now the short tier's send
+            near.append(put(ten_s, int(time.time() * 1000)))
+        done = bool(near) and released.committable().get((ten_s, 0), 0) >= 1
+        if done:
+            paused.append(set(retrier.paused))
+        return done or time.monotonic() > deadline
+
+    retrier.run(until=until)
+    assert near, "the retrier never held the four late sends"
+    [copy] = read_topic(stack.bootstrap, lane, expect=1, timeout=10)
+    assert dict(copy.headers())["send_id"] == near[0].encode()
+    assert paused == [{(twelve_h, 0)}]

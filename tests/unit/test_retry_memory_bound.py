@@ -1,0 +1,40 @@
+"""Which retry partitions the retrier stops reading while it holds too much (pure)."""
+
+from streams.retry.memory_bound import NEAR_MS, MemoryBound, far_partitions
+
+SHORT, LONG, OTHER = ("retry.10s", 0), ("retry.12h", 0), ("retry.1h", 3)
+ASSIGNED = {SHORT, LONG, OTHER}
+BOUND = MemoryBound(max_held=100, max_bytes=10_000)
+
+
+def _far(*partitions):
+    return lambda: set(partitions)
+
+
+def test_below_the_bound_nothing_is_paused():
+    assert BOUND.paused(99, 9_999, ASSIGNED, set(), _far(LONG)) == set()
+
+
+def test_at_the_bound_only_partitions_holding_messages_due_late_are_paused():
+    assert BOUND.paused(100, 0, ASSIGNED, set(), _far(LONG)) == {LONG}
+    assert BOUND.paused(1, 10_000, ASSIGNED, set(), _far(LONG, OTHER)) == {LONG, OTHER}  # bytes count too
+
+
+def test_until_half_is_released_what_is_due_late_stays_paused_and_the_rest_is_read():
+    assert BOUND.paused(60, 0, ASSIGNED, {LONG}, _far(LONG)) == {LONG}
+    assert BOUND.paused(50, 5_000, ASSIGNED, {LONG}, _far(LONG)) == set()
+
+
+def test_past_twice_the_bound_every_partition_is_paused_then_the_short_tiers_come_back_first():
+    assert BOUND.paused(200, 0, ASSIGNED, {LONG}, _far(LONG)) == ASSIGNED
+    assert BOUND.paused(150, 0, ASSIGNED, ASSIGNED, _far(LONG)) == {LONG}
+
+
+def test_a_partition_no_longer_assigned_is_not_paused():
+    assert BOUND.paused(100, 0, {SHORT}, {LONG}, _far(LONG)) == set()
+
+
+def test_due_late_means_later_than_the_near_tiers_can_be_due():
+    now = 1_000_000
+    held = [(SHORT, now + 15 * 60 * 1000 * 1.2), (LONG, now + NEAR_MS + 1), (OTHER, now - 5)]
+    assert far_partitions(held, now) == {LONG}
