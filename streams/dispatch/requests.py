@@ -75,7 +75,7 @@ class Dispatcher:
     def __init__(self, routes: Routes, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
                  jobs: ProcessedJobs, gate: Gate, on_duplicate: Callable[[Pending], None], redis_outage: Outage,
                  policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None],
-                 on_unbuildable: Callable[[Pending, str], None]):
+                 on_unbuildable: Callable[[Pending, str], None], on_unknown: Callable[[Pending], None]):
         self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
@@ -85,6 +85,7 @@ class Dispatcher:
         self.policies = policies
         self.on_expired = on_expired
         self.on_unbuildable = on_unbuildable
+        self.on_unknown = on_unknown
         self.in_flight: dict[Future, Job] = {}
         # Requests that finished, in the order they did (appended by the thread that completed them):
         # the worker settles these without scanning every request in flight on every step.
@@ -433,6 +434,17 @@ class Dispatcher:
         if stored is None:
             return False
         route = self.routes.of(stored.provider)
+        if not route.spec.idempotent:
+            # Its sender stopped before the answer, at a provider without idempotency keys: it may have
+            # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
+            self.jobs.mark_reconcile(tenant, stored.send_ids, request_key)
+            for p in group + self.queues.splice(queue, stored.send_ids):
+                self._open.pop(id(p), None)
+                self.on_unknown(p)
+            log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
+                        "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
+                        route.name)
+            return True
         try:
             admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
         except CostExceedsBurst:

@@ -237,6 +237,11 @@ class Settler:
         """A send found older than its policy's max_age before an attempt: never sent late."""
         self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self.finisher(p.where))
 
+    def dead_letter_unknown_outcome(self, p: Pending) -> None:
+        """Its request went to a provider without idempotency keys and its sender stopped before the
+        answer: it may have been delivered, so it waits for reconciliation, never sent again by itself."""
+        self.records.dead_letter(p, "unknown_outcome", None, int(time.time() * 1000), self.finisher(p.where))
+
     def dead_letter_unbuildable(self, p: Pending, detail: str) -> None:
         """A send whose payload the provider adapter cannot turn into a request: it never can be."""
         self.records.dead_letter(p, "malformed", None, int(time.time() * 1000), self.finisher(p.where), detail=detail)

@@ -103,7 +103,7 @@ class LaneWorker:
         self.dispatcher = Dispatcher(routes, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old,
-                                     self.settler.dead_letter_unbuildable)
+                                     self.settler.dead_letter_unbuildable, self.settler.dead_letter_unknown_outcome)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog

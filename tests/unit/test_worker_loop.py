@@ -467,6 +467,23 @@ def test_a_receivers_long_retry_after_moves_its_queued_deliveries_off_the_worker
         assert not parked and len(too_old) == 3  # the first by its own decision, then the two queued
 
 
+def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_idempotency_keys():
+    """Given a batch claimed by a worker that died before the provider's answer, at a provider that does not
+    honour idempotency keys,
+    When another worker reads the batch's messages again and finds the request's lease lapsed,
+    Then it does not re-send the request (the provider may have delivered it: a re-send could deliver twice):
+    every send is dead-lettered `unknown_outcome` and marked for reconciliation, and the offsets move on."""
+    sends, msgs = _messages(["acme", "acme"])
+    ids = tuple(sorted(s.send_id for s in sends))
+    jobs = RecordingJobs()
+    jobs.claim(list(ids), "batch-k", "dead-worker", "/emails/batch", b"the body", "acme", "resend")
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False, lane="marketing")
+    _run(worker)
+    assert provider.sent == []
+    assert sorted(h["reason"] for _, h in producer.records[NAMES.dlq]) == [b"unknown_outcome"] * 2
+    assert {jobs.state[i] for i in ids} == {"reconcile"} and consumer.stored[(TOPIC, 0)] == 2
+
+
 class AckHoldingProducer(FakeProducer):
     """Acknowledges nothing until `release()`."""
 
