@@ -10,7 +10,8 @@ lease lapses within LEASE_S of its holder dying, never while a live holder may s
 When a request's outcome is unknown (the worker died, or the answer was lost), whoever meets the
 send later takes the lapsed lease and re-sends *that same body with that same key*, so the provider
 answers with its stored response instead of delivering again. A definite failure releases the
-claim. Every key of a claim carries the tenant's hash tag (one Redis Cluster slot).
+claim, only while its sender still holds the lease. Every key of a claim carries the tenant's hash
+tag (one Redis Cluster slot).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ProcessedJobs:
         self._release = client.register_script(load_script(__package__, "release.lua"))
         self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
         self._refresh = client.register_script(load_script(__package__, "refresh.lua"))
+        self._drop_lease = client.register_script(load_script(__package__, "drop_lease.lua"))
 
     def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
         k = self.keys
@@ -142,10 +144,11 @@ class ProcessedJobs:
         with store_errors("marking sends for reconciliation"):
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
-    def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
-        """The provider did not accept the request: the sends are free again."""
+    def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str) -> None:
+        """The provider did not accept `owner`'s request: the sends are free again, unless another
+        worker holds the lease (it took the request over and its re-send may yet be accepted)."""
         with store_errors("releasing a claim"):
-            self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}"])
+            self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}", owner])
 
     def refresh(self, leases: list[tuple[str, str]], owner: str) -> None:
         """Extend the leases (tenant, request key) this holder still owns: it is alive and sending."""
@@ -157,7 +160,8 @@ class ProcessedJobs:
         with store_errors("refreshing claim leases"):
             pipe.execute()
 
-    def keep_unknown(self, tenant: str, key: str) -> None:
-        """The outcome is unknown: drop the lease so a later attempt re-sends the same request."""
+    def keep_unknown(self, tenant: str, key: str, owner: str) -> None:
+        """The outcome is unknown: `owner` drops its lease so a later attempt re-sends the same
+        request (a lease another worker took meanwhile is left to it)."""
         with store_errors("keeping an unknown outcome"):
-            self.client.delete(self.keys.lease(tenant, key))
+            self._drop_lease(keys=[self.keys.lease(tenant, key)], args=[owner])

@@ -65,6 +65,7 @@ class Job:
     # Re-sent after an unknown outcome: the provider may hold the first copy, so no failure of this
     # one may free its sends (they would be re-batched under a new key and delivered twice).
     resent: bool = False
+    owner: str = ""  # the worker holding its lease (a definite failure frees the sends only while it does)
 
 
 class Dispatcher:
@@ -289,7 +290,7 @@ class Dispatcher:
             if not busy:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
                                             tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
-                                            {**draw.stamps, "claimed": stamp}))
+                                            {**draw.stamps, "claimed": stamp}, owner=self.worker_id))
                 continue
             taken = set(busy)
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
@@ -418,7 +419,7 @@ class Dispatcher:
                                        tenant, claim.provider))
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
-                                       fresh, key, claim.provider))
+                                       fresh, key, claim.provider, owner=self.worker_id))
                 return
             self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
@@ -453,12 +454,12 @@ class Dispatcher:
             burst = self.gate.tenant_limit(route.name, stored.tenant).burst
             admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
         if not admission.allowed:
-            self.jobs.keep_unknown(tenant, request_key)
+            self.jobs.keep_unknown(tenant, request_key, self.worker_id)
             return False
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
-                               stored.provider, resent=True))
+                               stored.provider, resent=True, owner=self.worker_id))
         log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
                  len(stored.send_ids), route.name)
         return True

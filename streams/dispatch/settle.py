@@ -131,7 +131,7 @@ class Settler:
     def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
         It stays replayable while its payload is kept."""
-        self.jobs.release(job.tenant, job.send_ids, job.key)
+        self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
         self.outage.recovered(time.monotonic())
         for p in job.members:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
@@ -157,9 +157,9 @@ class Settler:
             # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
             # copy, which the provider may have accepted: the sends stay claimed under this key, and
             # only this request, byte for byte, is sent again (answered from the provider's store).
-            self.jobs.keep_unknown(job.tenant, job.key)
+            self.jobs.keep_unknown(job.tenant, job.key, job.owner)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key)
+            self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
         if result.outcome == "auth":

@@ -4,6 +4,7 @@ import threading
 
 from confluent_kafka import Producer
 
+from streams.dispatch.idempotency import ProcessedJobs, idempotency_key
 from streams.runtime import Runtime
 from streams.send import build_send, encode, validate_request
 from tests.harness import committed_lag, email_request, wait_until
@@ -79,3 +80,28 @@ def test_same_sends_raced_by_two_workers_are_delivered_once(stack, names, namesp
     assert stats["distinct_sends"] == 300
     assert stats["duplicate_deliveries"] == 0
     assert stats["single_email_requests"] == 0 and stats["marketing_single_requests"] == 0
+
+
+def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failure(redis_client, namespace):
+    """Given a batch claimed by worker A, whose lease lapsed (A stopped refreshing it) and which worker B took
+    over to re-send it under its key,
+    When A's own request then meets a definite failure (a 429, a refused connection) and A releases its claim,
+    or meets an unknown answer and drops its lease,
+    Then B's claim stands (the sends stay `inflight` under the key, B keeps the lease and the stored body), so
+    no other worker can re-batch them under a new key while B's re-send may yet be accepted; once B fails
+    definitely itself, its release frees them."""
+    a = ProcessedJobs(redis_client, namespace, lease_s=0.2)  # A's lease lapses at once
+    b = ProcessedJobs(redis_client, namespace, lease_s=60)   # B's lasts the test
+    ids = ["s1", "s2", "s3"]
+    key = idempotency_key(ids)
+    assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    taken = wait_until(lambda: b.take_over("acme", key, "worker-b"), 10, "A's lease to lapse", interval=0.05)
+    assert taken.body == b"the body"
+
+    a.release("acme", ids, key, "worker-a")
+    a.keep_unknown("acme", key, "worker-a")
+    assert b.status("acme", ids) == [f"inflight:{key}"] * 3
+    assert b.take_over("acme", key, "worker-c") is None  # B's lease is still B's
+
+    b.release("acme", ids, key, "worker-b")
+    assert b.status("acme", ids) == [None] * 3

@@ -146,11 +146,11 @@ class FakeJobs:
     def mark_delivered(self, tenant, send_ids, key): self.state.update({s: "delivered" for s in send_ids})
     def mark_reconcile(self, tenant, send_ids, key): self.state.update({s: "reconcile" for s in send_ids})
 
-    def release(self, tenant, send_ids, key):
+    def release(self, tenant, send_ids, key, owner):
         for s in send_ids:
             self.state.pop(s, None)
 
-    def keep_unknown(self, tenant, key): pass
+    def keep_unknown(self, tenant, key, owner): pass
     def refresh(self, leases, owner): pass
 
 
@@ -376,8 +376,8 @@ class RecordingJobs(FakeJobs):
 
     def take_over(self, tenant, key, owner): return self.records.get(key)
 
-    def release(self, tenant, send_ids, key):
-        super().release(tenant, send_ids, key)
+    def release(self, tenant, send_ids, key, owner):
+        super().release(tenant, send_ids, key, owner)
         self.records.pop(key, None)
 
 
