@@ -218,6 +218,7 @@ class Runtime:
                             on_gone=self._disable_gone_endpoint(client) if webhook else None)
         if webhook:  # one queue per endpoint, each with a bounded share of the requests in flight
             worker.dispatcher.per_queue = c.webhook_endpoint_concurrency
+            worker.dispatcher.per_tenant = max(c.webhook_endpoint_concurrency, cfg.concurrency // 2)
         worker.settler.time_scale = c.retry_time_scale
         worker.settler.auth_hold_s = c.provider_auth_hold_s
         if c.stage_log_path:

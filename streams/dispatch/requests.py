@@ -95,6 +95,10 @@ class Dispatcher:
         self.rng = random.Random()
         self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
         self.in_flight_by_queue: Counter[str] = Counter()
+        # Requests in flight per tenant, where queues are endpoints: a tenant's receivers (whose latency
+        # it chooses) never hold more than this many of the worker's slots, so other tenants find room.
+        self.per_tenant: int | None = None
+        self.in_flight_by_tenant: Counter[str] = Counter()
         # A queue whose requests fail gets one request in flight until one succeeds again, then earns
         # its share back one by one: a failing webhook endpoint never holds many of the worker's slots.
         self.queue_caps: dict[str, int] = {}
@@ -137,6 +141,7 @@ class Dispatcher:
         them, and each provider's pacing holds. Appends to `draws` as it goes: what it drew before a
         Redis error goes back to its queue."""
         drawn: Counter[str] = Counter()
+        drawn_of_tenant: Counter[str] = Counter()
         by_route: Counter[str] = Counter()
         by_bucket: Counter[tuple[str, str]] = Counter()  # messages drawn per (provider, tenant) bucket
         size = min(self.concurrency - len(self.in_flight), ROUND_MAX)
@@ -155,6 +160,8 @@ class Dispatcher:
                 if route.room(now) - by_route[route.name] <= 0:
                     continue  # the provider's pacing: enough in flight, or its pause is not over
                 tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
+                if self._tenant_full(tenant, drawn_of_tenant[tenant]):
+                    continue  # this tenant's endpoints hold their share of the worker's requests
                 try:
                     n, burst = self.per_request(route, tenant), self.tenant_limit(route, tenant).burst
                 except ConfigError as exc:
@@ -170,6 +177,7 @@ class Dispatcher:
                 draws.append(Draw(key, tenant, taken, route, {"dequeued": wall_ms()}))
                 self._open.update({id(p): p for p in taken})
                 drawn[key] += 1
+                drawn_of_tenant[tenant] += 1
                 by_route[route.name] += 1
                 added = True
             if not added:
@@ -354,9 +362,14 @@ class Dispatcher:
         return self.queue_caps.get(key, self.per_queue or 1)
 
     def _room(self, key: str) -> bool:
-        """Whether another request of this queue may start now (its own cap, the worker's, its hold)."""
+        """Whether another request of this queue may start now (its own cap, its tenant's, the
+        worker's, its hold)."""
         return (self.queues.size(key) > 0 and self.queues.queues[key].ready_at <= time.monotonic()
-                and len(self.in_flight) < self.concurrency and self.in_flight_by_queue[key] < self._cap(key))
+                and len(self.in_flight) < self.concurrency and self.in_flight_by_queue[key] < self._cap(key)
+                and not self._tenant_full(self.queues.head_tenant(key)))
+
+    def _tenant_full(self, tenant: str, drawn: int = 0) -> bool:
+        return self.per_tenant is not None and self.in_flight_by_tenant[tenant] + drawn >= self.per_tenant
 
     def done(self, job: Job, succeeded: bool) -> None:
         """A request finished: its queue may start another, and earns or loses its share of slots."""
@@ -364,6 +377,9 @@ class Dispatcher:
         self.in_flight_by_queue[job.queue] -= 1
         if self.in_flight_by_queue[job.queue] <= 0:
             del self.in_flight_by_queue[job.queue]
+        self.in_flight_by_tenant[job.tenant] -= 1
+        if self.in_flight_by_tenant[job.tenant] <= 0:
+            del self.in_flight_by_tenant[job.tenant]
         if self.per_queue is not None:
             if succeeded:
                 cap = self._cap(job.queue) + 1
@@ -409,6 +425,7 @@ class Dispatcher:
         self.in_flight[fut] = job
         fut.add_done_callback(self.finished.append)
         self.in_flight_by_queue[job.queue] += 1
+        self.in_flight_by_tenant[job.tenant] += 1
         route.in_flight += 1
 
     # ---- the steps

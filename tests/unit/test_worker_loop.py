@@ -5,7 +5,7 @@ offsets are stored, for the delivered, throttled, rejected and duplicate paths."
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -482,6 +482,35 @@ def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_ide
     assert provider.sent == []
     assert sorted(h["reason"] for _, h in producer.records[NAMES.dlq]) == [b"unknown_outcome"] * 2
     assert {jobs.state[i] for i in ids} == {"reconcile"} and consumer.stored[(TOPIC, 0)] == 2
+
+
+class SilentProvider(FakeProvider):
+    """Receivers that take every request and never answer (a tenant's slow endpoints)."""
+
+    def submit(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        return Future()
+
+
+def test_one_tenants_slow_receivers_leave_room_for_another_tenants_deliveries():
+    """Given a worker whose queues are receivers (as webhook endpoints: 10 requests in flight, 2 per receiver,
+    5 per tenant), tenant A's 12 deliveries to 6 receivers that never answer, then tenant B's one delivery,
+    When the worker dispatches,
+    Then A's receivers hold 5 of the worker's slots, not all 10, and B's delivery is sent at once."""
+    sends = [build_send(validate_request({**email_request(), "correlation_id": f"receiver-{i % 6}"}), "a")
+             for i in range(12)] + [build_send(validate_request({**email_request(), "correlation_id": "b-1"}), "b")]
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    worker, consumer, producer, provider = _worker(msgs[:-1], provider=SilentProvider(DELIVERED))
+    worker.queues.queue_key = lambda send: f"{send.tenant_id}/{send.correlation_id}"
+    worker.dispatcher.concurrency, worker.dispatcher.per_queue, worker.dispatcher.per_tenant = 10, 2, 5
+    for _ in range(10):
+        worker.step()
+    consumer.pending.append(msgs[-1])  # B's delivery comes after A's receivers took what they could
+    for _ in range(10):
+        worker.step()
+    by_tenant = Counter(job.tenant for job in worker.dispatcher.in_flight.values())
+    assert by_tenant == {"a": 5, "b": 1}
+    assert sends[-1].send_id.encode() in provider.sent
 
 
 class AckHoldingProducer(FakeProducer):
