@@ -54,6 +54,7 @@ from ..topology.admin import TopicAdmin
 from ..topology.spec import TopicSpec, load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
+from .budget import AlertBudget
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
 from .stall import StallWatch
 
@@ -66,6 +67,7 @@ STALL_CHECK_S = 5.0
 class EndpointHealthApp:
     def __init__(self, config: Config, directory: EndpointDirectory, data_dir: Path | None = None):
         self.config, self.names, self.directory = config, config.names, directory
+        self.alert_budget = AlertBudget()
         topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
         attempts = self.attempts_spec = topics[self.names.webhook_attempts]
         self.app = faust.App(
@@ -164,6 +166,11 @@ class EndpointHealthApp:
             metrics.HEALTH_ALERTS.labels(alert.kind, "no_members").inc()
             log.warning("alert %s for endpoint %s not sent: project %s has no members (PUT /v1/members)",
                         alert.kind, h.endpoint_id, h.tenant)
+            return
+        if not self.alert_budget.take(h.tenant, time.monotonic()):
+            metrics.HEALTH_ALERTS.labels(alert.kind, "over_budget").inc()
+            log.warning("alert %s for endpoint %s not sent: project %s had %d alerts in the last hour",
+                        alert.kind, h.endpoint_id, h.tenant, self.alert_budget.per_hour)
             return
         ep = self.directory.endpoints.get(h.endpoint_id)
         payload = alert_email(alert.kind, h.endpoint_id, ep.url if ep else "(deleted)", h.tenant, h.last_error,

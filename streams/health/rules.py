@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 DEGRADE_AFTER = 10
 ALERT_WINDOW_MS = 24 * 3600 * 1000
@@ -122,8 +123,10 @@ def describe(event: dict) -> str:
 def alert_email(kind: str, endpoint_id: str, endpoint_url: str, tenant: str, last_error: str, members: list[str],
                 sender: str) -> dict:
     """The rendered email of an alert (sent through our own transactional email lane): it names the
-    endpoint, the project and the last error."""
-    where = f"Your webhook endpoint {endpoint_url} ({endpoint_id}, project {tenant})"
+    endpoint (its id and host: a URL's path and query are the tenant's text, and may hold a token),
+    the project and the last error."""
+    host = urlsplit(endpoint_url).hostname or endpoint_url  # "(deleted)" stays as it is
+    where = f"Your webhook endpoint at {host} ({endpoint_id}, project {tenant})"
     if kind == "stopped":
         subject = "Webhook delivery stopped"
         text = (f"{where} failed {DEGRADE_AFTER} times in a row and has been marked as degraded: nothing more is "

@@ -32,6 +32,9 @@ from .signing import new_secret
 from .ssrf import Resolver, UnsafeUrl, UrlPolicy
 
 ROTATION_OVERLAP_MS = 24 * 3600 * 1000
+# A tenant's endpoints: each one that fails sends its members alert emails from the platform's own
+# sender, so their number is bounded (Stripe allows 16 per account).
+MAX_ENDPOINTS_PER_TENANT = 50
 log = logging.getLogger("streams.endpoints")
 
 
@@ -70,6 +73,9 @@ class EndpointStore:
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
                enabled: bool = True) -> tuple[Endpoint, str]:
         """A new endpoint and its signing secret (shown once)."""
+        if len(self.all(tenant)) >= MAX_ENDPOINTS_PER_TENANT:
+            raise ConfigError(f"a tenant may have at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints; "
+                              "delete one first")
         secret = new_secret()
         ep = Endpoint(new_endpoint_id(), tenant, self._check_url(url), check_event_types(event_types),
                       description[:500], enabled, secrets=(Secret(secret),), created_at_ms=int(time.time() * 1000))

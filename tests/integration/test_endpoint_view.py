@@ -6,10 +6,13 @@ import threading
 import uuid
 
 import orjson
+import pytest
 from confluent_kafka import Producer
 
+from streams.errors import ConfigError
 from streams.kafka_client import put_acked
-from streams.webhooks.endpoints import EndpointDirectory
+from streams.webhooks.endpoints import MAX_ENDPOINTS_PER_TENANT, EndpointDirectory, EndpointStore
+from streams.webhooks.ssrf import UrlPolicy, system_resolver
 
 FOLLOW_EVERY_S = 1.0  # slower than ingest's 0.1 s, so the view would lag without the sync
 
@@ -121,3 +124,16 @@ def test_unreadable_records_are_skipped_and_the_rest_of_their_batch_is_applied(s
         assert orjson.loads(redis_client.hget(keys.endpoints("t1"), "ep_b"))["url"] == "https://b.example/hook"
     finally:
         redis_client.delete(keys.endpoints("t1"), keys.members("t2"))
+
+
+def test_a_tenant_has_at_most_its_endpoints_and_another_tenant_is_not_counted_with_it(redis_client, namespace):
+    """Each failing endpoint sends its tenant's members alerts from the platform's sender: a tenant that has
+    its 50 endpoints is refused a 51st, with the reason, while another tenant still creates its own."""
+    store = EndpointStore(redis_client, namespace, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                          system_resolver)
+    for i in range(MAX_ENDPOINTS_PER_TENANT):
+        store.create("acme", f"http://127.0.0.1:9/hooks/{i}", ["*"])
+    with pytest.raises(ConfigError, match=f"at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints"):
+        store.create("acme", "http://127.0.0.1:9/hooks/one-more", ["*"])
+    assert len(store.all("acme")) == MAX_ENDPOINTS_PER_TENANT
+    store.create("globex", "http://127.0.0.1:9/hooks/0", ["*"])
