@@ -145,8 +145,9 @@ class ProcessedJobs:
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
     def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str) -> None:
-        """The provider did not accept `owner`'s request: the sends are free again, unless another
-        worker holds the lease (it took the request over and its re-send may yet be accepted)."""
+        """The provider did not accept `owner`'s request: the sends are free again, if `owner` still
+        holds the lease (else another worker took the request over, or a re-send's outcome is
+        unknown: the sends stay claimed under the key, to be re-sent as that same request)."""
         with store_errors("releasing a claim"):
             self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}", owner])
 

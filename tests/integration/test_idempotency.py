@@ -105,3 +105,22 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
 
     b.release("acme", ids, key, "worker-b")
     assert b.status("acme", ids) == [None] * 3
+
+
+def test_a_late_definite_failure_frees_nothing_once_a_resends_outcome_is_unknown(redis_client, namespace):
+    """Given a batch claimed by worker A, taken over by worker B after A's lease lapsed, and B's re-send met an
+    unknown outcome (B dropped its lease so that a later attempt re-sends the request),
+    When A's own request then meets a definite failure and A releases its claim,
+    Then nothing is freed: the provider may hold B's copy, so the sends stay claimed under the key and the
+    next attempt takes the request over and re-sends that same body."""
+    a = ProcessedJobs(redis_client, namespace, lease_s=0.2)
+    b = ProcessedJobs(redis_client, namespace, lease_s=60)
+    ids = ["s1", "s2"]
+    key = idempotency_key(ids)
+    assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    wait_until(lambda: b.take_over("acme", key, "worker-b"), 10, "A's lease to lapse", interval=0.05)
+    b.keep_unknown("acme", key, "worker-b")
+
+    a.release("acme", ids, key, "worker-a")
+    assert b.status("acme", ids) == [f"inflight:{key}"] * 2
+    assert b.take_over("acme", key, "worker-c").body == b"the body"
