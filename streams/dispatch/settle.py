@@ -194,6 +194,8 @@ class Settler:
         self.queues.hold(queue, time.monotonic() + wait)
         if wait > IN_PROCESS_BACKOFF_MAX_S:
             self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000))
+        else:  # the receiver's latest word: a short wait ends a long one
+            self.long_holds.pop(queue, None)
 
     def spill_long_holds(self) -> None:
         if not self.long_holds:

@@ -64,6 +64,7 @@ from .status import StatusStore
 from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, problem
 
 log = logging.getLogger("streams.api")
+UNAVAILABLE_LOG_EVERY_S = 10
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
 MAX_IN_FLIGHT = 256               # requests publishing at once (the rest wait their turn)
@@ -229,17 +230,25 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
         # Nothing was published or changed: the client may retry after a moment.
-        return _unavailable(request, exc, "the state store is unavailable; retry after a moment")
+        return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
 
     @app.exception_handler(PublishError)
     @app.exception_handler(KafkaException)
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
         # answer a read (dead letters, the audit trail).
-        return _unavailable(request, exc, "the message broker did not answer; retry after a moment")
+        return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
+                                                      "(with the same Idempotency-Key)")
 
-    def _unavailable(request: Request, exc: Exception, msg: str) -> JSONResponse:
-        log.warning("503 on %s %s: %s", request.method, request.url.path, exc)
+    logged_at: dict[str, float] = {}
+
+    def _unavailable(request: Request, exc: Exception, dependency: str, msg: str) -> JSONResponse:
+        now = time.monotonic()
+        if now - logged_at.get(dependency, -UNAVAILABLE_LOG_EVERY_S) >= UNAVAILABLE_LOG_EVERY_S:
+            logged_at[dependency] = now  # an outage at full request rate must not flood the log
+            log.warning("503 on %s %s (%s; logged at most every %d s, all counted in "
+                        "dispatch_ingest_rejected_total): %s", request.method, request.url.path, dependency,
+                        UNAVAILABLE_LOG_EVERY_S, exc)
         metrics.INGEST_REJECTED.labels("503").inc()
         return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": msg}]}, status_code=503,
                             headers={"Retry-After": "1"})
@@ -341,8 +350,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                         metrics.INGEST_IN_FLIGHT.dec()
         except RecordTooLarge as exc:
             raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
-        except PublishError as exc:
-            raise problem(503, "unavailable", [], str(exc), headers={"Retry-After": "1"}) from None
+        # Any other PublishError: answered 503 by `_broker`, without the broker's error text.
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()

@@ -1,7 +1,7 @@
-"""Redis stopped under the ingest API: every caller, with a key or without one (the keys live in
-Redis, so none can be checked), gets 503 with Retry-After and the kind of dependency that failed,
-never the store's error text with its internal host and port; the operator finds that in the log.
-Once Redis is back, the same request is accepted."""
+"""Redis, then the broker, stopped under the ingest API: every caller, with a key or without one (the
+keys live in Redis, so none can be checked), gets 503 with Retry-After and the kind of dependency that
+failed, never the error text with internal hosts, ports or topics; the operator finds that in the
+log. Once the dependency is back, the same request is accepted."""
 
 import httpx
 
@@ -15,6 +15,7 @@ def test_a_store_outage_is_answered_503_without_the_stores_address(fault_stack, 
     Then both get 503 with Retry-After: 1 saying the state store is unavailable, and neither body names the
     store's address (which the API's log does); once Redis is back the tenant's send is accepted."""
     fault_topics("email")
+    fault_processes.env["KAFKA_DELIVERY_TIMEOUT_MS"] = "3000"  # the API gives up on the broker after 3 s
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
     fault_processes.start("api", "api", "--port", str(port))
@@ -37,3 +38,12 @@ def test_a_store_outage_is_answered_503_without_the_stores_address(fault_stack, 
     accepted = wait_until(lambda: (r := tenant.post("/v1/sends", json=email_request())).status_code == 202 and r,
                           30, "the API to accept the send again", interval=0.5)
     assert accepted.json()["send_id"]
+
+    fault_stack.stop_kafka()
+    r = tenant.post("/v1/sends", json=email_request())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["errors"][0]["msg"].startswith("the message broker did not answer; retry after a moment")
+    assert "notif." not in r.text and "127.0.0.1" not in r.text, r.text
+    fault_stack.start_kafka()
+    wait_until(lambda: (r := tenant.post("/v1/sends", json=email_request())).status_code == 202 and r,
+               60, "the API to accept a send once the broker is back", interval=1.0)
