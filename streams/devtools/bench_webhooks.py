@@ -28,7 +28,7 @@ from ..webhooks.signing import headers as signed_headers
 from .fleet import Fleet, free_port
 
 ENDPOINTS = 200
-TENANT = "hooks"
+TENANTS = 4  # 50 endpoints each: a tenant may have at most 50
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -68,8 +68,8 @@ def _publish(client, endpoints: list[Endpoint], n: int, offset: int, published: 
     started = time.monotonic()
     batch = []
     for i in range(n):
-        _, [delivery] = fan_out(validate_request(_event(offset + i)), TENANT, [endpoints[i % ENDPOINTS]],
-                                client.routing)
+        endpoint = endpoints[i % ENDPOINTS]
+        _, [delivery] = fan_out(validate_request(_event(offset + i)), endpoint.tenant, [endpoint], client.routing)
         batch.append(delivery)
         published[delivery.send_id] = (delivery.created_at_ms, delivery.payload["endpoint_id"])
         if len(batch) == (50 if rate else 1000):
@@ -113,7 +113,7 @@ def _run_once(stamp: int, label: str, log_dir: Path, burst: int, failing: int, l
         store = rt.endpoint_store(r)
         endpoints: list[Endpoint] = []
         for i in range(ENDPOINTS):
-            ep, _ = store.create(TENANT, f"{receiver.base}/hooks/e{i}", ["bench.tick"])
+            ep, _ = store.create(f"hooks{i % TENANTS}", f"{receiver.base}/hooks/e{i}", ["bench.tick"])
             endpoints.append(ep)
             if i < failing:
                 receiver.http.post(f"/_mock/endpoints/e{i}", json={"timeout": True}).raise_for_status()

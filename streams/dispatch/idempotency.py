@@ -121,6 +121,8 @@ class ProcessedJobs:
             if not rec:
                 self.client.delete(k.lease(tenant, key))
                 return None
+            # About to be re-sent: a late definite failure of an earlier copy may no longer free its sends.
+            self.client.hset(k.request(tenant, key), "unknown", "1")
         ids = tuple(orjson.loads(rec[b"ids"]))
         return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids,
                              rec.get(b"provider", b"").decode())
@@ -145,9 +147,9 @@ class ProcessedJobs:
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
     def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str) -> None:
-        """The provider did not accept `owner`'s request: the sends are free again, if `owner` still
-        holds the lease (else another worker took the request over, or a re-send's outcome is
-        unknown: the sends stay claimed under the key, to be re-sent as that same request)."""
+        """The provider did not accept `owner`'s request: the sends are free again, unless another
+        worker holds the lease or the request was re-sent or met an unknown outcome (release.lua):
+        then the sends stay claimed under the key, to be re-sent as that same request."""
         with store_errors("releasing a claim"):
             self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}", owner])
 
@@ -162,7 +164,7 @@ class ProcessedJobs:
             pipe.execute()
 
     def keep_unknown(self, tenant: str, key: str, owner: str) -> None:
-        """The outcome is unknown: `owner` drops its lease so a later attempt re-sends the same
-        request (a lease another worker took meanwhile is left to it)."""
+        """The outcome is unknown: the request's record is marked so, and `owner` drops its lease so
+        a later attempt re-sends the same request (a lease another worker took meanwhile is left to it)."""
         with store_errors("keeping an unknown outcome"):
-            self._drop_lease(keys=[self.keys.lease(tenant, key)], args=[owner])
+            self._drop_lease(keys=[self.keys.lease(tenant, key), self.keys.request(tenant, key)], args=[owner])

@@ -1,10 +1,12 @@
 -- Give up a claim after a definite failure (the provider did not accept the request).
 -- KEYS[1] lease   KEYS[2] request record   KEYS[3..] processed_jobs keys   ARGV[1] claim value   ARGV[2] owner
--- Only the lease's holder releases. Another holder took the request over (this one's lease had
--- lapsed) and its re-send may yet be accepted; no holder means the lease lapsed or a re-send's
--- outcome is unknown: either way the provider may hold the request, so the sends stay claimed
--- under its key (a later attempt re-sends that same request, answered from the provider's store).
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+-- Nothing is released while another worker holds the lease (it took the request over: its re-send
+-- may yet be accepted), nor once the request was re-sent or met an unknown outcome (its record is
+-- marked `unknown`): the provider may hold a copy, so the sends stay claimed under the key and only
+-- that same request is sent again. A lease that merely lapsed (its holder could not refresh it
+-- through a Redis outage) does not stop its holder's release.
+local holder = redis.call('GET', KEYS[1])
+if (holder and holder ~= ARGV[2]) or redis.call('HEXISTS', KEYS[2], 'unknown') == 1 then return 0 end
 for i = 3, #KEYS do
   if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
 end

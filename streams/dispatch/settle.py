@@ -36,6 +36,7 @@ from ..retry.policy import (
     cool_down_s,
     decide,
     expired,
+    parse_retry_after,
     tier_at_least,
     wait_in_process,
 )
@@ -148,7 +149,7 @@ class Settler:
             if route.spec.shared_limit:  # one limit for everyone: every worker holds off, not only this one
                 self.gate.cool_down(route.name, wait)
             else:  # a webhook endpoint's own limit: hold its queue only
-                self._hold_endpoint(job.queue, wait, now_ms)
+                self._hold_endpoint(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         if result.outcome == "gone" and self.on_gone is not None:
             self.on_gone(job)
         if result.outcome == "unknown" and not route.spec.idempotent:
@@ -186,7 +187,7 @@ class Settler:
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
 
-    def _hold_endpoint(self, queue: str, wait: float, now_ms: int) -> None:
+    def _hold_endpoint(self, queue: str, wait: float, now_ms: int, asked: bool) -> None:
         """A receiver's 429 holds its endpoint's queue until Retry-After. A wait longer than the
         worker waits in process is not spent in memory: `spill_long_holds` moves what is queued for
         the endpoint, and what arrives for it meanwhile, to the retry tier due when it asked (so its
@@ -194,7 +195,7 @@ class Settler:
         self.queues.hold(queue, time.monotonic() + wait)
         if wait > IN_PROCESS_BACKOFF_MAX_S:
             self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000))
-        else:  # the receiver's latest word: a short wait ends a long one
+        elif asked:  # the receiver's latest word: a short Retry-After it gave ends a long one
             self.long_holds.pop(queue, None)
 
     def spill_long_holds(self) -> None:

@@ -110,7 +110,8 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
         return Outcome(h, False, tuple(alerts), tuple(suppressed))
     window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
     h = replace(h, state="degraded", since_ms=now, window_start_ms=window, stopped_sent=True)
-    alerts.append(Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now))  # always sent
+    # Always sent (whatever the window), within the tenant's hourly alert budget (budget.py).
+    alerts.append(Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now))
     return Outcome(h, True, tuple(alerts), tuple(suppressed))
 
 

@@ -88,8 +88,8 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
     When A's own request then meets a definite failure (a 429, a refused connection) and A releases its claim,
     or meets an unknown answer and drops its lease,
     Then B's claim stands (the sends stay `inflight` under the key, B keeps the lease and the stored body), so
-    no other worker can re-batch them under a new key while B's re-send may yet be accepted; once B fails
-    definitely itself, its release frees them."""
+    no other worker can re-batch them under a new key while B's re-send may yet be accepted; and since the
+    request was re-sent, even a definite failure of B's copy frees nothing (the provider may hold one)."""
     a = ProcessedJobs(redis_client, namespace, lease_s=0.2)  # A's lease lapses at once
     b = ProcessedJobs(redis_client, namespace, lease_s=60)   # B's lasts the test
     ids = ["s1", "s2", "s3"]
@@ -104,7 +104,7 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
     assert b.take_over("acme", key, "worker-c") is None  # B's lease is still B's
 
     b.release("acme", ids, key, "worker-b")
-    assert b.status("acme", ids) == [None] * 3
+    assert b.status("acme", ids) == [f"inflight:{key}"] * 3
 
 
 def test_a_late_definite_failure_frees_nothing_once_a_resends_outcome_is_unknown(redis_client, namespace):
@@ -124,3 +124,19 @@ def test_a_late_definite_failure_frees_nothing_once_a_resends_outcome_is_unknown
     a.release("acme", ids, key, "worker-a")
     assert b.status("acme", ids) == [f"inflight:{key}"] * 2
     assert b.take_over("acme", key, "worker-c").body == b"the body"
+
+
+def test_a_worker_whose_lease_merely_lapsed_still_frees_the_sends_of_its_failed_request(redis_client, namespace):
+    """Given a batch claimed by worker A whose lease lapsed while A could not refresh it (a Redis outage
+    during which A's settlement of a definite failure waited), and nobody took the request over,
+    When A settles that failure,
+    Then the sends are free again: the provider did not accept the request, and nothing re-sent it."""
+    a = ProcessedJobs(redis_client, namespace, lease_s=0.2)
+    ids = ["s1", "s2"]
+    key = idempotency_key(ids)
+    assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    wait_until(lambda: redis_client.get(a.keys.lease("acme", key)) is None, 10, "A's lease to lapse", interval=0.05)
+
+    a.release("acme", ids, key, "worker-a")
+    assert a.status("acme", ids) == [None] * 2
+

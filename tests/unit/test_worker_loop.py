@@ -513,13 +513,15 @@ def test_one_tenants_slow_receivers_leave_room_for_another_tenants_deliveries():
     assert sends[-1].send_id.encode() in provider.sent
 
 
-def test_a_receivers_short_retry_after_ends_its_earlier_long_one():
+@pytest.mark.parametrize("second, parked", [("1", 0), (None, 3)], ids=["Retry-After 1 s", "no Retry-After"])
+def test_a_receivers_short_retry_after_ends_its_earlier_long_one(second, parked):
     """Given a receiver with its own limit and two requests to it in flight, answered 429 with Retry-After
-    10 min and then 1 s (its latest word),
+    10 min and then with Retry-After 1 s (its latest word) or with none (a 1 s default of ours),
     When the worker settles both,
-    Then what waits for the receiver stays in the worker for that second, not parked for 10 min."""
+    Then with the receiver's own 1 s, what waits for it stays in the worker for that second; with our default,
+    the receiver's 10 min stand and what waits for it is parked until then."""
     sends, msgs = _messages(["acme"] * 4)
-    answers = [ProviderResult("throttled", 429, retry_after=wait, error_name="http_429") for wait in ("600", "1")]
+    answers = [ProviderResult("throttled", 429, retry_after=wait, error_name="http_429") for wait in ("600", second)]
     worker, consumer, producer, provider = _worker(msgs)
     worker.routes.primary.spec = replace(worker.routes.primary.spec, shared_limit=False)
     worker.dispatcher.per_queue = 2
@@ -527,9 +529,9 @@ def test_a_receivers_short_retry_after_ends_its_earlier_long_one():
     for _ in range(3):
         worker.step()
     assert len(provider.sent) == 2
-    assert not [h for t, records in producer.records.items() if ".retry." in t for _, h in records
-                if h.get("retry_reason") == b"endpoint_retry_after"]
-    assert worker.queues.buffered == 2 + 1  # the two never sent, and the one throttled in process
+    assert len([h for t, records in producer.records.items() if ".retry." in t for _, h in records
+                if h.get("retry_reason") == b"endpoint_retry_after"]) == parked
+    assert worker.queues.buffered == 3 - parked  # the two never sent, and the one throttled in process
 
 
 class AckHoldingProducer(FakeProducer):
