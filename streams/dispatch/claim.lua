@@ -2,7 +2,7 @@
 -- KEYS[1] lease   KEYS[2] request record (hash)   KEYS[3..] processed_jobs key per send
 -- ARGV[1] claim value ("inflight:<idempotency key>")   ARGV[2] owner   ARGV[3] lease ms
 -- ARGV[4] record ttl ms   ARGV[5] request path   ARGV[6] request body   ARGV[7] tenant   ARGV[8] send ids (JSON)
--- ARGV[9] provider name (empty: the channel's first)
+-- ARGV[9] provider name (empty: the channel's first). The record keeps the owner: only it releases.
 -- Returns {} when claimed, else the 0-based positions of the sends that are not free.
 local busy = {}
 for i = 3, #KEYS do
@@ -10,7 +10,9 @@ for i = 3, #KEYS do
 end
 if #busy > 0 then return busy end
 for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[4]) end
-redis.call('HSET', KEYS[2], 'path', ARGV[5], 'body', ARGV[6], 'tenant', ARGV[7], 'ids', ARGV[8], 'provider', ARGV[9])
+redis.call('DEL', KEYS[2])  -- a new claim starts a new record (never an older one's `unknown` mark)
+redis.call('HSET', KEYS[2], 'path', ARGV[5], 'body', ARGV[6], 'tenant', ARGV[7], 'ids', ARGV[8], 'provider', ARGV[9],
+           'owner', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {}

@@ -71,6 +71,7 @@ class ProcessedJobs:
         self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
         self._refresh = client.register_script(load_script(__package__, "refresh.lua"))
         self._drop_lease = client.register_script(load_script(__package__, "drop_lease.lua"))
+        self._take_over = client.register_script(load_script(__package__, "take_over.lua"))
 
     def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
         k = self.keys
@@ -113,16 +114,12 @@ class ProcessedJobs:
     def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | None:
         """Take the lease of an in-flight request whose sender is gone; None while it is held
         (or when the record has expired: then the sends are free again)."""
-        k = self.keys
         with store_errors("taking over a request"):
-            if not self.client.set(k.lease(tenant, key), owner, nx=True, px=self.lease_ms):
-                return None
-            rec = self.client.hgetall(k.request(tenant, key))
-            if not rec:
-                self.client.delete(k.lease(tenant, key))
-                return None
-            # About to be re-sent: a late definite failure of an earlier copy may no longer free its sends.
-            self.client.hset(k.request(tenant, key), "unknown", "1")
+            reply = self._take_over(keys=[self.keys.lease(tenant, key), self.keys.request(tenant, key)],
+                                    args=[owner, self.lease_ms])
+        if not reply:
+            return None
+        rec = dict(zip(reply[::2], reply[1::2], strict=True))
         ids = tuple(orjson.loads(rec[b"ids"]))
         return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids,
                              rec.get(b"provider", b"").decode())

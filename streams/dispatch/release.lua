@@ -3,10 +3,16 @@
 -- Nothing is released while another worker holds the lease (it took the request over: its re-send
 -- may yet be accepted), nor once the request was re-sent or met an unknown outcome (its record is
 -- marked `unknown`): the provider may hold a copy, so the sends stay claimed under the key and only
--- that same request is sent again. A lease that merely lapsed (its holder could not refresh it
--- through a Redis outage) does not stop its holder's release.
+-- that same request is sent again. Nor is another worker's claim under the same key (the record
+-- names its owner: a release asked again after a lost reply must not free a newer claim). A lease
+-- that merely lapsed (its holder could not refresh it through a Redis outage) does not stop its
+-- holder's release.
 local holder = redis.call('GET', KEYS[1])
-if (holder and holder ~= ARGV[2]) or redis.call('HEXISTS', KEYS[2], 'unknown') == 1 then return 0 end
+local owner = redis.call('HGET', KEYS[2], 'owner')
+if (holder and holder ~= ARGV[2]) or (owner and owner ~= ARGV[2])
+   or redis.call('HEXISTS', KEYS[2], 'unknown') == 1 then
+  return 0
+end
 for i = 3, #KEYS do
   if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
 end

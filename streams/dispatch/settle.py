@@ -173,7 +173,9 @@ class Settler:
             return
         for p in job.members:
             tried = providers_tried(p, route)
-            fallback = self.routes.fallback_for(route, result, tried)
+            # A re-sent request stays claimed under its key at this provider (the first copy's fate
+            # is unknown): another provider could deliver it a second time, so it never moves on.
+            fallback = None if job.resent else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self.finisher(p.where))

@@ -130,6 +130,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs.mark_reconcile(tenants[0], [f"{tenants[0]}-9"], "send-x")
     jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w")
     jobs.keep_unknown(claims[1].tenant, claims[1].key, "w")
+    assert jobs.take_over(claims[1].tenant, claims[1].key, "w2") is None  # marked delivered above: no record
     claimed = ingest.begin(tenants[1], "key-1", "digest")
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
     assert ingest.finish(tenants[1], "key-1", 202, {}, claimed.holder)

@@ -140,3 +140,29 @@ def test_a_worker_whose_lease_merely_lapsed_still_frees_the_sends_of_its_failed_
     a.release("acme", ids, key, "worker-a")
     assert a.status("acme", ids) == [None] * 2
 
+
+
+def test_a_release_asked_again_after_a_lost_reply_does_not_free_a_newer_claim(redis_client, namespace):
+    """Given worker A's release of batch K that ran though its reply was lost, and worker C (the partition's
+    new owner) that then claimed the same sends under the same key and whose lease lapsed,
+    When A asks its release again,
+    Then C's claim stands: the record names its owner, and only that owner releases it."""
+    a = ProcessedJobs(redis_client, namespace, lease_s=60)
+    c = ProcessedJobs(redis_client, namespace, lease_s=0.2)
+    ids = ["s1", "s2"]
+    key = idempotency_key(ids)
+    assert a.claim(ids, key, "worker-a", "/emails/batch", b"A's body", "acme") == []
+    a.release("acme", ids, key, "worker-a")  # ran; A did not hear back
+    assert c.claim(ids, key, "worker-c", "/emails/batch", b"C's body", "acme") == []
+    wait_until(lambda: redis_client.get(c.keys.lease("acme", key)) is None, 10, "C's lease to lapse", interval=0.05)
+
+    a.release("acme", ids, key, "worker-a")
+    assert c.status("acme", ids) == [f"inflight:{key}"] * 2
+
+
+def test_a_request_whose_record_is_gone_is_not_taken_over_and_leaves_nothing_behind(redis_client, namespace):
+    """A take-over finds the record gone (it expired with its claims): nothing is re-sent, the lease it took
+    is given back, and no record is left without an expiry."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    assert jobs.take_over("acme", "batch-gone", "worker-b") is None
+    assert redis_client.exists(jobs.keys.lease("acme", "batch-gone"), jobs.keys.request("acme", "batch-gone")) == 0

@@ -26,7 +26,7 @@ from streams.providers.outcome import ProviderResult, redact
 from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
-from tests.harness import email_request
+from tests.harness import email_request, sms_request
 
 NAMES = TopicNames("u.")
 TOPIC = NAMES.lane("email", "transactional")
@@ -532,6 +532,34 @@ def test_a_receivers_short_retry_after_ends_its_earlier_long_one(second, parked)
     assert len([h for t, records in producer.records.items() if ".retry." in t for _, h in records
                 if h.get("retry_reason") == b"endpoint_retry_after"]) == parked
     assert worker.queues.buffered == 3 - parked  # the two never sent, and the one throttled in process
+
+
+def test_a_resent_request_refused_for_a_fallback_reason_does_not_move_to_the_next_provider():
+    """Given an SMS whose request's sender died (its outcome is unknown), at a channel with a second provider,
+    When the worker re-sends that request and the first provider refuses it for a reason that would
+    otherwise hand the send to the second provider (`unsupported_destination`),
+    Then the send is not handed on (the first copy may have been delivered: the second provider could
+    deliver it twice); it follows the retry policy, and its claim stays under the first key."""
+    registry = load_registry()
+    send = build_send(validate_request(sms_request()), "acme")
+    topic = NAMES.lane("sms", "transactional")
+    msg = FakeMessage(0, 0, encode(send))
+    msg.topic = lambda: topic
+    jobs = RecordingJobs()
+    jobs.claim([send.send_id], f"send-{send.send_id}", "dead-worker", "/sms/messages", b"the body", "acme", "")
+    first = FakeProvider(ProviderResult("rejected", 400, error_name="unsupported_destination"))
+    second = FakeProvider(DELIVERED)
+    routes = Routes([Route(registry.providers[name], adapter, ProviderCredentials({"*": "k"}))
+                     for name, adapter in (("sms", first), ("sms-b", second))])
+    cfg = WorkerConfig("sms", "transactional", "unused:9092", registry.primary("sms"), NAMES)
+    consumer, producer = FakeConsumer([msg]), FakeProducer()
+    worker = LaneWorker(cfg, consumer, producer, routes, FakeGate(), jobs, load_policies())
+    worker.consumer.subscribe([topic], on_assign=worker._on_assign)
+    _run(worker)
+    assert first.sent == [b"the body"] and second.sent == []
+    handed_on = [h for t, records in producer.records.items() for _, h in records if h.get("provider") == b"sms-b"]
+    assert handed_on == []
+    assert jobs.state[send.send_id] == f"inflight:send-{send.send_id}"
 
 
 class AckHoldingProducer(FakeProducer):

@@ -1,0 +1,13 @@
+-- Take over the request of a sender that is gone, to re-send it: take its lapsed lease, and mark
+-- its record `unknown` (from now on the provider may hold a copy: no late definite failure of an
+-- earlier copy may release its sends). Nothing when the lease is held, or the record is gone (it
+-- expired with its claims: the sends are free again).
+-- KEYS[1] lease   KEYS[2] request record   ARGV[1] owner   ARGV[2] lease ms
+-- Returns the record's fields and values, or nil.
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return nil end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('DEL', KEYS[1])
+  return nil
+end
+redis.call('HSET', KEYS[2], 'unknown', '1')
+return redis.call('HGETALL', KEYS[2])
