@@ -10,8 +10,9 @@ lease lapses within LEASE_S of its holder dying, never while a live holder may s
 When a request's outcome is unknown (the worker died, or the answer was lost), whoever meets the
 send later takes the lapsed lease and re-sends *that same body with that same key*, so the provider
 answers with its stored response instead of delivering again. A definite failure releases the
-claim, only while its sender still holds the lease. Every key of a claim carries the tenant's hash
-tag (one Redis Cluster slot).
+claim, except when another worker holds the lease, the record names another owner, or the record is
+marked `unknown` (taken over for a re-send, or an outcome was unknown): the provider may then hold a
+copy (`release.lua`). Every key of a claim carries the tenant's hash tag (one Redis Cluster slot).
 """
 
 from __future__ import annotations

@@ -131,8 +131,12 @@ class Settler:
 
     def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
-        It stays replayable while its payload is kept."""
-        self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
+        It stays replayable while its payload is kept. A re-sent request keeps its claim (its first
+        copy's fate is unknown), as after any failure."""
+        if job.resent:
+            self.jobs.keep_unknown(job.tenant, job.key, job.owner)
+        else:
+            self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
         self.outage.recovered(time.monotonic())
         for p in job.members:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))

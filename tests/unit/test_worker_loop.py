@@ -562,6 +562,22 @@ def test_a_resent_request_refused_for_a_fallback_reason_does_not_move_to_the_nex
     assert jobs.state[send.send_id] == f"inflight:send-{send.send_id}"
 
 
+def test_a_resent_request_whose_receiver_is_gone_keeps_its_claim():
+    """Given a send whose request's sender died (its outcome is unknown),
+    When the re-send is skipped (its webhook endpoint was deleted meanwhile),
+    Then the send is recorded skipped and its claim stays under the first key (never released: the
+    first copy may have been delivered)."""
+    sends, msgs = _messages(["acme"])
+    jobs = RecordingJobs()
+    key = f"send-{sends[0].send_id}"
+    jobs.claim([sends[0].send_id], key, "dead-worker", "/emails", b"the body", "acme", "")
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs,
+                                                   answer=ProviderResult("skipped", error_name="endpoint_deleted"))
+    _run(worker)
+    assert provider.sent == [b"the body"] and consumer.stored[(TOPIC, 0)] == 1
+    assert jobs.state[sends[0].send_id] == f"inflight:{key}"
+
+
 class AckHoldingProducer(FakeProducer):
     """Acknowledges nothing until `release()`."""
 
