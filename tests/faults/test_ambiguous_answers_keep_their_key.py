@@ -35,18 +35,7 @@ def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
     When the worker and the retrier work through the blast (retrying after 10 s),
     Then every request is sent again byte for byte under its own key and answered from the provider's store
     (3 idempotent replays for 3 batches), no send is delivered twice, and the lane is committed."""
-    policies = tmp_path / "policies.toml"
-    policies.write_text(POLICIES)
-    fault_processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policies)
-    fault_topics("email", lane_partitions=1)
-    mock_provider.reset(rate=100, fault_502_after_accept_ratio=1.0)
-    limits = fault_runtime.limit_store()
-    limits.set_provider("resend", 100, 100)
-    limits.set_tenant("resend", "*", 1000, 100)
-    fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
-    fault_processes.worker("email", "marketing")
-    fault_processes.retrier("email", "marketing")
-    ids = fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
+    ids = _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path)
 
     wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= BLAST // 100, 60,
                "each batch to be sent again under its key", interval=0.5)
@@ -69,19 +58,8 @@ def test_a_resend_refused_before_the_provider_reads_its_key_keeps_the_sends_on_t
     Then the sends stay claimed under their first keys (never freed and re-batched under new ones): the
     re-sends are answered from the provider's store, no email is delivered twice, and the lane is
     committed."""
-    policies = tmp_path / "policies.toml"
-    policies.write_text(POLICIES)
-    fault_processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policies)
     fault_processes.env["PROVIDER_AUTH_HOLD_S"] = "2"
-    fault_topics("email", lane_partitions=1)
-    mock_provider.reset(rate=100, fault_502_after_accept_ratio=1.0)
-    limits = fault_runtime.limit_store()
-    limits.set_provider("resend", 100, 100)
-    limits.set_tenant("resend", "*", 1000, 100)
-    fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
-    fault_processes.worker("email", "marketing")
-    fault_processes.retrier("email", "marketing")
-    ids = fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
+    ids = _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path)
 
     wait_until(lambda: mock_provider.stats()["faults_502_after_accept"] == BLAST // 100, 60,
                "every batch to be accepted and answered 502", interval=0.2)
@@ -99,3 +77,20 @@ def test_a_resend_refused_before_the_provider_reads_its_key_keeps_the_sends_on_t
     assert set(ids) <= set(stats["deliveries"])
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
     assert stats["idempotency_conflicts"] == 0
+
+
+def _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path) -> list[str]:
+    """A marketing blast of BLAST emails (batches of 100, retried after 10 s) to a provider whose gateway
+    answers 502 to every new request after accepting it; the lane's worker, retrier and lag monitor run."""
+    policies = tmp_path / "policies.toml"
+    policies.write_text(POLICIES)
+    fault_processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policies)
+    fault_topics("email", lane_partitions=1)
+    mock_provider.reset(rate=100, fault_502_after_accept_ratio=1.0)
+    limits = fault_runtime.limit_store()
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 1000, 100)
+    fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
+    fault_processes.worker("email", "marketing")
+    fault_processes.retrier("email", "marketing")
+    return fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
