@@ -82,6 +82,11 @@ class StoreUnavailable(DispatchError):
     the caller holds the work and tries again later."""
 
 
+class StateLost(StoreUnavailable):
+    """Redis answered but holds no epoch: its data was lost (restarted empty, flushed, failed over to
+    an empty replica). Nothing may be claimed until the state guard has looked."""
+
+
 class GateError(DispatchError):
     """The bucket gate could not admit a request."""
 

@@ -211,7 +211,8 @@ class Runtime:
         webhook = channel == "webhook"
         gate = RedisGate(client, c.namespace)
         worker = LaneWorker(cfg, consumer, producer, self.routes(channel, concurrency, gate),
-                            gate, ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s), self.policies(),
+                            gate, ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s, epoch_required=True),
+                            self.policies(),
                             queue_key or (by_endpoint if webhook else by_tenant),
                             guard=self.state_guard(f"worker {channel}.{lane}", client),
                             backlog=BacklogShare() if backlog else None,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import orjson
 import redis
 
+from ..errors import StateLost
 from ..names import RedisKeys
 from ..redis_client import load_script, store_errors
 
@@ -63,10 +64,14 @@ class StoredRequest:
 
 
 class ProcessedJobs:
-    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S):
+    def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S,
+                 epoch_required: bool = False):
+        """`epoch_required`: every claim also reads the Redis epoch (see `claim_many`); set where a
+        state guard watches for lost data, as in every production worker."""
         self.client = client
         self.keys = RedisKeys(namespace)
         self.lease_ms = int(lease_s * 1000)
+        self.epoch_required = epoch_required
         self._claim = client.register_script(load_script(__package__, "claim.lua"))
         self._release = client.register_script(load_script(__package__, "release.lua"))
         self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
@@ -94,12 +99,27 @@ class ProcessedJobs:
         return [[v.decode() if v else None for v in values] for values in replies]
 
     def claim_many(self, claims: list[Claim]) -> list[list[int]]:
-        """`claim` for several requests in one round trip (each all or none, as `claim`)."""
+        """`claim` for several requests in one round trip (each all or none, as `claim`).
+
+        With `epoch_required`, the same round trip reads the Redis epoch after the claims. An epoch
+        there then means the claims met intact data: once lost, the epoch stays gone until an
+        operator has rebuilt the delivery marks. No epoch means the claims met an empty Redis, where
+        a delivered send looks free: they are released again and StateLost is raised, so nothing is
+        sent, without waiting for the state guard's next periodic look."""
         pipe = self.client.pipeline(transaction=False)
         for c in claims:
             self._claim(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=self._claim_args(c), client=pipe)
+        if self.epoch_required:
+            pipe.exists(self.keys.epoch)
         with store_errors("claiming sends"):
-            return [[int(i) for i in busy] for busy in pipe.execute()]
+            replies = pipe.execute()
+        answers = [[int(i) for i in busy] for busy in replies[:len(claims)]]
+        if self.epoch_required and not replies[-1]:
+            for c, busy in zip(claims, answers, strict=True):
+                if not busy:
+                    self.release(c.tenant, c.send_ids, c.key, c.owner)
+            raise StateLost("Redis holds no epoch: its data was lost; nothing was claimed")
+        return answers
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
@@ -108,9 +128,7 @@ class ProcessedJobs:
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:
         """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
-        args = self._claim_args(Claim(tenant, key, tuple(send_ids), owner, path, body, provider))
-        with store_errors("claiming sends"):
-            return [int(i) for i in self._claim(keys=self._request_keys(tenant, key, send_ids), args=args)]
+        return self.claim_many([Claim(tenant, key, tuple(send_ids), owner, path, body, provider)])[0]
 
     def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | None:
         """Take the lease of an in-flight request whose sender is gone; None while it is held

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import ConfigError, CostExceedsBurst, StoreUnavailable
+from ..errors import ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
 from ..gate.gate import Admission, Gate
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound
@@ -76,7 +76,8 @@ class Dispatcher:
     def __init__(self, routes: Routes, lane: str, worker_id: str, concurrency: int, queues: TenantQueues,
                  jobs: ProcessedJobs, gate: Gate, on_duplicate: Callable[[Pending], None], redis_outage: Outage,
                  policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None],
-                 on_unbuildable: Callable[[Pending, str], None], on_unknown: Callable[[Pending], None]):
+                 on_unbuildable: Callable[[Pending, str], None], on_unknown: Callable[[Pending], None],
+                 on_state_lost: Callable[[], None] = lambda: None):
         self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
@@ -87,6 +88,7 @@ class Dispatcher:
         self.on_expired = on_expired
         self.on_unbuildable = on_unbuildable
         self.on_unknown = on_unknown
+        self.on_state_lost = on_state_lost
         self.in_flight: dict[Future, Job] = {}
         # Requests that finished, in the order they did (appended by the thread that completed them):
         # the worker settles these without scanning every request in flight on every step.
@@ -125,7 +127,10 @@ class Dispatcher:
                 for draw in reversed(draws):  # back to the front, in the order they were taken
                     self.queues.put_back(draw.key, [p for p in draw.items if id(p) in self._open])
                 self._open = {}
-                self.outage.failed(time.monotonic(), exc)
+                if isinstance(exc, StateLost):
+                    self.on_state_lost()  # Redis answers, but empty: the state guard decides what holds
+                else:
+                    self.outage.failed(time.monotonic(), exc)
                 return
             self._open = {}
             now = time.monotonic()
@@ -432,8 +437,7 @@ class Dispatcher:
     def _submit(self, route: Route, key: str, tenant: str, fresh: list[Pending]) -> None:
         for _ in range(CLAIM_RACE_ROUNDS):
             claim = self._claim_of(route, tenant, fresh)
-            busy = set(self.jobs.claim(list(claim.send_ids), claim.key, self.worker_id, claim.path, claim.body,
-                                       tenant, claim.provider))
+            busy = set(self.jobs.claim_many([claim])[0])
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
                                        fresh, key, claim.provider, owner=self.worker_id))

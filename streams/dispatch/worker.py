@@ -103,7 +103,8 @@ class LaneWorker:
         self.dispatcher = Dispatcher(routes, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old,
-                                     self.settler.dead_letter_unbuildable, self.settler.dead_letter_unknown_outcome)
+                                     self.settler.dead_letter_unbuildable, self.settler.dead_letter_unknown_outcome,
+                                     on_state_lost=guard.recheck if guard is not None else lambda: None)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog

@@ -82,6 +82,10 @@ class StateGuard:
         metrics.REDIS_STATE_LOST.set(1 if self.lost else 0)
         return not self.lost
 
+    def recheck(self) -> None:
+        """Something else saw Redis without its epoch: the next `check` reads it, cached or not."""
+        self._next_check = 0.0
+
     def _evaluate(self, redis_epoch: str | None) -> None:
         snapshot = self.oplog.snapshot()
         if redis_epoch is None:

@@ -18,11 +18,12 @@ from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
 from streams.dispatch.idempotency import Claim, ProcessedJobs, idempotency_key
-from streams.errors import GateUnavailable, StoreUnavailable
+from streams.errors import GateUnavailable, StateLost, StoreUnavailable
 from streams.gate.gate import RedisGate
 from streams.gate.limits import LimitStore
 from streams.ingest.idempotency import IngestIdempotency
 from streams.ingest.status import StatusStore
+from streams.names import RedisKeys
 from streams.redis_client import ClusterClient, ClusterClientPipeline, cluster_startup, connect
 from tests.harness import wait_until
 
@@ -201,7 +202,9 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     gate.cool_down(p1, 0.1)
     out.append(("a shorter cool-down does not shorten it", _admission(gate.acquire(p1, tenants[0], 1))))
 
-    jobs = ProcessedJobs(client, ns)
+    epoch = RedisKeys(ns).epoch  # on its own slot: each claim round trip reads it after the claims
+    client.set(epoch, "e1")
+    jobs = ProcessedJobs(client, ns, epoch_required=True)
     claims = [Claim(t, idempotency_key([f"{t}-a", f"{t}-b"]), (f"{t}-a", f"{t}-b"), "w1", "/emails/batch",
                     f"body of {t}".encode()) for t in tenants]
     out.append(("claim_many", jobs.claim_many(claims)))
@@ -215,6 +218,12 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1")
     out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2")))
     out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
+    client.delete(epoch)
+    try:
+        jobs.claim_many([Claim(t, f"send-{t}-z", (f"{t}-z",), "w1", "/emails", b"z") for t in tenants])
+        out.append(("claim_many without the epoch", "claimed"))
+    except StateLost:
+        out.append(("claim_many without the epoch", ("state lost", jobs.status_many([(t, [f"{t}-z"]) for t in tenants]))))
 
     store = StatusStore(client, ns)
     sends = [SimpleNamespace(send_id=f"send-{i}", tenant_id=tenants[i % len(tenants)], channel="email",
@@ -244,7 +253,8 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     """Given one sequence of calls: the gate (a tenant's burst, a denial, the marketing reserve, acquire_many over
     every provider and tenant with an unconfigured provider and a cost above a burst, a cool-down and a shorter
     one), processed_jobs (claim_many, the same again, an overlapping claim, refresh, take_over while held,
-    mark_delivered_many, release, keep_unknown then take_over, status_many) and the status store (accepted,
+    mark_delivered_many, release, keep_unknown then take_over, status_many, claim_many once the Redis epoch is
+    gone) and the status store (accepted,
     outcomes including a late intermediate one, a webhook delivery, get), with providers and tenants whose keys
     live on all three masters,
     When it runs against the Redis Cluster (REDIS_URL=redis+cluster://...) and against a single Redis,
@@ -276,6 +286,7 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     assert answers["claim_many"] == [[]] * 6 and answers["claim_many again: all busy"] == [[0, 1]] * 6
     assert answers["claim overlapping"] == [1]
     assert answers["take_over while held"] is None
+    assert answers["claim_many without the epoch"] == ("state lost", [[None]] * 6)  # nothing left claimed
     assert answers["take_over after an unknown outcome"].body == f"body of {tenants[3]}".encode()
     inflight = [f"inflight:{idempotency_key([f'{t}-a', f'{t}-b'])}" for t in tenants]
     assert answers["status"] == [["delivered", "delivered", None]] * 2 + [[None, None, None]] + [

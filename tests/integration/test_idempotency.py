@@ -2,9 +2,12 @@
 
 import threading
 
+import pytest
 from confluent_kafka import Producer
 
-from streams.dispatch.idempotency import ProcessedJobs, idempotency_key
+from streams.dispatch.idempotency import Claim, ProcessedJobs, idempotency_key
+from streams.errors import StateLost
+from streams.names import RedisKeys
 from streams.runtime import Runtime
 from streams.send import build_send, encode, validate_request
 from tests.harness import committed_lag, email_request, wait_until
@@ -166,3 +169,27 @@ def test_a_request_whose_record_is_gone_is_not_taken_over_and_leaves_nothing_beh
     jobs = ProcessedJobs(redis_client, namespace)
     assert jobs.take_over("acme", "batch-gone", "worker-b") is None
     assert redis_client.exists(jobs.keys.lease("acme", "batch-gone"), jobs.keys.request("acme", "batch-gone")) == 0
+
+
+def test_a_claim_that_finds_no_epoch_leaves_nothing_claimed_and_says_the_data_was_lost(redis_client, namespace):
+    """Given a worker's processed_jobs that reads the Redis epoch with every claim,
+    When it claims a request while Redis holds the epoch, and again after the epoch (with all data) is gone,
+    Then the first claim stands; the second raises StateLost and leaves no claim, lease or record behind (the
+    data it would have trusted was lost), and a claim that met a busy send is answered as before."""
+    jobs = ProcessedJobs(redis_client, namespace, lease_s=60, epoch_required=True)
+    keys = RedisKeys(namespace)
+    redis_client.set(keys.epoch, "e1")
+    assert jobs.claim(["s1"], "send-s1", "worker-a", "/emails", b"first", "acme") == []
+
+    redis_client.delete(keys.epoch, keys.processed("acme", "s1"), keys.lease("acme", "send-s1"),
+                        keys.request("acme", "send-s1"))
+    with pytest.raises(StateLost):
+        jobs.claim_many([Claim("acme", "send-s2", ("s2",), "worker-a", "/emails", b"second"),
+                         Claim("acme", "send-s1", ("s1",), "worker-a", "/emails", b"again")])
+    assert jobs.status("acme", ["s1", "s2"]) == [None, None]
+    assert not redis_client.exists(keys.lease("acme", "send-s2"), keys.request("acme", "send-s2"),
+                                   keys.lease("acme", "send-s1"), keys.request("acme", "send-s1"))
+
+    redis_client.set(keys.epoch, "e2")
+    assert jobs.claim(["s1"], "send-s1", "worker-a", "/emails", b"third", "acme") == []
+    assert jobs.claim(["s1", "s3"], "batch-x", "worker-b", "/emails/batch", b"fourth", "acme") == [0]

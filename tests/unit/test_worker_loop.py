@@ -130,8 +130,8 @@ class FakeJobs:
 
     def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
     def status_many(self, groups): return [self.status(t, ids) for t, ids in groups]
-    def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant)
-                                          for c in claims]
+    def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant,
+                                                     c.provider) for c in claims]
     def mark_delivered_many(self, requests):
         for tenant, ids, key in requests:
             self.mark_delivered(tenant, ids, key)
