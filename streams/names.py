@@ -120,6 +120,10 @@ class RedisKeys:
     def endpoints(self, tenant: str) -> str:
         return f"{self.namespace}dr:{{t:{tenant}}}:endpoints"
 
+    def endpoint_reservations(self, tenant: str) -> str:
+        """Places held for a tenant's endpoints being created (counted against the most it may have)."""
+        return f"{self.namespace}dr:{{t:{tenant}}}:endpoints:reserved"
+
     def endpoint_deliveries(self, endpoint_id: str) -> str:
         """An endpoint's deliveries by time (a sorted set), for `GET /v1/endpoints/{id}/deliveries`."""
         return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries"

@@ -23,7 +23,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from ..errors import ConfigError, StackError
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
-from ..redis_client import store_errors
+from ..redis_client import load_script, store_errors
+from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
 from ..state.log import OperatorLog, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
 
@@ -35,6 +36,9 @@ ROTATION_OVERLAP_MS = 24 * 3600 * 1000
 # A tenant's endpoints: each one that fails sends its members alert emails from the platform's own
 # sender, so their number is bounded (Stripe allows 16 per account).
 MAX_ENDPOINTS_PER_TENANT = 50
+# A create's reserved place outlives its slowest finish (the operator log's write, up to its timeout
+# plus 5 s); the place of a create that died before finishing is free again after it.
+RESERVATION_MS = int((LOG_TIMEOUT_S + 15) * 1000)
 log = logging.getLogger("streams.endpoints")
 
 
@@ -55,6 +59,7 @@ class EndpointStore:
                  resolve: Resolver):
         self.client, self.keys, self.oplog = client, RedisKeys(namespace), oplog
         self.policy, self.resolve = policy, resolve
+        self._reserve = client.register_script(load_script(__package__, "reserve_endpoint.lua"))
 
     def _check_url(self, url: str) -> str:
         try:
@@ -72,14 +77,26 @@ class EndpointStore:
 
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
                enabled: bool = True) -> tuple[Endpoint, str]:
-        """A new endpoint and its signing secret (shown once)."""
-        if len(self.all(tenant)) >= MAX_ENDPOINTS_PER_TENANT:
-            raise ConfigError(f"a tenant may have at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints; "
-                              "delete one first")
+        """A new endpoint and its signing secret (shown once). Its place within the tenant's bound is
+        reserved first, in one Redis step with the count, so concurrent creates cannot pass the bound."""
         secret = new_secret()
         ep = Endpoint(new_endpoint_id(), tenant, self._check_url(url), check_event_types(event_types),
                       description[:500], enabled, secrets=(Secret(secret),), created_at_ms=int(time.time() * 1000))
-        return self._save(ep), secret
+        reservations = self.keys.endpoint_reservations(tenant)
+        now_ms = int(time.time() * 1000)
+        with store_errors("reserving an endpoint's place"):
+            reserved = self._reserve(keys=[self.keys.endpoints(tenant), reservations],
+                                     args=[ep.id, now_ms, now_ms + RESERVATION_MS, MAX_ENDPOINTS_PER_TENANT])
+        if not reserved:
+            raise ConfigError(f"a tenant may have at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints; "
+                              "delete one first")
+        try:
+            return self._save(ep), secret
+        finally:
+            try:
+                self.client.zrem(reservations, ep.id)
+            except redis.RedisError:
+                pass  # the reservation lapses at its deadline
 
     def get(self, tenant: str, endpoint_id: str) -> Endpoint | None:
         with store_errors("reading an endpoint"):

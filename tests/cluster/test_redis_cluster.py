@@ -25,6 +25,8 @@ from streams.ingest.idempotency import IngestIdempotency
 from streams.ingest.status import StatusStore
 from streams.names import RedisKeys
 from streams.redis_client import ClusterClient, ClusterClientPipeline, cluster_startup, connect
+from streams.webhooks.endpoints import EndpointStore
+from streams.webhooks.ssrf import UrlPolicy, system_resolver
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -98,11 +100,12 @@ def pick_names(client, key_of, candidates, per_node: int = 1) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ tests
 def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster):
-    """Given every `register_script` call in the package (the gate's, processed_jobs' and ingest idempotency's), on a
+    """Given every `register_script` call in the package (the gate's, processed_jobs', ingest idempotency's and the
+    endpoint store's), on a
     client of the Redis Cluster that notes the keys of every script call,
     When the gate (acquire, acquire_many, cool_down), processed_jobs (claim, claim_many, mark_delivered,
-    mark_delivered_many, mark_reconcile, release, refresh) and ingest idempotency (begin, renew, finish, release) run for tenants and
-    providers spread over all three masters,
+    mark_delivered_many, mark_reconcile, release, refresh), ingest idempotency (begin, renew, finish, release) and
+    the endpoint store (create) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
     first, nodes = cluster_startup(healthy_redis_cluster.url)
@@ -139,6 +142,11 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
     assert ingest.finish(tenants[1], "key-1", 202, {}, claimed.holder)
     ingest.release(tenants[2], "key-2", ingest.begin(tenants[2], "key-2", "digest").holder)
+    endpoints = EndpointStore(recording, ns, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                              system_resolver)
+    for t in tenants:
+        endpoints.create(t, "http://127.0.0.1:9/hooks", ["*"])
+    assert [len(endpoints.all(t)) for t in tenants] == [1] * len(tenants)
 
     sites = registration_sites()
     used = {}

@@ -3,6 +3,7 @@ to the topics' ends, so it never fans out to an endpoint state older than one an
 showed the client (the bulk process serves batches while the API process answers `GET /v1/endpoints`)."""
 
 import threading
+import time
 import uuid
 
 import orjson
@@ -11,8 +12,10 @@ from confluent_kafka import Producer
 
 from streams.errors import ConfigError
 from streams.kafka_client import put_acked
+from streams.names import RedisKeys
 from streams.webhooks.endpoints import MAX_ENDPOINTS_PER_TENANT, EndpointDirectory, EndpointStore
 from streams.webhooks.ssrf import UrlPolicy, system_resolver
+from tests.harness import wait_until
 
 FOLLOW_EVERY_S = 1.0  # slower than ingest's 0.1 s, so the view would lag without the sync
 
@@ -137,3 +140,58 @@ def test_a_tenant_has_at_most_its_endpoints_and_another_tenant_is_not_counted_wi
         store.create("acme", "http://127.0.0.1:9/hooks/one-more", ["*"])
     assert len(store.all("acme")) == MAX_ENDPOINTS_PER_TENANT
     store.create("globex", "http://127.0.0.1:9/hooks/0", ["*"])
+
+
+class HeldLog:
+    """An operator log whose writes wait until the test lets them go, so that every create under way
+    has passed the bound's check before any of them is written (the interleaving a race needs)."""
+
+    def __init__(self):
+        self.waiting = 0
+        self.go = threading.Event()
+        self.lock = threading.Lock()
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.waiting += 1
+        assert self.go.wait(30), "the test never let the writes go"
+
+
+def test_concurrent_creates_cannot_pass_a_tenants_bound_and_a_dead_creates_place_lapses(redis_client, namespace):
+    """Given a tenant with 2 places left of its 50,
+    When 8 creates run at once, each passing its check before any is written,
+    Then exactly 2 are created and 6 are refused with the reason: the tenant has 50, not 56; and a place
+    reserved by a create that died before finishing counts until its deadline, then is free again."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    plain = EndpointStore(redis_client, namespace, None, policy, system_resolver)
+    for i in range(MAX_ENDPOINTS_PER_TENANT - 2):
+        plain.create("acme", f"http://127.0.0.1:9/hooks/{i}", ["*"])
+    log = HeldLog()
+    held = EndpointStore(redis_client, namespace, log, policy, system_resolver)
+    refused: list[str] = []
+
+    def create(i: int) -> None:
+        try:
+            held.create("acme", f"http://127.0.0.1:9/hooks/racing-{i}", ["*"])
+        except ConfigError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: log.waiting + len(refused) == 8, 30, "every create to be refused or about to write")
+    log.go.set()
+    for t in threads:
+        t.join(30)
+    assert len(plain.all("acme")) == MAX_ENDPOINTS_PER_TENANT
+    assert len(refused) == 6 and all(f"at most {MAX_ENDPOINTS_PER_TENANT}" in r for r in refused)
+
+    keys = RedisKeys(namespace)
+    plain.delete("acme", plain.all("acme")[0].id)
+    now_ms = int(time.time() * 1000)
+    redis_client.zadd(keys.endpoint_reservations("acme"), {"ep_died_under_way": now_ms + 60_000})
+    with pytest.raises(ConfigError, match="at most"):
+        plain.create("acme", "http://127.0.0.1:9/hooks/while-reserved", ["*"])
+    redis_client.zadd(keys.endpoint_reservations("acme"), {"ep_died_under_way": now_ms - 1})
+    plain.create("acme", "http://127.0.0.1:9/hooks/after-the-deadline", ["*"])
+    assert len(plain.all("acme")) == MAX_ENDPOINTS_PER_TENANT
