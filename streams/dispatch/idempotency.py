@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal
 
 import orjson
 import redis
@@ -31,6 +32,8 @@ DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any 
 LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
 REFRESH_EVERY_S = 2.0               # how often a live holder refreshes the leases of its requests
 RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
+CLAIM_TTL_MS = DELIVERED_TTL_S * 1000  # a claim outlives its record: see take_over
+RECORD_GONE: Literal["gone"] = "gone"
 
 
 def idempotency_key(send_ids: list[str]) -> str:
@@ -123,19 +126,23 @@ class ProcessedJobs:
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
-                orjson.dumps(sorted(c.send_ids)), c.provider]
+                orjson.dumps(sorted(c.send_ids)), c.provider, CLAIM_TTL_MS]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:
         """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
         return self.claim_many([Claim(tenant, key, tuple(send_ids), owner, path, body, provider)])[0]
 
-    def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | None:
-        """Take the lease of an in-flight request whose sender is gone; None while it is held
-        (or when the record has expired: then the sends are free again)."""
+    def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | Literal["gone"] | None:
+        """Take the lease of an in-flight request whose sender is gone; None while it is held.
+        RECORD_GONE when its record expired while its sends stayed claimed: its outcome has been
+        unknown for longer than the provider keeps idempotency keys, so neither a re-send nor a
+        fresh send is safe (either could deliver twice)."""
         with store_errors("taking over a request"):
             reply = self._take_over(keys=[self.keys.lease(tenant, key), self.keys.request(tenant, key)],
                                     args=[owner, self.lease_ms])
+        if reply == 0:
+            return RECORD_GONE
         if not reply:
             return None
         rec = dict(zip(reply[::2], reply[1::2], strict=True))

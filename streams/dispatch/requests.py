@@ -23,7 +23,7 @@ from ..gate.gate import Admission, Gate
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound
 from ..retry.policy import RetryPolicy, expired
-from .idempotency import REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
+from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, idempotency_key
 from .routes import Route, Routes
 from .stages import wall_ms
 from .tenant_queues import Pending, TenantQueues, unique_sends
@@ -452,9 +452,19 @@ class Dispatcher:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
         under its own idempotency key, to the provider it went to, once its sender's lease has
         lapsed. False: still held."""
-        stored: StoredRequest | None = self.jobs.take_over(tenant, request_key, self.worker_id)
+        stored = self.jobs.take_over(tenant, request_key, self.worker_id)
         if stored is None:
             return False
+        if stored == RECORD_GONE:
+            # Unknown for longer than the provider keeps idempotency keys: a re-send could be delivered
+            # again, and so could a fresh request. Reconciliation, as for any outcome left unknown.
+            self.jobs.mark_reconcile(tenant, [p.send.send_id for p in group], request_key)
+            for p in group:
+                self._open.pop(id(p), None)
+                self.on_unknown(p)
+            log.warning("request %s has had no known outcome for longer than providers keep idempotency keys: "
+                        "%d of its sends left to reconciliation, not sent again", request_key, len(group))
+            return True
         route = self.routes.of(stored.provider)
         if not route.spec.idempotent:
             # Its sender stopped before the answer, at a provider without idempotency keys: it may have

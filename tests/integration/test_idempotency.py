@@ -5,7 +5,8 @@ import threading
 import pytest
 from confluent_kafka import Producer
 
-from streams.dispatch.idempotency import Claim, ProcessedJobs, idempotency_key
+from streams.dispatch import idempotency
+from streams.dispatch.idempotency import RECORD_GONE, Claim, ProcessedJobs, idempotency_key
 from streams.errors import StateLost
 from streams.names import RedisKeys
 from streams.runtime import Runtime
@@ -163,12 +164,27 @@ def test_a_release_asked_again_after_a_lost_reply_does_not_free_a_newer_claim(re
     assert c.status("acme", ids) == [f"inflight:{key}"] * 2
 
 
-def test_a_request_whose_record_is_gone_is_not_taken_over_and_leaves_nothing_behind(redis_client, namespace):
-    """A take-over finds the record gone (it expired with its claims): nothing is re-sent, the lease it took
-    is given back, and no record is left without an expiry."""
+def test_a_request_whose_record_expired_keeps_its_sends_claimed_and_is_reported_gone(redis_client, namespace,
+                                                                                     monkeypatch):
+    """Given a batch claimed by a worker that died before the answer, whose record then expired (it lives as long
+    as the provider keeps idempotency keys: 24 h, 0.3 s here),
+    When another worker meets its sends,
+    Then they are still claimed under the key (not free to be sent afresh under another key, which could deliver
+    them twice), the take-over reports the record gone instead of re-sending it, gives back the lease it took,
+    and leaves no record without an expiry."""
+    monkeypatch.setattr(idempotency, "RECORD_TTL_MS", 300)
+    dead = ProcessedJobs(redis_client, namespace, lease_s=0.2)
     jobs = ProcessedJobs(redis_client, namespace)
-    assert jobs.take_over("acme", "batch-gone", "worker-b") is None
-    assert redis_client.exists(jobs.keys.lease("acme", "batch-gone"), jobs.keys.request("acme", "batch-gone")) == 0
+    ids = ["s1", "s2"]
+    key = idempotency_key(ids)
+    assert dead.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    wait_until(lambda: not redis_client.exists(jobs.keys.request("acme", key)), 10, "the record to expire",
+               interval=0.05)
+
+    assert jobs.status("acme", ids) == [f"inflight:{key}"] * 2
+    assert jobs.take_over("acme", key, "worker-b") == RECORD_GONE
+    assert redis_client.exists(jobs.keys.lease("acme", key), jobs.keys.request("acme", key)) == 0
+    assert redis_client.pttl(jobs.keys.processed("acme", "s1")) > 24 * 3600 * 1000
 
 
 def test_a_claim_that_finds_no_epoch_leaves_nothing_claimed_and_says_the_data_was_lost(redis_client, namespace):

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from streams.dispatch.backlog import BacklogShare
-from streams.dispatch.idempotency import StoredRequest
+from streams.dispatch.idempotency import RECORD_GONE, StoredRequest
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import StoreUnavailable
@@ -772,3 +772,28 @@ def test_an_adapter_refusing_the_requests_shape_holds_the_queue_and_dead_letters
         q.ready_at = 0.0  # the hold (5 s) is over
     _run(worker)
     assert sum(body.count(b"|") + 1 for body in provider.sent) == 4 and consumer.stored[(TOPIC, 0)] == 4
+
+
+class ExpiredRecordJobs(FakeJobs):
+    """processed_jobs where a request's record expired (past the provider's idempotency window) while its
+    sends stayed claimed."""
+
+    def take_over(self, tenant, key, owner): return RECORD_GONE
+
+
+def test_a_send_whose_request_record_expired_is_left_to_reconciliation_not_sent_again():
+    """Given a send still claimed under a request whose record expired (its outcome has been unknown for longer
+    than the provider keeps idempotency keys),
+    When a worker meets the send again,
+    Then nothing is sent (a re-send or a fresh request could deliver it twice): the send is marked `reconcile`
+    and dead-lettered `unknown_outcome`, and its offset is done."""
+    sends, msgs = _messages(["acme"])
+    jobs = ExpiredRecordJobs()
+    jobs.state[sends[0].send_id] = "inflight:batch-expired"
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
+    _run(worker)
+    assert provider.sent == []
+    (_, headers), = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"unknown_outcome"
+    assert jobs.state[sends[0].send_id] == "reconcile"
+    assert consumer.stored[(TOPIC, 0)] == 1
