@@ -65,7 +65,6 @@ class Job:
     # Re-sent after an unknown outcome: the provider may hold the first copy, so no failure of this
     # one may free its sends (they would be re-batched under a new key and delivered twice).
     resent: bool = False
-    owner: str = ""  # the worker holding its lease (a definite failure frees the sends only while it does)
 
 
 class Dispatcher:
@@ -303,7 +302,7 @@ class Dispatcher:
             if not busy:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
                                             tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
-                                            {**draw.stamps, "claimed": stamp}, owner=self.worker_id))
+                                            {**draw.stamps, "claimed": stamp}))
                 continue
             taken = set(busy)
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
@@ -440,7 +439,7 @@ class Dispatcher:
             busy = set(self.jobs.claim_many([claim])[0])
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
-                                       fresh, key, claim.provider, owner=self.worker_id))
+                                       fresh, key, claim.provider))
                 return
             self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
@@ -490,7 +489,7 @@ class Dispatcher:
         # Other messages of ours that belong to the same request settle with it.
         members = group + self.queues.splice(queue, stored.send_ids)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
-                               stored.provider, resent=True, owner=self.worker_id))
+                               stored.provider, resent=True))
         log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
                  len(stored.send_ids), route.name)
         return True

@@ -60,9 +60,11 @@ def providers_tried(p: Pending, route: Route) -> list[str]:
 class Settler:
     def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
-                 redis_outage: Outage, on_gone: Callable[[Job], object] | None = None):
-        """`on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
+                 redis_outage: Outage, worker_id: str, on_gone: Callable[[Job], object] | None = None):
+        """`worker_id` holds the leases of this worker's requests (releases are asked in its name);
+        `on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
         self.routes = routes
+        self.worker_id = worker_id
         self.on_gone = on_gone
         self.time_scale = 1.0  # tests that walk a whole retry schedule shrink it (same code path)
         self.auth_hold_s = AUTH_HOLD_S
@@ -134,9 +136,9 @@ class Settler:
         It stays replayable while its payload is kept. A re-sent request keeps its claim (its first
         copy's fate is unknown), as after any failure."""
         if job.resent:
-            self.jobs.keep_unknown(job.tenant, job.key, job.owner)
+            self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
+            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id)
         self.outage.recovered(time.monotonic())
         for p in job.members:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
@@ -162,9 +164,9 @@ class Settler:
             # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
             # copy, which the provider may have accepted: the sends stay claimed under this key, and
             # only this request, byte for byte, is sent again (answered from the provider's store).
-            self.jobs.keep_unknown(job.tenant, job.key, job.owner)
+            self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, job.owner)
+            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id)
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
         if result.outcome == "auth":

@@ -99,7 +99,7 @@ class LaneWorker:
         self.redis_outage = Outage("Redis (dispatch)")
         self.consume_outage = Outage("Kafka (consume)")
         self.settler = Settler(routes, self._label, self.queues, self.tracker, jobs, gate,
-                               records, policies, self.redis_outage, on_gone)
+                               records, policies, self.redis_outage, config.worker_id, on_gone)
         self.dispatcher = Dispatcher(routes, config.lane, config.worker_id, config.concurrency,
                                      self.queues, jobs, gate, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old,
