@@ -24,7 +24,7 @@ from typing import Literal
 import orjson
 import redis
 
-from ..errors import StateLost
+from ..errors import StateLost, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script, store_errors
 
@@ -68,12 +68,15 @@ class StoredRequest:
 
 class ProcessedJobs:
     def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S,
-                 epoch_required: bool = False):
+                 epoch_required: bool = False, claim_ttl_ms: int = CLAIM_TTL_MS):
         """`epoch_required`: every claim also reads the Redis epoch (see `claim_many`); set where a
-        state guard watches for lost data, as in every production worker."""
+        state guard watches for lost data, as in every production worker. `claim_ttl_ms`: how long
+        sends stay claimed; RECORD_TTL_MS where a request may be sent afresh once its record
+        expired (webhooks: receivers deduplicate by the delivery's id, with no window)."""
         self.client = client
         self.keys = RedisKeys(namespace)
         self.lease_ms = int(lease_s * 1000)
+        self.claim_ttl_ms = claim_ttl_ms
         self.epoch_required = epoch_required
         self._claim = client.register_script(load_script(__package__, "claim.lua"))
         self._release = client.register_script(load_script(__package__, "release.lua"))
@@ -107,8 +110,10 @@ class ProcessedJobs:
         With `epoch_required`, the same round trip reads the Redis epoch after the claims. An epoch
         there then means the claims met intact data: once lost, the epoch stays gone until an
         operator has rebuilt the delivery marks. No epoch means the claims met an empty Redis, where
-        a delivered send looks free: they are released again and StateLost is raised, so nothing is
-        sent, without waiting for the state guard's next periodic look."""
+        a delivered send looks free: they are released again (one more round trip) and StateLost is
+        raised, so nothing is sent, without waiting for the state guard's next periodic look. On a
+        Redis Cluster the epoch lives on one shard: this sees that shard's loss only (as the guard
+        does), and the pipeline's commands to different shards run in no set order."""
         pipe = self.client.pipeline(transaction=False)
         for c in claims:
             self._claim(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=self._claim_args(c), client=pipe)
@@ -118,29 +123,43 @@ class ProcessedJobs:
             replies = pipe.execute()
         answers = [[int(i) for i in busy] for busy in replies[:len(claims)]]
         if self.epoch_required and not replies[-1]:
-            for c, busy in zip(claims, answers, strict=True):
-                if not busy:
-                    self.release(c.tenant, c.send_ids, c.key, c.owner)
-            raise StateLost("Redis holds no epoch: its data was lost; nothing was claimed")
+            lost = "Redis holds no epoch: its data was lost"
+            try:
+                self._release_many([c for c, busy in zip(claims, answers, strict=True) if not busy])
+            except StoreUnavailable as exc:
+                raise StateLost(f"{lost}; the claims just made in it could not all be released") from exc
+            raise StateLost(f"{lost}; the claims just made in it were released")
         return answers
+
+    def _release_many(self, claims: list[Claim]) -> None:
+        if not claims:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for c in claims:
+            self._release(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=[f"inflight:{c.key}", c.owner],
+                          client=pipe)
+        with store_errors("releasing claims"):
+            pipe.execute()
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
-                orjson.dumps(sorted(c.send_ids)), c.provider, CLAIM_TTL_MS]
+                orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:
         """Claim all or none; returns the positions of sends that are not free (empty: claimed)."""
         return self.claim_many([Claim(tenant, key, tuple(send_ids), owner, path, body, provider)])[0]
 
-    def take_over(self, tenant: str, key: str, owner: str) -> StoredRequest | Literal["gone"] | None:
-        """Take the lease of an in-flight request whose sender is gone; None while it is held.
-        RECORD_GONE when its record expired while its sends stayed claimed: its outcome has been
+    def take_over(self, tenant: str, key: str, owner: str,
+                  send_ids: list[str] | tuple[str, ...] = ()) -> StoredRequest | Literal["gone"] | None:
+        """Take the lease of an in-flight request whose sender is gone; None while it is held (or
+        when it was settled since `send_ids`, the sends met, were read: read them again).
+        RECORD_GONE when its record expired while those sends stayed claimed: its outcome has been
         unknown for longer than the provider keeps idempotency keys, so neither a re-send nor a
         fresh send is safe (either could deliver twice)."""
         with store_errors("taking over a request"):
-            reply = self._take_over(keys=[self.keys.lease(tenant, key), self.keys.request(tenant, key)],
-                                    args=[owner, self.lease_ms])
+            reply = self._take_over(keys=self._request_keys(tenant, key, send_ids),
+                                    args=[owner, self.lease_ms, f"inflight:{key}"])
         if reply == 0:
             return RECORD_GONE
         if not reply:

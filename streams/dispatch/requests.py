@@ -219,13 +219,20 @@ class Dispatcher:
         self._claim_round(admitted)
 
     def _sort_by_state(self, draw: Draw, states: list[str | None]) -> bool:
-        """Skip the delivered, recover (or wait for) the unknown; keep the fresh in `draw.items`.
+        """Skip the delivered, dead-letter those left to reconciliation, recover (or wait for) the
+        unknown; keep the fresh in `draw.items`.
         True when fresh messages are left to send."""
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(draw.items, states, strict=True):
-            if state in ("delivered", "reconcile"):
+            if state == "delivered":
                 self._skip(p)
+            elif state == "reconcile":
+                # Left to reconciliation with an unknown outcome: a batch member met after the others
+                # were dead-lettered, or read again after a crash between the mark and its dead letter.
+                # It is dead-lettered too (never skipped unrecorded, never sent).
+                self._open.pop(id(p), None)
+                self.on_unknown(p)
             elif state is None:
                 fresh.append(p)
             else:
@@ -451,7 +458,7 @@ class Dispatcher:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
         under its own idempotency key, to the provider it went to, once its sender's lease has
         lapsed. False: still held."""
-        stored = self.jobs.take_over(tenant, request_key, self.worker_id)
+        stored = self.jobs.take_over(tenant, request_key, self.worker_id, [p.send.send_id for p in group])
         if stored is None:
             return False
         if stored == RECORD_GONE:

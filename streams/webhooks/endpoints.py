@@ -60,6 +60,7 @@ class EndpointStore:
         self.client, self.keys, self.oplog = client, RedisKeys(namespace), oplog
         self.policy, self.resolve = policy, resolve
         self._reserve = client.register_script(load_script(__package__, "reserve_endpoint.lua"))
+        self._save_reserved = client.register_script(load_script(__package__, "save_reserved_endpoint.lua"))
 
     def _check_url(self, url: str) -> str:
         try:
@@ -68,11 +69,17 @@ class EndpointStore:
             raise ConfigError(f"url: {exc}") from None
         return url
 
-    def _save(self, ep: Endpoint) -> Endpoint:
+    def _save(self, ep: Endpoint, reserved: bool = False) -> Endpoint:
+        """The operator log first, then Redis; `reserved`: a new endpoint, whose reserved place the
+        Redis write gives back in the same step."""
         if self.oplog is not None:
             self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
         with store_errors("saving an endpoint"):
-            self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+            if reserved:
+                self._save_reserved(keys=[self.keys.endpoints(ep.tenant), self.keys.endpoint_reservations(ep.tenant)],
+                                    args=[ep.id, orjson.dumps(ep.to_doc())])
+            else:
+                self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
         return ep
 
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
@@ -83,20 +90,20 @@ class EndpointStore:
         ep = Endpoint(new_endpoint_id(), tenant, self._check_url(url), check_event_types(event_types),
                       description[:500], enabled, secrets=(Secret(secret),), created_at_ms=int(time.time() * 1000))
         reservations = self.keys.endpoint_reservations(tenant)
-        now_ms = int(time.time() * 1000)
         with store_errors("reserving an endpoint's place"):
             reserved = self._reserve(keys=[self.keys.endpoints(tenant), reservations],
-                                     args=[ep.id, now_ms, now_ms + RESERVATION_MS, MAX_ENDPOINTS_PER_TENANT])
+                                     args=[ep.id, RESERVATION_MS, MAX_ENDPOINTS_PER_TENANT])
         if not reserved:
             raise ConfigError(f"a tenant may have at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints; "
                               "delete one first")
         try:
-            return self._save(ep), secret
-        finally:
+            return self._save(ep, reserved=True), secret
+        except BaseException:
             try:
                 self.client.zrem(reservations, ep.id)
             except redis.RedisError:
                 pass  # the reservation lapses at its deadline
+            raise
 
     def get(self, tenant: str, endpoint_id: str) -> Endpoint | None:
         with store_errors("reading an endpoint"):

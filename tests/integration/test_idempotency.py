@@ -182,9 +182,27 @@ def test_a_request_whose_record_expired_keeps_its_sends_claimed_and_is_reported_
                interval=0.05)
 
     assert jobs.status("acme", ids) == [f"inflight:{key}"] * 2
-    assert jobs.take_over("acme", key, "worker-b") == RECORD_GONE
+    assert jobs.take_over("acme", key, "worker-b", ids) == RECORD_GONE
     assert redis_client.exists(jobs.keys.lease("acme", key), jobs.keys.request("acme", key)) == 0
     assert redis_client.pttl(jobs.keys.processed("acme", "s1")) > 24 * 3600 * 1000
+
+
+def test_a_take_over_of_a_request_settled_meanwhile_is_not_reported_gone(redis_client, namespace):
+    """Given a worker that read two batches' sends as in flight while their sender was still at work,
+    When the first batch is then marked delivered and the second released (a definite failure) before the
+    worker takes them over,
+    Then neither take-over reports the record gone (which would dead-letter the sends as of unknown outcome):
+    both say "read again", and the sends read `delivered` and free."""
+    jobs = ProcessedJobs(redis_client, namespace, lease_s=60)
+    delivered, released = ["s1", "s2"], ["s3", "s4"]
+    for ids in (delivered, released):
+        assert jobs.claim(ids, idempotency_key(ids), "worker-a", "/emails/batch", b"body", "acme") == []
+    jobs.mark_delivered("acme", delivered, idempotency_key(delivered))
+    jobs.release("acme", released, idempotency_key(released), "worker-a")
+
+    assert jobs.take_over("acme", idempotency_key(delivered), "worker-b", delivered) is None
+    assert jobs.take_over("acme", idempotency_key(released), "worker-b", released) is None
+    assert jobs.status("acme", delivered + released) == ["delivered", "delivered", None, None]
 
 
 def test_a_claim_that_finds_no_epoch_leaves_nothing_claimed_and_says_the_data_was_lost(redis_client, namespace):

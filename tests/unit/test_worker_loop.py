@@ -142,7 +142,7 @@ class FakeJobs:
             self.state.update({s: f"inflight:{key}" for s in send_ids})
         return busy
 
-    def take_over(self, tenant, key, owner): return None
+    def take_over(self, tenant, key, owner, send_ids=()): return None
     def mark_delivered(self, tenant, send_ids, key): self.state.update({s: "delivered" for s in send_ids})
     def mark_reconcile(self, tenant, send_ids, key): self.state.update({s: "reconcile" for s in send_ids})
 
@@ -374,7 +374,7 @@ class RecordingJobs(FakeJobs):
             self.records[key] = StoredRequest(key, path, body, tenant, tuple(sorted(send_ids)), provider)
         return busy
 
-    def take_over(self, tenant, key, owner): return self.records.get(key)
+    def take_over(self, tenant, key, owner, send_ids=()): return self.records.get(key)
 
     def release(self, tenant, send_ids, key, owner):
         super().release(tenant, send_ids, key, owner)
@@ -778,7 +778,7 @@ class ExpiredRecordJobs(FakeJobs):
     """processed_jobs where a request's record expired (past the provider's idempotency window) while its
     sends stayed claimed."""
 
-    def take_over(self, tenant, key, owner): return RECORD_GONE
+    def take_over(self, tenant, key, owner, send_ids=()): return RECORD_GONE
 
 
 def test_a_send_whose_request_record_expired_is_left_to_reconciliation_not_sent_again():
@@ -796,4 +796,21 @@ def test_a_send_whose_request_record_expired_is_left_to_reconciliation_not_sent_
     (_, headers), = producer.records[NAMES.dlq]
     assert headers["reason"] == b"unknown_outcome"
     assert jobs.state[sends[0].send_id] == "reconcile"
+    assert consumer.stored[(TOPIC, 0)] == 1
+
+
+def test_a_send_left_to_reconciliation_and_met_again_is_dead_lettered_not_skipped_unrecorded():
+    """Given a send already marked `reconcile` (its outcome is unknown at a provider that does not honour
+    idempotency keys) whose own dead letter was never written (a batch member met after the others were
+    dead-lettered, or a crash between the mark and the dead letter),
+    When a worker meets the send,
+    Then it is dead-lettered `unknown_outcome` (so an operator sees it), nothing is sent, and its offset is done."""
+    sends, msgs = _messages(["acme"])
+    jobs = FakeJobs()
+    jobs.state[sends[0].send_id] = "reconcile"
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
+    _run(worker)
+    assert provider.sent == []
+    (_, headers), = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"unknown_outcome"
     assert consumer.stored[(TOPIC, 0)] == 1
