@@ -151,7 +151,7 @@ class ProcessedJobs:
         return self.claim_many([Claim(tenant, key, tuple(send_ids), owner, path, body, provider)])[0]
 
     def take_over(self, tenant: str, key: str, owner: str,
-                  send_ids: list[str] | tuple[str, ...] = ()) -> StoredRequest | Literal["gone"] | None:
+                  send_ids: list[str] | tuple[str, ...]) -> StoredRequest | Literal["gone"] | None:
         """Take the lease of an in-flight request whose sender is gone; None while it is held (or
         when it was settled since `send_ids`, the sends met, were read: read them again).
         RECORD_GONE when its record expired while those sends stayed claimed: its outcome has been

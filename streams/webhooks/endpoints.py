@@ -20,7 +20,7 @@ import orjson
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ..errors import ConfigError, StackError
+from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import load_script, store_errors
@@ -74,13 +74,29 @@ class EndpointStore:
         Redis write gives back in the same step."""
         if self.oplog is not None:
             self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
-        with store_errors("saving an endpoint"):
-            if reserved:
-                self._save_reserved(keys=[self.keys.endpoints(ep.tenant), self.keys.endpoint_reservations(ep.tenant)],
-                                    args=[ep.id, orjson.dumps(ep.to_doc())])
-            else:
-                self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+        try:
+            with store_errors("saving an endpoint"):
+                if reserved:
+                    self._save_reserved(keys=[self.keys.endpoints(ep.tenant),
+                                              self.keys.endpoint_reservations(ep.tenant)],
+                                        args=[ep.id, orjson.dumps(ep.to_doc())])
+                else:
+                    self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+        except StoreUnavailable:
+            if reserved and self.oplog is not None:
+                self._forget(ep)
+            raise
         return ep
+
+    def _forget(self, ep: Endpoint) -> None:
+        """A create that failed after the operator log took it: the workers follow the log, so the
+        endpoint is taken back out of it (the caller was told the create failed, and may try again)."""
+        assert self.oplog is not None
+        try:
+            self.oplog.put(f"endpoint/{ep.id}", None)
+        except PublishError:
+            log.error("endpoint %s of tenant %s: its create failed, and it could not be taken back out of the "
+                      "operator log, which the workers follow: they may deliver to it", ep.id, ep.tenant)
 
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
                enabled: bool = True) -> tuple[Endpoint, str]:

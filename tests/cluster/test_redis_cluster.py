@@ -138,7 +138,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     assert jobs.take_over(claims[1].tenant, claims[1].key, "w2", claims[1].send_ids) is None
     assert jobs.claim([f"{tenants[1]}-9"], "send-y", "w", "/emails", b"y", tenants[1]) == []
     jobs.keep_unknown(tenants[1], "send-y", "w")
-    assert jobs.take_over(tenants[1], "send-y", "w2").body == b"y"  # a live record, taken over on the cluster
+    assert jobs.take_over(tenants[1], "send-y", "w2", [f"{tenants[1]}-9"]).body == b"y"  # a live record, taken over on the cluster
     claimed = ingest.begin(tenants[1], "key-1", "digest")
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
     assert ingest.finish(tenants[1], "key-1", 202, {}, claimed.holder)
@@ -221,11 +221,11 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     out.append(("claim overlapping", jobs.claim([f"{tenants[0]}-c", f"{tenants[0]}-b"], "send-c", "w2", "/emails",
                                                 b"c", tenants[0])))
     jobs.refresh([(c.tenant, c.key) for c in claims], "w1")
-    out.append(("take_over while held", jobs.take_over(claims[0].tenant, claims[0].key, "w2")))
+    out.append(("take_over while held", jobs.take_over(claims[0].tenant, claims[0].key, "w2", claims[0].send_ids)))
     jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[:2]])
     jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w1")
     jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1")
-    out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2")))
+    out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2", claims[3].send_ids)))
     out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
     client.delete(epoch)
     try:

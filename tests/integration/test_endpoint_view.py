@@ -10,7 +10,7 @@ import orjson
 import pytest
 from confluent_kafka import Producer
 
-from streams.errors import ConfigError
+from streams.errors import ConfigError, StoreUnavailable
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
 from streams.webhooks.endpoints import MAX_ENDPOINTS_PER_TENANT, EndpointDirectory, EndpointStore
@@ -195,3 +195,33 @@ def test_concurrent_creates_cannot_pass_a_tenants_bound_and_a_dead_creates_place
     redis_client.zadd(keys.endpoint_reservations("acme"), {"ep_died_under_way": now_ms - 1})
     plain.create("acme", "http://127.0.0.1:9/hooks/after-the-deadline", ["*"])
     assert len(plain.all("acme")) == MAX_ENDPOINTS_PER_TENANT
+
+
+class RecordingLog:
+    """An operator log that keeps what was written to it; writing the endpoint breaks the tenant's Redis
+    hash (a string in its place), so the Redis write that follows fails."""
+
+    def __init__(self, redis_client, key: str):
+        self.redis, self.key = redis_client, key
+        self.writes: list[tuple[str, object]] = []
+
+    def put(self, key, value) -> None:
+        self.writes.append((key, value))
+        if value is not None:
+            self.redis.set(self.key, "not a hash")
+
+
+def test_a_create_whose_redis_write_fails_is_taken_back_out_of_the_operator_log(redis_client, namespace):
+    """Given an endpoint create whose operator-log write succeeds and whose Redis write then fails,
+    When the create is refused (the store is unavailable),
+    Then the endpoint is taken back out of the operator log (the workers follow the log: they would deliver
+    to an endpoint the caller was told does not exist), and its reserved place is given back."""
+    keys = RedisKeys(namespace)
+    log = RecordingLog(redis_client, keys.endpoints("acme"))
+    store = EndpointStore(redis_client, namespace, log, UrlPolicy(require_https=False,
+                                                                  allow=frozenset({"127.0.0.1"})), system_resolver)
+    with pytest.raises(StoreUnavailable):
+        store.create("acme", "http://127.0.0.1:9/hooks/x", ["*"])
+    (written, doc), (taken_back, tombstone) = log.writes
+    assert written == taken_back and doc is not None and tombstone is None
+    assert redis_client.zcard(keys.endpoint_reservations("acme")) == 0

@@ -99,13 +99,13 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
     ids = ["s1", "s2", "s3"]
     key = idempotency_key(ids)
     assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
-    taken = wait_until(lambda: b.take_over("acme", key, "worker-b"), 10, "A's lease to lapse", interval=0.05)
+    taken = wait_until(lambda: b.take_over("acme", key, "worker-b", ids), 10, "A's lease to lapse", interval=0.05)
     assert taken.body == b"the body"
 
     a.release("acme", ids, key, "worker-a")
     a.keep_unknown("acme", key, "worker-a")
     assert b.status("acme", ids) == [f"inflight:{key}"] * 3
-    assert b.take_over("acme", key, "worker-c") is None  # B's lease is still B's
+    assert b.take_over("acme", key, "worker-c", ids) is None  # B's lease is still B's
 
     b.release("acme", ids, key, "worker-b")
     assert b.status("acme", ids) == [f"inflight:{key}"] * 3
@@ -122,12 +122,12 @@ def test_a_late_definite_failure_frees_nothing_once_a_resends_outcome_is_unknown
     ids = ["s1", "s2"]
     key = idempotency_key(ids)
     assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
-    wait_until(lambda: b.take_over("acme", key, "worker-b"), 10, "A's lease to lapse", interval=0.05)
+    wait_until(lambda: b.take_over("acme", key, "worker-b", ids), 10, "A's lease to lapse", interval=0.05)
     b.keep_unknown("acme", key, "worker-b")
 
     a.release("acme", ids, key, "worker-a")
     assert b.status("acme", ids) == [f"inflight:{key}"] * 2
-    assert b.take_over("acme", key, "worker-c").body == b"the body"
+    assert b.take_over("acme", key, "worker-c", ids).body == b"the body"
 
 
 def test_a_worker_whose_lease_merely_lapsed_still_frees_the_sends_of_its_failed_request(redis_client, namespace):
