@@ -227,3 +227,29 @@ def test_a_claim_that_finds_no_epoch_leaves_nothing_claimed_and_says_the_data_wa
     redis_client.set(keys.epoch, "e2")
     assert jobs.claim(["s1"], "send-s1", "worker-a", "/emails", b"third", "acme") == []
     assert jobs.claim(["s1", "s3"], "batch-x", "worker-b", "/emails/batch", b"fourth", "acme") == [0]
+
+
+def test_a_webhook_workers_claims_expire_with_their_request_and_a_providers_outlive_it(dispatch_env, redis_client,
+                                                                                     namespace):
+    """Given an email worker and a webhook worker as the runtime builds them,
+    When each claims a send,
+    Then the email's claim outlives its stored request (24 h, the provider's idempotency window: a send met
+    after it is left to reconciliation, never sent again), while the webhook delivery's claim expires with its
+    request (receivers deduplicate by webhook-id with no window: the delivery is simply sent again)."""
+    redis_client.set(RedisKeys(namespace).epoch, "e1")  # every claim reads it
+    runtime = Runtime.from_env(dispatch_env)
+    ttls = {}
+    try:
+        for channel, lane in (("email", "marketing"), ("webhook", "transactional")):
+            worker = runtime.worker(channel, lane)
+            jobs = worker.dispatcher.jobs
+            assert jobs.claim([f"s-{channel}"], f"send-s-{channel}", "w", "/x", b"body", "acme") == []
+            ttls[channel] = (redis_client.pttl(jobs.keys.processed("acme", f"s-{channel}")),
+                             redis_client.pttl(jobs.keys.request("acme", f"send-s-{channel}")))
+            worker.consumer.close()
+    finally:
+        runtime.close()
+    day_ms = 24 * 3600 * 1000
+    (email_claim, email_record), (hook_claim, hook_record) = ttls["email"], ttls["webhook"]
+    assert email_record <= day_ms < email_claim
+    assert hook_claim <= day_ms and hook_record <= day_ms
