@@ -231,8 +231,7 @@ class Dispatcher:
                 # Left to reconciliation with an unknown outcome: a batch member met after the others
                 # were dead-lettered, or read again after a crash between the mark and its dead letter.
                 # It is dead-lettered too (never skipped unrecorded, never sent).
-                self._open.pop(id(p), None)
-                self.on_unknown(p)
+                self._unknown(p)
             elif state is None:
                 fresh.append(p)
             else:
@@ -422,6 +421,17 @@ class Dispatcher:
         self._open.pop(id(p), None)
         self.on_duplicate(p)
 
+    def _unknown(self, p: Pending) -> None:
+        self._open.pop(id(p), None)
+        self.on_unknown(p)
+
+    def _reconcile(self, tenant: str, request_key: str, send_ids: list[str] | tuple[str, ...],
+                   members: list[Pending]) -> None:
+        """Leave a request's sends to reconciliation: never sent again by dispatch, each dead-lettered."""
+        self.jobs.mark_reconcile(tenant, send_ids, request_key)
+        for p in members:
+            self._unknown(p)
+
     def _requeue(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
         for p in items:
             self._open.pop(id(p), None)
@@ -464,10 +474,7 @@ class Dispatcher:
         if stored == RECORD_GONE:
             # Unknown for longer than the provider keeps idempotency keys: a re-send could be delivered
             # again, and so could a fresh request. Reconciliation, as for any outcome left unknown.
-            self.jobs.mark_reconcile(tenant, [p.send.send_id for p in group], request_key)
-            for p in group:
-                self._open.pop(id(p), None)
-                self.on_unknown(p)
+            self._reconcile(tenant, request_key, [p.send.send_id for p in group], group)
             log.warning("request %s has had no known outcome for longer than providers keep idempotency keys: "
                         "%d of its sends left to reconciliation, not sent again", request_key, len(group))
             return True
@@ -475,10 +482,7 @@ class Dispatcher:
         if not route.spec.idempotent:
             # Its sender stopped before the answer, at a provider without idempotency keys: it may have
             # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
-            self.jobs.mark_reconcile(tenant, stored.send_ids, request_key)
-            for p in group + self.queues.splice(queue, stored.send_ids):
-                self._open.pop(id(p), None)
-                self.on_unknown(p)
+            self._reconcile(tenant, request_key, stored.send_ids, group + self.queues.splice(queue, stored.send_ids))
             log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
                         "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
                         route.name)

@@ -69,24 +69,26 @@ class EndpointStore:
             raise ConfigError(f"url: {exc}") from None
         return url
 
-    def _save(self, ep: Endpoint, reserved: bool = False) -> Endpoint:
-        """The operator log first, then Redis; `reserved`: a new endpoint, whose reserved place the
-        Redis write gives back in the same step."""
+    def _save(self, ep: Endpoint) -> Endpoint:
+        if self.oplog is not None:
+            self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
+        with store_errors("saving an endpoint"):
+            self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+        return ep
+
+    def _save_new(self, ep: Endpoint, reservations: str) -> None:
+        """The operator log first, then Redis, which gives back the endpoint's reserved place in the
+        same step. A Redis write that fails takes the endpoint back out of the log."""
         if self.oplog is not None:
             self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
         try:
             with store_errors("saving an endpoint"):
-                if reserved:
-                    self._save_reserved(keys=[self.keys.endpoints(ep.tenant),
-                                              self.keys.endpoint_reservations(ep.tenant)],
-                                        args=[ep.id, orjson.dumps(ep.to_doc())])
-                else:
-                    self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+                self._save_reserved(keys=[self.keys.endpoints(ep.tenant), reservations],
+                                    args=[ep.id, orjson.dumps(ep.to_doc())])
         except StoreUnavailable:
-            if reserved and self.oplog is not None:
+            if self.oplog is not None:
                 self._forget(ep)
             raise
-        return ep
 
     def _forget(self, ep: Endpoint) -> None:
         """A create that failed after the operator log took it: the workers follow the log, so the
@@ -113,13 +115,14 @@ class EndpointStore:
             raise ConfigError(f"a tenant may have at most {MAX_ENDPOINTS_PER_TENANT} webhook endpoints; "
                               "delete one first")
         try:
-            return self._save(ep, reserved=True), secret
+            self._save_new(ep, reservations)
         except BaseException:
             try:
                 self.client.zrem(reservations, ep.id)
             except redis.RedisError:
                 pass  # the reservation lapses at its deadline
             raise
+        return ep, secret
 
     def get(self, tenant: str, endpoint_id: str) -> Endpoint | None:
         with store_errors("reading an endpoint"):

@@ -787,16 +787,9 @@ def test_a_send_whose_request_record_expired_is_left_to_reconciliation_not_sent_
     When a worker meets the send again,
     Then nothing is sent (a re-send or a fresh request could deliver it twice): the send is marked `reconcile`
     and dead-lettered `unknown_outcome`, and its offset is done."""
-    sends, msgs = _messages(["acme"])
     jobs = ExpiredRecordJobs()
-    jobs.state[sends[0].send_id] = "inflight:batch-expired"
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
-    _run(worker)
-    assert provider.sent == []
-    (_, headers), = producer.records[NAMES.dlq]
-    assert headers["reason"] == b"unknown_outcome"
-    assert jobs.state[sends[0].send_id] == "reconcile"
-    assert consumer.stored[(TOPIC, 0)] == 1
+    send = _met_in_state_and_dead_lettered_unknown(jobs, "inflight:batch-expired")
+    assert jobs.state[send.send_id] == "reconcile"
 
 
 def test_a_send_left_to_reconciliation_and_met_again_is_dead_lettered_not_skipped_unrecorded():
@@ -805,12 +798,18 @@ def test_a_send_left_to_reconciliation_and_met_again_is_dead_lettered_not_skippe
     dead-lettered, or a crash between the mark and the dead letter),
     When a worker meets the send,
     Then it is dead-lettered `unknown_outcome` (so an operator sees it), nothing is sent, and its offset is done."""
+    _met_in_state_and_dead_lettered_unknown(FakeJobs(), "reconcile")
+
+
+def _met_in_state_and_dead_lettered_unknown(jobs, state: str):
+    """One send whose processed_jobs state is `state`, met by a worker: it is not sent, it is dead-lettered
+    `unknown_outcome`, and its offset is done. Returns the send."""
     sends, msgs = _messages(["acme"])
-    jobs = FakeJobs()
-    jobs.state[sends[0].send_id] = "reconcile"
+    jobs.state[sends[0].send_id] = state
     worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
     _run(worker)
     assert provider.sent == []
     (_, headers), = producer.records[NAMES.dlq]
     assert headers["reason"] == b"unknown_outcome"
     assert consumer.stored[(TOPIC, 0)] == 1
+    return sends[0]
