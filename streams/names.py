@@ -8,8 +8,45 @@ never mixes tenants).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
+
+HASH_SLOTS = 16384  # a Redis Cluster's
+
+
+def _crc16_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC16 = _crc16_table()
+
+
+def hash_slot(tag: str) -> int:
+    """The Redis Cluster hash slot of a key whose hash tag is `tag` (CRC16/XMODEM modulo 16,384)."""
+    crc = 0
+    for byte in tag.encode():
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
+    return crc % HASH_SLOTS
+
+
+@functools.cache
+def slot_tags() -> tuple[str, ...]:
+    """For each Redis Cluster hash slot, the shortest decimal hash tag that lands on it."""
+    tags: list[str | None] = [None] * HASH_SLOTS
+    left, n = HASH_SLOTS, 0
+    while left:
+        slot = hash_slot(str(n))
+        if tags[slot] is None:
+            tags[slot], left = str(n), left - 1
+        n += 1
+    return tuple(t for t in tags if t is not None)
 
 
 @dataclass(frozen=True)
@@ -163,3 +200,17 @@ class RedisKeys:
         """Written once per Redis data set; its absence while the operator log knows an epoch means
         Redis lost its data."""
         return f"{self.namespace}dr:epoch"
+
+    # ---- on a Redis Cluster, the epoch's markers: one in every hash slot, written with the epoch,
+    # so that a script sees in its own slot whether that slot's data was lost (a cluster loses a
+    # shard, not always the one holding the epoch). A single Redis loses all or nothing: there
+    # the epoch itself is every script's marker.
+    def epoch_marker(self, slot: int) -> str:
+        return f"{self.namespace}dr:{{{slot_tags()[slot]}}}:epoch"
+
+    def epoch_markers(self) -> list[str]:
+        return [self.epoch_marker(slot) for slot in range(HASH_SLOTS)]
+
+    def tenant_epoch_marker(self, tenant: str) -> str:
+        """The marker in the slot of the tenant's processed_jobs keys."""
+        return self.epoch_marker(hash_slot(f"t:{tenant}"))

@@ -81,6 +81,10 @@ class ScriptPipeline(redis.client.Pipeline):
         return results
 
 
+def is_cluster(client: redis.Redis | RedisCluster) -> bool:
+    return isinstance(client, RedisCluster)
+
+
 def is_cluster_url(url: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme in CLUSTER_SCHEMES:

@@ -1,17 +1,23 @@
 -- Claim every send of one provider request, or none.
--- KEYS[1] lease   KEYS[2] request record (hash)   KEYS[3..] processed_jobs key per send
+-- KEYS[1] lease   KEYS[2] request record (hash)   KEYS[3..#KEYS-1] processed_jobs key per send
+-- KEYS[#KEYS] the epoch marker of this slot (read only when ARGV[11] is '1')
 -- ARGV[1] claim value ("inflight:<idempotency key>")   ARGV[2] owner   ARGV[3] lease ms
 -- ARGV[4] record ttl ms   ARGV[5] request path   ARGV[6] request body   ARGV[7] tenant   ARGV[8] send ids (JSON)
 -- ARGV[9] provider name (empty: the channel's first). The record keeps the owner: only it releases.
 -- ARGV[10] claim ttl ms: the sends stay claimed longer than the record lives, so a request whose outcome
 -- stayed unknown past the provider's idempotency window is met as such (take_over.lua), never as free.
--- Returns {} when claimed, else the 0-based positions of the sends that are not free.
+-- ARGV[11] '1': claim nothing when this slot has no epoch marker. The slot's data was lost (Redis
+-- restarted empty, a shard failed over to an empty replica), so a delivered send would look free here.
+-- Returns {} when claimed, -1 when the marker is missing, else the 0-based positions of the sends that
+-- are not free.
+local last = #KEYS - 1
+if ARGV[11] == '1' and redis.call('EXISTS', KEYS[#KEYS]) == 0 then return -1 end
 local busy = {}
-for i = 3, #KEYS do
+for i = 3, last do
   if redis.call('EXISTS', KEYS[i]) == 1 then busy[#busy + 1] = i - 3 end
 end
 if #busy > 0 then return busy end
-for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[10]) end
+for i = 3, last do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[10]) end
 redis.call('DEL', KEYS[2])  -- a new claim starts a new record (never an older one's `unknown` mark)
 redis.call('HSET', KEYS[2], 'path', ARGV[5], 'body', ARGV[6], 'tenant', ARGV[7], 'ids', ARGV[8], 'provider', ARGV[9],
            'owner', ARGV[2])

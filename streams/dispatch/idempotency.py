@@ -26,7 +26,7 @@ import redis
 
 from ..errors import StateLost, StoreUnavailable
 from ..names import RedisKeys
-from ..redis_client import load_script, store_errors
+from ..redis_client import is_cluster, load_script, store_errors
 
 DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
 LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
@@ -66,10 +66,13 @@ class StoredRequest:
     provider: str = ""  # the provider it went to: a recovered request goes to the same one
 
 
+NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
+
+
 class ProcessedJobs:
     def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S,
                  epoch_required: bool = False, claim_ttl_ms: int = CLAIM_TTL_MS):
-        """`epoch_required`: every claim also reads the Redis epoch (see `claim_many`); set where a
+        """`epoch_required`: every claim also reads its slot's epoch marker (see `claim_many`); set where a
         state guard watches for lost data, as in every production worker. `claim_ttl_ms`: how long
         sends stay claimed; RECORD_TTL_MS where a request may be sent afresh once its record
         expired (webhooks: receivers deduplicate by the delivery's id, with no window)."""
@@ -78,6 +81,7 @@ class ProcessedJobs:
         self.lease_ms = int(lease_s * 1000)
         self.claim_ttl_ms = claim_ttl_ms
         self.epoch_required = epoch_required
+        self._cluster = is_cluster(client)
         self._claim = client.register_script(load_script(__package__, "claim.lua"))
         self._release = client.register_script(load_script(__package__, "release.lua"))
         self._mark = client.register_script(load_script(__package__, "mark_delivered.lua"))
@@ -107,29 +111,29 @@ class ProcessedJobs:
     def claim_many(self, claims: list[Claim]) -> list[list[int]]:
         """`claim` for several requests in one round trip (each all or none, as `claim`).
 
-        With `epoch_required`, the same round trip reads the Redis epoch after the claims. An epoch
-        there then means the claims met intact data: once lost, the epoch stays gone until an
-        operator has rebuilt the delivery marks. No epoch means the claims met an empty Redis, where
-        a delivered send looks free: they are released again (one more round trip) and StateLost is
-        raised, so nothing is sent, without waiting for the state guard's next periodic look. On a
-        Redis Cluster the epoch lives on one shard: this sees that shard's loss only (as the guard
-        does), and the pipeline's commands to different shards run in no set order."""
+        With `epoch_required`, each claim first reads its slot's epoch marker, in the same script:
+        a slot without one lost its data (a delivered send would look free there), so nothing is
+        claimed in it and StateLost is raised, without waiting for the state guard's next look.
+        Claims the same round trip made in slots that kept their data (another shard of a Redis
+        Cluster) are released again, so that the whole round goes back to its queues."""
         pipe = self.client.pipeline(transaction=False)
         for c in claims:
-            self._claim(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=self._claim_args(c), client=pipe)
-        if self.epoch_required:
-            pipe.exists(self.keys.epoch)
+            self._claim(keys=self._claim_keys(c), args=self._claim_args(c), client=pipe)
         with store_errors("claiming sends"):
             replies = pipe.execute()
-        answers = [[int(i) for i in busy] for busy in replies[:len(claims)]]
-        if self.epoch_required and not replies[-1]:
-            lost = "Redis holds no epoch: its data was lost"
+        lost_in = [c.tenant for c, r in zip(claims, replies, strict=True) if r == NO_EPOCH_MARKER]
+        if lost_in:
+            lost = f"Redis lost the data of tenant {lost_in[0]}'s slot (no epoch marker there)"
             try:
-                self._release_many([c for c, busy in zip(claims, answers, strict=True) if not busy])
+                self._release_many([c for c, r in zip(claims, replies, strict=True) if r == []])
             except StoreUnavailable as exc:
-                raise StateLost(f"{lost}; the claims just made in it could not all be released") from exc
-            raise StateLost(f"{lost}; the claims just made in it were released")
-        return answers
+                raise StateLost(f"{lost}; claims made in other slots could not all be released") from exc
+            raise StateLost(f"{lost}; nothing was claimed there")
+        return [[int(i) for i in busy] for busy in replies]
+
+    def _claim_keys(self, c: Claim) -> list[str]:
+        marker = self.keys.tenant_epoch_marker(c.tenant) if self._cluster else self.keys.epoch
+        return self._request_keys(c.tenant, c.key, c.send_ids) + [marker]
 
     def _release_many(self, claims: list[Claim]) -> None:
         if not claims:
@@ -143,7 +147,7 @@ class ProcessedJobs:
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
-                orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms]
+                orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0"]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:

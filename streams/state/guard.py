@@ -7,6 +7,14 @@ API keys, endpoints, project members) from the log by itself, and dispatch holds
 because the delivery marks (`processed_jobs`) are gone and re-sending everything is worse than
 waiting. It holds until an operator runs `streams state recover` (which rebuilds the marks from
 `notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss`.
+
+A claim reads the epoch in the same script (`streams/dispatch/claim.lua`) and claims nothing without
+it. On a Redis Cluster the epoch lives in one hash slot, and a script reaches only its own slot, so
+there the epoch is written with a marker in each of the 16,384 slots (markers first, then the log,
+then the epoch; the log's entry says the markers exist): a claim reads its own slot's marker, and the
+guard reads every marker when it starts, when a claim saw one missing, and while it holds. That is
+how the loss of a shard other than the epoch's is seen. A single Redis loses all or nothing, so
+there the epoch is every slot's marker.
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ import orjson
 import redis
 
 from .. import metrics
-from ..names import RedisKeys
-from ..redis_client import store_errors
+from ..names import HASH_SLOTS, RedisKeys
+from ..redis_client import is_cluster, store_errors
 from .log import OperatorLog
 
 log = logging.getLogger("streams.state")
@@ -31,6 +39,40 @@ def log_epoch(snapshot: dict[str, dict]) -> str | None:
     """The epoch the operator log records (None: none, or one that is not a string, which no role writes)."""
     epoch = (snapshot.get("epoch") or {}).get("epoch")
     return epoch if isinstance(epoch, str) and epoch else None
+
+
+def markers_recorded(snapshot: dict[str, dict]) -> bool:
+    """Whether the log's epoch was written with its hash-slot markers (a deployment from before them
+    has an epoch without)."""
+    return (snapshot.get("epoch") or {}).get("markers") is True
+
+
+def write_markers(client: redis.Redis, keys: RedisKeys) -> None:
+    """On a Redis Cluster, the epoch's marker in every hash slot (one round trip per node)."""
+    if not is_cluster(client):
+        return
+    pipe = client.pipeline(transaction=False)
+    for key in keys.epoch_markers():
+        pipe.set(key, b"1")
+    with store_errors("writing the epoch's hash-slot markers"):
+        pipe.execute()
+
+
+def missing_markers(client: redis.Redis, keys: RedisKeys) -> int:
+    """On a Redis Cluster, how many hash slots have lost their epoch marker."""
+    if not is_cluster(client):
+        return 0
+    markers = keys.epoch_markers()
+    with store_errors("reading the epoch's hash-slot markers"):
+        return len(markers) - int(client.exists(*markers))
+
+
+def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch: str) -> None:
+    """Markers, then the operator log, then Redis's epoch: once the epoch is back, every slot has its marker."""
+    write_markers(client, keys)
+    oplog.put("epoch", {"epoch": epoch, "markers": True})
+    with store_errors("writing the Redis epoch"):
+        client.set(keys.epoch, epoch)
 
 
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
@@ -66,6 +108,7 @@ class StateGuard:
         self.client, self.keys, self.oplog, self.role = client, keys, oplog, role
         self.lost = False
         self._verified = False  # compared with the operator log at least once
+        self._markers_due = True  # read every hash slot's marker at the next check
         self._next_check = 0.0
 
     def check(self, force: bool = False) -> bool:
@@ -76,14 +119,16 @@ class StateGuard:
         self._next_check = now + CHECK_EVERY_S
         with store_errors("reading the Redis epoch"):
             present = self.client.get(self.keys.epoch)
-        if present is not None and not self.lost and self._verified:
+        if present is not None and not self.lost and self._verified and not self._markers_due:
             return True
         self._evaluate(present.decode() if present else None)
         metrics.REDIS_STATE_LOST.set(1 if self.lost else 0)
         return not self.lost
 
     def recheck(self) -> None:
-        """Something else saw Redis without its epoch: the next `check` reads it, cached or not."""
+        """A claim met a slot without its epoch marker: the next `check` reads the epoch and every
+        marker, cached or not."""
+        self._markers_due = True
         self._next_check = 0.0
 
     def _evaluate(self, redis_epoch: str | None) -> None:
@@ -97,26 +142,45 @@ class StateGuard:
         self._verified = True
         recorded = log_epoch(snapshot)
         if redis_epoch is not None and redis_epoch == recorded:
+            if not markers_recorded(snapshot):  # a deployment from before the markers: write them once
+                write_markers(self.client, self.keys)
+                self.oplog.put("epoch", {"epoch": recorded, "markers": True})
+                self._markers_due = False
+            elif self.lost or self._markers_due:
+                missing = missing_markers(self.client, self.keys)
+                self._markers_due = False
+                if missing:
+                    self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch "
+                               "marker", snapshot)
+                    return
             if self.lost:
                 log.warning("%s: Redis state recovered (epoch %s); resuming", self.role, redis_epoch)
             self.lost = False
         elif redis_epoch is not None and recorded is None:
-            self.oplog.put("epoch", {"epoch": redis_epoch})  # an existing Redis, first seen by the log
+            # An existing Redis, first seen by the log (its markers may be missing: written again).
+            write_markers(self.client, self.keys)
+            self.oplog.put("epoch", {"epoch": redis_epoch, "markers": True})
+            self._markers_due = False
             self.lost = False
         elif redis_epoch is None and recorded is None:
             self._first_epoch()
         else:
-            written = restore(self.client, self.keys, snapshot)
-            if not self.lost:
-                log.error("%s: Redis has lost its data (epoch %s expected, found %s): restored %d operator "
-                          "entries from the operator log; dispatch holds until an operator runs "
-                          "`streams state recover`", self.role, recorded, redis_epoch, written)
-            self.lost = True
+            self._hold(f"epoch {recorded} expected, found {redis_epoch}", snapshot)
+
+    def _hold(self, why: str, snapshot: dict[str, dict]) -> None:
+        written = restore(self.client, self.keys, snapshot)
+        if not self.lost:
+            log.error("%s: Redis has lost its data (%s): restored %d operator entries from the operator log; "
+                      "dispatch holds until an operator runs `streams state recover`", self.role, why, written)
+        self.lost = True
 
     def _first_epoch(self) -> None:
-        """A new deployment: the first role to start writes the epoch (one wins in Redis)."""
+        """A new deployment: the first role to start writes the epoch (one wins in Redis), its
+        markers before it."""
+        write_markers(self.client, self.keys)
         with store_errors("writing the Redis epoch"):
             self.client.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
             winner = self.client.get(self.keys.epoch).decode()
-        self.oplog.put("epoch", {"epoch": winner})
+        self.oplog.put("epoch", {"epoch": winner, "markers": True})
+        self._markers_due = False
         self.lost = False

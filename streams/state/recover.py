@@ -4,7 +4,8 @@ let dispatch resume.
 `notif.outcomes` is the durable record of every terminal outcome: each `delivered` event of the
 last 7 days becomes a `delivered` mark in processed_jobs again (so no send delivered before the
 loss is sent twice when its message is read again), and every event is applied to the send
-status store. Then the operator log's epoch is written back to Redis, which ends the hold.
+status store. Then the operator log's epoch is written back to Redis (on a Redis Cluster with its
+marker in every hash slot), which ends the hold.
 What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
 outcome is unknown; they are sent again) and `accepted` statuses of sends with no outcome yet.
 """
@@ -27,7 +28,7 @@ from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import events_of, unusable
 from ..redis_client import store_errors
-from .guard import log_epoch
+from .guard import log_epoch, write_epoch
 from .log import OperatorLog
 
 
@@ -97,17 +98,12 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             progress(f"{result.events} outcome events applied")
 
     _read_all(bootstrap, names.outcomes, apply)
-    epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
-    oplog.put("epoch", {"epoch": epoch})
-    with store_errors("writing the Redis epoch"):
-        client.set(keys.epoch, epoch)
+    write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
     return result
 
 
 def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
     """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent)."""
     epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
-    oplog.put("epoch", {"epoch": epoch})
-    with store_errors("writing the Redis epoch"):
-        client.set(keys.epoch, epoch)
+    write_epoch(client, keys, oplog, epoch)
     return epoch

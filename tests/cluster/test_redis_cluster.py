@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import redis
 from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
@@ -23,8 +24,10 @@ from streams.gate.gate import RedisGate
 from streams.gate.limits import LimitStore
 from streams.ingest.idempotency import IngestIdempotency
 from streams.ingest.status import StatusStore
-from streams.names import RedisKeys
+from streams.names import RedisKeys, TopicNames
 from streams.redis_client import ClusterClient, ClusterClientPipeline, cluster_startup, connect
+from streams.state.guard import StateGuard, log_epoch, missing_markers, write_epoch, write_markers
+from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.ssrf import UrlPolicy, system_resolver
 from tests.harness import wait_until
@@ -211,8 +214,9 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     gate.cool_down(p1, 0.1)
     out.append(("a shorter cool-down does not shorten it", _admission(gate.acquire(p1, tenants[0], 1))))
 
-    epoch = RedisKeys(ns).epoch  # on its own slot: each claim round trip reads it after the claims
-    client.set(epoch, "e1")
+    keys = RedisKeys(ns)
+    write_markers(client, keys)  # as a state guard writes the epoch: on the cluster, a marker in every slot first
+    client.set(keys.epoch, "e1")
     jobs = ProcessedJobs(client, ns, epoch_required=True)
     claims = [Claim(t, idempotency_key([f"{t}-a", f"{t}-b"]), (f"{t}-a", f"{t}-b"), "w1", "/emails/batch",
                     f"body of {t}".encode()) for t in tenants]
@@ -227,7 +231,7 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1")
     out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2", claims[3].send_ids)))
     out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
-    client.delete(epoch)
+    client.delete(keys.epoch, *keys.epoch_markers())  # the data lost: the epoch and, on the cluster, its markers
     try:
         jobs.claim_many([Claim(t, f"send-{t}-z", (f"{t}-z",), "w1", "/emails", b"z") for t in tenants])
         out.append(("claim_many without the epoch", "claimed"))
@@ -358,3 +362,72 @@ def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healt
     assert gate.acquire(victim_provider, tenant, 1).allowed
     assert gate.acquire(other_provider, tenant, 1).allowed
     assert jobs.status(tenant, [f"{tenant}-1"]) == ["inflight:send-1"]
+
+
+def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_another(healthy_redis_cluster, stack,
+                                                                                       create_topics):
+    """Given a Redis Cluster whose epoch a state guard wrote (with a marker in every hash slot), and a tenant whose
+    sends live on another master than the epoch, with one send delivered,
+    When that master loses its data (FLUSHALL: as a master restarted without persistence) while the epoch's master
+    keeps it,
+    Then the delivered send reads free there, but a claim of it (in one round with a tenant on an intact master)
+    raises StateLost and leaves nothing claimed on either master; the guard, asked to look again, holds; and
+    after the epoch is written again (as `streams state recover` ends) it resumes and the claim goes through."""
+    client = connect(healthy_redis_cluster.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    names, keys = TopicNames(ns), RedisKeys(ns)
+    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
+    oplog = OperatorLog(stack.bootstrap, names.operator)
+    guard = StateGuard(client, keys, oplog, "test")
+    assert guard.check()                                  # a new deployment: the guard writes the epoch
+    assert missing_markers(client, keys) == 0
+
+    epoch_node = client.get_node_from_key(keys.epoch).name
+    by_node: dict[str, str] = {}
+    for t in (f"tenant{i}" for i in range(100)):
+        by_node.setdefault(client.get_node_from_key(keys.processed(t, "x")).name, t)
+    victim_node = next(n for n in by_node if n != epoch_node)
+    victim, intact = by_node[victim_node], next(t for n, t in by_node.items() if n != victim_node)
+    jobs = ProcessedJobs(client, ns, epoch_required=True)
+    assert jobs.claim([f"{victim}-1"], "send-v1", "w1", "/emails", b"{}", victim) == []
+    jobs.mark_delivered(victim, [f"{victim}-1"], "send-v1")
+
+    host, port = victim_node.rsplit(":", 1)
+    redis.Redis(host=host, port=int(port)).flushall()
+    assert client.get(keys.epoch) is not None             # the epoch's master kept its data
+    assert jobs.status(victim, [f"{victim}-1"]) == [None]  # the delivered mark is gone: the send looks free
+
+    with pytest.raises(StateLost, match=victim):
+        jobs.claim_many([Claim(intact, f"send-{intact}-1", (f"{intact}-1",), "w1", "/emails", b"a"),
+                         Claim(victim, "send-v1-again", (f"{victim}-1",), "w1", "/emails", b"b")])
+    assert jobs.status_many([(intact, [f"{intact}-1"]), (victim, [f"{victim}-1"])]) == [[None], [None]]
+    assert guard.check()                                  # its periodic look reads the epoch alone: intact
+    guard.recheck()
+    assert not guard.check()                              # every slot's marker read: that master's are missing
+
+    write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()))
+    assert guard.check(force=True)
+    assert jobs.claim([f"{victim}-2"], "send-v2", "w1", "/emails", b"{}", victim) == []
+
+
+def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(healthy_redis_cluster, stack,
+                                                                            create_topics):
+    """Given a Redis Cluster and operator log whose epoch was written before the hash-slot markers existed (the log's
+    entry says nothing of them, and no slot has one),
+    When a state guard of this version starts there,
+    Then it finds Redis intact, writes every slot's marker and records them in the log, and a claim that reads its
+    slot's marker goes through (an upgrade neither holds dispatch nor makes every claim fail)."""
+    client = connect(healthy_redis_cluster.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    names, keys = TopicNames(ns), RedisKeys(ns)
+    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
+    oplog = OperatorLog(stack.bootstrap, names.operator)
+    client.set(keys.epoch, "e-old")
+    oplog.put("epoch", {"epoch": "e-old"})
+    assert missing_markers(client, keys) == 16384
+
+    assert StateGuard(client, keys, oplog, "test").check()
+    assert missing_markers(client, keys) == 0
+    assert oplog.snapshot()["epoch"] == {"epoch": "e-old", "markers": True}
+    assert StateGuard(client, keys, oplog, "another role").check()
+    assert ProcessedJobs(client, ns, epoch_required=True).claim(["s1"], "send-s1", "w", "/emails", b"{}", "t") == []

@@ -7,7 +7,7 @@ from confluent_kafka import Producer
 
 from streams.dispatch import idempotency
 from streams.dispatch.idempotency import RECORD_GONE, Claim, ProcessedJobs, idempotency_key
-from streams.errors import StateLost
+from streams.errors import StateLost, StoreUnavailable
 from streams.names import RedisKeys
 from streams.runtime import Runtime
 from streams.send import build_send, encode, validate_request
@@ -227,6 +227,30 @@ def test_a_claim_that_finds_no_epoch_leaves_nothing_claimed_and_says_the_data_wa
     redis_client.set(keys.epoch, "e2")
     assert jobs.claim(["s1"], "send-s1", "worker-a", "/emails", b"third", "acme") == []
     assert jobs.claim(["s1", "s3"], "batch-x", "worker-b", "/emails/batch", b"fourth", "acme") == [0]
+
+
+def test_a_claim_that_finds_no_epoch_writes_nothing_so_no_failed_release_can_leave_it_behind(redis_client, namespace,
+                                                                                           monkeypatch):
+    """Given a worker's processed_jobs that reads the Redis epoch with every claim, and a Redis without its epoch
+    (its data lost), where releasing claims would fail (Redis going away again),
+    When the worker claims two requests in one round,
+    Then StateLost is raised and neither request's sends, lease or record were written: the script that claims
+    reads the epoch first, so nothing needs releasing (claiming, then releasing on a missing epoch, left these
+    claims behind for 7 days, to be dead-lettered unknown_outcome at a provider without idempotency keys)."""
+    jobs = ProcessedJobs(redis_client, namespace, lease_s=60, epoch_required=True)
+    keys = RedisKeys(namespace)
+
+    def release_fails(claims) -> None:
+        if claims:
+            raise StoreUnavailable("releasing claims: connection refused")
+
+    monkeypatch.setattr(jobs, "_release_many", release_fails)
+    with pytest.raises(StateLost):
+        jobs.claim_many([Claim("acme", "send-s1", ("s1",), "worker-a", "/emails", b"one"),
+                         Claim("acme", "batch-x", ("s2", "s3"), "worker-a", "/emails/batch", b"two")])
+    assert jobs.status("acme", ["s1", "s2", "s3"]) == [None, None, None]
+    assert not redis_client.exists(keys.lease("acme", "send-s1"), keys.request("acme", "send-s1"),
+                                   keys.lease("acme", "batch-x"), keys.request("acme", "batch-x"))
 
 
 def test_a_webhook_workers_claims_expire_with_their_request_and_a_providers_outlive_it(dispatch_env, redis_client,
