@@ -12,9 +12,10 @@ A claim reads the epoch in the same script (`streams/dispatch/claim.lua`) and cl
 it. On a Redis Cluster the epoch lives in one hash slot, and a script reaches only its own slot, so
 there the epoch is written with a marker in each of the 16,384 slots (markers first, then the log,
 then the epoch; the log's entry says the markers exist): a claim reads its own slot's marker, and the
-guard reads every marker when it starts, when a claim saw one missing, and while it holds. That is
-how the loss of a shard other than the epoch's is seen. A single Redis loses all or nothing, so
-there the epoch is every slot's marker.
+guard reads one marker of each master with the epoch every 5 s, and every marker when it starts,
+when a claim or that look saw one missing, and while it holds. That is how every role sees the loss
+of a shard other than the epoch's. A single Redis loses all or nothing, so there the epoch is every
+slot's marker.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def missing_markers(client: redis.Redis, keys: RedisKeys) -> int:
     markers = keys.epoch_markers()
     with store_errors("reading the epoch's hash-slot markers"):
         return len(markers) - int(client.exists(*markers))
+
+
+def a_master_lost_its_markers(client: redis.Redis, keys: RedisKeys) -> bool:
+    """On a Redis Cluster, whether a master has lost its data: one marker read per master, from the
+    first slot it serves (a master loses all its data or none; a resharded slot takes its marker along)."""
+    if not is_cluster(client):
+        return False
+    first_slot: dict[str, int] = {}
+    for slot, nodes in sorted(client.nodes_manager.slots_cache.items()):
+        first_slot.setdefault(nodes[0].name, slot)
+    markers = [keys.epoch_marker(slot) for slot in first_slot.values()]
+    with store_errors("reading the epoch's hash-slot markers"):
+        return int(client.exists(*markers)) < len(markers)
 
 
 def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch: str) -> None:
@@ -120,7 +134,9 @@ class StateGuard:
         with store_errors("reading the Redis epoch"):
             present = self.client.get(self.keys.epoch)
         if present is not None and not self.lost and self._verified and not self._markers_due:
-            return True
+            if not a_master_lost_its_markers(self.client, self.keys):
+                return True
+            self._markers_due = True
         self._evaluate(present.decode() if present else None)
         metrics.REDIS_STATE_LOST.set(1 if self.lost else 0)
         return not self.lost

@@ -371,8 +371,9 @@ def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_a
     When that master loses its data (FLUSHALL: as a master restarted without persistence) while the epoch's master
     keeps it,
     Then the delivered send reads free there, but a claim of it (in one round with a tenant on an intact master)
-    raises StateLost and leaves nothing claimed on either master; the guard, asked to look again, holds; and
-    after the epoch is written again (as `streams state recover` ends) it resumes and the claim goes through."""
+    raises StateLost and leaves nothing claimed on either master; the worker's guard, asked to look again, holds,
+    and so does another role's guard at its next periodic look; and after the epoch is written again (as
+    `streams state recover` ends) they resume and the claim goes through."""
     client = connect(healthy_redis_cluster.url)
     ns = f"s{uuid.uuid4().hex[:8]}."
     names, keys = TopicNames(ns), RedisKeys(ns)
@@ -381,6 +382,8 @@ def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_a
     guard = StateGuard(client, keys, oplog, "test")
     assert guard.check()                                  # a new deployment: the guard writes the epoch
     assert missing_markers(client, keys) == 0
+    bystander = StateGuard(client, keys, oplog, "ingest")  # another role, which only looks every 5 s
+    assert bystander.check()
 
     epoch_node = client.get_node_from_key(keys.epoch).name
     by_node: dict[str, str] = {}
@@ -401,12 +404,12 @@ def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_a
         jobs.claim_many([Claim(intact, f"send-{intact}-1", (f"{intact}-1",), "w1", "/emails", b"a"),
                          Claim(victim, "send-v1-again", (f"{victim}-1",), "w1", "/emails", b"b")])
     assert jobs.status_many([(intact, [f"{intact}-1"]), (victim, [f"{victim}-1"])]) == [[None], [None]]
-    assert guard.check()                                  # its periodic look reads the epoch alone: intact
     guard.recheck()
     assert not guard.check()                              # every slot's marker read: that master's are missing
+    assert not bystander.check(force=True)                # a role that claims nothing sees it at its next look
 
     write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()))
-    assert guard.check(force=True)
+    assert guard.check(force=True) and bystander.check(force=True)
     assert jobs.claim([f"{victim}-2"], "send-v2", "w1", "/emails", b"{}", victim) == []
 
 
