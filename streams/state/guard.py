@@ -43,8 +43,8 @@ def log_epoch(snapshot: dict[str, dict]) -> str | None:
 
 
 def markers_recorded(snapshot: dict[str, dict]) -> bool:
-    """Whether the log's epoch was written with its hash-slot markers (a deployment from before them
-    has an epoch without)."""
+    """Whether the log's epoch was written with its hash-slot markers, on a Redis Cluster (an epoch
+    written before them, or on a single Redis, has none)."""
     return (snapshot.get("epoch") or {}).get("markers") is True
 
 
@@ -84,7 +84,7 @@ def a_master_lost_its_markers(client: redis.Redis, keys: RedisKeys) -> bool:
 def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch: str) -> None:
     """Markers, then the operator log, then Redis's epoch: once the epoch is back, every slot has its marker."""
     write_markers(client, keys)
-    oplog.put("epoch", {"epoch": epoch, "markers": True})
+    oplog.put("epoch", {"epoch": epoch, "markers": is_cluster(client)})
     with store_errors("writing the Redis epoch"):
         client.set(keys.epoch, epoch)
 
@@ -158,30 +158,45 @@ class StateGuard:
         self._verified = True
         recorded = log_epoch(snapshot)
         if redis_epoch is not None and redis_epoch == recorded:
-            if not markers_recorded(snapshot):  # a deployment from before the markers: write them once
-                write_markers(self.client, self.keys)
-                self.oplog.put("epoch", {"epoch": recorded, "markers": True})
-                self._markers_due = False
+            if is_cluster(self.client) and not markers_recorded(snapshot):
+                if not self._adopt_markers(redis_epoch, snapshot):
+                    return
             elif self.lost or self._markers_due:
+                if self.lost and a_master_lost_its_markers(self.client, self.keys):
+                    self._hold("a master's epoch markers are still missing", snapshot)  # no need to read them all
+                    return
                 missing = missing_markers(self.client, self.keys)
                 self._markers_due = False
                 if missing:
-                    self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch "
-                               "marker", snapshot)
+                    self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch marker", snapshot)
                     return
             if self.lost:
                 log.warning("%s: Redis state recovered (epoch %s); resuming", self.role, redis_epoch)
             self.lost = False
         elif redis_epoch is not None and recorded is None:
-            # An existing Redis, first seen by the log (its markers may be missing: written again).
-            write_markers(self.client, self.keys)
-            self.oplog.put("epoch", {"epoch": redis_epoch, "markers": True})
-            self._markers_due = False
-            self.lost = False
+            # An existing Redis, first seen by the log.
+            if self._adopt_markers(redis_epoch, snapshot):
+                self.lost = False
         elif redis_epoch is None and recorded is None:
             self._first_epoch()
         else:
             self._hold(f"epoch {recorded} expected, found {redis_epoch}", snapshot)
+
+    def _adopt_markers(self, epoch: str, snapshot: dict[str, dict]) -> bool:
+        """An epoch the log does not record with markers (written before them, by an older version, on a
+        single Redis whose data moved to a cluster, or not in the log at all) is recorded with them. On a
+        Redis Cluster the markers are written when no slot has one; some slots without while others
+        have theirs means those slots lost their data: hold (False)."""
+        if is_cluster(self.client):
+            missing = missing_markers(self.client, self.keys)
+            if 0 < missing < HASH_SLOTS:
+                self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch marker", snapshot)
+                return False
+            if missing:
+                write_markers(self.client, self.keys)
+        self.oplog.put("epoch", {"epoch": epoch, "markers": is_cluster(self.client)})
+        self._markers_due = False
+        return True
 
     def _hold(self, why: str, snapshot: dict[str, dict]) -> None:
         written = restore(self.client, self.keys, snapshot)
@@ -197,6 +212,6 @@ class StateGuard:
         with store_errors("writing the Redis epoch"):
             self.client.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
             winner = self.client.get(self.keys.epoch).decode()
-        self.oplog.put("epoch", {"epoch": winner, "markers": True})
+        self.oplog.put("epoch", {"epoch": winner, "markers": is_cluster(self.client)})
         self._markers_due = False
         self.lost = False

@@ -419,7 +419,9 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     entry says nothing of them, and no slot has one),
     When a state guard of this version starts there,
     Then it finds Redis intact, writes every slot's marker and records them in the log, and a claim that reads its
-    slot's marker goes through (an upgrade neither holds dispatch nor makes every claim fail)."""
+    slot's marker goes through (an upgrade neither holds dispatch nor makes every claim fail); and when the log's
+    entry later loses that record (an older version's tool wrote it) while a master other than the epoch's lost
+    its data, a new guard holds instead of writing the missing markers again."""
     client = connect(healthy_redis_cluster.url)
     ns = f"s{uuid.uuid4().hex[:8]}."
     names, keys = TopicNames(ns), RedisKeys(ns)
@@ -434,3 +436,15 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     assert oplog.snapshot()["epoch"] == {"epoch": "e-old", "markers": True}
     assert StateGuard(client, keys, oplog, "another role").check()
     assert ProcessedJobs(client, ns, epoch_required=True).claim(["s1"], "send-s1", "w", "/emails", b"{}", "t") == []
+
+    # A tool of the older version (a rollback, a rolling upgrade) writes the epoch's entry again, without the
+    # markers; then a master other than the epoch's loses its data. A guard must not take the slots left without
+    # a marker for a deployment from before them and write them again: it holds.
+    oplog.put("epoch", {"epoch": "e-old"})
+    victim = next(n for n in {client.get_node_from_key(m).name for m in keys.epoch_markers()[::512]}
+                  if n != client.get_node_from_key(keys.epoch).name)
+    host, port = victim.rsplit(":", 1)
+    redis.Redis(host=host, port=int(port)).flushall()
+    assert 0 < missing_markers(client, keys) < 16384
+    assert not StateGuard(client, keys, oplog, "a third role").check()
+    assert 0 < missing_markers(client, keys) < 16384
