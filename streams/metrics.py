@@ -98,8 +98,8 @@ CONSECUTIVE_FAILURES = Histogram("webhook_endpoint_consecutive_failures", "An en
 DEGRADATIONS = Counter("webhook_endpoint_degradations_total", "Endpoints that became degraded (10 consecutive "
                        "failures)")
 HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails by kind (dropped, stopped) and "
-                        "result (sent; suppressed by the 24 h window; no_members; over_budget: the tenant's alerts an "
-                        "hour)", ["kind", "result"])
+                        "result (sent; suppressed by the 24 h window; no_members; over_budget: the tenant's alerts of "
+                        "that kind an hour)", ["kind", "result"])
 HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "
                         "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
                         ["kind"])

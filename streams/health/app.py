@@ -167,10 +167,10 @@ class EndpointHealthApp:
             log.warning("alert %s for endpoint %s not sent: project %s has no members (PUT /v1/members)",
                         alert.kind, h.endpoint_id, h.tenant)
             return
-        if not self.alert_budget.take(h.tenant, time.monotonic()):
+        if not self.alert_budget.take(h.tenant, alert.kind, time.monotonic()):
             metrics.HEALTH_ALERTS.labels(alert.kind, "over_budget").inc()
-            log.warning("alert %s for endpoint %s not sent: project %s had %d alerts in the last hour",
-                        alert.kind, h.endpoint_id, h.tenant, self.alert_budget.per_hour)
+            log.warning("alert %s for endpoint %s not sent: project %s had %d %s alerts in the last hour",
+                        alert.kind, h.endpoint_id, h.tenant, self.alert_budget.per_hour, alert.kind)
             return
         ep = self.directory.endpoints.get(h.endpoint_id)
         payload = alert_email(alert.kind, h.endpoint_id, ep.url if ep else "(deleted)", h.tenant, h.last_error,
