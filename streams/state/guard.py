@@ -12,10 +12,11 @@ A claim reads the epoch in the same script (`streams/dispatch/claim.lua`) and cl
 it. On a Redis Cluster the epoch lives in one hash slot, and a script reaches only its own slot, so
 there the epoch is written with a marker in each of the 16,384 slots (markers first, then the log,
 then the epoch; the log's entry says the markers exist): a claim reads its own slot's marker, and the
-guard reads one marker of each master with the epoch every 5 s, and every marker when it starts,
-when a claim or that look saw one missing, and while it holds. That is how every role sees the loss
-of a shard other than the epoch's. A single Redis loses all or nothing, so there the epoch is every
-slot's marker.
+guard reads one marker of each master with the epoch every 5 s (the first slot the client knows it
+to serve), and every marker when it starts and when a claim or that look saw one missing; while it
+holds, one per master until they are all back, then every marker before it resumes. That is how
+every role sees the loss of a shard other than the epoch's. A single Redis loses all or nothing, so
+there the epoch is every slot's marker.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import orjson
 import redis
 
 from .. import metrics
+from ..errors import StoreUnavailable
 from ..names import HASH_SLOTS, RedisKeys
 from ..redis_client import is_cluster, store_errors
 from .log import OperatorLog
@@ -40,6 +42,9 @@ def log_epoch(snapshot: dict[str, dict]) -> str | None:
     """The epoch the operator log records (None: none, or one that is not a string, which no role writes)."""
     epoch = (snapshot.get("epoch") or {}).get("epoch")
     return epoch if isinstance(epoch, str) and epoch else None
+
+
+WRITING = "writing"  # the log's record while a role writes the markers for an epoch from before them
 
 
 def markers_recorded(snapshot: dict[str, dict]) -> bool:
@@ -134,8 +139,11 @@ class StateGuard:
         with store_errors("reading the Redis epoch"):
             present = self.client.get(self.keys.epoch)
         if present is not None and not self.lost and self._verified and not self._markers_due:
-            if not a_master_lost_its_markers(self.client, self.keys):
-                return True
+            try:
+                if not a_master_lost_its_markers(self.client, self.keys):
+                    return True
+            except StoreUnavailable:
+                return True  # a master that does not answer: claims there fail closed; look again next time
             self._markers_due = True
         self._evaluate(present.decode() if present else None)
         metrics.REDIS_STATE_LOST.set(1 if self.lost else 0)
@@ -185,14 +193,21 @@ class StateGuard:
     def _adopt_markers(self, epoch: str, snapshot: dict[str, dict]) -> bool:
         """An epoch the log does not record with markers (written before them, by an older version, on a
         single Redis whose data moved to a cluster, or not in the log at all) is recorded with them. On a
-        Redis Cluster the markers are written when no slot has one; some slots without while others
-        have theirs means those slots lost their data: hold (False)."""
+        Redis Cluster the log first records that markers are being written, then they are written.
+        Some slots with a marker and others without means those slots lost their data (hold: False),
+        unless the log, read again after counting, records such a writing: another role's, interrupted
+        or under way (write them), or finished meanwhile (count again)."""
         if is_cluster(self.client):
             missing = missing_markers(self.client, self.keys)
             if 0 < missing < HASH_SLOTS:
-                self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch marker", snapshot)
-                return False
+                recorded_now = (self.oplog.snapshot().get("epoch") or {}).get("markers")
+                if recorded_now is True:  # another role wrote them all meanwhile
+                    missing = missing_markers(self.client, self.keys)
+                if missing and recorded_now != WRITING:
+                    self._hold(f"{missing} of the {HASH_SLOTS} hash slots have lost their epoch marker", snapshot)
+                    return False
             if missing:
+                self.oplog.put("epoch", {"epoch": epoch, "markers": WRITING})
                 write_markers(self.client, self.keys)
         self.oplog.put("epoch", {"epoch": epoch, "markers": is_cluster(self.client)})
         self._markers_due = False

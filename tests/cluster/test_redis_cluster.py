@@ -421,7 +421,8 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     Then it finds Redis intact, writes every slot's marker and records them in the log, and a claim that reads its
     slot's marker goes through (an upgrade neither holds dispatch nor makes every claim fail); and when the log's
     entry later loses that record (an older version's tool wrote it) while a master other than the epoch's lost
-    its data, a new guard holds instead of writing the missing markers again."""
+    its data, a new guard holds instead of writing the missing markers again, unless the log records that a role
+    set out to write them (an adoption stopped part-way is finished, not taken for a loss)."""
     client = connect(healthy_redis_cluster.url)
     ns = f"s{uuid.uuid4().hex[:8]}."
     names, keys = TopicNames(ns), RedisKeys(ns)
@@ -448,3 +449,10 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     assert 0 < missing_markers(client, keys) < 16384
     assert not StateGuard(client, keys, oplog, "a third role").check()
     assert 0 < missing_markers(client, keys) < 16384
+
+    # The same slots without their marker, where the log records that a role set out to write them (it stopped
+    # part-way, or is still writing): not a loss; a new guard writes the rest and dispatches.
+    oplog.put("epoch", {"epoch": "e-old", "markers": "writing"})
+    assert StateGuard(client, keys, oplog, "a fourth role").check()
+    assert missing_markers(client, keys) == 0
+    assert oplog.snapshot()["epoch"] == {"epoch": "e-old", "markers": True}
