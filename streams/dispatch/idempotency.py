@@ -72,8 +72,9 @@ NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
 class ProcessedJobs:
     def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S,
                  epoch_required: bool = False, claim_ttl_ms: int = CLAIM_TTL_MS):
-        """`epoch_required`: every claim also reads its slot's epoch marker (see `claim_many`); set where a
-        state guard watches for lost data, as in every production worker. `claim_ttl_ms`: how long
+        """`epoch_required`: every claim also reads the Redis epoch (on a Redis Cluster, the epoch's
+        marker in its own slot; see `claim_many`); set where a state guard watches for lost data, as
+        in every production worker. `claim_ttl_ms`: how long
         sends stay claimed; RECORD_TTL_MS where a request may be sent afresh once its record
         expired (webhooks: receivers deduplicate by the delivery's id, with no window)."""
         self.client = client
@@ -111,11 +112,11 @@ class ProcessedJobs:
     def claim_many(self, claims: list[Claim]) -> list[list[int]]:
         """`claim` for several requests in one round trip (each all or none, as `claim`).
 
-        With `epoch_required`, each claim first reads its slot's epoch marker, in the same script:
-        a slot without one lost its data (a delivered send would look free there), so nothing is
-        claimed in it and StateLost is raised, without waiting for the state guard's next look.
-        Claims the same round trip made in slots that kept their data (another shard of a Redis
-        Cluster) are released again, so that the whole round goes back to its queues."""
+        With `epoch_required`, each claim first reads the epoch (on a Redis Cluster, its slot's
+        marker of it), in the same script: without it the data was lost (a delivered send would
+        look free), so nothing is claimed and StateLost is raised, without waiting for the state
+        guard's next look. Claims the same round trip made on a cluster's shards that kept their
+        data are released again, so that the whole round goes back to its queues."""
         pipe = self.client.pipeline(transaction=False)
         for c in claims:
             self._claim(keys=self._claim_keys(c), args=self._claim_args(c), client=pipe)
