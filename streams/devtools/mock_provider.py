@@ -15,7 +15,9 @@
   delivery); a different body -> 409 `invalid_idempotent_request`.
 - Faults: latency, a 5xx ratio, a ratio of timeouts *after* accepting (the message counts as
   delivered, the answer comes too late), a 401 ratio, and `hold_answers` (accept, then hold every
-  answer until it is switched off; `held` in the stats counts them).
+  answer until it is switched off; `held` in the stats counts them). `hold_answers_after` N does the
+  same for every request accepted once N messages have been delivered (a test's cut at an exact
+  point, with no race against a fast worker); 0 turns it off.
 - `GET /_mock/stats`: per-tenant counts, per-send receive times (`?deliveries=1`), duplicate
   deliveries, forbidden requests, the last 1,000 emails (`?messages=1`: send id, tenant, to,
   subject, text). Any other path (audiences, contacts, segments, broadcasts, topics ...) is refused,
@@ -78,6 +80,7 @@ class MockConfig:
     timeout_delay_s: float = 15.0    # how late a "timed out" answer comes
     fault_401_ratio: float = 0.0
     hold_answers: bool = False       # accept requests, then hold every answer until released
+    hold_answers_after: float = 0.0  # > 0: as hold_answers, for requests accepted past this many messages
     fault_502_after_accept_ratio: float = 0.0  # accept (deliver), then answer 502 as a gateway that lost it
     token_ttl_s: float = 30.0        # lifetime of the tokens /oauth/token issues
     revoke_tokens: bool = False      # set: every token issued so far is refused (a forced 401)
@@ -236,7 +239,8 @@ def build_app(config: MockConfig) -> Starlette:
             if status == 200 and state.rng.random() < config.fault_502_after_accept_ratio:
                 c["faults_502_after_accept"] += 1
                 return err(502, "bad_gateway", "The upstream answer was lost.")
-            if status == 200 and config.hold_answers:
+            past_cut = 0 < config.hold_answers_after < state.counts["messages_delivered"]
+            if status == 200 and (config.hold_answers or past_cut):
                 await hold(state)
             if status == 200 and state.rng.random() < config.fault_timeout_ratio:
                 c["faults_timeout"] += 1
