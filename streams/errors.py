@@ -9,7 +9,8 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     │   └── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
     ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
     ├── PublishError             the broker did not acknowledge every send of a publish (none is dispatched)
-    │   └── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
+    │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
+    │   └── PublishOutcomeUnknown   a batch's commit neither finished nor could be aborted: it may be published
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
@@ -109,6 +110,12 @@ class ForbiddenProviderPath(ProviderError):
 
 class ProviderAuthError(ProviderError):
     """No usable token: the token endpoint could not be reached, refused us, or stated no expiry."""
+
+
+class PublishOutcomeUnknown(PublishError):
+    """A batch's commit was asked and neither finished nor could be aborted (the broker stopped in that
+    moment): the broker may still commit it. The caller retries with the same Idempotency-Key, under
+    which its sends keep their ids and are sent at most once."""
 
 
 class SendTooLarge(PublishError):

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import metrics
-from ..errors import PublishError, SendTooLarge, StoreUnavailable
+from ..errors import PublishError, PublishOutcomeUnknown, SendTooLarge, StoreUnavailable
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
 from ..send import (
@@ -237,12 +237,17 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
         # answer a read (dead letters, the audit trail).
+        if isinstance(exc, PublishOutcomeUnknown):
+            return _unavailable(request, exc, "the broker", "the message broker stopped while committing the batch: "
+                                "it may have been published; retry after a moment with the same Idempotency-Key "
+                                "(its sends are then sent at most once)", outcome="unknown")
         return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
                                                       "(with the same Idempotency-Key)")
 
     logged_at: dict[str, float] = {}
 
-    def _unavailable(request: Request, exc: Exception, dependency: str, msg: str) -> JSONResponse:
+    def _unavailable(request: Request, exc: Exception, dependency: str, msg: str,
+                     outcome: str | None = None) -> JSONResponse:
         now = time.monotonic()
         if now - logged_at.get(dependency, -UNAVAILABLE_LOG_EVERY_S) >= UNAVAILABLE_LOG_EVERY_S:
             logged_at[dependency] = now  # an outage at full request rate must not flood the log
@@ -250,8 +255,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                         "dispatch_ingest_rejected_total): %s", request.method, request.url.path, dependency,
                         UNAVAILABLE_LOG_EVERY_S, exc)
         metrics.INGEST_REJECTED.labels("503").inc()
-        return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": msg}]}, status_code=503,
-                            headers={"Retry-After": "1"})
+        body: dict[str, Any] = {"error": "unavailable", "errors": [{"loc": [], "msg": msg}]}
+        if outcome is not None:
+            body["outcome"] = outcome  # "unknown": the request may have taken effect (a retry with its key is safe)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -33,7 +33,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from .. import metrics
-from ..errors import PublishError
+from ..errors import PublishError, PublishOutcomeUnknown
 from ..kafka_client import MAX_RECORD_BYTES, client_config, durable_producer, produce
 
 log = logging.getLogger("streams.publisher")
@@ -163,6 +163,7 @@ class Publisher:
         written: list[Written | None] = [None] * len(records)
         failures: list[str] = []
         started = time.monotonic()
+        committing = False
         try:
             producer.begin_transaction()
             for i, r in enumerate(records):
@@ -173,10 +174,14 @@ class Publisher:
                         written[i] = Written(msg.topic(), msg.partition(), msg.offset())
 
                 produce(producer, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery)
+            committing = True
             self._commit(producer)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
-            self._abort(producer, error)
+            if not self._abort(producer, error) and committing:
+                # The commit was asked and not aborted: the coordinator may still complete it.
+                raise PublishOutcomeUnknown(f"the batch's commit did not finish and could not be aborted; it may "
+                                            f"have been published: {error.str()}") from None
             raise PublishError(f"the batch was not published (nothing of it was): {error.str()}") from None
         else:
             self._return(producer)
@@ -241,17 +246,19 @@ class Publisher:
     def _return(self, producer: Producer) -> None:
         self._pool.put(producer)
 
-    def _abort(self, producer: Producer, error: KafkaError) -> None:
-        """Abort; a producer that cannot abort (a fatal error) is replaced by a new one later."""
+    def _abort(self, producer: Producer, error: KafkaError) -> bool:
+        """Abort (True once aborted); a producer that cannot abort (a fatal error) is replaced by a new
+        one later."""
         if not error.fatal():
             try:
                 producer.abort_transaction(self.timeout_s)
                 self._return(producer)
-                return
+                return True
             except KafkaException as exc:
                 log.warning("aborting a transaction failed (%s); replacing the producer", exc.args[0].str())
         with self._create_lock:
             self._free_slots.append(self._slot_of.pop(id(producer)))
+        return False
 
     def close(self) -> None:
         self._stop.set()
