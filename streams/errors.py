@@ -10,7 +10,7 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
     ├── PublishError             the broker did not acknowledge every send of a publish (none is dispatched)
     │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
-    │   └── PublishOutcomeUnknown   a batch's commit neither finished nor could be aborted: it may be published
+    │   └── PublishOutcomeUnknown   the broker did not confirm a publish in time and may still write it
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
@@ -113,9 +113,10 @@ class ProviderAuthError(ProviderError):
 
 
 class PublishOutcomeUnknown(PublishError):
-    """A batch's commit was asked and neither finished nor could be aborted (the broker stopped in that
-    moment): the broker may still commit it. The caller retries with the same Idempotency-Key, under
-    which its sends keep their ids and are sent at most once."""
+    """The broker did not confirm a publish in time and may still write it: a batch's commit was asked
+    and neither finished nor could be aborted, or a single record's acknowledgement timed out (it may
+    have reached the broker). The caller retries with the same Idempotency-Key, under which its sends
+    keep their ids and are sent at most once."""
 
 
 class SendTooLarge(PublishError):

@@ -198,6 +198,15 @@ async def keep_lease(idempotency: IngestIdempotency, tenant_id: str, key: str, h
             log.warning("an Idempotency-Key's lease was not renewed: %s", exc)
 
 
+def published_nothing(exc: BaseException) -> bool:
+    """A request that failed this way is known to have published nothing (refused before publishing,
+    or a publish the broker reported failed or aborted whole). Anything else (an outcome the broker left
+    unknown, a request cancelled or failed unexpectedly while publishing) may have been published."""
+    if isinstance(exc, PublishOutcomeUnknown):
+        return False
+    return isinstance(exc, (StarletteHTTPException, RequestValidationError, StoreUnavailable, PublishError))
+
+
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
     """The API; with `bulk_socket`, batches are forwarded to the bulk process listening there (bulk.py)."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
@@ -238,9 +247,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
         # answer a read (dead letters, the audit trail).
         if isinstance(exc, PublishOutcomeUnknown):
-            return _unavailable(request, exc, "the broker", "the message broker stopped while committing the batch: "
+            return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish in time: "
                                 "it may have been published; retry after a moment with the same Idempotency-Key "
-                                "(its sends are then sent at most once)", outcome="unknown")
+                                "(its sends then keep their send ids and are sent once)", outcome="unknown")
         return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
                                                       "(with the same Idempotency-Key)")
 
@@ -404,9 +413,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         lease = asyncio.create_task(keep_lease(ingest.idempotency, tenant_id, key, state.holder))
         try:
             body = await run(state.first_ms)  # type: ignore[misc]
-        except BaseException:
+        except BaseException as exc:
             lease.cancel()
-            await run_in_threadpool(ingest.idempotency.release, tenant_id, key, state.holder)  # nothing published
+            if published_nothing(exc):  # the key is free for any request
+                await run_in_threadpool(ingest.idempotency.release, tenant_id, key, state.holder)
+            else:  # it may be published: the retry under the key must publish the same send ids
+                await run_in_threadpool(ingest.idempotency.lapse, tenant_id, key, state.holder)
             raise
         lease.cancel()
         try:

@@ -9,13 +9,18 @@ state:
 - a different body: 422 (`idempotency_key_reused`), nothing is published;
 - the same key still pending (the first request is being published): 409 with Retry-After.
 
-A request that failed (nothing published: a 4xx, a 503) releases the key. While a request is being
-published, the process serving it renews its lease every third of PENDING_LEASE_S (only its own
-lease: each claim has a holder token), so a publish that waits on a broker in trouble for minutes
-still answers duplicates with 409. If the process dies while a key is pending, the lease lapses
-after PENDING_LEASE_S and the next request under the key publishes again; its send ids are derived
-from (tenant, key, position, first use), so they are the same ids, and dispatch delivers each id
-once.
+A request that failed with nothing published (a 4xx, a 503 that says so) releases the key. A
+request whose outcome is unknown (a 503 with `"outcome": "unknown"`: the broker may still have
+written it) ends its lease instead and keeps the key's first use: the retry under the key publishes
+the same send ids, so whatever the broker did write of the first attempt is sent once (a retry with
+a different body under that key gets 422, as for an answered key).
+
+While a request is being published, the process serving it renews its lease every third of
+PENDING_LEASE_S (only its own lease: each claim has a holder token), so a publish that waits on a
+broker in trouble for minutes still answers duplicates with 409. If the process dies while a key
+is pending, the lease lapses after PENDING_LEASE_S and the next request under the key publishes
+again; its send ids are derived from (tenant, key, position, first use), so they are the same ids,
+and dispatch delivers each id once.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ return {'claimed', ARGV[2]}
 """
 
 _AS_HOLDER = """
--- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | release), then the action's own:
--- renew: now ms, lease ms; finish: status, answer, kept s. Acts only while the key is pending under this
--- holder's claim (its lease did not lapse into another request's hands). 1: done; 0: no longer ours
+-- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | lapse | release), then the
+-- action's own: renew: now ms, lease ms; finish: status, answer, kept s. Acts only while the key is
+-- pending under this holder's claim (its lease did not lapse into another request's hands).
+-- 1: done; 0: no longer ours
 if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then
   return 0
 end
@@ -66,6 +72,8 @@ if ARGV[2] == 'renew' then
 elseif ARGV[2] == 'finish' then
   redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[3], 'answer', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
+elseif ARGV[2] == 'lapse' then
+  redis.call('HSET', KEYS[1], 'lease_until', 0, 'holder', '')
 else
   redis.call('DEL', KEYS[1])
 end
@@ -134,6 +142,12 @@ class IngestIdempotency:
         with store_errors("storing an idempotent answer"):
             return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
                                         args=[holder, "finish", status, orjson.dumps(body), KEPT_S]))
+
+    def lapse(self, tenant: str, key: str, holder: str) -> None:
+        """The request may have been published: end its lease now and keep the key's first use and body,
+        so the client's retry under the key publishes the same send ids (only while this claim holds it)."""
+        with store_errors("ending an Idempotency-Key's lease"):
+            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "lapse"])
 
     def release(self, tenant: str, key: str, holder: str) -> None:
         """Nothing was published: the key is free for the client's retry (only while this claim holds it)."""

@@ -8,6 +8,9 @@ reports.
   transactional producer borrowed from a small pool: committed together or aborted together, also
   when the broker fails in the middle. Consumers read committed records only (librdkafka's default
   `isolation.level`), so an aborted batch is never dispatched.
+- When the broker does not confirm in time (a record's acknowledgement timed out, or a batch's commit
+  was asked and could not be aborted), the broker may still write it: `PublishOutcomeUnknown`, never
+  "not published". The API then keeps the request's Idempotency-Key bound to its send ids.
 - Before anything is produced, every record's size is checked against its topic's
   `max.message.bytes` as the broker states it (read at start, refreshed every minute):
   `RecordTooLarge` names the record.
@@ -38,6 +41,11 @@ from ..kafka_client import MAX_RECORD_BYTES, client_config, durable_producer, pr
 
 log = logging.getLogger("streams.publisher")
 SIZES_TTL_S = 60.0
+# Delivery errors after which a record may still be in the log: it timed out waiting for an
+# acknowledgement (it may have reached the broker, which wrote it), or the producer failed for good
+# with it in flight. librdkafka knows whether it was ever sent; the Python client does not say.
+MAYBE_WRITTEN = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
+                           KafkaError._FATAL})
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,10 @@ class Publisher:
         done: Future[Written] = Future()
 
         def on_delivery(err: KafkaError | None, msg) -> None:  # on the poll thread
-            if err is not None:
+            if err is not None and err.code() in MAYBE_WRITTEN:
+                done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send in time; it may "
+                                                         f"have been written: {err.str()}"))
+            elif err is not None:
                 done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
             else:
                 done.set_result(Written(msg.topic(), msg.partition(), msg.offset()))

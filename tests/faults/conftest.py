@@ -8,6 +8,7 @@ Every test here is marked `faults` (and `integration`: it needs Kafka and Redis)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, replace
@@ -45,6 +46,14 @@ class FaultStack:
 
     def start_kafka(self) -> None:
         self.local.start_kafka()
+
+    def freeze_kafka(self) -> None:
+        """SIGSTOP: the broker answers nothing, yet what reaches its sockets meanwhile it still reads
+        and writes once thawed (a long GC pause, a stalled network path)."""
+        assert self.local.kafka.signal(signal.SIGSTOP) is not None, "the broker is not running"
+
+    def thaw_kafka(self) -> None:
+        self.local.kafka.signal(signal.SIGCONT)
 
     def stop_redis(self) -> None:
         self.local.redis.stop()

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from streams.ingest.api import keep_lease
-from streams.ingest.idempotency import Answered, Claimed, IngestIdempotency, Pending, body_hash
+from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, Pending, body_hash
 from streams.send import MAX_SEND_BYTES
-from tests.harness import count_records, email_request, free_port, metric_sum, start_api, wait_until
+from tests.harness import count_records, email_request, free_port, metric_sum, sms_request, start_api, wait_until
 
 
 @pytest.fixture
@@ -116,6 +116,26 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
     assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
     assert idem.finish("tenant-a", "slow-batch", 202, {"from": "second"}, taken.holder) is True
     assert idem.begin("tenant-a", "slow-batch", digest) == Answered(202, {"from": "second"})
+
+
+def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(redis_client, namespace):
+    """Given a request that claimed an Idempotency-Key and whose publish the broker did not confirm (it may be
+    written),
+    When its claim lapses the key (and another request's stale claim tries to as well),
+    Then the retry with the same body claims the key at once with the same first use (the same send ids), a
+    request with another body under the key gets a conflict (422), and only the holder's lapse counts."""
+    idem = IngestIdempotency(redis_client, namespace)
+    digest = body_hash(email_request())
+    claim = idem.begin("tenant-a", "stalled", digest)
+    assert isinstance(claim, Claimed)
+    idem.lapse("tenant-a", "stalled", "not-the-holder")
+    assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)
+
+    idem.lapse("tenant-a", "stalled", claim.holder)
+    assert isinstance(idem.begin("tenant-a", "stalled", body_hash(sms_request())), Conflict)
+    retry = idem.begin("tenant-a", "stalled", digest)
+    assert isinstance(retry, Claimed) and retry.first_ms == claim.first_ms and retry.holder != claim.holder
+    assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)  # the retry holds it now
 
 
 def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
