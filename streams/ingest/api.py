@@ -370,6 +370,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()
+        for _, reason in skipped:
+            metrics.SKIPPED_DELIVERIES.labels(reason, "ingest").inc()
         return accepted
 
     def after_publish(sends: list[Send], skipped: list[tuple[Send, str]], skipped_written) -> None:

@@ -26,7 +26,6 @@ from .backlog import EndpointBacklog
 from .endpoints import EndpointDirectory, EndpointStore
 from .fanout import BacklogLimit, skip_reason
 from .model import Endpoint, with_health
-from .skipped import record_skipped
 
 log = logging.getLogger("streams.webhooks")
 FOLLOW_EVERY_S = 0.1
@@ -85,9 +84,6 @@ class WebhookIngest:
             else:
                 skipped.append((d, reason))
         return enqueue, skipped
-
-    async def record_skipped(self, skipped: list[tuple[Send, str]]) -> None:
-        await record_skipped(self.client.publisher, self.client.names, self.store, skipped)
 
     def enqueued(self, deliveries: list[Send]) -> None:
         """Count them in their endpoints' backlogs. They are published already: a Redis failure here

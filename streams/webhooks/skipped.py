@@ -7,13 +7,9 @@ sends), then its outcome event, which points there, to `notif.outcomes` and the 
 
 from __future__ import annotations
 
-import time
-
 import orjson
 
-from .. import metrics
-from ..ingest.publisher import Publisher, Record, Written
-from ..ingest.status import StatusStore
+from ..ingest.publisher import Record, Written
 from ..names import TopicNames
 from ..outcomes import outcome_event
 from ..send import Send, encode
@@ -33,16 +29,3 @@ def outcome_records(names: TopicNames, skipped: list[tuple[Send, str]], written:
                  "origin": {"topic": w.topic, "partition": w.partition, "offset": w.offset}}
         out.append((event, Record(names.outcomes, send.send_id.encode(), orjson.dumps(event))))
     return out
-
-
-async def record_skipped(publisher: Publisher, names: TopicNames, store: StatusStore,
-                         skipped: list[tuple[Send, str]]) -> None:
-    """Raises PublishError when the broker does not acknowledge them (the event is then refused whole)."""
-    if not skipped:
-        return
-    written = await publisher.publish_async(skipped_records(names, skipped))
-    outcomes = outcome_records(names, skipped, written, int(time.time() * 1000))
-    await publisher.publish_async([r for _, r in outcomes])
-    for event, _ in outcomes:
-        store.record_outcome(event)
-        metrics.SKIPPED_DELIVERIES.labels(event["reason"], "ingest").inc()

@@ -19,6 +19,7 @@ from tests.harness import (
     final_delivery,
     free_port,
     metric,
+    metric_sum,
     read_topic,
     register_endpoint,
     start_api,
@@ -106,6 +107,12 @@ class Rig:
         return [m for m in self.provider.emails() if m["tenant"] == ALERTS]
 
 
+def skipped_at_ingest(api, reason: str) -> float:
+    """webhook_deliveries_skipped_total of ingest's bulk process (it serves batches) for `reason`."""
+    text = api.get("/metrics/bulk").text
+    return metric_sum(text, f'webhook_deliveries_skipped_total{{reason="{reason}",where="ingest"}}')
+
+
 @pytest.fixture
 def rig(stack, namespace, channel_topics, limits, processes, redis_client, mock_endpoint, mock_provider):
     channel_topics("webhook")
@@ -155,6 +162,7 @@ def test_a_success_resets_the_count_and_the_tenth_consecutive_failure_stops_all_
 
     after = rig.publish(3)
     assert [d["skipped"] for d in after] == ["endpoint_degraded"] * 3
+    assert skipped_at_ingest(api, "endpoint_degraded") == 3  # batches: counted by the bulk process
     for d in after:
         done = final_delivery(api, d["delivery_id"])
         assert (done["status"], done["reason"]) == ("skipped", "endpoint_degraded")
@@ -318,6 +326,7 @@ def test_an_extreme_backlog_is_shed_separately_from_degradation(rig):
     assert final_delivery(api, by_endpoint[healthy["id"]]["delivery_id"])["status"] == "delivered"
     shed = final_delivery(api, by_endpoint[slow["id"]]["delivery_id"])
     assert (shed["status"], shed["reason"]) == ("skipped", "backlog_shed") and rig.failed("behind") == 3
+    assert skipped_at_ingest(api, "backlog_shed") == 1
 
     rig.receiver.configure("behind", status=200)
     r = api.post(f"/v1/deliveries/{by_endpoint[slow['id']]['delivery_id']}/replay", headers=api.keys["a"])
