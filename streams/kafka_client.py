@@ -4,6 +4,7 @@ storing and committing tracked offsets. Each librdkafka setting says the guarant
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from . import metrics
 from .backoff import Outage
-from .errors import PublishError
+from .errors import PublishError, PublishOutcomeUnknown
 from .offsets import OffsetTracker
 
 _log = logging.getLogger("streams.kafka")
@@ -75,20 +76,35 @@ def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | No
             producer.poll(0.1)
 
 
+# Delivery errors after which a record may still be in the log: it timed out waiting for an
+# acknowledgement (it may have reached the broker, which wrote it), or the producer failed for good
+# with it in flight. librdkafka knows whether it was ever sent; the Python client does not say.
+MAYBE_WRITTEN = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
+                           KafkaError._FATAL})
+
+
 def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, timeout_s: float,
               what: str) -> None:
-    """Write one record and wait for the broker's acknowledgement; raises PublishError (naming
-    `what`) when it does not come."""
-    failed: list[str] = []
+    """Write one record and wait for the broker's acknowledgement of it, not of the other records the
+    producer holds (it may be shared with other requests); raises PublishError (naming `what`) when
+    it does not come, saying whether the record may still be written."""
+    done = threading.Event()
+    failed: list[KafkaError] = []
 
-    def on_delivery(err, _msg) -> None:
+    def on_delivery(err: KafkaError | None, _msg) -> None:  # on whichever thread polls the producer
         if err is not None:
-            failed.append(str(err))
+            failed.append(err)
+        done.set()
 
     produce(producer, topic, value, key=key, on_delivery=on_delivery)
-    if producer.flush(timeout_s) or failed:
-        raise PublishError(f"{topic} did not acknowledge {what} ({failed[0] if failed else 'timed out'}); "
-                           "nothing was changed")
+    deadline = time.monotonic() + timeout_s
+    while not done.is_set() and (left := deadline - time.monotonic()) > 0:
+        producer.poll(min(left, 0.1))
+    if not done.is_set() or (failed and failed[0].code() in MAYBE_WRITTEN):
+        reason = failed[0].str() if failed else f"no answer within {timeout_s:.0f} s"
+        raise PublishOutcomeUnknown(f"{topic} did not acknowledge {what} ({reason}); it may still be written")
+    if failed:
+        raise PublishError(f"{topic} did not acknowledge {what} ({failed[0].str()}); nothing was written")
 
 
 def consume_ready(consumer: Consumer, max_messages: int, timeout: float) -> list:

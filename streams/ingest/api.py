@@ -244,12 +244,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     @app.exception_handler(PublishError)
     @app.exception_handler(KafkaException)
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
-        # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied), or did not
-        # answer a read (dead letters, the audit trail).
+        # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
+        # PublishOutcomeUnknown maybe applied), or did not answer a read (dead letters, the audit trail).
         if isinstance(exc, PublishOutcomeUnknown):
             return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish in time: "
-                                "it may have been published; retry after a moment with the same Idempotency-Key "
-                                "(its sends then keep their send ids and are sent once)", outcome="unknown")
+                                "it may have taken effect; retry after a moment with the same Idempotency-Key "
+                                "(sends then keep their send ids and are sent once)", outcome="unknown")
         return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
                                                       "(with the same Idempotency-Key)")
 

@@ -37,15 +37,10 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from .. import metrics
 from ..errors import PublishError, PublishOutcomeUnknown
-from ..kafka_client import MAX_RECORD_BYTES, client_config, durable_producer, produce
+from ..kafka_client import MAX_RECORD_BYTES, MAYBE_WRITTEN, client_config, durable_producer, produce
 
 log = logging.getLogger("streams.publisher")
 SIZES_TTL_S = 60.0
-# Delivery errors after which a record may still be in the log: it timed out waiting for an
-# acknowledgement (it may have reached the broker, which wrote it), or the producer failed for good
-# with it in flight. librdkafka knows whether it was ever sent; the Python client does not say.
-MAYBE_WRITTEN = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
-                           KafkaError._FATAL})
 
 
 @dataclass(frozen=True)

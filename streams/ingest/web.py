@@ -40,7 +40,9 @@ DESCRIPTIONS = {
     404: "no such resource for this tenant", 409: "a request with this Idempotency-Key is still in progress",
     410: "gone: the payload has expired (payloads are kept 7 days)",
     413: "the body, or one send in it, is too large", 422: "invalid: each error names its field",
-    429: "over a quota (see Retry-After)", 503: "a dependency is unavailable; nothing was changed (see Retry-After)",
+    429: "over a quota (see Retry-After)",
+    503: "a dependency is unavailable (see Retry-After): nothing was changed, unless the body says "
+         "\"outcome\": \"unknown\" (it may have been: retry with the same Idempotency-Key)",
 }
 
 
