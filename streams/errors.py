@@ -8,7 +8,7 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── SendValidationError      a send (or a batch) is invalid; carries field-level errors
     │   └── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
     ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
-    ├── PublishError             the broker did not acknowledge every send of a publish (none is dispatched)
+    ├── PublishError             the broker did not acknowledge every send of a publish (none was written)
     │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     │   └── PublishOutcomeUnknown   the broker did not confirm a publish in time and may still write it
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
@@ -71,7 +71,7 @@ class MalformedEvent(DispatchError):
 
 
 class PublishError(DispatchError):
-    """The broker did not acknowledge every send; the ones listed may not be enqueued."""
+    """The broker did not acknowledge every send; none was written (PublishOutcomeUnknown: maybe all were)."""
 
 
 class ReplayRefused(DispatchError):
@@ -113,10 +113,11 @@ class ProviderAuthError(ProviderError):
 
 
 class PublishOutcomeUnknown(PublishError):
-    """The broker did not confirm a publish in time and may still write it: a batch's commit was asked
-    and neither finished nor could be aborted, or a single record's acknowledgement timed out (it may
-    have reached the broker). The caller retries with the same Idempotency-Key, under which its sends
-    keep their ids and are sent at most once."""
+    """The broker did not confirm a publish and may have written it or still write it: a batch's commit
+    was asked and neither finished nor could be aborted, or a single record's delivery failed with an
+    error other than a refusal (a timeout, a lost connection: it may have reached the broker). The
+    caller retries with the same Idempotency-Key, under which its sends keep their ids and are sent
+    at most once."""
 
 
 class SendTooLarge(PublishError):

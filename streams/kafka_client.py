@@ -76,11 +76,20 @@ def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | No
             producer.poll(0.1)
 
 
-# Delivery errors after which a record may still be in the log: it timed out waiting for an
-# acknowledgement (it may have reached the broker, which wrote it), or the producer failed for good
-# with it in flight. librdkafka knows whether it was ever sent; the Python client does not say.
-MAYBE_WRITTEN = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
-                           KafkaError._FATAL})
+# Delivery errors after which a record is known not to be in the log: the broker refused it, or it
+# never left this client. After any other (a timeout, a lost connection, a producer id that changed
+# while it was in flight) it may have been written: librdkafka knows which, the Python client does not say.
+NOT_WRITTEN = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
+    KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION,
+    KafkaError._PURGE_QUEUE, KafkaError._TIMED_OUT_QUEUE,
+})
+
+
+def may_be_written(err: KafkaError) -> bool:
+    """After this delivery error, the record may still be in the log (a retry may duplicate it)."""
+    return err.code() not in NOT_WRITTEN
 
 
 def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, timeout_s: float,
@@ -100,7 +109,7 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and (left := deadline - time.monotonic()) > 0:
         producer.poll(min(left, 0.1))
-    if not done.is_set() or (failed and failed[0].code() in MAYBE_WRITTEN):
+    if not done.is_set() or (failed and may_be_written(failed[0])):
         reason = failed[0].str() if failed else f"no answer within {timeout_s:.0f} s"
         raise PublishOutcomeUnknown(f"{topic} did not acknowledge {what} ({reason}); it may still be written")
     if failed:

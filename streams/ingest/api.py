@@ -247,9 +247,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
         # PublishOutcomeUnknown maybe applied), or did not answer a read (dead letters, the audit trail).
         if isinstance(exc, PublishOutcomeUnknown):
-            return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish in time: "
-                                "it may have taken effect; retry after a moment with the same Idempotency-Key "
-                                "(sends then keep their send ids and are sent once)", outcome="unknown")
+            retry = ("retry after a moment with the same Idempotency-Key (sends then keep their send ids and are "
+                     "sent once)" if request.headers.get("idempotency-key") else "a retry without an Idempotency-Key "
+                     "is published under new send ids (send one to retry safely)")
+            return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish: it may "
+                                f"have taken effect; {retry}", outcome="unknown")
         return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
                                                       "(with the same Idempotency-Key)")
 
@@ -417,10 +419,15 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             body = await run(state.first_ms)  # type: ignore[misc]
         except BaseException as exc:
             lease.cancel()
-            if published_nothing(exc):  # the key is free for any request
-                await run_in_threadpool(ingest.idempotency.release, tenant_id, key, state.holder)
-            else:  # it may be published: the retry under the key must publish the same send ids
-                await run_in_threadpool(ingest.idempotency.lapse, tenant_id, key, state.holder)
+            # Nothing published: the key is free for any request. Maybe published: the retry under the
+            # key must publish the same send ids.
+            end = ingest.idempotency.release if published_nothing(exc) else ingest.idempotency.lapse
+            try:
+                await asyncio.shield(run_in_threadpool(end, tenant_id, key, state.holder))
+            except Exception as store_exc:  # noqa: BLE001 - the request's own failure is the answer
+                # The key stays pending until its lease lapses (60 s); the retry then keeps its send ids.
+                log.warning("an Idempotency-Key was not %s: %s", "freed" if end == ingest.idempotency.release
+                            else "lapsed", store_exc)
             raise
         lease.cancel()
         try:

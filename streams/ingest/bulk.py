@@ -198,11 +198,14 @@ class BulkProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def unavailable(message: str, count: bool = True) -> JSONResponse:
+def unavailable(message: str, count: bool = True, outcome: str | None = None) -> JSONResponse:
+    """503; `outcome="unknown"`: the batch may have been published (the API's own answers say so alike)."""
     if count:
         metrics.INGEST_REJECTED.labels("503").inc()
-    return JSONResponse({"error": "unavailable", "errors": [{"loc": [], "msg": message}]}, status_code=503,
-                        headers={"Retry-After": "1"})
+    body: dict = {"error": "unavailable", "errors": [{"loc": [], "msg": message}]}
+    if outcome is not None:
+        body["outcome"] = outcome
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
 class BulkProxy:
@@ -249,12 +252,12 @@ class BulkProxy:
             log.warning("the bulk ingest process did not answer a batch within %.0f s", PUBLISH_WAIT_S)
             return await unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "
                                      "still publish this batch; retry later with the same Idempotency-Key to find "
-                                     "out without it being sent twice")(scope, receive, send)
+                                     "out without it being sent twice", outcome="unknown")(scope, receive, send)
         except Interrupted as exc:
             log.warning("the bulk ingest process did not answer a batch (%s)", exc)
             return await unavailable("the bulk ingest process stopped while publishing this batch: it may or may "
                                      "not have been published; retry with the same Idempotency-Key to find out "
-                                     "without it being sent twice")(scope, receive, send)
+                                     "without it being sent twice", outcome="unknown")(scope, receive, send)
         await _send_back(answer, send)
 
     async def _metrics(self, bulk: UnixHttp, scope, receive, send) -> None:

@@ -9,11 +9,13 @@ state:
 - a different body: 422 (`idempotency_key_reused`), nothing is published;
 - the same key still pending (the first request is being published): 409 with Retry-After.
 
-A request that failed with nothing published (a 4xx, a 503 that says so) releases the key. A
-request whose outcome is unknown (a 503 with `"outcome": "unknown"`: the broker may still have
-written it) ends its lease instead and keeps the key's first use: the retry under the key publishes
-the same send ids, so whatever the broker did write of the first attempt is sent once (a retry with
-a different body under that key gets 422, as for an answered key).
+A request that failed with nothing published (a 4xx, a 503 without `"outcome": "unknown"`)
+releases the key. A request whose outcome is unknown (a 503 with `"outcome": "unknown"`: the broker
+may have written it) ends its lease instead and keeps the key's first use: the retry under the key
+publishes the same send ids, so whatever the broker did write of the first attempt is sent once (a
+retry with a different body under that key gets 422, as for an answered key). From then on the key
+is never freed, also when a later retry fails with nothing published (it would free the first
+attempt's ids); the same holds for a key taken over after a lapsed lease.
 
 While a request is being published, the process serving it renews its lease every third of
 PENDING_LEASE_S (only its own lease: each claim has a holder token), so a publish that waits on a
@@ -50,7 +52,8 @@ end
 if state == 'pending' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
   if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > tonumber(ARGV[2]) then return {'pending', 0} end
-  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5])
+  -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on)
+  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
   return {'claimed', redis.call('HGET', KEYS[1], 'first_ms')}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
@@ -63,6 +66,7 @@ _AS_HOLDER = """
 -- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | lapse | release), then the
 -- action's own: renew: now ms, lease ms; finish: status, answer, kept s. Acts only while the key is
 -- pending under this holder's claim (its lease did not lapse into another request's hands).
+-- A key an earlier attempt may have published under (maybe = 1) is never freed: release lapses it.
 -- 1: done; 0: no longer ours
 if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then
   return 0
@@ -72,8 +76,8 @@ if ARGV[2] == 'renew' then
 elseif ARGV[2] == 'finish' then
   redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[3], 'answer', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
-elseif ARGV[2] == 'lapse' then
-  redis.call('HSET', KEYS[1], 'lease_until', 0, 'holder', '')
+elseif ARGV[2] == 'lapse' or redis.call('HGET', KEYS[1], 'maybe') == '1' then
+  redis.call('HSET', KEYS[1], 'lease_until', 0, 'holder', '', 'maybe', 1)
 else
   redis.call('DEL', KEYS[1])
 end
@@ -150,6 +154,7 @@ class IngestIdempotency:
             self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "lapse"])
 
     def release(self, tenant: str, key: str, holder: str) -> None:
-        """Nothing was published: the key is free for the client's retry (only while this claim holds it)."""
+        """Nothing was published: the key is free for the client's retry (only while this claim holds it),
+        unless an earlier attempt under it may have published: then it lapses (its first use is kept)."""
         with store_errors("releasing an Idempotency-Key"):
             self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "release"])

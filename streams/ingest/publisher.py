@@ -8,9 +8,10 @@ reports.
   transactional producer borrowed from a small pool: committed together or aborted together, also
   when the broker fails in the middle. Consumers read committed records only (librdkafka's default
   `isolation.level`), so an aborted batch is never dispatched.
-- When the broker does not confirm in time (a record's acknowledgement timed out, or a batch's commit
-  was asked and could not be aborted), the broker may still write it: `PublishOutcomeUnknown`, never
-  "not published". The API then keeps the request's Idempotency-Key bound to its send ids.
+- When the broker may have written what it did not confirm (a record's delivery failed with an error
+  other than a refusal, or a batch's commit was asked and could not be aborted):
+  `PublishOutcomeUnknown`, never "not published". The API then keeps the request's Idempotency-Key
+  bound to its send ids.
 - Before anything is produced, every record's size is checked against its topic's
   `max.message.bytes` as the broker states it (read at start, refreshed every minute):
   `RecordTooLarge` names the record.
@@ -37,7 +38,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from .. import metrics
 from ..errors import PublishError, PublishOutcomeUnknown
-from ..kafka_client import MAX_RECORD_BYTES, MAYBE_WRITTEN, client_config, durable_producer, produce
+from ..kafka_client import MAX_RECORD_BYTES, client_config, durable_producer, may_be_written, produce
 
 log = logging.getLogger("streams.publisher")
 SIZES_TTL_S = 60.0
@@ -146,9 +147,9 @@ class Publisher:
         done: Future[Written] = Future()
 
         def on_delivery(err: KafkaError | None, msg) -> None:  # on the poll thread
-            if err is not None and err.code() in MAYBE_WRITTEN:
-                done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send in time; it may "
-                                                         f"have been written: {err.str()}"))
+            if err is not None and may_be_written(err):
+                done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send; it may have "
+                                                         f"been written: {err.str()}"))
             elif err is not None:
                 done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
             else:
@@ -193,7 +194,7 @@ class Publisher:
             self._return(producer)
         metrics.INGEST_TRANSACTION_SECONDS.observe(time.monotonic() - started)
         if failures or any(w is None for w in written):  # cannot happen after a commit; never pretend
-            raise PublishError(f"the broker reported failures in a committed batch: {failures[:3]}")
+            raise PublishOutcomeUnknown(f"the broker reported failures in a committed batch: {failures[:3]}")
         return [w for w in written if w is not None]
 
     def _commit(self, producer: Producer) -> None:

@@ -73,7 +73,8 @@ class SendClient:
         return out
 
     def publish_sends(self, sends: list[Send]) -> list[Written]:
-        """All or none: the broker acknowledged every one, or PublishError and none is dispatched."""
+        """All or none: the broker acknowledged every one, or PublishError and none is dispatched, or
+        PublishOutcomeUnknown: all or none may be (publish them again under the same send ids)."""
         return self.publisher.publish(self.records(sends))
 
     async def publish_sends_async(self, sends: list[Send]) -> list[Written]:

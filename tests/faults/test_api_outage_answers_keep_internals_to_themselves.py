@@ -43,7 +43,8 @@ def test_a_store_outage_is_answered_503_without_the_stores_address(fault_stack, 
     r = tenant.post("/v1/sends", json=email_request())
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     # Its acknowledgement timed out: the client cannot tell a stopped broker from a stalled one that still writes it.
-    assert r.json()["errors"][0]["msg"].startswith("the message broker did not confirm the publish in time")
+    assert r.json()["errors"][0]["msg"].startswith("the message broker did not confirm the publish: it may have")
+    assert "without an Idempotency-Key" in r.json()["errors"][0]["msg"], r.text  # this caller sent none
     assert r.json()["outcome"] == "unknown", r.text
     assert "notif." not in r.text and "127.0.0.1" not in r.text, r.text
     fault_stack.start_kafka()

@@ -181,9 +181,9 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     """Given the ingest API with its bulk process,
     When the bulk process hangs (SIGSTOP: it holds its socket but never answers) while a batch is waiting for it,
     Then the API process kills it after missed probes and starts a new one (counted in
-    dispatch_ingest_bulk_process_restarts_total), the waiting batch is answered 503 saying it may or may not have been
-    published, single sends are accepted throughout, and the same batch retried with the same Idempotency-Key (once
-    its lease lets it) is accepted, a further retry replaying that answer."""
+    dispatch_ingest_bulk_process_restarts_total), the waiting batch is answered 503 `"outcome": "unknown"` (it may
+    or may not have been published), single sends are accepted throughout, and the same batch retried with the same
+    Idempotency-Key (once its lease lets it) is accepted, a further retry replaying that answer."""
     fault_topics("email")
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
@@ -212,6 +212,7 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
           f"a new bulk process {replaced_s:.1f} s after the hang; retry answered {retried.status_code}; "
           f"restarts counted {restarts:g}")
     assert waiting.status_code == 503 and "may or may not" in waiting.text, waiting.text
+    assert waiting.json()["outcome"] == "unknown", waiting.text  # as the API's own answers mark it
     assert set(singles) == {202}, f"single sends were refused while the bulk process hung: {singles}"
     assert restarts == 1
     assert retried.status_code == 202 and retried.json()["accepted"] == 5, retried.text

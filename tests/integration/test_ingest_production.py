@@ -137,6 +137,32 @@ def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(
     assert isinstance(retry, Claimed) and retry.first_ms == claim.first_ms and retry.holder != claim.holder
     assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)  # the retry holds it now
 
+    # The retry fails with nothing published (a 429, an aborted batch): the key is not freed, or the next
+    # retry would publish new send ids next to the first attempt's.
+    idem.release("tenant-a", "stalled", retry.holder)
+    again = idem.begin("tenant-a", "stalled", digest)
+    assert isinstance(again, Claimed) and again.first_ms == claim.first_ms
+
+
+def test_a_key_taken_over_after_its_lease_lapsed_is_never_freed_again(redis_client, namespace):
+    """Given a request whose process died while publishing under an Idempotency-Key (its lease lapses),
+    When a retry takes the key over and fails with nothing published (say a 429),
+    Then the key is not freed: the next retry still claims it with the first attempt's first use (the dead
+    process may have published under those send ids)."""
+    idem = IngestIdempotency(redis_client, namespace, lease_s=0.2)
+    digest = body_hash(email_request())
+    dead = idem.begin("tenant-a", "crashed", digest)
+    assert isinstance(dead, Claimed)
+
+    def taken_over() -> Claimed | None:
+        state = idem.begin("tenant-a", "crashed", digest)
+        return state if isinstance(state, Claimed) else None
+
+    taken = wait_until(taken_over, 10, "the dead request's lease to lapse", interval=0.05)
+    idem.release("tenant-a", "crashed", taken.holder)
+    again = idem.begin("tenant-a", "crashed", digest)
+    assert isinstance(again, Claimed) and again.first_ms == dead.first_ms
+
 
 def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
     """Given the SDK and an idempotency key,
