@@ -120,6 +120,11 @@ class StatusStore:
         with store_errors("claiming a replay"):
             return bool(self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", "pending"))
 
+    def release_replay(self, send_id: str) -> None:
+        """Its replay published nothing: a later bulk replay may replay it (only the claim's holder calls this)."""
+        with store_errors("releasing a replay"):
+            self.client.hdel(self.keys.send_status(send_id), "replayed_as")
+
     def mark_replayed(self, send_id: str, replay_id: str) -> None:
         with store_errors("recording a replay"):
             self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)

@@ -20,12 +20,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from ..errors import ConfigError, ReplayRefused
+from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import documented, problem
 from ..retry.replay import replay
-from ..send import EMAIL_PATTERN, MAX_RECIPIENTS
+from ..send import EMAIL_PATTERN, MAX_RECIPIENTS, Send
 from .ingest import WebhookIngest
 from .model import Endpoint
 
@@ -257,15 +257,17 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             doc = store.get(delivery_id)
             if not doc or doc.get("tenant_id") != tenant_id or doc.get("status") not in body.statuses:
                 continue
-            if not store.claim_replay(delivery_id):
-                already += 1
-                continue
+            def replay_it(d: str = delivery_id) -> Send:
+                return replay(client.bootstrap, client.names, store, client, d, tenant=tenant_id)
+
             try:
-                new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+                new = replay_once(store, delivery_id, replay_it)
             except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
                 refused.append({"delivery_id": delivery_id, "msg": str(exc)})
                 continue
-            store.mark_replayed(delivery_id, new.send_id)
+            if new is None:
+                already += 1
+                continue
             replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
         return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": len(candidates)}
 
@@ -290,6 +292,23 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         return {"delivery_id": new.send_id, "replay_of": delivery_id}
 
     return router
+
+
+def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Send]) -> Send | None:
+    """A bulk replay's step: `do_replay()` unless a bulk replay did already (None). Its claim stays once the
+    replay may have been published, also when the broker left that unknown (asked again, a bulk replay
+    must not replay it twice); a publish that failed with nothing published frees it for the next call."""
+    if not store.claim_replay(delivery_id):
+        return None
+    try:
+        new = do_replay()
+    except PublishOutcomeUnknown:
+        raise
+    except PublishError:
+        store.release_replay(delivery_id)
+        raise
+    store.mark_replayed(delivery_id, new.send_id)
+    return new
 
 
 def _delivery(delivery_id: str, doc: dict) -> dict:

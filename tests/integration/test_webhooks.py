@@ -3,13 +3,15 @@ at-least-once delivery on the seed schedule, attempt history, replay, SSRF rules
 
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from streams.errors import ReplayRefused
+from streams.errors import PublishError, PublishOutcomeUnknown, ReplayRefused
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
+from streams.webhooks.api import replay_once
 from tests.harness import final_delivery as _final
 from tests.harness import free_port, start_api, wait_until
 from tests.harness import register_endpoint as _register
@@ -194,3 +196,34 @@ def test_a_killed_webhook_worker_loses_nothing_and_receivers_dedupe_by_webhook_i
     stats = mock_endpoint.stats()
     assert stats["duplicates"] <= 40, stats["duplicates"]  # at most what was in flight at the kill (per-endpoint cap 20)
     print(f"duplicates after kill -9 (same webhook-id, deduplicated by receivers): {stats['duplicates']}")
+
+
+def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no_other_twice(redis_client,
+                                                                                            namespace):
+    """Given three deliveries a bulk replay takes in turn,
+    When the first one's publish fails with nothing published, the second one's is left unknown by the broker, and
+    the third one's is published, and the endpoint's deliveries are replayed in bulk again,
+    Then the first is replayed then (it was lost to bulk replays before: counted as already replayed, never sent),
+    and neither the second (it may have been sent) nor the third is replayed a second time."""
+    store = StatusStore(redis_client, namespace)
+    published: list[str] = []
+
+    def publish(delivery_id: str, failure: Exception | None = None):
+        def do_replay():
+            if failure is not None:
+                raise failure
+            published.append(delivery_id)
+            return SimpleNamespace(send_id=f"replay-of-{delivery_id}")
+        return do_replay
+
+    with pytest.raises(PublishError):
+        replay_once(store, "d-refused", publish("d-refused", PublishError("the broker refused it")))
+    with pytest.raises(PublishOutcomeUnknown):
+        replay_once(store, "d-unknown", publish("d-unknown", PublishOutcomeUnknown("no acknowledgement")))
+    assert replay_once(store, "d-sent", publish("d-sent")).send_id == "replay-of-d-sent"
+
+    assert replay_once(store, "d-refused", publish("d-refused")).send_id == "replay-of-d-refused"
+    assert replay_once(store, "d-unknown", publish("d-unknown")) is None
+    assert replay_once(store, "d-sent", publish("d-sent")) is None
+    assert published == ["d-sent", "d-refused"]
+    assert store.get("d-refused")["replayed_as"] == "replay-of-d-refused"
