@@ -389,7 +389,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             if webhooks is not None:
                 webhooks.enqueued([s for s in sends if s.channel == "webhook"])
         except (StoreUnavailable, PublishError) as exc:
-            log.warning("published %d sends, but recording them failed (%s); their outcomes will", len(sends), exc)
+            log.warning("published %d sends, but recording them failed (%s); their statuses follow from their "
+                        "outcomes as they are dispatched", len(sends), exc)
 
     async def canonical(request: Request) -> object:
         """The body as the events read JSON (what an Idempotency-Key's body is compared on)."""
