@@ -456,3 +456,34 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     assert StateGuard(client, keys, oplog, "a fourth role").check()
     assert missing_markers(client, keys) == 0
     assert oplog.snapshot()["epoch"] == {"epoch": "e-old", "markers": True}
+
+
+def test_slots_a_master_was_given_empty_later_are_seen_by_a_role_that_claims_nothing(healthy_redis_cluster, stack,
+                                                                                       create_topics):
+    """Given a Redis Cluster whose epoch a state guard wrote (a marker in every hash slot), and a role that claims
+    nothing (it only looks every 5 s),
+    When ten slots in the middle of a master's range lose their markers (what slots given to a master empty, after
+    a shard died, look like: its first slot keeps its marker),
+    Then within one sweep of all slots (128 looks, about 11 minutes at one look every 5 s) that role's look finds them
+    and it holds; once the epoch is written again it resumes."""
+    client = connect(healthy_redis_cluster.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    names, keys = TopicNames(ns), RedisKeys(ns)
+    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
+    oplog = OperatorLog(stack.bootstrap, names.operator)
+    assert StateGuard(client, keys, oplog, "worker").check()  # writes the epoch and every marker
+    role = StateGuard(client, keys, oplog, "ingest")
+    assert role.check()                                       # its first check reads every marker
+
+    owner = client.nodes_manager.slots_cache[6000][0].name
+    first = min(s for s, nodes in client.nodes_manager.slots_cache.items() if nodes[0].name == owner)
+    assert first < 6000
+    client.delete(*(keys.epoch_marker(slot) for slot in range(6000, 6010)))
+
+    looks = 0
+    while role.check(force=True):
+        looks += 1
+        assert looks < 128, "a whole sweep of the slots did not find the missing markers"
+    assert role.lost and missing_markers(client, keys) == 10
+    write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()))
+    assert role.check(force=True)
