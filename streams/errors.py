@@ -11,6 +11,7 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── PublishError             the broker did not acknowledge every send of a publish (none was written)
     │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     │   └── PublishOutcomeUnknown   the broker did not confirm a publish in time and may still write it
+    │       └── ReplayOutcomeUnknown   ... a replay's: it may have been published under its new send id
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
@@ -118,6 +119,15 @@ class PublishOutcomeUnknown(PublishError):
     error other than a refusal (a timeout, a lost connection: it may have reached the broker). The
     caller retries with the same Idempotency-Key, under which its sends keep their ids and are sent
     at most once."""
+
+
+class ReplayOutcomeUnknown(PublishOutcomeUnknown):
+    """A replay the broker did not confirm: it may have been published as `replay_id` (look it up before
+    replaying again: a second replay is another send id, which nothing deduplicates)."""
+
+    def __init__(self, message: str, replay_id: str):
+        super().__init__(message)
+        self.replay_id = replay_id
 
 
 class SendTooLarge(PublishError):

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import ConfigError, PublishError, ReplayRefused
+from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
 from ..gate.limits import LimitChange
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay
@@ -224,8 +224,9 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         except ReplayRefused as exc:
             code = 404 if str(exc).startswith("no send") else 409
             raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
-        except PublishError as exc:
-            raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"}) from None
+        except PublishError as exc:  # unknown: the message names the new send id, to look up before replaying
+            raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"},
+                          outcome="unknown" if isinstance(exc, PublishOutcomeUnknown) else None) from None
         audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
         return {"send_id": new.send_id, "replay_of": send_id}
 

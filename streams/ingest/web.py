@@ -81,8 +81,12 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def problem(status: int, error: str, loc: list[str | int], msg: str,
-            headers: dict[str, str] | None = None) -> HTTPException:
-    return HTTPException(status, {"error": error, "errors": [{"loc": loc, "msg": msg}]}, headers=headers)
+            headers: dict[str, str] | None = None, outcome: str | None = None) -> HTTPException:
+    """`outcome="unknown"`: the request may have taken effect (a 503 that is not "nothing was changed")."""
+    detail: dict = {"error": error, "errors": [{"loc": loc, "msg": msg}]}
+    if outcome is not None:
+        detail["outcome"] = outcome
+    return HTTPException(status, detail, headers=headers)
 
 
 class BodyLimit:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from ..errors import MalformedEvent, PublishError, PublishOutcomeUnknown, ReplayRefused
+from ..errors import MalformedEvent, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..names import TopicNames
@@ -73,8 +73,9 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     try:
         client.publish_sends([new])
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
-        raise PublishOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
-                                    f"look it up (`streams sends show {new.send_id}`) before replaying again") from None
+        raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
+                                   f"look it up (`streams sends show {new.send_id}`) before replaying again",
+                                   new.send_id) from None
     except PublishError as exc:
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
     store.accepted([new])  # after the broker has it: no status for a send that was never published

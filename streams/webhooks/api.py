@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
+from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import documented, problem
@@ -289,6 +289,10 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
+        except ReplayOutcomeUnknown as exc:
+            raise problem(503, "unavailable", [], f"the message broker did not confirm the replay: it may have been "
+                          f"published as delivery {exc.replay_id}; look it up (GET /v1/deliveries/{exc.replay_id}) "
+                          "before replaying again", {"Retry-After": "1"}, outcome="unknown") from None
         return {"delivery_id": new.send_id, "replay_of": delivery_id}
 
     return router
