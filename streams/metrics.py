@@ -89,6 +89,9 @@ RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past 
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])
+AUDIT_RECORDS_UNCONFIRMED = Counter("dispatch_audit_records_unconfirmed_total", "Operator changes applied through "
+                                    "the API whose audit record the broker did not confirm (missing from the trail, "
+                                    "or written unconfirmed), by kind (limits, apikey, replay, endpoint)", ["kind"])
 # ---- webhook endpoint health (the endpoint-health app, except skipped deliveries)
 ENDPOINTS_BY_STATE = Gauge("webhook_endpoints", "Webhook endpoints by state, as this endpoint-health copy sees "
                            "the whole fleet (every copy reports all endpoints: aggregate with max)", ["state"])

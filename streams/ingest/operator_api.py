@@ -10,16 +10,20 @@
     GET  /v1/admin/audit                         the audit trail
 
 Every change is written to the audit trail (`notif.audit`: who, what, before, after, when) before
-it is answered.
+it is answered. A change the trail did not confirm is applied all the same: it is counted
+(`dispatch_audit_records_unconfirmed_total`), logged, and answered 503 `"outcome": "applied"` when
+making it again records it without changing more (limits, a revocation, a reactivation), else as done.
 """
 
 
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
 from ..gate.limits import LimitChange
 from ..retry import dlq as dead_letters
@@ -28,6 +32,8 @@ from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
 from .api_keys import Principal, public
 from .web import documented, problem
+
+log = logging.getLogger("streams.operator_api")
 
 TENANT_LIMIT = ("tenant", "tenant_rate", "tenant_burst")
 MAX_LIMIT = 2**53  # the gate's Lua works in doubles: larger rates and bursts would not be held exactly
@@ -143,9 +149,22 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     Operator = Annotated[Principal, Depends(operator)]  # noqa: N806 - a type alias
     client, store = ingest.client, ingest.store
 
-    def audited(who: Principal, what: str, before: object, after: object) -> None:
-        if ingest.audit is not None:
+    def audited(who: Principal, what: str, before: object, after: object, repeatable: bool = True) -> None:
+        """Record a change, applied already, on the audit trail. When the broker does not confirm the record,
+        the change stays applied, and is counted and logged: a repeatable change (applied again it changes
+        nothing more, and is recorded) is answered 503 `"outcome": "applied"`; one that cannot be repeated
+        (a new key, a rotation, a replay: again would be another) is answered as done."""
+        if ingest.audit is None:
+            return
+        try:
             ingest.audit.record(f"key:{who.key_id}", what, before, after)
+        except PublishError as exc:
+            metrics.AUDIT_RECORDS_UNCONFIRMED.labels(what.split("/", 1)[0]).inc()
+            log.error("%s was applied, but the audit trail did not confirm its record: %s", what, exc)
+            if repeatable:
+                raise problem(503, "unavailable", [], "the change was applied, but the audit trail did not confirm "
+                              "its record; make the same change again to record it", {"Retry-After": "1"},
+                              outcome="applied") from None
 
     @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 503))
     def get_limits(provider: str, _: Operator) -> dict:
@@ -173,7 +192,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             raise problem(422, "invalid_request", ["body", "tenant"], str(exc)) from None
         info = ingest.keys.resolve(token)
         assert info is not None
-        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": body.tenant, "label": body.label})
+        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": body.tenant, "label": body.label},
+                repeatable=False)
         return {"id": info.key_id, "key": token, "role": body.role, "tenant": body.tenant,
                 "note": "the key is shown once: store it now"}
 
@@ -196,7 +216,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         token, old = rotated
         new = ingest.keys.resolve(token)
         assert new is not None
-        audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": new.key_id})
+        audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": new.key_id}, repeatable=False)
         return {"id": new.key_id, "key": token, "previous": public(old), "note": "the key is shown once: store it now"}
 
     @router.get("/dlq", response_model=DeadLetters, responses=documented(401, 403, 422, 503))
@@ -227,7 +247,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         except PublishError as exc:  # unknown: the message names the new send id, to look up before replaying
             raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"},
                           outcome="unknown" if isinstance(exc, PublishOutcomeUnknown) else None) from None
-        audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
+        audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id}, repeatable=False)
         return {"send_id": new.send_id, "replay_of": send_id}
 
     @router.post("/endpoints/{endpoint_id}/reactivate", response_model=EndpointView,

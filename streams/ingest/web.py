@@ -41,8 +41,8 @@ DESCRIPTIONS = {
     410: "gone: the payload has expired (payloads are kept 7 days)",
     413: "the body, or one send in it, is too large", 422: "invalid: each error names its field",
     429: "over a quota (see Retry-After)",
-    503: "a dependency is unavailable (see Retry-After): nothing was changed, unless the body says "
-         "\"outcome\": \"unknown\" (it may have been: retry with the same Idempotency-Key)",
+    503: "a dependency is unavailable (see Retry-After): nothing was changed, unless the body's \"outcome\" "
+         "says otherwise (\"unknown\": it may have been; \"applied\": it was, not yet on the audit trail)",
 }
 
 

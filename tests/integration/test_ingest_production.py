@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from streams.ingest.api import keep_lease
 from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, Pending, body_hash
@@ -252,6 +253,28 @@ def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, 
     out = subprocess.run([sys.executable, "-m", "streams.cli", "audit", "--since-ms", str(started)],
                          env=dispatch_env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "limits/resend" in out.stdout and made["key"] not in out.stdout
+
+
+def test_a_change_the_audit_trail_does_not_confirm_stays_applied_and_says_so(api, stack, names):
+    """Given the operator API, and an audit trail the broker cannot take records on (its topic is gone),
+    When an operator changes a limit and creates a key,
+    Then both changes are applied; the limit change, which making again records without changing more, is answered
+    503 with `"outcome": "applied"` (not "nothing was changed"); the key, which again would be another key, is
+    answered 201 with the key; both are counted in dispatch_audit_records_unconfirmed_total by kind."""
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    for f in admin.delete_topics([names.audit]).values():
+        f.result()
+    op = api.keys["operator"]
+    changed = api.put("/v1/admin/limits/resend", json={"global_rate": 9, "global_burst": 9}, headers=op)
+    assert changed.status_code == 503 and changed.json()["outcome"] == "applied", changed.text
+    assert "make the same change again to record it" in changed.json()["errors"][0]["msg"]
+    assert api.get("/v1/admin/limits/resend", headers=op).json()["limits"]["global_rate"] == 9
+    made = api.post("/v1/admin/keys", json={"role": "tenant", "tenant": "tenant-e"}, headers=op)
+    assert made.status_code == 201, made.text
+    assert api.get("/v1/sends/nope", headers={"Authorization": f"Bearer {made.json()['key']}"}).status_code == 404
+    exposition = api.get("/metrics/").text
+    assert metric_sum(exposition, 'dispatch_audit_records_unconfirmed_total{kind="limits"}') == 1
+    assert metric_sum(exposition, 'dispatch_audit_records_unconfirmed_total{kind="apikey"}') == 1
 
 
 def test_options_names_every_method_of_a_path(api):

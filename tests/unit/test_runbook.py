@@ -19,7 +19,7 @@ RUNBOOK_URL = "https://github.com/dual-rail/dispatch/blob/main/docs/runbook.md#"
 PARTS = ("**What it means.**", "**How to confirm.**", "**What to do.**", "**What not to do.**")
 # Placeholders a command may use, and a value the parser accepts for each; any other <...> becomes "x".
 PLACEHOLDERS = {"<channel>": "email", "<lane>": "transactional", "<provider>": "resend", "<tier>": "1m",
-                "<port>": "9100", "<limit>": "10"}
+                "<port>": "9100", "<limit>": "10", "<unix_ms>": "1700000000000"}
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _WORST_UNIT_S = {"min": 60, "h": 3600}
 
