@@ -247,13 +247,17 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
         # PublishOutcomeUnknown maybe applied), or did not answer a read (dead letters, the audit trail).
         if isinstance(exc, PublishOutcomeUnknown):
-            retry = ("retry after a moment with the same Idempotency-Key (sends then keep their send ids and are "
-                     "sent once)" if request.headers.get("idempotency-key") else "a retry without an Idempotency-Key "
-                     "is published under new send ids (send one to retry safely)")
+            if request.url.path not in ("/v1/sends", "/v1/sends/batch"):  # a change, not a send: no key here
+                retry = "look at its result before making it again"
+            elif request.headers.get("idempotency-key"):
+                retry = ("retry after a moment with the same Idempotency-Key (sends then keep their send ids and "
+                         "are sent once)")
+            else:
+                retry = "a retry without an Idempotency-Key is published under new send ids (send one to retry safely)"
             return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish: it may "
                                 f"have taken effect; {retry}", outcome="unknown")
-        return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment "
-                                                      "(with the same Idempotency-Key)")
+        return _unavailable(request, exc, "the broker", "the message broker did not answer; retry after a moment"
+                            + (" (with the same Idempotency-Key)" if request.url.path.startswith("/v1/sends") else ""))
 
     logged_at: dict[str, float] = {}
 
