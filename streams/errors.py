@@ -12,6 +12,7 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     │   └── PublishOutcomeUnknown   the broker did not confirm a publish in time and may still write it
     │       └── ReplayOutcomeUnknown   ... a replay's: it may have been published under its new send id
+    ├── BrokerUnavailable        the broker did not answer a read in time (nothing is taken as gone)
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
@@ -73,6 +74,10 @@ class MalformedEvent(DispatchError):
 
 class PublishError(DispatchError):
     """The broker did not acknowledge every send; none was written (PublishOutcomeUnknown: maybe all were)."""
+
+
+class BrokerUnavailable(DispatchError):
+    """The broker did not answer a read in time: what was asked for may well exist (retry later)."""
 
 
 class ReplayRefused(DispatchError):

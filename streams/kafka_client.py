@@ -79,6 +79,8 @@ def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | No
 # Delivery errors after which a record is known not to be in the log: the broker refused it, or it
 # never left this client. After any other (a timeout, a lost connection, a producer id that changed
 # while it was in flight) it may have been written: librdkafka knows which, the Python client does not say.
+# Only the last attempt's error is known: an earlier attempt that timed out may have been written before
+# a later one was refused (rare: an idempotent producer's retries end in _MSG_TIMED_OUT).
 NOT_WRITTEN = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
     KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.TOPIC_AUTHORIZATION_FAILED,
@@ -108,7 +110,7 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
     produce(producer, topic, value, key=key, on_delivery=on_delivery)
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and (left := deadline - time.monotonic()) > 0:
-        producer.poll(min(left, 0.1))
+        producer.poll(min(left, 0.02))  # short: another thread polling a shared producer may run the callback
     if not done.is_set() or (failed and may_be_written(failed[0])):
         reason = failed[0].str() if failed else f"no answer within {timeout_s:.0f} s"
         raise PublishOutcomeUnknown(f"{topic} did not acknowledge {what} ({reason}); it may still be written")

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import metrics
-from ..errors import PublishError, PublishOutcomeUnknown, SendTooLarge, StoreUnavailable
+from ..errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, SendTooLarge, StoreUnavailable
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
 from ..send import (
@@ -218,6 +218,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     Tenant = Annotated[str, Depends(auth.tenant_dependency())]  # noqa: N806 - a type alias
     client, store, webhooks = ingest.client, ingest.store, ingest.webhooks
     in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+    ending_claims: set[asyncio.Future] = set()  # Idempotency-Key claims being freed or lapsed (kept referenced)
     tenant_batches: dict[str, asyncio.Semaphore] = {}
 
     @app.exception_handler(RequestValidationError)
@@ -242,6 +243,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
 
     @app.exception_handler(PublishError)
+    @app.exception_handler(BrokerUnavailable)
     @app.exception_handler(KafkaException)
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
@@ -426,13 +428,19 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             lease.cancel()
             # Nothing published: the key is free for any request. Maybe published: the retry under the
             # key must publish the same send ids.
-            end = ingest.idempotency.release if published_nothing(exc) else ingest.idempotency.lapse
-            try:
-                await asyncio.shield(run_in_threadpool(end, tenant_id, key, state.holder))
-            except Exception as store_exc:  # noqa: BLE001 - the request's own failure is the answer
-                # The key stays pending until its lease lapses (60 s); the retry then keeps its send ids.
-                log.warning("an Idempotency-Key was not %s: %s", "freed" if end == ingest.idempotency.release
-                            else "lapsed", store_exc)
+            freeing, keys = published_nothing(exc), ingest.idempotency
+
+            async def end_claim() -> None:
+                try:
+                    await run_in_threadpool(keys.release if freeing else keys.lapse, tenant_id, key, state.holder)
+                except Exception as store_exc:  # noqa: BLE001 - the request's own failure is the answer
+                    # The key stays pending until its lease lapses (60 s); the retry then keeps its send ids.
+                    log.warning("an Idempotency-Key was not %s: %s", "freed" if freeing else "lapsed", store_exc)
+
+            ending = asyncio.ensure_future(end_claim())  # finishes even if this request is cancelled meanwhile
+            ending_claims.add(ending)
+            ending.add_done_callback(ending_claims.discard)
+            await asyncio.shield(ending)
             raise
         lease.cancel()
         try:

@@ -12,7 +12,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from ..errors import ReplayRefused
+from ..errors import BrokerUnavailable, ReplayRefused
 from ..kafka_client import client_config, watermarks
 from ..providers.outcome import redact
 
@@ -68,7 +68,8 @@ def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLe
 
 
 def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Any | None:
-    """The one record at (partition, offset), or None when it is gone (retention) or absent."""
+    """The one record at (partition, offset), or None when it is gone (retention) or absent;
+    BrokerUnavailable when it is there but the broker did not give it in time."""
     c = Consumer(client_config(bootstrap, quiet=True, settings={
         "group.id": f"record-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
     try:
@@ -81,7 +82,8 @@ def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: fl
             for m in c.consume(num_messages=1, timeout=0.2):
                 if not m.error() and m.offset() == offset:
                     return m
-        return None
+        raise BrokerUnavailable(f"{topic} [{partition}] did not give the record at offset {offset} within "
+                                f"{timeout_s:.0f} s")
     finally:
         c.close()
 
@@ -122,6 +124,9 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
                     position_now = m.offset() + 1
                     if (m.key() or b"").decode(errors="replace") == send_id:
                         found = _record(m)
+            if found is None and position_now < high:  # not read to its end: absent is not known
+                raise BrokerUnavailable(f"{topic} [{partition}] was not read to its end within 60 s "
+                                        f"({high - position_now} records left)")
     finally:
         c.close()
     if found is None:

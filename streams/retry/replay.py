@@ -10,16 +10,25 @@ fails with an error that says so (the history is kept 30 days, so the error can 
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import UTC, datetime
 
-from ..errors import MalformedEvent, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
+from ..errors import (
+    MalformedEvent,
+    PublishError,
+    PublishOutcomeUnknown,
+    ReplayOutcomeUnknown,
+    ReplayRefused,
+    StoreUnavailable,
+)
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..names import TopicNames
 from ..send import Send, decode, new_send_id
 from .dlq import PAYLOAD_DAYS, fetch, find
 
+log = logging.getLogger("streams.replay")
 PAYLOAD_MS = PAYLOAD_DAYS * 24 * 3600 * 1000
 REPLAYABLE = frozenset({"delivered", "dead_lettered", "dropped", "skipped"})
 
@@ -78,5 +87,8 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
                                    new.send_id) from None
     except PublishError as exc:
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
-    store.accepted([new])  # after the broker has it: no status for a send that was never published
+    try:
+        store.accepted([new])  # after the broker has it: no status for a send that was never published
+    except StoreUnavailable as exc:  # published: its status follows from its outcomes as it is dispatched
+        log.warning("the replay %s of %s is published, but its status was not recorded: %s", new.send_id, send_id, exc)
     return new

@@ -13,6 +13,7 @@
 Another tenant's endpoint or delivery is indistinguishable from a missing one (404).
 """
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -20,7 +21,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
+from ..errors import ConfigError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused, StoreUnavailable
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import documented, problem
@@ -29,6 +30,7 @@ from ..send import EMAIL_PATTERN, MAX_RECIPIENTS, Send
 from .ingest import WebhookIngest
 from .model import Endpoint
 
+log = logging.getLogger("streams.webhooks.api")
 MAX_BULK_REPLAY = 1000
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
@@ -301,15 +303,20 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Send]) -> Send | None:
     """A bulk replay's step: `do_replay()` unless a bulk replay did already (None). Its claim stays once the
     replay may have been published, also when the broker left that unknown (asked again, a bulk replay
-    must not replay it twice); a publish that failed with nothing published frees it for the next call."""
+    must not replay it twice), and when it was refused for good; any other failure (reading the payload,
+    a publish with nothing published) frees it for the next call. `do_replay` raises nothing once it
+    has published."""
     if not store.claim_replay(delivery_id):
         return None
     try:
         new = do_replay()
-    except PublishOutcomeUnknown:
+    except (PublishOutcomeUnknown, ReplayRefused):
         raise
-    except PublishError:
-        store.release_replay(delivery_id)
+    except BaseException:
+        try:
+            store.release_replay(delivery_id)
+        except StoreUnavailable as exc:  # the failure itself is the answer; the claim stays (never twice)
+            log.warning("the replay claim of %s was not freed: %s", delivery_id, exc)
         raise
     store.mark_replayed(delivery_id, new.send_id)
     return new

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from streams.errors import ReplayRefused
+from streams.errors import BrokerUnavailable, ReplayRefused
 from streams.ingest.status import StatusStore
-from streams.retry.dlq import read_all
+from streams.kafka_client import durable_producer, put_acked
+from streams.retry.dlq import fetch, read_all
 from streams.retry.replay import replay
 from tests.harness import sms_request, wait_until
 
@@ -102,3 +103,18 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     eight_days_later = int(time.time() * 1000) + 8 * 24 * 3600 * 1000
     with pytest.raises(ReplayRefused, match="has expired: payloads are kept 7 days"):
         replay(stack.bootstrap, names, store, send_client, send_id, now_ms=eight_days_later)
+
+
+def test_a_record_the_broker_does_not_give_in_time_is_not_taken_as_gone(stack, create_topics, names):
+    """Given a record at a known position of a topic,
+    When it is read with the normal timeout, read with no time to read it, and read past the topic's end,
+    Then the first gives the record, the second raises BrokerUnavailable (before: "absent", so a replay
+    called its payload expired and a bulk replay gave it up for good), and only the third says absent."""
+    topic = f"{names.dlq}.fetch-check"
+    create_topics({topic: 1})
+    producer = durable_producer(stack.bootstrap)
+    put_acked(producer, topic, b"send-1", b"payload", 10, "a test record")
+    assert fetch(stack.bootstrap, topic, 0, 0).value() == b"payload"
+    with pytest.raises(BrokerUnavailable, match="did not give the record at offset 0"):
+        fetch(stack.bootstrap, topic, 0, 0, timeout_s=0)
+    assert fetch(stack.bootstrap, topic, 0, 1) is None

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streams.errors import PublishError, PublishOutcomeUnknown, ReplayRefused
+from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, ReplayRefused
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
@@ -200,11 +200,12 @@ def test_a_killed_webhook_worker_loses_nothing_and_receivers_dedupe_by_webhook_i
 
 def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no_other_twice(redis_client,
                                                                                             namespace):
-    """Given three deliveries a bulk replay takes in turn,
-    When the first one's publish fails with nothing published, the second one's is left unknown by the broker, and
-    the third one's is published, and the endpoint's deliveries are replayed in bulk again,
-    Then the first is replayed then (it was lost to bulk replays before: counted as already replayed, never sent),
-    and neither the second (it may have been sent) nor the third is replayed a second time."""
+    """Given five deliveries a bulk replay takes in turn,
+    When the first one's publish fails with nothing published, the second one's payload is not read in time, the
+    third one's publish is left unknown by the broker, the fourth is refused for good (its payload expired) and the
+    fifth is published, and the endpoint's deliveries are replayed in bulk again,
+    Then the first two are replayed then (they were lost to bulk replays before: counted as already replayed, never
+    sent), and neither the third (it may have been sent), the fourth nor the fifth is replayed a second time."""
     store = StatusStore(redis_client, namespace)
     published: list[str] = []
 
@@ -218,12 +219,18 @@ def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no
 
     with pytest.raises(PublishError):
         replay_once(store, "d-refused", publish("d-refused", PublishError("the broker refused it")))
+    with pytest.raises(BrokerUnavailable):
+        replay_once(store, "d-unread", publish("d-unread", BrokerUnavailable("the payload was not read in time")))
     with pytest.raises(PublishOutcomeUnknown):
         replay_once(store, "d-unknown", publish("d-unknown", PublishOutcomeUnknown("no acknowledgement")))
+    with pytest.raises(ReplayRefused):
+        replay_once(store, "d-expired", publish("d-expired", ReplayRefused("its payload has expired")))
     assert replay_once(store, "d-sent", publish("d-sent")).send_id == "replay-of-d-sent"
 
     assert replay_once(store, "d-refused", publish("d-refused")).send_id == "replay-of-d-refused"
+    assert replay_once(store, "d-unread", publish("d-unread")).send_id == "replay-of-d-unread"
     assert replay_once(store, "d-unknown", publish("d-unknown")) is None
+    assert replay_once(store, "d-expired", publish("d-expired")) is None  # refused for good: not tried again
     assert replay_once(store, "d-sent", publish("d-sent")) is None
-    assert published == ["d-sent", "d-refused"]
+    assert published == ["d-sent", "d-refused", "d-unread"]
     assert store.get("d-refused")["replayed_as"] == "replay-of-d-refused"
