@@ -22,6 +22,7 @@ from ..errors import (
     ReplayRefused,
     StoreUnavailable,
 )
+from ..ingest.publisher import RecordTooLarge
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..names import TopicNames
@@ -81,6 +82,8 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
     try:
         client.publish_sends([new])
+    except RecordTooLarge as exc:  # for good: the topic takes no record this large (its limit was lowered)
+        raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
                                    f"look it up (`streams sends show {new.send_id}`) before replaying again",

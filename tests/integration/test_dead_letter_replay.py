@@ -6,8 +6,10 @@ import sys
 import time
 
 import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from streams.errors import BrokerUnavailable, ReplayRefused
+from streams.ingest.sdk import SendClient
 from streams.ingest.status import StatusStore
 from streams.kafka_client import durable_producer, put_acked
 from streams.retry.dlq import fetch, read_all
@@ -103,6 +105,20 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     eight_days_later = int(time.time() * 1000) + 8 * 24 * 3600 * 1000
     with pytest.raises(ReplayRefused, match="has expired: payloads are kept 7 days"):
         replay(stack.bootstrap, names, store, send_client, send_id, now_ms=eight_days_later)
+
+    # A lane that no longer takes records this large: refused for good (a bulk replay keeps it out), not a 503
+    lane = names.lane("sms", "transactional")
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    change = ConfigResource(ConfigResource.Type.TOPIC, lane, incremental_configs=[
+        ConfigEntry("max.message.bytes", "100", incremental_operation=AlterConfigOpType.SET)])
+    for f in admin.incremental_alter_configs([change]).values():
+        f.result()
+    fresh = SendClient(stack.bootstrap, names)  # reads the topic's limit anew
+    try:
+        with pytest.raises(ReplayRefused, match=f"send {send_id} cannot be replayed: record 0 is"):
+            replay(stack.bootstrap, names, store, fresh, send_id)
+    finally:
+        fresh.close()
 
 
 def test_a_record_the_broker_does_not_give_in_time_is_not_taken_as_gone(stack, create_topics, names):
