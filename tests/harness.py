@@ -264,3 +264,35 @@ def report_outcome(scenario: str, ids: list[str], stats: dict, procs) -> str:
 def metric_sum(text: str, name: str) -> float:
     """The sum of a metric's samples in a Prometheus text exposition (0 when absent)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def read_committed(bootstrap: str, topic: str) -> list[dict]:
+    """Every record of `topic` a read-committed consumer reads, JSON-decoded, from its start to its end as
+    it is now. Watermarks are asked again while no leader answers (a broker just back from a stall)."""
+    import orjson
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"committed-reader-{uuid.uuid4().hex}",
+                  "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+
+        def watermarks() -> dict[int, tuple[int, int]] | None:
+            try:
+                return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
+            except KafkaException:
+                return None
+
+        ends = wait_until(watermarks, 60, f"{topic}'s partitions to have a leader", interval=0.5)
+        c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
+        events: list[dict] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            events.extend(orjson.loads(m.value()) for m in c.consume(num_messages=1000, timeout=0.2)
+                          if not m.error())
+            positions = c.position([TopicPartition(topic, p) for p in parts])
+            if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][0] == ends[tp.partition][1]
+                   for tp in positions):
+                return events
+        raise AssertionError(f"reading {topic} did not finish")
+    finally:
+        c.close()

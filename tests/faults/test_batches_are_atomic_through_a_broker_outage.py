@@ -9,9 +9,8 @@ import threading
 import time
 
 import httpx
-from confluent_kafka import Consumer, TopicPartition
 
-from tests.harness import answers, email_request, free_port, wait_until
+from tests.harness import answers, email_request, free_port, read_committed, wait_until
 
 BATCH = 20
 UNKNOWN = -1  # answered 503 with `"outcome": "unknown"`: the broker stopped while the batch's commit was asked
@@ -19,28 +18,11 @@ UNKNOWN = -1  # answered 503 with `"outcome": "unknown"`: the broker stopped whi
 
 def committed_by_batch(bootstrap: str, topic: str) -> dict[str, int]:
     """How many records of each batch (correlation id prefix) a read-committed consumer reads."""
-    import orjson
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "atomic-check", "enable.auto.commit": False,
-                  "isolation.level": "read_committed"})
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-        c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
-        counts: dict[str, int] = {}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for m in c.consume(num_messages=1000, timeout=0.2):
-                if not m.error():
-                    batch = orjson.loads(m.value())["correlation_id"].split("-")[0]
-                    counts[batch] = counts.get(batch, 0) + 1
-            positions = c.position([TopicPartition(topic, p) for p in parts])
-            if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][0] == ends[tp.partition][1]
-                   for tp in positions):
-                return counts
-        raise AssertionError("reading the lane did not finish")
-    finally:
-        c.close()
+    counts: dict[str, int] = {}
+    for event in read_committed(bootstrap, topic):
+        batch = event["correlation_id"].split("-")[0]
+        counts[batch] = counts.get(batch, 0) + 1
+    return counts
 
 
 def test_a_broker_outage_in_the_middle_of_batches_leaves_each_batch_whole_or_absent(

@@ -9,43 +9,18 @@ import time
 import uuid
 
 import httpx
-import orjson
-from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from tests.harness import answers, email_request, free_port, wait_until
+from tests.harness import answers, email_request, free_port, read_committed, wait_until
 
 BATCH = 5
 
 
 def send_ids_by_correlation(bootstrap: str, topic: str) -> dict[str, set[str]]:
     """Every send id a read-committed consumer reads in `topic`, by the request's correlation id."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"unknown-check-{uuid.uuid4().hex}",
-                  "enable.auto.commit": False, "isolation.level": "read_committed"})
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-
-        def watermarks() -> dict[int, tuple[int, int]] | None:
-            try:
-                return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-            except KafkaException:  # a broker just back from a stall may not lead its partitions again yet
-                return None
-
-        ends = wait_until(watermarks, 60, "the lane's partitions to have a leader again", interval=0.5)
-        c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
-        ids: dict[str, set[str]] = {}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for m in c.consume(num_messages=1000, timeout=0.2):
-                if not m.error():
-                    event = orjson.loads(m.value())
-                    ids.setdefault(event["correlation_id"], set()).add(event["send_id"])
-            positions = c.position([TopicPartition(topic, p) for p in parts])
-            if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][0] == ends[tp.partition][1]
-                   for tp in positions):
-                return ids
-        raise AssertionError("reading the lane did not finish")
-    finally:
-        c.close()
+    ids: dict[str, set[str]] = {}
+    for event in read_committed(bootstrap, topic):
+        ids.setdefault(event["correlation_id"], set()).add(event["send_id"])
+    return ids
 
 
 def uuid7_ms(send_id: str) -> int:
