@@ -32,6 +32,7 @@ from .ssrf import UnsafeUrl, UrlPolicy
 
 EXCERPT_BYTES = 1024
 DNS_TTL_S = 30.0
+KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
 class PinnedResolver(aiohttp.abc.AbstractResolver):
@@ -89,18 +90,19 @@ def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float
                           error_body=excerpt, latency_s=latency_s)
 
 
-async def post_delivery(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                        started: float) -> ProviderResult:
+async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSession, url: str, body: bytes,
+                        headers: dict[str, str], started: float) -> ProviderResult:
     """POST one delivery. A pooled connection that the receiver closed while it sat idle (many servers
     close idle connections after 5 s) fails the next request before any answer; that request is sent
-    once more, on another connection, within the same attempt. Its webhook-id is the same, so a
-    receiver that did get the first copy deduplicates it."""
+    once more within the same attempt, through `fresh` (a session that never reuses a connection: the
+    pool may hold more connections the receiver closed, as after a burst). Its webhook-id is the same,
+    so a receiver that did get the first copy deduplicates it."""
     try:
         resp = await session.post(url, data=body, headers=headers, allow_redirects=False)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         if isinstance(exc, aiohttp.ClientConnectorError):  # no connection at all: a new one is no different
             raise
-        resp = await session.post(url, data=body, headers=headers, allow_redirects=False)
+        resp = await fresh.post(url, data=body, headers=headers, allow_redirects=False)
     async with resp:
         head = await resp.content.read(EXCERPT_BYTES)
         answer = {k.lower(): v for k, v in resp.headers.items()}
@@ -118,12 +120,16 @@ class WebhookDelivery:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
         self._thread.start()
-        self.session = asyncio.run_coroutine_threadsafe(self._session(concurrency), self.loop).result(10)
+        self.session = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=True), self.loop).result(10)
+        self.fresh = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=False), self.loop).result(10)
 
-    async def _session(self, concurrency: int) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=0,
-                                                                    resolver=self.resolver, use_dns_cache=False),
-                                     timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+    async def _session(self, concurrency: int, pooled: bool) -> aiohttp.ClientSession:
+        """Both sessions connect only where the URL policy approved (the pinned resolver). The pooled one
+        drops a connection idle for KEEPALIVE_S, before most receivers would close it themselves."""
+        connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, resolver=self.resolver,
+                                         use_dns_cache=False, force_close=not pooled,
+                                         keepalive_timeout=KEEPALIVE_S if pooled else None)
+        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
         """The endpoint id (our 'path') and the body. A webhook delivery is never batched."""
@@ -159,7 +165,7 @@ class WebhookDelivery:
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
-            return await post_delivery(self.session, ep.url, body, h, started)
+            return await post_delivery(self.session, self.fresh, ep.url, body, h, started)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:
@@ -197,5 +203,6 @@ class WebhookDelivery:
     def close(self) -> None:
         self.directory.close()
         asyncio.run_coroutine_threadsafe(self.session.close(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.fresh.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -44,14 +44,39 @@ def test_a_request_on_a_connection_the_receiver_closed_is_sent_again_on_a_new_on
         server, answered = await _receiver(answered_per_connection=1)
         port = server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/hook"
-        async with server, aiohttp.ClientSession() as session:
-            first = await post_delivery(session, url, b"{}", {"webhook-id": "msg_1"}, time.monotonic())
-            second = await post_delivery(session, url, b"{}", {"webhook-id": "msg_2"}, time.monotonic())
+        async with server, aiohttp.ClientSession() as session, _fresh() as fresh:
+            first = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_1"}, time.monotonic())
+            second = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_2"}, time.monotonic())
         assert (first.outcome, first.status) == ("delivered", 204)
         assert (second.outcome, second.status) == ("delivered", 204)
         assert answered == [1, 1]
 
     asyncio.run(scenario())
+
+
+def test_the_second_try_never_takes_another_closed_connection_from_the_pool():
+    """Given a receiver that closes a connection when its second request arrives, unanswered,
+    and two pooled connections to it (two deliveries posted at once, then idle),
+    When a third delivery is posted (its first try meets one closed connection, the other is closed too),
+    Then it is delivered (204): its second try went out on a new connection, not on the other pooled one."""
+
+    async def scenario() -> None:
+        server, answered = await _receiver(answered_per_connection=1)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/hook"
+        async with server, aiohttp.ClientSession() as session, _fresh() as fresh:
+            burst = await asyncio.gather(*(post_delivery(session, fresh, url, b"{}", {"webhook-id": f"msg_{i}"},
+                                                         time.monotonic()) for i in (1, 2)))
+            assert [r.status for r in burst] == [204, 204] and answered == [1, 1]
+            third = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_3"}, time.monotonic())
+        assert (third.outcome, third.status) == ("delivered", 204)
+        assert answered == [1, 1, 1]  # one on each pooled connection, the third on a new one
+
+    asyncio.run(scenario())
+
+
+def _fresh() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
 def test_a_receiver_that_refuses_connections_is_not_asked_twice():
@@ -60,9 +85,9 @@ def test_a_receiver_that_refuses_connections_is_not_asked_twice():
         port = server.sockets[0].getsockname()[1]
         server.close()
         await server.wait_closed()
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession() as session, _fresh() as fresh:
             try:
-                await post_delivery(session, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic())
+                await post_delivery(session, fresh, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic())
             except aiohttp.ClientConnectorError:
                 return
         raise AssertionError("a refused connection was not reported")
