@@ -106,10 +106,11 @@ HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails 
 HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "
                         "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
                         ["kind"])
-HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the endpoint-health app read an attempts "
-                         "partition again from its committed offset after no progress past it at two checks while "
-                         "its agent was idle (records faust lost in a rebalance; an event read twice changes "
-                         "nothing)")
+HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the endpoint-health app read a partition "
+                         "again after faust dropped records it had fetched (in a rebalance): an attempts partition "
+                         "from its committed offset (no progress past it at two checks while the agent was idle), "
+                         "or a changelog partition whose recovery applied nothing at two checks though all was "
+                         "fetched; a record read twice changes nothing", ["topic"])
 SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
                              "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
                              "(ingest, worker)", ["reason", "where"])

@@ -17,7 +17,9 @@ last error, alert window. The rules are `rules.py`; this module does their I/O:
   and its alert sent again under the same send id.
 - faust can lose the records it fetched as a rebalance's recovery completes; when nothing more
   arrives on that partition, the app reads it again from its committed offset (checked every
-  STALL_CHECK_S; see `stall.py`, which also says what this does not cover).
+  STALL_CHECK_S; see `stall.py`, which also says what this does not cover). It can lose a
+  changelog's records during a recovery too; recovery would then wait for them for good: the app
+  reads that changelog partition again.
 
 Settings and why: `store="memory://"` (the table is small, one row per endpoint; it is rebuilt from
 the changelog on start and on every rebalance, so no local disk state can disagree with the
@@ -56,7 +58,7 @@ from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .budget import AlertBudget
 from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
-from .stall import StallWatch
+from .stall import RecoveryWatch, StallWatch
 
 log = logging.getLogger("streams.endpoint_health")
 ALERT_TEMPLATE = "endpoint-alert"
@@ -96,8 +98,10 @@ class EndpointHealthApp:
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
+        self.app.timer(STALL_CHECK_S)(self._unstick_recovery)
         self.routing = default_routing()
         self.stalls = StallWatch()
+        self.recovery_stalls = RecoveryWatch()
         self.taken: dict[int, int] = {}  # attempts partition -> events the agent took from it
         self.busy = False                # the agent holds an event
         # The group's committed offsets and the partitions' ends, asked on a thread of their own.
@@ -235,10 +239,49 @@ class EndpointHealthApp:
         except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner reads it from there
             log.warning("could not read %s[%d] again from %d: %s", topic, partition, offset, exc)
             return False
-        metrics.HEALTH_REREADS.inc()
+        metrics.HEALTH_REREADS.labels("attempts").inc()
         log.warning("%s[%d] made no progress past its committed offset %d at two checks while the agent was "
                     "idle (records faust lost in a rebalance): reading them again", topic, partition, offset)
         return True
+
+    async def _unstick_recovery(self) -> None:
+        """Read again a changelog partition whose recovery waits for records faust fetched and dropped
+        (see `stall.py`)."""
+        tables: Any = self.app.tables  # faust's TableManager (its type does not declare `recovery`)
+        recovery, generation = tables.recovery, self.app.consumer_generation_id
+        if not recovery.in_recovery or recovery.signal_recovery_start.is_set():  # none, or another one next
+            self.recovery_stalls.forget()
+            return
+        recovering: dict[TP, tuple[int, int, int]] = {}
+        try:
+            for tp in list(recovery.active_tps):
+                last, applied = recovery.active_highwaters.get(tp), recovery.active_offsets.get(tp)
+                applied = -1 if applied is None else applied
+                if last is not None and applied < last:
+                    position = await asyncio.wait_for(self.app.consumer.position(tp), SEND_RETRY_MAX_S)
+                    recovering[tp] = (applied, last, -1 if position is None else position)
+        except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: an exception would end the app
+            log.info("recovery progress not read: %s", exc)
+            self.recovery_stalls.forget()
+            return
+        if generation != self.app.consumer_generation_id or recovery.signal_recovery_start.is_set():
+            return
+        by_partition = {tp.partition: tp for tp in recovering}
+        stuck = self.recovery_stalls.observe(generation, {tp.partition: v for tp, v in recovering.items()})
+        for partition, offset in stuck.items():
+            tp = by_partition[partition]
+            try:
+                if tp not in self.app.consumer.assignment():
+                    continue
+                await self.app.consumer.seek_wait({tp: offset})
+            except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner recovers it
+                log.warning("could not read %s[%d] again from %d: %s", tp.topic, partition, offset, exc)
+                continue
+            self.recovery_stalls.reread(partition)
+            metrics.HEALTH_REREADS.labels("changelog").inc()
+            log.warning("recovery of %s[%d] applied nothing past offset %d at two checks though every record "
+                        "up to %d was fetched (records faust dropped in a rebalance): reading them again",
+                        tp.topic, partition, offset - 1, recovering[tp][1])
 
     async def _ask(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
         return await asyncio.get_running_loop().run_in_executor(self._offsets_thread, self._offsets_of, topic,

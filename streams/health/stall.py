@@ -1,4 +1,8 @@
-"""When the endpoint-health app must read a partition again: the policy, without I/O.
+"""When the endpoint-health app must read a partition again: the policy, without I/O. Two cases, one
+cause: faust-streaming drops records it has fetched when its flow stops or the group's generation
+changes in the middle of handing them over, and its position is then past them.
+
+1. An attempts partition (`StallWatch`).
 
 faust-streaming can lose the records it fetched in the moment a rebalance's recovery completes
 (it resumes the partitions, fetches, then clears its queues as it resumes its flow): the agent never
@@ -19,7 +23,16 @@ Not covered: when the next record on that partition arrives first, the lost ones
 (faust takes their offsets as done, or they come again only after later events of their endpoint,
 which the row's offset check then ignores). Seeking back from
 inside the agent was tried and dropped: a batch faust's fetcher is still delivering can undo the
-seek, and the partition would then be skipped until the next rebalance."""
+seek, and the partition would then be skipped until the next rebalance.
+
+2. A changelog partition being recovered (`RecoveryWatch`). Seen when a copy held a partition's
+changelog as a standby and then, after the other copy died, took it over: recovery read the
+changelog again from its start, the records were fetched (the position reached the end) and never
+applied, and recovery waited for them for good, the copy applying no attempt event at all.
+A partition whose recovery applied nothing more at two checks in a row, while the position is past
+the partition's last record, is read again from the record after the last one applied; it is then
+given two more checks before it can be read again. A record recovered twice changes nothing (the
+row holds the latest value)."""
 
 from __future__ import annotations
 
@@ -56,3 +69,29 @@ class StallWatch:
     def forget(self) -> None:
         """Start over (the broker could not say)."""
         self._behind, self._taken = {}, {}
+
+
+@dataclass
+class RecoveryWatch:
+    _generation: int | None = None
+    _applied: dict[int, int] = field(default_factory=dict)  # partition -> last offset recovered, at the last check
+
+    def observe(self, generation: int, recovering: dict[int, tuple[int, int, int]]) -> dict[int, int]:
+        """`recovering`: each active changelog partition recovery still waits for -> (the last offset it
+        applied, -1 for none; the partition's last offset; the consumer's position, the next offset it
+        will fetch). Returns the partitions to read again -> the offset to read them from (call
+        `reread` once that is done)."""
+        if generation != self._generation:
+            self._generation, self._applied = generation, {}
+        fetched_all = {p: applied for p, (applied, last, position) in recovering.items()
+                       if applied < last < position}
+        stuck = {p: applied + 1 for p, applied in fetched_all.items() if self._applied.get(p) == applied}
+        self._applied = fetched_all
+        return stuck
+
+    def reread(self, partition: int) -> None:
+        self._applied.pop(partition, None)
+
+    def forget(self) -> None:
+        """Start over (no recovery going on, or faust could not say)."""
+        self._applied = {}

@@ -426,7 +426,7 @@ def _health_app(dispatch_env, assigned):
 def _rereads() -> float:
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("webhook_endpoint_health_rereads_total") or 0.0
+    return REGISTRY.get_sample_value("webhook_endpoint_health_rereads_total", {"topic": "attempts"}) or 0.0
 
 
 def test_a_partition_whose_records_never_reached_the_agent_is_read_again_from_its_committed_offset(
@@ -481,6 +481,56 @@ def test_a_check_before_the_consumer_can_say_its_assignment_passes_without_endin
     finally:
         health.close()
     assert assigned.seeks == []
+
+
+class _Recovering(_Assigned):
+    """Also the consumer's positions: each changelog partition fetched to its end."""
+
+    def __init__(self, tps, positions):
+        super().__init__(tps)
+        self.positions = positions
+
+    async def position(self, tp):
+        return self.positions[tp]
+
+
+def test_a_recovery_waiting_for_records_already_fetched_reads_them_again(dispatch_env):
+    """Given this copy recovering changelog partitions 3 and 4 (taken over from a copy that died),
+    each fetched to its end (position past its last offset), partition 3 with nothing applied, 4 applying,
+    When the app checks its recovery every few seconds,
+    Then at the second check in a row without progress it reads partition 3 again from its start, once
+    for those two checks; never partition 4, whose recovery went on between the checks."""
+    import asyncio
+
+    from faust.types import TP
+    from prometheus_client import REGISTRY
+
+    def rereads() -> float:
+        return REGISTRY.get_sample_value("webhook_endpoint_health_rereads_total", {"topic": "changelog"}) or 0.0
+
+    async def checks() -> list:
+        health = _health_app(dispatch_env, None)
+        changelog = health.table.changelog_topic.get_topic_name()
+        tp3, tp4 = TP(changelog, 3), TP(changelog, 4)
+        health.app.consumer = _Recovering({tp3, tp4}, {tp3: 5, tp4: 8})
+        recovery = health.app.tables.recovery
+        recovery.in_recovery = True
+        recovery.active_tps.update({tp3, tp4})
+        recovery.active_highwaters.update({tp3: 4, tp4: 7})
+        recovery.active_offsets.update({tp3: None, tp4: 2})
+        try:
+            await health._unstick_recovery()
+            recovery.active_offsets[tp4] = 5  # partition 4 applied more in between
+            await health._unstick_recovery()
+            recovery.active_offsets[tp4] = 6
+            await health._unstick_recovery()  # the first check after reading 3 again
+            return health.app.consumer.seeks
+        finally:
+            health.close()
+
+    before = rereads()
+    assert asyncio.run(checks()) == [(3, 0)]
+    assert rereads() == before + 1
 
 
 def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, names, channel_topics, dispatch_env):

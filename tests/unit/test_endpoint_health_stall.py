@@ -1,6 +1,6 @@
 """When the endpoint-health app reads a partition again (`streams.health.stall`)."""
 
-from streams.health.stall import StallWatch
+from streams.health.stall import RecoveryWatch, StallWatch
 
 
 def test_a_partition_behind_at_the_same_offset_twice_while_the_agent_is_idle_is_read_again_once():
@@ -46,3 +46,32 @@ def test_a_moved_committed_offset_a_caught_up_partition_or_a_rebalance_starts_ov
     assert watch.observe(2, {}, False, {0: 10, 1: 2}) == {0: 10, 1: 2}
     watch.forget()
     assert watch.observe(2, {}, False, {0: 10}) == {}
+
+
+def test_a_recovery_that_applied_nothing_at_two_checks_though_all_was_fetched_is_read_again():
+    """(applied, last offset, position): partition 3 fetched everything and applied nothing, twice."""
+    watch = RecoveryWatch()
+    assert watch.observe(7, {3: (-1, 4, 5)}) == {}
+    assert watch.observe(7, {3: (-1, 4, 5)}) == {3: 0}
+    watch.reread(3)
+    assert watch.observe(7, {3: (-1, 4, 5)}) == {}  # two more checks before it is read again
+    assert watch.observe(7, {3: (-1, 4, 5)}) == {3: 0}
+    watch.reread(3)
+    assert watch.observe(7, {3: (1, 4, 5)}) == {}
+    assert watch.observe(7, {3: (1, 4, 5)}) == {3: 2}  # from the record after the last one applied
+
+
+def test_a_recovery_still_fetching_or_applying_is_left_alone():
+    watch = RecoveryWatch()
+    watch.observe(7, {0: (-1, 9, 3), 1: (2, 9, 10)})
+    assert watch.observe(7, {0: (-1, 9, 3), 1: (5, 9, 10)}) == {}  # 0 not fetched yet; 1 applied more
+    assert watch.observe(7, {0: (-1, 9, 10), 1: (5, 9, 10)}) == {1: 6}  # 0 just fetched: one check only
+
+
+def test_a_new_generation_or_no_recovery_starts_over():
+    watch = RecoveryWatch()
+    watch.observe(7, {3: (-1, 4, 5)})
+    assert watch.observe(8, {3: (-1, 4, 5)}) == {}
+    watch.forget()
+    assert watch.observe(8, {3: (-1, 4, 5)}) == {}
+    assert watch.observe(8, {3: (-1, 4, 5)}) == {3: 0}
