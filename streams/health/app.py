@@ -72,7 +72,7 @@ class EndpointHealthApp:
         self.alert_budget = AlertBudget()
         topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
         attempts = self.attempts_spec = topics[self.names.webhook_attempts]
-        self.app = faust.App(
+        self.app = _App(
             self.names.endpoint_health_app,
             broker=[f"kafka://{server}" for server in config.bootstrap.split(",")],
             store="memory://",
@@ -98,10 +98,10 @@ class EndpointHealthApp:
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
-        self.app.timer(STALL_CHECK_S)(self._unstick_recovery)
         self.routing = default_routing()
         self.stalls = StallWatch()
         self.recovery_stalls = RecoveryWatch()
+        self.app.while_recovering = self._check_recoveries
         self.taken: dict[int, int] = {}  # attempts partition -> events the agent took from it
         self.busy = False                # the agent holds an event
         # The group's committed offsets and the partitions' ends, asked on a thread of their own.
@@ -244,12 +244,30 @@ class EndpointHealthApp:
                     "idle (records faust lost in a rebalance): reading them again", topic, partition, offset)
         return True
 
+    async def _check_recoveries(self) -> None:
+        """Every STALL_CHECK_S from the app's start: faust's own timers start only once the first
+        recovery has completed, and that one can wait for dropped records too."""
+        while not self.app.should_stop:
+            await self.app.sleep(STALL_CHECK_S)
+            try:
+                await self._unstick_recovery()
+            except Exception:  # noqa: BLE001 - the check must go on (and never end the app)
+                log.exception("checking the table recovery failed")
+
     async def _unstick_recovery(self) -> None:
         """Read again a changelog partition whose recovery waits for records faust fetched and dropped
         (see `stall.py`)."""
         tables: Any = self.app.tables  # faust's TableManager (its type does not declare `recovery`)
-        recovery, generation = tables.recovery, self.app.consumer_generation_id
-        if not recovery.in_recovery or recovery.signal_recovery_start.is_set():  # none, or another one next
+        recovery = tables.recovery
+        moment = (self.app.consumer_generation_id, self.app.rebalancing_count)
+
+        def same_recovery() -> bool:
+            """No rebalance began since `moment` and no other recovery is due: a seek now cannot land on
+            the next recovery's partitions after its own seeks."""
+            return (recovery.in_recovery and not recovery.signal_recovery_start.is_set()
+                    and (self.app.consumer_generation_id, self.app.rebalancing_count) == moment)
+
+        if not same_recovery():
             self.recovery_stalls.forget()
             return
         recovering: dict[TP, tuple[int, int, int]] = {}
@@ -264,24 +282,23 @@ class EndpointHealthApp:
             log.info("recovery progress not read: %s", exc)
             self.recovery_stalls.forget()
             return
-        if generation != self.app.consumer_generation_id or recovery.signal_recovery_start.is_set():
+        if not same_recovery():
             return
-        by_partition = {tp.partition: tp for tp in recovering}
-        stuck = self.recovery_stalls.observe(generation, {tp.partition: v for tp, v in recovering.items()})
-        for partition, offset in stuck.items():
-            tp = by_partition[partition]
-            try:
-                if tp not in self.app.consumer.assignment():
-                    continue
-                await self.app.consumer.seek_wait({tp: offset})
-            except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner recovers it
-                log.warning("could not read %s[%d] again from %d: %s", tp.topic, partition, offset, exc)
-                continue
-            self.recovery_stalls.reread(partition)
+        stuck = self.recovery_stalls.observe(moment[0], recovering)
+        try:
+            stuck = {tp: offset for tp, offset in stuck.items() if tp in self.app.consumer.assignment()}
+            if not stuck or not same_recovery():
+                return
+            await self.app.consumer.seek_wait(stuck)  # all at once: no rebalance can come in between
+        except Exception as exc:  # noqa: BLE001 - e.g. revoked meanwhile: the next owner recovers them
+            log.warning("could not read changelog partitions %s again: %s", sorted(tp.partition for tp in stuck), exc)
+            return
+        for tp, offset in stuck.items():
+            self.recovery_stalls.reread(tp)
             metrics.HEALTH_REREADS.labels("changelog").inc()
             log.warning("recovery of %s[%d] applied nothing past offset %d at two checks though every record "
                         "up to %d was fetched (records faust dropped in a rebalance): reading them again",
-                        tp.topic, partition, offset - 1, recovering[tp][1])
+                        tp.topic, tp.partition, offset - 1, recovering[tp][1])
 
     async def _ask(self, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
         return await asyncio.get_running_loop().run_in_executor(self._offsets_thread, self._offsets_of, topic,
@@ -349,6 +366,18 @@ class EndpointHealthApp:
         finally:
             app.close()
         return 0
+
+
+class _App(faust.App):
+    """faust's App, starting `while_recovering` (a coroutine function running until the app stops) before
+    the first table recovery, which faust's timers wait for."""
+
+    while_recovering: Any = None
+
+    async def on_started(self) -> None:
+        if self.while_recovering is not None:
+            self.add_future(self.while_recovering())
+        await super().on_started()
 
 
 def _with_offset(h: Health, offset: int) -> Health:

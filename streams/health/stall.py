@@ -36,7 +36,11 @@ row holds the latest value)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+P = TypeVar("P", bound=Hashable)
 
 
 @dataclass
@@ -74,22 +78,23 @@ class StallWatch:
 @dataclass
 class RecoveryWatch:
     _generation: int | None = None
-    _applied: dict[int, int] = field(default_factory=dict)  # partition -> last offset recovered, at the last check
+    _applied: dict[Hashable, int] = field(default_factory=dict)  # partition -> last offset recovered, last check
 
-    def observe(self, generation: int, recovering: dict[int, tuple[int, int, int]]) -> dict[int, int]:
-        """`recovering`: each active changelog partition recovery still waits for -> (the last offset it
-        applied, -1 for none; the partition's last offset; the consumer's position, the next offset it
-        will fetch). Returns the partitions to read again -> the offset to read them from (call
-        `reread` once that is done)."""
+    def observe(self, generation: int, recovering: Mapping[P, tuple[int, int, int]]) -> dict[P, int]:
+        """`recovering`: each active changelog partition recovery still waits for (any key naming it)
+        -> (the last offset it applied, -1 for none; the partition's last offset; the consumer's
+        position, the next offset it will fetch). Returns the partitions to read again -> the offset
+        to read them from (call `reread` once that is done)."""
         if generation != self._generation:
             self._generation, self._applied = generation, {}
-        fetched_all = {p: applied for p, (applied, last, position) in recovering.items()
-                       if applied < last < position}
-        stuck = {p: applied + 1 for p, applied in fetched_all.items() if self._applied.get(p) == applied}
+        fetched_all: dict[Hashable, int] = {p: applied for p, (applied, last, position) in recovering.items()
+                                            if applied < last < position}
+        stuck = {p: applied + 1 for p, (applied, _, _) in recovering.items() if p in fetched_all
+                 and self._applied.get(p) == applied}
         self._applied = fetched_all
         return stuck
 
-    def reread(self, partition: int) -> None:
+    def reread(self, partition: Hashable) -> None:
         self._applied.pop(partition, None)
 
     def forget(self) -> None:

@@ -7,7 +7,8 @@ requests to connections (measured: about 20 deliveries/s against about 1,000 wit
 Per attempt: the endpoint as the operator log says now (a deleted or disabled endpoint is skipped,
 never called), its URL checked again against the SSRF rules (DNS may have changed since
 registration), Standard Webhooks headers (the delivery id as `webhook-id`, this attempt's time,
-one signature per valid secret), a 10 s total timeout, and no redirects followed. Only a 2xx is a
+one signature per valid secret), a 10 s total timeout (a second try on a new connection included),
+and no redirects followed. Only a 2xx is a
 success; 410 means the endpoint is gone; 429, or 503 with Retry-After, asks us to wait; anything
 else (3xx, 4xx, 5xx, a connection error, a timeout) is a failure to retry.
 """
@@ -20,6 +21,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -90,19 +92,36 @@ def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float
                           error_body=excerpt, latency_s=latency_s)
 
 
+def reuse_tracer() -> aiohttp.TraceConfig:
+    """Marks a request's `trace_request_ctx` (a dict) with "reused" when it went out on a pooled connection."""
+    trace = aiohttp.TraceConfig()
+
+    async def reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+        ctx.trace_request_ctx["reused"] = True
+
+    trace.on_connection_reuseconn.append(reused)
+    return trace
+
+
 async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSession, url: str, body: bytes,
-                        headers: dict[str, str], started: float) -> ProviderResult:
-    """POST one delivery. A pooled connection that the receiver closed while it sat idle (many servers
-    close idle connections after 5 s) fails the next request before any answer; that request is sent
-    once more within the same attempt, through `fresh` (a session that never reuses a connection: the
-    pool may hold more connections the receiver closed, as after a burst). Its webhook-id is the same,
-    so a receiver that did get the first copy deduplicates it."""
+                        headers: dict[str, str], started: float, timeout_s: float) -> ProviderResult:
+    """POST one delivery within `timeout_s` of `started`. A pooled connection that the receiver closed
+    while it sat idle (many servers close idle connections after 5 s) fails the next request before any
+    answer; only then (`session` must carry `reuse_tracer()`) is the request sent once more, within the
+    same time, through `fresh`: a session that never reuses a connection (the pool may hold more
+    connections the receiver closed, as after a burst). Its webhook-id is the same, so a receiver that
+    did get the first copy deduplicates it. A new connection that fails is a failure of the attempt."""
+    first: dict[str, bool] = {}
     try:
-        resp = await session.post(url, data=body, headers=headers, allow_redirects=False)
+        resp = await session.post(url, data=body, headers=headers, allow_redirects=False, trace_request_ctx=first)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        if isinstance(exc, aiohttp.ClientConnectorError):  # no connection at all: a new one is no different
-            raise
-        resp = await fresh.post(url, data=body, headers=headers, allow_redirects=False)
+        if isinstance(exc, aiohttp.ClientConnectorError) or not first.get("reused"):
+            raise  # no connection at all, or a new one: another is no different
+        left = timeout_s - (time.monotonic() - started)
+        if left <= 0:
+            raise TimeoutError from exc
+        resp = await fresh.post(url, data=body, headers=headers, allow_redirects=False,
+                                timeout=aiohttp.ClientTimeout(total=left))
     async with resp:
         head = await resp.content.read(EXCERPT_BYTES)
         answer = {k.lower(): v for k, v in resp.headers.items()}
@@ -129,7 +148,8 @@ class WebhookDelivery:
         connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, resolver=self.resolver,
                                          use_dns_cache=False, force_close=not pooled,
                                          keepalive_timeout=KEEPALIVE_S if pooled else None)
-        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                     trace_configs=[reuse_tracer()] if pooled else None)
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
         """The endpoint id (our 'path') and the body. A webhook delivery is never batched."""
@@ -165,7 +185,7 @@ class WebhookDelivery:
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
-            return await post_delivery(self.session, self.fresh, ep.url, body, h, started)
+            return await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:

@@ -6,7 +6,7 @@ import time
 
 import aiohttp
 
-from streams.webhooks.delivery import post_delivery
+from streams.webhooks.delivery import post_delivery, reuse_tracer
 
 
 async def _receiver(answered_per_connection: int) -> tuple[asyncio.base_events.Server, list[int]]:
@@ -44,9 +44,9 @@ def test_a_request_on_a_connection_the_receiver_closed_is_sent_again_on_a_new_on
         server, answered = await _receiver(answered_per_connection=1)
         port = server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/hook"
-        async with server, aiohttp.ClientSession() as session, _fresh() as fresh:
-            first = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_1"}, time.monotonic())
-            second = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_2"}, time.monotonic())
+        async with server, _pooled() as session, _fresh() as fresh:
+            first = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_1"}, time.monotonic(), 10.0)
+            second = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_2"}, time.monotonic(), 10.0)
         assert (first.outcome, first.status) == ("delivered", 204)
         assert (second.outcome, second.status) == ("delivered", 204)
         assert answered == [1, 1]
@@ -64,15 +64,39 @@ def test_the_second_try_never_takes_another_closed_connection_from_the_pool():
         server, answered = await _receiver(answered_per_connection=1)
         port = server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/hook"
-        async with server, aiohttp.ClientSession() as session, _fresh() as fresh:
+        async with server, _pooled() as session, _fresh() as fresh:
             burst = await asyncio.gather(*(post_delivery(session, fresh, url, b"{}", {"webhook-id": f"msg_{i}"},
-                                                         time.monotonic()) for i in (1, 2)))
+                                                         time.monotonic(), 10.0) for i in (1, 2)))
             assert [r.status for r in burst] == [204, 204] and answered == [1, 1]
-            third = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_3"}, time.monotonic())
+            third = await post_delivery(session, fresh, url, b"{}", {"webhook-id": "msg_3"}, time.monotonic(), 10.0)
         assert (third.outcome, third.status) == ("delivered", 204)
         assert answered == [1, 1, 1]  # one on each pooled connection, the third on a new one
 
     asyncio.run(scenario())
+
+
+def test_a_new_connection_the_receiver_closes_unanswered_is_a_failure_not_sent_again():
+    """Given a receiver that closes every connection when its first request arrives, unanswered,
+    When a delivery is posted (on a new connection: nothing pooled yet),
+    Then the attempt fails (the receiver may have acted on it: only a pooled connection's failure is
+    sent again) and the receiver saw one connection."""
+
+    async def scenario() -> None:
+        server, answered = await _receiver(answered_per_connection=0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, _pooled() as session, _fresh() as fresh:
+            try:
+                await post_delivery(session, fresh, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic(), 10.0)
+            except aiohttp.ServerDisconnectedError:
+                assert answered == [0]
+                return
+        raise AssertionError("a closed new connection was not reported")
+
+    asyncio.run(scenario())
+
+
+def _pooled() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(trace_configs=[reuse_tracer()])
 
 
 def _fresh() -> aiohttp.ClientSession:
@@ -85,9 +109,9 @@ def test_a_receiver_that_refuses_connections_is_not_asked_twice():
         port = server.sockets[0].getsockname()[1]
         server.close()
         await server.wait_closed()
-        async with aiohttp.ClientSession() as session, _fresh() as fresh:
+        async with _pooled() as session, _fresh() as fresh:
             try:
-                await post_delivery(session, fresh, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic())
+                await post_delivery(session, fresh, f"http://127.0.0.1:{port}/", b"{}", {}, time.monotonic(), 10.0)
             except aiohttp.ClientConnectorError:
                 return
         raise AssertionError("a refused connection was not reported")
