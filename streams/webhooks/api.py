@@ -13,15 +13,25 @@
 Another tenant's endpoint or delivery is indistinguishable from a missing one (404).
 """
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
+from confluent_kafka import KafkaException
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from ..errors import ConfigError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused, StoreUnavailable
+from ..errors import (
+    BrokerUnavailable,
+    ConfigError,
+    PublishError,
+    PublishOutcomeUnknown,
+    ReplayOutcomeUnknown,
+    ReplayRefused,
+    StoreUnavailable,
+)
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import documented, problem
@@ -250,28 +260,14 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         until = body.until_ms or int(time.time() * 1000)
         candidates = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until)
-        replayed: list[dict] = []
-        refused: list[dict] = []
-        already = 0
-        for delivery_id in candidates:
-            if len(replayed) >= body.limit:
-                break
-            doc = store.get(delivery_id)
-            if not doc or doc.get("tenant_id") != tenant_id or doc.get("status") not in body.statuses:
-                continue
-            def replay_it(d: str = delivery_id) -> Send:
-                return replay(client.bootstrap, client.names, store, client, d, tenant=tenant_id)
 
-            try:
-                new = replay_once(store, delivery_id, replay_it)
-            except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
-                refused.append({"delivery_id": delivery_id, "msg": str(exc)})
-                continue
-            if new is None:
-                already += 1
-                continue
-            replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
-        return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": len(candidates)}
+        def replay_it(delivery_id: str) -> Send:
+            return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+
+        try:
+            return replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it)
+        except BulkReplayStopped as stop:
+            raise _stopped(stop) from None
 
     @router.get("/v1/deliveries/{delivery_id}", response_model=DeliveryView, responses=documented(401, 403, 404, 503))
     def get_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
@@ -298,6 +294,63 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         return {"delivery_id": new.send_id, "replay_of": delivery_id}
 
     return router
+
+
+class BulkReplayStopped(Exception):
+    """A bulk replay stopped by a failure (the broker or the store) after it had replayed `replayed`."""
+
+    def __init__(self, replayed: list[dict], delivery_id: str, cause: Exception):
+        super().__init__(f"stopped at {delivery_id}: {cause}")
+        self.replayed, self.delivery_id, self.cause = replayed, delivery_id, cause
+
+
+def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, statuses: list[str], limit: int,
+                   replay_it: Callable[[str], Send]) -> dict:
+    """The bulk replay's answer: the tenant's `candidates` with one of `statuses`, each replayed once (see
+    `replay_once`), up to `limit`. A failure other than a refusal for good stops it there, raised as
+    BulkReplayStopped, which carries what it did replay (those are published: the answer must name them)."""
+    replayed: list[dict] = []
+    refused: list[dict] = []
+    already = 0
+    for delivery_id in candidates:
+        if len(replayed) >= limit:
+            break
+        try:
+            doc = store.get(delivery_id)
+            if not doc or doc.get("tenant_id") != tenant_id or doc.get("status") not in statuses:
+                continue
+            new = replay_once(store, delivery_id, functools.partial(replay_it, delivery_id))
+        except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
+            refused.append({"delivery_id": delivery_id, "msg": str(exc)})
+            continue
+        except (PublishError, BrokerUnavailable, StoreUnavailable, KafkaException) as exc:
+            raise BulkReplayStopped(replayed, delivery_id, exc) from exc
+        if new is None:
+            already += 1
+            continue
+        replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
+    return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": len(candidates)}
+
+
+def _stopped(stop: BulkReplayStopped) -> HTTPException:
+    """503 naming what this call replayed before it stopped (calling again goes on from there: a delivery
+    is never replayed twice)."""
+    cause = stop.cause
+    done = (f"the {len(stop.replayed)} deliveries in `replayed` were replayed by this call" if stop.replayed
+            else "nothing else was replayed by this call")
+    if isinstance(cause, ReplayOutcomeUnknown):
+        msg = (f"the message broker did not confirm the replay of {stop.delivery_id}: it may have been published as "
+               f"delivery {cause.replay_id} (look it up before replaying it again); {done}; call again after a "
+               "moment for the rest")
+    else:
+        dependency = "state store" if isinstance(cause, StoreUnavailable) else "message broker"
+        msg = (f"the {dependency} did not answer at delivery {stop.delivery_id}; {done}; call again after a moment "
+               "for the rest (a delivery is never replayed twice)")
+    detail: dict[str, Any] = {"error": "unavailable", "errors": [{"loc": [], "msg": msg}], "replayed": stop.replayed}
+    if isinstance(cause, PublishOutcomeUnknown):
+        detail["outcome"] = "unknown"
+    log.warning("bulk replay stopped after %d replays: %s", len(stop.replayed), stop)
+    return HTTPException(503, detail, headers={"Retry-After": "1"})
 
 
 def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Send]) -> Send | None:

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, ReplayRefused
+from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
-from streams.webhooks.api import replay_once
+from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
 from tests.harness import final_delivery as _final
 from tests.harness import free_port, start_api, wait_until
 from tests.harness import register_endpoint as _register
@@ -234,3 +234,47 @@ def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no
     assert replay_once(store, "d-sent", publish("d-sent")) is None
     assert published == ["d-sent", "d-refused", "d-unread"]
     assert store.get("d-refused")["replayed_as"] == "replay-of-d-refused"
+
+
+def test_a_bulk_replay_stopped_by_a_failure_names_what_it_replayed_and_the_next_call_goes_on(redis_client,
+                                                                                            namespace):
+    """Given four dropped deliveries of a tenant's endpoint (and one of another tenant among them),
+    When a bulk replay meets a broker that does not answer at the third, and is called again once it does,
+    Then the first call stops there with BulkReplayStopped carrying the two deliveries it replayed (answered
+    503 naming them: they are published, and the client could not learn their ids otherwise); the second
+    call replays the third and fourth and counts the first two as already replayed; the other tenant's
+    delivery is never touched."""
+    store = StatusStore(redis_client, namespace)
+    ids = [f"d-{i}" for i in range(4)]
+    for i, d in enumerate([*ids[:2], "d-other", *ids[2:]]):
+        store.record_outcome({"send_id": d, "status": "dropped", "completed_at_ms": 1000 + i, "endpoint_id": "ep",
+                              "tenant_id": "tenant-b" if d == "d-other" else "tenant-a"})
+    candidates = [*ids[:2], "d-other", *ids[2:]]
+    broker_answers = False
+
+    def replay_it(delivery_id: str):
+        assert delivery_id != "d-other", "another tenant's delivery was replayed"
+        if delivery_id == "d-2" and not broker_answers:
+            raise BrokerUnavailable("the payload was not read in time")
+        return SimpleNamespace(send_id=f"replay-of-{delivery_id}")
+
+    with pytest.raises(BulkReplayStopped) as stopped:
+        replay_in_turn(store, candidates, "tenant-a", ["dropped"], 100, replay_it)
+    assert stopped.value.replayed == [{"delivery_id": "replay-of-d-0", "replay_of": "d-0"},
+                                      {"delivery_id": "replay-of-d-1", "replay_of": "d-1"}]
+    answer = _stopped(stopped.value)
+    assert answer.status_code == 503 and answer.detail["replayed"] == stopped.value.replayed
+    assert "at delivery d-2" in answer.detail["errors"][0]["msg"] and "outcome" not in answer.detail
+
+    broker_answers = True
+    again = replay_in_turn(store, candidates, "tenant-a", ["dropped"], 100, replay_it)
+    assert [r["replay_of"] for r in again["replayed"]] == ["d-2", "d-3"] and again["already_replayed"] == 2
+
+
+def test_a_bulk_replay_the_broker_left_unknown_names_the_id_to_look_up():
+    """A bulk replay stopped by an unconfirmed publish is answered 503 "outcome": "unknown" naming the id the
+    replay may have been published as, and what it replayed before."""
+    done = [{"delivery_id": "replay-of-d-0", "replay_of": "d-0"}]
+    answer = _stopped(BulkReplayStopped(done, "d-1", ReplayOutcomeUnknown("no acknowledgement", "r-1")))
+    assert answer.status_code == 503 and answer.detail["outcome"] == "unknown" and answer.detail["replayed"] == done
+    assert "published as delivery r-1" in answer.detail["errors"][0]["msg"]
