@@ -42,7 +42,8 @@ DESCRIPTIONS = {
     413: "the body, or one send in it, is too large", 422: "invalid: each error names its field",
     429: "over a quota (see Retry-After)",
     503: "a dependency is unavailable (see Retry-After): nothing was changed, unless the body's \"outcome\" "
-         "says otherwise (\"unknown\": it may have been; \"applied\": it was, not yet on the audit trail)",
+         "says otherwise (\"unknown\": it may have been; \"applied\": it was, not yet on the audit trail); a bulk "
+         "replay lists in \"replayed\" what it had replayed before it stopped",
 }
 
 
