@@ -66,13 +66,19 @@ def lane_consumer(bootstrap: str, group: str, commit_interval_ms: int = 1000, **
 
 def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | None = None,
             headers: Iterable[tuple[str, bytes]] | None = None,
-            on_delivery: Callable | None = None) -> None:
-    """Queue one record; while librdkafka's local queue is full, serve delivery reports and retry."""
+            on_delivery: Callable | None = None, timeout_s: float | None = None) -> None:
+    """Queue one record; while librdkafka's local queue is full, serve delivery reports and retry, for
+    at most `timeout_s` (None: until it has room). Then raises KafkaException (_QUEUE_FULL): the record
+    was not queued, so nothing of it can be written."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
             producer.produce(topic, value=value, key=key, headers=list(headers or ()), on_delivery=on_delivery)
             return
         except BufferError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, f"the producer's local queue stayed full "
+                                                f"for {timeout_s:.0f} s (the broker is not taking records)")) from None
             producer.poll(0.1)
 
 
@@ -107,8 +113,11 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
             failed.append(err)
         done.set()
 
-    produce(producer, topic, value, key=key, on_delivery=on_delivery)
     deadline = time.monotonic() + timeout_s
+    try:
+        produce(producer, topic, value, key=key, on_delivery=on_delivery, timeout_s=timeout_s)
+    except KafkaException as exc:  # not queued (e.g. the queue stayed full): nothing of it can be written
+        raise PublishError(f"{topic} did not take {what} ({exc.args[0].str()}); nothing was written") from None
     while not done.is_set() and (left := deadline - time.monotonic()) > 0:
         producer.poll(min(left, 0.02))  # short: another thread polling a shared producer may run the callback
     if not done.is_set() or (failed and may_be_written(failed[0])):

@@ -156,7 +156,8 @@ class Publisher:
                 done.set_result(Written(msg.topic(), msg.partition(), msg.offset()))
 
         try:
-            produce(self.single, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery)
+            produce(self.single, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,
+                    timeout_s=self.timeout_s)
         except KafkaException as exc:
             raise PublishError(f"cannot publish to {r.topic}: {exc}") from None
         return done
@@ -180,7 +181,8 @@ class Publisher:
                     else:
                         written[i] = Written(msg.topic(), msg.partition(), msg.offset())
 
-                produce(producer, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery)
+                produce(producer, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,
+                        timeout_s=self.timeout_s)
             committing = True
             self._commit(producer)
         except KafkaException as exc:
