@@ -134,16 +134,18 @@ class Publisher:
         """Blocking: every record acknowledged, or none (PublishError)."""
         self.check_sizes(records)
         if len(records) == 1:
-            return [self._single(records[0]).result(self.timeout_s + 5)]
+            return [self._single(records[0], self.timeout_s).result(self.timeout_s + 5)]
         return self._transaction(records)
 
     async def publish_async(self, records: list[Record]) -> list[Written]:
         self.check_sizes(records)
         if len(records) == 1:
-            return [await asyncio.wrap_future(self._single(records[0]))]
+            # On the event loop: a full local queue fails the send at once rather than stall every request.
+            return [await asyncio.wrap_future(self._single(records[0], 0.0))]
         return await asyncio.get_running_loop().run_in_executor(self.executor, self._transaction, records)
 
-    def _single(self, r: Record) -> Future[Written]:
+    def _single(self, r: Record, queue_wait_s: float) -> Future[Written]:
+        """Queue `r` (waiting at most `queue_wait_s` for room in a full local queue); its acknowledgement."""
         done: Future[Written] = Future()
 
         def on_delivery(err: KafkaError | None, msg) -> None:  # on the poll thread
@@ -157,7 +159,7 @@ class Publisher:
 
         try:
             produce(self.single, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,
-                    timeout_s=self.timeout_s)
+                    timeout_s=queue_wait_s)
         except KafkaException as exc:
             raise PublishError(f"cannot publish to {r.topic}: {exc}") from None
         return done
@@ -182,7 +184,7 @@ class Publisher:
                         written[i] = Written(msg.topic(), msg.partition(), msg.offset())
 
                 produce(producer, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,
-                        timeout_s=self.timeout_s)
+                        timeout_s=max(0.0, started + self.timeout_s - time.monotonic()))  # one wait per batch
             committing = True
             self._commit(producer)
         except KafkaException as exc:

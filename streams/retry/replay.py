@@ -20,6 +20,7 @@ from ..errors import (
     PublishOutcomeUnknown,
     ReplayOutcomeUnknown,
     ReplayRefused,
+    SendTooLarge,
     StoreUnavailable,
 )
 from ..ingest.publisher import RecordTooLarge
@@ -82,7 +83,7 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
     try:
         client.publish_sends([new])
-    except RecordTooLarge as exc:  # for good: the topic takes no record this large (its limit was lowered)
+    except (RecordTooLarge, SendTooLarge) as exc:  # for good: too large for the topic, or grown by replay_of
         raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "

@@ -297,17 +297,21 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
 
 class BulkReplayStopped(Exception):
-    """A bulk replay stopped by a failure (the broker or the store) after it had replayed `replayed`."""
+    """A bulk replay stopped by a failure after it had replayed `replayed`; `delivery_id`: the tenant's
+    delivery it stopped at (None when it stopped before knowing whose the next one was)."""
 
-    def __init__(self, replayed: list[dict], delivery_id: str, cause: Exception):
-        super().__init__(f"stopped at {delivery_id}: {cause}")
+    def __init__(self, replayed: list[dict], delivery_id: str | None, cause: Exception):
+        super().__init__(f"stopped at {delivery_id or 'a delivery not yet checked'}: {cause!r}")
         self.replayed, self.delivery_id, self.cause = replayed, delivery_id, cause
+
+
+CLAIM_KEPT = "the replay claim could not be freed"
 
 
 def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, statuses: list[str], limit: int,
                    replay_it: Callable[[str], Send]) -> dict:
     """The bulk replay's answer: the tenant's `candidates` with one of `statuses`, each replayed once (see
-    `replay_once`), up to `limit`. A failure other than a refusal for good stops it there, raised as
+    `replay_once`), up to `limit`. Any failure other than a refusal for good stops it there, raised as
     BulkReplayStopped, which carries what it did replay (those are published: the answer must name them)."""
     replayed: list[dict] = []
     refused: list[dict] = []
@@ -315,16 +319,18 @@ def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, st
     for delivery_id in candidates:
         if len(replayed) >= limit:
             break
+        checked: str | None = None  # named in an answer only once known to be the tenant's
         try:
             doc = store.get(delivery_id)
             if not doc or doc.get("tenant_id") != tenant_id or doc.get("status") not in statuses:
                 continue
+            checked = delivery_id
             new = replay_once(store, delivery_id, functools.partial(replay_it, delivery_id))
         except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
             refused.append({"delivery_id": delivery_id, "msg": str(exc)})
             continue
-        except (PublishError, BrokerUnavailable, StoreUnavailable, KafkaException) as exc:
-            raise BulkReplayStopped(replayed, delivery_id, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - whatever stops it, the answer names what was published
+            raise BulkReplayStopped(replayed, checked, exc) from exc
         if new is None:
             already += 1
             continue
@@ -333,45 +339,60 @@ def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, st
 
 
 def _stopped(stop: BulkReplayStopped) -> HTTPException:
-    """503 naming what this call replayed before it stopped (calling again goes on from there: a delivery
-    is never replayed twice)."""
-    cause = stop.cause
+    """503 (a dependency failed) or 500 (anything else) naming what this call replayed before it stopped;
+    calling again goes on from there (a delivery is never replayed twice). Never the failure's own text
+    (it can name internal hosts)."""
+    cause, at = stop.cause, f"delivery {stop.delivery_id}" if stop.delivery_id else "the next delivery"
     done = (f"the {len(stop.replayed)} deliveries in `replayed` were replayed by this call" if stop.replayed
             else "nothing else was replayed by this call")
+    status, error = 503, "unavailable"
     if isinstance(cause, ReplayOutcomeUnknown):
-        msg = (f"the message broker did not confirm the replay of {stop.delivery_id}: it may have been published as "
-               f"delivery {cause.replay_id} (look it up before replaying it again); {done}; call again after a "
-               "moment for the rest")
-    else:
+        msg = (f"the message broker did not confirm the replay of {at}: it may have been published as delivery "
+               f"{cause.replay_id} (look it up before replaying it again); {done}; call again after a moment for "
+               "the rest")
+    elif isinstance(cause, (PublishError, BrokerUnavailable, StoreUnavailable, KafkaException)):
         dependency = "state store" if isinstance(cause, StoreUnavailable) else "message broker"
-        msg = (f"the {dependency} did not answer at delivery {stop.delivery_id}; {done}; call again after a moment "
-               "for the rest (a delivery is never replayed twice)")
-    detail: dict[str, Any] = {"error": "unavailable", "errors": [{"loc": [], "msg": msg}], "replayed": stop.replayed}
+        msg = f"the {dependency} did not answer at {at}; {done}; call again after a moment for the rest"
+    else:
+        status, error = 500, "internal_error"
+        msg = f"replaying {at} failed unexpectedly (logged); {done}"
+    if stop.delivery_id and CLAIM_KEPT in getattr(cause, "__notes__", ()):
+        msg += (f"; {at} stays marked as being replayed, so bulk replays skip it: replay it with "
+                f"POST /v1/deliveries/{stop.delivery_id}/replay")
+    detail: dict[str, Any] = {"error": error, "errors": [{"loc": [], "msg": msg}], "replayed": stop.replayed}
     if isinstance(cause, PublishOutcomeUnknown):
         detail["outcome"] = "unknown"
-    log.warning("bulk replay stopped after %d replays: %s", len(stop.replayed), stop)
-    return HTTPException(503, detail, headers={"Retry-After": "1"})
+    if status == 500:
+        log.error("bulk replay stopped after %d replays", len(stop.replayed), exc_info=cause)
+    else:
+        log.warning("bulk replay stopped after %d replays: %s", len(stop.replayed), stop)
+    return HTTPException(status, detail, headers={"Retry-After": "1"} if status == 503 else None)
 
 
 def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Send]) -> Send | None:
     """A bulk replay's step: `do_replay()` unless a bulk replay did already (None). Its claim stays once the
     replay may have been published, also when the broker left that unknown (asked again, a bulk replay
     must not replay it twice), and when it was refused for good; any other failure (reading the payload,
-    a publish with nothing published) frees it for the next call. `do_replay` raises nothing once it
-    has published."""
+    a publish with nothing published) frees it for the next call (when that fails, the failure carries
+    the note CLAIM_KEPT). `do_replay` raises nothing once it has published, nor does this after it."""
     if not store.claim_replay(delivery_id):
         return None
     try:
         new = do_replay()
     except (PublishOutcomeUnknown, ReplayRefused):
         raise
-    except BaseException:
+    except BaseException as failure:
         try:
             store.release_replay(delivery_id)
         except StoreUnavailable as exc:  # the failure itself is the answer; the claim stays (never twice)
             log.warning("the replay claim of %s was not freed: %s", delivery_id, exc)
+            failure.add_note(CLAIM_KEPT)
         raise
-    store.mark_replayed(delivery_id, new.send_id)
+    try:
+        store.mark_replayed(delivery_id, new.send_id)
+    except StoreUnavailable as exc:  # published: the answer names it; the claim stays (never replayed twice)
+        log.warning("the replay %s of %s is published, but not recorded as its replay: %s", new.send_id,
+                    delivery_id, exc)
     return new
 
 

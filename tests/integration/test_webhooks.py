@@ -278,3 +278,57 @@ def test_a_bulk_replay_the_broker_left_unknown_names_the_id_to_look_up():
     answer = _stopped(BulkReplayStopped(done, "d-1", ReplayOutcomeUnknown("no acknowledgement", "r-1")))
     assert answer.status_code == 503 and answer.detail["outcome"] == "unknown" and answer.detail["replayed"] == done
     assert "published as delivery r-1" in answer.detail["errors"][0]["msg"]
+
+
+def test_a_bulk_replay_whose_store_fails_mid_way_still_names_every_replay_it_published(redis_client, namespace):
+    """Given three dropped deliveries of a tenant, and a state store that stops answering (a client pointed at a
+    closed port) while the second one's replay is being published,
+    When the endpoint's deliveries are replayed in bulk,
+    Then the second replay, published though it could not be recorded as such, is in `replayed` with the first;
+    the stop at the third names no delivery (its owner could not be checked); a release that fails keeps the
+    claim and the answer says how to replay that delivery alone; anything unexpected is a 500 that still
+    names what was replayed."""
+    import redis as redis_lib
+
+    store = StatusStore(redis_client, namespace)
+    for i in range(3):
+        store.record_outcome({"send_id": f"d-{i}", "status": "dropped", "completed_at_ms": 1000 + i,
+                              "endpoint_id": "ep", "tenant_id": "tenant-a"})
+    dead = redis_lib.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
+
+    def store_dies_during(delivery_id: str, then: Exception | None = None):
+        def replay_it(d: str):
+            if d == delivery_id:
+                store.client = dead
+                if then is not None:
+                    raise then
+            return SimpleNamespace(send_id=f"replay-of-{d}")
+        return replay_it
+
+    with pytest.raises(BulkReplayStopped) as stopped:
+        replay_in_turn(store, ["d-0", "d-1", "d-2"], "tenant-a", ["dropped"], 100, store_dies_during("d-1"))
+    assert [r["replay_of"] for r in stopped.value.replayed] == ["d-0", "d-1"]
+    answer = _stopped(stopped.value)
+    assert answer.status_code == 503 and "state store did not answer at the next delivery" in \
+        answer.detail["errors"][0]["msg"] and "d-2" not in answer.detail["errors"][0]["msg"]
+
+    store.client = redis_client
+    with pytest.raises(BulkReplayStopped) as kept:
+        replay_in_turn(store, ["d-2"], "tenant-a", ["dropped"], 100,
+                       store_dies_during("d-2", BrokerUnavailable("the payload was not read in time")))
+    msg = _stopped(kept.value).detail["errors"][0]["msg"]
+    assert "POST /v1/deliveries/d-2/replay" in msg and "bulk replays skip it" in msg
+    store.client = redis_client
+    assert replay_in_turn(store, ["d-2"], "tenant-a", ["dropped"], 100, store_dies_during("none"))[
+        "already_replayed"] == 1  # the kept claim: never replayed twice
+
+    store.record_outcome({"send_id": "d-3", "status": "dropped", "completed_at_ms": 1004, "endpoint_id": "ep",
+                          "tenant_id": "tenant-a"})
+
+    def broken(d: str):
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises(BulkReplayStopped) as unexpected:
+        replay_in_turn(store, ["d-3"], "tenant-a", ["dropped"], 100, broken)
+    answer = _stopped(unexpected.value)
+    assert answer.status_code == 500 and answer.detail["replayed"] == [] and "a bug" not in str(answer.detail)
