@@ -14,7 +14,8 @@ from streams.ingest.status import StatusStore
 from streams.kafka_client import durable_producer, put_acked
 from streams.retry.dlq import fetch, read_all
 from streams.retry.replay import replay
-from tests.harness import sms_request, wait_until
+from streams.send import MAX_SEND_BYTES, build_send, encode, validate_request
+from tests.harness import email_request, sms_request, wait_until
 
 POLICIES = """
 [policy.transactional]
@@ -134,3 +135,24 @@ def test_a_record_the_broker_does_not_give_in_time_is_not_taken_as_gone(stack, c
     with pytest.raises(BrokerUnavailable, match="did not give the record at offset 0"):
         fetch(stack.bootstrap, topic, 0, 0, timeout_s=0)
     assert fetch(stack.bootstrap, topic, 0, 1) is None
+
+
+def test_a_replay_grown_past_the_send_limit_is_refused_for_good(stack, names, channel_topics, send_client,
+                                                                 redis_client, namespace):
+    """Given a delivered email send 20 bytes under the send limit (its lane record is the replay's payload),
+    When it is replayed (the replay carries `replay_of`: 34 bytes more),
+    Then the replay is refused for good, saying why (ReplayRefused: 409 from the API, and a bulk replay lists it
+    as refused), not a PublishError that every later bulk replay of the endpoint would stop at."""
+    channel_topics("email")
+    small = build_send(validate_request(email_request(html="x")), "shop")
+    html = "x" * (1 + MAX_SEND_BYTES - 20 - len(encode(small)))
+    send = build_send(validate_request(email_request(html=html)), "shop")
+    assert len(encode(send)) == MAX_SEND_BYTES - 20
+    [written] = send_client.publish_sends([send])
+    store = StatusStore(redis_client, namespace)
+    store.record_outcome({"send_id": send.send_id, "status": "delivered", "tenant_id": "shop",
+                          "completed_at_ms": int(time.time() * 1000),
+                          "origin": {"topic": written.topic, "partition": written.partition,
+                                     "offset": written.offset}})
+    with pytest.raises(ReplayRefused, match=f"send {send.send_id} cannot be replayed: send 0 is"):
+        replay(stack.bootstrap, names, store, send_client, send.send_id)
