@@ -99,22 +99,7 @@ def committed_lag(bootstrap: str, group: str, topic: str) -> int:
 def count_records(bootstrap: str, topic: str, timeout: float = 30.0) -> int:
     """The committed records of `topic` now (a transaction's commit marker takes an offset but is not
     a record, and an aborted transaction's records are never read)."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"counter-{uuid.uuid4().hex}",
-                  "enable.auto.commit": False, "isolation.level": "read_committed"})
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-        c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
-        count, deadline = 0, time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            count += sum(1 for m in c.consume(num_messages=1000, timeout=0.2) if not m.error())
-            positions = c.position([TopicPartition(topic, p) for p in parts])
-            if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][1] == ends[tp.partition][0]
-                   for tp in positions):
-                return count
-        raise AssertionError(f"counting the records of {topic} did not finish within {timeout:.0f} s")
-    finally:
-        c.close()
+    return len(committed_messages(bootstrap, topic, timeout))
 
 
 def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list:
@@ -268,9 +253,15 @@ def metric_sum(text: str, name: str) -> float:
 
 def read_committed(bootstrap: str, topic: str) -> list[dict]:
     """Every record of `topic` a read-committed consumer reads, JSON-decoded, from its start to its end as
-    it is now. Watermarks are asked again while no leader answers (a broker just back from a stall)."""
+    it is now."""
     import orjson
 
+    return [orjson.loads(m.value()) for m in committed_messages(bootstrap, topic)]
+
+
+def committed_messages(bootstrap: str, topic: str, timeout: float = 60.0) -> list:
+    """Every message of `topic` a read-committed consumer reads, from its start to its end as it is now.
+    Watermarks are asked again while no leader answers (a broker just back from a stall)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"committed-reader-{uuid.uuid4().hex}",
                   "enable.auto.commit": False, "isolation.level": "read_committed"})
     try:
@@ -284,15 +275,14 @@ def read_committed(bootstrap: str, topic: str) -> list[dict]:
 
         ends = wait_until(watermarks, 60, f"{topic}'s partitions to have a leader", interval=0.5)
         c.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
-        events: list[dict] = []
-        deadline = time.monotonic() + 60
+        messages: list = []
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            events.extend(orjson.loads(m.value()) for m in c.consume(num_messages=1000, timeout=0.2)
-                          if not m.error())
+            messages.extend(m for m in c.consume(num_messages=1000, timeout=0.2) if not m.error())
             positions = c.position([TopicPartition(topic, p) for p in parts])
             if all(tp.offset >= ends[tp.partition][1] or ends[tp.partition][0] == ends[tp.partition][1]
                    for tp in positions):
-                return events
-        raise AssertionError(f"reading {topic} did not finish")
+                return messages
+        raise AssertionError(f"reading {topic} did not finish within {timeout:.0f} s")
     finally:
         c.close()

@@ -6,14 +6,13 @@ its claim on the original (it never replays it again)."""
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from streams.errors import ReplayOutcomeUnknown
 from streams.ingest.sdk import SendClient
 from streams.ingest.status import StatusStore
 from streams.retry.replay import replay
 from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn
-from tests.harness import email_request, read_committed
+from tests.harness import committed_messages, email_request, read_committed
 
 
 class StallingClient(SendClient):
@@ -33,17 +32,8 @@ class StallingClient(SendClient):
 
 def position_of(bootstrap: str, topic: str, send_id: str) -> tuple[int, int]:
     """(partition, offset) of the record carrying `send_id` in `topic`."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "position-reader", "enable.auto.commit": False})
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        c.assign([TopicPartition(topic, p, 0) for p in parts])
-        for _ in range(100):
-            for m in c.consume(num_messages=100, timeout=0.2):
-                if not m.error() and send_id.encode() in m.value():
-                    return m.partition(), m.offset()
-    finally:
-        c.close()
-    raise AssertionError(f"{send_id} not found in {topic}")
+    [m] = [m for m in committed_messages(bootstrap, topic) if send_id.encode() in m.value()]
+    return m.partition(), m.offset()
 
 
 def test_a_replay_the_broker_did_not_confirm_names_the_id_it_was_published_as_and_keeps_its_claim(
