@@ -22,7 +22,9 @@ PENDING_LEASE_S (only its own lease: each claim has a holder token), so a publis
 broker in trouble for minutes still answers duplicates with 409. If the process dies while a key
 is pending, the lease lapses after PENDING_LEASE_S and the next request under the key publishes
 again; its send ids are derived from (tenant, key, position, first use), so they are the same ids,
-and dispatch delivers each id once.
+and dispatch delivers each id once. Leases are timed by Redis's clock (`TIME` in the scripts): a host
+whose clock runs ahead would otherwise take over a live lease, one whose clock runs behind renew
+into the past.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ PENDING_LEASE_S = 60
 MAX_KEY_LENGTH = 255
 
 _BEGIN = """
--- KEYS[1] the key's hash; ARGV: body hash, now ms, lease ms, kept s, holder token
+-- KEYS[1] the key's hash; ARGV: body hash, now ms (the key's first use), lease ms, kept s, holder token
+-- Leases are timed by Redis's clock, never the caller's: API hosts whose clocks disagree still agree
+-- on whether a lease is live.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
@@ -51,20 +57,20 @@ if state == 'done' then
 end
 if state == 'pending' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
-  if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > tonumber(ARGV[2]) then return {'pending', 0} end
+  if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > now then return {'pending', 0} end
   -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on)
-  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
+  redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
   return {'claimed', redis.call('HGET', KEYS[1], 'first_ms')}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
-           'lease_until', tonumber(ARGV[2]) + tonumber(ARGV[3]), 'holder', ARGV[5])
+           'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'claimed', ARGV[2]}
 """
 
 _AS_HOLDER = """
 -- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | lapse | release), then the
--- action's own: renew: now ms, lease ms; finish: status, answer, kept s. Acts only while the key is
+-- action's own: renew: lease ms (from Redis's clock); finish: status, answer, kept s. Acts only while the key is
 -- pending under this holder's claim (its lease did not lapse into another request's hands).
 -- A key an earlier attempt may have published under (maybe = 1) is never freed: release lapses it.
 -- 1: done; 0: no longer ours
@@ -72,7 +78,9 @@ if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[
   return 0
 end
 if ARGV[2] == 'renew' then
-  redis.call('HSET', KEYS[1], 'lease_until', tonumber(ARGV[3]) + tonumber(ARGV[4]))
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]))
 elseif ARGV[2] == 'finish' then
   redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[3], 'answer', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
@@ -138,7 +146,7 @@ class IngestIdempotency:
         """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""
         with store_errors("renewing an Idempotency-Key's lease"):
             return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
-                                        args=[holder, "renew", int(time.time() * 1000), int(self.lease_s * 1000)]))
+                                        args=[holder, "renew", int(self.lease_s * 1000)]))
 
     def finish(self, tenant: str, key: str, status: int, body: dict, holder: str) -> bool:
         """Store the answer under the key, if this claim (`holder`) still holds it; False: its lease

@@ -119,6 +119,37 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
     assert idem.begin("tenant-a", "slow-batch", digest) == Answered(202, {"from": "second"})
 
 
+class SkewedClock:
+    """An API host whose clock is `offset_s` off: what `time` looks like to the code on it."""
+
+    def __init__(self, offset_s: float):
+        self.offset_s = offset_s
+
+    def time(self) -> float:
+        return time.time() + self.offset_s
+
+
+def test_leases_are_timed_by_redis_not_by_hosts_whose_clocks_disagree(redis_client, namespace, monkeypatch):
+    """Given a request that claimed an Idempotency-Key (a 60 s lease) on a host whose clock is right,
+    When a duplicate reaches a host whose clock runs 5 minutes ahead,
+    Then it gets `pending` (409): it does not take over a live lease and publish again beside the first
+    request; and a holder whose clock runs 5 minutes behind renews its lease for 60 s, not into the past."""
+    idem = IngestIdempotency(redis_client, namespace, lease_s=60)
+    digest = body_hash(email_request())
+    claim = idem.begin("tenant-a", "skewed", digest)
+    assert isinstance(claim, Claimed)
+
+    monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(+300))
+    assert isinstance(idem.begin("tenant-a", "skewed", digest), Pending)
+
+    monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(-300))
+    late = idem.begin("tenant-a", "late-clock", digest)
+    assert isinstance(late, Claimed)
+    assert idem.renew("tenant-a", "late-clock", late.holder) is True
+    monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(0))
+    assert isinstance(idem.begin("tenant-a", "late-clock", digest), Pending)
+
+
 def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(redis_client, namespace):
     """Given a request that claimed an Idempotency-Key and whose publish the broker did not confirm (it may be
     written),
