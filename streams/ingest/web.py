@@ -2,20 +2,23 @@
 size limit, OPTIONS answered for every path, and authentication.
 
 Every error is `{"error": <code>, "errors": [{"loc": [...], "msg": ...}]}` (ErrorBody), whatever
-answered it: validation, authentication, a missing resource, a quota, the broker.
+answered it: validation, authentication, a missing resource, a quota, the broker. Two fields are added
+only where an answer needs them: `outcome` (a 503 that may not mean "nothing was changed") and
+`replayed` (a bulk replay that stopped part way).
 """
 
 
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Request, Security
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 from starlette.routing import Match
 
 from ..errors import StackError
@@ -25,14 +28,33 @@ from .api_keys import ApiKeys, Principal
 log = logging.getLogger("streams.api")
 
 
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
 class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     loc: list[str | int]
     msg: str
 
 
+class ReplayedDelivery(BaseModel):
+    delivery_id: str = Field(description="the new delivery (a new webhook-id)")
+    replay_of: str
+
+
 class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     error: str
     errors: list[ErrorDetail]
+    # Absent unless said: never null in an answer, so the OpenAPI offers neither null nor a default.
+    outcome: Literal["unknown", "applied"] | SkipJsonSchema[None] = Field(None, description=(
+        "only on a 503 that may not mean \"nothing was changed\": `unknown`, the request may have taken "
+        "effect (retry it with the same Idempotency-Key, or look the named id up first); `applied`, the "
+        "change was made but is not yet on the audit trail"), json_schema_extra=_no_default)
+    replayed: list[ReplayedDelivery] | SkipJsonSchema[None] = Field(None, description=(
+        "only when a bulk endpoint replay stopped part way: what this call had replayed (calling again goes on "
+        "from there; a delivery is never replayed twice)"), json_schema_extra=_no_default)
 
 
 DESCRIPTIONS = {

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
-from ..ingest.web import documented, problem
+from ..ingest.web import ReplayedDelivery, documented, problem
 from ..retry.replay import replay
 from ..send import EMAIL_PATTERN, MAX_RECIPIENTS, Send
 from .ingest import WebhookIngest
@@ -130,11 +130,6 @@ class DeliveryView(BaseModel):
 
 class DeliveryList(BaseModel):
     deliveries: list[DeliveryView]
-
-
-class ReplayedDelivery(BaseModel):
-    delivery_id: str = Field(description="the new delivery (a new webhook-id)")
-    replay_of: str
 
 
 class RefusedDelivery(BaseModel):
