@@ -50,11 +50,16 @@ RESERVED_TAGS = frozenset({"send_id", "tenant", "lane"})  # the tags dispatch at
 # Python's `\s`, spelled out: the OpenAPI publishes these patterns, and ECMA-262's `\s` (which JSON
 # Schema validators use) is another set, so an address valid for one would be refused by the other.
 WHITE_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_ADDRESS = rf"[^@<>{WHITE_SPACE}]+@[^@<>{WHITE_SPACE}]+\.[^@<>{WHITE_SPACE}]+"
-_EMAIL = re.compile(rf"^{_ADDRESS}$")
-_NAMED_EMAIL = re.compile(rf"^[^<>]*<({_ADDRESS})>$")
-EMAIL_PATTERN = rf"^{_ADDRESS}$|^[^<>]*<{_ADDRESS}>$"  # what check_address accepts, as one pattern
-_E164 = re.compile(r"^\+[1-9]\d{6,14}$")
+# No control character anywhere in an address, nor in its display name: a CR or LF there would
+# start a new mail header at a provider that writes the address into one.
+_CONTROLS = r"\x00-\x1f\x7f"
+_ADDRESS = rf"[^@<>{WHITE_SPACE}{_CONTROLS}]+@[^@<>{WHITE_SPACE}{_CONTROLS}]+\.[^@<>{WHITE_SPACE}{_CONTROLS}]+"
+_DISPLAY_NAME = rf"[^<>{_CONTROLS}]*"
+EMAIL_PATTERN = rf"^{_ADDRESS}$|^{_DISPLAY_NAME}<{_ADDRESS}>$"  # what check_address accepts, as one pattern
+# Matched whole (`fullmatch`): Python's `$` also matches before a final newline, JSON Schema's does not.
+_ANY_EMAIL = re.compile(rf"{_ADDRESS}|{_DISPLAY_NAME}<{_ADDRESS}>")
+# ASCII digits only: JSON Schema's `\d` means 0-9, pydantic's (Rust) and Python's any Unicode digit.
+_E164 = re.compile(r"^\+[1-9][0-9]{6,14}$")
 _IDENT = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 # RFC 3339 date-time (JSON Schema's `date-time`): `t` and `z` in either case, any fraction, leap seconds.
 _RFC3339 = re.compile(r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))",
@@ -78,7 +83,7 @@ def new_send_id(now_ms: int | None = None, seed: bytes | None = None) -> str:
 
 def check_address(value: str) -> str:
     # The message does not repeat the value: these messages reach logs and DLQ headers.
-    if not (_EMAIL.match(value) or _NAMED_EMAIL.match(value)):
+    if _ANY_EMAIL.fullmatch(value) is None:
         raise ValueError("not an email address")
     return value
 

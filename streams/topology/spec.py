@@ -146,11 +146,11 @@ def parse_definitions(path: Path, text: str, namespace: str = "") -> list[TopicS
         if policy is not None and policy not in _CLEANUP:
             raise _fail(where, f"field 'config.cleanup.policy' must be one of {sorted(_CLEANUP)}, got {policy!r}")
         for key in ("retention.ms", "retention.bytes", "segment.ms", "delete.retention.ms"):
-            if key in config and not re.fullmatch(r"-?\d+", config[key]):
+            if key in config and not re.fullmatch(r"-?[0-9]+", config[key]):
                 raise _fail(where, f"field 'config.{key}' must be an integer, got {config[key]!r}")
         for name in _expand(raw_name, where):
             full = namespace + name
-            if not _NAME.match(full) or len(full) > 249:
+            if not _NAME.fullmatch(full) or len(full) > 249:
                 raise _fail(where, f"field 'name' expands to an invalid Kafka topic name {full!r}")
             specs.append(TopicSpec(full, partitions, rf, dict(config), source=where))
     return specs

@@ -1,12 +1,24 @@
 """The send: lane from category, field-level errors, frozen bytes, tolerant of unknown fields."""
 
 import uuid
+from typing import Annotated
 
 import orjson
 import pytest
+from pydantic import Field, TypeAdapter, ValidationError
 
 from streams.errors import SendValidationError
-from streams.send import MalformedEvent, build_send, decode, encode, new_send_id, validate_batch, validate_request
+from streams.send import (
+    EMAIL_PATTERN,
+    MalformedEvent,
+    build_send,
+    check_address,
+    decode,
+    encode,
+    new_send_id,
+    validate_batch,
+    validate_request,
+)
 from tests.harness import email_request, sms_request
 
 
@@ -94,3 +106,55 @@ def test_otp_templates_get_the_otp_policy_unless_the_send_names_one():
     assert build_send(validate_request(email_request()), "acme").policy == "transactional"
     named = {**email_request(), "template_id": "otp", "policy": "transactional"}
     assert build_send(validate_request(named), "acme").policy == "transactional"
+
+
+REFUSED_ADDRESSES = ["user@example.test\n", "Acme <no-reply@acme.test>\n",  # Python's `$` let these through
+                     "Acme\r\nBcc: all@victim.test <no-reply@acme.test>",  # a header of its own at a provider
+                     "Ac\x00me <no-reply@acme.test>", "us\x7fer@example.test", "us\x01er@example.test",
+                     "Tab\tName <a@example.test>"]
+ACCEPTED_ADDRESSES = ["user@example.test", "Acme <no-reply@acme.test>", '"Doe, Jane" <jane@example.test>',
+                      "Zoë <zoe@example.test>", "<bare@example.test>"]
+
+
+@pytest.mark.parametrize("address", REFUSED_ADDRESSES)
+def test_an_address_with_a_control_character_or_a_trailing_newline_is_refused_at_ingest_and_by_workers(address):
+    """Given an address with a line break, NUL or another control character in it (a CR LF in a display
+    name becomes a header of its own at a provider that writes it into one),
+    When it is submitted as the sender or a recipient, or arrives in an event on a lane topic,
+    Then ingest refuses it naming the field (422), and a worker's decode calls the event malformed."""
+    for field in ("from", "to"):
+        with pytest.raises(SendValidationError, match=f"payload.{field}"):
+            validate_request(email_request(**{field: address}))
+    doc = orjson.loads(encode(build_send(validate_request(email_request()), "acme")))
+    doc["payload"]["from"] = address
+    with pytest.raises(MalformedEvent) as err:
+        decode(orjson.dumps(doc))
+    assert err.value.reason == "malformed"
+
+
+def test_the_published_address_pattern_and_the_check_agree():
+    """The OpenAPI publishes EMAIL_PATTERN; a JSON Schema validator (`$` only at the end, as in pydantic's
+    own regex engine used here) must accept exactly the addresses the API accepts."""
+    published = TypeAdapter(Annotated[str, Field(pattern=EMAIL_PATTERN)])
+    for address in REFUSED_ADDRESSES + ACCEPTED_ADDRESSES + ["a@b", "a b@c.d", "x <a@b.c> y"]:
+        try:
+            published.validate_python(address)
+            by_schema = True
+        except ValidationError:
+            by_schema = False
+        try:
+            check_address(address)
+            by_check = True
+        except ValueError:
+            by_check = False
+        assert by_schema == by_check, repr(address)
+    for address in ACCEPTED_ADDRESSES:
+        assert check_address(address) == address
+
+
+def test_an_sms_number_takes_ascii_digits_only():
+    """E.164 is ASCII digits; `\\d` in the pattern also let Arabic-Indic and other digits through."""
+    with pytest.raises(SendValidationError, match="payload.to"):
+        arabic_indic = "+1\u0664\u0661\u0665\u0665\u0665\u0665\u0660\u0661\u0662\u0663"
+        validate_request({**sms_request(), "payload": {"to": arabic_indic, "body": "Your code is 123456"}})
+    assert validate_request(sms_request())

@@ -44,6 +44,10 @@ def test_namespace_prefixes_every_name():
     ('name="a"\npartitions=1\nreplication_factor=1\npartition=3', "x.toml: topic 'a': unknown field(s) ['partition']"),
     ('partitions=1\nreplication_factor=1', "x.toml: [[topic]] #1: field 'name' is required"),
     ('name="a b"\npartitions=1\nreplication_factor=1', "invalid Kafka topic name 'a b'"),
+    # Python's `$` matched before a final newline, and `\d` any Unicode digit: neither reaches the broker.
+    ('name="a\\n"\npartitions=1\nreplication_factor=1', "invalid Kafka topic name 'a\\n'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="\u0661\u0662"}',
+     "field 'config.retention.ms' must be an integer"),
 ])
 def test_invalid_definition_names_file_topic_and_field(body, expected):
     with pytest.raises(ConfigError) as err:
