@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 import orjson
 import redis
 
-from ..errors import ConfigError, SendValidationError
+from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..send import check_tenant_id
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from ..state.log import OperatorLog
 
 LAST_USED_EVERY_S = 60  # last-used times are written at most this often per key
+CHANGE_ATTEMPTS = 10
+
+_SET_IF_UNCHANGED = """
+-- KEYS[1] the keys' hash; ARGV: digest, the record as read, the new record. 1: written; 0: it changed
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class ApiKeys:
         self.key = self.keys.api_keys
         self.oplog = oplog
         self._used: dict[str, float] = {}
+        self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, role: str, tenant: str | None = None, label: str = "") -> str:
@@ -143,21 +152,32 @@ class ApiKeys:
             pass  # a last-used time is a convenience: never a reason to refuse a request
 
     def _change(self, key_id: str, **fields: int) -> KeyInfo | None:
-        with store_errors("reading API keys"):
-            raw = self.client.hgetall(self.key)
-        for digest, value in raw.items():
-            if digest.decode()[:12] == key_id:
-                doc = {**orjson.loads(value), **fields}
-                self._save(digest.decode(), doc)
-                return self._info(digest.decode(), doc, None)
-        return None
+        """Merge `fields` into a key's record, compare-and-set: a change written by another process since
+        this one read the record (a revocation landing in the middle of a rotation) is read again and kept,
+        never overwritten with the older record."""
+        for _ in range(CHANGE_ATTEMPTS):
+            with store_errors("reading API keys"):
+                raw = self.client.hgetall(self.key)
+            found = next(((d.decode(), v) for d, v in raw.items() if d.decode()[:12] == key_id), None)
+            if found is None:
+                return None
+            digest, stored = found
+            doc = {**orjson.loads(stored), **fields}
+            if self._save(digest, doc, stored):
+                return self._info(digest, doc, None)
+        raise StoreUnavailable(f"API key {key_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
-    def _save(self, digest: str, doc: dict) -> None:
+    def _save(self, digest: str, doc: dict, expected: bytes | None = None) -> bool:
+        """Write the record (first to the operator log); with `expected`, only if the stored record is still
+        exactly that (False: it changed meanwhile)."""
         doc = {**doc, "digest": digest}
         if self.oplog is not None:
             self.oplog.put(f"apikey/{digest}", doc)
         with store_errors("storing the API key"):
-            self.client.hset(self.key, digest, orjson.dumps(doc))
+            if expected is None:
+                self.client.hset(self.key, digest, orjson.dumps(doc))
+                return True
+            return bool(self._set_if_unchanged(keys=[self.key], args=[digest, expected, orjson.dumps(doc)]))
 
     @staticmethod
     def _info(digest: str, doc: dict, used: bytes | None) -> KeyInfo:

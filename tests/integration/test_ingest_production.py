@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from streams.ingest.api import keep_lease
+from streams.ingest.api_keys import ApiKeys
 from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, Pending, body_hash
 from streams.send import MAX_SEND_BYTES
 from tests.harness import count_records, email_request, free_port, metric_sum, sms_request, start_api, wait_until
@@ -133,7 +134,7 @@ def test_leases_are_timed_by_redis_not_by_hosts_whose_clocks_disagree(redis_clie
     """Given a request that claimed an Idempotency-Key (a 60 s lease) on a host whose clock is right,
     When a duplicate reaches a host whose clock runs 5 minutes ahead,
     Then it gets `pending` (409): it does not take over a live lease and publish again beside the first
-    request; and a holder whose clock runs 5 minutes behind renews its lease for 60 s, not into the past."""
+    request; and a holder whose clock runs 5 minutes behind renews its lease from Redis's now, not into the past."""
     idem = IngestIdempotency(redis_client, namespace, lease_s=60)
     digest = body_hash(email_request())
     claim = idem.begin("tenant-a", "skewed", digest)
@@ -145,7 +146,11 @@ def test_leases_are_timed_by_redis_not_by_hosts_whose_clocks_disagree(redis_clie
     monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(-300))
     late = idem.begin("tenant-a", "late-clock", digest)
     assert isinstance(late, Claimed)
-    assert idem.renew("tenant-a", "late-clock", late.holder) is True
+    longer = IngestIdempotency(redis_client, namespace, lease_s=600)  # a renewal that must show
+    assert longer.renew("tenant-a", "late-clock", late.holder) is True
+    seconds, micros = redis_client.time()
+    lease_until = int(redis_client.hget(idem.keys.ingest_idempotency("tenant-a", "late-clock"), "lease_until"))
+    assert lease_until - (seconds * 1000 + micros // 1000) > 590_000  # 600 s from Redis's now
     monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(0))
     assert isinstance(idem.begin("tenant-a", "late-clock", digest), Pending)
 
@@ -256,6 +261,30 @@ def test_api_keys_are_rotated_and_revoked_everywhere_within_seconds(api, process
     assert api.post(f"/v1/admin/keys/{rotated.json()['id']}/revoke", headers=op).status_code == 200
     assert api.get("/v1/sends/nope", headers=new).status_code == 401
     assert second.get("/v1/sends/nope", headers=new).status_code == 401
+
+
+def test_a_revocation_landing_in_the_middle_of_a_rotation_is_kept(redis_client, namespace, monkeypatch):
+    """Given a tenant key being rotated by one operator process (its record read, not yet written back),
+    When another process revokes that key at that moment,
+    Then the key stays revoked: the rotation writes its expiry over the revoked record, not over the record it
+    had read (before, the revocation was lost and the key worked on until the end of the overlap)."""
+    rotating, revoking = ApiKeys(redis_client, namespace), ApiKeys(redis_client, namespace)
+    token = rotating.create("tenant", "tenant-c")
+    key_id = rotating.resolve(token).key_id
+    save = ApiKeys._save
+
+    def revoke_first(self, digest, doc, *more):
+        if self is rotating and "expires_at_ms" in doc and not revoke_first.done:
+            revoke_first.done = True
+            assert revoking.revoke(key_id).revoked_at_ms
+        return save(self, digest, doc, *more)
+
+    revoke_first.done = False
+    monkeypatch.setattr(ApiKeys, "_save", revoke_first)
+    new_token, old = rotating.rotate(key_id, overlap_s=3600)
+    assert revoke_first.done and old.revoked_at_ms and old.expires_at_ms
+    assert rotating.resolve(token) is None and revoking.resolve(token) is None
+    assert rotating.resolve(new_token) is not None  # the rotation's new key is its own
 
 
 def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, dispatch_env):
