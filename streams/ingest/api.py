@@ -313,8 +313,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                     for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
     def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, first_ms: int
-                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]]]:
-        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas."""
+                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int]]:
+        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas. Also returns, for
+        each of the sends and then each of the skipped deliveries, the index of the request it came from (a
+        webhook event fans out to several: an error names the request, not the expanded position)."""
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
@@ -333,10 +335,14 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         expanded = [expand(tenant_id, r, ids(i)) for i, r in enumerate(requests)]
         sends = [s for _, group, _ in expanded for s in group]
         skipped = [s for _, _, group in expanded for s in group]
+        origins = ([i for i, (_, group, _) in enumerate(expanded) for _ in group]
+                   + [i for i, (_, _, group) in enumerate(expanded) for _ in group])
         try:
             client.records(sends)
         except SendTooLarge as exc:
-            raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
+            i = origins[exc.index]
+            raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
+                          f"{exc.size} bytes; a send may be at most {exc.limit} bytes") from None
         except orjson.JSONEncodeError as exc:
             found = [(i, where_) for i, r in enumerate(requests) if (where_ := uncarried(r.payload))]
             errors = [{"loc": [*where(i), "payload", *path], "msg": msg} for i, (path, msg) in found]
@@ -352,14 +358,15 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],
                               f"{verdict.cost} sends at once can never fit the {verdict.quota} quota's burst: "
                               "send smaller batches")
-        return [a for a, _, _ in expanded], sends, skipped
+        return [a for a, _, _ in expanded], sends, skipped, origins
 
     async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
                       first_ms: int) -> list[Accepted]:
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
-        accepted, sends, skipped = await run_in_threadpool(prepare, tenant_id, requests, batch, key, first_ms)
+        accepted, sends, skipped, origins = await run_in_threadpool(prepare, tenant_id, requests, batch, key,
+                                                                    first_ms)
         records = client.records(sends) + skipped_records(client.names, skipped)
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
@@ -373,7 +380,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     finally:
                         metrics.INGEST_IN_FLIGHT.dec()
         except RecordTooLarge as exc:
-            raise problem(413, "send_too_large", where(exc.index), str(exc)) from None
+            i = origins[exc.index]
+            raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
+                          f"{exc.size} bytes as published; {exc.topic} accepts at most {exc.limit}") from None
         # Any other PublishError: answered 503 by `_broker`, without the broker's error text.
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
         for s in sends:

@@ -11,6 +11,7 @@ from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknow
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
+from streams.send import MAX_SEND_BYTES
 from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
 from tests.harness import final_delivery as _final
 from tests.harness import free_port, start_api, wait_until
@@ -59,6 +60,19 @@ def test_a_signed_event_reaches_every_subscribed_endpoint_and_its_history_is_kep
 
     nobody = hooks.post("/v1/sends", json=event("nobody.cares"), headers=hooks.keys["a"]).json()
     assert nobody["deliveries"] == [] and "no enabled endpoint" in nobody["note"]
+
+
+def test_an_oversized_event_in_a_batch_is_named_by_its_place_in_the_batch(hooks, mock_endpoint):
+    """Given tenant a with two endpoints subscribed to invoice.paid (each event fans out to two deliveries),
+    When a posts a batch of two events whose second is over the send limit,
+    Then the 413 names `sends[1]`, the batch's own position (not 2, its first delivery's place among the four)."""
+    for name in ("one", "two"):
+        _register(hooks, mock_endpoint, name)
+    big = event(blob="x" * (MAX_SEND_BYTES + 1024))
+    r = hooks.post("/v1/sends/batch", json={"sends": [event(), big]}, headers=hooks.keys["a"])
+    assert r.status_code == 413, r.text
+    [error] = r.json()["errors"]
+    assert error["loc"] == ["body", "sends", 1] and error["msg"].startswith("send 1 is "), error
 
 
 def test_a_failing_endpoint_gets_exactly_nine_attempts_on_the_schedule_then_the_delivery_is_dropped(
