@@ -61,7 +61,7 @@ from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
 from .status import StatusStore
-from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, problem
+from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, internal_error, problem
 
 log = logging.getLogger("streams.api")
 UNAVAILABLE_LOG_EVERY_S = 10
@@ -234,6 +234,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             "error": HTTP_ERRORS.get(exc.status_code, "http_error"), "errors": [{"loc": [], "msg": str(exc.detail)}]}
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)  # a bug: answered in the error shape, then logged with its traceback
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        metrics.INGEST_REJECTED.labels("500").inc()
+        return internal_error(request, exc)
 
     # A 503 says which kind of dependency failed, never its error text: that names internal hosts and
     # ports, and it is answered before the caller's key could be checked (the keys live in Redis).

@@ -66,6 +66,8 @@ DESCRIPTIONS = {
     503: "a dependency is unavailable (see Retry-After): nothing was changed, unless the body's \"outcome\" "
          "says otherwise (\"unknown\": it may have been; \"applied\": it was, not yet on the audit trail); a bulk "
          "replay lists in \"replayed\" what it had replayed before it stopped",
+    500: "an unexpected failure (logged): the request may have taken effect (\"outcome\": \"unknown\"); retry "
+         "a send with the same Idempotency-Key, look at the result of anything else before repeating it",
 }
 
 
@@ -86,7 +88,8 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     - FastAPI adds a 422 in its own shape (`HTTPValidationError`) to every route with parameters; the app
       answers ErrorBody, and only where a route lists 422 itself can one happen: FastAPI's goes;
     - every route with a JSON body answers 400 on a body that is not JSON;
-    - every POST, PUT and PATCH answers 413 over the body limit (BodyLimit, before any route)."""
+    - every POST, PUT and PATCH answers 413 over the body limit (BodyLimit, before any route);
+    - every route answers 500, in the same shape, on a failure nobody expected (`internal_error`)."""
     for methods in schema.get("paths", {}).values():
         for method, operation in methods.items():
             responses = operation.setdefault("responses", {})
@@ -96,11 +99,21 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
                 responses.setdefault("400", _error_response(400))
             if method in ("post", "put", "patch"):
                 responses.setdefault("413", _error_response(413))
+            responses.setdefault("500", _error_response(500))
             operation["responses"] = dict(sorted(responses.items()))
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     return schema
+
+
+def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to a failure nobody expected, in the one error shape: never the failure's own text (it
+    can name internal hosts or carry a payload), and `outcome: unknown`, as it may have happened after
+    a publish or a change. The server logs the failure itself, with its traceback."""
+    return JSONResponse({"error": "internal_error", "outcome": "unknown", "errors": [{"loc": [], "msg": (
+        f"{request.method} {request.url.path} failed unexpectedly (logged); it may have taken effect: retry a send "
+        "with the same Idempotency-Key, look at the result of anything else before repeating it")}]}, 500)
 
 
 def problem(status: int, error: str, loc: list[str | int], msg: str,
