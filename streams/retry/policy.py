@@ -32,6 +32,9 @@ from ..providers.outcome import ProviderResult
 JITTER = 0.2  # each delay is drawn from [0.8, 1.2] x the tier's delay
 PARK_AT_LEAST_S = 3600  # quota 429s wait at least an hour
 DEFAULT_COOL_DOWN_S = 1.0  # a 429 without a usable Retry-After still holds the provider off this long
+# The longest wait a Retry-After is taken for: asked for longer, the provider is tried again after a day.
+MAX_RETRY_AFTER_S = 24 * 3600.0
+_DELAY_SECONDS = re.compile(r"[0-9]+")  # RFC 9110 delay-seconds
 # A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
 # instead of travelling through a retry tier; longer waits go to the tiers.
 IN_PROCESS_BACKOFF_MAX_S = 5.0
@@ -200,12 +203,14 @@ def expired(policy: RetryPolicy, created_ms: int, now_ms: int) -> bool:
 
 
 def parse_retry_after(value: str | None, now_ms: int) -> float | None:
-    """Seconds to wait from a Retry-After header, or None when missing or malformed."""
+    """Seconds to wait from a Retry-After header (at most MAX_RETRY_AFTER_S), or None when missing or
+    malformed. The header comes from outside (a provider, a tenant's receiver): no value of it may
+    raise, or yield a wait that overflows a due time."""
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if _DELAY_SECONDS.fullmatch(value):  # ASCII digits only: str.isdigit() also takes '²', which float() refuses
+        return float(MAX_RETRY_AFTER_S) if len(value) > 9 else float(min(int(value), MAX_RETRY_AFTER_S))
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -214,7 +219,7 @@ def parse_retry_after(value: str | None, now_ms: int) -> float | None:
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - now_ms / 1000)
+    return min(MAX_RETRY_AFTER_S, max(0.0, when.timestamp() - now_ms / 1000))
 
 
 def cool_down_s(result: ProviderResult, now_ms: int) -> float | None:

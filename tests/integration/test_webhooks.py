@@ -13,6 +13,7 @@ from streams.lanes import RETRY_TIERS
 from streams.retry.replay import replay
 from streams.send import MAX_SEND_BYTES
 from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
+from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final
 from tests.harness import free_port, start_api, wait_until
 from tests.harness import register_endpoint as _register
@@ -104,6 +105,21 @@ def test_redirects_and_client_errors_are_failures_that_are_retried(hooks, mock_e
     mock_endpoint.configure("flaky", status=200)
     done = _final(hooks, delivery_id)
     assert done["status"] == "delivered" and [a["status_code"] for a in done["attempt_history"]][0] == status
+
+
+def test_a_receivers_retry_after_cannot_stop_the_worker_for_everyone(hooks, mock_endpoint, processes):
+    """Given tenant a's endpoint answering 429 with a Retry-After of 310 digits (a wait no clock holds),
+    When an event is delivered to it, and then tenant b publishes an event to its own endpoint,
+    Then the worker keeps running: b's event is delivered, and a's delivery waits to be retried, not lost
+    (before, the answer overflowed the due time and crashed the worker, again on every restart)."""
+    _register(hooks, mock_endpoint, "hostile", status=429, retry_after="9" * 310)
+    _register(hooks, mock_endpoint, "fine", who="b")
+    held = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    wait_until(lambda: mock_endpoint.stats()["endpoints"].get("hostile", {}).get("failed", 0) >= 1, 20, "the 429")
+    other = hooks.post("/v1/sends", json=event(), headers=hooks.keys["b"]).json()["deliveries"][0]["delivery_id"]
+    assert _final(hooks, other, who="b")["status"] == "delivered"
+    assert [name for name, proc, _ in processes.procs if proc.poll() is not None] == []
+    assert _delivery(hooks, held)["status"] == "retrying"
 
 
 def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):

@@ -27,7 +27,7 @@ from streams.retry.policy import (
 
 NOW = 1_800_000_000_000
 POLICIES = load_policies()
-OTP, MARKETING = POLICIES["otp"], POLICIES["marketing"]
+OTP, MARKETING, WEBHOOK = POLICIES["otp"], POLICIES["marketing"], POLICIES["webhook"]
 
 
 def http_date(seconds_from_now: int) -> str:
@@ -80,6 +80,28 @@ def test_retry_after_parsing():
     assert parse_retry_after(http_date(30), NOW) == pytest.approx(30)
     assert parse_retry_after(http_date(-30), NOW) == 0
     assert parse_retry_after("tomorrow", NOW) is None and parse_retry_after(None, NOW) is None
+
+
+@pytest.mark.parametrize("header, wait", [
+    ("\u00b2", None),             # a digit to str.isdigit(), not to float(): it raised ValueError
+    ("\u0661\u0662", None),        # Arabic-Indic digits, likewise
+    ("9" * 310, 86400.0),          # float() of it is inf: the due time overflowed (OverflowError)
+    ("9" * 5000, 86400.0),         # past Python's 4,300-digit limit for int()
+    ("3.5", None), ("-5", None), (" 12 ", 12.0),
+    (http_date(10 * 365 * 86400), 86400.0),
+])
+def test_no_retry_after_from_outside_can_raise_or_overflow(header, wait):
+    """Given a Retry-After a provider or a tenant's receiver sends back (any text it likes),
+    When the worker reads it to hold the provider off and to schedule the retry,
+    Then nothing raises (before, one such header crashed the worker, and again on every restart), the wait is
+    at most a day, and a header that is not a number or a date counts as absent."""
+    assert parse_retry_after(header, NOW) == (pytest.approx(wait, abs=1) if wait else None)
+    answer = ProviderResult("throttled", 429, retry_after=header)
+    assert 0 < cool_down_s(answer, NOW) <= 86400
+    decision = decide(WEBHOOK, 1, NOW, answer, NOW, 0.5)
+    assert isinstance(decision, (RetryAt, DeadLetter))
+    if isinstance(decision, RetryAt):
+        assert decision.due_ms - NOW <= 86400 * 1000 * 1.2
 
 
 @pytest.mark.parametrize("text, message", [
