@@ -239,7 +239,24 @@ class RecordWriter:
         headers = {**headers, "payload_omitted": b"too_large", "reason_detail": headers.get("reason", b"")}
         headers["reason"] = b"too_large"
         metrics.DLQ.labels(*self._label, "too_large").inc()
-        self.produce(self.names.dlq, key, None, headers, on_ack, on_written=on_written)
+        self.produce(self.names.dlq, key, None, headers, on_ack, on_written=on_written,
+                     on_refused=lambda err: self._dead_letter_with_our_headers_only(key, headers, on_ack, on_written))
+
+    def _dead_letter_with_our_headers_only(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck,
+                                           on_written: Callable[[int, int], object] | None) -> None:
+        """Refused even without its payload: the record's own headers are too large. Keep the letter with
+        only the headers dispatch writes (bounded), or the partition could never move past it."""
+        ours = {k: v[:1000] for k, v in headers.items() if k in OWN_DLQ_HEADERS}  # some were copied from the record
+        ours["headers_omitted"] = b"too_large"
+        self.produce(self.names.dlq, key, None, ours, on_ack, on_written=on_written)
+
+
+# What a dead letter says of itself (each bounded): kept when the headers it carried from its record are
+# too large for the DLQ.
+OWN_DLQ_HEADERS = frozenset({
+    "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "detail", "attempts", "origin_topic",
+    "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "first_error", "last_error",
+    "providers_tried", "payload_omitted"})
 
 
 def _peek_send_id(value: bytes | None) -> bytes:

@@ -127,6 +127,11 @@ class LaneWorker:
 
     def step(self) -> None:
         msgs = consume_ready(self.consumer, 500, self._idle_timeout())
+        # The whole batch is tracked before any of it is taken in: should taking one in fail (the worker
+        # then stops), the offsets stored on the way out stay below the messages not yet taken in.
+        for msg in msgs:
+            if not msg.error():
+                self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         for msg in msgs:
             self._intake(msg)
         self._collect()
@@ -223,7 +228,6 @@ class LaneWorker:
             return
         if self.consume_outage.active:
             self.consume_outage.recovered(time.monotonic())
-        self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         try:
             headers = dict(msg.headers() or [])
         except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8

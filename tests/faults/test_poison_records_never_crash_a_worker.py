@@ -4,6 +4,7 @@ and retried), and the work behind it goes on."""
 import signal
 from dataclasses import replace
 
+import orjson
 from confluent_kafka import Producer
 
 from streams.retry.dlq import read_all
@@ -18,11 +19,13 @@ SMALL = "60000"  # max.message.bytes of the retry tier and the DLQ in this test
 def test_records_too_large_for_their_retry_or_dlq_copy_and_bad_headers_are_dead_lettered(
         fault_stack, fault_runtime, fault_processes, mock_provider, names, namespace):
     """Given a transactional lane whose 10 s retry tier and DLQ accept at most 60 kB, a provider failing with
-    500, an email of 100 kB, an event with the header `attempt: 2x`, and a valid email behind them,
+    500, an email of 100 kB, an event with the header `attempt: 2x`, an unreadable event with 100 kB of
+    headers, and a valid email behind them,
     When the worker attempts them,
     Then the big email's retry copy is refused, so is its dead letter, and it is dead-lettered without its
     payload (reason too_large, headers naming where the original is); the bad header is dead-lettered as
-    malformed; the worker stays alive, the valid email is delivered once the provider recovers, and the lane
+    malformed; the unreadable one is dead-lettered with dispatch's own headers only; the worker stays alive,
+    the valid email is delivered once the provider recovers, and the lane
     is committed to its end."""
     specs = channel_specs(load_definitions(namespace=namespace), namespace, ("email",))
     small = {names.retry("email", "transactional", "10s"), names.dlq}
@@ -38,16 +41,24 @@ def test_records_too_large_for_their_retry_or_dlq_copy_and_bad_headers_are_dead_
     raw = encode(build_send(validate_request(email_request()), "acme"))
     producer = Producer({"bootstrap.servers": fault_stack.bootstrap})
     producer.produce(names.lane("email", "transactional"), key=b"acme", value=raw, headers=[("attempt", b"2x")])
+    # Unreadable, and carrying headers the DLQ cannot take even without the payload.
+    producer.produce(names.lane("email", "transactional"), key=b"acme", value=b'{"v": 1, "send_id": "junk-1"}',
+                     headers=[("junk", b"x" * 100_000)])
     producer.flush(10)
 
-    dead = wait_until(lambda: {r.reason: r for r in read_all(fault_stack.bootstrap, names.dlq, timeout_s=3)}
-                      if len(read_all(fault_stack.bootstrap, names.dlq, timeout_s=3)) >= 2 else None, 60,
-                      "both poison records in the DLQ", interval=1.0)
-    assert dead["too_large"].send_id == big and dead["too_large"].value is None
-    assert dead["too_large"].headers["payload_omitted"] == "too_large"
-    assert dead["too_large"].headers["reason_detail"] == "retry_copy_too_large"
-    assert dead["too_large"].headers["origin_topic"] == names.lane("email", "transactional")
-    assert dead["malformed"].value == raw and "attempt" in dead["malformed"].headers["detail"]
+    letters = wait_until(lambda: {r.send_id: r for r in d} if len(d := read_all(fault_stack.bootstrap, names.dlq,
+                                                                                timeout_s=3)) >= 3 else None,
+                         60, "the three poison records in the DLQ", interval=1.0)
+    big_letter, malformed, junk = letters[big], letters[build_send_id(raw)], letters["junk-1"]
+    assert big_letter.reason == "too_large" and big_letter.value is None
+    assert big_letter.headers["payload_omitted"] == "too_large"
+    assert big_letter.headers["reason_detail"] == "retry_copy_too_large"
+    assert big_letter.headers["origin_topic"] == names.lane("email", "transactional")
+    assert malformed.reason == "malformed" and malformed.value == raw and "attempt" in malformed.headers["detail"]
+    # Refused with its payload and again without it: kept with dispatch's own headers only (before, the
+    # worker crashed on it, and again on every restart).
+    assert junk.reason == "too_large" and junk.value is None and junk.headers["headers_omitted"] == "too_large"
+    assert junk.headers["reason_detail"] == "malformed" and "junk" not in junk.headers
 
     mock_provider.configure(fault_5xx_ratio=0.0)
     fine = client.publish("acme", email_request())
@@ -55,6 +66,10 @@ def test_records_too_large_for_their_retry_or_dlq_copy_and_bad_headers_are_dead_
     wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "transactional"),
                                      names.lane("email", "transactional")) == 0, 30, "the lane to be committed")
     assert worker.poll() is None
+
+
+def build_send_id(raw: bytes) -> str:
+    return orjson.loads(raw)["send_id"]
 
 
 def test_a_stored_request_larger_than_a_lowered_burst_is_still_recovered(

@@ -813,3 +813,67 @@ def _met_in_state_and_dead_lettered_unknown(jobs, state: str):
     assert headers["reason"] == b"unknown_outcome"
     assert consumer.stored[(TOPIC, 0)] == 1
     return sends[0]
+
+
+class BatchedConsumer(FakeConsumer):
+    """Hands out the given batches, never two in one `consume_ready`, and knows its position (the offset
+    after the last message it handed out of each partition), as a real consumer does."""
+
+    def __init__(self, batches):
+        super().__init__([])
+        self.batches, self.positions = list(batches), {}
+
+    def consume(self, num_messages=1, timeout=0):
+        if self.on_assign:
+            super().consume(0, 0)
+        if not self.batches:
+            return []
+        batch = self.batches[0]
+        out = batch[:num_messages]
+        del batch[:num_messages]
+        if not batch:
+            self.batches.pop(0)
+        for m in out:
+            self.positions[m.partition()] = m.offset() + 1
+        return out
+
+    def position(self, partitions):
+        from confluent_kafka import TopicPartition
+        return [TopicPartition(tp.topic, tp.partition, self.positions.get(tp.partition, -1001)) for tp in partitions]
+
+
+class DeadLettersFailing(FakeProducer):
+    """A producer whose every DLQ write fails before it leaves the process (a fenced or fatal producer)."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        from confluent_kafka import KafkaError, KafkaException
+        if topic == NAMES.dlq:
+            raise KafkaException(KafkaError(KafkaError._FATAL, "producer fenced (test)"))
+        super().produce(topic, value, key, headers, on_delivery)
+
+
+def test_a_worker_stopped_by_a_failure_mid_batch_stores_no_offset_past_what_it_took_in():
+    """Given a worker that has finished partition 1's first send, then gets one batch holding a poison event on
+    partition 0 followed by a valid send on partition 1, and whose dead letter write fails with an error
+    it cannot handle,
+    When taking the poison in fails and the worker stops (as `run` does),
+    Then the offset stored for partition 1 stays at 1: the send behind the poison is read again by the next
+    worker (before, the consumer's position, 2, was stored and that send was never delivered)."""
+    sends, _ = _messages(["acme", "acme"])
+    first, behind = (FakeMessage(1, i, encode(s)) for i, s in enumerate(sends))
+    consumer = BatchedConsumer([[first]])
+    spec = load_registry().primary("email")
+    routes = Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "re_key"}))])
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        DeadLettersFailing(), routes, FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    for _ in range(3):
+        worker.step()
+    worker._drain()
+    worker.step()
+    assert consumer.stored[(TOPIC, 1)] == 1  # the first send is done
+    consumer.batches.append([FakeMessage(0, 0, b"not json"), behind])
+    with pytest.raises(Exception, match="fenced"):
+        worker.step()
+    worker.shutdown()
+    assert consumer.stored[(TOPIC, 1)] == 1
