@@ -184,8 +184,10 @@ class _Record:
     on_ack: Callable[[], object] | None
     on_refused: Callable[[KafkaError], object] | None
     on_written: Callable[[int, int], object] | None = None
+    alone: bool = False   # produced in a batch of its own (after the broker refused the batch it was in)
 
 
+ALONE_FLUSH_S = 5.0
 # Errors that producing again cannot fix: the record itself is refused.
 REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 
@@ -198,6 +200,8 @@ class AckedWriter:
     again, with backoff, until it is: the caller's offset stays unstored meanwhile, so nothing is
     lost and nothing freezes silently (a metric and one log line per episode say so). A record the
     broker refuses for what it is (too large) goes to `on_refused` when given, instead of a loop.
+    The broker refuses a whole batch of records for its size: a record refused in a batch is first
+    produced again alone, so that only a record too large by itself goes to `on_refused`.
     """
 
     def __init__(self, producer: Producer, label: str):
@@ -205,6 +209,7 @@ class AckedWriter:
         self.label = label
         self.outage = Outage(f"Kafka ({label} writes)", base_s=0.5, cap_s=10.0)
         self._failed: list[_Record] = []
+        self._refused_in_a_batch: list[_Record] = []
         self.unacknowledged = 0
 
     def write(self, topic: str, value: bytes | None, key: bytes | None = None,
@@ -223,6 +228,9 @@ class AckedWriter:
                     record.on_written(msg.partition(), msg.offset())
                 if record.on_ack is not None:
                     record.on_ack()
+            elif err.code() in REFUSED and record.on_refused is not None and not record.alone:
+                record.alone = True  # perhaps only its batch was too large: it is tried alone first
+                self._refused_in_a_batch.append(record)
             elif err.code() in REFUSED and record.on_refused is not None:
                 _log.error("%s refused a record for %s: %s", self.label, record.topic, err)
                 record.on_refused(err)
@@ -247,16 +255,21 @@ class AckedWriter:
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; produce again what failed, once the backoff allows."""
         self.producer.poll(timeout)
+        while self._refused_in_a_batch:  # rare: each waits for the producer's queue to empty, alone
+            record = self._refused_in_a_batch.pop(0)
+            self.producer.flush(ALONE_FLUSH_S)
+            self._produce(record)
+            self.producer.flush(ALONE_FLUSH_S)
         if self._failed and self.outage.ready(time.monotonic()):
             again, self._failed = self._failed, []
             for record in again:
                 self._produce(record)
-        metrics.PRODUCE_PENDING.labels(self.label).set(len(self._failed) + self.unacknowledged)
+        metrics.PRODUCE_PENDING.labels(self.label).set(self.pending)
 
     @property
     def pending(self) -> int:
         """Records not yet acknowledged (in flight or waiting to be produced again)."""
-        return len(self._failed) + self.unacknowledged
+        return len(self._failed) + len(self._refused_in_a_batch) + self.unacknowledged
 
     def drain(self, timeout_s: float) -> bool:
         """Flush until every record is acknowledged or `timeout_s` passes; True when all were."""

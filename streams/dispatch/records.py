@@ -28,6 +28,7 @@ from ..logs import evidence
 from ..names import TopicNames
 from ..outcomes import OUTCOMES_PER_RECORD, outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
+from ..retry.dlq import OWN_DLQ_HEADERS
 from ..retry.policy import RetryAt
 from ..send import Send
 from .tenant_queues import Pending
@@ -249,14 +250,6 @@ class RecordWriter:
         ours = {k: v[:1000] for k, v in headers.items() if k in OWN_DLQ_HEADERS}  # some were copied from the record
         ours["headers_omitted"] = b"too_large"
         self.produce(self.names.dlq, key, None, ours, on_ack, on_written=on_written)
-
-
-# What a dead letter says of itself (each bounded): kept when the headers it carried from its record are
-# too large for the DLQ.
-OWN_DLQ_HEADERS = frozenset({
-    "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "detail", "attempts", "origin_topic",
-    "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "first_error", "last_error",
-    "providers_tried", "payload_omitted"})
 
 
 def _peek_send_id(value: bytes | None) -> bytes:

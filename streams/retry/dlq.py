@@ -16,6 +16,13 @@ from ..errors import BrokerUnavailable, ReplayRefused
 from ..kafka_client import client_config, watermarks
 from ..providers.outcome import redact
 
+# What a dead letter says of itself (each bounded): kept when the headers it carried from its record are
+# too large for the DLQ.
+OWN_DLQ_HEADERS = frozenset({
+    "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "detail", "attempts", "origin_topic",
+    "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "first_error", "last_error",
+    "providers_tried", "payload_omitted"})
+
 PAYLOAD_DAYS = 7
 
 

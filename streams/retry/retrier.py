@@ -33,6 +33,7 @@ from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_produ
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
+from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, far_partitions
 
 log = logging.getLogger("streams.retrier")
@@ -177,6 +178,23 @@ class Retrier:
         headers = {**held.headers, "retried_at_ms": str(now_ms).encode()}
         where = (held.topic, held.partition, held.offset)
         self.writer.write(self.lane_topic, held.value, held.key, headers.items(),
+                          on_ack=lambda: self.tracker.finish(*where),
+                          on_refused=lambda err: self._dead_letter_refused(held, now_ms, where))
+
+    def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
+        """The lane refused the copy for its size (the header added here took a record written straight to
+        the lane past the lane's limit). Sent again it would be refused again, and its partition would
+        never move on: the DLQ keeps a letter without the payload, naming the retry record that holds it."""
+        log.error("the lane refused the retry copy at %s[%d]@%d for its size: dead-lettered without its payload",
+                  *where)
+        headers = {k: v[:1000] for k, v in held.headers.items() if k in OWN_DLQ_HEADERS}
+        headers.update({"reason": b"too_large", "reason_detail": b"lane_copy_too_large",
+                        "payload_omitted": b"too_large", "channel": self.cfg.channel.encode(),
+                        "lane": self.cfg.lane.encode(), "origin_topic": held.topic.encode(),
+                        "origin_partition": str(held.partition).encode(), "origin_offset": str(held.offset).encode(),
+                        "group": self.cfg.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()})
+        metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
+        self.writer.write(self.cfg.names.dlq, None, held.headers.get("send_id") or None, headers.items(),
                           on_ack=lambda: self.tracker.finish(*where))
         metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
 
