@@ -33,6 +33,7 @@ from .signing import new_secret
 from .ssrf import Resolver, UnsafeUrl, UrlPolicy
 
 ROTATION_OVERLAP_MS = 24 * 3600 * 1000
+MAX_PREVIOUS_SECRETS = 2  # a third rotation within 24 h ends the oldest previous secret's overlap early
 # A tenant's endpoints: each one that fails sends its members alert emails from the platform's own
 # sender, so their number is bounded (Stripe allows 16 per account).
 MAX_ENDPOINTS_PER_TENANT = 50
@@ -164,13 +165,15 @@ class EndpointStore:
         return True
 
     def rotate_secret(self, tenant: str, endpoint_id: str, now_ms: int | None = None) -> str | None:
-        """A new current secret; the previous one stays valid 24 h (both sign meanwhile)."""
+        """A new current secret; the previous one stays valid 24 h (both sign meanwhile). At most
+        MAX_PREVIOUS_SECRETS previous ones are kept: every delivery is signed with each valid secret
+        (an HMAC over the whole body each), so rotating again and again must not multiply that work."""
         ep = self.get(tenant, endpoint_id)
         if ep is None:
             return None
         now_ms = now_ms or int(time.time() * 1000)
         kept = [s if s.expires_at_ms is not None else Secret(s.value, now_ms + ROTATION_OVERLAP_MS)
-                for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now_ms]
+                for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now_ms][:MAX_PREVIOUS_SECRETS]
         secret = new_secret()
         self._save(replace(ep, secrets=(Secret(secret), *kept)))
         return secret

@@ -13,7 +13,12 @@ from confluent_kafka import Producer
 from streams.errors import ConfigError, StoreUnavailable
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
-from streams.webhooks.endpoints import MAX_ENDPOINTS_PER_TENANT, EndpointDirectory, EndpointStore
+from streams.webhooks.endpoints import (
+    MAX_ENDPOINTS_PER_TENANT,
+    MAX_PREVIOUS_SECRETS,
+    EndpointDirectory,
+    EndpointStore,
+)
 from streams.webhooks.ssrf import UrlPolicy, system_resolver
 from tests.harness import wait_until
 
@@ -140,6 +145,19 @@ def test_a_tenant_has_at_most_its_endpoints_and_another_tenant_is_not_counted_wi
         store.create("acme", "http://127.0.0.1:9/hooks/one-more", ["*"])
     assert len(store.all("acme")) == MAX_ENDPOINTS_PER_TENANT
     store.create("globex", "http://127.0.0.1:9/hooks/0", ["*"])
+
+
+def test_rotating_again_and_again_keeps_the_newest_secrets_only(redis_client, namespace):
+    """Every delivery is signed once per valid secret (an HMAC over a body of up to 1 MiB each, on the worker's
+    event loop, which every tenant shares): a tenant rotating its secret 1,000 times in a day would make each
+    of its deliveries cost 1,000 signatures. The newest secret and the two before it sign; older ones end."""
+    store = EndpointStore(redis_client, namespace, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                          system_resolver)
+    ep, first = store.create("acme", "http://127.0.0.1:9/hooks/rotating", ["*"])
+    secrets = [first] + [store.rotate_secret("acme", ep.id) for _ in range(20)]
+    kept = store.get("acme", ep.id).secrets
+    assert [s.value for s in kept] == secrets[::-1][:1 + MAX_PREVIOUS_SECRETS] and MAX_PREVIOUS_SECRETS == 2
+    assert kept[0].expires_at_ms is None and all(s.expires_at_ms for s in kept[1:])
 
 
 class HeldLog:
