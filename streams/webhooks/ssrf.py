@@ -1,10 +1,11 @@
 """Where webhooks may not go. Pure code; name resolution is passed in.
 
 A tenant registers the URL, so a URL must never make us call into our own network: hosts that
-resolve to loopback, private, link-local (cloud metadata lives there), multicast, reserved or
-unspecified addresses are refused, at registration and again at every delivery (DNS can change
-between the two). An operator allow-list (hosts or addresses) lifts the rule where a deployment
-needs it (the tests and the demo allow 127.0.0.1). In production mode only https is accepted.
+resolve to loopback, private, link-local (cloud metadata lives there), multicast, reserved,
+unspecified or any other address that is not on the public internet are refused, at registration
+and again at every delivery (DNS can change between the two). An operator allow-list (hosts or
+addresses) lifts the rule where a deployment needs it (the tests and the demo allow 127.0.0.1). In
+production mode only https is accepted.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 Resolver = Callable[[str], Iterable[str]]  # host -> its addresses
-METADATA = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200"})  # AWS, AWS IPv6, Alibaba
+# AWS (and GCP, Azure IMDS, ...), AWS IPv6, Alibaba, Azure's platform address (wire server)
+METADATA = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16"})
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known NAT64 prefix: the last 32 bits are an IPv4 host
+# Not yet in the ipaddress module's tables of this Python: IPv6 documentation (RFC 9637).
+NOT_GLOBAL = (ipaddress.ip_network("3fff::/20"),)
 
 
 class UnsafeUrl(ValueError):
@@ -80,6 +84,11 @@ def _forbidden(address: str) -> str:
             return kind
     if ip in ipaddress.ip_network("100.64.0.0/10"):  # carrier-grade NAT: not the public internet
         return "private"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:  # fec0::/10, deprecated but routed inside
+        return "private"
+    # Whatever else is not the public internet (documentation, benchmarking, IETF protocol ranges...).
+    if not ip.is_global or any(ip in net for net in NOT_GLOBAL):
+        return "non-public"
     return ""
 
 

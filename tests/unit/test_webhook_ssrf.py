@@ -32,6 +32,12 @@ def resolve(host):
     ("https://[2002:0a00:0007::1]/x", "private"),  # 6to4 around 10.0.0.7
     ("https://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/x", "private"),  # Teredo: client 10.0.0.1
     ("https://[64:ff9b::7f00:1]/x", "loopback"),  # NAT64 around 127.0.0.1
+    ("https://[fec0::1]/x", "private"),  # IPv6 site-local
+    ("https://168.63.129.16/x", "cloud metadata"),  # Azure's platform address
+    ("https://[3fff::1]/x", "non-public"),  # IPv6 documentation (RFC 9637)
+    ("https://[2001:db8::1]/x", "private"),  # Python's tables call documentation and benchmarking private
+    ("https://192.0.2.10/x", "private"),
+    ("https://198.18.0.1/x", "private"),
     ("https://user:pw@hooks.example.com/x", "credentials"),
     ("ftp://hooks.example.com/x", "not an http"),
 ])
@@ -42,6 +48,8 @@ def test_unsafe_urls_are_refused_with_the_reason(url, why):
 
 def test_public_https_and_operator_allowed_hosts_pass():
     UrlPolicy().check("https://hooks.example.com/x", resolve)
+    for public in ("8.8.8.8", "1.1.1.1", "[2606:4700:4700::1111]", "[2a00:1450:4001:80b::200e]"):
+        UrlPolicy().check(f"https://{public}/x", resolve)
     UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})).check("http://127.0.0.1:9000/hooks/a", resolve)
 
 
