@@ -201,32 +201,32 @@ class Dispatcher:
                 self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
                 log.error("%s; holding tenant %s", exc, draw.tenant)
                 continue
-            for p in draw.items:  # the age is checked before every attempt: never sent too late
-                if expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms):
-                    self._open.pop(id(p), None)
-                    self.on_expired(p)
-            draw.items, duplicates = unique_sends([p for p in draw.items if id(p) in self._open])
+            draw.items, duplicates = unique_sends(draw.items)
             for p in duplicates:
                 self._skip(p)
             if draw.items:
                 live.append(draw)
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
-        fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s)]
+        fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s, now_ms)]
         admitted = self._admit_round(fresh)
         stamp = wall_ms()
         for draw in admitted:
             draw.stamps["admitted"] = stamp
         self._claim_round(admitted)
 
-    def _sort_by_state(self, draw: Draw, states: list[str | None]) -> bool:
-        """Skip the delivered, dead-letter those left to reconciliation, recover (or wait for) the
-        unknown; keep the fresh in `draw.items`.
+    def _sort_by_state(self, draw: Draw, states: list[str | None], now_ms: int) -> bool:
+        """Skip the delivered, dead-letter the too old and those left to reconciliation, recover (or wait
+        for) the unknown; keep the fresh in `draw.items`.
         True when fresh messages are left to send."""
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(draw.items, states, strict=True):
-            if state == "delivered":
+            if state == "delivered":  # first: an old copy of a delivered send is a duplicate, not too old
                 self._skip(p)
+            elif expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms):
+                # The age is checked before every attempt: never sent too late.
+                self._open.pop(id(p), None)
+                self.on_expired(p)
             elif state == "reconcile":
                 # Left to reconciliation with an unknown outcome: a batch member met after the others
                 # were dead-lettered, or read again after a crash between the mark and its dead letter.

@@ -877,3 +877,20 @@ def test_a_worker_stopped_by_a_failure_mid_batch_stores_no_offset_past_what_it_t
         worker.step()
     worker.shutdown()
     assert consumer.stored[(TOPIC, 1)] == 1
+
+
+def test_an_old_copy_of_a_delivered_send_is_a_duplicate_not_a_dead_letter():
+    """Given a send delivered a day ago, read again from its lane (a retrier restarted behind a frozen
+    offset re-publishes copies released long ago), and a send as old that was never delivered,
+    When the worker meets them,
+    Then the delivered one is skipped as a duplicate (before: dead-lettered `too_old`, which an operator
+    replaying the DLQ would have sent a second time) and the other is dead-lettered `too_old`."""
+    day_ago = int(time.time() * 1000) - 86_400_000
+    sends = [build_send(validate_request(email_request()), "acme", now_ms=day_ago) for _ in range(2)]
+    worker, consumer, producer, provider = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)],
+                                                   jobs=FakeJobs(delivered={sends[0].send_id}))
+    _run(worker)
+    assert provider.sent == []
+    [(_, headers)] = producer.records[NAMES.dlq]
+    assert headers["send_id"] == sends[1].send_id.encode() and headers["reason"] == b"too_old"
+    assert consumer.stored[(TOPIC, 0)] == 2
