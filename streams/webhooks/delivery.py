@@ -20,7 +20,7 @@ import ipaddress
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +34,8 @@ from .ssrf import UnsafeUrl, UrlPolicy
 
 EXCERPT_BYTES = 1024
 DNS_TTL_S = 30.0
+DNS_TIMEOUT_S = 5.0
+DNS_THREADS = 16
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
@@ -112,8 +114,12 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
     connections the receiver closed, as after a burst). Its webhook-id is the same, so a receiver that
     did get the first copy deduplicates it. A new connection that fails is a failure of the attempt."""
     first: dict[str, bool] = {}
+    left = timeout_s - (time.monotonic() - started)  # the name lookup came out of the same time
+    if left <= 0:
+        raise TimeoutError
     try:
-        resp = await session.post(url, data=body, headers=headers, allow_redirects=False, trace_request_ctx=first)
+        resp = await session.post(url, data=body, headers=headers, allow_redirects=False, trace_request_ctx=first,
+                                  timeout=aiohttp.ClientTimeout(total=left))
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         if isinstance(exc, aiohttp.ClientConnectorError) or not first.get("reused"):
             raise  # no connection at all, or a new one: another is no different
@@ -128,6 +134,14 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
         return classify(resp.status, answer, head, time.monotonic() - started)
 
 
+def addresses_of(host: str) -> list[str]:
+    """The host's addresses ([] when it does not resolve)."""
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+    except OSError:
+        return []
+
+
 class WebhookDelivery:
     name = "webhook"
 
@@ -135,6 +149,8 @@ class WebhookDelivery:
                  concurrency: int = 256):
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self._dns: dict[str, tuple[float, list[str]]] = {}
+        self._looking_up: dict[str, asyncio.Future] = {}
+        self._dns_pool = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="webhook-dns")
         self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
@@ -171,7 +187,10 @@ class WebhookDelivery:
             return ProviderResult("skipped", error_name="endpoint_degraded")
         started = time.monotonic()
         host = urlsplit(ep.url).hostname or ""
-        resolve = await self._resolve(host)
+        try:
+            resolve = await self._resolve(host)
+        except TimeoutError:
+            return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started)
         try:
             self.policy.check(ep.url, resolve)
         except UnsafeUrl as exc:
@@ -192,17 +211,21 @@ class WebhookDelivery:
             return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
 
     async def _resolve(self, host: str):
-        """A resolver for the URL policy, with addresses cached DNS_TTL_S (resolved off the loop's way)."""
+        """A resolver for the URL policy, with addresses cached DNS_TTL_S. Looked up on threads of the
+        deliveries' own (the loop's default pool is shared with everything else), one lookup per host at
+        a time however many deliveries wait for it, and waited for at most DNS_TIMEOUT_S (TimeoutError):
+        a tenant's name server that never answers costs its own deliveries 5 s each, not everyone's
+        threads and time."""
         cached = self._dns.get(host)
-        if cached is None or time.monotonic() - cached[0] > DNS_TTL_S:
-            try:
-                infos = await self.loop.getaddrinfo(host, None)
-                addresses = sorted({str(i[4][0]) for i in infos})
-            except OSError:
-                addresses = []
-            cached = (time.monotonic(), addresses)
-            self._dns[host] = cached
-        addresses = cached[1]
+        if cached is not None and time.monotonic() - cached[0] <= DNS_TTL_S:
+            addresses = cached[1]
+        else:
+            lookup = self._looking_up.get(host)
+            if lookup is None:
+                lookup = self.loop.run_in_executor(self._dns_pool, addresses_of, host)
+                self._looking_up[host] = lookup
+                lookup.add_done_callback(lambda done: self._looked_up(host, done))
+            addresses = await asyncio.wait_for(asyncio.shield(lookup), min(DNS_TIMEOUT_S, self.timeout_s))
 
         def resolve(name: str) -> list[str]:
             if not addresses:
@@ -210,6 +233,10 @@ class WebhookDelivery:
             return addresses
 
         return resolve
+
+    def _looked_up(self, host: str, done: asyncio.Future) -> None:
+        self._looking_up.pop(host, None)
+        self._dns[host] = (time.monotonic(), [] if done.cancelled() or done.exception() else done.result())
 
     @property
     def ready(self) -> bool:
@@ -226,3 +253,4 @@ class WebhookDelivery:
         asyncio.run_coroutine_threadsafe(self.fresh.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        self._dns_pool.shutdown(wait=False, cancel_futures=True)

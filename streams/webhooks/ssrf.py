@@ -11,7 +11,9 @@ production mode only https is accepted.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -92,7 +94,13 @@ def _forbidden(address: str) -> str:
     return ""
 
 
-def system_resolver(host: str) -> list[str]:
-    import socket
+LOOKUP_TIMEOUT_S = 5.0
+_LOOKUPS = ThreadPoolExecutor(8, thread_name_prefix="url-check-dns")
 
-    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+
+def system_resolver(host: str) -> list[str]:
+    """The host's addresses, or OSError (TimeoutError after LOOKUP_TIMEOUT_S): a tenant's name server
+    that never answers holds a registration that long, not one of the API's threads for good. Lookups
+    run on threads of their own; one stuck there ends with the resolver's own timeout."""
+    infos = _LOOKUPS.submit(socket.getaddrinfo, host, None).result(timeout=LOOKUP_TIMEOUT_S)
+    return sorted({str(info[4][0]) for info in infos})

@@ -59,3 +59,30 @@ def test_a_refusal_never_names_the_address_a_name_resolved_to_nor_the_resolvers_
         with pytest.raises(UnsafeUrl) as refused:
             UrlPolicy().check(url, resolve)
         assert hidden not in str(refused.value)
+
+
+def test_a_registration_whose_name_server_never_answers_is_refused_in_seconds(monkeypatch):
+    """Given a host whose name server does not answer,
+    When a tenant registers a URL on it,
+    Then the registration is refused as not resolving after LOOKUP_TIMEOUT_S, instead of holding one of the
+    API's request threads until the system resolver gives up (tenants share those threads)."""
+    import threading
+    import time
+
+    from streams.webhooks import ssrf
+
+    answer = threading.Event()
+
+    def silent(host, port, *args, **kwargs):
+        answer.wait(10)
+        raise OSError("no answer")
+
+    monkeypatch.setattr(ssrf, "LOOKUP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ssrf.socket, "getaddrinfo", silent)
+    started = time.monotonic()
+    try:
+        with pytest.raises(UnsafeUrl, match="does not resolve"):
+            UrlPolicy().check("https://slow.example/hook", ssrf.system_resolver)
+        assert time.monotonic() - started < 1.0
+    finally:
+        answer.set()
