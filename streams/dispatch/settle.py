@@ -152,10 +152,10 @@ class Settler:
         wait = cool_down_s(result, now_ms)
         if wait is not None:
             metrics.PROVIDER_429.labels(route.name, result.error_name or result.outcome).inc()
-            if route.spec.shared_limit:  # one limit for everyone: every worker holds off, not only this one
-                self.gate.cool_down(route.name, wait)
-            else:  # a webhook endpoint's own limit: hold its queue only
-                self._hold_endpoint(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
+            if route.spec.shared_limit and not route.credentials.has_own_key(job.tenant):
+                self.gate.cool_down(route.name, wait)  # one limit for everyone: every worker holds off it
+            else:  # a webhook endpoint's own limit, or the tenant's own account's: hold its queue only
+                self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         if result.outcome == "gone" and self.on_gone is not None:
             self.on_gone(job)
         if result.outcome == "unknown" and not route.spec.idempotent:
@@ -195,8 +195,9 @@ class Settler:
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
 
-    def _hold_endpoint(self, queue: str, wait: float, now_ms: int, asked: bool) -> None:
-        """A receiver's 429 holds its endpoint's queue until Retry-After. A wait longer than the
+    def _hold_queue(self, queue: str, wait: float, now_ms: int, asked: bool) -> None:
+        """A 429 from a limit of one queue's own (a webhook endpoint's, a tenant's account at a provider)
+        holds that queue until Retry-After. A wait longer than the
         worker waits in process is not spent in memory: `spill_long_holds` moves what is queued for
         the endpoint, and what arrives for it meanwhile, to the retry tier due when it asked (so its
         partition's offset moves on, and each message's age is checked again when it comes back)."""

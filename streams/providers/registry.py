@@ -165,6 +165,12 @@ class ProviderCredentials:
     def __init__(self, keys: dict[str, str]):
         self.keys = dict(keys)
 
+    def has_own_key(self, tenant: str) -> bool:
+        """The tenant's requests go out under a key (an account at the provider) of its own: that account's
+        limits are its own, not everyone's."""
+        own = self.keys.get(tenant)
+        return tenant != "*" and own is not None and own != self.keys.get("*")
+
     def for_tenant(self, tenant: str) -> str:
         key = self.keys.get(tenant) or self.keys.get("*")
         if not key:

@@ -894,3 +894,40 @@ def test_an_old_copy_of_a_delivered_send_is_a_duplicate_not_a_dead_letter():
     [(_, headers)] = producer.records[NAMES.dlq]
     assert headers["send_id"] == sends[1].send_id.encode() and headers["reason"] == b"too_old"
     assert consumer.stored[(TOPIC, 0)] == 2
+
+
+class CoolDowns(FakeGate):
+    def __init__(self):
+        super().__init__()
+        self.cooled: list[tuple[str, float]] = []
+
+    def cool_down(self, provider, seconds):
+        self.cooled.append((provider, seconds))
+
+
+@pytest.mark.parametrize("keys, everyone_held", [({"*": "re_shared", "acme": "re_acme_own"}, False),
+                                                 ({"*": "re_shared"}, True),
+                                                 ({"*": "re_shared", "acme": "re_shared"}, True)],
+                         ids=["acme's own account", "one shared account", "acme named on the shared key"])
+def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_held):
+    """Given email sent under one provider key for everyone, or under a key of acme's own (its own account,
+    with its own limits),
+    When acme's request is answered 429 (its account's daily quota, say) with Retry-After 2 s,
+    Then on its own account only acme's queue is held and globex's email goes out; on the shared account
+    every worker holds off the provider (the shared cool-down), as before."""
+    spec = load_registry().primary("email")
+    sends, msgs = _messages(["acme", "globex"])
+    answers = [ProviderResult("throttled", 429, retry_after="2", error_name="rate_limit_exceeded")]
+    provider, gate = FakeProvider(DELIVERED), CoolDowns()
+    provider.post = lambda *args: (provider.sent.append(args[1]), answers.pop(0) if answers else DELIVERED)[1]
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs[:1]),
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials(keys))]), gate, FakeJobs(),
+                        load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=5)
+    worker.consumer.pending.append(msgs[1])
+    _run(worker, steps=5)
+    assert gate.cooled == ([("resend", 2.0)] if everyone_held else [])
+    if not everyone_held:
+        assert provider.sent == [sends[0].send_id.encode(), sends[1].send_id.encode()]
+        assert worker.queues.buffered == 1  # acme's, held until its Retry-After
