@@ -28,6 +28,15 @@ _TRUE = {"1", "true", "yes", "on"}
 _TIMEOUTS: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 2, "health_check_interval": 30}
 
 
+# Compare-and-set of one hash field: a record read, changed and written back only if nobody wrote it
+# meanwhile (0: it changed; read it again). KEYS[1] the hash; ARGV: field, the value as read, the new value.
+SET_FIELD_IF_UNCHANGED = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
 def connect(url: str) -> redis.Redis:
     """A client that fails fast (a short timeout) so callers can hold and retry, never hang. A
     cluster URL gives a `ClusterClient` (a redis-py RedisCluster), which must reach one startup

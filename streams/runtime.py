@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from redis import Redis
 
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, PublishError, StoreUnavailable
 from .lanes import CHANNELS, LANES
 from .names import TopicNames
 from .providers.registry import ProviderCredentials, ProviderSpec, adapter_class
@@ -235,7 +235,11 @@ class Runtime:
 
         def disable(job: Job) -> None:
             payload = job.members[0].send.payload
-            store.set_state(job.tenant, payload["endpoint_id"], "disabled", "the receiver answered 410 Gone")
+            try:
+                store.set_state(job.tenant, payload["endpoint_id"], "disabled", "the receiver answered 410 Gone")
+            except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
+                logging.getLogger("streams.runtime").warning(
+                    "endpoint %s answered 410 Gone but could not be disabled now: %s", payload["endpoint_id"], exc)
 
         return disable
 

@@ -22,7 +22,7 @@ import redis
 
 from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
-from ..redis_client import store_errors
+from ..redis_client import SET_FIELD_IF_UNCHANGED, store_errors
 from ..send import check_tenant_id
 
 if TYPE_CHECKING:
@@ -31,12 +31,6 @@ if TYPE_CHECKING:
 LAST_USED_EVERY_S = 60  # last-used times are written at most this often per key
 CHANGE_ATTEMPTS = 10
 
-_SET_IF_UNCHANGED = """
--- KEYS[1] the keys' hash; ARGV: digest, the record as read, the new record. 1: written; 0: it changed
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -75,7 +69,7 @@ class ApiKeys:
         self.key = self.keys.api_keys
         self.oplog = oplog
         self._used: dict[str, float] = {}
-        self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
+        self._set_if_unchanged = client.register_script(SET_FIELD_IF_UNCHANGED)
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, role: str, tenant: str | None = None, label: str = "") -> str:

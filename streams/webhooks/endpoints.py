@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
-from ..redis_client import load_script, store_errors
+from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
 from ..state.log import OperatorLog, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
@@ -37,6 +38,7 @@ MAX_PREVIOUS_SECRETS = 2  # a third rotation within 24 h ends the oldest previou
 # A tenant's endpoints: each one that fails sends its members alert emails from the platform's own
 # sender, so their number is bounded (Stripe allows 16 per account).
 MAX_ENDPOINTS_PER_TENANT = 50
+CHANGE_ATTEMPTS = 10
 # A create's reserved place outlives its slowest finish (the operator log's write, up to its timeout
 # plus 5 s); the place of a create that died before finishing is free again after it.
 RESERVATION_MS = int((LOG_TIMEOUT_S + 15) * 1000)
@@ -62,6 +64,7 @@ class EndpointStore:
         self.policy, self.resolve = policy, resolve
         self._reserve = client.register_script(load_script(__package__, "reserve_endpoint.lua"))
         self._save_reserved = client.register_script(load_script(__package__, "save_reserved_endpoint.lua"))
+        self._set_if_unchanged = client.register_script(SET_FIELD_IF_UNCHANGED)
 
     def _check_url(self, url: str) -> str:
         try:
@@ -70,12 +73,31 @@ class EndpointStore:
             raise ConfigError(f"url: {exc}") from None
         return url
 
-    def _save(self, ep: Endpoint) -> Endpoint:
+    def _save(self, ep: Endpoint, expected: bytes | None = None) -> bool:
+        """The operator log first, then Redis; with `expected`, only if the stored record is still exactly
+        that (False: someone changed it meanwhile)."""
         if self.oplog is not None:
             self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
         with store_errors("saving an endpoint"):
-            self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
-        return ep
+            if expected is None:
+                self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
+                return True
+            return bool(self._set_if_unchanged(keys=[self.keys.endpoints(ep.tenant)],
+                                               args=[ep.id, expected, orjson.dumps(ep.to_doc())]))
+
+    def _change(self, tenant: str, endpoint_id: str, change: Callable[[Endpoint], Endpoint]) -> Endpoint | None:
+        """Read, change and write back an endpoint, compare-and-set: a change written meanwhile by another
+        request or process (the tenant's PATCH, a rotation, the worker disabling it after a 410) is read
+        again and kept, never overwritten with the older record. None: no such endpoint."""
+        for _ in range(CHANGE_ATTEMPTS):
+            with store_errors("reading an endpoint"):
+                raw = self.client.hget(self.keys.endpoints(tenant), endpoint_id)
+            if raw is None:
+                return None
+            changed = change(Endpoint.from_doc(orjson.loads(raw)))
+            if self._save(changed, raw):
+                return changed
+        raise StoreUnavailable(f"endpoint {endpoint_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
     def _save_new(self, ep: Endpoint, reservations: str) -> None:
         """The operator log first, then Redis, which gives back the endpoint's reserved place in the
@@ -141,8 +163,7 @@ class EndpointStore:
 
     def update(self, tenant: str, endpoint_id: str, *, url: str | None = None, description: str | None = None,
                event_types: list[str] | None = None, enabled: bool | None = None) -> Endpoint | None:
-        ep = self.get(tenant, endpoint_id)
-        if ep is None:
+        if self.get(tenant, endpoint_id) is None:  # ownership first: a URL check answers nobody else's ids
             return None
         changes: dict[str, Any] = {}
         if url is not None:
@@ -153,7 +174,7 @@ class EndpointStore:
             changes["event_types"] = check_event_types(event_types)
         if enabled is not None:
             changes["enabled"] = enabled
-        return self._save(replace(ep, **changes))
+        return self._change(tenant, endpoint_id, lambda ep: replace(ep, **changes))
 
     def delete(self, tenant: str, endpoint_id: str) -> bool:
         if self.get(tenant, endpoint_id) is None:
@@ -168,23 +189,22 @@ class EndpointStore:
         """A new current secret; the previous one stays valid 24 h (both sign meanwhile). At most
         MAX_PREVIOUS_SECRETS previous ones are kept: every delivery is signed with each valid secret
         (an HMAC over the whole body each), so rotating again and again must not multiply that work."""
-        ep = self.get(tenant, endpoint_id)
-        if ep is None:
-            return None
-        now_ms = now_ms or int(time.time() * 1000)
-        kept = [s if s.expires_at_ms is not None else Secret(s.value, now_ms + ROTATION_OVERLAP_MS)
-                for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now_ms][:MAX_PREVIOUS_SECRETS]
+        now = now_ms or int(time.time() * 1000)
         secret = new_secret()
-        self._save(replace(ep, secrets=(Secret(secret), *kept)))
-        return secret
+
+        def rotated(ep: Endpoint) -> Endpoint:
+            kept = [s if s.expires_at_ms is not None else Secret(s.value, now + ROTATION_OVERLAP_MS)
+                    for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now][:MAX_PREVIOUS_SECRETS]
+            return replace(ep, secrets=(Secret(secret), *kept))
+
+        return None if self._change(tenant, endpoint_id, rotated) is None else secret
 
     def set_state(self, tenant: str, endpoint_id: str, state: str, reason: str = "") -> Endpoint | None:
         """Health changes: `disabled` after a 410, `degraded` after repeated failures, `active` again on
         reactivation."""
         if state not in STATES:
             raise ConfigError(f"unknown endpoint state {state!r} (states: {', '.join(STATES)})")
-        ep = self.get(tenant, endpoint_id)
-        return None if ep is None else self._save(replace(ep, state=state, state_reason=reason))
+        return self._change(tenant, endpoint_id, lambda ep: replace(ep, state=state, state_reason=reason))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from streams.dispatch.idempotency import Claim, ProcessedJobs, idempotency_key
 from streams.errors import GateUnavailable, StateLost, StoreUnavailable
 from streams.gate.gate import RedisGate
 from streams.gate.limits import LimitStore
+from streams.ingest.api_keys import ApiKeys
 from streams.ingest.idempotency import IngestIdempotency
 from streams.ingest.status import StatusStore
 from streams.names import RedisKeys, TopicNames
@@ -53,13 +54,15 @@ class RecordingClient(ClusterClient):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.sites: dict[str, str] = {}               # sha -> the file whose code registered it
+        self.sites: dict[str, str] = {}               # sha -> the file whose code registered it (the last one)
+        self.registrations: list[str] = []            # the file of every registration (a script can have two)
         self.calls: list[tuple[str, tuple]] = []      # (sha, keys)
 
     def register_script(self, script):
         caller = sys._getframe(1)
         registered = super().register_script(script)
         self.sites[registered.sha] = f"{Path(caller.f_code.co_filename).resolve().relative_to(PACKAGE.parent)}"
+        self.registrations.append(self.sites[registered.sha])
         return registered
 
     def record(self, sha, keys) -> None:
@@ -107,8 +110,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     endpoint store's), on a
     client of the Redis Cluster that notes the keys of every script call,
     When the gate (acquire, acquire_many, cool_down), processed_jobs (claim, claim_many, mark_delivered,
-    mark_delivered_many, mark_reconcile, release, refresh), ingest idempotency (begin, renew, finish, release) and
-    the endpoint store (create) run for tenants and providers spread over all three masters,
+    mark_delivered_many, mark_reconcile, release, refresh), ingest idempotency (begin, renew, finish, release),
+    the endpoint store (create, a compare-and-set change) and API keys (a compare-and-set change) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
     first, nodes = cluster_startup(healthy_redis_cluster.url)
@@ -149,12 +152,15 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     endpoints = EndpointStore(recording, ns, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
                               system_resolver)
     for t in tenants:
-        endpoints.create(t, "http://127.0.0.1:9/hooks", ["*"])
+        created, _ = endpoints.create(t, "http://127.0.0.1:9/hooks", ["*"])
+        assert endpoints.set_state(t, created.id, "disabled", "410").state == "disabled"  # compare-and-set
     assert [len(endpoints.all(t)) for t in tenants] == [1] * len(tenants)
+    keys = ApiKeys(recording, ns)
+    assert keys.revoke(keys.resolve(keys.create("tenant", tenants[0])).key_id).revoked_at_ms  # compare-and-set
 
     sites = registration_sites()
     used = {}
-    for site in recording.sites.values():
+    for site in recording.registrations:
         used[site] = used.get(site, 0) + 1
     assert used == sites, (f"register_script calls in the package {sites}, exercised here {used}: a new Lua script "
                            "needs its calls added to this test")

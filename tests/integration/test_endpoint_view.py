@@ -160,6 +160,31 @@ def test_rotating_again_and_again_keeps_the_newest_secrets_only(redis_client, na
     assert kept[0].expires_at_ms is None and all(s.expires_at_ms for s in kept[1:])
 
 
+def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespace, monkeypatch):
+    """Given a tenant's PATCH of its endpoint's description that has read the endpoint, not yet written it,
+    When the webhook worker disables that endpoint at that moment (its receiver answered 410 Gone),
+    Then both changes hold: the description is the new one and the endpoint stays disabled (before, the
+    PATCH wrote back the record it had read, and the endpoint was active again)."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    patching = EndpointStore(redis_client, namespace, None, policy, system_resolver)
+    worker = EndpointStore(redis_client, namespace, None, policy, system_resolver)
+    ep, _ = patching.create("acme", "http://127.0.0.1:9/hooks/gone", ["*"])
+    save = EndpointStore._save
+
+    def disable_first(self, changed, *more):
+        if self is patching and not disable_first.done:
+            disable_first.done = True
+            assert worker.set_state("acme", ep.id, "disabled", "the receiver answered 410 Gone").state == "disabled"
+        return save(self, changed, *more)
+
+    disable_first.done = False
+    monkeypatch.setattr(EndpointStore, "_save", disable_first)
+    patching.update("acme", ep.id, description="billing events")
+    assert disable_first.done
+    now = worker.get("acme", ep.id)
+    assert (now.description, now.state) == ("billing events", "disabled")
+
+
 class HeldLog:
     """An operator log whose writes wait until the test lets them go, so that every create under way
     has passed the bound's check before any of them is written (the interleaving a race needs)."""
