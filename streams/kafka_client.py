@@ -187,7 +187,7 @@ class _Record:
     alone: bool = False   # produced in a batch of its own (after the broker refused the batch it was in)
 
 
-ALONE_FLUSH_S = 5.0
+ALONE_FLUSH_S = 1.0  # a broker in trouble: the record then goes with the next ones, and is tried alone again
 # Errors that producing again cannot fix: the record itself is refused.
 REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 
@@ -237,6 +237,7 @@ class AckedWriter:
             else:
                 metrics.PRODUCE_RETRIES.labels(self.label).inc()
                 self.outage.failed(time.monotonic(), err)
+                record.alone = False  # produced again with others: a size refusal then says nothing of it alone
                 self._failed.append(record)
 
         self.unacknowledged += 1

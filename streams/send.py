@@ -54,7 +54,7 @@ WHITE_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\
 # start a new mail header at a provider that writes the address into one.
 _CONTROLS = r"\x00-\x1f\x7f"
 _ADDRESS = rf"[^@<>{WHITE_SPACE}{_CONTROLS}]+@[^@<>{WHITE_SPACE}{_CONTROLS}]+\.[^@<>{WHITE_SPACE}{_CONTROLS}]+"
-_DISPLAY_NAME = rf"[^<>{_CONTROLS}]*"
+_DISPLAY_NAME = rf"[^<>{_CONTROLS}\x85\u2028\u2029]*"  # nor a line or paragraph separator
 EMAIL_PATTERN = rf"^{_ADDRESS}$|^{_DISPLAY_NAME}<{_ADDRESS}>$"  # what check_address accepts, as one pattern
 # Matched whole (`fullmatch`): Python's `$` also matches before a final newline, JSON Schema's does not.
 _ANY_EMAIL = re.compile(rf"{_ADDRESS}|{_DISPLAY_NAME}<{_ADDRESS}>")

@@ -247,7 +247,8 @@ class RecordWriter:
                                            on_written: Callable[[int, int], object] | None) -> None:
         """Refused even without its payload: the record's own headers are too large. Keep the letter with
         only the headers dispatch writes (bounded), or the partition could never move past it."""
-        ours = {k: v[:1000] for k, v in headers.items() if k in OWN_DLQ_HEADERS}  # some were copied from the record
+        # Some were copied from the record: bounded here, and a header without a value (None) left out.
+        ours = {k: v[:1000] for k, v in headers.items() if k in OWN_DLQ_HEADERS and v is not None}
         ours["headers_omitted"] = b"too_large"
         self.produce(self.names.dlq, key, None, ours, on_ack, on_written=on_written)
 

@@ -264,7 +264,7 @@ class Settler:
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
-        tenant queue (the shared cool-down holds every worker off until Retry-After). It does not
+        tenant queue (the shared cool-down, or this queue's own hold, keeps them until Retry-After). It does not
         use up an attempt (the provider never looked at the sends); their age is checked again
         before the next attempt, as before every attempt."""
         self.queues.put_back(job.queue, list(job.members))

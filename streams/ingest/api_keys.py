@@ -159,6 +159,10 @@ class ApiKeys:
             doc = {**orjson.loads(stored), **fields}
             if self._save(digest, doc, stored):
                 return self._info(digest, doc, None)
+            if self.oplog is not None:  # it lost: the log gets back what Redis holds (no stale record left)
+                with store_errors("reading API keys"):
+                    now = self.client.hget(self.key, digest)
+                self.oplog.put(f"apikey/{digest}", orjson.loads(now) if now else None)
         raise StoreUnavailable(f"API key {key_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
     def _save(self, digest: str, doc: dict, expected: bytes | None = None) -> bool:

@@ -25,14 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from confluent_kafka import KafkaError, TopicPartition
 
 from .. import metrics
 from ..backoff import Outage
+from ..errors import MalformedEvent
 from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_producer, lane_consumer, store_offsets
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
+from ..outcomes import outcome_event
+from ..send import decode
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, far_partitions
 
@@ -180,6 +184,7 @@ class Retrier:
         self.writer.write(self.lane_topic, held.value, held.key, headers.items(),
                           on_ack=lambda: self.tracker.finish(*where),
                           on_refused=lambda err: self._dead_letter_refused(held, now_ms, where))
+        metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
 
     def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
         """The lane refused the copy for its size (the header added here took a record written straight to
@@ -195,8 +200,26 @@ class Retrier:
                         "group": self.cfg.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()})
         metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
         self.writer.write(self.cfg.names.dlq, None, held.headers.get("send_id") or None, headers.items(),
-                          on_ack=lambda: self.tracker.finish(*where))
-        metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
+                          on_ack=lambda: self.tracker.finish(*where),
+                          on_written=lambda partition, offset: self._dead_lettered(held, now_ms, partition, offset))
+
+    def _dead_lettered(self, held: Held, now_ms: int, partition: int, offset: int) -> None:
+        """The send's outcome, as a worker writes one for its dead letters: its status store then shows it
+        dead-lettered (and where the letter is), so it can be replayed."""
+        try:
+            send = decode(held.value)
+        except MalformedEvent:
+            return  # not a send: nothing has a status to change
+        try:
+            attempts = int(held.headers.get("attempt", b"1"))
+        except ValueError:
+            attempts = 1
+        event = {**outcome_event(send, "dropped" if send.channel == "webhook" else "dead_lettered", attempts,
+                                 now_ms, "", reason="too_large"),
+                 "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
+                 "dlq": {"partition": partition, "offset": offset}}
+        metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()
+        self.writer.write(self.cfg.names.outcomes, send.send_id.encode(), orjson.dumps(event))
 
     def _bound_memory(self) -> None:
         wanted = self.bound.paused(len(self.heap), self.held_bytes, self.assigned, self.paused, self._far_partitions)

@@ -35,7 +35,8 @@ from .ssrf import UnsafeUrl, UrlPolicy
 EXCERPT_BYTES = 1024
 DNS_TTL_S = 30.0
 DNS_TIMEOUT_S = 5.0
-DNS_THREADS = 16
+DNS_THREADS = 32
+DNS_LOOKUPS_PER_TENANT = 4
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
@@ -150,6 +151,7 @@ class WebhookDelivery:
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
+        self._tenant_lookups: dict[str, int] = {}  # lookups under way, by the tenant that started them
         self._dns_pool = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="webhook-dns")
         self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
@@ -188,7 +190,7 @@ class WebhookDelivery:
         started = time.monotonic()
         host = urlsplit(ep.url).hostname or ""
         try:
-            resolve = await self._resolve(host)
+            resolve = await self._resolve(host, ep.tenant)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started)
         try:
@@ -210,21 +212,26 @@ class WebhookDelivery:
         except aiohttp.ClientError as exc:
             return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
 
-    async def _resolve(self, host: str):
+    async def _resolve(self, host: str, tenant: str = ""):
         """A resolver for the URL policy, with addresses cached DNS_TTL_S. Looked up on threads of the
         deliveries' own (the loop's default pool is shared with everything else), one lookup per host at
         a time however many deliveries wait for it, and waited for at most DNS_TIMEOUT_S (TimeoutError):
         a tenant's name server that never answers costs its own deliveries 5 s each, not everyone's
-        threads and time."""
+        threads and time. A lookup stuck in the system resolver keeps its thread until the resolver gives
+        up, so one tenant's lookups hold at most DNS_LOOKUPS_PER_TENANT threads: past that, its next new
+        host fails at once (TimeoutError) and the other tenants' lookups still find threads free."""
         cached = self._dns.get(host)
         if cached is not None and time.monotonic() - cached[0] <= DNS_TTL_S:
             addresses = cached[1]
         else:
             lookup = self._looking_up.get(host)
             if lookup is None:
+                if self._tenant_lookups.get(tenant, 0) >= DNS_LOOKUPS_PER_TENANT:
+                    raise TimeoutError(f"{DNS_LOOKUPS_PER_TENANT} lookups of this tenant are still unanswered")
+                self._tenant_lookups[tenant] = self._tenant_lookups.get(tenant, 0) + 1
                 lookup = self.loop.run_in_executor(self._dns_pool, addresses_of, host)
                 self._looking_up[host] = lookup
-                lookup.add_done_callback(lambda done: self._looked_up(host, done))
+                lookup.add_done_callback(lambda done: self._looked_up(host, tenant, done))
             addresses = await asyncio.wait_for(asyncio.shield(lookup), min(DNS_TIMEOUT_S, self.timeout_s))
 
         def resolve(name: str) -> list[str]:
@@ -234,8 +241,11 @@ class WebhookDelivery:
 
         return resolve
 
-    def _looked_up(self, host: str, done: asyncio.Future) -> None:
+    def _looked_up(self, host: str, tenant: str, done: asyncio.Future) -> None:
         self._looking_up.pop(host, None)
+        self._tenant_lookups[tenant] -= 1
+        if not self._tenant_lookups[tenant]:
+            del self._tenant_lookups[tenant]
         self._dns[host] = (time.monotonic(), [] if done.cancelled() or done.exception() else done.result())
 
     @property

@@ -97,7 +97,18 @@ class EndpointStore:
             changed = change(Endpoint.from_doc(orjson.loads(raw)))
             if self._save(changed, raw):
                 return changed
+            self._log_what_redis_holds(tenant, endpoint_id)
         raise StoreUnavailable(f"endpoint {endpoint_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
+
+    def _log_what_redis_holds(self, tenant: str, endpoint_id: str) -> None:
+        """A change that lost its compare-and-set had already written its record to the operator log (which
+        Redis is rebuilt from): the log gets the winner's record back (or the deletion) at once, so no
+        stale record is left there whatever happens to this change next."""
+        if self.oplog is None:
+            return
+        with store_errors("reading an endpoint"):
+            raw = self.client.hget(self.keys.endpoints(tenant), endpoint_id)
+        self.oplog.put(f"endpoint/{endpoint_id}", orjson.loads(raw) if raw else None)
 
     def _save_new(self, ep: Endpoint, reservations: str) -> None:
         """The operator log first, then Redis, which gives back the endpoint's reserved place in the

@@ -95,7 +95,7 @@ def _forbidden(address: str) -> str:
 
 
 LOOKUP_TIMEOUT_S = 5.0
-_LOOKUPS = ThreadPoolExecutor(8, thread_name_prefix="url-check-dns")
+_LOOKUPS = ThreadPoolExecutor(32, thread_name_prefix="url-check-dns")
 
 
 def system_resolver(host: str) -> list[str]:

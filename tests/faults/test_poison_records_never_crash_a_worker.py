@@ -43,7 +43,7 @@ def test_records_too_large_for_their_retry_or_dlq_copy_and_bad_headers_are_dead_
     producer.produce(names.lane("email", "transactional"), key=b"acme", value=raw, headers=[("attempt", b"2x")])
     # Unreadable, and carrying headers the DLQ cannot take even without the payload.
     producer.produce(names.lane("email", "transactional"), key=b"acme", value=b'{"v": 1, "send_id": "junk-1"}',
-                     headers=[("junk", b"x" * 100_000)])
+                     headers=[("junk", b"x" * 100_000), ("tenant", None)])  # and a header without a value
     producer.flush(10)
 
     letters = wait_until(lambda: {r.send_id: r for r in d} if len(d := read_all(fault_stack.bootstrap, names.dlq,

@@ -160,29 +160,55 @@ def test_rotating_again_and_again_keeps_the_newest_secrets_only(redis_client, na
     assert kept[0].expires_at_ms is None and all(s.expires_at_ms for s in kept[1:])
 
 
-def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespace, monkeypatch):
+class OrderedLog:
+    """An operator log that keeps what was put, in order (what a rebuild of Redis would read)."""
+
+    def __init__(self):
+        self.puts: list[tuple[str, dict | None]] = []
+
+    def put(self, key, value) -> None:
+        self.puts.append((key, value))
+
+    def last(self, key):
+        return [v for k, v in self.puts if k == key][-1]
+
+
+@pytest.mark.parametrize("meanwhile", ["disabled", "deleted"])
+def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespace, monkeypatch, meanwhile):
     """Given a tenant's PATCH of its endpoint's description that has read the endpoint, not yet written it,
-    When the webhook worker disables that endpoint at that moment (its receiver answered 410 Gone),
+    When the webhook worker disables that endpoint at that moment (its receiver answered 410 Gone), or the
+    tenant's other request deletes it,
     Then both changes hold: the description is the new one and the endpoint stays disabled (before, the
-    PATCH wrote back the record it had read, and the endpoint was active again)."""
+    PATCH wrote back the record it had read, and the endpoint was active again), or the endpoint stays
+    deleted (the PATCH answers 404); and the operator log, which Redis is rebuilt from, ends with what Redis
+    holds (the PATCH's stale record, written there first, is not its last word)."""
     policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
-    patching = EndpointStore(redis_client, namespace, None, policy, system_resolver)
-    worker = EndpointStore(redis_client, namespace, None, policy, system_resolver)
+    log = OrderedLog()
+    patching = EndpointStore(redis_client, namespace, log, policy, system_resolver)
+    other = EndpointStore(redis_client, namespace, log, policy, system_resolver)
     ep, _ = patching.create("acme", "http://127.0.0.1:9/hooks/gone", ["*"])
     save = EndpointStore._save
 
-    def disable_first(self, changed, *more):
-        if self is patching and not disable_first.done:
-            disable_first.done = True
-            assert worker.set_state("acme", ep.id, "disabled", "the receiver answered 410 Gone").state == "disabled"
+    def meddle_first(self, changed, *more):
+        if self is patching and not meddle_first.done:
+            meddle_first.done = True
+            if meanwhile == "disabled":
+                assert other.set_state("acme", ep.id, "disabled", "the receiver answered 410 Gone").state == "disabled"
+            else:
+                assert other.delete("acme", ep.id)
         return save(self, changed, *more)
 
-    disable_first.done = False
-    monkeypatch.setattr(EndpointStore, "_save", disable_first)
-    patching.update("acme", ep.id, description="billing events")
-    assert disable_first.done
-    now = worker.get("acme", ep.id)
-    assert (now.description, now.state) == ("billing events", "disabled")
+    meddle_first.done = False
+    monkeypatch.setattr(EndpointStore, "_save", meddle_first)
+    updated = patching.update("acme", ep.id, description="billing events")
+    assert meddle_first.done
+    now = other.get("acme", ep.id)
+    if meanwhile == "disabled":
+        assert (now.description, now.state) == ("billing events", "disabled") and updated == now
+        assert log.last(f"endpoint/{ep.id}") == now.to_doc()
+    else:
+        assert now is None and updated is None
+        assert log.last(f"endpoint/{ep.id}") is None
 
 
 class HeldLog:

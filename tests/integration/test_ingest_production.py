@@ -3,9 +3,11 @@ Idempotency-Key, all-or-nothing batches, per-tenant quotas, API keys with a life
 routes with an audit trail, and OPTIONS that tells the truth."""
 
 import asyncio
+import hashlib
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -268,7 +270,9 @@ def test_a_revocation_landing_in_the_middle_of_a_rotation_is_kept(redis_client, 
     When another process revokes that key at that moment,
     Then the key stays revoked: the rotation writes its expiry over the revoked record, not over the record it
     had read (before, the revocation was lost and the key worked on until the end of the overlap)."""
-    rotating, revoking = ApiKeys(redis_client, namespace), ApiKeys(redis_client, namespace)
+    log = SimpleNamespace(puts=[])
+    log.put = lambda key, value: log.puts.append((key, value))  # the operator log Redis is rebuilt from
+    rotating, revoking = ApiKeys(redis_client, namespace, log), ApiKeys(redis_client, namespace, log)
     token = rotating.create("tenant", "tenant-c")
     key_id = rotating.resolve(token).key_id
     save = ApiKeys._save
@@ -285,6 +289,8 @@ def test_a_revocation_landing_in_the_middle_of_a_rotation_is_kept(redis_client, 
     assert revoke_first.done and old.revoked_at_ms and old.expires_at_ms
     assert rotating.resolve(token) is None and revoking.resolve(token) is None
     assert rotating.resolve(new_token) is not None  # the rotation's new key is its own
+    [*_, last] = [value for key, value in log.puts if key == f"apikey/{hashlib.sha256(token.encode()).hexdigest()}"]
+    assert last["revoked_at_ms"] and last["expires_at_ms"]  # the log ends as Redis does
 
 
 def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, dispatch_env):

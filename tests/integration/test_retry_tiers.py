@@ -141,38 +141,47 @@ def test_a_retrier_full_of_messages_due_late_keeps_reading_its_short_tiers(stack
 
 def test_a_retry_copy_the_lane_refuses_for_its_size_is_dead_lettered_and_the_tier_moves_on(
         stack, names, namespace, processes):
-    """Given an SMS lane that accepts records of at most 60 kB, and on its 10 s tier a record of 70 kB due now
-    (written to the tier directly: ingest never makes one) followed by an ordinary send due now,
+    """Given an email lane that accepts records of at most 60 kB, and on its 10 s tier an email of 70 kB due now
+    (written to the tier directly: ingest never makes one) followed by an ordinary email due now,
     When the retrier releases them,
     Then the big one, refused by the lane, is dead-lettered without its payload (reason too_large, naming the
-    retry record that still holds it) and the send behind it reaches the lane; the tier is committed past both
-    (before, the refused copy was produced again and again and the partition never moved on)."""
+    retry record that still holds it) and its outcome says so (its status can show it, and it can be replayed);
+    the email behind it reaches the lane; the tier is committed past both (before, the refused copy was
+    produced again and again and the partition never moved on)."""
     from dataclasses import replace
+
+    import orjson
 
     from streams.retry.dlq import read_all
     from streams.topology.admin import TopicAdmin
     from streams.topology.spec import channel_specs, load_definitions
+    from tests.harness import email_request
 
-    lane, ten_s = names.lane("sms", "transactional"), names.retry("sms", "transactional", "10s")
-    specs = channel_specs(load_definitions(namespace=namespace), namespace, ("sms",))
+    lane, ten_s = names.lane("email", "transactional"), names.retry("email", "transactional", "10s")
+    specs = channel_specs(load_definitions(namespace=namespace), namespace, ("email",))
     TopicAdmin(stack.bootstrap).ensure({n: replace(s, config={**s.config, "max.message.bytes": "60000"})
                                         if n == lane else s for n, s in specs.items()})
-    processes.start("retrier", "retrier", "--channel", "sms", "--lane", "transactional", ready="retrier consuming")
+    processes.start("retrier", "retrier", "--channel", "email", "--lane", "transactional", ready="retrier consuming")
     now = str(int(time.time() * 1000)).encode()
-    ordinary = build_send(validate_request(sms_request()), "acme")
+    big = build_send(validate_request(email_request(html="<p>" + "x" * 70_000 + "</p>")), "acme")
+    ordinary = build_send(validate_request(email_request()), "acme")
     producer = Producer({"bootstrap.servers": stack.bootstrap})
-    producer.produce(ten_s, partition=0, key=b"acme", value=b"x" * 70_000,
-                     headers=[("due_at_ms", now), ("send_id", b"too-big-1"), ("attempt", b"2")])
-    producer.produce(ten_s, partition=0, key=b"acme", value=encode(ordinary),
-                     headers=[("due_at_ms", now), ("send_id", ordinary.send_id.encode()), ("attempt", b"2")])
+    for send in (big, ordinary):
+        producer.produce(ten_s, partition=0, key=b"acme", value=encode(send),
+                         headers=[("due_at_ms", now), ("send_id", send.send_id.encode()), ("attempt", b"2")])
     assert producer.flush(10) == 0
 
     [copy] = read_topic(stack.bootstrap, lane, expect=1, timeout=20)
     assert copy.value() == encode(ordinary)
     [letter] = wait_until(lambda: d or None if (d := read_all(stack.bootstrap, names.dlq, timeout_s=2)) else None,
                           30, "the refused copy's dead letter", interval=0.5)
-    assert letter.send_id == "too-big-1" and letter.value is None and letter.reason == "too_large"
+    assert letter.send_id == big.send_id and letter.value is None and letter.reason == "too_large"
     assert letter.headers["reason_detail"] == "lane_copy_too_large"
     assert (letter.headers["origin_topic"], letter.headers["origin_offset"]) == (ten_s, "0")
-    group = names.retry_group("sms", "transactional")
+    [outcome] = [orjson.loads(m.value()) for m in read_topic(stack.bootstrap, names.outcomes, expect=1, timeout=20)]
+    assert (outcome["send_id"], outcome["status"], outcome["reason"], outcome["attempts"]) == (
+        big.send_id, "dead_lettered", "too_large", 2)
+    assert outcome["dlq"]["offset"] == letter.offset and outcome["origin"] == {"topic": ten_s, "partition": 0,
+                                                                                  "offset": 0}
+    group = names.retry_group("email", "transactional")
     wait_until(lambda: _committed(stack.bootstrap, group, ten_s, 0) == 2, 15, "the tier committed past both")

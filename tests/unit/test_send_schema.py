@@ -111,7 +111,7 @@ def test_otp_templates_get_the_otp_policy_unless_the_send_names_one():
 REFUSED_ADDRESSES = ["user@example.test\n", "Acme <no-reply@acme.test>\n",  # Python's `$` let these through
                      "Acme\r\nBcc: all@victim.test <no-reply@acme.test>",  # a header of its own at a provider
                      "Ac\x00me <no-reply@acme.test>", "us\x7fer@example.test", "us\x01er@example.test",
-                     "Tab\tName <a@example.test>"]
+                     "Tab\tName <a@example.test>", "Line\u2028Break <a@example.test>", "Next\x85Line <a@example.test>"]
 ACCEPTED_ADDRESSES = ["user@example.test", "Acme <no-reply@acme.test>", '"Doe, Jane" <jane@example.test>',
                       "Zoë <zoe@example.test>", "<bare@example.test>"]
 

@@ -23,15 +23,15 @@ class Lookups:
 
     def __call__(self, host: str) -> list[str]:
         self.asked.append(host)
-        if host == "slow.example":
+        if host.startswith("slow"):
             self.release.wait(10)
         return ["93.184.216.34"]
 
 
-def _delivery(loop) -> WebhookDelivery:
+def _delivery(loop, threads: int = 4) -> WebhookDelivery:
     d = WebhookDelivery.__new__(WebhookDelivery)  # only its name lookups: no endpoint view, no sessions
-    d.loop, d.timeout_s, d._dns, d._looking_up = loop, 10.0, {}, {}
-    d._dns_pool = ThreadPoolExecutor(4)
+    d.loop, d.timeout_s, d._dns, d._looking_up, d._tenant_lookups = loop, 10.0, {}, {}, {}
+    d._dns_pool = ThreadPoolExecutor(threads)
     return d
 
 
@@ -84,5 +84,29 @@ def test_the_time_a_lookup_took_comes_out_of_the_attempts_budget():
             with pytest.raises(TimeoutError):
                 await post_delivery(session, fresh, url, b"{}", {}, time.monotonic() - 9.7, 10.0)
             assert time.monotonic() - posted < 0.8
+
+    asyncio.run(scenario())
+
+
+def test_one_tenants_silent_name_servers_hold_a_few_lookup_threads_not_all(monkeypatch):
+    """Given a tenant whose 20 endpoints are on 20 hosts whose name servers never answer (each lookup keeps its
+    thread until the system resolver gives up),
+    When deliveries to all 20 look them up, and then another tenant's delivery looks its host up,
+    Then at most DNS_LOOKUPS_PER_TENANT lookups of the first tenant are started (the others fail at once,
+    `dns_timeout`), and the other tenant's host resolves at once: it found a thread free."""
+    lookups = Lookups()
+    monkeypatch.setattr(delivery, "addresses_of", lookups)
+    monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 0.3)
+
+    async def scenario() -> None:
+        d = _delivery(asyncio.get_running_loop(), threads=2 * delivery.DNS_LOOKUPS_PER_TENANT)
+        slow = await asyncio.gather(*(d._resolve(f"slow{i}.example", "slowpoke") for i in range(20)),
+                                    return_exceptions=True)
+        assert all(isinstance(r, TimeoutError) for r in slow)
+        assert len(lookups.asked) == delivery.DNS_LOOKUPS_PER_TENANT
+        fast = await asyncio.wait_for(d._resolve("fast.example", "acme"), 0.2)
+        assert fast("fast.example") == ["93.184.216.34"]
+        lookups.release.set()
+        d._dns_pool.shutdown(wait=False)
 
     asyncio.run(scenario())

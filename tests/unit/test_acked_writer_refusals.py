@@ -1,0 +1,68 @@
+"""The broker refuses a whole batch of records for its size: the acknowledged writer tries a record
+refused in a batch again alone, and only a record refused alone is given up on (`on_refused`)."""
+
+from confluent_kafka import KafkaError
+
+from streams.kafka_client import AckedWriter
+
+
+class ScriptedProducer:
+    """Answers each produce of a record with the next error its script names (None: acknowledged)."""
+
+    def __init__(self, script: dict[bytes, list[int | None]]):
+        self.script, self.waiting, self.produced = script, [], []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.produced.append(value)
+        self.waiting.append((value, on_delivery))
+
+    def poll(self, timeout=0):
+        waiting, self.waiting = self.waiting, []
+        for value, on_delivery in waiting:
+            code = self.script[value].pop(0)
+            on_delivery(None if code is None else KafkaError(code), Written())
+        return len(waiting)
+
+    def flush(self, timeout=0):
+        self.poll()
+        return 0
+
+
+class Written:
+    def partition(self): return 0
+    def offset(self): return 7
+
+
+def run(writer: AckedWriter, producer: ScriptedProducer, rounds: int = 10) -> None:
+    for _ in range(rounds):
+        writer.outage.next_try_at = 0.0  # no backoff waits in a unit test
+        writer.poll(0)
+
+
+def test_a_record_refused_only_with_its_batch_is_acknowledged_alone_and_one_too_large_is_given_up():
+    """Given a small record refused with the batch it went in, and a big one refused in the batch and alone,
+    When the writer serves its delivery reports,
+    Then the small one is acknowledged (tried alone) and only the big one reaches `on_refused`."""
+    too_large = KafkaError.MSG_SIZE_TOO_LARGE
+    producer = ScriptedProducer({b"small": [too_large, None], b"big": [too_large, too_large]})
+    writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    acked, refused = [], []
+    for value in (b"small", b"big"):
+        writer.write("t", value, on_ack=lambda v=value: acked.append(v), on_refused=lambda err, v=value: refused.append(v))
+    run(writer, producer)
+    assert (acked, refused, writer.pending) == ([b"small"], [b"big"], 0)
+
+
+def test_a_record_sent_again_with_others_after_a_timeout_is_tried_alone_again_before_it_is_given_up():
+    """Given a record refused in a batch, whose try alone timed out (the broker in trouble), and which is then
+    produced again with others and refused with their batch,
+    When the writer serves its delivery reports,
+    Then it is tried alone once more and acknowledged, never given up on (before: `on_refused`, a dead letter
+    of a record of ordinary size)."""
+    too_large, timed_out = KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._MSG_TIMED_OUT
+    producer = ScriptedProducer({b"small": [too_large, timed_out, too_large, None]})
+    writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    acked, refused = [], []
+    writer.write("t", b"small", on_ack=lambda: acked.append(1), on_refused=lambda err: refused.append(err))
+    run(writer, producer)
+    assert (acked, refused, len(producer.produced), writer.pending) == ([1], [], 4, 0)
