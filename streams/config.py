@@ -45,6 +45,9 @@ was expected. The variables and their defaults:
     WEBHOOK_BACKLOG_MAX_AGE_S     ... and the oldest of them is at least this old, seconds (default: 21600, 6 h)
     ALERTS_TENANT                 the tenant endpoint alert emails are sent as (default: dual-rail)
     ALERTS_FROM                   their sender    (default: Dual-rail webhooks <alerts@dual-rail.dev>)
+    SENDER_DOMAINS                the domains each tenant may send email from, JSON {tenant: [domain, ...]}, "*"
+                                  for tenants not named; subdomains included (default: unset, any sender: set it
+                                  wherever tenants share a provider account)
     DUAL_RAIL_STAGE_LOG           benchmarks only: a file where lane workers write each delivered send's stage timings
     LOG_LEVEL                     Python log level              (default: INFO)
     LOG_FORMAT                    text or json                  (default: text; `streams --log-format` overrides)
@@ -63,6 +66,7 @@ from typing import TypeVar
 import orjson
 
 from .errors import ConfigError, SendValidationError
+from .ingest.senders import SenderDomains
 from .lag.yield_policy import YieldPolicy
 from .names import RedisKeys, TopicNames
 from .providers.registry import Registry, load_registry
@@ -148,6 +152,17 @@ def _tenant(environ: Mapping[str, str], name: str, default: str) -> str:
     except SendValidationError:
         raise ConfigError(f"environment variable {name}={value!r} is not valid: expected 1 to 64 ASCII letters, "
                           "digits, '_' or '-'") from None
+
+
+def _sender_domains(environ: Mapping[str, str]) -> SenderDomains:
+    raw = environ.get("SENDER_DOMAINS") or ""
+    if not raw:
+        return SenderDomains()
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        doc = None
+    return SenderDomains.parse(doc, "environment variable SENDER_DOMAINS")
 
 
 def _sender(environ: Mapping[str, str], name: str, default: str) -> str:
@@ -249,6 +264,7 @@ class Config:
     ingest_instance: str | None = None  # names the bulk process's transactional ids; None: hostname-pid
     alerts_tenant: str = "dual-rail"
     alerts_from: str = "Dual-rail webhooks <alerts@dual-rail.dev>"
+    sender_domains: SenderDomains = field(default_factory=SenderDomains)
     stage_log_path: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
@@ -285,6 +301,7 @@ class Config:
             ingest_instance=_instance(e),
             alerts_tenant=_tenant(e, "ALERTS_TENANT", "dual-rail"),
             alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
+            sender_domains=_sender_domains(e),
             stage_log_path=e.get("DUAL_RAIL_STAGE_LOG") or None,
             log_level=e.get("LOG_LEVEL") or "INFO",
             log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),

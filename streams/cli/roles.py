@@ -73,7 +73,8 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
                                 quotas=IngestQuotas(RedisGate(r, rt.namespace)),
                                 idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
-                                guard=rt.state_guard("api", r), webhooks=webhooks),
+                                guard=rt.state_guard("api", r), webhooks=webhooks,
+                                senders=rt.config.sender_domains),
                          bulk_socket=bulk.socket_path if bulk else None)
         if bulk is not None:
             bulk.wait_ready()

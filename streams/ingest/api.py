@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import orjson
@@ -60,6 +60,7 @@ from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdem
 from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
+from .senders import SenderDomains
 from .status import StatusStore
 from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, internal_error, problem
 
@@ -118,6 +119,7 @@ class Ingest:
     audit: AuditLog | None = None
     guard: StateGuard | None = None
     webhooks: WebhookIngest | None = None
+    senders: SenderDomains = field(default_factory=SenderDomains)
 
 
 IdempotencyKey = Annotated[str | None, Header(
@@ -327,6 +329,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
         errors = [e for i, r in enumerate(requests)
                   if (e := policy_error(r, ingest.known_policies, ("body", "sends", i) if batch else ("body",)))]
+        errors += [{"loc": [*where(i), "payload", "from"], "msg": why} for i, r in enumerate(requests)
+                   if r.channel == "email" and (why := ingest.senders.refusal(tenant_id, r.payload["from"]))]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
 

@@ -1,0 +1,55 @@
+"""Which sender domains a tenant may send email from. Pure code.
+
+Tenants share the platform's account at an email provider, and with it every domain verified there:
+without a rule, any tenant could send as another tenant's domain, or as the platform itself (its
+endpoint alerts' sender). `SENDER_DOMAINS` (JSON `{tenant: [domain, ...]}`, `"*"` for tenants not
+named) says which domains each may use in `from`; a subdomain of an allowed domain is allowed. Unset,
+any sender is accepted (a development stack); a tenant with no entry and no `"*"` may send no email.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+_DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-.")
+
+
+def address_domain(address: str) -> str:
+    """The domain of `name@domain` or `Name <name@domain>` (already checked as an address), lower case."""
+    bare = address[address.rindex("<") + 1:-1] if address.endswith(">") else address
+    return bare.rsplit("@", 1)[1].lower()
+
+
+@dataclass(frozen=True)
+class SenderDomains:
+    by_tenant: dict[str, frozenset[str]] = field(default_factory=dict)  # empty: any sender
+
+    @classmethod
+    def parse(cls, doc: object, where: str) -> SenderDomains:
+        if not isinstance(doc, dict) or not all(
+                isinstance(t, str) and isinstance(ds, list) and all(isinstance(d, str) for d in ds)
+                for t, ds in doc.items()):
+            raise ConfigError(f"{where} must be a JSON object of lists of domains ({{tenant: [domain, ...]}}, "
+                              "\"*\" for tenants not named)")
+        by_tenant = {}
+        for tenant, domains in doc.items():
+            cleaned = frozenset(d.strip().lower().rstrip(".") for d in domains)
+            bad = sorted(d for d in cleaned if not d or "." not in d or not set(d) <= _DOMAIN_CHARS)
+            if bad:
+                raise ConfigError(f"{where}: tenant {tenant!r}: not a domain name: {', '.join(map(repr, bad))}")
+            by_tenant[tenant] = cleaned
+        return cls(by_tenant)
+
+    def refusal(self, tenant: str, sender: str) -> str | None:
+        """Why `tenant` may not send from `sender` (None: it may). Never repeats the address."""
+        if not self.by_tenant:
+            return None
+        allowed = self.by_tenant.get(tenant, self.by_tenant.get("*"))
+        if not allowed:
+            return "this tenant has no sender domain: ask the operator to add one (SENDER_DOMAINS)"
+        domain = address_domain(sender)
+        if any(domain == d or domain.endswith("." + d) for d in allowed):
+            return None
+        return f"not a sender domain of this tenant (its domains: {', '.join(sorted(allowed))})"
