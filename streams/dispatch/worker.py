@@ -151,7 +151,9 @@ class LaneWorker:
         self.settler.flush_marks()
         self._redis_down.set(1 if self.redis_outage.active else 0)
         self._store_offsets()
-        self.pauses.backpressure(self.queues.buffered, self.cfg.max_buffered)
+        # What waits for the broker's acknowledgement counts too: with a retry tier, the DLQ or the outcomes
+        # unwritable (an ACL, a partition without its replicas) the copies pile up there, not in the queues.
+        self.pauses.backpressure(self.queues.buffered + self.records.writer.pending, self.cfg.max_buffered)
         self.pauses.apply()
 
     def _state_intact(self) -> bool:

@@ -222,7 +222,9 @@ class Retrier:
         self.writer.write(self.cfg.names.outcomes, send.send_id.encode(), orjson.dumps(event))
 
     def _bound_memory(self) -> None:
-        wanted = self.bound.paused(len(self.heap), self.held_bytes, self.assigned, self.paused, self._far_partitions)
+        # Released copies the lane has not acknowledged yet are held too (in the writer, payload and all).
+        wanted = self.bound.paused(len(self.heap) + self.writer.pending, self.held_bytes, self.assigned, self.paused,
+                                   self._far_partitions)
         if wanted == self.paused:
             return
         if wanted - self.paused:

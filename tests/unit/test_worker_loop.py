@@ -931,3 +931,33 @@ def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_
     if not everyone_held:
         assert provider.sent == [sends[0].send_id.encode(), sends[1].send_id.encode()]
         assert worker.queues.buffered == 1  # acme's, held until its Retry-After
+
+
+class DeadLettersNeverAcknowledged(FakeProducer):
+    """A producer whose DLQ writes all fail after leaving (the DLQ unwritable: an ACL, no replicas in sync)."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        if topic != NAMES.dlq:
+            return super().produce(topic, value, key, headers, on_delivery)
+        from confluent_kafka import KafkaError
+        self._acks.append((lambda err, msg: on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT), msg),
+                           FakeMessage(0, 0, value)))
+
+
+def test_copies_the_broker_does_not_acknowledge_count_against_the_buffer():
+    """Given a worker allowed 5 messages in memory whose dead letters the broker never acknowledges,
+    When 10 unreadable events arrive,
+    Then it pauses its partitions (backpressure) rather than read on while the unacknowledged copies, payload
+    and all, pile up in memory without a bound (before: nothing was queued for dispatch, so it read on)."""
+    spec = load_registry().primary("email")
+    consumer = FakeConsumer([FakeMessage(0, i, b"not json") for i in range(10)])
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES, max_buffered=5), consumer,
+                        DeadLettersNeverAcknowledged(), Routes([Route(spec, FakeProvider(DELIVERED),
+                                                                      ProviderCredentials({"*": "re_key"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    for _ in range(5):
+        worker.step()
+    assert worker.records.writer.pending == 10 and worker.queues.buffered == 0
+    assert "backpressure" in worker.pauses.reasons
+    assert consumer.stored.get((TOPIC, 0), 0) == 0  # and nothing unacknowledged is committed past
