@@ -210,12 +210,15 @@ class RecordWriter:
                                       tried=tried),
                  "origin": self.origin(p)}
 
-        def written(partition: int, offset: int) -> None:  # the status store remembers where the letter is
-            self.outcome({**event, "dlq": {"partition": partition, "offset": offset}})
+        def written(partition: int, offset: int) -> None:
+            # The status store remembers where the letter is; the message is finished once that is
+            # acknowledged too (killed in between, the send would show `retrying` for good, and a replay
+            # would refuse it as still in progress).
+            self.outcome({**event, "dlq": {"partition": partition, "offset": offset}}, on_ack)
 
-        self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, on_ack,
+        self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, None,
                      on_refused=lambda err: self._dead_letter_without_payload(p.send.send_id.encode(), headers,
-                                                                             on_ack, written),
+                                                                             None, written),
                      on_written=written)
 
     def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack: OnAck) -> None:
@@ -233,7 +236,7 @@ class RecordWriter:
         self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, on_ack,
                      on_refused=lambda err: self._dead_letter_without_payload(send_id or None, dlq_headers, on_ack))
 
-    def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck,
+    def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck | None,
                                      on_written: Callable[[int, int], object] | None = None) -> None:
         """The broker refused the dead letter for its size: keep the record, without its payload;
         the origin headers say where the original still is (within the lane's retention)."""
@@ -243,7 +246,7 @@ class RecordWriter:
         self.produce(self.names.dlq, key, None, headers, on_ack, on_written=on_written,
                      on_refused=lambda err: self._dead_letter_with_our_headers_only(key, headers, on_ack, on_written))
 
-    def _dead_letter_with_our_headers_only(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck,
+    def _dead_letter_with_our_headers_only(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck | None,
                                            on_written: Callable[[int, int], object] | None) -> None:
         """Refused even without its payload: the record's own headers are too large. Keep the letter with
         only the headers dispatch writes (bounded), or the partition could never move past it."""

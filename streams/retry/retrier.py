@@ -200,16 +200,18 @@ class Retrier:
                         "group": self.cfg.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()})
         metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
         self.writer.write(self.cfg.names.dlq, None, held.headers.get("send_id") or None, headers.items(),
-                          on_ack=lambda: self.tracker.finish(*where),
                           on_written=lambda partition, offset: self._dead_lettered(held, now_ms, partition, offset))
 
     def _dead_lettered(self, held: Held, now_ms: int, partition: int, offset: int) -> None:
         """The send's outcome, as a worker writes one for its dead letters: its status store then shows it
-        dead-lettered (and where the letter is), so it can be replayed."""
+        dead-lettered (and where the letter is), so it can be replayed. The retry record is finished once
+        that is acknowledged too."""
+        where = (held.topic, held.partition, held.offset)
         try:
             send = decode(held.value)
         except MalformedEvent:
-            return  # not a send: nothing has a status to change
+            self.tracker.finish(*where)  # not a send: nothing has a status to change
+            return
         try:
             attempts = int(held.headers.get("attempt", b"1"))
         except ValueError:
@@ -219,7 +221,8 @@ class Retrier:
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}
         metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()
-        self.writer.write(self.cfg.names.outcomes, send.send_id.encode(), orjson.dumps(event))
+        self.writer.write(self.cfg.names.outcomes, send.send_id.encode(), orjson.dumps(event),
+                          on_ack=lambda: self.tracker.finish(*where))
 
     def _bound_memory(self) -> None:
         # Released copies the lane has not acknowledged yet are held too (in the writer, payload and all).

@@ -961,3 +961,32 @@ def test_copies_the_broker_does_not_acknowledge_count_against_the_buffer():
     assert worker.records.writer.pending == 10 and worker.queues.buffered == 0
     assert "backpressure" in worker.pauses.reasons
     assert consumer.stored.get((TOPIC, 0), 0) == 0  # and nothing unacknowledged is committed past
+
+
+class OutcomesUnacknowledged(FakeProducer):
+    """A producer that never hears back about outcome records (the broker stalled on that topic)."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        if topic == NAMES.outcomes:
+            self.records[topic].append((value, dict(headers or [])))  # queued, never acknowledged
+            return
+        super().produce(topic, value, key, headers, on_delivery)
+
+
+def test_a_dead_letter_is_finished_once_its_status_is_acknowledged_too():
+    """Given a send the provider rejects for good, and a broker that acknowledges the dead letter but not the
+    outcome that tells the status store where the letter is,
+    When the worker settles it,
+    Then its offset is not stored past it: killed now, the send is read again and its status is written,
+    instead of showing `retrying` for good (which a replay refuses as still in progress)."""
+    sends, msgs = _messages(["acme"])
+    spec = load_registry().primary("email")
+    consumer, producer = FakeConsumer(msgs), OutcomesUnacknowledged()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer, producer,
+                        Routes([Route(spec, FakeProvider(ProviderResult("rejected", 422, error_name="validation_error")),
+                                      ProviderCredentials({"*": "re_key"}))]), FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    for _ in range(20):
+        worker.step()
+    assert len(producer.records[NAMES.dlq]) == 1 and len(producer.records[NAMES.outcomes]) >= 1
+    assert consumer.stored.get((TOPIC, 0), 0) == 0
