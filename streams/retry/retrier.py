@@ -221,7 +221,7 @@ class Retrier:
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}
         metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()
-        self.writer.write(self.cfg.names.outcomes, send.send_id.encode(), orjson.dumps(event),
+        self.writer.write(self.cfg.names.outcomes, orjson.dumps(event), send.send_id.encode(),
                           on_ack=lambda: self.tracker.finish(*where))
 
     def _bound_memory(self) -> None:
