@@ -60,7 +60,7 @@ from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdem
 from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
-from .senders import SenderDomains
+from .senders import SenderDomains, header_senders, sender_of
 from .status import StatusStore
 from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, internal_error, problem
 
@@ -329,8 +329,15 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
         errors = [e for i, r in enumerate(requests)
                   if (e := policy_error(r, ingest.known_policies, ("body", "sends", i) if batch else ("body",)))]
-        errors += [{"loc": [*where(i), "payload", "from"], "msg": why} for i, r in enumerate(requests)
-                   if r.channel == "email" and (why := ingest.senders.refusal(tenant_id, r.payload["from"]))]
+        if ingest.senders.enforced:
+            for i, r in enumerate(requests):
+                if r.channel != "email":
+                    continue
+                if why := ingest.senders.refusal(tenant_id, sender_of(r.payload)):
+                    errors.append({"loc": [*where(i), "payload", "from"], "msg": why})
+                errors += [{"loc": [*where(i), "payload", "headers", name],
+                            "msg": "the sender is set by `from` (checked against the tenant's domains), not a header"}
+                           for name in header_senders(r.payload)]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
 

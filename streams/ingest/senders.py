@@ -9,6 +9,7 @@ any sender is accepted (a development stack); a tenant with no entry and no `"*"
 
 from __future__ import annotations
 
+import email.utils
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -42,6 +43,10 @@ class SenderDomains:
             by_tenant[tenant] = cleaned
         return cls(by_tenant)
 
+    @property
+    def enforced(self) -> bool:
+        return bool(self.by_tenant)
+
     def refusal(self, tenant: str, sender: str) -> str | None:
         """Why `tenant` may not send from `sender` (None: it may). Never repeats the address."""
         if not self.by_tenant:
@@ -49,7 +54,25 @@ class SenderDomains:
         allowed = self.by_tenant.get(tenant, self.by_tenant.get("*"))
         if not allowed:
             return "this tenant has no sender domain: ask the operator to add one (SENDER_DOMAINS)"
+        # A mail parser must read the same single address as we do: `a@other.com, <x@ours.com>` is two
+        # senders to it, and `x@other.com(.ours.com` one at other.com (the rest a comment).
+        parsed = email.utils.getaddresses([sender])
         domain = address_domain(sender)
+        if len(parsed) != 1 or parsed[0][1].rsplit("@", 1)[-1].lower() != domain:
+            return "not one plain sender address (an unquoted comma, parenthesis or at sign reads as another)"
         if any(domain == d or domain.endswith("." + d) for d in allowed):
             return None
         return f"not a sender domain of this tenant (its domains: {', '.join(sorted(allowed))})"
+
+
+def sender_of(payload: dict) -> str:
+    """The email payload's sender (`from`, or its other accepted spelling `from_`)."""
+    return str(payload.get("from") or payload.get("from_") or "")
+
+
+def header_senders(payload: dict) -> list[str]:
+    """Custom headers that would name another sender at the provider (`From`, `Sender`, in any case)."""
+    headers = payload.get("headers")
+    if not isinstance(headers, dict):
+        return []
+    return sorted(k for k in headers if isinstance(k, str) and k.strip().lower() in ("from", "sender"))

@@ -151,7 +151,7 @@ class WebhookDelivery:
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
-        self._tenant_lookups: dict[str, int] = {}  # lookups under way, by the tenant that started them
+        self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # lookups each tenant may run at once
         self._dns_pool = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="webhook-dns")
         self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
@@ -218,21 +218,13 @@ class WebhookDelivery:
         a time however many deliveries wait for it, and waited for at most DNS_TIMEOUT_S (TimeoutError):
         a tenant's name server that never answers costs its own deliveries 5 s each, not everyone's
         threads and time. A lookup stuck in the system resolver keeps its thread until the resolver gives
-        up, so one tenant's lookups hold at most DNS_LOOKUPS_PER_TENANT threads: past that, its next new
-        host fails at once (TimeoutError) and the other tenants' lookups still find threads free."""
+        up, so one tenant runs at most DNS_LOOKUPS_PER_TENANT lookups at once: its next ones wait for one
+        of those to end (within the same 5 s), and the other tenants' lookups still find threads free."""
         cached = self._dns.get(host)
         if cached is not None and time.monotonic() - cached[0] <= DNS_TTL_S:
             addresses = cached[1]
         else:
-            lookup = self._looking_up.get(host)
-            if lookup is None:
-                if self._tenant_lookups.get(tenant, 0) >= DNS_LOOKUPS_PER_TENANT:
-                    raise TimeoutError(f"{DNS_LOOKUPS_PER_TENANT} lookups of this tenant are still unanswered")
-                self._tenant_lookups[tenant] = self._tenant_lookups.get(tenant, 0) + 1
-                lookup = self.loop.run_in_executor(self._dns_pool, addresses_of, host)
-                self._looking_up[host] = lookup
-                lookup.add_done_callback(lambda done: self._looked_up(host, tenant, done))
-            addresses = await asyncio.wait_for(asyncio.shield(lookup), min(DNS_TIMEOUT_S, self.timeout_s))
+            addresses = await asyncio.wait_for(self._lookup(host, tenant), min(DNS_TIMEOUT_S, self.timeout_s))
 
         def resolve(name: str) -> list[str]:
             if not addresses:
@@ -241,11 +233,23 @@ class WebhookDelivery:
 
         return resolve
 
-    def _looked_up(self, host: str, tenant: str, done: asyncio.Future) -> None:
+    async def _lookup(self, host: str, tenant: str) -> list[str]:
+        lookup = self._looking_up.get(host)
+        if lookup is None:
+            slots = self._tenant_slots.setdefault(tenant, asyncio.Semaphore(DNS_LOOKUPS_PER_TENANT))
+            await slots.acquire()  # given back when the lookup's thread is done, not when its waiters give up
+            lookup = self._looking_up.get(host)  # another delivery may have started it meanwhile
+            if lookup is not None:
+                slots.release()
+            else:
+                lookup = self.loop.run_in_executor(self._dns_pool, addresses_of, host)
+                self._looking_up[host] = lookup
+                lookup.add_done_callback(lambda done: self._looked_up(host, slots, done))
+        return await asyncio.shield(lookup)
+
+    def _looked_up(self, host: str, slots: asyncio.Semaphore, done: asyncio.Future) -> None:
         self._looking_up.pop(host, None)
-        self._tenant_lookups[tenant] -= 1
-        if not self._tenant_lookups[tenant]:
-            del self._tenant_lookups[tenant]
+        slots.release()
         self._dns[host] = (time.monotonic(), [] if done.cancelled() or done.exception() else done.result())
 
     @property
