@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .ingest.sdk import Router, SendClient
     from .ingest.status import StatusStore
     from .providers.http import Provider
+    from .providers.outcome import ProviderResult
     from .retry.policy import RetryPolicy
     from .retry.retrier import Retrier
     from .send import Send
@@ -229,14 +230,15 @@ class Runtime:
             worker.settler.stage_log = StageLog(c.stage_log_path)
         return worker
 
-    def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job], object]:
-        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled."""
+    def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job, ProviderResult], object]:
+        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled (unless
+        its URL was changed since the request went out)."""
         store = self.endpoint_store(client)
 
-        def disable(job: Job) -> None:
+        def disable(job: Job, result: ProviderResult) -> None:
             payload = job.members[0].send.payload
             try:
-                store.set_state(job.tenant, payload["endpoint_id"], "disabled", "the receiver answered 410 Gone")
+                store.disable_gone(job.tenant, payload["endpoint_id"], result.target)
             except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
                 logging.getLogger("streams.runtime").warning(
                     "endpoint %s answered 410 Gone but could not be disabled now: %s", payload["endpoint_id"], exc)

@@ -60,7 +60,7 @@ def providers_tried(p: Pending, route: Route) -> list[str]:
 class Settler:
     def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
-                 redis_outage: Outage, worker_id: str, on_gone: Callable[[Job], object] | None = None):
+                 redis_outage: Outage, worker_id: str, on_gone: Callable[[Job, ProviderResult], object] | None = None):
         """`worker_id` holds the leases of this worker's requests (releases are asked in its name);
         `on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
         self.routes = routes
@@ -157,7 +157,7 @@ class Settler:
             else:  # a webhook endpoint's own limit, or the tenant's own account's: hold its queue only
                 self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         if result.outcome == "gone" and self.on_gone is not None:
-            self.on_gone(job)
+            self.on_gone(job, result)
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
         elif result.outcome == "unknown" or (job.resent and route.spec.idempotent):

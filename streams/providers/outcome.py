@@ -37,6 +37,7 @@ class ProviderResult:
     error_name: str = ""
     error_body: str = ""          # redacted
     latency_s: float = 0.0
+    target: str = ""              # where the request went, when a send's route does not say (a webhook URL)
 
 
 @dataclass(frozen=True)

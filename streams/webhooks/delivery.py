@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -206,11 +207,16 @@ class WebhookDelivery:
         h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
-            return await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
+            result = await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:
             return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
+        if result.outcome == "gone":
+            current = self.directory.get(endpoint_id)
+            if current is not None and current.url != ep.url:  # moved meanwhile: retried at the new URL
+                return replace(result, outcome="unavailable", error_name="gone_before_url_change")
+        return replace(result, target=ep.url)
 
     async def _resolve(self, host: str, tenant: str = ""):
         """A resolver for the URL policy, with addresses cached DNS_TTL_S. Looked up on threads of the

@@ -94,8 +94,9 @@ class EndpointStore:
                 raw = self.client.hget(self.keys.endpoints(tenant), endpoint_id)
             if raw is None:
                 return None
-            changed = change(Endpoint.from_doc(orjson.loads(raw)))
-            if self._save(changed, raw):
+            current = Endpoint.from_doc(orjson.loads(raw))
+            changed = change(current)
+            if changed == current or self._save(changed, raw):
                 return changed
             self._log_what_redis_holds(tenant, endpoint_id)
         raise StoreUnavailable(f"endpoint {endpoint_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
@@ -216,6 +217,13 @@ class EndpointStore:
         if state not in STATES:
             raise ConfigError(f"unknown endpoint state {state!r} (states: {', '.join(STATES)})")
         return self._change(tenant, endpoint_id, lambda ep: replace(ep, state=state, state_reason=reason))
+
+    def disable_gone(self, tenant: str, endpoint_id: str, url: str) -> Endpoint | None:
+        """Disabled because `url` answered 410 Gone, unless the endpoint has another URL by now (the tenant
+        moved it while that delivery was on its way: the answer speaks for the old URL only)."""
+        reason = "the receiver answered 410 Gone"
+        return self._change(tenant, endpoint_id, lambda ep: replace(ep, state="disabled", state_reason=reason)
+                            if ep.url == url else ep)
 
 
 @dataclass

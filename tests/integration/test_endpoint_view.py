@@ -211,6 +211,20 @@ def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespa
         assert log.last(f"endpoint/{ep.id}") is None
 
 
+def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
+    """Given an endpoint whose URL the tenant changed while a delivery to the old one was on its way,
+    When the old URL's 410 Gone comes back (the worker's view may not have caught up with the change),
+    Then the endpoint stays active; a 410 from its current URL disables it."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    store = EndpointStore(redis_client, namespace, OrderedLog(), policy, system_resolver)
+    ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/old", ["*"])
+    store.update("acme", ep.id, url="http://127.0.0.1:9/hooks/new")
+    assert store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/old").state == "active"
+    assert store.get("acme", ep.id).state == "active"
+    assert store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/new").state == "disabled"
+    assert store.get("acme", ep.id).state == "disabled"
+
+
 class HeldLog:
     """An operator log whose writes wait until the test lets them go, so that every create under way
     has passed the bound's check before any of them is written (the interleaving a race needs)."""

@@ -135,6 +135,26 @@ def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):
     assert hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"] == []
 
 
+def test_a_410_from_the_old_url_after_the_tenant_moved_the_endpoint_neither_disables_nor_drops(hooks, mock_endpoint):
+    """Given an endpoint whose receiver answers 410 Gone after 3 s,
+    When an event is delivered to it and, while that request is on its way, the tenant changes the endpoint's URL,
+    Then the endpoint stays active and the delivery is retried at the new URL and delivered (before, the old URL's
+    answer disabled the endpoint the tenant had just fixed, and dropped the delivery)."""
+    ep = _register(hooks, mock_endpoint, "moving", status=410, latency_ms=3000)
+    mock_endpoint.configure("moved", secrets=[ep["secret"]])
+    delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    wait_until(lambda: mock_endpoint.stats()["endpoints"].get("moving", {}).get("requests", 0) >= 1, 20,
+               "the request to the old URL")
+    r = hooks.patch(f"/v1/endpoints/{ep['id']}", json={"url": mock_endpoint.url("moved")}, headers=hooks.keys["a"])
+    assert r.status_code == 200, r.text
+    done = _final(hooks, delivery_id)
+    assert done["status"] == "delivered", done
+    assert [a["status_code"] for a in done["attempt_history"]] == [410, 200]
+    shown = hooks.get(f"/v1/endpoints/{ep['id']}", headers=hooks.keys["a"]).json()
+    assert shown["state"] == "active" and shown["url"] == mock_endpoint.url("moved")
+    assert mock_endpoint.stats()["endpoints"]["moving"]["failed"] == 1
+
+
 def test_replay_is_a_new_delivery_and_refused_after_the_payload_expired(hooks, mock_endpoint, stack, names):
     """Given a delivered event,
     When tenant a replays the delivery, and replays the endpoint's deliveries in bulk twice,
