@@ -23,7 +23,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -31,7 +30,7 @@ import orjson
 from ..providers.outcome import Outbound, Outcome, ProviderResult, redact
 from .endpoints import EndpointDirectory
 from .signing import headers as signed_headers
-from .ssrf import UnsafeUrl, UrlPolicy
+from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 
 EXCERPT_BYTES = 1024
 DNS_TTL_S = 30.0
@@ -51,13 +50,8 @@ class PinnedResolver(aiohttp.abc.AbstractResolver):
         self.approved: dict[str, list[str]] = {}
 
     def approve(self, host: str, addresses: list[str]) -> None:
-        """Under the host as written and as the client looks it up (an internationalised name in its
-        ASCII form)."""
+        """`host` as the client looks it up (`wire_host`)."""
         self.approved[host] = addresses
-        try:
-            self.approved[host.encode("idna").decode("ascii")] = addresses
-        except UnicodeError:
-            pass  # a name the codec cannot encode: the client cannot ask for it either
 
     async def resolve(self, host: str, port: int = 0,
                       family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
@@ -189,7 +183,7 @@ class WebhookDelivery:
         if ep.state == "degraded":  # never retried or probed until someone reactivates it
             return ProviderResult("skipped", error_name="endpoint_degraded")
         started = time.monotonic()
-        host = urlsplit(ep.url).hostname or ""
+        host = wire_host(ep.url)
         try:
             resolve = await self._resolve(host, ep.tenant)
         except TimeoutError:

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from yarl import URL
+
 Resolver = Callable[[str], Iterable[str]]  # host -> its addresses
 # AWS (and GCP, Azure IMDS, ...), AWS IPv6, Alibaba, Azure's platform address (wire server)
 METADATA = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16"})
@@ -27,6 +29,16 @@ NOT_GLOBAL = (ipaddress.ip_network("3fff::/20"),)
 
 class UnsafeUrl(ValueError):
     """A URL we refuse to call; the message says why."""
+
+
+def wire_host(url: str) -> str:
+    """The host name the HTTP client (aiohttp, which parses URLs with yarl) looks up and connects to: lower
+    case, an internationalised name in its IDNA 2008 ASCII form. The check and every delivery resolve this
+    same name: Python's own `idna` codec is IDNA 2003, in which `faß.de` is another domain (`fass.de`)."""
+    try:
+        return URL(url).raw_host or ""
+    except (ValueError, UnicodeError):
+        return ""
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,9 @@ class UrlPolicy:
             raise UnsafeUrl("webhook URLs must use https")
         if parts.username or parts.password:
             raise UnsafeUrl("webhook URLs may not carry credentials")
-        host = parts.hostname
+        host = wire_host(url)
+        if not host:
+            raise UnsafeUrl(f"{url!r} is not an http(s) URL with a host")
         if host in self.allow:
             return
         # The reasons name the kind of address, never the address a name resolved to nor the

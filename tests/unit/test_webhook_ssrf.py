@@ -86,3 +86,20 @@ def test_a_registration_whose_name_server_never_answers_is_refused_in_seconds(mo
         assert time.monotonic() - started < 1.0
     finally:
         answer.set()
+
+
+def test_an_internationalised_host_is_checked_under_the_name_the_http_client_connects_to():
+    """Given `faß.de`, which IDNA 2003 (Python's codec) reads as `fass.de` and IDNA 2008 (the HTTP client's
+    URL parser) as `xn--fa-hia.de`, two different domains,
+    When its URL is checked,
+    Then the name resolved is `xn--fa-hia.de`, the one the delivery will connect to (before, the check
+    resolved `fass.de` and approved addresses the connection never asked for)."""
+    asked = []
+
+    def recording(host):
+        asked.append(host)
+        return ["93.184.216.34"]
+
+    UrlPolicy().check("https://faß.de/hooks", recording)
+    UrlPolicy().check("https://Bücher.example/hooks", recording)
+    assert asked == ["xn--fa-hia.de", "xn--bcher-kva.example"]
