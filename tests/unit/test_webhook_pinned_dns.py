@@ -7,6 +7,7 @@ import pytest
 from aiohttp import web
 
 from streams.webhooks.delivery import PinnedResolver
+from streams.webhooks.ssrf import wire_host
 
 
 async def _hits_at(approved: dict[str, list[str]], url: str) -> int:
@@ -50,12 +51,12 @@ def test_a_host_connects_to_its_approved_address_and_an_unchecked_host_nowhere()
 
 
 def test_an_internationalised_host_is_approved_under_the_name_the_client_looks_up():
-    """Given a URL policy that approved bücher.example -> 127.0.0.1,
-    When the HTTP client asks for the host in its ASCII form (as aiohttp does),
+    """Given a URL policy that approved https://faß.example/ -> 127.0.0.1 (under its `wire_host`),
+    When the HTTP client asks for the host in its IDNA 2008 ASCII form (as aiohttp does),
     Then it gets the approved address (and not a DNS failure that would degrade the endpoint)."""
     resolver = PinnedResolver()
-    resolver.approve("bücher.example", ["127.0.0.1"])
+    resolver.approve(wire_host("https://faß.example/hooks"), ["127.0.0.1"])
 
-    [answer] = asyncio.run(resolver.resolve("xn--bcher-kva.example", 443))
+    [answer] = asyncio.run(resolver.resolve("xn--fa-hia.example", 443))
 
     assert answer["host"] == "127.0.0.1" and answer["port"] == 443
