@@ -186,6 +186,10 @@ class _Record:
     on_written: Callable[[int, int], object] | None = None
     alone: bool = False   # produced in a batch of its own (after the broker refused the batch it was in)
 
+    @property
+    def size(self) -> int:
+        return len(self.value or b"") + len(self.key or b"") + sum(len(k) + len(v or b"") for k, v in self.headers)
+
 
 ALONE_FLUSH_S = 1.0  # a broker in trouble: the record then goes with the next ones, and is tried alone again
 # Errors that producing again cannot fix: the record itself is refused.
@@ -211,18 +215,25 @@ class AckedWriter:
         self._failed: list[_Record] = []
         self._refused_in_a_batch: list[_Record] = []
         self.unacknowledged = 0
+        self.pending_bytes = 0  # what the records of `pending` weigh (values, keys, headers)
 
     def write(self, topic: str, value: bytes | None, key: bytes | None = None,
               headers: Iterable[tuple[str, bytes]] | None = None, on_ack: Callable[[], object] | None = None,
               on_refused: Callable[[KafkaError], object] | None = None,
               on_written: Callable[[int, int], object] | None = None) -> None:
         """`on_written(partition, offset)` runs just before `on_ack`, with where the record landed."""
-        self._produce(_Record(topic, value, key, list(headers or ()), on_ack, on_refused, on_written))
+        record = _Record(topic, value, key, list(headers or ()), on_ack, on_refused, on_written)
+        self.pending_bytes += record.size
+        self._produce(record)
+
+    def _settled(self, record: _Record) -> None:
+        self.pending_bytes -= record.size
 
     def _produce(self, record: _Record) -> None:
         def on_delivery(err: KafkaError | None, msg: Any) -> None:
             self.unacknowledged -= 1
             if err is None:
+                self._settled(record)
                 self.outage.recovered(time.monotonic())
                 if record.on_written is not None:
                     record.on_written(msg.partition(), msg.offset())
@@ -233,6 +244,7 @@ class AckedWriter:
                 self._refused_in_a_batch.append(record)
             elif err.code() in REFUSED and record.on_refused is not None:
                 _log.error("%s refused a record for %s: %s", self.label, record.topic, err)
+                self._settled(record)
                 record.on_refused(err)
             else:
                 metrics.PRODUCE_RETRIES.labels(self.label).inc()
@@ -249,8 +261,10 @@ class AckedWriter:
             err = exc.args[0]
             if err.code() in REFUSED and record.on_refused is not None:
                 _log.error("%s refused a record for %s: %s", self.label, record.topic, err)
+                self._settled(record)
                 record.on_refused(err)
                 return
+            self._settled(record)
             raise
 
     def poll(self, timeout: float = 0) -> None:

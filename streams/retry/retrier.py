@@ -224,16 +224,18 @@ class Retrier:
         self.writer.write(self.cfg.names.outcomes, orjson.dumps(event), send.send_id.encode(),
                           on_ack=lambda: self.tracker.finish(*where))
 
+    def _held(self) -> tuple[int, int]:
+        """Messages held and their bytes. Released copies the lane has not acknowledged yet are held too
+        (in the writer, payload and all)."""
+        return len(self.heap) + self.writer.pending, self.held_bytes + self.writer.pending_bytes
+
     def _bound_memory(self) -> None:
-        # Released copies the lane has not acknowledged yet are held too (in the writer, payload and all).
-        wanted = self.bound.paused(len(self.heap) + self.writer.pending, self.held_bytes, self.assigned, self.paused,
-                                   self._far_partitions)
+        wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far_partitions)
         if wanted == self.paused:
             return
         if wanted - self.paused:
             log.warning("holding %d retry messages (%d bytes): pausing %d of %d partitions (those holding "
-                        "messages due late) until half are released", len(self.heap), self.held_bytes,
-                        len(wanted), len(self.assigned))
+                        "messages due late) until half are released", *self._held(), len(wanted), len(self.assigned))
             self.consumer.pause([TopicPartition(t, p) for t, p in wanted - self.paused])
         if self.paused - wanted:
             self.consumer.resume([TopicPartition(t, p) for t, p in (self.paused - wanted) & self.assigned])
@@ -267,7 +269,7 @@ class Retrier:
         # Set each new partition's state explicitly: librdkafka may keep a pause flag from before.
         self.assigned |= {(p.topic, p.partition) for p in partitions}
         if partitions:  # a new partition holds nothing here yet: it is read unless nothing more may be
-            full = self.bound.full(len(self.heap), self.held_bytes)
+            full = self.bound.full(*self._held())
             if full:
                 self.paused |= {(p.topic, p.partition) for p in partitions}
             (consumer.pause if full else consumer.resume)(partitions)

@@ -50,7 +50,7 @@ def test_a_record_refused_only_with_its_batch_is_acknowledged_alone_and_one_too_
     for value in (b"small", b"big"):
         writer.write("t", value, on_ack=lambda v=value: acked.append(v), on_refused=lambda err, v=value: refused.append(v))
     run(writer, producer)
-    assert (acked, refused, writer.pending) == ([b"small"], [b"big"], 0)
+    assert (acked, refused, writer.pending, writer.pending_bytes) == ([b"small"], [b"big"], 0, 0)
 
 
 def test_a_record_sent_again_with_others_after_a_timeout_is_tried_alone_again_before_it_is_given_up():
