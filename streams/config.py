@@ -43,6 +43,8 @@ was expected. The variables and their defaults:
     WEBHOOK_BACKLOG_MAX_COUNT     backlog shedding: new events for an endpoint are skipped while it has at least
                                   this many undelivered deliveries ... (default: 10000)
     WEBHOOK_BACKLOG_MAX_AGE_S     ... and the oldest of them is at least this old, seconds (default: 21600, 6 h)
+    WEBHOOK_SECRET_KEYS           keys that seal endpoints' signing secrets at rest, `id:base64-32-bytes,...`: the
+                                  first seals, all open (default: unset, secrets stored in the clear)
     ALERTS_TENANT                 the tenant endpoint alert emails are sent as (default: dual-rail)
     ALERTS_FROM                   their sender    (default: Dual-rail webhooks <alerts@dual-rail.dev>)
     SENDER_DOMAINS                the domains each tenant may send email from, JSON {tenant: [domain, ...]}, "*"
@@ -61,7 +63,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import orjson
 
@@ -71,6 +73,9 @@ from .lag.yield_policy import YieldPolicy
 from .names import RedisKeys, TopicNames
 from .providers.registry import Registry, load_registry
 from .topology.spec import PROFILES
+
+if TYPE_CHECKING:
+    from .webhooks.sealing import Sealer
 
 DEFAULT_KAFKA_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
@@ -163,6 +168,15 @@ def _sender_domains(environ: Mapping[str, str]) -> SenderDomains:
     except orjson.JSONDecodeError:
         doc = None
     return SenderDomains.parse(doc, "environment variable SENDER_DOMAINS")
+
+
+def _secret_keys(environ: Mapping[str, str]) -> Sealer | None:
+    from .webhooks.sealing import Sealer
+
+    try:
+        return Sealer.parse(environ.get("WEBHOOK_SECRET_KEYS") or "", "environment variable WEBHOOK_SECRET_KEYS")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _sender(environ: Mapping[str, str], name: str, default: str) -> str:
@@ -259,6 +273,7 @@ class Config:
     webhook_endpoint_concurrency: int = 20
     webhook_backlog_max_count: int = 10_000
     webhook_backlog_max_age_s: float = 21_600.0
+    webhook_secret_keys: Sealer | None = field(default=None, repr=False)  # keys: never in a repr or a log
     marketing_nice: int = 10  # CPU priority the marketing lane's roles give up (nice), 0..19
     ingest_bulk_nice: int | None = 10  # the ingest API's bulk process's nice value; None: batches served in-process
     ingest_instance: str | None = None  # names the bulk process's transactional ids; None: hostname-pid
@@ -296,6 +311,7 @@ class Config:
             webhook_endpoint_concurrency=_int(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20),
             webhook_backlog_max_count=_int(e, "WEBHOOK_BACKLOG_MAX_COUNT", 10_000),
             webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
+            webhook_secret_keys=_secret_keys(e),
             marketing_nice=_nice(e, "DUAL_RAIL_MARKETING_NICE"),
             ingest_bulk_nice=_bulk_nice(e),
             ingest_instance=_instance(e),

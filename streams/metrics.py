@@ -111,6 +111,8 @@ HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the end
                          "from its committed offset (no progress past it at two checks while the agent was idle), "
                          "or a changelog partition whose recovery applied nothing at two checks though all was "
                          "fetched; a record read twice changes nothing", ["topic"])
+SECRETS_UNREADABLE = Counter("webhook_secret_unreadable_total", "Webhook attempts not sent: the endpoint's signing "
+                             "secret is sealed under a key WEBHOOK_SECRET_KEYS does not list (or was altered)")
 SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
                              "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
                              "(ingest, worker)", ["reason", "where"])

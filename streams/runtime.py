@@ -90,7 +90,7 @@ class Runtime:
         from .webhooks.ssrf import system_resolver
 
         return EndpointStore(client or self.redis(), self.namespace, self.operator_log(), self.url_policy(),
-                             system_resolver)
+                             system_resolver, self.config.webhook_secret_keys)
 
     def webhook_ingest(self, client: Redis, send_client: SendClient, store: StatusStore) -> WebhookIngest:
         """The webhook side of the ingest API (call `follow()` to keep its endpoint view current)."""
@@ -119,7 +119,7 @@ class Runtime:
             from .webhooks.delivery import WebhookDelivery
 
             return WebhookDelivery(self.endpoint_directory(), self.url_policy(), self.config.webhook_timeout_s,
-                                   concurrency)
+                                   concurrency, self.config.webhook_secret_keys)
         endpoint = self.config.providers[spec.name]
         if not endpoint.base_url:
             raise ConfigError(f"{spec.base_url_env} is not set: where is the {spec.channel} provider {spec.name!r}?")

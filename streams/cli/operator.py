@@ -265,9 +265,10 @@ def state(sub) -> None:
 
 def endpoints(sub) -> None:
     p = sub.add_parser("endpoints", help="operator: a tenant's webhook endpoints")
-    p.add_argument("action", choices=["list", "show", "create", "enable", "disable", "delete", "rotate", "reactivate"])
+    p.add_argument("action", choices=["list", "show", "create", "enable", "disable", "delete", "rotate", "reactivate",
+                                      "reseal"])
     p.add_argument("endpoint_id", nargs="?")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", required=True, help="reseal: '*' for every tenant")
     p.add_argument("--url")
     p.add_argument("--events", help="comma-separated event types ('*' for all)")
     p.add_argument("--description", default="")
@@ -276,6 +277,7 @@ def endpoints(sub) -> None:
         import orjson
 
         from ..ingest.status import StatusStore
+        from ..webhooks.sealing import UnsealError
 
         rt = Runtime(args.config)
         r = rt.redis()
@@ -286,6 +288,18 @@ def endpoints(sub) -> None:
             for ep in map(webhooks.current, store.all(args.tenant)):
                 print(f"{ep.id}  {ep.state:<9} {'enabled ' if ep.enabled else 'disabled'} {ep.url}  "
                       f"[{', '.join(ep.event_types)}]")
+            return 0
+        if args.action == "reseal":  # every secret under the first of WEBHOOK_SECRET_KEYS (a key rotation)
+            sealer = rt.config.webhook_secret_keys
+            if sealer is None:
+                raise ConfigError("`streams endpoints reseal` needs WEBHOOK_SECRET_KEYS (its first key seals)")
+            tenants = (sorted({ep.tenant for ep in webhooks.directory.endpoints.values()}) if args.tenant == "*"
+                       else [args.tenant])
+            try:
+                changed = sum(store.reseal(t) for t in tenants)
+            except UnsealError as exc:  # a secret sealed under a key no longer listed
+                raise ConfigError(f"{exc}: list that key again (after the first) and re-seal") from None
+            print(f"{changed} endpoint(s) of {len(tenants)} tenant(s) re-sealed under key {sealer.keys[0][0]!r}")
             return 0
         if args.action == "create":
             if not args.url or not args.events:

@@ -1,7 +1,8 @@
 """Endpoint health, exactly as the webhook delivery guarantees state it. Pure code; time comes from
 the events themselves, so replaying them decides the same way (and names the same alerts).
 
-- Every failed attempt counts; any successful delivery puts the count back to zero.
+- Every failed attempt counts (except one that failed on our side before anything was sent); any
+  successful delivery puts the count back to zero.
 - At 10 consecutive failures the endpoint is `degraded`: nothing more is sent to it, and it is never
   retried or probed by itself; someone reactivates it once it is fixed.
 - Two alerts, to the members of the endpoint's project: "Webhook event dropped" (a delivery used up
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 DEGRADE_AFTER = 10
+# Attempts that failed on our side before anything was sent (an operator's sealing key missing): never the
+# endpoint's failure, so they neither degrade it nor mail its tenant's members.
+OURS = frozenset({"secret_unreadable"})
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 
@@ -95,7 +99,7 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
         return Outcome(reactivated, state_changed=h.state != "active")
     if event.get("outcome") == "delivered":
         return Outcome(replace(h, consecutive_failures=0))
-    if event.get("outcome") == "skipped":
+    if event.get("outcome") == "skipped" or event.get("error") in OURS:
         return Outcome(h)  # never attempted: neither a failure nor a success
     h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))
     alerts: list[Alert] = []

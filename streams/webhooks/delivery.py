@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import threading
 import time
@@ -27,8 +28,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from .. import metrics
 from ..providers.outcome import Outbound, Outcome, ProviderResult, redact
 from .endpoints import EndpointDirectory
+from .sealing import Sealer, UnsealError, open_secret
 from .signing import headers as signed_headers
 from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 
@@ -38,6 +41,9 @@ DNS_TIMEOUT_S = 5.0
 DNS_THREADS = 32
 DNS_LOOKUPS_PER_TENANT = 4
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
+
+
+log = logging.getLogger("streams.webhooks")
 
 
 class PinnedResolver(aiohttp.abc.AbstractResolver):
@@ -142,8 +148,9 @@ class WebhookDelivery:
     name = "webhook"
 
     def __init__(self, directory: EndpointDirectory, policy: UrlPolicy, timeout_s: float = 10.0,
-                 concurrency: int = 256):
+                 concurrency: int = 256, sealer: Sealer | None = None):
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
+        self.sealer = sealer  # opens the signing secrets stored sealed
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
         self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # lookups each tenant may run at once
@@ -198,7 +205,14 @@ class WebhookDelivery:
             return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES])
         self.resolver.approve(host, addresses)
         now = time.time()
-        h = {**signed_headers(ep.signing_secrets(int(now * 1000)), msg_id, int(now), body),
+        try:
+            secrets = [open_secret(v, ep.id, self.sealer) for v in ep.signing_secrets(int(now * 1000))]
+        except UnsealError as exc:  # an operator's key missing or wrong: retried, never sent unsigned
+            log.error("webhook delivery not attempted: %s", exc)
+            metrics.SECRETS_UNREADABLE.inc()
+            return ProviderResult("unavailable", error_name="secret_unreadable",
+                                  error_body="the endpoint's signing secret cannot be opened (an operator's key)")
+        h = {**signed_headers(secrets, msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
             result = await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)

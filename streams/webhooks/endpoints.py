@@ -30,6 +30,7 @@ from ..state.log import OperatorLog, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
 
 __all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
+from .sealing import SEALED, Sealer, open_secret, seal
 from .signing import new_secret
 from .ssrf import Resolver, UnsafeUrl, UrlPolicy
 
@@ -59,8 +60,10 @@ class EndpointStore:
     """Endpoints in Redis (per tenant), written through the operator log."""
 
     def __init__(self, client: redis.Redis, namespace: str, oplog: OperatorLog | None, policy: UrlPolicy,
-                 resolve: Resolver):
+                 resolve: Resolver, sealer: Sealer | None = None):
+        """With `sealer`, new signing secrets are stored sealed (`sealing.py`)."""
         self.client, self.keys, self.oplog = client, RedisKeys(namespace), oplog
+        self.sealer = sealer
         self.policy, self.resolve = policy, resolve
         self._reserve = client.register_script(load_script(__package__, "reserve_endpoint.lua"))
         self._save_reserved = client.register_script(load_script(__package__, "save_reserved_endpoint.lua"))
@@ -139,9 +142,10 @@ class EndpointStore:
                enabled: bool = True) -> tuple[Endpoint, str]:
         """A new endpoint and its signing secret (shown once). Its place within the tenant's bound is
         reserved first, in one Redis step with the count, so concurrent creates cannot pass the bound."""
-        secret = new_secret()
-        ep = Endpoint(new_endpoint_id(), tenant, self._check_url(url), check_event_types(event_types),
-                      description[:500], enabled, secrets=(Secret(secret),), created_at_ms=int(time.time() * 1000))
+        secret, endpoint_id = new_secret(), new_endpoint_id()
+        ep = Endpoint(endpoint_id, tenant, self._check_url(url), check_event_types(event_types), description[:500],
+                      enabled, secrets=(Secret(seal(secret, endpoint_id, self.sealer)),),
+                      created_at_ms=int(time.time() * 1000))
         reservations = self.keys.endpoint_reservations(tenant)
         with store_errors("reserving an endpoint's place"):
             reserved = self._reserve(keys=[self.keys.endpoints(tenant), reservations],
@@ -207,7 +211,7 @@ class EndpointStore:
         def rotated(ep: Endpoint) -> Endpoint:
             kept = [s if s.expires_at_ms is not None else Secret(s.value, now + ROTATION_OVERLAP_MS)
                     for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now][:MAX_PREVIOUS_SECRETS]
-            return replace(ep, secrets=(Secret(secret), *kept))
+            return replace(ep, secrets=(Secret(seal(secret, ep.id, self.sealer)), *kept))
 
         return None if self._change(tenant, endpoint_id, rotated) is None else secret
 
@@ -217,6 +221,24 @@ class EndpointStore:
         if state not in STATES:
             raise ConfigError(f"unknown endpoint state {state!r} (states: {', '.join(STATES)})")
         return self._change(tenant, endpoint_id, lambda ep: replace(ep, state=state, state_reason=reason))
+
+    def reseal(self, tenant: str) -> int:
+        """Every secret of the tenant's endpoints sealed under the first key (those stored in the clear, or
+        under an older key, included); how many endpoints changed. UnsealError: a secret no key listed opens."""
+        assert self.sealer is not None, "re-sealing needs WEBHOOK_SECRET_KEYS"
+        sealer, first = self.sealer, self.sealer.keys[0][0]
+
+        def resealed(ep: Endpoint) -> Endpoint:
+            return replace(ep, secrets=tuple(
+                s if s.value.startswith(f"{SEALED}{first}:")
+                else replace(s, value=sealer.seal(open_secret(s.value, ep.id, sealer), ep.id)) for s in ep.secrets))
+
+        changed = 0
+        for ep in self.all(tenant):
+            before = ep.secrets
+            after = self._change(tenant, ep.id, resealed)
+            changed += after is not None and after.secrets != before
+        return changed
 
     def disable_gone(self, tenant: str, endpoint_id: str, url: str) -> Endpoint | None:
         """Disabled because `url` answered 410 Gone, unless the endpoint has another URL by now (the tenant

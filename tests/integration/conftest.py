@@ -93,6 +93,9 @@ def mock_provider_b(mock_provider, _mock_b_process):
     return _mock_b_process
 
 
+TEST_SECRET_KEYS = "test-2:l3aeICTGIosQMSpDgHHUx2QKhJetyLPINQ48A7pum0I=,test-1:CLLZmWPbcg4fX8wpHzbhJEL3X6STXZRDo25pysubxmk="
+
+
 @pytest.fixture
 def dispatch_env(stack, namespace, mock_provider, _mock_b_process) -> dict:
     """Environment for the project's processes in this test (own namespace, the mock provider)."""
@@ -103,7 +106,9 @@ def dispatch_env(stack, namespace, mock_provider, _mock_b_process) -> dict:
             "SMS_B_CREDENTIALS": '{"client_id": "mock-client", "client_secret": "mock-secret"}',
             "SMS_API_KEYS": '{"*": "re_test_sms"}', "PROVIDER_TIMEOUT_S": "2", "LOG_LEVEL": "WARNING",
             # Webhook receivers in tests are the mock endpoint on loopback, allowed explicitly.
-            "WEBHOOK_REQUIRE_HTTPS": "0", "WEBHOOK_ALLOW_HOSTS": "127.0.0.1"}
+            "WEBHOOK_REQUIRE_HTTPS": "0", "WEBHOOK_ALLOW_HOSTS": "127.0.0.1",
+            # Signing secrets sealed at rest, as production should run (keys for tests only).
+            "WEBHOOK_SECRET_KEYS": TEST_SECRET_KEYS}
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 to the topics' ends, so it never fans out to an endpoint state older than one another process already
 showed the client (the bulk process serves batches while the API process answers `GET /v1/endpoints`)."""
 
+import base64
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from streams.webhooks.endpoints import (
     EndpointDirectory,
     EndpointStore,
 )
+from streams.webhooks.sealing import Sealer, open_secret
 from streams.webhooks.ssrf import UrlPolicy, system_resolver
 from tests.harness import wait_until
 
@@ -223,6 +225,28 @@ def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
     assert store.get("acme", ep.id).state == "active"
     assert store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/new").state == "disabled"
     assert store.get("acme", ep.id).state == "disabled"
+
+
+def test_reseal_moves_every_secret_under_the_first_key(redis_client, namespace):
+    """Given an endpoint created before keys were set (its secret in the clear) and one sealed under key `old`,
+    When the operator lists a new key first (`new,old`) and re-seals the tenant,
+    Then both endpoints' secrets are stored under `new` only and open to the same secrets; a second re-seal
+    changes nothing; once `old` is dropped from the keys, everything still opens."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    old = Sealer.parse(f"old:{base64.b64encode(b'o' * 32).decode()}")
+    new_first = Sealer.parse(f"new:{base64.b64encode(b'n' * 32).decode()},old:{base64.b64encode(b'o' * 32).decode()}")
+    clear, _ = EndpointStore(redis_client, namespace, None, policy, system_resolver).create(
+        "acme", "http://127.0.0.1:9/hooks/a", ["*"])
+    sealed, _ = EndpointStore(redis_client, namespace, None, policy, system_resolver, old).create(
+        "acme", "http://127.0.0.1:9/hooks/b", ["*"])
+    secrets = {clear.id: clear.secrets[0].value, sealed.id: open_secret(sealed.secrets[0].value, sealed.id, old)}
+    store = EndpointStore(redis_client, namespace, OrderedLog(), policy, system_resolver, new_first)
+    assert store.reseal("acme") == 2 and store.reseal("acme") == 0
+    new_only = Sealer.parse(f"new:{base64.b64encode(b'n' * 32).decode()}")
+    for ep in store.all("acme"):
+        [stored] = ep.secrets
+        assert stored.value.startswith("sealed:v1:new:")
+        assert open_secret(stored.value, ep.id, new_only) == secrets[ep.id]
 
 
 class HeldLog:

@@ -1,6 +1,7 @@
 """The webhook channel end to end: endpoints registered by tenants, events fanned out to them, signed
 at-least-once delivery on the seed schedule, attempt history, replay, SSRF rules, tenant isolation."""
 
+import base64
 import signal
 import time
 from types import SimpleNamespace
@@ -10,14 +11,20 @@ import pytest
 from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
+from streams.names import RedisKeys
 from streams.retry.replay import replay
 from streams.send import MAX_SEND_BYTES
+from streams.state.log import OperatorLog
 from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
+from streams.webhooks.endpoints import EndpointStore
+from streams.webhooks.sealing import Sealer
+from streams.webhooks.ssrf import UrlPolicy, system_resolver
+from tests.harness import committed_messages, free_port, start_api, wait_until
 from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final
-from tests.harness import free_port, start_api, wait_until
 from tests.harness import register_endpoint as _register
 from tests.harness import webhook_event as event
+from tests.integration.conftest import TEST_SECRET_KEYS
 
 SCALE = 0.0002  # the 9-attempt schedule (10 s ... 12 h, about 22 h) walked in about 16 s: same code path
 
@@ -25,17 +32,27 @@ SCALE = 0.0002  # the 9-attempt schedule (10 s ... 12 h, about 22 h) walked in a
 @pytest.fixture
 def hooks(stack, namespace, channel_topics, limits, processes, redis_client, mock_endpoint):
     """The webhook lane's topics, a worker, a retrier, the outcome recorder and the API for tenants a and b."""
+    return _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE)
+
+
+def _hooks(namespace, channel_topics, limits, processes, redis_client, scale: float, worker: bool = True):
     channel_topics("webhook")
     limits.set_provider("webhook", 10_000, 10_000)
     limits.set_tenant("webhook", "*", 10_000, 1_000)
-    processes.env["DUAL_RAIL_RETRY_TIME_SCALE"] = str(SCALE)
-    processes.start("webhook-worker", "worker", "--channel", "webhook", "--lane", "transactional",
-                    ready="consuming")
+    processes.env["DUAL_RAIL_RETRY_TIME_SCALE"] = str(scale)
+    if worker:
+        _webhook_worker(processes)
     processes.retrier("webhook", "transactional")
     processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
     api = start_api(processes, free_port(), {"a": "tenant-a", "b": "tenant-b"}, redis_client, namespace)
     api.store = StatusStore(redis_client, namespace)
     return api
+
+
+def _webhook_worker(processes, name: str = "webhook-worker", env: dict | None = None):
+    """A webhook worker; it delivers once its endpoint view has read the operator log to its end."""
+    return processes.start(name, "worker", "--channel", "webhook", "--lane", "transactional", ready="consuming",
+                           env=env)
 
 
 def test_a_signed_event_reaches_every_subscribed_endpoint_and_its_history_is_kept(hooks, mock_endpoint):
@@ -133,6 +150,60 @@ def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):
                        ["state"] == "disabled" and e, 10, "the endpoint to be disabled")
     assert "410" in shown["state_reason"]
     assert hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"] == []
+
+
+def test_signing_secrets_are_stored_sealed_and_deliveries_are_signed_with_them(hooks, mock_endpoint, stack, names,
+                                                                               redis_client, namespace):
+    """Given the processes running with WEBHOOK_SECRET_KEYS,
+    When tenant a registers an endpoint, rotates its secret, and an event is delivered,
+    Then neither any record of the operator log nor Redis holds either secret (each is stored sealed under the
+    first key), and the delivery carries valid signatures of both (the receiver knows only the new one)."""
+    ep = _register(hooks, mock_endpoint, "sealed")
+    r = hooks.post(f"/v1/endpoints/{ep['id']}/rotate-secret", headers=hooks.keys["a"])
+    assert r.status_code == 200, r.text
+    rotated = r.json()["secret"]
+    mock_endpoint.configure("sealed", secrets=[rotated])
+    delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    assert _final(hooks, delivery_id)["status"] == "delivered"
+    assert mock_endpoint.stats()["invalid_signatures"] == 0
+    stored = redis_client.hget(RedisKeys(namespace).endpoints("tenant-a"), ep["id"])
+    log = [m.value() or b"" for m in committed_messages(stack.bootstrap, names.operator)
+           if m.key() == f"endpoint/{ep['id']}".encode()]
+    assert len(log) >= 2 and stored.count(b"sealed:v1:test-2:") == 2
+    for secret in (ep["secret"], rotated):
+        key_text = secret.removeprefix("whsec_").encode()
+        assert key_text not in stored and all(key_text not in value for value in log)
+
+
+def test_a_secret_sealed_under_a_key_the_worker_lacks_is_never_sent_unsigned_and_waits_for_the_key(
+        stack, namespace, names, channel_topics, limits, processes, redis_client, mock_endpoint):
+    """Given an endpoint whose current secret was sealed (by an operator's store) under key `gone`, which the
+    webhook worker is not given, and a retry schedule shrunk 333 times,
+    When an event is delivered, and the worker is then replaced by one given `gone` as well,
+    Then the first worker sends nothing to the receiver (its attempts fail as `secret_unreadable`), the
+    endpoint stays active (our failure, not the receiver's), and the second worker delivers it, signed with
+    both secrets (the receiver knows only the new one)."""
+    hooks = _hooks(namespace, channel_topics, limits, processes, redis_client, 0.003, worker=False)
+    ep = _register(hooks, mock_endpoint, "locked")
+    gone = f"gone:{base64.b64encode(b'g' * 32).decode()}"
+    operator = EndpointStore(redis_client, namespace, OperatorLog(stack.bootstrap, names.operator),
+                             UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), system_resolver,
+                             Sealer.parse(gone))
+    mock_endpoint.configure("locked", secrets=[operator.rotate_secret("tenant-a", ep["id"])])
+    first = _webhook_worker(processes)  # started after the rotation: its view holds it
+    delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    wait_until(lambda: any(a.get("error") == "secret_unreadable"
+                           for a in _delivery(hooks, delivery_id).get("attempt_history", [])), 30,
+               "an attempt to fail as secret_unreadable")
+    first.send_signal(signal.SIGTERM)
+    first.wait(30)
+    assert mock_endpoint.stats()["endpoints"].get("locked", {}).get("requests", 0) == 0
+    _webhook_worker(processes, "webhook-worker-2", env={"WEBHOOK_SECRET_KEYS": f"{TEST_SECRET_KEYS},{gone}"})
+    done = _final(hooks, delivery_id, timeout=90)
+    assert done["status"] == "delivered", done
+    assert mock_endpoint.stats()["invalid_signatures"] == 0
+    shown = hooks.get(f"/v1/endpoints/{ep['id']}", headers=hooks.keys["a"]).json()
+    assert shown["state"] == "active", shown
 
 
 def test_a_410_from_the_old_url_after_the_tenant_moved_the_endpoint_neither_disables_nor_drops(hooks, mock_endpoint):

@@ -56,6 +56,19 @@ def test_skipped_deliveries_count_neither_way():
     assert f.h.consecutive_failures == 1
 
 
+def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant():
+    """Given 9 failures of the receiver,
+    When 20 attempts fail before sending because the worker cannot open the endpoint's signing secret (an
+    operator's key missing), the last of them dropping its delivery,
+    Then the endpoint stays active, the count stays at 9 and no alert goes to the tenant's members."""
+    f = Feed()
+    for t in range(9):
+        f.fail(t)
+    for t in range(9, 29):
+        f.push({"kind": "attempt", "outcome": "unavailable", "error": "secret_unreadable", "dropped": t == 28}, t)
+    assert (f.h.state, f.h.consecutive_failures, f.alerts) == ("active", 9, [])
+
+
 def test_dropped_then_stopped_sends_both():
     """Given a delivery dropped after 9 failed attempts (a "dropped" alert opens the 24 h window),
     When the next attempt fails (the tenth in a row),

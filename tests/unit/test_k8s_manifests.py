@@ -269,6 +269,7 @@ def test_config_map_sets_only_documented_variables_and_parses():
     deployed_config()  # raises ConfigError naming the variable
     keys = provider_key_variables() & set(config_map())
     assert not keys, f"provider API keys belong in the Secret, not the ConfigMap: {sorted(keys)}"
+    assert "WEBHOOK_SECRET_KEYS" not in config_map(), "the keys that seal webhook secrets belong in a Secret"
 
 
 @pytest.mark.parametrize("kind, name", [(d["kind"], d["metadata"]["name"]) for d in documents()
@@ -289,6 +290,11 @@ def test_containers_take_settings_from_the_config_map_and_keys_from_the_secret(k
         ref = env[var].get("valueFrom", {}).get("secretKeyRef", {})
         assert "value" not in env[var] and ref.get("key") == var, f"{kind} {name}: {var} must come from a Secret, got {env[var]}"
     args = cli_args(of_kind(kind)[name])
+    if args.command == "api" or (args.command == "worker" and args.channel == "webhook"):
+        # they seal and open webhook signing secrets: the keys come from a Secret, and are required
+        ref = env.get("WEBHOOK_SECRET_KEYS", {}).get("valueFrom", {}).get("secretKeyRef", {})
+        assert ref.get("key") == "WEBHOOK_SECRET_KEYS" and not ref.get("optional"), \
+            f"{kind} {name}: WEBHOOK_SECRET_KEYS must come from a Secret, got {env.get('WEBHOOK_SECRET_KEYS')}"
     if args.command != "worker":
         return
     registry = deployed_config().registry
