@@ -185,13 +185,15 @@ class _Record:
     on_refused: Callable[[KafkaError], object] | None
     on_written: Callable[[int, int], object] | None = None
     alone: bool = False   # produced in a batch of its own (after the broker refused the batch it was in)
+    alone_tries: int = 0
 
     @property
     def size(self) -> int:
         return len(self.value or b"") + len(self.key or b"") + sum(len(k) + len(v or b"") for k, v in self.headers)
 
 
-ALONE_FLUSH_S = 1.0  # a broker in trouble: the record then goes with the next ones, and is tried alone again
+ALONE_FLUSH_S = 1.0  # how long a record tried alone waits for the queue to empty, before and after it
+ALONE_TRIES = 3      # tries alone not confirmed alone (a slow broker) before a refusal is taken as the record's own
 # Errors that producing again cannot fix: the record itself is refused.
 REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 
@@ -270,11 +272,16 @@ class AckedWriter:
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; produce again what failed, once the backoff allows."""
         self.producer.poll(timeout)
-        while self._refused_in_a_batch:  # rare: each waits for the producer's queue to empty, alone
+        while self._refused_in_a_batch:  # rare: each goes once the producer's queue is empty, and alone
+            if self.producer.flush(ALONE_FLUSH_S):
+                break  # a slow broker: it would join a batch again; tried on a later poll
             record = self._refused_in_a_batch.pop(0)
-            self.producer.flush(ALONE_FLUSH_S)
+            record.alone_tries += 1
             self._produce(record)
-            self.producer.flush(ALONE_FLUSH_S)
+            if self.producer.flush(ALONE_FLUSH_S) and record.alone_tries < ALONE_TRIES:
+                # Not acknowledged in time: records produced next may join its batch, so a refusal of that
+                # batch would not be its own; it is tried alone again instead of given up on.
+                record.alone = False
         if self._failed and self.outage.ready(time.monotonic()):
             again, self._failed = self._failed, []
             for record in again:

@@ -27,6 +27,9 @@ class ScriptedProducer:
         self.poll()
         return 0
 
+    def __len__(self):
+        return len(self.waiting)
+
 
 class Written:
     def partition(self): return 0
@@ -66,3 +69,44 @@ def test_a_record_sent_again_with_others_after_a_timeout_is_tried_alone_again_be
     writer.write("t", b"small", on_ack=lambda: acked.append(1), on_refused=lambda err: refused.append(err))
     run(writer, producer)
     assert (acked, refused, len(producer.produced), writer.pending) == ([1], [], 4, 0)
+
+
+class SlowBroker(ScriptedProducer):
+    """A broker whose acknowledgements come late: while `late` names flushes, each flush in turn acknowledges
+    what is queued (True) or nothing (False, returning what is still queued); polls acknowledge nothing then."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.late: list[bool] = []
+
+    def poll(self, timeout=0):
+        return 0 if self.late else super().poll(timeout)
+
+    def flush(self, timeout=0):
+        if self.late and not self.late.pop(0):
+            return len(self.waiting)
+        return super().flush(timeout)
+
+
+def test_a_record_to_try_alone_waits_for_an_empty_queue_and_a_try_not_confirmed_alone_is_not_its_refusal():
+    """Given a small record refused with its batch, then a broker too slow to empty the producer's queue
+    within a flush while other records keep being written, and then too slow to acknowledge its try alone,
+    When the writer serves its delivery reports,
+    Then the small record is not produced beside the queued records, and a refusal of a try that was not
+    confirmed alone is not taken as its own: it is acknowledged in the end, never given up on."""
+    too_large = KafkaError.MSG_SIZE_TOO_LARGE
+    producer = SlowBroker({b"small": [too_large, too_large, None], b"other": [None] * 10})
+    writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    acked, refused = [], []
+    writer.write("t", b"small", on_ack=lambda: acked.append(1), on_refused=lambda err: refused.append(err))
+    producer.poll()  # its batch is refused: it waits to be tried alone
+    writer.write("t", b"other")
+    producer.late = [False]  # the queue holding `other` does not empty in time: `small` waits
+    writer.poll(0)
+    assert producer.produced == [b"small", b"other"]
+    producer.late = [True, False]  # emptied now, but its own try is not acknowledged within the flush after it
+    writer.poll(0)
+    assert producer.produced == [b"small", b"other", b"small"]
+    writer.write("t", b"other")  # produced beside it: their batch is refused
+    run(writer, producer)
+    assert (acked, refused, writer.pending) == ([1], [], 0)
