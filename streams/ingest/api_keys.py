@@ -15,6 +15,7 @@ import hmac
 import secrets
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 import orjson
@@ -24,6 +25,7 @@ from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, store_errors
 from ..send import check_tenant_id
+from ..state.log import log_what_redis_holds
 
 if TYPE_CHECKING:
     from ..state.log import OperatorLog
@@ -157,13 +159,16 @@ class ApiKeys:
                 return None
             digest, stored = found
             doc = {**orjson.loads(stored), **fields}
-            if self._save(digest, doc, stored):
+            saved = self._save(digest, doc, stored)
+            if self.oplog is not None:  # the log ends with what Redis holds, whoever won
+                log_what_redis_holds(self.oplog, f"apikey/{digest}", partial(self._raw, digest), saved)
+            if saved:
                 return self._info(digest, doc, None)
-            if self.oplog is not None:  # it lost: the log gets back what Redis holds (no stale record left)
-                with store_errors("reading API keys"):
-                    now = self.client.hget(self.key, digest)
-                self.oplog.put(f"apikey/{digest}", orjson.loads(now) if now else None)
         raise StoreUnavailable(f"API key {key_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
+
+    def _raw(self, digest: str) -> bytes | None:
+        with store_errors("reading API keys"):
+            return self.client.hget(self.key, digest)
 
     def _save(self, digest: str, doc: dict, expected: bytes | None = None) -> bool:
         """Write the record (first to the operator log); with `expected`, only if the stored record is still

@@ -9,16 +9,41 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from .. import metrics
-from ..errors import StackError
+from ..errors import PublishError, StackError
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
 log = logging.getLogger("streams.operator_log")
+
+
+def log_what_redis_holds(oplog: OperatorLog, key: str, read: Callable[[], bytes | None], after_success: bool,
+                         attempts: int = 10) -> None:
+    """End a compare-and-set change of `key` by writing to the log what Redis holds now (`read()`), read again
+    until it holds still. A change that lost its compare-and-set had logged its own record first, and
+    another writer that lost one may log an older record after ours (it read Redis before our write):
+    whichever writer touched Redis last logs last, so the log ends with what Redis holds, which a rebuild
+    of Redis from it then restores. `after_success`: our own record is in the log already, so a write that
+    fails here is only logged (the change is not failed for it); otherwise PublishError is raised."""
+    logged: bytes | None | bool = False
+    for _ in range(attempts):
+        raw = read()
+        if raw == logged:
+            return
+        try:
+            oplog.put(key, orjson.loads(raw) if raw else None)
+        except PublishError:
+            if not after_success:
+                raise
+            log.warning("%s: saved, but the operator log could not be written again after it (a concurrent "
+                        "change's older record may be logged after ours)", key)
+            return
+        logged = raw
 
 
 def skip_unreadable(topic: str, offset: int, key: bytes | str, why: str = "") -> None:

@@ -26,7 +26,7 @@ from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
-from ..state.log import OperatorLog, skip_unreadable
+from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
 
 __all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
@@ -99,20 +99,24 @@ class EndpointStore:
                 return None
             current = Endpoint.from_doc(orjson.loads(raw))
             changed = change(current)
-            if changed == current or self._save(changed, raw):
+            if changed == current:
+                return changed
+            if self._save(changed, raw):
+                self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
                 return changed
             self._log_what_redis_holds(tenant, endpoint_id)
         raise StoreUnavailable(f"endpoint {endpoint_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
-    def _log_what_redis_holds(self, tenant: str, endpoint_id: str) -> None:
-        """A change that lost its compare-and-set had already written its record to the operator log (which
-        Redis is rebuilt from): the log gets the winner's record back (or the deletion) at once, so no
-        stale record is left there whatever happens to this change next."""
-        if self.oplog is None:
-            return
+    def _log_what_redis_holds(self, tenant: str, endpoint_id: str, after_success: bool = False) -> None:
+        """Every change ends by logging what Redis holds (`log_what_redis_holds`): a concurrent change's
+        stale put-back, or a deletion racing two changes, never stays the log's last word."""
+        if self.oplog is not None:
+            log_what_redis_holds(self.oplog, f"endpoint/{endpoint_id}", lambda: self._raw(tenant, endpoint_id),
+                                 after_success)
+
+    def _raw(self, tenant: str, endpoint_id: str) -> bytes | None:
         with store_errors("reading an endpoint"):
-            raw = self.client.hget(self.keys.endpoints(tenant), endpoint_id)
-        self.oplog.put(f"endpoint/{endpoint_id}", orjson.loads(raw) if raw else None)
+            return self.client.hget(self.keys.endpoints(tenant), endpoint_id)
 
     def _save_new(self, ep: Endpoint, reservations: str) -> None:
         """The operator log first, then Redis, which gives back the endpoint's reserved place in the
@@ -199,6 +203,7 @@ class EndpointStore:
             self.oplog.put(f"endpoint/{endpoint_id}", None)
         with store_errors("deleting an endpoint"):
             self.client.hdel(self.keys.endpoints(tenant), endpoint_id)
+        self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
         return True
 
     def rotate_secret(self, tenant: str, endpoint_id: str, now_ms: int | None = None) -> str | None:

@@ -207,10 +207,66 @@ def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespa
     now = other.get("acme", ep.id)
     if meanwhile == "disabled":
         assert (now.description, now.state) == ("billing events", "disabled") and updated == now
-        assert log.last(f"endpoint/{ep.id}") == now.to_doc()
+        assert log.last(f"endpoint/{ep.id}") == orjson.loads(orjson.dumps(now.to_doc()))
     else:
         assert now is None and updated is None
         assert log.last(f"endpoint/{ep.id}") is None
+
+
+class HookedLog(OrderedLog):
+    """One writer's view of a shared operator log, running `before` ahead of this writer's second put (a
+    change's put-back after its own record), and `after` once its own deletion is appended."""
+
+    def __init__(self, puts, before=None, after=None):
+        self.puts, self.before, self.after, self.mine = puts, before, after, 0
+
+    def put(self, key, value) -> None:
+        self.mine += 1
+        if self.mine == 2 and self.before is not None:
+            self.before()
+        self.puts.append((key, value))
+        if value is None and self.after is not None:
+            self.after()
+
+
+def test_a_deletion_racing_two_changes_is_the_operator_logs_last_word(redis_client, namespace, monkeypatch):
+    """Given a tenant's PATCH (A) that read its endpoint, the webhook worker disabling it meanwhile (B, so A
+    loses its compare-and-set and logs B's record back), and the tenant deleting it (C) in between: C's
+    deletion is logged before A's put-back of B's record and removed from Redis after A read Redis again,
+    When all three are done,
+    Then Redis holds no endpoint and the operator log's last word on it is the deletion (before, it was B's
+    record, written by A after C's deletion: a rebuild of Redis from the log brought the deleted endpoint back,
+    and workers following the log kept delivering to it)."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    puts: list = []
+    c_logged, go_c = threading.Event(), threading.Event()
+    c = EndpointStore(redis_client, namespace, HookedLog(puts, after=lambda: (c_logged.set(), go_c.wait(10))),
+                      policy, system_resolver)
+    deleting = threading.Thread(target=lambda: c.delete("acme", ep.id))
+
+    def start_c_and_wait_for_its_log_entry():
+        deleting.start()
+        assert c_logged.wait(10)
+
+    a = EndpointStore(redis_client, namespace, HookedLog(puts, before=start_c_and_wait_for_its_log_entry),
+                      policy, system_resolver)
+    b = EndpointStore(redis_client, namespace, HookedLog(puts), policy, system_resolver)
+    ep, _ = b.create("acme", "http://127.0.0.1:9/hooks/raced", ["*"])
+    save = EndpointStore._save
+
+    def b_first(self, changed, *more):
+        if self is a and not b_first.done:
+            b_first.done = True
+            b.set_state("acme", ep.id, "disabled", "the receiver answered 410 Gone")
+        return save(self, changed, *more)
+
+    b_first.done = False
+    monkeypatch.setattr(EndpointStore, "_save", b_first)
+    a.update("acme", ep.id, description="billing events")
+    go_c.set()
+    deleting.join(10)
+    assert redis_client.hget(RedisKeys(namespace).endpoints("acme"), ep.id) is None
+    assert [v for k, v in puts if k == f"endpoint/{ep.id}"][-1] is None
 
 
 def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
