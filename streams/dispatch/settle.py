@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from .. import metrics
 from ..backoff import Outage
@@ -60,9 +61,10 @@ def providers_tried(p: Pending, route: Route) -> list[str]:
 class Settler:
     def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
-                 redis_outage: Outage, worker_id: str, on_gone: Callable[[Job, ProviderResult], object] | None = None):
+                 redis_outage: Outage, worker_id: str, on_gone: Callable[[Job, ProviderResult], bool] | None = None):
         """`worker_id` holds the leases of this worker's requests (releases are asked in its name);
-        `on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint)."""
+        `on_gone` runs when a receiver answered 410 (the webhook channel disables the endpoint); False: the
+        answer no longer speaks for the endpoint (its URL changed meanwhile), and the attempt is retried."""
         self.routes = routes
         self.worker_id = worker_id
         self.on_gone = on_gone
@@ -144,6 +146,9 @@ class Settler:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
+        if result.outcome == "gone" and self.on_gone is not None and not self.on_gone(job, result):
+            # The 410 came from a URL the endpoint no longer has: a failure of this attempt, retried at the new one.
+            result = replace(result, outcome="unavailable", error_name="gone_before_url_change")
         route = self.routes.of(job.provider)
         evidence(log, logging.WARNING, "attempt_failed", provider=route.name, request=job.key,
                  sends=len(job.send_ids), send_id=job.send_ids[0] if len(job.send_ids) == 1 else None,
@@ -156,8 +161,6 @@ class Settler:
                 self.gate.cool_down(route.name, wait)  # one limit for everyone: every worker holds off it
             else:  # a webhook endpoint's own limit, or the tenant's own account's: hold its queue only
                 self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
-        if result.outcome == "gone" and self.on_gone is not None:
-            self.on_gone(job, result)
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
         elif result.outcome == "unknown" or (job.resent and route.spec.idempotent):

@@ -81,7 +81,7 @@ class LaneWorker:
                  gate: Gate, jobs: ProcessedJobs,
                  policies: dict[str, RetryPolicy], queue_key: Callable[[Send], str] = by_tenant,
                  guard: StateGuard | None = None, backlog: BacklogShare | None = None,
-                 on_gone: Callable[[Job, ProviderResult], object] | None = None):
+                 on_gone: Callable[[Job, ProviderResult], bool] | None = None):
         """`backlog` (a share of the buffer per tenant, the excess parked on a retry tier) is on in
         every production worker; only the benchmarks' naive baseline runs without it."""
         self.cfg = config

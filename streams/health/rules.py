@@ -1,7 +1,8 @@
 """Endpoint health, exactly as the webhook delivery guarantees state it. Pure code; time comes from
 the events themselves, so replaying them decides the same way (and names the same alerts).
 
-- Every failed attempt counts (except one that failed on our side before anything was sent); any
+- Every failed attempt counts (except those that are not the endpoint's: our side failed before sending, or a
+  410 came from a URL it no longer has); any
   successful delivery puts the count back to zero.
 - At 10 consecutive failures the endpoint is `degraded`: nothing more is sent to it, and it is never
   retried or probed by itself; someone reactivates it once it is fixed.
@@ -21,9 +22,10 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 DEGRADE_AFTER = 10
-# Attempts that failed on our side before anything was sent (an operator's sealing key missing): never the
-# endpoint's failure, so they neither degrade it nor mail its tenant's members.
-OURS = frozenset({"secret_unreadable"})
+# Attempts that are not the endpoint's failure (our side failed before anything was sent, an operator's
+# sealing key missing; or the URL that answered is no longer the endpoint's): they neither degrade it nor
+# mail its tenant's members.
+OURS = frozenset({"secret_unreadable", "gone_before_url_change"})  # the latter: the old URL answered
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 

@@ -31,6 +31,7 @@ import orjson
 from .. import metrics
 from ..providers.outcome import Outbound, Outcome, ProviderResult, redact
 from .endpoints import EndpointDirectory
+from .model import Endpoint
 from .sealing import Sealer, UnsealError, open_secret
 from .signing import headers as signed_headers
 from .ssrf import UnsafeUrl, UrlPolicy, wire_host
@@ -40,6 +41,7 @@ DNS_TTL_S = 30.0
 DNS_TIMEOUT_S = 5.0
 DNS_THREADS = 32
 DNS_LOOKUPS_PER_TENANT = 4
+UNSEAL_LOG_EVERY_S = 60.0
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
@@ -151,6 +153,7 @@ class WebhookDelivery:
                  concurrency: int = 256, sealer: Sealer | None = None):
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self.sealer = sealer  # opens the signing secrets stored sealed
+        self._unseal_logged: dict[str, float] = {}  # endpoint -> when a secret that does not open was last logged
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
         self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # lookups each tenant may run at once
@@ -205,11 +208,8 @@ class WebhookDelivery:
             return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES])
         self.resolver.approve(host, addresses)
         now = time.time()
-        try:
-            secrets = [open_secret(v, ep.id, self.sealer) for v in ep.signing_secrets(int(now * 1000))]
-        except UnsealError as exc:  # an operator's key missing or wrong: retried, never sent unsigned
-            log.error("webhook delivery not attempted: %s", exc)
-            metrics.SECRETS_UNREADABLE.inc()
+        secrets = self._open_secrets(ep, int(now * 1000))
+        if not secrets:  # the current secret does not open (an operator's key): retried, never sent unsigned
             return ProviderResult("unavailable", error_name="secret_unreadable",
                                   error_body="the endpoint's signing secret cannot be opened (an operator's key)")
         h = {**signed_headers(secrets, msg_id, int(now), body),
@@ -220,11 +220,26 @@ class WebhookDelivery:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:
             return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
-        if result.outcome == "gone":
-            current = self.directory.get(endpoint_id)
-            if current is not None and current.url != ep.url:  # moved meanwhile: retried at the new URL
-                return replace(result, outcome="unavailable", error_name="gone_before_url_change")
-        return replace(result, target=ep.url)
+        return replace(result, target=ep.url)  # a 410 disables the endpoint only if it still has this URL
+
+    def _open_secrets(self, ep: Endpoint, now_ms: int) -> list[str]:
+        """The secrets to sign with, the current one first; none when the current one does not open. A previous
+        secret that does not open is left out (the receiver holds the current one)."""
+        opened: list[str] = []
+        for n, value in enumerate(ep.signing_secrets(now_ms)):
+            try:
+                opened.append(open_secret(value, ep.id, self.sealer))
+            except UnsealError as exc:
+                if n == 0:
+                    metrics.SECRETS_UNREADABLE.inc()
+                last = self._unseal_logged.get(ep.id, -UNSEAL_LOG_EVERY_S)
+                if time.monotonic() - last >= UNSEAL_LOG_EVERY_S:  # one line a minute per endpoint
+                    self._unseal_logged[ep.id] = time.monotonic()
+                    log.error("webhook %s: %s", "delivery not attempted" if n == 0 else "signed without a previous "
+                              "secret", exc)
+                if n == 0:
+                    return []
+        return opened
 
     async def _resolve(self, host: str, tenant: str = ""):
         """A resolver for the URL policy, with addresses cached DNS_TTL_S. Looked up on threads of the

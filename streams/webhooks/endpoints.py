@@ -99,7 +99,8 @@ class EndpointStore:
                 return None
             current = Endpoint.from_doc(orjson.loads(raw))
             changed = change(current)
-            if changed == current:
+            if changed == current:  # nothing to write; the log still gets what Redis holds (it may lag it)
+                self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
                 return changed
             if self._save(changed, raw):
                 self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
@@ -232,11 +233,13 @@ class EndpointStore:
         under an older key, included); how many endpoints changed. UnsealError: a secret no key listed opens."""
         assert self.sealer is not None, "re-sealing needs WEBHOOK_SECRET_KEYS"
         sealer, first = self.sealer, self.sealer.keys[0][0]
+        now = int(time.time() * 1000)
 
-        def resealed(ep: Endpoint) -> Endpoint:
+        def resealed(ep: Endpoint) -> Endpoint:  # expired secrets, which never sign again, are dropped
             return replace(ep, secrets=tuple(
                 s if s.value.startswith(f"{SEALED}{first}:")
-                else replace(s, value=sealer.seal(open_secret(s.value, ep.id, sealer), ep.id)) for s in ep.secrets))
+                else replace(s, value=sealer.seal(open_secret(s.value, ep.id, sealer), ep.id))
+                for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now))
 
         changed = 0
         for ep in self.all(tenant):

@@ -8,7 +8,7 @@ reads either could sign deliveries that the tenant's receiver takes for ours. Wi
 
 AES-256-GCM under that key, with the endpoint's id as associated data (a sealed secret copied onto
 another endpoint does not open). The first key listed seals; every key listed opens, so a key is
-rotated by listing a new one first, re-sealing (`streams webhooks reseal`), then dropping the old one.
+rotated by listing a new one first, re-sealing (`streams endpoints reseal --tenant '*'`), then dropping the old one.
 Secrets are opened only to sign a delivery; nothing else needs them in the clear. A secret stored
 before keys were set stays as it was (`whsec_...`) until it is re-sealed or rotated.
 """

@@ -269,6 +269,22 @@ def test_a_deletion_racing_two_changes_is_the_operator_logs_last_word(redis_clie
     assert [v for k, v in puts if k == f"endpoint/{ep.id}"][-1] is None
 
 
+def test_a_change_that_finds_nothing_to_write_still_brings_the_log_up_to_what_redis_holds(redis_client, namespace):
+    """Given an endpoint whose operator log says `disabled` while Redis says `active` (a disable whose Redis
+    write failed after its log write),
+    When the tenant reactivates it (nothing to change in Redis),
+    Then the log, which the workers follow, says `active` again (before, nothing was written: workers kept
+    skipping the endpoint while the API said it receives deliveries)."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    log = OrderedLog()
+    store = EndpointStore(redis_client, namespace, log, policy, system_resolver)
+    ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/split", ["*"])
+    store.set_state("acme", ep.id, "active", "reactivated")
+    log.put(f"endpoint/{ep.id}", {**ep.to_doc(), "state": "disabled"})  # the split
+    assert store.set_state("acme", ep.id, "active", "reactivated").state == "active"
+    assert log.last(f"endpoint/{ep.id}")["state"] == "active"
+
+
 def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
     """Given an endpoint whose URL the tenant changed while a delivery to the old one was on its way,
     When the old URL's 410 Gone comes back (the worker's view may not have caught up with the change),
@@ -277,7 +293,8 @@ def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
     store = EndpointStore(redis_client, namespace, OrderedLog(), policy, system_resolver)
     ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/old", ["*"])
     store.update("acme", ep.id, url="http://127.0.0.1:9/hooks/new")
-    assert store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/old").state == "active"
+    kept = store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/old")
+    assert (kept.state, kept.url) == ("active", "http://127.0.0.1:9/hooks/new")  # the worker retries the delivery
     assert store.get("acme", ep.id).state == "active"
     assert store.disable_gone("acme", ep.id, "http://127.0.0.1:9/hooks/new").state == "disabled"
     assert store.get("acme", ep.id).state == "disabled"

@@ -63,3 +63,26 @@ def test_keys_never_show_in_a_repr():
     assert config.webhook_secret_keys is not None
     assert K1 not in repr(config) and "1111" not in repr(config.webhook_secret_keys)
     assert Config.from_env({}).webhook_secret_keys is None
+
+
+def _delivery(sealer):
+    from streams.webhooks.delivery import WebhookDelivery
+
+    d = WebhookDelivery.__new__(WebhookDelivery)  # only its secret opening: no endpoint view, no sessions
+    d.sealer, d._unseal_logged = sealer, {}
+    return d
+
+
+def test_a_previous_secret_that_does_not_open_is_left_out_but_the_current_one_must_open():
+    """Given an endpoint whose previous secret is sealed under a key no longer listed,
+    When a delivery is signed,
+    Then it is signed with the current secret alone (its receiver holds that one); and when the current secret
+    does not open, nothing is signed (the attempt is not sent)."""
+    from streams.webhooks.model import Endpoint, Secret
+
+    listed, dropped = Sealer.parse(f"new:{K2}"), Sealer.parse(f"old:{K1}")
+    previous, current = "whsec_" + "P" * 32, "whsec_" + "C" * 32
+    ep = Endpoint("ep_a", "acme", "https://hooks.example/x", ("*",), secrets=(
+        Secret(seal(current, "ep_a", listed)), Secret(seal(previous, "ep_a", dropped), expires_at_ms=2**62)))
+    assert _delivery(listed)._open_secrets(ep, 0) == [current]
+    assert _delivery(dropped)._open_secrets(ep, 0) == []
