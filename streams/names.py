@@ -191,6 +191,11 @@ class RedisKeys:
         return f"{self.namespace}dr:apikeys"
 
     @property
+    def sender_domains(self) -> str:
+        """The sender domains an operator set, tenant (or `*`) -> JSON list."""
+        return f"{self.namespace}dr:senders"
+
+    @property
     def api_keys_used(self) -> str:
         """When each API key was last used (digest -> ms)."""
         return f"{self.namespace}dr:apikeys:used"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .gate.limits import LimitStore
     from .ingest.api_keys import ApiKeys
     from .ingest.sdk import Router, SendClient
+    from .ingest.sender_store import SenderDomainStore
     from .ingest.status import StatusStore
     from .providers.http import Provider
     from .providers.outcome import ProviderResult
@@ -84,6 +85,13 @@ class Runtime:
         from .webhooks.ssrf import UrlPolicy
 
         return UrlPolicy(self.config.webhook_require_https, self.config.webhook_allow_hosts)
+
+    def sender_store(self, client: Redis | None = None) -> SenderDomainStore:
+        """Sender domains: SENDER_DOMAINS, overridden per tenant by what operators set."""
+        from .ingest.sender_store import SenderDomainStore
+
+        return SenderDomainStore(client or self.redis(), self.namespace, self.operator_log(),
+                                 self.config.sender_domains)
 
     def endpoint_store(self, client: Redis | None = None) -> EndpointStore:
         from .webhooks.endpoints import EndpointStore
@@ -230,18 +238,20 @@ class Runtime:
             worker.settler.stage_log = StageLog(c.stage_log_path)
         return worker
 
-    def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job, ProviderResult], object]:
-        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled (unless
-        its URL was changed since the request went out)."""
+    def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job, ProviderResult], bool]:
+        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled, unless its
+        URL was changed since the request went out (False: the answer no longer speaks for the endpoint)."""
         store = self.endpoint_store(client)
 
-        def disable(job: Job, result: ProviderResult) -> None:
+        def disable(job: Job, result: ProviderResult) -> bool:
             payload = job.members[0].send.payload
             try:
-                store.disable_gone(job.tenant, payload["endpoint_id"], result.target)
+                ep = store.disable_gone(job.tenant, payload["endpoint_id"], result.target)
             except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
                 logging.getLogger("streams.runtime").warning(
                     "endpoint %s answered 410 Gone but could not be disabled now: %s", payload["endpoint_id"], exc)
+                return True
+            return ep is None or ep.url == result.target
 
         return disable
 

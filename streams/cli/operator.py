@@ -92,6 +92,46 @@ def limits(sub) -> None:
     p.set_defaults(func=run)
 
 
+def senders(sub) -> None:
+    p = sub.add_parser("senders", help="operator: the domains each tenant may send email from")
+    p.add_argument("action", choices=["list", "set", "remove"])
+    p.add_argument("--tenant", help="set, remove: a tenant id, or '*' for tenants without an entry of their own")
+    p.add_argument("--domains", help="set: comma-separated domains (subdomains included; empty: no email)")
+
+    def run(args: argparse.Namespace) -> int:
+        from ..state.audit import cli_actor
+
+        rt = Runtime(args.config)
+        store = rt.sender_store()
+        if args.action == "list":
+            stored = store.stored()
+            for tenant, domains in stored.items():
+                print(f"{tenant}  {', '.join(domains) or '(no email)'}  [operator]")
+            for tenant, defaults in sorted(store.setting.by_tenant.items()):
+                if tenant not in stored:
+                    print(f"{tenant}  {', '.join(sorted(defaults)) or '(no email)'}  [SENDER_DOMAINS]")
+            if not stored and not store.setting.enforced:
+                print("no sender domains set: any sender is accepted")
+            return 0
+        if not args.tenant:
+            raise ConfigError(f"`streams senders {args.action}` needs --tenant")
+        before = store.stored().get(args.tenant)
+        if args.action == "set":
+            if args.domains is None:
+                raise ConfigError("`streams senders set` needs --domains (comma-separated; '' for no email)")
+            after = store.set(args.tenant, [d for d in args.domains.split(",") if d.strip()])
+            rt.audit_log().record(cli_actor(), f"senders/{args.tenant}", before, after)
+            print(f"{args.tenant}  {', '.join(after) or '(no email)'}")
+            return 0
+        if not store.remove(args.tenant):
+            raise ConfigError(f"no sender domains set by an operator for {args.tenant!r}")
+        rt.audit_log().record(cli_actor(), f"senders/{args.tenant}", before, None)
+        print(f"removed {args.tenant}'s sender domains (SENDER_DOMAINS applies again)")
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def keys(sub) -> None:
     p = sub.add_parser("keys", help="operator: ingest API keys (create, list, revoke, rotate)")
     p.add_argument("action", choices=["create", "list", "revoke", "rotate"])
@@ -336,4 +376,4 @@ def endpoints(sub) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [topics, limits, keys, audit, dlq, sends, state, endpoints]
+COMMANDS = [topics, limits, senders, keys, audit, dlq, sends, state, endpoints]

@@ -60,6 +60,7 @@ from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdem
 from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
+from .sender_store import SenderDomainStore
 from .senders import SenderDomains, header_senders, sender_of
 from .status import StatusStore
 from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, internal_error, problem
@@ -119,7 +120,7 @@ class Ingest:
     audit: AuditLog | None = None
     guard: StateGuard | None = None
     webhooks: WebhookIngest | None = None
-    senders: SenderDomains = field(default_factory=SenderDomains)
+    senders: SenderDomains | SenderDomainStore = field(default_factory=SenderDomains)  # fixed, or the operator's
 
 
 IdempotencyKey = Annotated[str | None, Header(
@@ -329,11 +330,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
         errors = [e for i, r in enumerate(requests)
                   if (e := policy_error(r, ingest.known_policies, ("body", "sends", i) if batch else ("body",)))]
-        if ingest.senders.enforced:
+        senders = (ingest.senders.rules_for(tenant_id) if any(r.channel == "email" for r in requests)
+                   else SenderDomains())
+        if senders.enforced:
             for i, r in enumerate(requests):
                 if r.channel != "email":
                     continue
-                if why := ingest.senders.refusal(tenant_id, sender_of(r.payload)):
+                if why := senders.refusal(tenant_id, sender_of(r.payload)):
                     errors.append({"loc": [*where(i), "payload", "from"], "msg": why})
                 errors += [{"loc": [*where(i), "payload", "headers", name],
                             "msg": "the sender is set by `from` (checked against the tenant's domains), not a header"}

@@ -7,6 +7,8 @@
     GET  /v1/admin/dlq, GET /v1/admin/dlq/{id}   dead letters, newest last / one with its headers
     POST /v1/admin/dlq/{id}/replay               a new send with the dead letter's payload (replay_of)
     POST /v1/admin/endpoints/{id}/reactivate     a degraded or disabled webhook endpoint, back to active
+    GET  /v1/admin/senders                       the sender domains in force (operators' and SENDER_DOMAINS)
+    PUT/DELETE /v1/admin/senders/{tenant}        a tenant's (or `*`'s) sender domains / back to the setting's
     GET  /v1/admin/audit                         the audit trail
 
 Every change is written to the audit trail (`notif.audit`: who, what, before, after, when) before
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi import Path as FastApiPath
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import metrics
@@ -31,6 +34,7 @@ from ..retry.replay import replay
 from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
 from .api_keys import Principal, public
+from .sender_store import SenderDomainStore
 from .web import documented, problem
 
 log = logging.getLogger("streams.operator_api")
@@ -73,6 +77,28 @@ class KeyCreate(BaseModel):
 
 class KeyRotate(BaseModel):
     overlap_s: int = Field(24 * 3600, ge=0, le=30 * 24 * 3600, description="how long the old key keeps working")
+
+
+DOMAIN_PATTERN = r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$"
+SENDER_TENANT_PATTERN = r"^(\*|[A-Za-z0-9_-]{1,64})$"
+
+
+class SenderDomainsUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    domains: list[Annotated[str, Field(pattern=DOMAIN_PATTERN, max_length=253)]] = Field(
+        max_length=100, description="the domains the tenant may send email from (subdomains included); "
+                                    "none: it may send no email")
+
+
+class TenantSenderDomains(BaseModel):
+    tenant: str = Field(description="a tenant id, or '*' for tenants without an entry of their own")
+    domains: list[str]
+
+
+class SenderDomainsView(BaseModel):
+    enforced: bool = Field(description="false: no rule anywhere, any sender is accepted")
+    stored: dict[str, list[str]] = Field(description="set by operators; each overrides the setting's entry")
+    setting: dict[str, list[str]] = Field(description="SENDER_DOMAINS of this API process")
 
 
 class Limits(BaseModel):
@@ -262,6 +288,41 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"})
         return ep.public()
+
+    def sender_store() -> SenderDomainStore:
+        if not isinstance(ingest.senders, SenderDomainStore):
+            raise problem(503, "unavailable", [], "this API process has fixed sender domains")
+        return ingest.senders
+
+    @router.get("/senders", response_model=SenderDomainsView, responses=documented(401, 403, 503))
+    def list_sender_domains(_: Operator) -> dict:
+        store = sender_store()
+        stored = store.stored()
+        setting = {t: sorted(d) for t, d in store.setting.by_tenant.items()}
+        return {"enforced": bool(stored) or store.setting.enforced, "stored": stored, "setting": setting}
+
+    @router.put("/senders/{tenant}", response_model=TenantSenderDomains, responses=documented(401, 403, 422, 503))
+    def put_sender_domains(tenant: Annotated[str, FastApiPath(pattern=SENDER_TENANT_PATTERN)],
+                           body: SenderDomainsUpdate, who: Operator) -> dict:
+        store = sender_store()
+        before = store.stored().get(tenant)
+        try:
+            after = store.set(tenant, body.domains)
+        except ConfigError as exc:
+            raise problem(422, "invalid_request", ["body", "domains"], str(exc)) from None
+        audited(who, f"senders/{tenant}", before, after)
+        return {"tenant": tenant, "domains": after}
+
+    @router.delete("/senders/{tenant}", response_model=TenantSenderDomains,
+                   responses=documented(401, 403, 404, 422, 503))
+    def delete_sender_domains(tenant: Annotated[str, FastApiPath(pattern=SENDER_TENANT_PATTERN)],
+                              who: Operator) -> dict:
+        store = sender_store()
+        before = store.stored().get(tenant)
+        if before is None or not store.remove(tenant):
+            raise problem(404, "not_found", ["path", "tenant"], "no sender domains set by an operator for this tenant")
+        audited(who, f"senders/{tenant}", before, None)
+        return {"tenant": tenant, "domains": before}
 
     @router.get("/audit", response_model=AuditTrail, responses=documented(401, 403, 422, 503))
     def read_audit(_: Operator, since_ms: int = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:

@@ -47,13 +47,17 @@ class SenderDomains:
     def enforced(self) -> bool:
         return bool(self.by_tenant)
 
+    def rules_for(self, tenant: str) -> SenderDomains:
+        """The rules that decide `tenant`'s senders (fixed rules: these; the operator's store reads Redis)."""
+        return self
+
     def refusal(self, tenant: str, sender: str) -> str | None:
         """Why `tenant` may not send from `sender` (None: it may). Never repeats the address."""
         if not self.by_tenant:
             return None
         allowed = self.by_tenant.get(tenant, self.by_tenant.get("*"))
         if not allowed:
-            return "this tenant has no sender domain: ask the operator to add one (SENDER_DOMAINS)"
+            return "this tenant has no sender domain: ask the operator to add one"
         # A mail parser must read the same single address as we do: `a@other.com, <x@ours.com>` is two
         # senders to it, and `x@other.com(.ours.com` one at other.com (the rest a comment).
         parsed = email.utils.getaddresses([sender])

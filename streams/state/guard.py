@@ -135,6 +135,8 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             pipe.hset(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
         elif kind == "members" and value:
             pipe.set(keys.members(name), orjson.dumps(value))
+        elif kind == "senders" and isinstance(value, dict) and isinstance(value.get("domains"), list):
+            pipe.hset(keys.sender_domains, name, orjson.dumps(value["domains"]))
         else:
             continue
         written += 1

@@ -2,7 +2,7 @@
 of every piece of operator state (a provider's limits, an API key, an endpoint, a project's members,
 the Redis epoch). Every operator change is written here, acknowledged, before Redis; Redis is a
 cache that can be rebuilt from it. Keys: `limits/<provider>`, `apikey/<sha256 of the key>`,
-`endpoint/<id>`, `members/<tenant>`, `epoch`."""
+`endpoint/<id>`, `members/<tenant>`, `senders/<tenant>`, `epoch`."""
 
 from __future__ import annotations
 

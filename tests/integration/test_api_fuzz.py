@@ -128,6 +128,10 @@ def test_every_operation_answers_as_documented(case, fuzzed):
     key = fuzzed.keys["operator" if case.path.startswith("/v1/admin/") else "tenant"]
     response = case.call(headers=key)
     fuzzed.ledger.record(case, response)
+    if case.operation.label == "PUT /v1/admin/senders/{tenant}" and response.status_code == 200:
+        # Sender domains set for any tenant hold every tenant to its own (the fuzzed sends' random senders would
+        # then be refused, rightly): taken back at once, so every case meets the API as it started.
+        fuzzed.delete(f"/v1/admin/senders/{response.json()['tenant']}", headers=key)
     checks = [c for c in CHECKS if c is not positive_data_acceptance or case.operation.label not in ACCEPTANCE_DEPENDS_ON]
     try:
         case.validate_response(response, checks=checks, headers=key)

@@ -16,7 +16,10 @@ from confluent_kafka.admin import AdminClient
 from streams.ingest.api import keep_lease
 from streams.ingest.api_keys import ApiKeys
 from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, Pending, body_hash
+from streams.names import RedisKeys
 from streams.send import MAX_SEND_BYTES
+from streams.state.guard import restore
+from streams.state.log import OperatorLog
 from tests.harness import count_records, email_request, free_port, metric_sum, sms_request, start_api, wait_until
 
 
@@ -304,7 +307,7 @@ def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, 
             continue
         for method in operations:
             url = path.replace("{provider}", "resend").replace("{key_id}", "x").replace("{send_id}", "x") \
-                .replace("{endpoint_id}", "x")
+                .replace("{endpoint_id}", "x").replace("{tenant}", "x")
             r = api.request(method.upper(), url, json={}, headers=api.keys["a"])
             assert r.status_code == 403, (method, path, r.status_code)
     op = api.keys["operator"]
@@ -319,6 +322,39 @@ def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, 
     out = subprocess.run([sys.executable, "-m", "streams.cli", "audit", "--since-ms", str(started)],
                          env=dispatch_env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "limits/resend" in out.stdout and made["key"] not in out.stdout
+
+
+def test_operators_set_a_tenants_sender_domains_at_run_time(api, stack, names, redis_client, namespace):
+    """Given an API process started without SENDER_DOMAINS (any sender accepted),
+    When an operator sets tenant a's sender domains to acme.test, and later removes them,
+    Then from the next request a may send from acme.test only, and b (named nowhere) may send no email; after
+    the removal any sender is accepted again; both changes are on the audit trail; and the entry is in the
+    operator log, from which a Redis rebuild restores it."""
+    op, a, b = api.keys["operator"], api.keys["a"], api.keys["b"]
+    started = int(time.time() * 1000)
+    r = api.put("/v1/admin/senders/tenant-a", json={"domains": ["ACME.test"]}, headers=op)
+    assert r.status_code == 200 and r.json() == {"tenant": "tenant-a", "domains": ["acme.test"]}, r.text
+    refused = api.post("/v1/sends", json=email_request(**{"from": "x@other.test"}), headers=a)
+    assert refused.status_code == 422 and refused.json()["errors"][0]["loc"] == ["body", "payload", "from"]
+    assert "acme.test" in refused.json()["errors"][0]["msg"]
+    assert api.post("/v1/sends", json=email_request(**{"from": "A <n@mail.acme.test>"}), headers=a).status_code == 202
+    nobody = api.post("/v1/sends", json=email_request(**{"from": "x@other.test"}), headers=b)
+    assert nobody.status_code == 422 and "no sender domain" in nobody.json()["errors"][0]["msg"]
+    shown = api.get("/v1/admin/senders", headers=op).json()
+    assert shown == {"enforced": True, "stored": {"tenant-a": ["acme.test"]}, "setting": {}}
+
+    snapshot = OperatorLog(stack.bootstrap, names.operator).snapshot()
+    assert snapshot["senders/tenant-a"] == {"domains": ["acme.test"]}
+    redis_client.delete(RedisKeys(namespace).sender_domains)  # lost with Redis's data
+    restore(redis_client, RedisKeys(namespace), snapshot)
+    assert api.get("/v1/admin/senders", headers=op).json()["stored"] == {"tenant-a": ["acme.test"]}
+
+    assert api.delete("/v1/admin/senders/tenant-a", headers=op).status_code == 200
+    assert api.delete("/v1/admin/senders/tenant-a", headers=op).status_code == 404
+    assert api.post("/v1/sends", json=email_request(**{"from": "x@other.test"}), headers=b).status_code == 202
+    trail = api.get("/v1/admin/audit", params={"since_ms": started}, headers=op).json()["entries"]
+    assert [(e["before"], e["after"]) for e in trail if e["what"] == "senders/tenant-a"] == [
+        (None, ["acme.test"]), (["acme.test"], None)]
 
 
 def test_a_change_the_audit_trail_does_not_confirm_stays_applied_and_says_so(api, stack, names):

@@ -11,6 +11,7 @@ from streams.config import Config
 from streams.errors import ConfigError
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import Principal
+from streams.ingest.sender_store import effective_rules
 from streams.ingest.senders import SenderDomains, address_domain
 from tests.harness import email_request, sms_request
 
@@ -107,3 +108,18 @@ def test_the_other_spelling_of_from_is_checked_and_never_a_500():
     refused = asyncio.run(post(DOMAINS))
     assert refused.status_code == 422 and refused.json()["errors"][0]["loc"] == ["body", "payload", "from"]
     assert not SenderDomains().enforced
+
+
+@pytest.mark.parametrize("setting, own, anyone, stored_any, allowed, refused", [
+    ({}, None, None, False, ["x@anything.test"], []),                          # nothing anywhere: any sender
+    ({"acme": ["acme.test"]}, None, None, False, ["a@acme.test"], ["a@other.test"]),
+    ({"acme": ["acme.test"]}, b'["acme.io"]', None, True, ["a@acme.io"], ["a@acme.test"]),  # the operator's wins
+    ({"*": ["shared.test"]}, None, b'["pool.test"]', True, ["a@pool.test"], ["a@shared.test"]),
+    ({"acme": ["acme.test"]}, None, b'["pool.test"]', True, ["a@acme.test"], ["a@pool.test"]),  # own before "*"
+    ({}, None, None, True, [], ["a@acme.test"]),             # others set by operators: acme named nowhere, no email
+    ({"acme": ["acme.test"]}, b"[]", None, True, [], ["a@acme.test"]),  # an empty entry: no email at all
+])
+def test_an_operators_entry_overrides_the_settings_for_its_tenant(setting, own, anyone, stored_any, allowed, refused):
+    rules = effective_rules(SenderDomains.parse(setting, "test"), "acme", own, anyone, stored_any)
+    assert [s for s in allowed if rules.refusal("acme", s) is not None] == []
+    assert [s for s in refused if rules.refusal("acme", s) is None] == []
