@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -187,8 +188,8 @@ class _Record:
     alone: bool = False   # produced in a batch of its own (after the broker refused the batch it was in)
     alone_tries: int = 0
 
-    @property
-    def size(self) -> int:
+    @cached_property
+    def size(self) -> int:  # read when written and when settled
         return len(self.value or b"") + len(self.key or b"") + sum(len(k) + len(v or b"") for k, v in self.headers)
 
 

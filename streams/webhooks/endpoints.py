@@ -28,11 +28,11 @@ from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
 from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable
 from .model import STATES, Endpoint, Health, Secret, with_health
-
-__all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
-from .sealing import SEALED, Sealer, open_secret, seal
+from .sealing import Sealer, seal
 from .signing import new_secret
 from .ssrf import Resolver, UnsafeUrl, UrlPolicy
+
+__all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
 
 ROTATION_OVERLAP_MS = 24 * 3600 * 1000
 MAX_PREVIOUS_SECRETS = 2  # a third rotation within 24 h ends the oldest previous secret's overlap early
@@ -99,10 +99,8 @@ class EndpointStore:
                 return None
             current = Endpoint.from_doc(orjson.loads(raw))
             changed = change(current)
-            if changed == current:  # nothing to write; the log still gets what Redis holds (it may lag it)
-                self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
-                return changed
-            if self._save(changed, raw):
+            # Nothing to write is a success too: the log still gets what Redis holds (it may lag it).
+            if changed == current or self._save(changed, raw):
                 self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
                 return changed
             self._log_what_redis_holds(tenant, endpoint_id)
@@ -232,14 +230,12 @@ class EndpointStore:
         """Every secret of the tenant's endpoints sealed under the first key (those stored in the clear, or
         under an older key, included); how many endpoints changed. UnsealError: a secret no key listed opens."""
         assert self.sealer is not None, "re-sealing needs WEBHOOK_SECRET_KEYS"
-        sealer, first = self.sealer, self.sealer.keys[0][0]
+        sealer = self.sealer
         now = int(time.time() * 1000)
 
         def resealed(ep: Endpoint) -> Endpoint:  # expired secrets, which never sign again, are dropped
-            return replace(ep, secrets=tuple(
-                s if s.value.startswith(f"{SEALED}{first}:")
-                else replace(s, value=sealer.seal(open_secret(s.value, ep.id, sealer), ep.id))
-                for s in ep.secrets if s.expires_at_ms is None or s.expires_at_ms > now))
+            return replace(ep, secrets=tuple(replace(s, value=sealer.reseal(s.value, ep.id)) for s in ep.secrets
+                                             if s.expires_at_ms is None or s.expires_at_ms > now))
 
         changed = 0
         for ep in self.all(tenant):
