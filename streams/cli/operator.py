@@ -119,7 +119,7 @@ def senders(sub) -> None:
         if args.action == "set":
             if args.domains is None:
                 raise ConfigError("`streams senders set` needs --domains (comma-separated; '' for no email)")
-            after = store.set(args.tenant, [d for d in args.domains.split(",") if d.strip()])
+            after = store.set(args.tenant, [d.strip() for d in args.domains.split(",") if d.strip()])
             rt.audit_log().record(cli_actor(), f"senders/{args.tenant}", before, after)
             print(f"{args.tenant}  {', '.join(after) or '(no email)'}")
             return 0

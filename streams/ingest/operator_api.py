@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as FastApiPath
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
@@ -35,6 +35,7 @@ from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
 from .api_keys import Principal, public
 from .sender_store import SenderDomainStore
+from .senders import DOMAIN_PATTERN, MAX_DOMAINS
 from .web import documented, problem
 
 log = logging.getLogger("streams.operator_api")
@@ -79,15 +80,19 @@ class KeyRotate(BaseModel):
     overlap_s: int = Field(24 * 3600, ge=0, le=30 * 24 * 3600, description="how long the old key keeps working")
 
 
-DOMAIN_PATTERN = r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$"
 SENDER_TENANT_PATTERN = r"^(\*|[A-Za-z0-9_-]{1,64})$"
+
+
+DOMAIN_SCHEMA = {"type": "string", "pattern": DOMAIN_PATTERN, "maxLength": 253}
 
 
 class SenderDomainsUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    domains: list[Annotated[str, Field(pattern=DOMAIN_PATTERN, max_length=253)]] = Field(
-        max_length=100, description="the domains the tenant may send email from (subdomains included); "
-                                    "none: it may send no email")
+    # Checked by the store, which names each refused domain and why; the schema publishes the same rule.
+    domains: list[Annotated[str, WithJsonSchema(DOMAIN_SCHEMA)]] = Field(
+        max_length=MAX_DOMAINS, description="the domains the tenant may send email from (subdomains included; "
+                                            "ASCII, an internationalised one in its xn-- form; any case, a final "
+                                            "dot allowed); none: it may send no email")
 
 
 class TenantSenderDomains(BaseModel):
@@ -319,10 +324,11 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               who: Operator) -> dict:
         store = sender_store()
         before = store.stored().get(tenant)
-        if before is None or not store.remove(tenant):
+        if not store.remove(tenant):
             raise problem(404, "not_found", ["path", "tenant"], "no sender domains set by an operator for this tenant")
-        audited(who, f"senders/{tenant}", before, None)
-        return {"tenant": tenant, "domains": before}
+        # Not repeatable: the same DELETE again finds nothing, is answered 404 and records nothing.
+        audited(who, f"senders/{tenant}", before, None, repeatable=False)
+        return {"tenant": tenant, "domains": before or []}
 
     @router.get("/audit", response_model=AuditTrail, responses=documented(401, 403, 422, 503))
     def read_audit(_: Operator, since_ms: int = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:

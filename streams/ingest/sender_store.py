@@ -10,21 +10,24 @@ applies to the next request on every API process.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import orjson
 import redis
 
-from ..errors import ConfigError, SendValidationError
+from ..errors import ConfigError, PublishError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..send import check_tenant_id
+from ..state.log import log_what_redis_holds
 from .senders import SenderDomains
 
 if TYPE_CHECKING:
     from ..state.log import OperatorLog
 
 ANY_TENANT = "*"
+log = logging.getLogger("streams.senders")
 
 
 class SenderDomainStore:
@@ -42,22 +45,51 @@ class SenderDomainStore:
             except SendValidationError as exc:
                 raise ConfigError(f"tenant: {exc}") from None
         cleaned = sorted(SenderDomains.parse({tenant: domains}, "domains").by_tenant[tenant])
-        if self.oplog is not None:
-            self.oplog.put(f"senders/{tenant}", {"domains": cleaned})
-        with store_errors("saving sender domains"):
-            self.client.hset(self.key, tenant, orjson.dumps(cleaned))
+        if self.oplog is None:
+            with store_errors("saving sender domains"):
+                self.client.hset(self.key, tenant, orjson.dumps(cleaned))
+            return cleaned
+        before = self._logged_form(tenant)
+        self.oplog.put(f"senders/{tenant}", {"domains": cleaned})
+        try:
+            with store_errors("saving sender domains"):
+                self.client.hset(self.key, tenant, orjson.dumps(cleaned))
+        except StoreUnavailable:
+            # Refused, so the log must not keep it either (a Redis rebuild would apply it): put back what
+            # Redis held. Should that write fail too, removing the tenant's entry clears the log.
+            try:
+                self.oplog.put(f"senders/{tenant}", None if before is None else orjson.loads(before))
+            except PublishError:
+                log.warning("senders/%s: refused, but the operator log could not be given its earlier value back "
+                            "(`streams senders remove` or a new `set` for this tenant clears it)", tenant)
+            raise
+        self._log_what_redis_holds(tenant)
         return cleaned
 
     def remove(self, tenant: str) -> bool:
-        """The operator's entry gone (the setting's applies again); False: there was none."""
-        with store_errors("reading sender domains"):
-            if not self.client.hexists(self.key, tenant):
-                return False
+        """The operator's entry gone (the setting's applies again); False: Redis held none. The removal is
+        written to the operator log either way: a change whose Redis write failed after its log write left
+        its entry there, which a Redis rebuild would otherwise bring back."""
         if self.oplog is not None:
             self.oplog.put(f"senders/{tenant}", None)
         with store_errors("removing sender domains"):
-            self.client.hdel(self.key, tenant)
-        return True
+            removed = bool(self.client.hdel(self.key, tenant))
+        self._log_what_redis_holds(tenant)
+        return removed
+
+    def _log_what_redis_holds(self, tenant: str) -> None:
+        """Two concurrent changes may reach the log and Redis in opposite orders: each ends by logging what
+        Redis holds (`log_what_redis_holds`), so the log's last word is Redis's, which a rebuild restores."""
+        if self.oplog is None:
+            return
+
+        log_what_redis_holds(self.oplog, f"senders/{tenant}", lambda: self._logged_form(tenant), after_success=True)
+
+    def _logged_form(self, tenant: str) -> bytes | None:
+        """What Redis holds for `tenant`, as its operator-log record (JSON), or None."""
+        with store_errors("reading sender domains"):
+            raw = self.client.hget(self.key, tenant)
+        return None if raw is None else orjson.dumps({"domains": orjson.loads(raw)})
 
     def stored(self) -> dict[str, list[str]]:
         """The operator's entries."""

@@ -10,11 +10,32 @@ any sender is accepted (a development stack); a tenant with no entry and no `"*"
 from __future__ import annotations
 
 import email.utils
+import re
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-_DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-.")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+# What domain_problem accepts, any case and with a final dot, as one pattern (the API's published schema).
+DOMAIN_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+\.?$"
+MAX_DOMAINS = 100  # per tenant
+
+
+def domain_problem(raw: str) -> str | None:
+    """Why `raw` (any case, a final dot allowed) is not a domain name a sender may use, or None."""
+    if len(raw) > 253:
+        return "longer than 253 characters"
+    domain = raw.lower().removesuffix(".")
+    labels = domain.split(".")
+    if len(labels) < 2:
+        return "one label only (a sender domain has a dot, e.g. example.com)"
+    if "" in labels:
+        return "an empty label (a leading dot, or two dots in a row)"
+    if not domain.isascii():
+        return "not ASCII (give an internationalised domain in its xn-- form)"
+    if not all(_LABEL.fullmatch(label) for label in labels):
+        return "a label that is not 1 to 63 letters, digits or hyphens, or that starts or ends with a hyphen"
+    return None
 
 
 def address_domain(address: str) -> str:
@@ -36,10 +57,13 @@ class SenderDomains:
                               "\"*\" for tenants not named)")
         by_tenant = {}
         for tenant, domains in doc.items():
-            cleaned = frozenset(d.strip().lower().rstrip(".") for d in domains)
-            bad = sorted(d for d in cleaned if not d or "." not in d or not set(d) <= _DOMAIN_CHARS)
+            bad = sorted((d, problem) for d in domains if (problem := domain_problem(d)))
             if bad:
-                raise ConfigError(f"{where}: tenant {tenant!r}: not a domain name: {', '.join(map(repr, bad))}")
+                raise ConfigError(f"{where}: tenant {tenant!r}: not a domain name: "
+                                  + "; ".join(f"{d!r} ({problem})" for d, problem in bad))
+            cleaned = frozenset(d.lower().removesuffix(".") for d in domains)
+            if len(cleaned) > MAX_DOMAINS:
+                raise ConfigError(f"{where}: tenant {tenant!r}: {len(cleaned)} domains, more than {MAX_DOMAINS}")
             by_tenant[tenant] = cleaned
         return cls(by_tenant)
 

@@ -332,7 +332,10 @@ def test_operators_set_a_tenants_sender_domains_at_run_time(api, stack, names, r
     operator log, from which a Redis rebuild restores it."""
     op, a, b = api.keys["operator"], api.keys["a"], api.keys["b"]
     started = int(time.time() * 1000)
-    r = api.put("/v1/admin/senders/tenant-a", json={"domains": ["ACME.test"]}, headers=op)
+    bad = api.put("/v1/admin/senders/tenant-a", json={"domains": ["acme.test", ".acme.test"]}, headers=op)
+    assert bad.status_code == 422 and bad.json()["errors"][0]["loc"] == ["body", "domains"], bad.text
+    assert "'.acme.test' (an empty label" in bad.json()["errors"][0]["msg"]
+    r = api.put("/v1/admin/senders/tenant-a", json={"domains": ["ACME.test."]}, headers=op)
     assert r.status_code == 200 and r.json() == {"tenant": "tenant-a", "domains": ["acme.test"]}, r.text
     refused = api.post("/v1/sends", json=email_request(**{"from": "x@other.test"}), headers=a)
     assert refused.status_code == 422 and refused.json()["errors"][0]["loc"] == ["body", "payload", "from"]
@@ -359,10 +362,11 @@ def test_operators_set_a_tenants_sender_domains_at_run_time(api, stack, names, r
 
 def test_a_change_the_audit_trail_does_not_confirm_stays_applied_and_says_so(api, stack, names):
     """Given the operator API, and an audit trail the broker cannot take records on (its topic is gone),
-    When an operator changes a limit and creates a key,
-    Then both changes are applied; the limit change, which making again records without changing more, is answered
-    503 with `"outcome": "applied"` (not "nothing was changed"); the key, which again would be another key, is
-    answered 201 with the key; both are counted in dispatch_audit_records_unconfirmed_total by kind."""
+    When an operator changes a limit, creates a key, sets a tenant's sender domains and removes them,
+    Then every change is applied; the limit and the sender domains, which making again records without
+    changing more, are answered 503 with `"outcome": "applied"` (not "nothing was changed"); the key, which
+    again would be another key, is answered 201 with the key, and the removal, which again would find nothing
+    (404, nothing recorded), 200; all are counted in dispatch_audit_records_unconfirmed_total by kind."""
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
     for f in admin.delete_topics([names.audit]).values():
         f.result()
@@ -374,9 +378,16 @@ def test_a_change_the_audit_trail_does_not_confirm_stays_applied_and_says_so(api
     made = api.post("/v1/admin/keys", json={"role": "tenant", "tenant": "tenant-e"}, headers=op)
     assert made.status_code == 201, made.text
     assert api.get("/v1/sends/nope", headers={"Authorization": f"Bearer {made.json()['key']}"}).status_code == 404
+    # Sender domains: setting again records it (503 "applied"); a removal again would find nothing (done).
+    put = api.put("/v1/admin/senders/tenant-e", json={"domains": ["e.test"]}, headers=op)
+    assert put.status_code == 503 and put.json()["outcome"] == "applied", put.text
+    removed = api.delete("/v1/admin/senders/tenant-e", headers=op)
+    assert removed.status_code == 200 and removed.json() == {"tenant": "tenant-e", "domains": ["e.test"]}, removed.text
+    assert api.get("/v1/admin/senders", headers=op).json()["stored"] == {}
     exposition = api.get("/metrics/").text
     assert metric_sum(exposition, 'dispatch_audit_records_unconfirmed_total{kind="limits"}') == 1
     assert metric_sum(exposition, 'dispatch_audit_records_unconfirmed_total{kind="apikey"}') == 1
+    assert metric_sum(exposition, 'dispatch_audit_records_unconfirmed_total{kind="senders"}') == 2
 
 
 def test_options_names_every_method_of_a_path(api):

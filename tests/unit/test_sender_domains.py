@@ -37,6 +37,11 @@ def test_a_tenant_sends_only_from_its_own_domains(tenant, sender, allowed):
         assert "@" not in DOMAINS.refusal(tenant, sender)  # the refused address is not repeated
 
 
+def test_domains_are_taken_in_any_case_with_a_final_dot_and_in_their_xn_form():
+    parsed = SenderDomains.parse({"acme": ["ACME.Test.", "mail.acme.test", "xn--fa-hia.de", "a-b.test"]}, "test")
+    assert parsed.by_tenant["acme"] == {"acme.test", "mail.acme.test", "xn--fa-hia.de", "a-b.test"}
+
+
 def test_unset_means_any_sender_and_a_tenant_without_domains_sends_no_email():
     assert SenderDomains().refusal("acme", "anyone@anywhere.test") is None
     only_acme = SenderDomains.parse({"acme": ["acme.test"]}, "test")
@@ -48,7 +53,15 @@ def test_unset_means_any_sender_and_a_tenant_without_domains_sends_no_email():
     ('["acme.test"]', "must be a JSON object of lists of domains"),
     ('{"acme": "acme.test"}', "must be a JSON object of lists of domains"),
     ('{"acme": ["acme test"]}', "tenant 'acme': not a domain name: 'acme test'"),
-    ('{"acme": ["localhost"]}', "not a domain name: 'localhost'"),
+    ('{"acme": ["localhost"]}', "not a domain name: 'localhost' (one label only"),
+    ('{"acme": [".acme.test"]}', "'.acme.test' (an empty label"),
+    ('{"acme": ["acme..test"]}', "'acme..test' (an empty label"),
+    ('{"acme": ["-.-"]}', "'-.-' (a label that is not 1 to 63 letters, digits or hyphens, or that starts or ends"),
+    ('{"acme": ["a-.test"]}', "'a-.test' (a label that is not"),
+    ('{"acme": ["%s.test"]}' % ("a" * 64), "(a label that is not 1 to 63"),
+    ('{"acme": ["faß.de"]}', "'faß.de' (not ASCII (give an internationalised domain in its xn-- form))"),
+    ('{"acme": [' + ", ".join(f'"d{i}.test"' for i in range(101)) + "]}", "tenant 'acme': 101 domains, more than 100"),
+    ('{"acme": [" acme.test"]}', "' acme.test' (a label that is not"),
     ("{not json", "must be a JSON object of lists of domains"),
 ])
 def test_a_bad_setting_names_the_variable_and_what_is_wrong(raw, message):
