@@ -21,7 +21,7 @@ from ..backoff import Outage
 from ..errors import ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
 from ..gate.gate import Admission, Gate
 from ..gate.token_bucket import Limit
-from ..providers.outcome import Outbound
+from ..providers.outcome import Outbound, UnusablePayload
 from ..retry.policy import RetryPolicy, expired
 from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, idempotency_key
 from .routes import Route, Routes
@@ -33,7 +33,7 @@ CLAIM_RACE_ROUNDS = 3  # sends claimed meanwhile by a racing worker drop out of 
 LIMITS_TTL_S = 10.0
 # What a provider adapter raises on a payload it cannot read (a field missing or of the wrong type); a
 # ValueError is the adapter refusing the request's shape (a batch too big, a batch where it takes one).
-PAYLOAD_ERRORS = (KeyError, TypeError, AttributeError)
+PAYLOAD_ERRORS = (KeyError, TypeError, AttributeError, UnusablePayload)
 ROUND_MAX = 256  # requests per dispatch round (each round: three Redis round trips for all of them)
 COOL_DOWN_JITTER = 0.2  # workers leave a shared 429 cool-down up to 20% after it ends, not all at once
 
@@ -361,6 +361,8 @@ class Dispatcher:
                 what = type(exc).__name__
                 if isinstance(exc, KeyError) and exc.args:
                     what = f"missing field {exc.args[0]!r}"
+                elif isinstance(exc, UnusablePayload):
+                    what = str(exc)
                 self.on_unbuildable(p, f"the {draw.route.name} request cannot be built from this payload: {what}")
                 continue
             except ValueError:

@@ -40,6 +40,11 @@ class ProviderResult:
     target: str = ""              # where the request went, when a send's route does not say (a webhook URL)
 
 
+class UnusablePayload(Exception):
+    """An adapter refusing one message's payload for a reason its message states (never quoting the
+    payload): the message is dead-lettered `malformed` with that reason."""
+
+
 @dataclass(frozen=True)
 class Outbound:
     """One message for the provider: the frozen payload plus the routing tags we attach."""

@@ -16,6 +16,7 @@ else (3xx, 4xx, 5xx, a connection error, a timeout) is a failure to retry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -29,7 +30,7 @@ import aiohttp
 import orjson
 
 from .. import metrics
-from ..providers.outcome import Outbound, Outcome, ProviderResult, redact
+from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
 from .endpoints import EndpointDirectory
 from .model import Endpoint
 from .sealing import Sealer, UnsealError, open_secret
@@ -37,6 +38,7 @@ from .signing import headers as signed_headers
 from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 
 EXCERPT_BYTES = 1024
+DRAIN_S = 1.0  # how long a 2xx answer's body is waited for (read only so its connection can be reused)
 DNS_TTL_S = 30.0
 DNS_TIMEOUT_S = 5.0
 DNS_THREADS = 32
@@ -133,17 +135,39 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
         resp = await fresh.post(url, data=body, headers=headers, allow_redirects=False,
                                 timeout=aiohttp.ClientTimeout(total=left))
     async with resp:
-        head = await resp.content.read(EXCERPT_BYTES)
         answer = {k.lower(): v for k, v in resp.headers.items()}
+        latency = time.monotonic() - started
+        if 200 <= resp.status < 300:
+            # Delivered whatever the body does next. A short body is read, so the connection can be reused;
+            # one that stalls is given up on (its connection closed), not taken for a failed attempt.
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                await asyncio.wait_for(resp.content.read(EXCERPT_BYTES), DRAIN_S)
+            return classify(resp.status, answer, b"", latency)
+        head = await resp.content.read(EXCERPT_BYTES)
         return classify(resp.status, answer, head, time.monotonic() - started)
 
 
+class LookupFailed(Exception):
+    """The name could not be looked up now (a name server down, slow or unreachable; ours or the tenant's):
+    not an answer about the name, so neither cached nor counted against the endpoint's health."""
+
+
+NO_SUCH_NAME = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
+
+
 def addresses_of(host: str) -> list[str]:
-    """The host's addresses ([] when it does not resolve)."""
+    """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
+    LookupFailed when the lookup itself failed."""
     try:
         return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
-    except OSError:
+    except socket.gaierror as exc:
+        if exc.errno in NO_SUCH_NAME:
+            return []
+        raise LookupFailed(exc.strerror or "the lookup failed") from None
+    except UnicodeError:  # a label longer than 63 characters, an empty one
         return []
+    except OSError as exc:
+        raise LookupFailed(exc.strerror or type(exc).__name__) from None
 
 
 class WebhookDelivery:
@@ -171,14 +195,23 @@ class WebhookDelivery:
         connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, resolver=self.resolver,
                                          use_dns_cache=False, force_close=not pooled,
                                          keepalive_timeout=KEEPALIVE_S if pooled else None)
+        # No cookies, ever: the sessions serve every tenant, and a cookie one receiver set (for a parent
+        # domain, even `com`) would go out with other tenants' deliveries.
         return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                     trace_configs=[reuse_tracer()] if pooled else None)
+                                     trace_configs=[reuse_tracer()] if pooled else None,
+                                     cookie_jar=aiohttp.DummyCookieJar())
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
-        """The endpoint id (our 'path') and the body. A webhook delivery is never batched."""
+        """The endpoint id (our 'path') and the body. A webhook delivery is never batched. An event naming
+        another tenant's endpoint (written to the lane topic past ingest, which fans out to the tenant's
+        own) is never delivered."""
         if batch or len(messages) != 1:
             raise ValueError("a webhook delivery carries exactly one event")
-        return messages[0].payload["endpoint_id"], delivery_body(messages[0].payload)
+        endpoint_id = messages[0].payload["endpoint_id"]
+        ep = self.directory.get(endpoint_id)
+        if ep is not None and ep.tenant != messages[0].tenant:
+            raise UnusablePayload(f"the endpoint {str(endpoint_id)[:80]!r} is not this tenant's")
+        return endpoint_id, delivery_body(messages[0].payload)
 
     def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
         msg_id = idempotency_key.removeprefix("send-")  # the delivery id: stable across retries
@@ -198,6 +231,9 @@ class WebhookDelivery:
             resolve = await self._resolve(host, ep.tenant)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started)
+        except LookupFailed as exc:
+            return ProviderResult("unavailable", error_name="dns_lookup_failed", error_body=str(exc)[:EXCERPT_BYTES],
+                                  latency_s=time.monotonic() - started)
         try:
             self.policy.check(ep.url, resolve)
         except UnsafeUrl as exc:
@@ -279,7 +315,10 @@ class WebhookDelivery:
     def _looked_up(self, host: str, slots: asyncio.Semaphore, done: asyncio.Future) -> None:
         self._looking_up.pop(host, None)
         slots.release()
-        self._dns[host] = (time.monotonic(), [] if done.cancelled() or done.exception() else done.result())
+        # Only answers are cached: a failed lookup (one name server's bad second) is made again by the next
+        # delivery, instead of failing every delivery to the host for DNS_TTL_S.
+        if not done.cancelled() and done.exception() is None:
+            self._dns[host] = (time.monotonic(), done.result())
 
     @property
     def ready(self) -> bool:

@@ -27,6 +27,11 @@ NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known NAT64 prefix: the
 NOT_GLOBAL = (ipaddress.ip_network("3fff::/20"),)
 
 
+# Never the URL itself: a refusal at delivery reaches logs and dead letters, and webhook URLs often carry a
+# token in their path or query.
+NOT_HTTP = "the URL is not an http(s) URL with a host"
+
+
 class UnsafeUrl(ValueError):
     """A URL we refuse to call; the message says why."""
 
@@ -50,21 +55,21 @@ class UrlPolicy:
         """Raise UnsafeUrl for a URL we may not call (resolving its host with `resolve`)."""
         parts = urlsplit(url)
         if parts.scheme not in ("https", "http") or not parts.hostname:
-            raise UnsafeUrl(f"{url!r} is not an http(s) URL with a host")
+            raise UnsafeUrl(NOT_HTTP)
         if parts.scheme != "https" and self.require_https:
             raise UnsafeUrl("webhook URLs must use https")
         if parts.username or parts.password:
             raise UnsafeUrl("webhook URLs may not carry credentials")
         host = wire_host(url)
         if not host:
-            raise UnsafeUrl(f"{url!r} is not an http(s) URL with a host")
+            raise UnsafeUrl(NOT_HTTP)
         if host in self.allow:
             return
         # The reasons name the kind of address, never the address a name resolved to nor the
         # resolver's error: a tenant reads them, and must not map our internal names with them.
         try:
             addresses = [host] if _is_ip(host) else list(resolve(host))
-        except OSError:
+        except (OSError, UnicodeError):  # UnicodeError: a label too long or empty (`a..com`)
             raise UnsafeUrl(f"the host {host!r} does not resolve") from None
         if not addresses:
             raise UnsafeUrl(f"the host {host!r} does not resolve")

@@ -2,6 +2,8 @@
 them: the counter, degradation at 10, the two alerts and their 24 h dedupe, reactivation, and
 replays after a restart. Pure: events are dicts, time comes from the events."""
 
+import pytest
+
 from streams.health.rules import ALERT_WINDOW_MS, DEGRADE_AFTER, Health, apply, reactivation_event, state_doc
 from streams.webhooks.fanout import BacklogLimit, skip_reason
 from streams.webhooks.model import Endpoint, with_health
@@ -56,16 +58,18 @@ def test_skipped_deliveries_count_neither_way():
     assert f.h.consecutive_failures == 1
 
 
-def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant():
+@pytest.mark.parametrize("ours", ["secret_unreadable", "dns_lookup_failed"])
+def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant(ours):
     """Given 9 failures of the receiver,
     When 20 attempts fail before sending because the worker cannot open the endpoint's signing secret (an
-    operator's key missing), the last of them dropping its delivery,
+    operator's key missing), or its name lookup failed (no answer about the name), the last of them dropping
+    its delivery,
     Then the endpoint stays active, the count stays at 9 and no alert goes to the tenant's members."""
     f = Feed()
     for t in range(9):
         f.fail(t)
     for t in range(9, 29):
-        f.push({"kind": "attempt", "outcome": "unavailable", "error": "secret_unreadable", "dropped": t == 28}, t)
+        f.push({"kind": "attempt", "outcome": "unavailable", "error": ours, "dropped": t == 28}, t)
     assert (f.h.state, f.h.consecutive_failures, f.alerts) == ("active", 9, [])
 
 

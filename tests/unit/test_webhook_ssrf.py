@@ -103,3 +103,24 @@ def test_an_internationalised_host_is_checked_under_the_name_the_http_client_con
     UrlPolicy().check("https://faß.de/hooks", recording)
     UrlPolicy().check("https://Bücher.example/hooks", recording)
     assert asked == ["xn--fa-hia.de", "xn--bcher-kva.example"]
+
+
+@pytest.mark.parametrize("host", ["a..com", "a" * 64 + ".com"])
+def test_a_host_no_name_server_can_hold_is_refused_as_not_resolving(host):
+    """Given a host with an empty label or one over 63 characters, which the system resolver's codec refuses
+    with UnicodeError before asking anyone,
+    When a tenant registers a URL on it,
+    Then it is refused as not resolving (a 422 for the tenant; before, the UnicodeError escaped the check and
+    the registration was answered 500)."""
+    from streams.webhooks.ssrf import system_resolver
+
+    with pytest.raises(UnsafeUrl, match="does not resolve"):
+        UrlPolicy().check(f"https://{host}/hooks", system_resolver)
+
+
+def test_a_refused_url_is_never_repeated_in_the_reason():
+    """A refusal at delivery reaches logs and dead letters; the URL's path or query often holds a token."""
+    for url in ("ftp://hooks.example.com/services/T0/B0/secret-token", "https:///secret-token?key=k"):
+        with pytest.raises(UnsafeUrl) as refused:
+            UrlPolicy().check(url, resolve)
+        assert "secret-token" not in str(refused.value) and "not an http(s) URL" in str(refused.value)

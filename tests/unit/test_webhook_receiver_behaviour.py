@@ -1,0 +1,168 @@
+"""What receivers do to the webhook client: set cookies, stall a body after a 2xx, and what a failed name
+lookup does. A real aiohttp client (WebhookDelivery) and real HTTP receivers on loopback; only name
+resolution is a table (this machine has no DNS for the receivers' names)."""
+
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from streams.health.rules import OURS
+from streams.providers.outcome import Outbound, UnusablePayload
+from streams.webhooks import delivery
+from streams.webhooks.delivery import WebhookDelivery
+from streams.webhooks.model import Endpoint, Secret
+from streams.webhooks.ssrf import UrlPolicy
+
+
+class Receiver(BaseHTTPRequestHandler):
+    """Answers 200. `/set-cookies` answers with cookies for its parent domains; `/stall` sends its headers
+    (a 100-byte body announced) and then nothing until the test ends."""
+
+    cookies_seen: list[str | None] = []
+    release = threading.Event()
+
+    def do_POST(self):  # noqa: N802 - the http.server hook's name
+        self.rfile.read(int(self.headers["content-length"]))
+        Receiver.cookies_seen.append(self.headers.get("cookie"))
+        self.send_response(200)
+        if self.path == "/set-cookies":
+            for domain in ("test", "shared.test", "a.shared.test"):
+                self.send_header("set-cookie", f"tossed-{domain}=from-a; Domain={domain}; Path=/")
+        if self.path == "/stall":
+            self.send_header("content-length", "100")
+            self.end_headers()
+            self.wfile.flush()
+            Receiver.release.wait(10)
+            return
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def receiver():
+    Receiver.cookies_seen, Receiver.release = [], threading.Event()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    Receiver.release.set()
+    server.shutdown()
+
+
+def endpoints(*eps: Endpoint):
+    by_id = {ep.id: ep for ep in eps}
+    return SimpleNamespace(get=by_id.get, close=lambda: None)
+
+
+def endpoint(ep_id: str, tenant: str, url: str) -> Endpoint:
+    return Endpoint(id=ep_id, tenant=tenant, url=url, event_types=("*",), secrets=(Secret("whsec_" + "A" * 32),))
+
+
+def client(directory, timeout_s: float = 5) -> WebhookDelivery:
+    return WebhookDelivery(directory, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                           timeout_s=timeout_s)
+
+
+def deliver(d: WebhookDelivery, ep: Endpoint, n: int):
+    return d.submit(ep.id, b'{"type": "invoice.paid"}', "", f"send-{n:04d}").result(15)
+
+
+def test_a_cookie_one_tenants_receiver_sets_never_goes_out_with_another_tenants_delivery(monkeypatch, receiver):
+    """Given tenant a's receiver at a.shared.test, which answers with cookies for `test`, `shared.test` and
+    itself, and tenant b's at b.shared.test (both on this machine),
+    When a delivery goes to a, then one to b and one more to a,
+    Then neither of the later ones carries a cookie (before, the client kept the cookies, shared by every
+    tenant: b's receiver got a's cookies, and a receiver could fill another tenant's request headers)."""
+    monkeypatch.setattr(delivery, "addresses_of", lambda name: ["127.0.0.1"])
+    a = endpoint("ep_a", "acme", f"http://a.shared.test:{receiver}/set-cookies")
+    b = endpoint("ep_b", "globex", f"http://b.shared.test:{receiver}/hooks")
+    d = client(endpoints(a, b))
+    try:
+        results = [deliver(d, a, 1), deliver(d, b, 2), deliver(d, a, 3)]
+    finally:
+        d.close()
+    assert [r.outcome for r in results] == ["delivered"] * 3
+    assert Receiver.cookies_seen == [None, None, None]
+
+
+def test_a_2xx_whose_body_stalls_is_delivered_not_a_timeout(monkeypatch, receiver):
+    """Given a receiver that answers 200 and then sends none of the body it announced (a handler that
+    answers first and works after),
+    When a delivery is made with a 3 s timeout,
+    Then it is delivered, within about a second (before, the client waited for the body's first bytes and
+    the attempt failed as a Timeout: the receiver got the event again and its endpoint's health suffered)."""
+    monkeypatch.setattr(delivery, "addresses_of", lambda name: ["127.0.0.1"])
+    ep = endpoint("ep_s", "acme", f"http://slow.test:{receiver}/stall")
+    d = client(endpoints(ep), timeout_s=3)
+    try:
+        started = time.monotonic()
+        result = deliver(d, ep, 1)
+        took = time.monotonic() - started
+    finally:
+        d.close()
+    assert (result.outcome, result.status) == ("delivered", 200), result
+    assert took < delivery.DRAIN_S + 1.0
+
+
+def test_a_failed_name_lookup_is_not_remembered_and_does_not_count_against_the_endpoint(monkeypatch, receiver):
+    """Given a name server that fails once (EAI_AGAIN) and then answers,
+    When a delivery meets the failure and the next one follows at once,
+    Then the first is a retried failure `dns_lookup_failed`, which the endpoint's health does not count, and
+    the second looks the name up again and is delivered (before, the failure was cached as "does not
+    resolve" for 30 s: every delivery to the host failed at once as unsafe_url, counted against the
+    endpoint, which a queue of ten degraded)."""
+    answers = iter([socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")])
+    real = socket.getaddrinfo
+
+    def flaky(host, *args, **kwargs):
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+        return real("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(delivery.socket, "getaddrinfo", flaky)
+    ep = endpoint("ep_d", "acme", f"http://dns.test:{receiver}/hooks")
+    d = client(endpoints(ep))
+    try:
+        first, second = deliver(d, ep, 1), deliver(d, ep, 2)
+    finally:
+        d.close()
+    assert (first.outcome, first.error_name) == ("unavailable", "dns_lookup_failed"), first
+    assert "Temporary failure" in first.error_body
+    assert second.outcome == "delivered", second
+    assert "dns_lookup_failed" in OURS  # not counted against the endpoint (test_endpoint_health_rules.py)
+
+
+@pytest.mark.parametrize("failure", [socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+                                     UnicodeError("label too long")])
+def test_a_name_that_does_not_exist_is_an_answer_not_a_failed_lookup(monkeypatch, failure):
+    """NXDOMAIN, or a name no name server can hold: the host does not resolve (the tenant's URL), which the
+    URL check refuses and the endpoint's health counts."""
+    def answer(host, *args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(delivery.socket, "getaddrinfo", answer)
+    assert delivery.addresses_of("gone.test") == []
+
+
+def test_an_event_naming_another_tenants_endpoint_is_never_built():
+    """Given globex's endpoint, and an event of acme's (written to the lane topic past ingest) naming it,
+    When the worker builds its request,
+    Then it is refused with a reason the dead letter can carry, and acme's own endpoint builds."""
+    theirs, ours = endpoint("ep_g", "globex", "http://g.test/h"), endpoint("ep_a", "acme", "http://a.test/h")
+    d = client(endpoints(theirs, ours))
+    payload = {"event_type": "invoice.paid", "occurredAt": "2026-12-03T00:00:00Z", "data": {}}
+    try:
+        with pytest.raises(UnusablePayload, match="'ep_g' is not this tenant's"):
+            d.build([Outbound("s1", "acme", "transactional", {**payload, "endpoint_id": "ep_g"})], batch=False)
+        assert d.build([Outbound("s2", "acme", "transactional", {**payload, "endpoint_id": "ep_a"})], False)[0] == "ep_a"
+    finally:
+        d.close()
