@@ -37,6 +37,19 @@ log = logging.getLogger("streams.records")
 OnAck = Callable[[], object]
 
 
+def after_all(n: int, then: OnAck) -> OnAck:
+    """An acknowledgement callback to give `n` records: `then` runs once all `n` are acknowledged (a message's
+    offset waits for every record it caused, so a crash in between writes them all again)."""
+    left = [n]
+
+    def one() -> None:  # runs inside the producer's poll: it must not raise
+        left[0] -= 1
+        if left[0] == 0:
+            then()
+
+    return one
+
+
 def error_header(result: ProviderResult) -> bytes:
     """Status, error name and the (already redacted) body of a provider answer."""
     return f"{result.status or result.outcome} {result.error_name} {result.error_body}".strip().encode()[:1000]
@@ -92,14 +105,15 @@ class RecordWriter:
         self.outcome({**self.outcome_event(p.send, "skipped", p.attempt - 1, now_ms, reason=reason),
                       "origin": self.origin(p)}, on_ack)
 
-    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
+    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False,
+                        on_ack: OnAck | None = None) -> None:
         """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
         delivery was given up after it."""
         fields = webhook_fields(p.send)
         event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
                  **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024], "dropped": dropped}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
-                     {})
+                     {}, on_ack)
 
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
@@ -138,12 +152,12 @@ class RecordWriter:
                  provider=tried[-1], providers_tried=",".join(tried), attempt=p.attempt, tier=decision.tier,
                  due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
         status = "unknown" if result.outcome == "unknown" else "retrying"
+        done = after_all(2, on_ack)  # the attempt's outcome (its history) and the copy
         self.outcome({**self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
-                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)})
+                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)}, done)
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
-                     headers, on_ack,
-                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, on_ack,
-                                                             tried))
+                     headers, done,
+                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, done, tried))
 
     def fallback(self, p: Pending, provider: str, tried: list[str], result: ProviderResult, now_ms: int,
                  on_ack: OnAck) -> None:
@@ -158,11 +172,12 @@ class RecordWriter:
         metrics.SENDS.labels(*self._label, "fallback").inc()
         evidence(log, logging.WARNING, "fallback_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
                  provider=tried[-1], to_provider=provider, reason=result.error_name, attempt=p.attempt)
+        done = after_all(2, on_ack)  # the attempt's outcome (its history) and the copy
         self.outcome({**self.outcome_event(p.send, "retrying", p.attempt, now_ms, reason=f"fallback:{provider}",
-                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)})
+                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)}, done)
         self.produce(self.names.retry(self.channel, self.lane, tier), p.send.tenant_id.encode(), p.raw, headers,
-                     on_ack, on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms,
-                                                                    on_ack, tried))
+                     done, on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms,
+                                                                  done, tried))
 
     def spill(self, p: Pending, due_ms: int, tier: str, on_ack: OnAck, reason: str = "tenant_backlog") -> None:
         """Park a message on a retry tier until `due_ms`: a tenant's backlog over its share

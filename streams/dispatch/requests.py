@@ -224,9 +224,13 @@ class Dispatcher:
             if state == "delivered":  # first: an old copy of a delivered send is a duplicate, not too old
                 self._skip(p)
             elif expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms):
-                # The age is checked before every attempt: never sent too late.
+                # The age is checked before every attempt: never sent too late. One the provider may hold (an
+                # earlier request's outcome unknown) is dead-lettered as such, never as merely too old.
                 self._open.pop(id(p), None)
-                self.on_expired(p)
+                if state is None:
+                    self.on_expired(p)
+                else:
+                    self.on_unknown(p)
             elif state == "reconcile":
                 # Left to reconciliation with an unknown outcome: a batch member met after the others
                 # were dead-lettered, or read again after a crash between the mark and its dead letter.

@@ -42,7 +42,7 @@ from ..retry.policy import (
     wait_in_process,
 )
 from .idempotency import ProcessedJobs
-from .records import RecordWriter, attempt_info
+from .records import OnAck, RecordWriter, after_all, attempt_info
 from .requests import Job
 from .routes import Route, Routes
 from .stages import StageLog, wall_ms
@@ -189,12 +189,12 @@ class Settler:
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self.finisher(p.where))
                 continue
-            decision = self._decide(route, p, result, now_ms)
-            self._announce(p, result, now_ms, dropped=isinstance(decision, DeadLetter))
+            decision = self._decide(route, p, result, now_ms, job.resent)
+            finish = self._announced(p, result, now_ms, isinstance(decision, DeadLetter), self.finisher(p.where))
             if isinstance(decision, RetryAt):
-                self.records.retry(p, decision, result, now_ms, self.finisher(p.where), tried)
+                self.records.retry(p, decision, result, now_ms, finish, tried)
             elif isinstance(decision, DeadLetter):
-                self.records.dead_letter(p, decision.reason, result, now_ms, self.finisher(p.where), tried)
+                self.records.dead_letter(p, decision.reason, result, now_ms, finish, tried)
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
 
@@ -242,11 +242,21 @@ class Settler:
                 if q.items and self.routes.of(q.items[0].provider) is route:
                     q.ready_at = max(q.ready_at, until)
 
-    def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False) -> None:
+    def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False,
+                  on_ack: OnAck | None = None) -> None:
         """Every webhook attempt is an event on the attempts topic; `dropped` marks the attempt after
         which the delivery was given up (endpoint health counts both)."""
         if p.send.channel == "webhook":
-            self.records.webhook_attempt(p, result, now_ms, dropped)
+            self.records.webhook_attempt(p, result, now_ms, dropped, on_ack)
+
+    def _announced(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool, then: OnAck) -> OnAck:
+        """`_announce`, returning what to give the record that settles the message: `then` runs once that
+        record and the attempt event (a webhook's) are both acknowledged."""
+        if p.send.channel != "webhook":
+            return then
+        done = after_all(2, then)
+        self._announce(p, result, now_ms, dropped, done)
+        return done
 
     def dead_letter_too_old(self, p: Pending) -> None:
         """A send found older than its policy's max_age before an attempt: never sent late."""
@@ -261,9 +271,10 @@ class Settler:
         """A send whose payload the provider adapter cannot turn into a request: it never can be."""
         self.records.dead_letter(p, "malformed", None, int(time.time() * 1000), self.finisher(p.where), detail=detail)
 
-    def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int):
+    def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int, resent: bool):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
-                      self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale)
+                      self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale,
+                      first_copy_unknown=resent)
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their
@@ -278,11 +289,12 @@ class Settler:
         route = self.routes.of(job.provider)
         events = []
         held = set()
+        announced: list[Pending] = []
         for p in job.members:
             if p.send.send_id in held:
                 continue
             held.add(p.send.send_id)
-            self._announce(p, result, now_ms)
+            announced.append(p)
             self._end_to_end.observe(max(0, now_ms - p.send.created_at_ms) / 1000)
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
@@ -298,9 +310,15 @@ class Settler:
             self.to_mark.append(job)  # marked with the others of this poll, in one round trip
 
         metrics.SENDS.labels(*self.label, "delivered").inc(len(held))
+        if any(p.send.channel == "webhook" for p in announced):  # the attempt events are acknowledged too
+            all_acked = after_all(len(announced) + 1, acked)
+            for p in announced:
+                self._announce(p, result, now_ms, on_ack=all_acked)
+        else:
+            all_acked = acked
         # One record per request (up to 100 events each), not one per send: a record for the broker
         # to acknowledge, and a delivery report to serve, per request; `acked` once all are.
-        self.records.outcomes(events, job.key, acked)
+        self.records.outcomes(events, job.key, all_acked)
 
     def _mark(self, job: Job) -> None:
         """Mark the request's sends delivered, then finish their offsets; on a Redis error keep it."""

@@ -245,10 +245,15 @@ def tier_at_least(seconds: float) -> str:
 
 
 def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderResult, now_ms: int,
-           jitter: float, provider_idempotent: bool = True, time_scale: float = 1.0) -> Decision:
+           jitter: float, provider_idempotent: bool = True, time_scale: float = 1.0,
+           first_copy_unknown: bool = False) -> Decision:
     """`attempt` is the attempt that just ran (1-based); `jitter` is a uniform draw in [0, 1).
-    `time_scale` shrinks the tiers' delays for tests that walk a whole schedule (1.0 in production)."""
+    `time_scale` shrinks the tiers' delays for tests that walk a whole schedule (1.0 in production).
+    `first_copy_unknown`: this attempt re-sent a request whose first copy's fate is unknown."""
     outcome = result.outcome
+    # A send given up on that the provider may hold (this answer unknown, or an earlier copy's) is dead-lettered
+    # `unknown_outcome`, whatever else ended it: replaying it blindly could deliver it twice.
+    may_be_delivered = outcome == "unknown" or first_copy_unknown
     if outcome == "delivered":
         return Delivered()
     if outcome == "rejected":
@@ -258,7 +263,7 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     if outcome == "unknown" and not provider_idempotent:
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
     if attempt >= policy.max_attempts:
-        return DeadLetter("retries_exhausted")
+        return DeadLetter("unknown_outcome" if may_be_delivered else "retries_exhausted")
     # The earliest moment the next attempt may happen: what the provider asked for, at least.
     at_least = {"quota": PARK_AT_LEAST_S,
                 "throttled": parse_retry_after(result.retry_after, now_ms)}.get(outcome) or 0.0
@@ -266,7 +271,8 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms - created_ms > policy.max_age_s * 1000:
-        return DeadLetter("quota_exceeded" if outcome == "quota" else "too_old")
+        return DeadLetter("unknown_outcome" if may_be_delivered else "quota_exceeded" if outcome == "quota"
+                          else "too_old")
     reason = {"throttled": "rate_limited", "quota": "quota_exceeded", "unknown": "unknown_outcome",
               "auth": "auth_failed"}.get(outcome, "provider_unavailable")
     return RetryAt(tier, due_ms, reason)

@@ -100,6 +100,14 @@ def due_time(headers: dict[str, bytes], where: str, now_ms: float) -> int:
     return due
 
 
+def attempts_made(held: Held) -> int:
+    """The attempts a retry copy's send has had: its `attempt` header is the attempt the copy is for."""
+    try:
+        return max(0, int(held.headers.get("attempt", b"1")) - 1)
+    except (TypeError, ValueError):
+        return 0
+
+
 class Retrier:
     def __init__(self, cfg: RetrierConfig, clock: Callable[[], float] = time.time):
         self.cfg = cfg
@@ -194,6 +202,7 @@ class Retrier:
                   *where)
         headers = {k: v[:1000] for k, v in held.headers.items() if k in OWN_DLQ_HEADERS}
         headers.update({"reason": b"too_large", "reason_detail": b"lane_copy_too_large",
+                        "attempts": str(attempts_made(held)).encode(),
                         "payload_omitted": b"too_large", "channel": self.cfg.channel.encode(),
                         "lane": self.cfg.lane.encode(), "origin_topic": held.topic.encode(),
                         "origin_partition": str(held.partition).encode(), "origin_offset": str(held.offset).encode(),
@@ -212,11 +221,7 @@ class Retrier:
         except MalformedEvent:
             self.tracker.finish(*where)  # not a send: nothing has a status to change
             return
-        try:
-            attempts = int(held.headers.get("attempt", b"1"))
-        except ValueError:
-            attempts = 1
-        event = {**outcome_event(send, "dropped" if send.channel == "webhook" else "dead_lettered", attempts,
+        event = {**outcome_event(send, "dropped" if send.channel == "webhook" else "dead_lettered", attempts_made(held),
                                  now_ms, "", reason="too_large"),
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}

@@ -177,10 +177,11 @@ def test_a_retry_copy_the_lane_refuses_for_its_size_is_dead_lettered_and_the_tie
                           30, "the refused copy's dead letter", interval=0.5)
     assert letter.send_id == big.send_id and letter.value is None and letter.reason == "too_large"
     assert letter.headers["reason_detail"] == "lane_copy_too_large"
+    assert letter.headers["attempts"] == "1"  # the copy was for attempt 2: one was made
     assert (letter.headers["origin_topic"], letter.headers["origin_offset"]) == (ten_s, "0")
     [outcome] = [orjson.loads(m.value()) for m in read_topic(stack.bootstrap, names.outcomes, expect=1, timeout=20)]
     assert (outcome["send_id"], outcome["status"], outcome["reason"], outcome["attempts"]) == (
-        big.send_id, "dead_lettered", "too_large", 2)
+        big.send_id, "dead_lettered", "too_large", 1)
     assert outcome["dlq"]["offset"] == letter.offset and outcome["origin"] == {"topic": ten_s, "partition": 0,
                                                                                   "offset": 0}
     group = names.retry_group("email", "transactional")

@@ -75,6 +75,25 @@ def test_unknown_outcome_without_provider_idempotency_goes_to_reconciliation():
     assert d == DeadLetter("unknown_outcome")
 
 
+@pytest.mark.parametrize("result, first_copy_unknown", [
+    (ProviderResult("unknown"), False),                   # this attempt's answer was lost
+    (ProviderResult("unavailable", 503), True),           # a re-send failed: the first copy's fate is unknown
+    (ProviderResult("quota", 429), True),
+])
+def test_a_send_the_provider_may_hold_is_given_up_on_as_unknown_outcome(result, first_copy_unknown):
+    """Given a send whose provider may hold a copy (the last answer unknown, or a re-send of a request whose
+    first answer was lost),
+    When it is given up on, its attempts used up or its max age reached,
+    Then the dead letter says `unknown_outcome` (before: `retries_exhausted` / `too_old` / `quota_exceeded`,
+    which the runbook says to replay after fixing the cause: a replay has a new send id, so the provider
+    would deliver it a second time)."""
+    exhausted = decide(OTP, OTP.max_attempts, NOW, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
+    too_old = decide(OTP, 1, NOW - 595_000, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
+    assert exhausted == too_old == DeadLetter("unknown_outcome")
+    assert decide(OTP, OTP.max_attempts, NOW, ProviderResult("unavailable", 503), NOW, 0.5) == \
+        DeadLetter("retries_exhausted")
+
+
 def test_retry_after_parsing():
     assert parse_retry_after("120", NOW) == 120
     assert parse_retry_after(http_date(30), NOW) == pytest.approx(30)

@@ -187,10 +187,11 @@ def _messages(tenants: list[str]):
 DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
-def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None):
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None,
+            producer=None):
     spec = replace(load_registry().primary("email"), idempotent=idempotent)
     cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
-    consumer, producer, provider = FakeConsumer(messages), FakeProducer(), provider or FakeProvider(answer)
+    consumer, producer, provider = FakeConsumer(messages), producer or FakeProducer(), provider or FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
     worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
@@ -439,6 +440,30 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
+def test_a_send_whose_first_answer_was_lost_and_whose_resends_all_fail_is_dead_lettered_unknown_outcome():
+    """Given an email the provider accepted but whose answer was lost (502), and every re-send of its request
+    refused (503) until its attempts are used up,
+    When the last attempt fails,
+    Then it is dead-lettered `unknown_outcome`, not `retries_exhausted` (the provider holds the first copy: a
+    replay, which has a new send id, would deliver it a second time)."""
+    _, msgs = _messages(["acme"])
+    provider = KeyedProvider([KeyedProvider.LOST] + [ProviderResult("unavailable", 503)] * 50)
+    worker, consumer, producer, _ = _worker(msgs, jobs=RecordingJobs(), lane="marketing", provider=provider)
+    _run(worker)
+    retry_topics = lambda: [t for t in producer.records if ".retry." in t]  # noqa: E731
+    returned = 0
+    while NAMES.dlq not in producer.records:
+        copies = [c for t in retry_topics() for c in producer.records[t]]
+        assert returned < len(copies), "neither retried nor dead-lettered"
+        value, headers = copies[returned]
+        consumer.pending.append(FakeMessage(0, 1 + returned, value, list(headers.items())))
+        returned += 1
+        _run(worker)
+    [(_, headers)] = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"unknown_outcome" and returned >= 2
+    assert set(provider.keys) == {provider.keys[0]}
+
+
 @pytest.mark.parametrize("retry_after, spilled", [("600", True), ("31536000", False)], ids=["10 min", "a year"])
 def test_a_receivers_long_retry_after_moves_its_queued_deliveries_off_the_worker(retry_after, spilled):
     """Given a receiver with its own limit (as a webhook endpoint) that answers 429 with a long Retry-After,
@@ -590,6 +615,43 @@ class AckHoldingProducer(FakeProducer):
 
     def release(self):
         self.holding = False
+
+
+class TopicHoldingProducer(FakeProducer):
+    """Acknowledges the records of every topic but `held` at once; those of `held` after `release()`."""
+
+    def __init__(self, held: str):
+        super().__init__()
+        self.held, self.waiting = held, []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        if topic == self.held and on_delivery is not None:
+            self.records[topic].append((value, dict(headers or [])))
+            self.waiting.append((on_delivery, FakeMessage(0, len(self.records[topic]) - 1, value)))
+            return
+        super().produce(topic, value, key, headers, on_delivery)
+
+    def release(self):
+        self._acks.extend(self.waiting)
+        self.waiting = []
+
+
+def test_a_failed_attempt_is_finished_only_once_its_history_and_its_retry_copy_are_both_acknowledged():
+    """Given an email the provider answers 503, and a broker that acknowledges its retry copy but not yet the
+    `retrying` outcome that records the attempt,
+    When the worker settles it,
+    Then its offset is not stored (before, it was, on the copy's acknowledgement alone: a crash then lost the
+    attempt from the send's history); once the outcome is acknowledged too, it is."""
+    _, msgs = _messages(["acme"])
+    producer = TopicHoldingProducer(NAMES.outcomes)
+    worker, consumer, _, _ = _worker(msgs, answer=ProviderResult("unavailable", 503), producer=producer)
+    for _ in range(20):  # not `_run`: its drain would wait for the held acknowledgement
+        worker.step()
+    assert [t for t in producer.records if ".retry." in t] and producer.waiting
+    assert consumer.stored.get((TOPIC, 0), 0) == 0
+    producer.release()
+    _run(worker, steps=5)
+    assert consumer.stored[(TOPIC, 0)] == 1
 
 
 def test_a_batched_request_writes_its_outcomes_in_one_record_and_finishes_offsets_on_its_ack():
@@ -894,6 +956,24 @@ def test_an_old_copy_of_a_delivered_send_is_a_duplicate_not_a_dead_letter():
     [(_, headers)] = producer.records[NAMES.dlq]
     assert headers["send_id"] == sends[1].send_id.encode() and headers["reason"] == b"too_old"
     assert consumer.stored[(TOPIC, 0)] == 2
+
+
+@pytest.mark.parametrize("state", ["inflight:send-x", "reconcile"])
+def test_an_expired_send_whose_earlier_request_has_no_known_outcome_is_dead_lettered_unknown_outcome(state):
+    """Given a send older than its policy allows, still claimed by a request whose outcome is unknown (or left
+    to reconciliation),
+    When a worker meets it,
+    Then nothing is sent and it is dead-lettered `unknown_outcome` (before: `too_old`, which the runbook
+    says may be replayed after fixing the cause: the provider may hold it, and a replay would send it again)."""
+    day_ago = int(time.time() * 1000) - 86_400_000
+    send = build_send(validate_request(email_request()), "acme", now_ms=day_ago)
+    jobs = FakeJobs()
+    jobs.state[send.send_id] = state
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs)
+    _run(worker)
+    assert provider.sent == []
+    [(_, headers)] = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"unknown_outcome" and consumer.stored[(TOPIC, 0)] == 1
 
 
 class CoolDowns(FakeGate):
