@@ -310,6 +310,10 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     def put_sender_domains(tenant: Annotated[str, FastApiPath(pattern=SENDER_TENANT_PATTERN)],
                            body: SenderDomainsUpdate, who: Operator) -> dict:
         store = sender_store()
+        padded = [d for d in body.domains if d != d.strip()]
+        if padded:  # the published pattern allows none (SENDER_DOMAINS and the CLI strip it)
+            raise problem(422, "invalid_request", ["body", "domains"],
+                          f"domains: {', '.join(map(repr, padded[:5]))}: white space around a domain")
         before = store.stored().get(tenant)
         try:
             after = store.set(tenant, body.domains)

@@ -82,8 +82,12 @@ class SenderDomainStore:
         Redis holds (`log_what_redis_holds`), so the log's last word is Redis's, which a rebuild restores."""
         if self.oplog is None:
             return
-
-        log_what_redis_holds(self.oplog, f"senders/{tenant}", lambda: self._logged_form(tenant), after_success=True)
+        try:
+            log_what_redis_holds(self.oplog, f"senders/{tenant}", lambda: self._logged_form(tenant),
+                                 after_success=True)
+        except StoreUnavailable as exc:  # the change is applied and logged; only the look after it failed
+            log.warning("senders/%s: saved, but Redis could not be read again after it (%s); a concurrent "
+                        "change's record may be the operator log's last word", tenant, exc)
 
     def _logged_form(self, tenant: str) -> bytes | None:
         """What Redis holds for `tenant`, as its operator-log record (JSON), or None."""

@@ -57,6 +57,7 @@ class SenderDomains:
                               "\"*\" for tenants not named)")
         by_tenant = {}
         for tenant, domains in doc.items():
+            domains = [d.strip() for d in domains]
             bad = sorted((d, problem) for d in domains if (problem := domain_problem(d)))
             if bad:
                 raise ConfigError(f"{where}: tenant {tenant!r}: not a domain name: "

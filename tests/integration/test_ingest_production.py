@@ -335,6 +335,8 @@ def test_operators_set_a_tenants_sender_domains_at_run_time(api, stack, names, r
     bad = api.put("/v1/admin/senders/tenant-a", json={"domains": ["acme.test", ".acme.test"]}, headers=op)
     assert bad.status_code == 422 and bad.json()["errors"][0]["loc"] == ["body", "domains"], bad.text
     assert "'.acme.test' (an empty label" in bad.json()["errors"][0]["msg"]
+    padded = api.put("/v1/admin/senders/tenant-a", json={"domains": [" acme.test"]}, headers=op)
+    assert padded.status_code == 422 and "white space around a domain" in padded.text, padded.text
     r = api.put("/v1/admin/senders/tenant-a", json={"domains": ["ACME.test."]}, headers=op)
     assert r.status_code == 200 and r.json() == {"tenant": "tenant-a", "domains": ["acme.test"]}, r.text
     refused = api.post("/v1/sends", json=email_request(**{"from": "x@other.test"}), headers=a)

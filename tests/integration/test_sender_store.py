@@ -83,3 +83,21 @@ def test_two_operators_changing_one_tenant_leave_the_log_ending_with_what_redis_
     assert first.set("acme", ["a.test"]) == ["a.test"]
     assert orjson.loads(redis_client.hget(RedisKeys(namespace).sender_domains, "acme")) == ["a.test"]
     assert logged(stack, oplog_topic, "acme") == {"domains": ["a.test"]}
+
+
+def test_a_change_whose_look_back_at_redis_fails_is_still_a_change_made(stack, redis_client, namespace, oplog_topic,
+                                                                        monkeypatch):
+    """Given a removal written to the operator log and to Redis,
+    When reading Redis again after it (to log what Redis holds) fails,
+    Then the removal is answered as made (before, the Redis error escaped: the API answered 503, recorded no
+    audit entry, and the same DELETE again found nothing: the removal was never audited)."""
+    store = SenderDomainStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    store.set("acme", ["acme.test"])
+
+    def unreachable(tenant):
+        raise StoreUnavailable("reading sender domains: Redis unavailable (test)")
+
+    monkeypatch.setattr(store, "_logged_form", unreachable)
+    assert store.remove("acme") is True
+    assert redis_client.hget(RedisKeys(namespace).sender_domains, "acme") is None
+    assert logged(stack, oplog_topic, "acme") is None

@@ -38,7 +38,7 @@ def test_a_tenant_sends_only_from_its_own_domains(tenant, sender, allowed):
 
 
 def test_domains_are_taken_in_any_case_with_a_final_dot_and_in_their_xn_form():
-    parsed = SenderDomains.parse({"acme": ["ACME.Test.", "mail.acme.test", "xn--fa-hia.de", "a-b.test"]}, "test")
+    parsed = SenderDomains.parse({"acme": ["ACME.Test.", " mail.acme.test", "xn--fa-hia.de", "a-b.test"]}, "test")
     assert parsed.by_tenant["acme"] == {"acme.test", "mail.acme.test", "xn--fa-hia.de", "a-b.test"}
 
 
@@ -61,7 +61,6 @@ def test_unset_means_any_sender_and_a_tenant_without_domains_sends_no_email():
     ('{"acme": ["%s.test"]}' % ("a" * 64), "(a label that is not 1 to 63"),
     ('{"acme": ["faß.de"]}', "'faß.de' (not ASCII (give an internationalised domain in its xn-- form))"),
     ('{"acme": [' + ", ".join(f'"d{i}.test"' for i in range(101)) + "]}", "tenant 'acme': 101 domains, more than 100"),
-    ('{"acme": [" acme.test"]}', "' acme.test' (a label that is not"),
     ("{not json", "must be a JSON object of lists of domains"),
 ])
 def test_a_bad_setting_names_the_variable_and_what_is_wrong(raw, message):
