@@ -25,9 +25,7 @@ DEGRADE_AFTER = 10
 # Attempts that are not the endpoint's failure (our side failed before anything was sent, an operator's
 # sealing key missing; or the URL that answered is no longer the endpoint's): they neither degrade it nor
 # mail its tenant's members.
-# Attempts that say nothing about the endpoint: its secret unreadable by us, a 410 from its old URL, a name
-# lookup that failed (no answer about the name at all).
-OURS = frozenset({"secret_unreadable", "gone_before_url_change", "dns_lookup_failed"})
+OURS = frozenset({"secret_unreadable", "gone_before_url_change"})  # the latter: the old URL answered
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 

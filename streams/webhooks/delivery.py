@@ -148,26 +148,31 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
 
 
 class LookupFailed(Exception):
-    """The name could not be looked up now (a name server down, slow or unreachable; ours or the tenant's):
-    not an answer about the name, so neither cached nor counted against the endpoint's health."""
+    """The name could not be looked up now (a name server down or unreachable, ours or the tenant's): not an
+    answer about the name, so not cached. It counts against the endpoint's health like any failed attempt: a
+    tenant whose name servers stay down is told, as for a receiver that stays down."""
 
 
 NO_SUCH_NAME = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
 
 
-def addresses_of(host: str) -> list[str]:
+def addresses_of(host: str, tries: int = 2) -> list[str]:
     """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
-    LookupFailed when the lookup itself failed."""
-    try:
-        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
-    except socket.gaierror as exc:
-        if exc.errno in NO_SUCH_NAME:
+    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes)."""
+    for tried in range(1, tries + 1):
+        try:
+            return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+        except socket.gaierror as exc:
+            if exc.errno in NO_SUCH_NAME:
+                return []
+            failure = exc.strerror or "the lookup failed"
+        except UnicodeError:  # a label longer than 63 characters, an empty one
             return []
-        raise LookupFailed(exc.strerror or "the lookup failed") from None
-    except UnicodeError:  # a label longer than 63 characters, an empty one
-        return []
-    except OSError as exc:
-        raise LookupFailed(exc.strerror or type(exc).__name__) from None
+        except OSError as exc:
+            failure = exc.strerror or type(exc).__name__
+        if tried == tries:
+            raise LookupFailed(failure)
+    raise AssertionError("unreachable")
 
 
 class WebhookDelivery:

@@ -58,11 +58,11 @@ def test_skipped_deliveries_count_neither_way():
     assert f.h.consecutive_failures == 1
 
 
-@pytest.mark.parametrize("ours", ["secret_unreadable", "dns_lookup_failed"])
+@pytest.mark.parametrize("ours", ["secret_unreadable", "gone_before_url_change"])
 def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant(ours):
     """Given 9 failures of the receiver,
     When 20 attempts fail before sending because the worker cannot open the endpoint's signing secret (an
-    operator's key missing), or its name lookup failed (no answer about the name), the last of them dropping
+    operator's key missing), or answered 410 from a URL the endpoint no longer has, the last of them dropping
     its delivery,
     Then the endpoint stays active, the count stays at 9 and no alert goes to the tenant's members."""
     f = Feed()
