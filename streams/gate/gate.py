@@ -31,6 +31,7 @@ class Gate(Protocol):
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
     def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
+    def refund_many(self, admitted: list[tuple[str, str, int]]) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
     def pacing(self, provider: str) -> Pacing: ...
 
@@ -44,6 +45,7 @@ class RedisGate:
         self.keys = RedisKeys(namespace)
         self._acquire = client.register_script(load_script(__package__, "gate.lua"))
         self._cool = client.register_script(load_script(__package__, "cooldown.lua"))
+        self._refund = client.register_script(load_script(__package__, "refund.lua"))
 
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False) -> Admission:
         try:
@@ -72,6 +74,18 @@ class RedisGate:
             except (GateError, ConfigError) as exc:
                 out.append(exc)
         return out
+
+    def refund_many(self, admitted: list[tuple[str, str, int]]) -> None:
+        """Give back admissions (provider, tenant, messages) whose callers did not use them, in one round trip."""
+        if not admitted:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for provider, tenant, messages in admitted:
+            self._refund(keys=self._keys(provider, tenant)[:3], args=[tenant, 1, messages], client=pipe)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise GateUnavailable(f"bucket gate unavailable ({exc}); nothing given back") from None
 
     def _keys(self, provider: str, tenant: str) -> list[str]:
         k = self.keys

@@ -17,6 +17,7 @@ the channel's provider dispatches per second (`streams limits show --provider re
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ..send import Send
 
 REQUESTS = "ingest-requests"
 QUOTAS = (REQUESTS, "ingest-transactional", "ingest-marketing")
+log = logging.getLogger("streams.ingest")
 
 
 def lane_quota(lane: str) -> str:
@@ -50,16 +52,34 @@ class IngestQuotas:
         self.gate = gate
 
     def admit(self, tenant: str, sends: list[Send]) -> OverQuota | BeyondBurst | None:
-        """None: within every quota that is set (the buckets are debited)."""
+        """None: within every quota that is set (the buckets are debited). A request refused by one quota is
+        charged by none: what the others took is given back (a tenant retrying a batch over its marketing quota
+        must not use up its transactional one)."""
         per_lane = Counter(s.lane for s in sends)
         checks = [(REQUESTS, tenant, 1, False)] + [(lane_quota(lane), tenant, n, False) for lane, n in per_lane.items()]
+        taken: list[tuple[str, str, int]] = []
+        refusal: OverQuota | BeyondBurst | GateError | None = None
         for (quota, _, cost, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):
             if isinstance(answer, CostExceedsBurst):
-                return BeyondBurst(quota, cost, str(answer))
-            if isinstance(answer, ConfigError):
+                refusal = refusal or BeyondBurst(quota, cost, str(answer))
+            elif isinstance(answer, ConfigError):
                 continue  # nobody set this quota: not enforced
-            if isinstance(answer, GateError):
-                raise answer
-            if not answer.allowed:
-                return OverQuota(quota, answer.wait_s)
-        return None
+            elif isinstance(answer, GateError):
+                refusal = refusal or answer
+            elif not answer.allowed:
+                refusal = refusal or OverQuota(quota, answer.wait_s)
+            else:
+                taken.append((quota, tenant, cost))
+        if refusal is None:
+            return None
+        self.give_back(taken)
+        if isinstance(refusal, GateError):
+            raise refusal
+        return refusal
+
+    def give_back(self, taken: list[tuple[str, str, int]]) -> None:
+        """Best effort: Redis failing here leaves the tokens spent (they refill), never fails the answer."""
+        try:
+            self.gate.refund_many(taken)
+        except GateError as exc:
+            log.warning("could not give back %d quota admissions: %s", len(taken), exc)
