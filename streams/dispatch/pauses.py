@@ -54,8 +54,10 @@ class LanePauses:
 
     @property
     def without_reading(self) -> bool:
-        """A yielding lane that has no lag reading yet must not run blind."""
-        return self.governor is not None and self.governor.reading is None
+        """A yielding lane must not run blind: with no fresh lag reading (none yet, or only an old one, as the
+        first one read back from the compacted topic, or when the monitor and the direct reads both fail) it
+        sends nothing until it has one."""
+        return self.governor is not None and self.governor.stale(int(time.time() * 1000))
 
     def on_assign(self, partitions) -> None:
         """Set every newly assigned partition's state from the reasons: paused, or resumed."""
@@ -90,18 +92,22 @@ class LanePauses:
         if governor is None or self._follower is None or self._direct is None:
             return
         key = lag_key(self.channel).encode()
+        now_ms = int(time.time() * 1000)
         for msg in self._follower.consume(num_messages=100, timeout=0):
             if msg.error() or msg.key() != key or not msg.value():
                 continue
             try:
                 doc = orjson.loads(msg.value())
-                governor.observe(LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"])))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                reading = LagReading(int(doc["lag_messages"]), float(doc["lag_seconds"]), int(doc["ts"]))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
                 log.warning("ignoring an unreadable lag reading at %s@%d", msg.topic(), msg.offset())
+                continue
+            if not governor.observe(reading, now_ms):
+                log.warning("ignoring a lag reading stamped %.1f s ahead of this worker's clock at %s@%d",
+                            (reading.ts_ms - now_ms) / 1000, msg.topic(), msg.offset())
         direct = self._direct.take()
         if direct is not None:
-            governor.observe(direct)
-        now_ms = int(time.time() * 1000)
+            governor.observe(direct, now_ms)
         stale = governor.stale(now_ms)
         if stale:  # the monitor is silent: measure the lag ourselves rather than run blind or stall
             self._direct.request()

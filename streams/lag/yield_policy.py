@@ -44,9 +44,15 @@ class Governor:
     def stale(self, now_ms: int) -> bool:
         return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 1000
 
-    def observe(self, reading: LagReading) -> None:
+    def observe(self, reading: LagReading, now_ms: int) -> bool:
+        """Keep the newest reading. One stamped further ahead of `now_ms` than a reading may age is refused
+        (False): a monitor whose clock ran ahead, or a stamp in other units, would otherwise be newer than every
+        later reading and never stale, and the decision would freeze on it."""
+        if reading.ts_ms - now_ms > self.policy.stale_after_s * 1000:
+            return False
         if self.reading is None or reading.ts_ms >= self.reading.ts_ms:
             self.reading = reading
+        return True
 
     def decide(self, now_ms: int) -> bool:
         """The paused state to hold now. With no trustworthy reading the state is kept as is

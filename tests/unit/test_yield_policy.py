@@ -8,7 +8,7 @@ P = YieldPolicy(pause_above=100, resume_below=20, min_dwell_s=2.0, stale_after_s
 
 
 def at(g: Governor, lag: int, ms: int) -> bool:
-    g.observe(LagReading(lag, 0.0, ms))
+    g.observe(LagReading(lag, 0.0, ms), ms)
     return g.decide(ms)
 
 
@@ -24,7 +24,7 @@ def test_pauses_at_once_and_resumes_after_hysteresis_and_dwell():
 
 def test_seconds_threshold_also_pauses():
     g = Governor(YieldPolicy(pause_above=100, resume_below=20, pause_above_seconds=5.0))
-    g.observe(LagReading(3, 6.0, 0))
+    g.observe(LagReading(3, 6.0, 0), 0)
     assert g.decide(0) is True
 
 
@@ -33,15 +33,29 @@ def test_stale_reading_is_not_trusted_and_keeps_the_state():
     assert g.stale(0)                         # no reading at all
     at(g, 500, 0)
     assert g.stale(3_001) and g.decide(3_001) is True  # a stale "high" does not flip to running
-    g.observe(LagReading(0, 0.0, 3_500))     # a fresh direct reading does
+    g.observe(LagReading(0, 0.0, 3_500), 3_500)  # a fresh direct reading does
     assert g.decide(3_500) is False
 
 
 def test_an_older_reading_never_replaces_a_newer_one():
     g = Governor(P)
-    g.observe(LagReading(500, 0.0, 2_000))
-    g.observe(LagReading(0, 0.0, 1_000))
+    g.observe(LagReading(500, 0.0, 2_000), 2_000)
+    g.observe(LagReading(0, 0.0, 1_000), 2_000)
     assert g.reading.lag_messages == 500
+
+
+def test_a_reading_stamped_ahead_of_the_clock_is_refused_and_freezes_nothing():
+    """Given a reading of lag 0 stamped far in the future (a monitor whose clock ran ahead, or a stamp in
+    microseconds), then a real reading of lag 5,000,
+    When the worker decides,
+    Then it pauses (before, the future reading was kept as the newest: every later reading was older, it was
+    never stale, and marketing never yielded again until the worker restarted)."""
+    now = 1_800_000_000_000
+    g = Governor(P)
+    assert g.observe(LagReading(0, 0.0, now * 1000), now) is False
+    assert g.observe(LagReading(0, 0.0, now + 2_000), now) is True  # within the clocks' tolerance
+    assert g.observe(LagReading(5_000, 60.0, now + 2_500), now + 2_500) is True
+    assert g.decide(now + 2_500) is True
 
 
 def test_thresholds_must_leave_a_gap():

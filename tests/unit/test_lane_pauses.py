@@ -1,0 +1,65 @@
+"""A marketing worker never runs blind: without a fresh transactional lag reading it sends nothing."""
+
+import time
+from types import SimpleNamespace
+
+import orjson
+
+from streams.dispatch.pauses import LanePauses
+from streams.lag.yield_policy import LagReading, YieldPolicy
+from streams.names import TopicNames, lag_key
+
+
+class Follower:
+    """notif.lag as the worker's follower reads it: the given records once."""
+
+    def __init__(self, docs):
+        self.docs = list(docs)
+
+    def consume(self, num_messages=1, timeout=0):
+        docs, self.docs = self.docs, []
+        return [SimpleNamespace(error=lambda: None, key=lambda: lag_key("email").encode(),
+                                value=lambda d=d: orjson.dumps(d), topic=lambda: "notif.lag", offset=lambda: 0)
+                for d in docs]
+
+    def close(self):
+        pass
+
+
+class Direct:
+    """The background direct read: `reading` once asked for, or nothing (the broker not answering)."""
+
+    def __init__(self):
+        self.reading, self.asked = None, 0
+
+    def request(self):
+        self.asked += 1
+
+    def take(self):
+        reading, self.reading = self.reading, None
+        return reading
+
+    def close(self):
+        pass
+
+
+def test_a_worker_whose_only_reading_is_old_sends_nothing_until_a_fresh_one():
+    """Given a marketing worker starting while the monitor is silent: its follower reads back a 10-minute-old
+    record of the compacted lag topic, and the direct read of the lag has not answered yet,
+    When it decides,
+    Then it sends nothing and asks for a direct read (before, the old reading counted as its first reading and
+    it dispatched marketing blind, whatever the transactional lag was); once a fresh reading of lag 0 arrives
+    it runs."""
+    pauses = LanePauses(SimpleNamespace(pause=lambda p: None, resume=lambda p: None), "127.0.0.1:9",
+                        TopicNames(), "email", "marketing", YieldPolicy())
+    pauses._follower.close()
+    pauses._direct.close()
+    now = int(time.time() * 1000)
+    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - 600_000}])
+    pauses._direct = direct = Direct()
+    pauses.follow_lag()
+    assert pauses.without_reading and direct.asked == 1
+    direct.reading = LagReading(0, 0.0, int(time.time() * 1000), "direct")
+    pauses.follow_lag()
+    assert not pauses.without_reading and not pauses.yielding
+    pauses.close()
