@@ -42,6 +42,7 @@ from ..kafka_client import MAX_RECORD_BYTES, client_config, durable_producer, ma
 
 log = logging.getLogger("streams.publisher")
 SIZES_TTL_S = 60.0
+SIZES_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -73,28 +74,66 @@ class RecordTooLarge(PublishError):
 
 @dataclass
 class TopicSizes:
-    """Each topic's max.message.bytes, as the broker says (cached)."""
+    """Each topic's max.message.bytes, as the broker says (cached). Only the first look at a topic waits
+    for the broker (callers on an event loop make it off the loop); after that a value past SIZES_TTL_S
+    is served as it is while one background read refreshes it, so a slow broker never holds a request.
+    A read that fails is not tried again for SIZES_RETRY_S (until then: the last value, else the
+    producer's own limit)."""
 
     admin: AdminClient
     sizes: dict[str, tuple[float, int]] = field(default_factory=dict)
+    read_timeout_s: float = 10.0
+    _refreshing: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def known(self, topic: str) -> bool:
+        return topic in self.sizes
 
     def limit(self, topic: str) -> int:
         cached = self.sizes.get(topic)
-        if cached is None or time.monotonic() - cached[0] > SIZES_TTL_S:
-            try:
-                futures = self.admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
-                config = next(iter(futures.values())).result(timeout=10)
-                cached = (time.monotonic(), int(config["max.message.bytes"].value))
-            except KafkaException as exc:
-                if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    raise PublishError(f"topic {topic} does not exist (`streams topics apply` creates it)") from None
-                log.warning("cannot read max.message.bytes of %s (%s); assuming %d", topic, exc, MAX_RECORD_BYTES)
-                return cached[1] if cached else MAX_RECORD_BYTES
-            except Exception as exc:  # noqa: BLE001 - unknown for now: the producer's own limit still holds
-                log.warning("cannot read max.message.bytes of %s (%s); assuming %d", topic, exc, MAX_RECORD_BYTES)
-                return cached[1] if cached else MAX_RECORD_BYTES
-            self.sizes[topic] = cached
+        if cached is None:
+            return self._read(topic)
+        if time.monotonic() - cached[0] > SIZES_TTL_S:
+            self._refresh_in_background(topic)
         return cached[1]
+
+    def _refresh_in_background(self, topic: str) -> None:
+        with self._lock:
+            if topic in self._refreshing:
+                return
+            self._refreshing.add(topic)
+        threading.Thread(target=self._refresh, args=(topic,), name="topic-sizes", daemon=True).start()
+
+    def _refresh(self, topic: str) -> None:
+        try:
+            self._read(topic)
+        except PublishError as exc:  # the topic is gone: its sends fail at the broker, with its own error
+            log.warning("%s", exc)
+        finally:
+            with self._lock:
+                self._refreshing.discard(topic)
+
+    def _read(self, topic: str) -> int:
+        cached = self.sizes.get(topic)
+        fallback = cached[1] if cached else MAX_RECORD_BYTES
+        try:
+            futures = self.admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+            config = next(iter(futures.values())).result(timeout=self.read_timeout_s)
+            size = int(config["max.message.bytes"].value)
+        except KafkaException as exc:
+            if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise PublishError(f"topic {topic} does not exist (`streams topics apply` creates it)") from None
+            return self._failed(topic, fallback, exc)
+        except Exception as exc:  # noqa: BLE001 - unknown for now: the producer's own limit still holds
+            return self._failed(topic, fallback, exc)
+        self.sizes[topic] = (time.monotonic(), size)
+        return size
+
+    def _failed(self, topic: str, fallback: int, exc: Exception) -> int:
+        log.warning("cannot read max.message.bytes of %s (%s); assuming %d", topic, exc, fallback)
+        # Looked at again in SIZES_RETRY_S (in the background), not by every request meanwhile.
+        self.sizes[topic] = (time.monotonic() - SIZES_TTL_S + SIZES_RETRY_S, fallback)
+        return fallback
 
 
 class Publisher:
@@ -138,11 +177,15 @@ class Publisher:
         return self._transaction(records)
 
     async def publish_async(self, records: list[Record]) -> list[Written]:
-        self.check_sizes(records)
+        loop = asyncio.get_running_loop()
+        if all(self.sizes.known(r.topic) for r in records):
+            self.check_sizes(records)
+        else:  # a first look at a topic waits for the broker: never on the event loop
+            await loop.run_in_executor(None, self.check_sizes, records)
         if len(records) == 1:
             # On the event loop: a full local queue fails the send at once rather than stall every request.
             return [await asyncio.wrap_future(self._single(records[0], 0.0))]
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self._transaction, records)
+        return await loop.run_in_executor(self.executor, self._transaction, records)
 
     def _single(self, r: Record, queue_wait_s: float) -> Future[Written]:
         """Queue `r` (waiting at most `queue_wait_s` for room in a full local queue); its acknowledgement."""
