@@ -113,6 +113,11 @@ _ADDRESS_SCHEMA = {"type": "string", "pattern": EMAIL_PATTERN,
                    "description": "an email address, alone or as `Name <address>`"}
 
 
+_ADDRESSES_SCHEMA = {"anyOf": [_ADDRESS_SCHEMA, {"type": "array", "items": _ADDRESS_SCHEMA,
+                                                  "maxItems": MAX_RECIPIENTS}, {"type": "null"}],
+                     "description": f"one address, or up to {MAX_RECIPIENTS}"}
+
+
 class EmailPayload(BaseModel):
     """A rendered email, in the shape of Resend's `POST /emails` body (`html` or `text` required)."""
 
@@ -125,9 +130,12 @@ class EmailPayload(BaseModel):
     tags: list[Tag] | None = Field(None, max_length=50)
     html: str | None = None
     text: str | None = None
-    reply_to: str | None = None
+    # Every address field the provider is given is checked as `to` is (no CR or LF reaches a mail header).
+    cc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
+    bcc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
+    reply_to: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
 
-    @field_validator("to", mode="before")
+    @field_validator("to", "cc", "bcc", "reply_to", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
@@ -137,10 +145,10 @@ class EmailPayload(BaseModel):
     def _from(cls, v: str) -> str:
         return check_address(v)
 
-    @field_validator("to")
+    @field_validator("to", "cc", "bcc", "reply_to")
     @classmethod
-    def _to(cls, v: list[str]) -> list[str]:
-        return [check_address(a) for a in v]
+    def _to(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [check_address(a) for a in v]
 
     @model_validator(mode="after")
     def _body(self) -> EmailPayload:
@@ -264,6 +272,9 @@ class SendRequest(BaseModel):
 
     @model_validator(mode="after")
     def _payload_matches_channel(self) -> SendRequest:
+        if self.channel == "email" and "from_" in self.payload:
+            # The other accepted spelling of `from`, published as `from`: the provider reads `from` only.
+            self.payload.setdefault("from", self.payload.pop("from_"))
         if self.channel == "webhook":
             self.template_id = self.template_id or str(self.payload.get("event_type", "webhook"))[:128]
             self.template_version = self.template_version or "1"

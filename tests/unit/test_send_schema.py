@@ -122,7 +122,7 @@ def test_an_address_with_a_control_character_or_a_trailing_newline_is_refused_at
     name becomes a header of its own at a provider that writes it into one),
     When it is submitted as the sender or a recipient, or arrives in an event on a lane topic,
     Then ingest refuses it naming the field (422), and a worker's decode calls the event malformed."""
-    for field in ("from", "to"):
+    for field in ("from", "to", "cc", "bcc", "reply_to"):  # every address field the provider is given
         with pytest.raises(SendValidationError, match=f"payload.{field}"):
             validate_request(email_request(**{field: address}))
     doc = orjson.loads(encode(build_send(validate_request(email_request()), "acme")))
@@ -158,3 +158,21 @@ def test_an_sms_number_takes_ascii_digits_only():
         arabic_indic = "+1\u0664\u0661\u0665\u0665\u0665\u0665\u0660\u0661\u0662\u0663"
         validate_request({**sms_request(), "payload": {"to": arabic_indic, "body": "Your code is 123456"}})
     assert validate_request(sms_request())
+
+
+@pytest.mark.parametrize("field", ["cc", "bcc", "reply_to"])
+def test_copies_and_reply_addresses_are_held_to_the_recipient_limit(field):
+    """`to` holds at most 50 recipients (Resend's rule); `cc`, `bcc` and `reply_to` went to the provider
+    unchecked (5,000 blind copies were accepted). One address or a list of them, each checked."""
+    assert validate_request(email_request(**{field: "copy@example.test"}))
+    assert validate_request(email_request(**{field: ["a@example.test", "B <b@example.test>"]}))
+    with pytest.raises(SendValidationError, match=f"payload.{field}"):
+        validate_request(email_request(**{field: [f"u{i}@example.test" for i in range(51)]}))
+
+
+def test_the_other_spelling_of_from_is_published_as_from():
+    """`from_` is accepted for `from`; the provider reads `from` only, so the published payload carries
+    `from` (before, the email went out with no sender and was refused at the provider)."""
+    payload = {k: v for k, v in email_request()["payload"].items() if k != "from"}
+    sent = build_send(validate_request({**email_request(), "payload": {**payload, "from_": "a@acme.test"}}), "acme")
+    assert sent.payload["from"] == "a@acme.test" and "from_" not in sent.payload
