@@ -39,6 +39,7 @@ from .retry.policy import PolicyRouting, default_routing, unknown_policy
 SCHEMA_VERSION: Literal[1] = 1
 MAX_RECIPIENTS = 50          # Resend accepts at most 50 recipients per email
 MAX_BATCH = 1000             # sends per ingest batch (blast chunks); documented in the README
+MAX_PAYLOAD_DEPTH = 64  # objects and arrays nested in a payload (the event's JSON encoder stops at 254)
 MAX_SEND_BYTES = 1024 * 1024  # one send as published (the topics carry 1.5 MiB: room for retry and DLQ headers)
 # Tags and tenant ids travel to providers as tags; Resend accepts only ASCII letters, digits, `_`
 # and `-` there (up to 256), so that is all a tenant id (up to 64) or a tag may hold.
@@ -101,6 +102,20 @@ class Tag(BaseModel):
         if v in RESERVED_TAGS:
             raise ValueError(f"the tag name {v!r} is reserved for dispatch ({', '.join(sorted(RESERVED_TAGS))})")
         return v
+
+
+def nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `value` (iterative: no recursion limit)."""
+    level: list[tuple[object, int]] = [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _one_of_two_bodies(schema: dict[str, Any]) -> None:
@@ -272,6 +287,9 @@ class SendRequest(BaseModel):
 
     @model_validator(mode="after")
     def _payload_matches_channel(self) -> SendRequest:
+        if nested_deeper_than(self.payload, MAX_PAYLOAD_DEPTH):
+            # Refused here, named: serialized later (for the event, the Idempotency-Key's digest) it failed as a 500.
+            raise PayloadError([{"loc": ("payload",), "msg": f"nested deeper than {MAX_PAYLOAD_DEPTH} levels"}])
         if self.channel == "email" and "from_" in self.payload:
             # The other accepted spelling of `from`, published as `from`: the provider reads `from` only.
             self.payload.setdefault("from", self.payload.pop("from_"))

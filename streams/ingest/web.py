@@ -211,8 +211,8 @@ class Auth:
                 self.guard.check()
             except StackError as exc:  # the operator log is unreadable: keys in Redis still work
                 log.warning("cannot check Redis state against the operator log: %s", exc)
-        auth = request.headers.get("authorization", "")
-        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        token = credentials.strip() if scheme.lower() == "bearer" else ""  # the scheme in any case (RFC 9110)
         found = self.keys.resolve(token) if token else None
         if found is None:
             raise problem(401, "unauthorized", ["header", "authorization"], "a valid API key is required (Bearer)")

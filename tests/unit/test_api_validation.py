@@ -1,0 +1,62 @@
+"""The ingest API refuses what it cannot carry with a 422 naming where, before anything is published."""
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from streams.ingest.api import Ingest, create_app
+from streams.ingest.api_keys import Principal
+from streams.ingest.senders import SenderDomains
+from streams.send import validate_request
+from tests.harness import email_request
+
+
+class OneTenant:
+    def resolve(self, token: str) -> Principal:
+        return Principal("tenant", "acme", "k1")
+
+
+def test_a_payload_nested_too_deep_is_refused_naming_it_never_a_500():
+    """Given a send whose payload nests 300 objects deep (the event's JSON encoder stops at 254),
+    When it is posted, alone or in a batch,
+    Then it is refused 422 naming the payload (before: 500 "may have taken effect", a traceback logged, for a
+    request that published nothing); 64 levels are accepted."""
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing may be published"))
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains())
+
+    def nested(levels: int) -> dict:
+        data: dict = {}
+        for _ in range(levels - 1):
+            data = {"a": data}
+        return data
+
+    async def post(path: str, body: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.post(path, json=body, headers={"Authorization": "Bearer dr_ten_x"})
+
+    deep = {**email_request(), "payload": {**email_request()["payload"], "data": nested(300)}}
+    one = asyncio.run(post("/v1/sends", deep))
+    assert one.status_code == 422 and one.json()["errors"][0]["loc"] == ["body", "payload"], one.text
+    assert "nested deeper than 64 levels" in one.text
+    batch = asyncio.run(post("/v1/sends/batch", {"sends": [email_request(), deep]}))
+    assert batch.status_code == 422 and batch.json()["errors"][0]["loc"] == ["body", "sends", 1, "payload"]
+    validate_request({**email_request(), "payload": {**email_request()["payload"], "data": nested(63)}})
+
+
+@pytest.mark.parametrize("header", ["bearer dr_ten_x", "BEARER dr_ten_x", "Bearer  dr_ten_x "])
+def test_the_bearer_scheme_is_read_in_any_case(header):
+    """HTTP authentication schemes are case-insensitive (RFC 9110 11.1): `bearer` was answered 401."""
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing published"))
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains())
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.post("/v1/sends", json={"channel": "email"}, headers={"Authorization": header})
+
+    assert asyncio.run(post()).status_code == 422  # past authentication, to validation
