@@ -211,7 +211,7 @@ class Auth:
                 self.guard.check()
             except StackError as exc:  # the operator log is unreadable: keys in Redis still work
                 log.warning("cannot check Redis state against the operator log: %s", exc)
-        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        scheme, _space, credentials = request.headers.get("authorization", "").strip().partition(" ")
         token = credentials.strip() if scheme.lower() == "bearer" else ""  # the scheme in any case (RFC 9110)
         found = self.keys.resolve(token) if token else None
         if found is None:
