@@ -25,6 +25,7 @@ from ..kafka_client import client_config
 from .yield_policy import LagReading
 
 TIMEOUT_S = 5.0
+PARTITIONS_TTL_S = 60.0
 log = logging.getLogger("streams.lag")
 
 
@@ -35,7 +36,7 @@ class LagReader:
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
             "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
             "fetch.wait.max.ms": 10}))
-        self._partitions: dict[str, list[int]] = {}
+        self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
     def _consumer(self, group: str) -> Consumer:
         if group not in self._offsets:
@@ -45,22 +46,26 @@ class LagReader:
         return self._offsets[group]
 
     def partitions(self, topic: str) -> list[int]:
-        if topic not in self._partitions:
+        """The topic's partitions, listed again every PARTITIONS_TTL_S: partitions added at run time (`streams
+        topics apply`) count in the lag within a minute, not at the reader's next restart."""
+        cached = self._partitions.get(topic)
+        if cached is None or time.monotonic() - cached[0] > PARTITIONS_TTL_S:
             md = self.peeker.list_topics(topic, timeout=TIMEOUT_S)
             meta = md.topics.get(topic)
             if meta is None or meta.error is not None or not meta.partitions:
                 raise StackError(f"cannot read lag: topic {topic} ({meta.error if meta else 'missing'})")
-            self._partitions[topic] = sorted(meta.partitions)
-        return self._partitions[topic]
+            cached = self._partitions[topic] = (time.monotonic(), sorted(meta.partitions))
+        return cached[1]
 
     def positions(self, group: str, topic: str) -> dict[int, tuple[int, int]]:
         """Per partition: (the group's position, the log-end offset). A partition without a commit
         is positioned at its earliest offset."""
         consumer = self._consumer(group)
-        parts = [TopicPartition(topic, p) for p in self.partitions(topic)]
+        partitions = self.partitions(topic)
+        parts = [TopicPartition(topic, p) for p in partitions]
         committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=TIMEOUT_S)}
         out = {}
-        for p in self.partitions(topic):
+        for p in partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)
             position = committed.get(p, -1)
             out[p] = (position if position >= 0 else low, high)
@@ -112,7 +117,7 @@ class BackgroundLagRead:
         self._thread: threading.Thread | None = None
 
     def request(self) -> None:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():  # started, or started again after a crash
             self._thread = threading.Thread(target=self._run, name=f"lag-read-{self.group}", daemon=True)
             self._thread.start()
         self._wanted.set()
@@ -123,7 +128,12 @@ class BackgroundLagRead:
         return reading
 
     def _run(self) -> None:
-        reader = LagReader(self.bootstrap)
+        try:
+            reader = LagReader(self.bootstrap)
+        except Exception:  # noqa: BLE001 - the next request() starts the thread again
+            log.exception("cannot start the direct lag reader")
+            self._stopping.wait(self.every_s)
+            return
         try:
             while not self._stopping.is_set():
                 if not self._wanted.wait(timeout=0.5):
@@ -135,6 +145,8 @@ class BackgroundLagRead:
                         self._reading = reading
                 except StackError as exc:
                     log.warning("direct lag read failed: %s", exc)
+                except Exception:  # noqa: BLE001 - a failure no check foresaw must not end the reads for good
+                    log.exception("direct lag read failed unexpectedly")
                 self._stopping.wait(self.every_s)  # at most one read per interval
         finally:
             reader.close()
