@@ -108,14 +108,18 @@ class ApiKeys:
         return self._change(key_id, revoked_at_ms=int(time.time() * 1000))
 
     def rotate(self, key_id: str, overlap_s: int = 24 * 3600) -> tuple[str, KeyInfo] | None:
-        """A new key with the same role and tenant; the old one keeps working `overlap_s` seconds."""
+        """A new key with the same role and tenant; the old one keeps working `overlap_s` seconds (a key already
+        rotated keeps its earlier end if that comes sooner: rotating again never extends a key being retired)."""
         old = self.get(key_id)
         if old is None or not old.valid(int(time.time() * 1000)):
             return None
         if not 0 <= overlap_s <= 30 * 24 * 3600:
             raise ConfigError(f"overlap must be between 0 and 30 days (got {overlap_s} s)")
         token = self.create(old.role, old.tenant, old.label)
-        changed = self._change(key_id, expires_at_ms=int(time.time() * 1000) + overlap_s * 1000)
+        ends = int(time.time() * 1000) + overlap_s * 1000
+        if old.expires_at_ms is not None:  # rotated before: its end may come sooner, never later
+            ends = min(ends, old.expires_at_ms)
+        changed = self._change(key_id, expires_at_ms=ends)
         assert changed is not None
         return token, changed
 
