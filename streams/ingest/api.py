@@ -398,10 +398,15 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                         written = await client.publisher.publish_async(records)
                     finally:
                         metrics.INGEST_IN_FLIGHT.dec()
-        except RecordTooLarge as exc:
-            i = origins[exc.index]
-            raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
-                          f"{exc.size} bytes as published; {exc.topic} accepts at most {exc.limit}") from None
+        except BaseException as exc:
+            if ingest.quotas is not None and published_nothing(exc):
+                # Refused whole: the request is charged nothing (its retry would be charged again).
+                await run_in_threadpool(ingest.quotas.give_back_request, tenant_id, sends)
+            if isinstance(exc, RecordTooLarge):
+                i = origins[exc.index]
+                raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
+                              f"{exc.size} bytes as published; {exc.topic} accepts at most {exc.limit}") from None
+            raise
         # Any other PublishError: answered 503 by `_broker`, without the broker's error text.
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
         for s in sends:

@@ -60,3 +60,44 @@ def test_the_bearer_scheme_is_read_in_any_case(header):
             return await api.post("/v1/sends", json={"channel": "email"}, headers={"Authorization": header})
 
     assert asyncio.run(post()).status_code == 422  # past authentication, to validation
+
+
+class CountingGate:
+    """The gate's answers for the ingest quotas: every admission allowed, what is given back recorded."""
+
+    def __init__(self):
+        self.taken, self.given_back = [], []
+
+    def acquire_many(self, requests):
+        from streams.gate.gate import Admission
+        self.taken += [(q, t, n) for q, t, n, _ in requests]
+        return [Admission(True) for _ in requests]
+
+    def refund_many(self, admitted):
+        self.given_back += admitted
+
+
+def test_a_request_the_broker_refuses_is_charged_to_no_quota():
+    """Given a tenant within its quotas, and a broker that refuses the publish (nothing written),
+    When it posts a send,
+    Then the answer is 503 and what the quotas took is given back (before, every refused request was charged:
+    through a broker outage the tenants' quotas drained, and their first requests after it got 429s)."""
+    from streams.errors import PublishError
+    from streams.ingest.quotas import IngestQuotas
+
+    async def refuse(records):
+        raise PublishError("the lane topic refused the record (test)")
+
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: [object() for _ in sends],
+                             publisher=SimpleNamespace(publish_async=refuse))
+    gate = CountingGate()
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains(), quotas=IngestQuotas(gate))
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.post("/v1/sends", json=email_request(), headers={"Authorization": "Bearer dr_ten_x"})
+
+    assert asyncio.run(post()).status_code == 503
+    assert gate.taken and sorted(gate.given_back) == sorted(gate.taken)
