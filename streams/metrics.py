@@ -37,6 +37,9 @@ RETRIES_REPUBLISHED = Counter("dispatch_retries_republished_total",
 DLQ = Counter("dispatch_dead_letters_total", "Sends dead-lettered by reason", ["channel", "lane", "reason"])
 DUPLICATES = Counter("dispatch_duplicates_skipped_total", "Jobs skipped because their send was delivered",
                      ["channel", "lane"])
+STALE_COPIES = Counter("dispatch_stale_copies_skipped_total", "Copies of a send met for an attempt already made "
+                       "and failed (a message read again after a crash or a rebalance): skipped, so a send never "
+                       "runs two retry chains", ["channel", "lane"])
 BUFFERED = Gauge("dispatch_worker_buffered_messages", "Messages held in a worker's tenant queues",
                  ["channel", "lane"])
 LANE_LAG_MESSAGES = Gauge("dispatch_lane_lag_messages", "Messages not yet committed by the lane's group",

@@ -9,12 +9,14 @@
 -- ARGV[11] '1': claim nothing when this slot has no epoch marker. The slot's data was lost (Redis
 -- restarted empty, a shard failed over to an empty replica), so a delivered send would look free here.
 -- Returns {} when claimed, -1 when the marker is missing, else the 0-based positions of the sends that
--- are not free.
+-- are not free (free: no key, or `tried:<n>`).
 local last = #KEYS - 1
 if ARGV[11] == '1' and redis.call('EXISTS', KEYS[#KEYS]) == 0 then return -1 end
 local busy = {}
 for i = 3, last do
-  if redis.call('EXISTS', KEYS[i]) == 1 then busy[#busy + 1] = i - 3 end
+  local state = redis.call('GET', KEYS[i])
+  -- `tried:<n>`: attempt n failed and its copy is acknowledged; the caller set aside copies for attempt n or earlier
+  if state and string.sub(state, 1, 6) ~= 'tried:' then busy[#busy + 1] = i - 3 end
 end
 if #busy > 0 then return busy end
 for i = 3, last do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[10]) end

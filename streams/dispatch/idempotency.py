@@ -1,8 +1,13 @@
 """`processed_jobs` in Redis: a send is delivered at most once, whoever handles it.
 
 Per send id the key holds nothing (free), `inflight:<idempotency key>` (a provider request carrying
-it was sent or is being sent), `delivered`, or `reconcile` (its outcome is unknown at a provider
-that does not honour idempotency keys: never sent again by dispatch itself).
+it was sent or is being sent), `delivered`, `reconcile` (its outcome is unknown at a provider
+that does not honour idempotency keys: never sent again by dispatch itself), or `tried:<n>`: attempt n
+failed definitely and the copy that carries the send on (its retry copy, or its dead letter) is
+acknowledged by the broker; free to claim, but a copy of the send for attempt n or earlier, read again
+after a crash or a rebalance, is stale (so one send never runs two retry chains). The mark is written
+only once that copy is durable: a worker that dies before leaves the send free, and its message, read
+again, is sent again rather than lost.
 Claiming a request records its exact body under its
 idempotency key for as long as the provider remembers keys (24 h), plus a short lease held by the
 sender and kept alive by it (`refresh`, every few seconds, while the request is in flight): the
@@ -89,13 +94,14 @@ class ProcessedJobs:
         self._refresh = client.register_script(load_script(__package__, "refresh.lua"))
         self._drop_lease = client.register_script(load_script(__package__, "drop_lease.lua"))
         self._take_over = client.register_script(load_script(__package__, "take_over.lua"))
+        self._mark_tried = client.register_script(load_script(__package__, "mark_tried.lua"))
 
     def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
         k = self.keys
         return [k.lease(tenant, key), k.request(tenant, key)] + [k.processed(tenant, s) for s in send_ids]
 
     def status(self, tenant: str, send_ids: list[str]) -> list[str | None]:
-        """Per send: None (free), 'delivered' or 'inflight:<key>'."""
+        """Per send: None (free), 'delivered', 'inflight:<key>', 'reconcile' or 'tried:<n>'."""
         with store_errors("reading processed_jobs"):
             values = self.client.mget([self.keys.processed(tenant, s) for s in send_ids])
         return [v.decode() if v else None for v in values]
@@ -187,18 +193,39 @@ class ProcessedJobs:
         with store_errors("marking sends delivered"):
             pipe.execute()
 
+    def mark_tried_many(self, tried: list[tuple[str, str, int]]) -> None:
+        """(tenant, send id, attempt) whose failed attempt's copy is acknowledged: `tried:<attempt>`, unless the
+        key says more already (mark_tried.lua). One script per tenant (one Redis Cluster slot), one round trip."""
+        if not tried:
+            return
+        by_tenant: dict[str, dict[str, int]] = {}
+        for tenant, send_id, attempt in tried:
+            mine = by_tenant.setdefault(tenant, {})
+            mine[send_id] = max(attempt, mine.get(send_id, 0))
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, attempts in by_tenant.items():
+            self._mark_tried(keys=[self.keys.processed(tenant, s) for s in attempts],
+                             args=[*attempts.values(), self.claim_ttl_ms], client=pipe)
+        with store_errors("marking failed attempts"):
+            pipe.execute()
+
     def mark_reconcile(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """The outcome is unknown at a provider that does not honour idempotency keys: nothing may send
         these again by itself (a re-send could deliver twice); they wait for reconciliation."""
         with store_errors("marking sends for reconciliation"):
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
-    def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str) -> None:
+    def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str,
+                earlier: dict[str, int] | None = None) -> None:
         """The provider did not accept `owner`'s request: the sends are free again, unless another
         worker holds the lease or the request was re-sent or met an unknown outcome (release.lua):
-        then the sends stay claimed under the key, to be re-sent as that same request."""
+        then the sends stay claimed under the key, to be re-sent as that same request. `earlier`: per send,
+        the attempt before the one released (its copy was read from the broker, so that attempt's carrier is
+        durable): the send is `tried:<n>` again rather than free."""
+        attempts = orjson.dumps([(earlier or {}).get(s, 0) for s in send_ids]).decode() if earlier else ""
         with store_errors("releasing a claim"):
-            self._release(keys=self._request_keys(tenant, key, send_ids), args=[f"inflight:{key}", owner])
+            self._release(keys=self._request_keys(tenant, key, send_ids),
+                          args=[f"inflight:{key}", owner, attempts, self.claim_ttl_ms])
 
     def refresh(self, leases: list[tuple[str, str]], owner: str) -> None:
         """Extend the leases (tenant, request key) this holder still owns: it is alive and sending."""

@@ -76,12 +76,14 @@ class Dispatcher:
                  jobs: ProcessedJobs, gate: Gate, on_duplicate: Callable[[Pending], None], redis_outage: Outage,
                  policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None],
                  on_unbuildable: Callable[[Pending, str], None], on_unknown: Callable[[Pending], None],
-                 on_state_lost: Callable[[], None] = lambda: None):
+                 on_state_lost: Callable[[], None] = lambda: None,
+                 on_stale: Callable[[Pending], None] | None = None):
         self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
         self.queues, self.jobs, self.gate = queues, jobs, gate
         self.on_duplicate = on_duplicate
+        self.on_stale = on_stale or on_duplicate  # a copy for an attempt already made and failed
         self.outage = redis_outage
         self.policies = policies
         self.on_expired = on_expired
@@ -221,13 +223,18 @@ class Dispatcher:
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(draw.items, states, strict=True):
+            tried = int(state[6:]) if state is not None and state.startswith("tried:") else None
             if state == "delivered":  # first: an old copy of a delivered send is a duplicate, not too old
                 self._skip(p)
+            elif tried is not None and p.attempt <= tried:
+                # Its attempt was made and failed, and the copy carrying the send on is durable: this one is
+                # read again (a crash, a rebalance); sent, it would start a second chain of attempts.
+                self._stale(p)
             elif expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms):
                 # The age is checked before every attempt: never sent too late. One the provider may hold (an
                 # earlier request's outcome unknown) is dead-lettered as such, never as merely too old.
                 self._open.pop(id(p), None)
-                if state is None:
+                if state is None or tried is not None:
                     self.on_expired(p)
                 else:
                     self.on_unknown(p)
@@ -236,7 +243,7 @@ class Dispatcher:
                 # were dead-lettered, or read again after a crash between the mark and its dead letter.
                 # It is dead-lettered too (never skipped unrecorded, never sent).
                 self._unknown(p)
-            elif state is None:
+            elif state is None or tried is not None:
                 fresh.append(p)
             else:
                 unknown.setdefault(state.removeprefix("inflight:"), []).append(p)
@@ -426,6 +433,10 @@ class Dispatcher:
     def _skip(self, p: Pending) -> None:
         self._open.pop(id(p), None)
         self.on_duplicate(p)
+
+    def _stale(self, p: Pending) -> None:
+        self._open.pop(id(p), None)
+        self.on_stale(p)
 
     def _unknown(self, p: Pending) -> None:
         self._open.pop(id(p), None)

@@ -58,6 +58,15 @@ def providers_tried(p: Pending, route: Route) -> list[str]:
     return earlier if route.name in earlier else [*earlier, route.name]
 
 
+
+def earlier_attempts(job: Job) -> dict[str, int]:
+    """Per send of a released request, the attempt before the one just released (0: none): its copy was read
+    from the broker, so the send stays `tried:<n>` through the release (see release.lua)."""
+    earlier: dict[str, int] = {}
+    for p in job.members:
+        earlier[p.send.send_id] = max(earlier.get(p.send.send_id, 0), p.attempt - 1)
+    return earlier
+
 class Settler:
     def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
                  jobs: ProcessedJobs, gate: Gate, records: RecordWriter, policies: dict[str, RetryPolicy],
@@ -79,6 +88,9 @@ class Settler:
         self.unsettled: list[tuple[Job, ProviderResult, int]] = []  # met a Redis error; tried again
         self.unmarked: list[Job] = []  # delivered and recorded, the `delivered` mark not yet written
         self.to_mark: list[Job] = []   # acknowledged during this poll; marked together by `flush_marks`
+        # Failed attempts whose copy is acknowledged: (tenant, send id, attempt, offset), marked `tried:<n>`
+        # together by `flush_marks`, then finished (kept while Redis fails).
+        self.to_mark_tried: list[tuple[str, str, int, Offset]] = []
         # Endpoint queues held by a long Retry-After: queue -> (monotonic end, wall-clock end in ms)
         self.long_holds: dict[str, tuple[float, int]] = {}
         self.rng = random.Random()
@@ -87,13 +99,21 @@ class Settler:
     def finisher(self, where: Offset) -> Callable[[], object]:
         return lambda: self.tracker.finish(*where)
 
+    def _tried_then_finish(self, job: Job, p: Pending) -> Callable[[], object]:
+        """Once the copy that carries a failed attempt on is acknowledged: mark the send `tried:<attempt>` (in
+        `flush_marks`), then finish its message. Not before: a worker that died with the copy unacknowledged
+        must leave the message, read again, free to be sent again, never stale."""
+        return lambda: self.to_mark_tried.append((job.tenant, p.send.send_id, p.attempt, p.where))
+
     @property
     def pending(self) -> int:
-        return len(self.unsettled) + len(self.unmarked) + len(self.to_mark)
+        return len(self.unsettled) + len(self.unmarked) + len(self.to_mark) + len(self.to_mark_tried)
 
     def flush_marks(self) -> None:
         """Mark the requests acknowledged since the last flush delivered (one round trip), then finish
-        their offsets; on a Redis error they wait in `unmarked` and are tried one by one later."""
+        their offsets; on a Redis error they wait in `unmarked` and are tried one by one later. Likewise the
+        failed attempts whose copies are acknowledged (`tried:<n>`), kept and tried again on a Redis error."""
+        self._flush_tried()
         if not self.to_mark:
             return
         jobs, self.to_mark = self.to_mark, []
@@ -111,6 +131,20 @@ class Settler:
                 if self.stage_log.on:
                     self.stage_log.write(p.send.send_id, p.send.created_at_ms,
                                          {"consumed": p.consumed_at_ms, **job.stamps, "marked": stamp})
+
+    def _flush_tried(self) -> None:
+        if not self.to_mark_tried or not self.outage.ready(time.monotonic()):
+            return
+        tried, self.to_mark_tried = self.to_mark_tried, []
+        try:
+            self.jobs.mark_tried_many([(tenant, send_id, attempt) for tenant, send_id, attempt, _ in tried])
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            self.to_mark_tried = tried + self.to_mark_tried
+            return
+        self.outage.recovered(time.monotonic())
+        for *_, where in tried:
+            self.tracker.finish(*where)
 
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
@@ -140,7 +174,7 @@ class Settler:
         if job.resent:
             self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id)
+            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         for p in job.members:
             self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
@@ -169,7 +203,7 @@ class Settler:
             # only this request, byte for byte, is sent again (answered from the provider's store).
             self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id)
+            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
         if result.outcome == "auth":
@@ -187,10 +221,11 @@ class Settler:
             fallback = None if job.resent else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
-                self.records.fallback(p, fallback.name, tried, result, now_ms, self.finisher(p.where))
+                self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p))
                 continue
             decision = self._decide(route, p, result, now_ms, job.resent)
-            finish = self._announced(p, result, now_ms, isinstance(decision, DeadLetter), self.finisher(p.where))
+            finish = self._announced(p, result, now_ms, isinstance(decision, DeadLetter),
+                                     self._tried_then_finish(job, p))
             if isinstance(decision, RetryAt):
                 self.records.retry(p, decision, result, now_ms, finish, tried)
             elif isinstance(decision, DeadLetter):

@@ -137,12 +137,18 @@ class TenantQueues:
 
 
 def unique_sends(items: list[Pending]) -> tuple[list[Pending], list[Pending]]:
-    """Split a request's messages into one per send id and the duplicates (the same job twice)."""
+    """Split a request's messages into one per send id and the duplicates (the same job twice). Of two copies
+    of one send, the one for the later attempt is kept: the earlier one may be stale (read again after its
+    attempt failed), and the later one is the send's live retry."""
     unique: dict[str, Pending] = {}
     duplicates = []
     for p in items:
-        if p.send.send_id in unique:
-            duplicates.append(p)
-        else:
+        kept = unique.get(p.send.send_id)
+        if kept is None:
             unique[p.send.send_id] = p
+        elif p.attempt > kept.attempt:
+            duplicates.append(kept)
+            unique[p.send.send_id] = p
+        else:
+            duplicates.append(p)
     return list(unique.values()), duplicates

@@ -104,7 +104,8 @@ class LaneWorker:
                                      self.queues, jobs, gate, self._finish_duplicate,
                                      self.redis_outage, policies, self.settler.dead_letter_too_old,
                                      self.settler.dead_letter_unbuildable, self.settler.dead_letter_unknown_outcome,
-                                     on_state_lost=guard.recheck if guard is not None else lambda: None)
+                                     on_state_lost=guard.recheck if guard is not None else lambda: None,
+                                     on_stale=self._finish_stale)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog
@@ -294,6 +295,11 @@ class LaneWorker:
 
     def _finish_duplicate(self, p: Pending) -> None:
         metrics.DUPLICATES.labels(*self._label).inc()
+        self.tracker.finish(*p.where)
+
+    def _finish_stale(self, p: Pending) -> None:
+        metrics.STALE_COPIES.labels(*self._label).inc()
+        log.info("skipped a stale copy of send %s: its attempt %d was made already", p.send.send_id, p.attempt)
         self.tracker.finish(*p.where)
 
     def _store_offsets(self) -> None:

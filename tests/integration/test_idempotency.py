@@ -277,3 +277,41 @@ def test_a_webhook_workers_claims_expire_with_their_request_and_a_providers_outl
     (email_claim, email_record), (hook_claim, hook_record) = ttls["email"], ttls["webhook"]
     assert email_record <= day_ms < email_claim
     assert hook_claim <= day_ms and hook_record <= day_ms
+
+
+
+def test_a_failed_attempt_is_marked_once_its_copy_is_durable_and_never_over_a_later_state(redis_client, namespace):
+    """Given a batch of two sends claimed by worker A and released after a definite failure,
+    When A marks them tried (s1 on its attempt 1, s2 on its attempt 3) once their retry copies are acknowledged,
+    Then each is `tried:<its attempt>` (kept as long as a claim) and free to claim: the next attempt's request
+    claims both; a mark never lowers an attempt, nor replaces a claim (a later attempt's, or one kept after an
+    unknown outcome) or a delivered send."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    ids = ["s1", "s2"]
+    key = idempotency_key(ids)
+    assert jobs.claim(ids, key, "worker-a", "/emails/batch", b"body", "acme") == []
+    jobs.release("acme", ids, key, "worker-a")
+    jobs.mark_tried_many([("acme", "s1", 1), ("acme", "s2", 3), ("acme", "s2", 2)])
+    assert jobs.status("acme", ids) == ["tried:1", "tried:3"]
+    assert redis_client.pttl(RedisKeys(namespace).processed("acme", "s2")) > idempotency.RECORD_TTL_MS
+    jobs.mark_tried_many([("acme", "s2", 2)])
+    assert jobs.status("acme", ids) == ["tried:1", "tried:3"]
+    again = idempotency_key(ids) + "-2"
+    assert jobs.claim(ids, again, "worker-b", "/emails/batch", b"body", "acme") == []
+    jobs.mark_tried_many([("acme", "s1", 5)])  # a late mark meets the later attempt's claim
+    assert jobs.status("acme", ids) == [f"inflight:{again}"] * 2
+    jobs.mark_delivered("acme", ids, again)
+    jobs.mark_tried_many([("acme", "s1", 9), ("acme", "s2", 9)])
+    assert jobs.status("acme", ids) == ["delivered", "delivered"]
+
+
+def test_a_release_keeps_the_mark_of_the_attempt_before(redis_client, namespace):
+    """Given a send marked tried:1, claimed for its attempt 2,
+    When attempt 2 fails and is released naming attempt 1 as the one before,
+    Then the send is tried:1 again (free for attempt 2's retry copy, a copy of attempt 1 still stale), not
+    free; a send on its first attempt is released free."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    jobs.mark_tried_many([("acme", "s1", 1)])
+    assert jobs.claim(["s1", "s2"], "batch-x", "w", "/emails/batch", b"b", "acme") == []
+    jobs.release("acme", ["s1", "s2"], "batch-x", "w", earlier={"s1": 1, "s2": 0})
+    assert jobs.status("acme", ["s1", "s2"]) == ["tried:1", None]

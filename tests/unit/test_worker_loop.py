@@ -123,7 +123,7 @@ class FakeGate:
 
 
 class FakeJobs:
-    """processed_jobs in a dict: free, inflight:<key> or delivered."""
+    """processed_jobs in a dict: free, inflight:<key>, delivered, reconcile or tried:<n> (free to claim)."""
 
     def __init__(self, delivered=()):
         self.state = {s: "delivered" for s in delivered}
@@ -137,7 +137,7 @@ class FakeJobs:
             self.mark_delivered(tenant, ids, key)
 
     def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
-        busy = [i for i, s in enumerate(send_ids) if s in self.state]
+        busy = [i for i, s in enumerate(send_ids) if not self.state.get(s, "tried:").startswith("tried:")]
         if not busy:
             self.state.update({s: f"inflight:{key}" for s in send_ids})
         return busy
@@ -146,9 +146,19 @@ class FakeJobs:
     def mark_delivered(self, tenant, send_ids, key): self.state.update({s: "delivered" for s in send_ids})
     def mark_reconcile(self, tenant, send_ids, key): self.state.update({s: "reconcile" for s in send_ids})
 
-    def release(self, tenant, send_ids, key, owner):
+    def release(self, tenant, send_ids, key, owner, earlier=None):
         for s in send_ids:
-            self.state.pop(s, None)
+            n = (earlier or {}).get(s, 0)
+            if n > 0:
+                self.state[s] = f"tried:{n}"
+            else:
+                self.state.pop(s, None)
+
+    def mark_tried_many(self, tried):
+        for _, s, n in tried:
+            state = self.state.get(s)
+            if state is None or (state.startswith("tried:") and int(state[6:]) < n):
+                self.state[s] = f"tried:{n}"
 
     def keep_unknown(self, tenant, key, owner): pass
     def refresh(self, leases, owner): pass
@@ -377,8 +387,8 @@ class RecordingJobs(FakeJobs):
 
     def take_over(self, tenant, key, owner, send_ids=()): return self.records.get(key)
 
-    def release(self, tenant, send_ids, key, owner):
-        super().release(tenant, send_ids, key, owner)
+    def release(self, tenant, send_ids, key, owner, earlier=None):
+        super().release(tenant, send_ids, key, owner, earlier)
         self.records.pop(key, None)
 
 
@@ -615,6 +625,107 @@ class AckHoldingProducer(FakeProducer):
 
     def release(self):
         self.holding = False
+
+
+def test_a_copy_for_an_attempt_already_made_is_stale_and_a_send_never_runs_two_retry_chains():
+    """Given an email whose attempt 1 the provider answered 503 (its retry copy, for attempt 2, written),
+    When its lane message is read again (a worker killed before its offset was committed, a rebalance), and
+    then its retry copy comes back,
+    Then the re-read copy is skipped as stale (counted) and attempt 2 is made once, from the retry copy: the
+    provider sees two attempts and one retry copy exists (before, the re-read copy was sent again as attempt
+    1 and wrote a second retry copy: two chains, each with its own attempts and its own dead letter)."""
+    from streams import metrics
+
+    sends, msgs = _messages(["acme"])
+    provider = FakeProvider(ProviderResult("unavailable", 503))
+    worker, consumer, producer, _ = _worker(msgs, provider=provider)
+    stale_before = metrics.STALE_COPIES.labels("email", "transactional")._value.get()
+    _run(worker)
+    [retry_topic] = [t for t in producer.records if ".retry." in t]
+    [(copy, headers)] = producer.records[retry_topic]
+    assert headers["attempt"] == b"2" and len(provider.sent) == 1
+    consumer.pending.append(FakeMessage(0, 0, encode(sends[0])))  # the lane message, read again
+    _run(worker)
+    assert len(provider.sent) == 1 and len(producer.records[retry_topic]) == 1
+    assert metrics.STALE_COPIES.labels("email", "transactional")._value.get() - stale_before == 1
+    provider.answer = DELIVERED
+    consumer.pending.append(FakeMessage(0, 1, copy, list(headers.items())))
+    _run(worker)
+    assert len(provider.sent) == 2 and len(producer.records[retry_topic]) == 1
+    assert orjson.loads(producer.records[NAMES.outcomes][-1][0])["status"] == "delivered"
+
+
+def test_a_message_read_again_before_its_failed_attempts_copy_was_acknowledged_is_sent_again_not_lost():
+    """Given worker A whose attempt 1 of an email failed (503) and whose retry copy the broker never
+    acknowledged (A died, its copy lost with it, its offset not stored),
+    When worker B reads the message again (sharing processed_jobs with A),
+    Then B sends it again as attempt 1: nothing marked it tried, since the copy that would carry it on never
+    became durable (a mark written at the failure itself made B skip it as stale: the send was lost)."""
+    sends, msgs = _messages(["acme"])
+    jobs = FakeJobs()
+    dead_a = AckHoldingProducer()
+    a, _, _, provider_a = _worker(msgs, answer=ProviderResult("unavailable", 503), jobs=jobs, producer=dead_a)
+    for _ in range(20):  # not `_run`: its drain would wait for the acknowledgement that never comes
+        a.step()
+    assert len(provider_a.sent) == 1 and jobs.state.get(sends[0].send_id) is None
+    b, consumer_b, _, provider_b = _worker([FakeMessage(0, 0, encode(sends[0]))], jobs=jobs,
+                                           answer=ProviderResult("unavailable", 503))
+    _run(b)
+    assert len(provider_b.sent) == 1 and consumer_b.stored[(TOPIC, 0)] == 1
+    assert jobs.state[sends[0].send_id] == "tried:1"
+
+
+def test_a_later_attempts_failure_keeps_the_earlier_mark_so_a_message_read_again_stays_stale():
+    """Given an email marked tried:1 (its retry copy for attempt 2 durable), and worker A whose attempt 2 then
+    fails (503) and whose next retry copy the broker has not acknowledged yet (A dies there),
+    When worker B reads the lane message (attempt 1) again,
+    Then B skips it as stale (before, A's release deleted the mark with its claim: B sent it again as attempt 1,
+    a second chain)."""
+    sends, _ = _messages(["acme"])
+    jobs = FakeJobs()
+    jobs.state[sends[0].send_id] = "tried:1"
+    second = FakeMessage(0, 1, encode(sends[0]), [("attempt", b"2")])
+    a, _, _, provider_a = _worker([second], answer=ProviderResult("unavailable", 503), jobs=jobs,
+                                  producer=AckHoldingProducer())
+    for _ in range(20):
+        a.step()
+    assert len(provider_a.sent) == 1 and jobs.state[sends[0].send_id] == "tried:1"
+    b, consumer_b, _, provider_b = _worker([FakeMessage(0, 0, encode(sends[0]))], jobs=jobs)
+    _run(b)
+    assert provider_b.sent == [] and consumer_b.stored[(TOPIC, 0)] == 1
+
+
+def test_of_a_stale_copy_and_the_live_retry_copy_in_one_batch_the_live_one_is_sent():
+    """Given a marketing email whose attempt 1 failed and whose retry copy (attempt 2) is durable (tried:1),
+    When its lane message is read again and lands in the same batch as the retry copy,
+    Then the retry copy is sent (attempt 2) and the stale copy skipped (before, the first copy of the send in
+    the batch was kept, the stale one, then skipped as stale: neither was sent)."""
+    sends, _ = _messages(["acme"])
+    jobs = FakeJobs()
+    jobs.state[sends[0].send_id] = "tried:1"
+    msgs = [FakeMessage(0, 0, encode(sends[0])), FakeMessage(0, 1, encode(sends[0]), [("attempt", b"2")])]
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, lane="marketing")
+    _run(worker)
+    assert provider.sent == [sends[0].send_id.encode()]
+    assert consumer.stored[(TOPIC, 0)] == 2 and jobs.state[sends[0].send_id] == "delivered"
+    [delivered] = events_of(orjson.loads(producer.records[NAMES.outcomes][-1][0]))
+    assert (delivered["status"], delivered["attempts"]) == ("delivered", 2)
+
+
+@pytest.mark.parametrize("state", ["tried:1", None])
+def test_an_expired_copy_of_a_send_whose_attempts_failed_definitely_is_too_old_not_unknown(state):
+    """Given a send older than its policy allows whose earlier attempts failed definitely (or never made),
+    When a copy for its next attempt is met,
+    Then it is dead-lettered `too_old` (`unknown_outcome` is for sends the provider may hold)."""
+    day_ago = int(time.time() * 1000) - 86_400_000
+    send = build_send(validate_request(email_request()), "acme", now_ms=day_ago)
+    jobs = FakeJobs()
+    if state:
+        jobs.state[send.send_id] = state
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send), [("attempt", b"2")])], jobs=jobs)
+    _run(worker)
+    [(_, headers)] = producer.records[NAMES.dlq]
+    assert headers["reason"] == b"too_old" and provider.sent == []
 
 
 class TopicHoldingProducer(FakeProducer):
