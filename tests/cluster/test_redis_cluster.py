@@ -109,8 +109,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     """Given every `register_script` call in the package (the gate's, processed_jobs', ingest idempotency's and the
     endpoint store's), on a
     client of the Redis Cluster that notes the keys of every script call,
-    When the gate (acquire, acquire_many, cool_down), processed_jobs (claim, claim_many, mark_delivered,
-    mark_delivered_many, mark_reconcile, release, refresh), ingest idempotency (begin, renew, finish, release),
+    When the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
+    mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh), ingest idempotency (begin, renew, finish, release),
     the endpoint store (create, a compare-and-set change) and API keys (a compare-and-set change) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
@@ -130,6 +130,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     gate.acquire(providers[0], tenants[0], 1)
     gate.acquire_many([(p, t, 2, True) for p in providers for t in tenants])
     gate.cool_down(providers[1], 0.01)
+    gate.refund_many([(p, t, 1) for p in providers for t in tenants])
     claims = [Claim(t, idempotency_key([f"{t}-{i}" for i in range(3)]), tuple(f"{t}-{i}" for i in range(3)), "w",
                     "/emails/batch", b"[]") for t in tenants]
     assert jobs.claim_many(claims) == [[]] * len(claims)
@@ -138,7 +139,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs.mark_delivered(claims[0].tenant, claims[0].send_ids, claims[0].key)
     jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[1:2]])
     jobs.mark_reconcile(tenants[0], [f"{tenants[0]}-9"], "send-x")
-    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w")
+    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w", earlier={claims[2].send_ids[0]: 1})
+    jobs.mark_tried_many([(t, f"{t}-t", 2) for t in tenants])
     jobs.keep_unknown(claims[1].tenant, claims[1].key, "w")
     # marked delivered above: no record, and its sends no longer carry the claim (settled meanwhile)
     assert jobs.take_over(claims[1].tenant, claims[1].key, "w2", claims[1].send_ids) is None
@@ -233,7 +235,8 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     jobs.refresh([(c.tenant, c.key) for c in claims], "w1")
     out.append(("take_over while held", jobs.take_over(claims[0].tenant, claims[0].key, "w2", claims[0].send_ids)))
     jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[:2]])
-    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w1")
+    jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w1", earlier={claims[2].send_ids[1]: 1})
+    jobs.mark_tried_many([(t, f"{t}-c", 2) for t in tenants] + [(claims[2].tenant, claims[2].send_ids[1], 3)])
     jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1")
     out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2", claims[3].send_ids)))
     out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
@@ -272,8 +275,8 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     """Given one sequence of calls: the gate (a tenant's burst, a denial, the marketing reserve, acquire_many over
     every provider and tenant with an unconfigured provider and a cost above a burst, a cool-down and a shorter
     one), processed_jobs (claim_many, the same again, an overlapping claim, refresh, take_over while held,
-    mark_delivered_many, release, keep_unknown then take_over, status_many, claim_many once the Redis epoch is
-    gone) and the status store (accepted,
+    mark_delivered_many, release keeping an earlier attempt's mark, mark_tried_many, keep_unknown then take_over,
+    status_many, claim_many once the Redis epoch is gone) and the status store (accepted,
     outcomes including a late intermediate one, a webhook delivery, get), with providers and tenants whose keys
     live on all three masters,
     When it runs against the Redis Cluster (REDIS_URL=redis+cluster://...) and against a single Redis,
@@ -308,8 +311,9 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     assert answers["claim_many without the epoch"] == ("state lost", [[None]] * 6)  # nothing left claimed
     assert answers["take_over after an unknown outcome"].body == f"body of {tenants[3]}".encode()
     inflight = [f"inflight:{idempotency_key([f'{t}-a', f'{t}-b'])}" for t in tenants]
-    assert answers["status"] == [["delivered", "delivered", None]] * 2 + [[None, None, None]] + [
-        [inflight[i], inflight[i], None] for i in (3, 4, 5)]
+    # -c: marked tried:2 (free until then); tenant 2's -b: released keeping tried:1, then marked tried:3
+    assert answers["status"] == [["delivered", "delivered", "tried:2"]] * 2 + [[None, "tried:3", "tried:2"]] + [
+        [inflight[i], inflight[i], "tried:2"] for i in (3, 4, 5)]
     gets = {row[1]: dict(row[2]) for row in on_cluster if row[0] == "get"}
     assert gets["send-0"]["status"] == "delivered" and gets["send-0"]["provider_message_id"] == "m-0"
     assert [a["n"] for a in gets["send-0"]["attempt_history"]] == [1, 2]
