@@ -50,11 +50,19 @@ class LagReader:
         topics apply`) count in the lag within a minute, not at the reader's next restart."""
         cached = self._partitions.get(topic)
         if cached is None or time.monotonic() - cached[0] > PARTITIONS_TTL_S:
-            md = self.peeker.list_topics(topic, timeout=TIMEOUT_S)
-            meta = md.topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise StackError(f"cannot read lag: topic {topic} ({meta.error if meta else 'missing'})")
-            cached = self._partitions[topic] = (time.monotonic(), sorted(meta.partitions))
+            try:
+                md = self.peeker.list_topics(topic, timeout=TIMEOUT_S)
+                meta = md.topics.get(topic)
+                if meta is None or meta.error is not None or not meta.partitions:
+                    raise StackError(f"cannot read lag: topic {topic} ({meta.error if meta else 'missing'})")
+                cached = (time.monotonic(), sorted(meta.partitions))
+            except (KafkaException, StackError):
+                if cached is None:
+                    raise
+                # Known already: keep reading those (a broker restarting answers metadata with errors for a
+                # while), and list them again in a minute, not on every read.
+                cached = (time.monotonic(), cached[1])
+            self._partitions[topic] = cached
         return cached[1]
 
     def positions(self, group: str, topic: str) -> dict[int, tuple[int, int]]:

@@ -57,3 +57,27 @@ def test_partitions_added_at_run_time_are_counted(monkeypatch):
     assert lister.partitions("lane") == [0]
     partitions.append({0: None, 1: None})
     assert lister.partitions("lane") == [0, 1]
+
+
+def test_a_failed_relisting_keeps_the_partitions_known(monkeypatch):
+    """Given a reader that knows the lane's partitions, and a broker restarting (its metadata answers with an
+    error for the topic),
+    When the partitions are due to be listed again,
+    Then the known ones are used and the next listing is a minute away (the read goes on, as before listings
+    were repeated; failing it instead kept the lag monitor from publishing after a broker restart)."""
+    lister = LagReader("127.0.0.1:9")
+    lister.peeker.close()
+    answers = [SimpleNamespace(error=None, partitions={0: None, 1: None}),
+               SimpleNamespace(error="LEADER_NOT_AVAILABLE", partitions={})]
+    asked = []
+
+    def list_topics(topic, timeout):
+        asked.append(topic)
+        return SimpleNamespace(topics={topic: answers[min(len(asked), len(answers)) - 1]})
+
+    lister.peeker = SimpleNamespace(list_topics=list_topics, close=lambda: None)
+    assert lister.partitions("lane") == [0, 1]
+    monkeypatch.setattr(reader, "PARTITIONS_TTL_S", 0.0)
+    assert lister.partitions("lane") == [0, 1] and len(asked) == 2
+    monkeypatch.setattr(reader, "PARTITIONS_TTL_S", 60.0)
+    assert lister.partitions("lane") == [0, 1] and len(asked) == 2
