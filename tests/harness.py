@@ -286,3 +286,20 @@ def committed_messages(bootstrap: str, topic: str, timeout: float = 60.0) -> lis
         raise AssertionError(f"reading {topic} did not finish within {timeout:.0f} s")
     finally:
         c.close()
+
+
+# Retry policies for tests that walk a whole schedule: 3 attempts, 10 s apart (DUAL_RAIL_RETRY_POLICIES).
+THREE_ATTEMPTS_10S_POLICIES = """
+[policy.transactional]
+max_attempts = 3
+max_age = "1h"
+schedule = ["10s"]
+
+[policy.marketing]
+max_attempts = 3
+max_age = "1h"
+schedule = ["10s"]
+
+[routing]
+categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
+"""

@@ -15,22 +15,8 @@ from streams.kafka_client import durable_producer, put_acked
 from streams.retry.dlq import fetch, read_all
 from streams.retry.replay import replay
 from streams.send import MAX_SEND_BYTES, build_send, encode, validate_request
+from tests.harness import THREE_ATTEMPTS_10S_POLICIES as POLICIES
 from tests.harness import email_request, sms_request, wait_until
-
-POLICIES = """
-[policy.transactional]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
-
-[policy.marketing]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
-
-[routing]
-categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
-"""
 
 
 def _cli(env, *args):

@@ -7,22 +7,8 @@ from confluent_kafka import Producer
 from streams.names import RedisKeys
 from streams.retry.dlq import read_all
 from streams.send import build_send, encode, validate_request
+from tests.harness import THREE_ATTEMPTS_10S_POLICIES as POLICIES
 from tests.harness import committed_lag, sms_request, wait_until
-
-POLICIES = """
-[policy.transactional]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
-
-[policy.marketing]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
-
-[routing]
-categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
-"""
 
 
 def test_a_lane_message_read_again_after_its_attempt_failed_starts_no_second_retry_chain(
