@@ -67,6 +67,24 @@ class Job:
     resent: bool = False
 
 
+def by_state(state: str | None, attempt: int, too_old: bool) -> str:
+    """What a message met before an attempt becomes, by its send's processed_jobs state: "duplicate" (delivered),
+    "stale" (its attempt was made and failed, and the copy carrying the send on is durable: sent, this one would
+    start a second chain of attempts), "too_old" (never sent late), "unknown_outcome" (the provider may hold it:
+    an earlier request's outcome is unknown, or it was left to reconciliation; never sent, never skipped
+    unrecorded), "held" (an earlier request holds it: recover it or wait) or "send"."""
+    tried = int(state[6:]) if state is not None and state.startswith("tried:") else None
+    if state == "delivered":  # first: an old copy of a delivered send is a duplicate, not too old
+        return "duplicate"
+    if tried is not None and attempt <= tried:
+        return "stale"
+    if too_old:
+        return "too_old" if state is None or tried is not None else "unknown_outcome"
+    if state == "reconcile":
+        return "unknown_outcome"
+    return "send" if state is None or tried is not None else "held"
+
+
 class Dispatcher:
     """Every Redis call happens before the messages involved are handed on (started, skipped or
     queued again): when Redis fails mid-way, the messages taken for the request go back to the front
@@ -205,7 +223,7 @@ class Dispatcher:
                 continue
             draw.items, duplicates = unique_sends(draw.items)
             for p in duplicates:
-                self._skip(p)
+                self._end(p, "duplicate")
             if draw.items:
                 live.append(draw)
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
@@ -223,36 +241,36 @@ class Dispatcher:
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
         for p, state in zip(draw.items, states, strict=True):
-            tried = int(state[6:]) if state is not None and state.startswith("tried:") else None
-            if state == "delivered":  # first: an old copy of a delivered send is a duplicate, not too old
-                self._skip(p)
-            elif tried is not None and p.attempt <= tried:
-                # Its attempt was made and failed, and the copy carrying the send on is durable: this one is
-                # read again (a crash, a rebalance); sent, it would start a second chain of attempts.
-                self._stale(p)
-            elif expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms):
-                # The age is checked before every attempt: never sent too late. One the provider may hold (an
-                # earlier request's outcome unknown) is dead-lettered as such, never as merely too old.
-                self._open.pop(id(p), None)
-                if state is None or tried is not None:
-                    self.on_expired(p)
-                else:
-                    self.on_unknown(p)
-            elif state == "reconcile":
-                # Left to reconciliation with an unknown outcome: a batch member met after the others
-                # were dead-lettered, or read again after a crash between the mark and its dead letter.
-                # It is dead-lettered too (never skipped unrecorded, never sent).
-                self._unknown(p)
-            elif state is None or tried is not None:
+            verdict = by_state(state, p.attempt, expired(self.policies[p.send.policy], p.send.created_at_ms, now_ms))
+            if verdict == "send":
                 fresh.append(p)
+            elif verdict == "held":
+                unknown.setdefault(state.removeprefix("inflight:"), []).append(p)  # type: ignore[union-attr]
             else:
-                unknown.setdefault(state.removeprefix("inflight:"), []).append(p)
+                self._end(p, verdict)
         waiting = [p for request_key, group in unknown.items()
                    if not self._recover(request_key, draw.tenant, group, draw.key) for p in group]
         if waiting:  # another worker holds their request right now: look again shortly
             self._requeue(draw.key, waiting, hold_until=time.monotonic() + 1.0)
         draw.items = fresh
         return bool(fresh)
+
+    def end_expired(self, items: list[Pending]) -> list[Pending]:
+        """Messages found past their max age outside a round (a long hold moving off the worker), each ended
+        by its send's state as before an attempt: a copy of a delivered send is a duplicate, a stale copy is
+        skipped, one the provider may hold is dead-lettered `unknown_outcome`, only the rest `too_old`.
+        Returns them all when Redis cannot tell their state: the caller keeps them (nothing is ended blind)."""
+        groups: dict[str, list[Pending]] = {}
+        for p in items:
+            groups.setdefault(p.send.tenant_id, []).append(p)
+        try:
+            states = self.jobs.status_many([(t, [p.send.send_id for p in g]) for t, g in groups.items()])
+        except StoreUnavailable:
+            return items
+        for group, group_states in zip(groups.values(), states, strict=True):
+            for p, state in zip(group, group_states, strict=True):
+                self._end(p, by_state(state, p.attempt, too_old=True))
+        return []
 
     def _admit_round(self, draws: list[Draw]) -> list[Draw]:
         """Both buckets for every request of the round (one round trip), each at its own provider;
@@ -430,24 +448,18 @@ class Dispatcher:
         return min(route.spec.batch_max, self.tenant_limit(route, tenant).burst)
 
     # ---- hand-offs: every message taken ends in exactly one of these
-    def _skip(self, p: Pending) -> None:
+    def _end(self, p: Pending, verdict: str) -> None:
+        """A message ended without a request by `by_state`'s verdict (not "send" nor "held")."""
         self._open.pop(id(p), None)
-        self.on_duplicate(p)
-
-    def _stale(self, p: Pending) -> None:
-        self._open.pop(id(p), None)
-        self.on_stale(p)
-
-    def _unknown(self, p: Pending) -> None:
-        self._open.pop(id(p), None)
-        self.on_unknown(p)
+        {"duplicate": self.on_duplicate, "stale": self.on_stale, "too_old": self.on_expired,
+         "unknown_outcome": self.on_unknown}[verdict](p)
 
     def _reconcile(self, tenant: str, request_key: str, send_ids: list[str] | tuple[str, ...],
                    members: list[Pending]) -> None:
         """Leave a request's sends to reconciliation: never sent again by dispatch, each dead-lettered."""
         self.jobs.mark_reconcile(tenant, send_ids, request_key)
         for p in members:
-            self._unknown(p)
+            self._end(p, "unknown_outcome")
 
     def _requeue(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
         for p in items:

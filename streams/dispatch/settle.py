@@ -245,7 +245,10 @@ class Settler:
         elif asked:  # the receiver's latest word: a short Retry-After it gave ends a long one
             self.long_holds.pop(queue, None)
 
-    def spill_long_holds(self) -> None:
+    def spill_long_holds(self, end_expired: Callable[[list[Pending]], list[Pending]]) -> None:
+        """`end_expired` ends, by its send's state, what is due after its max age (it could never be
+        sent in time) and gives back what it could not end (Redis down): that is spilled too, and
+        looked at again when it comes back."""
         if not self.long_holds:
             return
         now, now_ms = time.monotonic(), int(time.time() * 1000)
@@ -254,10 +257,11 @@ class Settler:
                 del self.long_holds[queue]
                 continue
             while self.queues.size(queue):
-                for p in self.queues.take(queue, self.queues.size(queue)):
-                    if expired(self.policies[p.send.policy], p.send.created_at_ms, due_ms):
-                        self.dead_letter_too_old(p)  # due after its max age: it could never be sent in time
-                    else:
+                taken = self.queues.take(queue, self.queues.size(queue))
+                too_old = [p for p in taken if expired(self.policies[p.send.policy], p.send.created_at_ms, due_ms)]
+                ended = {id(p) for p in too_old} - {id(p) for p in (end_expired(too_old) if too_old else [])}
+                for p in taken:
+                    if id(p) not in ended:
                         self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000),
                                            self.finisher(p.where), reason="endpoint_retry_after")
 

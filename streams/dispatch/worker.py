@@ -136,7 +136,7 @@ class LaneWorker:
         for msg in msgs:
             self._intake(msg)
         self._collect()
-        self.settler.spill_long_holds()
+        self.settler.spill_long_holds(self.dispatcher.end_expired)
         self.dispatcher.refresh_leases()
         self.settler.retry()
         self.pauses.follow_lag()

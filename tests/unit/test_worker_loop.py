@@ -502,6 +502,51 @@ def test_a_receivers_long_retry_after_moves_its_queued_deliveries_off_the_worker
         assert not parked and len(too_old) == 3  # the first by its own decision, then the two queued
 
 
+class JobsGoingDown(FakeJobs):
+    """FakeJobs whose reads fail (Redis down) once `down` is set."""
+
+    down = False
+
+    def status_many(self, groups):
+        if self.down:
+            raise StoreUnavailable("Redis unavailable (test)")
+        return super().status_many(groups)
+
+
+@pytest.mark.parametrize("redis_down", [False, True], ids=["redis up", "redis down"])
+def test_copies_moved_off_a_long_hold_past_their_max_age_end_by_their_state(redis_down):
+    """Given a receiver held for a year by its Retry-After, and queued behind it copies of sends that were
+    delivered, whose attempt 1 failed already (a stale copy), whose request has no known outcome, and one fresh,
+    When the hold moves them off the worker (all due after their max age),
+    Then each ends as it would before an attempt: the delivered copy is a duplicate and the stale one skipped
+    (neither dead-lettered `too_old`, which a DLQ replay would send again), the one the provider may hold is
+    dead-lettered `unknown_outcome`, and only the fresh one `too_old`. With Redis down no state can be read:
+    nothing is dead-lettered blind, every copy goes to the retry tier (looked at again when it comes back)."""
+    sends, msgs = _messages(["acme"] * 5)
+    jobs = JobsGoingDown()
+    worker, consumer, producer, provider = _worker(msgs[:1], jobs=jobs)
+    worker.routes.primary.spec = replace(worker.routes.primary.spec, shared_limit=False)
+    provider.answer = ProviderResult("throttled", 429, retry_after="31536000", error_name="http_429")
+    _run(worker)
+    jobs.state.update({sends[1].send_id: "delivered", sends[2].send_id: "tried:1",
+                       sends[3].send_id: "inflight:other-request"})
+    jobs.down = redis_down
+    consumer.pending += msgs[1:]
+    _run(worker)
+    assert provider.sent == [sends[0].send_id.encode()]
+    assert worker.queues.buffered == 0 and consumer.stored[(TOPIC, 0)] == 5
+    reasons = {h["send_id"].decode(): h["reason"] for _, h in producer.records[NAMES.dlq]}
+    parked = sorted(h["send_id"].decode() for t, records in producer.records.items() if ".retry." in t
+                    for _, h in records)
+    if redis_down:
+        assert reasons == {sends[0].send_id: b"too_old"}  # by its own decision, before Redis went down
+        assert parked == sorted(s.send_id for s in sends[1:])
+    else:
+        assert reasons == {sends[0].send_id: b"too_old", sends[3].send_id: b"unknown_outcome",
+                           sends[4].send_id: b"too_old"}
+        assert parked == []
+
+
 def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_idempotency_keys():
     """Given a batch claimed by a worker that died before the provider's answer, at a provider that does not
     honour idempotency keys,
