@@ -22,12 +22,14 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+import aiodns
 import aiohttp
 import orjson
+from aiodns import error as dns_errors
 
 from .. import metrics
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
@@ -41,8 +43,8 @@ EXCERPT_BYTES = 1024
 DRAIN_S = 1.0  # how long a 2xx answer's body is waited for (read only so its connection can be reused)
 DNS_TTL_S = 30.0
 DNS_TIMEOUT_S = 5.0
-DNS_THREADS = 32
-DNS_LOOKUPS_PER_TENANT = 4
+DNS_QUERY_TIMEOUT_S = 1.0  # the resolver's wait for one answer before it asks again (DNS_QUERY_TRIES in all)
+DNS_QUERY_TRIES = 2
 UNSEAL_LOG_EVERY_S = 60.0
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
@@ -153,46 +155,62 @@ class LookupFailed(Exception):
     tenant whose name servers stay down is told, as for a receiver that stays down."""
 
 
-NO_SUCH_NAME = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
+# Answers about the name: it does not exist, has no address, or is not one a name server can hold.
+NO_SUCH_NAME = frozenset({dns_errors.ARES_ENOTFOUND, dns_errors.ARES_ENODATA, dns_errors.ARES_ENONAME,
+                          dns_errors.ARES_EBADNAME})
+# Not asked again: the resolver already asked DNS_QUERY_TRIES times, or is closing.
+GIVEN_UP = frozenset({dns_errors.ARES_ETIMEOUT, dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})
 
 
-def addresses_of(host: str, tries: int = 2) -> list[str]:
+async def addresses_of(names: aiodns.DNSResolver, host: str, tries: int = 2) -> list[str]:
     """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
-    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes)."""
+    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes).
+    A name server that does not answer is not asked again here (GIVEN_UP)."""
     for tried in range(1, tries + 1):
         try:
-            return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
-        except socket.gaierror as exc:
-            if exc.errno in NO_SUCH_NAME:
+            found = await names.getaddrinfo(host, family=socket.AF_UNSPEC)
+            return sorted({_text(node.addr[0]) for node in found.nodes})
+        except dns_errors.DNSError as exc:
+            code = exc.args[0] if exc.args else None
+            if code in NO_SUCH_NAME:
                 return []
-            failure = exc.strerror or "the lookup failed"
-        except UnicodeError:  # a label longer than 63 characters, an empty one
+            failure = str(exc.args[1]) if len(exc.args) > 1 else "the lookup failed"
+            if code in GIVEN_UP:
+                raise LookupFailed(failure) from None
+        except (UnicodeError, ValueError):  # a name the resolver cannot even encode
             return []
-        except OSError as exc:
-            failure = exc.strerror or type(exc).__name__
         if tried == tries:
             raise LookupFailed(failure)
     raise AssertionError("unreachable")
+
+
+def _text(address: bytes | str) -> str:
+    return address.decode() if isinstance(address, bytes) else address
 
 
 class WebhookDelivery:
     name = "webhook"
 
     def __init__(self, directory: EndpointDirectory, policy: UrlPolicy, timeout_s: float = 10.0,
-                 concurrency: int = 256, sealer: Sealer | None = None):
+                 concurrency: int = 256, sealer: Sealer | None = None, nameservers: list[str] | None = None):
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self.sealer = sealer  # opens the signing secrets stored sealed
         self._unseal_logged: dict[str, float] = {}  # endpoint -> when a secret that does not open was last logged
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
-        self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # lookups each tenant may run at once
-        self._dns_pool = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="webhook-dns")
         self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
         self._thread.start()
+        # Name lookups by c-ares on this loop (the system's name servers unless told): a lookup waiting for a
+        # name server that never answers holds a timer, not a thread.
+        self.names = asyncio.run_coroutine_threadsafe(self._name_resolver(nameservers), self.loop).result(10)
         self.session = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=True), self.loop).result(10)
         self.fresh = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=False), self.loop).result(10)
+
+    async def _name_resolver(self, nameservers: list[str] | None) -> aiodns.DNSResolver:
+        return aiodns.DNSResolver(nameservers=nameservers, loop=self.loop, timeout=DNS_QUERY_TIMEOUT_S,
+                                  tries=DNS_QUERY_TRIES)
 
     async def _session(self, concurrency: int, pooled: bool) -> aiohttp.ClientSession:
         """Both sessions connect only where the URL policy approved (the pinned resolver). The pooled one
@@ -233,7 +251,7 @@ class WebhookDelivery:
         started = time.monotonic()
         host = wire_host(ep.url)
         try:
-            resolve = await self._resolve(host, ep.tenant)
+            resolve = await self._resolve(host)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started)
         except LookupFailed as exc:
@@ -282,19 +300,16 @@ class WebhookDelivery:
                     return []
         return opened
 
-    async def _resolve(self, host: str, tenant: str = ""):
-        """A resolver for the URL policy, with addresses cached DNS_TTL_S. Looked up on threads of the
-        deliveries' own (the loop's default pool is shared with everything else), one lookup per host at
-        a time however many deliveries wait for it, and waited for at most DNS_TIMEOUT_S (TimeoutError):
-        a tenant's name server that never answers costs its own deliveries 5 s each, not everyone's
-        threads and time. A lookup stuck in the system resolver keeps its thread until the resolver gives
-        up, so one tenant runs at most DNS_LOOKUPS_PER_TENANT lookups at once: its next ones wait for one
-        of those to end (within the same 5 s), and the other tenants' lookups still find threads free."""
+    async def _resolve(self, host: str):
+        """A resolver for the URL policy, with addresses cached DNS_TTL_S. One lookup per host at a time however
+        many deliveries wait for it, waited for at most DNS_TIMEOUT_S (TimeoutError): a tenant's name server that
+        never answers costs its own deliveries 5 s each, and nobody else anything (the lookups hold no thread:
+        before, they ran on 32 threads, which the silent name servers of 8 tenants could fill for everyone)."""
         cached = self._dns.get(host)
         if cached is not None and time.monotonic() - cached[0] <= DNS_TTL_S:
             addresses = cached[1]
         else:
-            addresses = await asyncio.wait_for(self._lookup(host, tenant), min(DNS_TIMEOUT_S, self.timeout_s))
+            addresses = await asyncio.wait_for(self._lookup(host), min(DNS_TIMEOUT_S, self.timeout_s))
 
         def resolve(name: str) -> list[str]:
             if not addresses:
@@ -303,23 +318,16 @@ class WebhookDelivery:
 
         return resolve
 
-    async def _lookup(self, host: str, tenant: str) -> list[str]:
+    async def _lookup(self, host: str) -> list[str]:
         lookup = self._looking_up.get(host)
         if lookup is None:
-            slots = self._tenant_slots.setdefault(tenant, asyncio.Semaphore(DNS_LOOKUPS_PER_TENANT))
-            await slots.acquire()  # given back when the lookup's thread is done, not when its waiters give up
-            lookup = self._looking_up.get(host)  # another delivery may have started it meanwhile
-            if lookup is not None:
-                slots.release()
-            else:
-                lookup = self.loop.run_in_executor(self._dns_pool, addresses_of, host)
-                self._looking_up[host] = lookup
-                lookup.add_done_callback(lambda done: self._looked_up(host, slots, done))
-        return await asyncio.shield(lookup)
+            lookup = asyncio.ensure_future(addresses_of(self.names, host))
+            self._looking_up[host] = lookup
+            lookup.add_done_callback(lambda done: self._looked_up(host, done))
+        return await asyncio.shield(lookup)  # a waiter giving up leaves the lookup to the others
 
-    def _looked_up(self, host: str, slots: asyncio.Semaphore, done: asyncio.Future) -> None:
+    def _looked_up(self, host: str, done: asyncio.Future) -> None:
         self._looking_up.pop(host, None)
-        slots.release()
         # Only answers are cached: a failed lookup (one name server's bad second) is made again by the next
         # delivery, instead of failing every delivery to the host for DNS_TTL_S.
         if not done.cancelled() and done.exception() is None:
@@ -338,6 +346,6 @@ class WebhookDelivery:
         self.directory.close()
         asyncio.run_coroutine_threadsafe(self.session.close(), self.loop).result(10)
         asyncio.run_coroutine_threadsafe(self.fresh.close(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.names.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
-        self._dns_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,17 +1,20 @@
 """A tenant's name server that never answers costs only that tenant's deliveries a bounded time: name
-lookups run on the deliveries' own threads, one per host however many deliveries wait for it, each
-waited for at most DNS_TIMEOUT_S, and the attempt's time budget includes the lookup."""
+lookups are made by c-ares on the deliveries' event loop (no thread waits for a name server), one per host
+however many deliveries wait for it, each waited for at most DNS_TIMEOUT_S, and the attempt's time budget
+includes the lookup. The resolver is the real one, asking a name server on loopback (tests/nameserver.py)."""
 
 import asyncio
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+import aiodns
 import aiohttp
 import pytest
 
 from streams.webhooks import delivery
 from streams.webhooks.delivery import WebhookDelivery, post_delivery
+from tests.nameserver import LoopbackNameServer
+
+ADDRESS = "93.184.216.34"
 
 
 class Lookups:
@@ -19,19 +22,20 @@ class Lookups:
 
     def __init__(self):
         self.asked: list[str] = []
-        self.release = threading.Event()
+        self.release = asyncio.Event()
 
-    def __call__(self, host: str) -> list[str]:
+    async def __call__(self, names, host: str) -> list[str]:
         self.asked.append(host)
         if host.startswith("slow"):
-            self.release.wait(10)
-        return ["93.184.216.34"]
+            await self.release.wait()
+        return [ADDRESS]
 
 
-def _delivery(loop, threads: int = 4) -> WebhookDelivery:
+def _delivery(loop, nameserver: LoopbackNameServer | None = None) -> WebhookDelivery:
     d = WebhookDelivery.__new__(WebhookDelivery)  # only its name lookups: no endpoint view, no sessions
-    d.loop, d.timeout_s, d._dns, d._looking_up, d._tenant_slots = loop, 10.0, {}, {}, {}
-    d._dns_pool = ThreadPoolExecutor(threads)
+    d.loop, d.timeout_s, d._dns, d._looking_up = loop, 10.0, {}, {}
+    d.names = aiodns.DNSResolver(nameservers=[nameserver.address] if nameserver else None, loop=loop,
+                                 timeout=delivery.DNS_QUERY_TIMEOUT_S, tries=delivery.DNS_QUERY_TRIES)
     return d
 
 
@@ -40,16 +44,16 @@ def test_a_name_server_that_never_answers_holds_its_deliveries_briefly_and_nobod
     When they look it up, and a delivery to another host looks that one up meanwhile,
     Then one lookup is made for the 20, each gives up after DNS_TIMEOUT_S (a `dns_timeout` failure of its
     attempt), and the other host resolves at once; once the slow answer comes, it is used from the cache."""
-    lookups = Lookups()
-    monkeypatch.setattr(delivery, "addresses_of", lookups)
     monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 0.3)
 
     async def scenario() -> None:
+        lookups = Lookups()
+        monkeypatch.setattr(delivery, "addresses_of", lookups)
         d = _delivery(asyncio.get_running_loop())
         started = time.monotonic()
         slow = [asyncio.ensure_future(d._resolve("slow.example")) for _ in range(20)]
         fast = await asyncio.wait_for(d._resolve("fast.example"), 0.2)
-        assert fast("fast.example") == ["93.184.216.34"]
+        assert fast("fast.example") == [ADDRESS]
         results = await asyncio.gather(*slow, return_exceptions=True)
         assert all(isinstance(r, TimeoutError) for r in results)
         assert time.monotonic() - started < 2.0
@@ -57,9 +61,9 @@ def test_a_name_server_that_never_answers_holds_its_deliveries_briefly_and_nobod
         late = d._looking_up["slow.example"]
         lookups.release.set()
         await late  # its answer is in the cache by now (the cache's callback was registered first)
-        assert (await d._resolve("slow.example"))("slow.example") == ["93.184.216.34"]
+        assert (await d._resolve("slow.example"))("slow.example") == [ADDRESS]
         assert lookups.asked.count("slow.example") == 1
-        d._dns_pool.shutdown(wait=False)
+        await d.names.close()
 
     asyncio.run(scenario())
 
@@ -88,47 +92,42 @@ def test_the_time_a_lookup_took_comes_out_of_the_attempts_budget():
     asyncio.run(scenario())
 
 
-def test_one_tenants_silent_name_servers_hold_a_few_lookup_threads_not_all(monkeypatch):
-    """Given a tenant whose 20 endpoints are on 20 hosts whose name servers never answer (each lookup keeps its
-    thread until the system resolver gives up),
-    When deliveries to all 20 look them up, and then another tenant's delivery looks its host up,
-    Then at most DNS_LOOKUPS_PER_TENANT lookups of the first tenant run (the others wait for one to end, and
-    fail `dns_timeout` after DNS_TIMEOUT_S), and the other tenant's host resolves at once: it found a thread
-    free."""
-    lookups = Lookups()
-    monkeypatch.setattr(delivery, "addresses_of", lookups)
-    monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 0.3)
+def test_many_silent_name_servers_leave_every_other_lookup_free(monkeypatch):
+    """Given 300 endpoints (of as many tenants) on hosts whose name servers never answer,
+    When deliveries to all 300 look them up, and while they wait another tenant's delivery looks its host up,
+    Then the other host resolves at once, and the 300 fail `dns_timeout` after DNS_TIMEOUT_S (before, lookups
+    ran on 32 threads, each kept until the system resolver gave up: 8 tenants' silent name servers held all of
+    them, and every other tenant's lookup waited and failed too)."""
+    monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 0.5)
+    silent = {f"silent{i}.example" for i in range(300)}
+    with LoopbackNameServer(names={"fast.example": ADDRESS}, silent=silent) as nameserver:
 
-    async def scenario() -> None:
-        d = _delivery(asyncio.get_running_loop(), threads=2 * delivery.DNS_LOOKUPS_PER_TENANT)
-        slow = await asyncio.gather(*(d._resolve(f"slow{i}.example", "slowpoke") for i in range(20)),
-                                    return_exceptions=True)
-        assert all(isinstance(r, TimeoutError) for r in slow)
-        assert len(lookups.asked) == delivery.DNS_LOOKUPS_PER_TENANT
-        fast = await asyncio.wait_for(d._resolve("fast.example", "acme"), 0.2)
-        assert fast("fast.example") == ["93.184.216.34"]
-        lookups.release.set()
-        d._dns_pool.shutdown(wait=False)
+        async def scenario() -> None:
+            d = _delivery(asyncio.get_running_loop(), nameserver)
+            waiting = [asyncio.ensure_future(d._resolve(host)) for host in sorted(silent)]
+            await asyncio.sleep(0)  # every silent lookup has started
+            fast = await asyncio.wait_for(d._resolve("fast.example"), 0.3)
+            assert fast("fast.example") == [ADDRESS]
+            assert not any(w.done() for w in waiting)  # the silent ones were all still waiting meanwhile
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            assert all(isinstance(r, TimeoutError) for r in results)
+            assert all(nameserver.asked[host] for host in silent)  # each was asked for, none answered
+            await d.names.close()
 
-    asyncio.run(scenario())
+        asyncio.run(scenario())
 
 
-def test_a_tenants_many_hosts_that_answer_all_resolve(monkeypatch):
-    """Given one event fanned out to 12 of a tenant's endpoints on 12 hosts not yet looked up, whose name
-    servers answer in 20 ms,
+def test_a_tenants_many_hosts_that_answer_all_resolve():
+    """Given one event fanned out to 12 of a tenant's endpoints on 12 hosts not yet looked up,
     When the 12 deliveries look their hosts up at once,
-    Then all 12 resolve (the ones past DNS_LOOKUPS_PER_TENANT wait a moment for a turn; none fails: a failed
-    attempt would count towards degrading its endpoint)."""
+    Then all 12 resolve (none fails: a failed attempt would count towards degrading its endpoint)."""
+    hosts = [f"host{i}.example" for i in range(12)]
+    with LoopbackNameServer(names=dict.fromkeys(hosts, ADDRESS)) as nameserver:
 
-    def answers_soon(host: str) -> list[str]:
-        time.sleep(0.02)  # the name server's answer time in this scenario
-        return ["93.184.216.34"]
+        async def scenario() -> None:
+            d = _delivery(asyncio.get_running_loop(), nameserver)
+            resolved = await asyncio.gather(*(d._resolve(host) for host in hosts))
+            assert [r(host) for host, r in zip(hosts, resolved, strict=True)] == [[ADDRESS]] * 12
+            await d.names.close()
 
-    async def scenario() -> None:
-        d = _delivery(asyncio.get_running_loop(), threads=32)
-        resolved = await asyncio.gather(*(d._resolve(f"host{i}.example", "acme") for i in range(12)))
-        assert [r(f"host{i}.example") for i, r in enumerate(resolved)] == [["93.184.216.34"]] * 12
-        d._dns_pool.shutdown(wait=False)
-
-    monkeypatch.setattr(delivery, "addresses_of", answers_soon)
-    asyncio.run(scenario())
+        asyncio.run(scenario())

@@ -1,6 +1,6 @@
 """An endpoint on an internationalised host name is delivered to: the URL check, the pinned resolver and
-the HTTP client agree on the name (IDNA 2008). A real aiohttp client and a real HTTP receiver on loopback;
-only name resolution is a table (this machine has no DNS for such names)."""
+the HTTP client agree on the name (IDNA 2008). A real aiohttp client, a real HTTP receiver and a real name
+server on loopback (tests/nameserver.py), which knows only the ASCII names."""
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from streams.webhooks import delivery
 from streams.webhooks.delivery import WebhookDelivery
 from streams.webhooks.model import Endpoint, Secret
 from streams.webhooks.ssrf import UrlPolicy
+from tests.nameserver import LoopbackNameServer
 
 
 class Receiver(BaseHTTPRequestHandler):
@@ -37,21 +37,22 @@ def receiver():
 
 
 @pytest.mark.parametrize("host", ["faß.test", "bücher.test"])
-def test_an_endpoint_on_an_internationalised_host_is_delivered_to(monkeypatch, receiver, host):
+def test_an_endpoint_on_an_internationalised_host_is_delivered_to(receiver, host):
     """Given an endpoint at http://<host>:<port>/hooks whose ASCII (IDNA 2008) name resolves to the receiver,
     When a delivery is made,
     Then it is delivered, the receiver asked for by the ASCII name (before, the check and the lookup used the
     name as written, which Python's resolver encodes by IDNA 2003 (`faß.test` becomes `fass.test`, another
     domain), and the client's connection asked for a name nobody had approved: no attempt was delivered)."""
-    names = {"xn--fa-hia.test": ["127.0.0.1"], "xn--bcher-kva.test": ["127.0.0.1"]}
-    monkeypatch.setattr(delivery, "addresses_of", lambda name: names.get(name, []))
+    nameserver = LoopbackNameServer(names={"xn--fa-hia.test": "127.0.0.1", "xn--bcher-kva.test": "127.0.0.1"})
     ep = Endpoint(id="ep_1", tenant="acme", url=f"http://{host}:{receiver}/hooks", event_types=("*",),
                   secrets=(Secret("whsec_" + "A" * 32),))
     directory = SimpleNamespace(get=lambda endpoint_id: ep if endpoint_id == ep.id else None, close=lambda: None)
-    d = WebhookDelivery(directory, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), timeout_s=5)
+    d = WebhookDelivery(directory, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), timeout_s=5,
+                        nameservers=[nameserver.address])
     try:
         result = d.submit(ep.id, b'{"type": "invoice.paid"}', "", "send-0001").result(10)
     finally:
         d.close()
+        nameserver.close()
     assert (result.outcome, result.status) == ("delivered", 200), result
     assert Receiver.seen[-1].startswith("xn--")  # the receiver was asked for by its ASCII name
