@@ -95,7 +95,7 @@ class Runtime:
 
     def endpoint_store(self, client: Redis | None = None) -> EndpointStore:
         from .webhooks.endpoints import EndpointStore
-        from .webhooks.ssrf import system_resolver
+        from .webhooks.lookups import system_resolver
 
         return EndpointStore(client or self.redis(), self.namespace, self.operator_log(), self.url_policy(),
                              system_resolver, self.config.webhook_secret_keys)

@@ -26,14 +26,13 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-import aiodns
 import aiohttp
 import orjson
-from aiodns import error as dns_errors
 
 from .. import metrics
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
 from .endpoints import EndpointDirectory
+from .lookups import LookupFailed, addresses_of, name_resolver
 from .model import Endpoint
 from .sealing import Sealer, UnsealError, open_secret
 from .signing import headers as signed_headers
@@ -43,8 +42,6 @@ EXCERPT_BYTES = 1024
 DRAIN_S = 1.0  # how long a 2xx answer's body is waited for (read only so its connection can be reused)
 DNS_TTL_S = 30.0
 DNS_TIMEOUT_S = 5.0
-DNS_QUERY_TIMEOUT_S = 1.0  # the resolver's wait for one answer before it asks again (DNS_QUERY_TRIES in all)
-DNS_QUERY_TRIES = 2
 UNSEAL_LOG_EVERY_S = 60.0
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
@@ -149,45 +146,6 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
         return classify(resp.status, answer, head, time.monotonic() - started)
 
 
-class LookupFailed(Exception):
-    """The name could not be looked up now (a name server down or unreachable, ours or the tenant's): not an
-    answer about the name, so not cached. It counts against the endpoint's health like any failed attempt: a
-    tenant whose name servers stay down is told, as for a receiver that stays down."""
-
-
-# Answers about the name: it does not exist, has no address, or is not one a name server can hold.
-NO_SUCH_NAME = frozenset({dns_errors.ARES_ENOTFOUND, dns_errors.ARES_ENODATA, dns_errors.ARES_ENONAME,
-                          dns_errors.ARES_EBADNAME})
-# Not asked again: the resolver already asked DNS_QUERY_TRIES times, or is closing.
-GIVEN_UP = frozenset({dns_errors.ARES_ETIMEOUT, dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})
-
-
-async def addresses_of(names: aiodns.DNSResolver, host: str, tries: int = 2) -> list[str]:
-    """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
-    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes).
-    A name server that does not answer is not asked again here (GIVEN_UP)."""
-    for tried in range(1, tries + 1):
-        try:
-            found = await names.getaddrinfo(host, family=socket.AF_UNSPEC)
-            return sorted({_text(node.addr[0]) for node in found.nodes})
-        except dns_errors.DNSError as exc:
-            code = exc.args[0] if exc.args else None
-            if code in NO_SUCH_NAME:
-                return []
-            failure = str(exc.args[1]) if len(exc.args) > 1 else "the lookup failed"
-            if code in GIVEN_UP:
-                raise LookupFailed(failure) from None
-        except (UnicodeError, ValueError):  # a name the resolver cannot even encode
-            return []
-        if tried == tries:
-            raise LookupFailed(failure)
-    raise AssertionError("unreachable")
-
-
-def _text(address: bytes | str) -> str:
-    return address.decode() if isinstance(address, bytes) else address
-
-
 class WebhookDelivery:
     name = "webhook"
 
@@ -204,13 +162,9 @@ class WebhookDelivery:
         self._thread.start()
         # Name lookups by c-ares on this loop (the system's name servers unless told): a lookup waiting for a
         # name server that never answers holds a timer, not a thread.
-        self.names = asyncio.run_coroutine_threadsafe(self._name_resolver(nameservers), self.loop).result(10)
+        self.names = asyncio.run_coroutine_threadsafe(name_resolver(nameservers), self.loop).result(10)
         self.session = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=True), self.loop).result(10)
         self.fresh = asyncio.run_coroutine_threadsafe(self._session(concurrency, pooled=False), self.loop).result(10)
-
-    async def _name_resolver(self, nameservers: list[str] | None) -> aiodns.DNSResolver:
-        return aiodns.DNSResolver(nameservers=nameservers, loop=self.loop, timeout=DNS_QUERY_TIMEOUT_S,
-                                  tries=DNS_QUERY_TRIES)
 
     async def _session(self, concurrency: int, pooled: bool) -> aiohttp.ClientSession:
         """Both sessions connect only where the URL policy approved (the pinned resolver). The pooled one

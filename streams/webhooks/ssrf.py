@@ -11,9 +11,7 @@ production mode only https is accepted.
 from __future__ import annotations
 
 import ipaddress
-import socket
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -111,15 +109,3 @@ def _forbidden(address: str) -> str:
     if not ip.is_global or any(ip in net for net in NOT_GLOBAL):
         return "non-public"
     return ""
-
-
-LOOKUP_TIMEOUT_S = 5.0
-_LOOKUPS = ThreadPoolExecutor(32, thread_name_prefix="url-check-dns")
-
-
-def system_resolver(host: str) -> list[str]:
-    """The host's addresses, or OSError (TimeoutError after LOOKUP_TIMEOUT_S): a tenant's name server
-    that never answers holds a registration that long, not one of the API's threads for good. Lookups
-    run on threads of their own; one stuck there ends with the resolver's own timeout."""
-    infos = _LOOKUPS.submit(socket.getaddrinfo, host, None).result(timeout=LOOKUP_TIMEOUT_S)
-    return sorted({str(info[4][0]) for info in infos})

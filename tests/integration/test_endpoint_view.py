@@ -20,8 +20,9 @@ from streams.webhooks.endpoints import (
     EndpointDirectory,
     EndpointStore,
 )
+from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer, open_secret
-from streams.webhooks.ssrf import UrlPolicy, system_resolver
+from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import wait_until
 
 FOLLOW_EVERY_S = 1.0  # slower than ingest's 0.1 s, so the view would lag without the sync

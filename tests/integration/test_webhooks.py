@@ -17,8 +17,9 @@ from streams.send import MAX_SEND_BYTES
 from streams.state.log import OperatorLog
 from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
 from streams.webhooks.endpoints import EndpointStore
+from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
-from streams.webhooks.ssrf import UrlPolicy, system_resolver
+from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import committed_messages, free_port, start_api, wait_until
 from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final

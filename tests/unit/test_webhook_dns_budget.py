@@ -10,7 +10,7 @@ import aiodns
 import aiohttp
 import pytest
 
-from streams.webhooks import delivery
+from streams.webhooks import delivery, lookups
 from streams.webhooks.delivery import WebhookDelivery, post_delivery
 from tests.nameserver import LoopbackNameServer
 
@@ -35,7 +35,7 @@ def _delivery(loop, nameserver: LoopbackNameServer | None = None) -> WebhookDeli
     d = WebhookDelivery.__new__(WebhookDelivery)  # only its name lookups: no endpoint view, no sessions
     d.loop, d.timeout_s, d._dns, d._looking_up = loop, 10.0, {}, {}
     d.names = aiodns.DNSResolver(nameservers=[nameserver.address] if nameserver else None, loop=loop,
-                                 timeout=delivery.DNS_QUERY_TIMEOUT_S, tries=delivery.DNS_QUERY_TRIES)
+                                 timeout=lookups.QUERY_TIMEOUT_S, tries=lookups.QUERY_TRIES)
     return d
 
 

@@ -13,7 +13,7 @@ import pytest
 from aiodns import error as dns_errors
 
 from streams.providers.outcome import Outbound, UnusablePayload
-from streams.webhooks import delivery
+from streams.webhooks import delivery, lookups
 from streams.webhooks.delivery import WebhookDelivery
 from streams.webhooks.model import Endpoint, Secret
 from streams.webhooks.ssrf import UrlPolicy
@@ -156,10 +156,10 @@ def test_a_failed_lookup_is_tried_once_more(failures, found):
     """A name server's bad moment passes: a lookup that fails is made once more before the attempt fails."""
     names = FlakyNames(failures)
     if found is None:
-        with pytest.raises(delivery.LookupFailed, match="Server failure"):
-            asyncio.run(delivery.addresses_of(names, "dns.test"))
+        with pytest.raises(lookups.LookupFailed, match="Server failure"):
+            asyncio.run(lookups.addresses_of(names, "dns.test"))
     else:
-        assert asyncio.run(delivery.addresses_of(names, "dns.test")) == found
+        assert asyncio.run(lookups.addresses_of(names, "dns.test")) == found
     assert names.asked == 2
 
 
@@ -170,7 +170,7 @@ def test_a_name_that_does_not_exist_is_an_answer_not_a_failed_lookup(nameserver,
     async def look_up() -> list[str]:
         names = aiodns.DNSResolver(nameservers=[nameserver.address], loop=asyncio.get_running_loop())
         try:
-            return await delivery.addresses_of(names, host)
+            return await lookups.addresses_of(names, host)
         finally:
             await names.close()
 

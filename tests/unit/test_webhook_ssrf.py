@@ -1,8 +1,13 @@
 """Where webhooks may not go, decided with a fake resolver (no traffic to private ranges, ever)."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from streams.webhooks import lookups
 from streams.webhooks.ssrf import UnsafeUrl, UrlPolicy
+from tests.nameserver import LoopbackNameServer
 
 DNS = {"hooks.example.com": ["93.184.216.34"], "inside.example.com": ["10.0.0.7"],
        "meta.example.com": ["169.254.169.254"], "dual.example.com": ["93.184.216.34", "192.168.1.2"],
@@ -64,28 +69,41 @@ def test_a_refusal_never_names_the_address_a_name_resolved_to_nor_the_resolvers_
 def test_a_registration_whose_name_server_never_answers_is_refused_in_seconds(monkeypatch):
     """Given a host whose name server does not answer,
     When a tenant registers a URL on it,
-    Then the registration is refused as not resolving after LOOKUP_TIMEOUT_S, instead of holding one of the
+    Then the registration is refused as not resolving after BLOCKING_TIMEOUT_S, instead of holding one of the
     API's request threads until the system resolver gives up (tenants share those threads)."""
-    import threading
-    import time
+    monkeypatch.setattr(lookups, "BLOCKING_TIMEOUT_S", 0.3)
+    with LoopbackNameServer(silent={"slow.example"}) as nameserver:
+        resolver = lookups.BlockingResolver([nameserver.address])
+        started = time.monotonic()
+        try:
+            with pytest.raises(UnsafeUrl, match="does not resolve"):
+                UrlPolicy().check("https://slow.example/hook", resolver)
+            assert time.monotonic() - started < 1.0
+        finally:
+            resolver.close()
 
-    from streams.webhooks import ssrf
 
-    answer = threading.Event()
-
-    def silent(host, port, *args, **kwargs):
-        answer.wait(10)
-        raise OSError("no answer")
-
-    monkeypatch.setattr(ssrf, "LOOKUP_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(ssrf.socket, "getaddrinfo", silent)
-    started = time.monotonic()
-    try:
-        with pytest.raises(UnsafeUrl, match="does not resolve"):
-            UrlPolicy().check("https://slow.example/hook", ssrf.system_resolver)
-        assert time.monotonic() - started < 1.0
-    finally:
-        answer.set()
+def test_many_registrations_on_silent_name_servers_leave_another_tenants_registration_free(monkeypatch):
+    """Given 100 registrations at once on hosts whose name servers never answer (each waiting in its API thread),
+    When another tenant registers a URL on a host that answers, meanwhile,
+    Then its lookup answers at once (before, lookups ran on 32 threads of their own, each kept until the system
+    resolver gave up: 32 such registrations held them all, and every other registration was refused as not
+    resolving for as long)."""
+    monkeypatch.setattr(lookups, "BLOCKING_TIMEOUT_S", 2.0)
+    silent = [f"silent{i}.example" for i in range(100)]
+    with LoopbackNameServer(names={"fast.example": "93.184.216.34"}, silent=set(silent)) as nameserver, \
+            ThreadPoolExecutor(100) as api_threads:
+        resolver = lookups.BlockingResolver([nameserver.address])
+        try:
+            waiting = [api_threads.submit(resolver, host) for host in silent]
+            while sum(nameserver.asked[host] > 0 for host in silent) < len(silent):
+                assert not any(w.done() for w in waiting)  # (they all wait, as the API's threads would)
+                time.sleep(0.01)
+            assert resolver("fast.example") == ["93.184.216.34"]
+            assert not any(w.done() for w in waiting)  # answered while all 100 were still waiting
+            assert all(isinstance(w.exception(), TimeoutError) for w in waiting)
+        finally:
+            resolver.close()
 
 
 def test_an_internationalised_host_is_checked_under_the_name_the_http_client_connects_to():
@@ -107,15 +125,12 @@ def test_an_internationalised_host_is_checked_under_the_name_the_http_client_con
 
 @pytest.mark.parametrize("host", ["a..com", "a" * 64 + ".com"])
 def test_a_host_no_name_server_can_hold_is_refused_as_not_resolving(host):
-    """Given a host with an empty label or one over 63 characters, which the system resolver's codec refuses
-    with UnicodeError before asking anyone,
+    """Given a host with an empty label or one over 63 characters, which no name server can hold,
     When a tenant registers a URL on it,
-    Then it is refused as not resolving (a 422 for the tenant; before, the UnicodeError escaped the check and
-    the registration was answered 500)."""
-    from streams.webhooks.ssrf import system_resolver
-
+    Then it is refused as not resolving (a 422 for the tenant; before, the UnicodeError of the system resolver's
+    codec escaped the check and the registration was answered 500)."""
     with pytest.raises(UnsafeUrl, match="does not resolve"):
-        UrlPolicy().check(f"https://{host}/hooks", system_resolver)
+        UrlPolicy().check(f"https://{host}/hooks", lookups.system_resolver)
 
 
 def test_a_refused_url_is_never_repeated_in_the_reason():
