@@ -30,7 +30,8 @@ from streams.redis_client import ClusterClient, ClusterClientPipeline, cluster_s
 from streams.state.guard import StateGuard, log_epoch, missing_markers, write_epoch, write_markers
 from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
-from streams.webhooks.ssrf import UrlPolicy, system_resolver
+from streams.webhooks.lookups import system_resolver
+from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.cluster
