@@ -320,11 +320,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                              skipped=reasons.get(d.send_id))
                                     for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
-    def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, first_ms: int
-                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int]]:
-        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas. Also returns, for
-        each of the sends and then each of the skipped deliveries, the index of the request it came from (a
-        webhook event fans out to several: an error names the request, not the expanded position)."""
+    def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, first_ms: int,
+                charge: bool) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int]]:
+        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas (when `charge`). Also
+        returns, for each of the sends and then each of the skipped deliveries, the index of the request it came
+        from (a webhook event fans out to several: an error names the request, not the expanded position)."""
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
@@ -367,7 +367,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             errors = [{"loc": [*where(i), "payload", *path], "msg": msg} for i, (path, msg) in found]
             raise HTTPException(422, {"error": "invalid_request",
                                       "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
-        if ingest.quotas is not None:
+        if ingest.quotas is not None and charge:
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
                 raise problem(429, "quota_exceeded", ["header", "authorization"],
@@ -380,12 +380,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         return [a for a, _, _ in expanded], sends, skipped, origins
 
     async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
-                      first_ms: int) -> list[Accepted]:
+                      claim: Claimed) -> list[Accepted]:
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
+        charge = not claim.charged_before
         accepted, sends, skipped, origins = await run_in_threadpool(prepare, tenant_id, requests, batch, key,
-                                                                    first_ms)
+                                                                    claim.first_ms, charge)
         records = client.records(sends) + skipped_records(client.names, skipped)
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
@@ -399,7 +400,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     finally:
                         metrics.INGEST_IN_FLIGHT.dec()
         except BaseException as exc:
-            if ingest.quotas is not None and published_nothing(exc):
+            if ingest.quotas is not None and charge and published_nothing(exc):
                 # Refused whole: the request is charged nothing (its retry would be charged again).
                 await run_in_threadpool(ingest.quotas.give_back_request, tenant_id, sends)
             if isinstance(exc, RecordTooLarge):
@@ -439,10 +440,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             raise problem(400, "invalid_request", ["body"], f"JSON decode error: {exc}") from None
 
     async def idempotent(tenant_id: str, key: str | None, canonical: object, status: int,
-                         run: Callable[[int], object]) -> JSONResponse:
-        """Run `run(first_ms)` once per (tenant, key, body) within 24 h; replay its answer after that."""
+                         run: Callable[[Claimed], object]) -> JSONResponse:
+        """Run `run(claim)` once per (tenant, key, body) within 24 h; replay its answer after that."""
         if key is None or ingest.idempotency is None:
-            return JSONResponse(await run(int(time.time() * 1000)), status)  # type: ignore[misc]
+            return JSONResponse(await run(Claimed(int(time.time() * 1000), "")), status)  # type: ignore[misc]
         if not key.strip():
             raise problem(422, "invalid_request", ["header", "Idempotency-Key"], "an Idempotency-Key cannot be empty")
         state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, body_hash(canonical))
@@ -456,7 +457,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                           "a request with this Idempotency-Key is still being published", {"Retry-After": "1"})
         lease = asyncio.create_task(keep_lease(ingest.idempotency, tenant_id, key, state.holder))
         try:
-            body = await run(state.first_ms)  # type: ignore[misc]
+            body = await run(state)  # type: ignore[misc]
         except BaseException as exc:
             lease.cancel()
             # Nothing published: the key is free for any request. Maybe published: the retry under the
@@ -488,8 +489,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
               responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
     async def post_send(body: SendRequest, tenant_id: Tenant, request: Request,
                         key: IdempotencyKey = None) -> JSONResponse:
-        async def run(first_ms: int) -> dict:
-            [accepted] = await publish(tenant_id, [body], False, key, first_ms)
+        async def run(claim: Claimed) -> dict:
+            [accepted] = await publish(tenant_id, [body], False, key, claim)
             return accepted.model_dump(exclude_none=True)
 
         return await idempotent(tenant_id, key, await canonical(request), 202, run)
@@ -498,8 +499,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
               responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
     async def post_batch(body: BatchRequest, tenant_id: Tenant, request: Request,
                          key: IdempotencyKey = None) -> JSONResponse:
-        async def run(first_ms: int) -> dict:
-            accepted = await publish(tenant_id, body.sends, True, key, first_ms)
+        async def run(claim: Claimed) -> dict:
+            accepted = await publish(tenant_id, body.sends, True, key, claim)
             return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
 
         return await idempotent(tenant_id, key, await canonical(request), 202, run)

@@ -22,7 +22,9 @@ PENDING_LEASE_S (only its own lease: each claim has a holder token), so a publis
 broker in trouble for minutes still answers duplicates with 409. If the process dies while a key
 is pending, the lease lapses after PENDING_LEASE_S and the next request under the key publishes
 again; its send ids are derived from (tenant, key, position, first use), so they are the same ids,
-and dispatch delivers each id once. Leases are timed by Redis's clock (`TIME` in the scripts): a host
+and dispatch delivers each id once. Such a retry (of a key that may have been published) is not charged
+to the ingest quotas again: the attempt that may have published was charged when it was admitted. Leases
+are timed by Redis's clock (`TIME` in the scripts): a host
 whose clock runs ahead would otherwise take over a live lease, one whose clock runs behind renew
 into the past.
 """
@@ -58,14 +60,15 @@ end
 if state == 'pending' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
   if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > now then return {'pending', 0} end
-  -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on)
+  -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on), and
+  -- was charged to the quotas (1: the request is not charged again)
   redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
-  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms')}
+  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), 1}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
            'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {'claimed', ARGV[2]}
+return {'claimed', ARGV[2], 0}
 """
 
 _AS_HOLDER = """
@@ -97,6 +100,9 @@ return 1
 class Claimed:
     first_ms: int   # the key's first use: the time part of its send ids
     holder: str     # this claim's token: only its holder renews, answers or frees the key
+    # An earlier attempt under the key may have been published, and was charged to the quotas when it was
+    # admitted: this one, publishing the same send ids, is not charged again.
+    charged_before: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class IngestIdempotency:
             return Conflict()
         if state == "pending":
             return Pending()
-        return Claimed(int(reply[1]), holder)
+        return Claimed(int(reply[1]), holder, charged_before=len(reply) > 2 and int(reply[2]) == 1)
 
     def renew(self, tenant: str, key: str, holder: str) -> bool:
         """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""

@@ -26,3 +26,55 @@ def test_a_request_refused_by_one_quota_is_charged_by_none(redis_client, namespa
         assert isinstance(refused, OverQuota) and refused.quota == "ingest-marketing"
     assert quotas.admit("acme", sends("transactional", 60)) is None
     assert quotas.admit("acme", sends("transactional", 1)) is None  # requests: 3 of 5 used, the refused given back
+
+
+def test_a_retry_of_a_request_that_may_have_been_published_is_not_charged_again(redis_client, namespace, limits):
+    """Given acme's transactional quota of 50 (refilling 1 a second), and a broker that leaves a batch of 40
+    receipts unconfirmed (it may have written them: 503 `outcome: unknown`) and then takes its retry,
+    When acme retries the batch under its Idempotency-Key, and then posts another 40 under a new key,
+    Then the retry is accepted, with the same send ids, charged nothing more (before, it was charged again:
+    a tenant retrying through a broker's bad moment paid twice for sends delivered once, and was refused
+    429), and the new batch is refused: the quota still holds."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import httpx
+
+    from streams.errors import PublishOutcomeUnknown
+    from streams.ingest.api import Ingest, create_app
+    from streams.ingest.api_keys import Principal
+    from streams.ingest.idempotency import IngestIdempotency
+    from streams.ingest.senders import SenderDomains
+
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "*", 1, 50)
+    published: list[list[object]] = []
+
+    async def broker(records):
+        published.append(records)
+        if len(published) == 1:
+            raise PublishOutcomeUnknown("the batch's commit did not finish (test)")
+        return []
+
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: list(sends),
+                             publisher=SimpleNamespace(publish_async=broker, publish=lambda records: None))
+    acme = SimpleNamespace(resolve=lambda token: Principal("tenant", "acme", "k1"))
+    ingest = Ingest(client=client, store=SimpleNamespace(accepted=lambda sends: None),  # type: ignore[arg-type]
+                    keys=acme, limits=None, known_policies=frozenset(), senders=SenderDomains(),
+                    quotas=IngestQuotas(RedisGate(redis_client, namespace)),
+                    idempotency=IngestIdempotency(redis_client, namespace))
+    batch = {"sends": [email_request() for _ in range(40)]}
+
+    async def post(key: str) -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.post("/v1/sends/batch", json=batch,
+                                  headers={"Authorization": "Bearer dr_ten_x", "Idempotency-Key": key})
+
+    first = asyncio.run(post("batch-1"))
+    assert first.status_code == 503 and first.json()["outcome"] == "unknown", first.text
+    retry = asyncio.run(post("batch-1"))
+    assert retry.status_code == 202, retry.text
+    assert [s.send_id for s in published[1]] == [s.send_id for s in published[0]]
+    other = asyncio.run(post("batch-2"))
+    assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text
