@@ -11,6 +11,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.devtools.fleet import free_port
+from streams.state.log import OperatorLog
 
 __all__ = ["free_port", "wait_until", "MockProvider", "email_request", "sms_request", "committed_lag",
            "read_topic", "metric"]
@@ -303,3 +304,18 @@ schedule = ["10s"]
 [routing]
 categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
 """
+
+
+class HookedLog(OperatorLog):
+    """The real operator log, running `hook(key, value)` once, after its first acknowledged put (another
+    operator's change made between a change's log record and its Redis write)."""
+
+    def __init__(self, bootstrap, topic, hook):
+        super().__init__(bootstrap, topic)
+        self.hook = hook
+
+    def put(self, key, value) -> None:
+        super().put(key, value)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook(key, value)

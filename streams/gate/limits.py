@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import orjson
 import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
+from ..state.log import log_what_redis_holds
 from .token_bucket import Limit
 
 if TYPE_CHECKING:
@@ -57,19 +59,57 @@ def check_tenant(tenant: str, rate: int, burst: int) -> None:
         raise ConfigError(f"tenant rate and burst must be >= 1 (got rate={rate}, burst={burst})")
 
 
+CHANGE_ATTEMPTS = 10
+# KEYS[1] a provider's limits (hash)   ARGV[1] JSON {field: value as text}: what the change was checked against
+# ARGV[2..] field, value pairs to write. Written only while the hash holds exactly what was read: 1, else 0.
+_SET_IF_UNCHANGED = """
+local expected = cjson.decode(ARGV[1])
+local held = redis.call('HGETALL', KEYS[1])
+local left = 0
+for _ in pairs(expected) do left = left + 1 end
+for i = 1, #held, 2 do
+  if expected[held[i]] ~= held[i + 1] then return 0 end
+  left = left - 1
+end
+if left ~= 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
+
+
 class LimitStore:
     """`oplog` (the operator log) makes changes durable beyond Redis: every change is written there,
     acknowledged, before Redis. The processes' stores always have one; a store without one (tests
-    that only set up limits) writes Redis alone."""
+    that only set up limits) writes Redis alone.
+
+    A change is checked against the limits it would produce and written compare-and-set: two operators
+    changing one provider at once never leave limits neither checked (a reserve set against a burst the
+    other lowered meanwhile), and the operator log's last word is what Redis holds."""
 
     def __init__(self, client: redis.Redis, namespace: str = "", oplog: OperatorLog | None = None):
         self.client = client
         self.keys = RedisKeys(namespace)
         self.oplog = oplog
+        self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
 
     def apply(self, provider: str, change: LimitChange) -> dict[str, int]:
         """Validate a change against the current limits, write it, and return the new limits."""
-        current = self.show(provider)
+        for _ in range(CHANGE_ATTEMPTS):
+            current = self.show(provider)
+            writes = self._checked(provider, change, current)
+            if not writes:
+                return current
+            if self.oplog is not None:
+                self.oplog.put(f"limits/{provider}", {**current, **writes})
+            written = self._write(provider, current, writes)
+            self._log_what_redis_holds(provider, after_success=written)
+            if written:
+                return self.show(provider)
+        raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
+                               "attempts)")
+
+    def _checked(self, provider: str, change: LimitChange, current: dict[str, int]) -> dict[str, int]:
+        """The fields `change` writes, checked against the limits they would produce with `current`."""
         writes: dict[str, int] = {}
         if change.global_rate is not None or change.global_burst is not None or change.reserve is not None:
             rate = change.global_rate if change.global_rate is not None else current.get("global_rate")
@@ -93,11 +133,18 @@ class LimitStore:
                     raise ConfigError(f"{name} must be between 0 and {10_000 if name == 'concurrency' else 60_000} "
                                       f"(got {value}; 0 means {'the default' if name == 'concurrency' else 'none'})")
                 writes[name] = value
-        if writes:
-            if self.oplog is not None:
-                self.oplog.put(f"limits/{provider}", {**current, **writes})
-            self._write(provider, writes)
-        return self.show(provider)
+        return writes
+
+    def _log_what_redis_holds(self, provider: str, after_success: bool) -> None:
+        """A change that lost its compare-and-set logged a record Redis never held, and a concurrent one may
+        log an older record after ours: each ends by logging what Redis holds (a rebuild restores that)."""
+        if self.oplog is not None:
+            log_what_redis_holds(self.oplog, f"limits/{provider}", lambda: self._logged_form(provider), after_success)
+
+    def _logged_form(self, provider: str) -> bytes | None:
+        """What Redis holds for `provider`, as its operator-log record (JSON), or None."""
+        held = self.show(provider)
+        return orjson.dumps(held) if held else None
 
     def set_provider(self, provider: str, rate: int, burst: int, reserve: int = 0) -> None:
         self.apply(provider, LimitChange(global_rate=rate, global_burst=burst, reserve=reserve))
@@ -125,8 +172,11 @@ class LimitStore:
         d = self.show(provider)
         return Pacing(d.get("concurrency") or None, d.get("pause_ms", 0))
 
-    def _write(self, provider: str, fields: dict[str, int]) -> None:
+    def _write(self, provider: str, held: dict[str, int], fields: dict[str, int]) -> bool:
+        """Write `fields` while Redis still holds `held` (False: someone changed the limits meanwhile)."""
+        pairs = [x for name, value in fields.items() for x in (name, value)]
         try:
-            self.client.hset(self.keys.limits(provider), mapping=dict(fields))
+            return bool(self._set_if_unchanged(keys=[self.keys.limits(provider)],
+                                               args=[orjson.dumps({k: str(v) for k, v in held.items()}), *pairs]))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot write the limits of {provider!r} ({exc})") from None

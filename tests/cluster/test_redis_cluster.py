@@ -110,7 +110,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     """Given every `register_script` call in the package (the gate's, processed_jobs', ingest idempotency's and the
     endpoint store's), on a
     client of the Redis Cluster that notes the keys of every script call,
-    When the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
+    When the limit store (a compare-and-set change), the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
     mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh), ingest idempotency (begin, renew, finish, release),
     the endpoint store (create, a compare-and-set change) and API keys (a compare-and-set change) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one

@@ -127,6 +127,13 @@ def channel_topics(namespace, create_topics):
 
 
 @pytest.fixture
+def oplog_topic(names, create_topics):
+    """A compacted operator log topic of the test's own."""
+    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
+    return names.operator
+
+
+@pytest.fixture
 def limits(redis_client, namespace):
     from streams.gate.limits import LimitStore
 

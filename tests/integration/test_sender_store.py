@@ -9,26 +9,7 @@ from streams.errors import StoreUnavailable
 from streams.ingest.sender_store import SenderDomainStore
 from streams.names import RedisKeys
 from streams.state.log import OperatorLog
-
-
-class HookedLog(OperatorLog):
-    """The real operator log, running `hook(key, value)` once, after its first acknowledged put."""
-
-    def __init__(self, bootstrap, topic, hook):
-        super().__init__(bootstrap, topic)
-        self.hook = hook
-
-    def put(self, key, value) -> None:
-        super().put(key, value)
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook(key, value)
-
-
-@pytest.fixture
-def oplog_topic(names, create_topics):
-    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
-    return names.operator
+from tests.harness import HookedLog
 
 
 def logged(stack, topic, tenant):

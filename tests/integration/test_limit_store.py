@@ -1,0 +1,47 @@
+"""Rate limits are operator state: the operator log (real Kafka) first, then Redis (real), written
+compare-and-set. These tests interleave two operators' changes of one provider."""
+
+import pytest
+
+from streams.errors import ConfigError
+from streams.gate.limits import LimitChange, LimitStore
+from streams.state.log import OperatorLog
+from tests.harness import HookedLog
+
+
+def logged(stack, topic, provider):
+    return OperatorLog(stack.bootstrap, topic).snapshot().get(f"limits/{provider}")
+
+
+def test_a_change_checked_against_limits_another_operator_changed_meanwhile_is_checked_again(
+        stack, redis_client, namespace, oplog_topic):
+    """Given resend's global burst of 100, and operator A setting a reserve of 90 (valid against 100),
+    When operator B lowers the burst to 50 between A's log record and A's Redis write,
+    Then A's change is checked again against burst 50 and refused (a reserve must stay below the burst); Redis
+    keeps B's burst and no reserve, and so does the operator log's last word (before, A wrote the burst it had
+    read, 100, with its reserve: B's change was undone without a word, and the log ended with B's view)."""
+    b = LimitStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    b.set_provider("resend", 10, 100)
+    a = LimitStore(redis_client, namespace, HookedLog(stack.bootstrap, oplog_topic,
+                                                      lambda *_: b.apply("resend", LimitChange(global_burst=50))))
+    with pytest.raises(ConfigError, match="reserve must be between 0 and burst-1"):
+        a.apply("resend", LimitChange(reserve=90))
+    held = b.show("resend")
+    assert (held["global_burst"], held["reserve"]) == (50, 0)
+    assert logged(stack, oplog_topic, "resend") == held
+
+
+def test_two_operators_setting_two_tenants_at_once_both_stay_in_force_and_in_the_log(
+        stack, redis_client, namespace, oplog_topic):
+    """Given resend's limits, and operator A setting acme's limit,
+    When operator B sets globex's limit between A's log record and A's Redis write,
+    Then Redis holds both, and so does the operator log's last word (before, A's record, written from what it
+    had read, lacked globex's limit and was the log's last word: a Redis rebuild from it lost globex's limit)."""
+    b = LimitStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    b.set_provider("resend", 10, 100)
+    a = LimitStore(redis_client, namespace, HookedLog(stack.bootstrap, oplog_topic,
+                                                      lambda *_: b.set_tenant("resend", "globex", 2, 4)))
+    a.set_tenant("resend", "acme", 5, 10)
+    held = b.show("resend")
+    assert (held["tenant_rate:acme"], held["tenant_rate:globex"]) == (5, 2)
+    assert logged(stack, oplog_topic, "resend") == held
