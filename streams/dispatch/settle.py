@@ -184,10 +184,13 @@ class Settler:
             # The 410 came from a URL the endpoint no longer has: a failure of this attempt, retried at the new one.
             result = replace(result, outcome="unavailable", error_name="gone_before_url_change")
         route = self.routes.of(job.provider)
+        # A webhook receiver is the tenant's own server, and many echo the event they got (a person's data no
+        # redaction knows): its answer goes to the tenant's own attempt record, never to our logs.
+        body = None if route.spec.channel == "webhook" else result.error_body[:300]
         evidence(log, logging.WARNING, "attempt_failed", provider=route.name, request=job.key,
                  sends=len(job.send_ids), send_id=job.send_ids[0] if len(job.send_ids) == 1 else None,
                  tenant=job.tenant, status=result.status, outcome=result.outcome, error=result.error_name,
-                 duration_s=round(result.latency_s, 3), body=result.error_body[:300])
+                 duration_s=round(result.latency_s, 3), body=body)
         wait = cool_down_s(result, now_ms)
         if wait is not None:
             metrics.PROVIDER_429.labels(route.name, result.error_name or result.outcome).inc()

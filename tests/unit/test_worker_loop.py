@@ -198,8 +198,8 @@ DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
 def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None,
-            producer=None):
-    spec = replace(load_registry().primary("email"), idempotent=idempotent)
+            producer=None, channel="email"):
+    spec = replace(load_registry().primary(channel), idempotent=idempotent)
     cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), producer or FakeProducer(), provider or FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
@@ -316,6 +316,22 @@ def test_every_failed_attempt_leaves_evidence_without_personal_data(answer, then
     assert f"send_id={sends[0].send_id}" in failed and "provider=resend" in failed
     assert f"error={answer.error_name}" in failed and "duration_s=" in failed
     assert [m for m in lines if m.startswith(then)] and not any("jane" in m for m in lines)
+
+
+def test_a_webhook_receivers_answer_never_reaches_our_logs(caplog):
+    """Given a webhook receiver (the tenant's own server) answering 500 with the event it got echoed back,
+    When the attempt fails,
+    Then the log line says what failed (status, error, duration) without the answer's body: a person's name and
+    street, which no redaction recognises, stay out of our logs (the tenant reads the excerpt in its own attempt
+    record). A provider's answer is still logged, redacted."""
+    echo = ProviderResult("unavailable", 500, error_name="http_500", error_body='echo {"name": "Jane Roe"}')
+    sends, msgs = _messages(["acme"])
+    worker, *_ = _worker(msgs, answer=echo, channel="webhook")
+    with caplog.at_level("WARNING"):
+        _run(worker)
+    [failed] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attempt_failed")]
+    assert "status=500" in failed and "error=http_500" in failed and "provider=webhook" in failed
+    assert "Jane" not in failed and "body=" not in failed
 
 
 def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
