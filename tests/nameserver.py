@@ -1,7 +1,7 @@
 """A name server on loopback UDP for the webhook tests: the delivery client's real resolver (c-ares) asks it
 as it would ask any name server. Each name in `names` answers with its IPv4 address (and no IPv6 one); a name
-in `silent` is never answered (a tenant's name server that is down); a name in `failing` gets SERVFAIL; any
-other name gets NXDOMAIN."""
+in `silent` is never answered (a tenant's name server that is down); a name in `failing` gets SERVFAIL; a name
+in `slow` is answered (as one of `names`) that many seconds late; any other name gets NXDOMAIN."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def answer(query: bytes, rcode: int, address: str | None) -> bytes:
 
 class LoopbackNameServer:
     def __init__(self, names: dict[str, str] | None = None, silent: set[str] | None = None,
-                 failing: set[str] | None = None):
+                 failing: set[str] | None = None, slow: dict[str, float] | None = None):
         self.names, self.silent, self.failing = dict(names or {}), set(silent or ()), set(failing or ())
+        self.slow = dict(slow or {})
         self.asked: Counter[str] = Counter()  # queries per name (a lookup asks for A and AAAA)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -66,6 +67,13 @@ class LoopbackNameServer:
                 reply = answer(query, NOERROR, self.names[name] if qtype == TYPE_A else None)
             else:
                 reply = answer(query, NXDOMAIN, None)
+            if name in self.slow:
+                threading.Timer(self.slow[name], self._send, (reply, peer)).start()
+            else:
+                self._send(reply, peer)
+
+    def _send(self, reply: bytes, peer: tuple[str, int]) -> None:
+        if not self._closed.is_set():
             self.sock.sendto(reply, peer)
 
     def close(self) -> None:

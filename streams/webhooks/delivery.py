@@ -275,7 +275,7 @@ class WebhookDelivery:
     async def _lookup(self, host: str) -> list[str]:
         lookup = self._looking_up.get(host)
         if lookup is None:
-            lookup = asyncio.ensure_future(addresses_of(self.names, host))
+            lookup = asyncio.ensure_future(addresses_of(self.names, host, min(DNS_TIMEOUT_S, self.timeout_s)))
             self._looking_up[host] = lookup
             lookup.add_done_callback(lambda done: self._looked_up(host, done))
         return await asyncio.shield(lookup)  # a waiter giving up leaves the lookup to the others
@@ -303,3 +303,5 @@ class WebhookDelivery:
         asyncio.run_coroutine_threadsafe(self.names.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -8,12 +8,18 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import aiodns
 from aiodns import error as dns_errors
 
-QUERY_TIMEOUT_S = 1.0  # the resolver's wait for one answer before it asks again (QUERY_TRIES in all)
-QUERY_TRIES = 2
+# The resolver's first wait for an answer before it asks again, QUERY_TRIES times in all, each wait twice the
+# last. c-ares shortens the first wait once its name server has answered others fast (to about 250 ms): four
+# tries still wait about 3.75 s in all for a name whose own name servers are slow (two waited 0.75 s).
+QUERY_TIMEOUT_S = 1.0
+QUERY_TRIES = 4
+LOOKUP_WITHIN_S = 5.0  # a lookup with no answer by then has failed
+MAX_ASKS = 20  # a bound on the lookups of one name, should the resolver time out at once
 BLOCKING_TIMEOUT_S = 5.0  # how long a registration waits for its lookup
 
 
@@ -26,8 +32,7 @@ class LookupFailed(OSError):
 # Answers about the name: it does not exist, has no address, or is not one a name server can hold.
 NO_SUCH_NAME = frozenset({dns_errors.ARES_ENOTFOUND, dns_errors.ARES_ENODATA, dns_errors.ARES_ENONAME,
                           dns_errors.ARES_EBADNAME})
-# Not asked again: the resolver already asked QUERY_TRIES times, or is closing.
-GIVEN_UP = frozenset({dns_errors.ARES_ETIMEOUT, dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})
+CLOSING = frozenset({dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})  # the resolver is being closed
 
 
 async def name_resolver(nameservers: list[str] | None = None) -> aiodns.DNSResolver:
@@ -36,11 +41,14 @@ async def name_resolver(nameservers: list[str] | None = None) -> aiodns.DNSResol
                               tries=QUERY_TRIES)
 
 
-async def addresses_of(names: aiodns.DNSResolver, host: str, tries: int = 2) -> list[str]:
+async def addresses_of(names: aiodns.DNSResolver, host: str, within_s: float = LOOKUP_WITHIN_S,
+                       tries: int = 2) -> list[str]:
     """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
-    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes).
-    A name server that does not answer is not asked again here (GIVEN_UP)."""
-    for tried in range(1, tries + 1):
+    LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes), or
+    found no answer within `within_s` (a lookup that timed out is made again while time is left)."""
+    deadline = time.monotonic() + within_s
+    failures = 0
+    for _ in range(MAX_ASKS):
         try:
             found = await names.getaddrinfo(host, family=socket.AF_UNSPEC)
             return sorted({_text(node.addr[0]) for node in found.nodes})
@@ -49,13 +57,20 @@ async def addresses_of(names: aiodns.DNSResolver, host: str, tries: int = 2) -> 
             if code in NO_SUCH_NAME:
                 return []
             failure = str(exc.args[1]) if len(exc.args) > 1 else "the lookup failed"
-            if code in GIVEN_UP:
+            if code in CLOSING:
+                raise LookupFailed(failure) from None
+            if code == dns_errors.ARES_ETIMEOUT:
+                if time.monotonic() < deadline:
+                    continue
+                raise LookupFailed(failure) from None
+            failures += 1
+            if failures >= tries:
                 raise LookupFailed(failure) from None
         except (UnicodeError, ValueError):  # a name the resolver cannot even encode
             return []
-        if tried == tries:
-            raise LookupFailed(failure)
-    raise AssertionError("unreachable")
+        except RuntimeError as exc:  # the resolver was closed (the process is stopping)
+            raise LookupFailed(str(exc)) from None
+    raise LookupFailed(f"no answer after asking {MAX_ASKS} times")
 
 
 def _text(address: bytes | str) -> str:
@@ -74,7 +89,7 @@ class BlockingResolver:
         self.names = asyncio.run_coroutine_threadsafe(name_resolver(nameservers), self.loop).result(10)
 
     def __call__(self, host: str) -> list[str]:
-        lookup = asyncio.run_coroutine_threadsafe(addresses_of(self.names, host), self.loop)
+        lookup = asyncio.run_coroutine_threadsafe(addresses_of(self.names, host, BLOCKING_TIMEOUT_S), self.loop)
         try:
             return lookup.result(timeout=BLOCKING_TIMEOUT_S)
         except TimeoutError:
@@ -85,6 +100,8 @@ class BlockingResolver:
         asyncio.run_coroutine_threadsafe(self.names.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 _system: BlockingResolver | None = None

@@ -24,7 +24,7 @@ class Lookups:
         self.asked: list[str] = []
         self.release = asyncio.Event()
 
-    async def __call__(self, names, host: str) -> list[str]:
+    async def __call__(self, names, host: str, within_s: float = 5.0) -> list[str]:
         self.asked.append(host)
         if host.startswith("slow"):
             await self.release.wait()
@@ -128,6 +128,26 @@ def test_a_tenants_many_hosts_that_answer_all_resolve():
             d = _delivery(asyncio.get_running_loop(), nameserver)
             resolved = await asyncio.gather(*(d._resolve(host) for host in hosts))
             assert [r(host) for host, r in zip(hosts, resolved, strict=True)] == [[ADDRESS]] * 12
+            await d.names.close()
+
+        asyncio.run(scenario())
+
+
+def test_a_name_answered_slowly_resolves_after_the_resolver_saw_fast_answers():
+    """Given a resolver that has just seen 50 names answered at once (c-ares then waits less for an answer,
+    down to about 250 ms), and a host whose name servers take 0.8 s,
+    When a delivery looks that host up,
+    Then it resolves, within DNS_TIMEOUT_S (before, c-ares gave up after about half a second and the
+    attempt failed `dns_lookup_failed`, every attempt, counting towards degrading the endpoint)."""
+    fast = [f"fast{i}.example" for i in range(50)]
+    with LoopbackNameServer(names={**dict.fromkeys(fast, ADDRESS), "slow.example": ADDRESS},
+                            slow={"slow.example": 0.8}) as nameserver:
+
+        async def scenario() -> None:
+            d = _delivery(asyncio.get_running_loop(), nameserver)
+            for host in fast:
+                assert (await d._resolve(host))(host) == [ADDRESS]
+            assert (await d._resolve("slow.example"))("slow.example") == [ADDRESS]
             await d.names.close()
 
         asyncio.run(scenario())
