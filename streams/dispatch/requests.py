@@ -259,14 +259,21 @@ class Dispatcher:
         """Messages found past their max age outside a round (a long hold moving off the worker), each ended
         by its send's state as before an attempt: a copy of a delivered send is a duplicate, a stale copy is
         skipped, one the provider may hold is dead-lettered `unknown_outcome`, only the rest `too_old`.
-        Returns them all when Redis cannot tell their state: the caller keeps them (nothing is ended blind)."""
+        Returns them all when Redis cannot tell their state (down, or holding off after it failed): the caller
+        keeps them (nothing is ended blind)."""
+        if not self.outage.ready(time.monotonic()):
+            return items
+        items, duplicates = unique_sends(items)
         groups: dict[str, list[Pending]] = {}
         for p in items:
             groups.setdefault(p.send.tenant_id, []).append(p)
         try:
             states = self.jobs.status_many([(t, [p.send.send_id for p in g]) for t, g in groups.items()])
-        except StoreUnavailable:
-            return items
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            return items + duplicates
+        for p in duplicates:
+            self._end(p, "duplicate")
         for group, group_states in zip(groups.values(), states, strict=True):
             for p, state in zip(group, group_states, strict=True):
                 self._end(p, by_state(state, p.attempt, too_old=True))

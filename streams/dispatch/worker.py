@@ -136,7 +136,7 @@ class LaneWorker:
         for msg in msgs:
             self._intake(msg)
         self._collect()
-        self.settler.spill_long_holds(self.dispatcher.end_expired)
+        self.settler.spill_long_holds(self._end_expired)
         self.dispatcher.refresh_leases()
         self.settler.retry()
         self.pauses.follow_lag()
@@ -156,6 +156,11 @@ class LaneWorker:
         # unwritable (an ACL, a partition without its replicas) the copies pile up there, not in the queues.
         self.pauses.backpressure(self.queues.buffered + self.records.writer.pending, self.cfg.max_buffered)
         self.pauses.apply()
+
+    def _end_expired(self, items: list[Pending]) -> list[Pending]:
+        """`Dispatcher.end_expired`, only while Redis's data is intact: with it lost, every send would read as
+        never tried (a delivered one dead-lettered `too_old`); they are all kept, as by a Redis outage."""
+        return self.dispatcher.end_expired(items) if self._state_intact() else items
 
     def _state_intact(self) -> bool:
         if self.guard is None:
