@@ -56,7 +56,7 @@ from ..webhooks.skipped import outcome_records, skipped_records
 from .api_keys import ApiKeys
 from .bulk import BulkProxy
 from .docs import mount_docs
-from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdempotency, body_hash
+from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdempotency, body_hash, sends_digest
 from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
@@ -320,11 +320,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                              skipped=reasons.get(d.send_id))
                                     for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
-    def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, first_ms: int,
-                charge: bool) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int]]:
-        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas (when `charge`). Also
-        returns, for each of the sends and then each of the skipped deliveries, the index of the request it came
-        from (a webhook event fans out to several: an error names the request, not the expanded position)."""
+    def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, claim: Claimed
+                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int], bool]:
+        """Everything checked before a byte is produced: policies, fan-out, sizes, quotas. Also returns, for
+        each of the sends and then each of the skipped deliveries, the index of the request it came from (a
+        webhook event fans out to several: an error names the request, not the expanded position), and whether
+        the quotas were charged (not when an earlier attempt under the key was, for the same sends)."""
+        first_ms = claim.first_ms
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
@@ -367,6 +369,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             errors = [{"loc": [*where(i), "payload", *path], "msg": msg} for i, (path, msg) in found]
             raise HTTPException(422, {"error": "invalid_request",
                                       "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
+        digest = sends_digest([s.send_id for s in sends]) if claim.holder else ""
+        charge = ingest.quotas is not None and (not digest or digest != claim.charged_before)
         if ingest.quotas is not None and charge:
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
@@ -377,16 +381,20 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],
                               f"{verdict.cost} sends at once can never fit the {verdict.quota} quota's burst: "
                               "send smaller batches")
-        return [a for a, _, _ in expanded], sends, skipped, origins
+            if digest and key is not None and ingest.idempotency is not None:
+                try:
+                    ingest.idempotency.charged(tenant_id, key, claim.holder, digest)
+                except StoreUnavailable as exc:  # then a retry after an unknown outcome is charged again
+                    log.warning("an Idempotency-Key's charge was not noted: %s", exc)
+        return [a for a, _, _ in expanded], sends, skipped, origins, charge
 
     async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
                       claim: Claimed) -> list[Accepted]:
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
-        charge = not claim.charged_before
-        accepted, sends, skipped, origins = await run_in_threadpool(prepare, tenant_id, requests, batch, key,
-                                                                    claim.first_ms, charge)
+        accepted, sends, skipped, origins, charged = await run_in_threadpool(prepare, tenant_id, requests, batch,
+                                                                             key, claim)
         records = client.records(sends) + skipped_records(client.names, skipped)
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
@@ -400,9 +408,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     finally:
                         metrics.INGEST_IN_FLIGHT.dec()
         except BaseException as exc:
-            if ingest.quotas is not None and charge and published_nothing(exc):
+            if ingest.quotas is not None and charged and published_nothing(exc):
                 # Refused whole: the request is charged nothing (its retry would be charged again).
-                await run_in_threadpool(ingest.quotas.give_back_request, tenant_id, sends)
+                await run_in_threadpool(give_back, tenant_id, key, claim, sends)
             if isinstance(exc, RecordTooLarge):
                 i = origins[exc.index]
                 raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
@@ -415,6 +423,19 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         for _, reason in skipped:
             metrics.SKIPPED_DELIVERIES.labels(reason, "ingest").inc()
         return accepted
+
+    def give_back(tenant_id: str, key: str | None, claim: Claimed, sends: list[Send]) -> None:
+        """What the quotas took for a request published not at all. Its key's note of the charge goes first: a
+        key that stays pending (its release failing too) must not spare its retry a charge given back."""
+        if key is not None and claim.holder and ingest.idempotency is not None:
+            try:
+                ingest.idempotency.charged(tenant_id, key, claim.holder, "")
+            except StoreUnavailable as exc:
+                log.warning("a refused request's charge was kept: its Idempotency-Key's note of it was not "
+                            "cleared (%s)", exc)
+                return
+        assert ingest.quotas is not None
+        ingest.quotas.give_back_request(tenant_id, sends)
 
     def after_publish(sends: list[Send], skipped: list[tuple[Send, str]], skipped_written) -> None:
         """Published: now recorded. A Redis or broker failure here does not undo the publish; the

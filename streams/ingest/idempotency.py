@@ -23,8 +23,9 @@ broker in trouble for minutes still answers duplicates with 409. If the process 
 is pending, the lease lapses after PENDING_LEASE_S and the next request under the key publishes
 again; its send ids are derived from (tenant, key, position, first use), so they are the same ids,
 and dispatch delivers each id once. Such a retry (of a key that may have been published) is not charged
-to the ingest quotas again: the attempt that may have published was charged when it was admitted. Leases
-are timed by Redis's clock (`TIME` in the scripts): a host
+to the ingest quotas again for the sends an earlier attempt was charged for (noted on the key once its
+quotas admitted it; sends that differ, a webhook event fanned out to endpoints added since, are charged in
+full). Leases are timed by Redis's clock (`TIME` in the scripts): a host
 whose clock runs ahead would otherwise take over a live lease, one whose clock runs behind renew
 into the past.
 """
@@ -60,20 +61,21 @@ end
 if state == 'pending' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
   if tonumber(redis.call('HGET', KEYS[1], 'lease_until')) > now then return {'pending', 0} end
-  -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on), and
-  -- was charged to the quotas (1: the request is not charged again)
+  -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on); also
+  -- returned: the sends an earlier attempt was charged to the quotas for ('' if none was)
   redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
-  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), 1}
+  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), redis.call('HGET', KEYS[1], 'charged') or ''}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
            'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {'claimed', ARGV[2], 0}
+return {'claimed', ARGV[2], ''}
 """
 
 _AS_HOLDER = """
--- KEYS[1] the key's hash; ARGV: holder token, action (renew | finish | lapse | release), then the
--- action's own: renew: lease ms (from Redis's clock); finish: status, answer, kept s. Acts only while the key is
+-- KEYS[1] the key's hash; ARGV: holder token, action (renew | charged | finish | lapse | release), then the
+-- action's own: renew: lease ms (from Redis's clock); charged: the digest of the sends charged to the quotas;
+-- finish: status, answer, kept s. Acts only while the key is
 -- pending under this holder's claim (its lease did not lapse into another request's hands).
 -- A key an earlier attempt may have published under (maybe = 1) is never freed: release lapses it.
 -- 1: done; 0: no longer ours
@@ -84,6 +86,8 @@ if ARGV[2] == 'renew' then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]))
+elseif ARGV[2] == 'charged' then
+  redis.call('HSET', KEYS[1], 'charged', ARGV[3])
 elseif ARGV[2] == 'finish' then
   redis.call('HSET', KEYS[1], 'state', 'done', 'status', ARGV[3], 'answer', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
@@ -100,9 +104,9 @@ return 1
 class Claimed:
     first_ms: int   # the key's first use: the time part of its send ids
     holder: str     # this claim's token: only its holder renews, answers or frees the key
-    # An earlier attempt under the key may have been published, and was charged to the quotas when it was
-    # admitted: this one, publishing the same send ids, is not charged again.
-    charged_before: bool = False
+    # The sends (`sends_digest`) an earlier attempt under the key, which may have been published, was charged to
+    # the quotas for ("": none): this one, publishing the same send ids, is not charged again.
+    charged_before: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ class Conflict:
 @dataclass(frozen=True)
 class Pending:
     pass
+
+
+def sends_digest(send_ids: list[str]) -> str:
+    """The send ids a request publishes, in any order (two attempts under one key carry the same ids, unless
+    the tenant's webhook endpoints changed in between)."""
+    return hashlib.sha256("\n".join(sorted(send_ids)).encode()).hexdigest()
 
 
 def body_hash(body: object) -> str:
@@ -146,13 +156,20 @@ class IngestIdempotency:
             return Conflict()
         if state == "pending":
             return Pending()
-        return Claimed(int(reply[1]), holder, charged_before=len(reply) > 2 and int(reply[2]) == 1)
+        charged = reply[2] if len(reply) > 2 else b""
+        return Claimed(int(reply[1]), holder, charged.decode() if isinstance(charged, bytes) else str(charged))
 
     def renew(self, tenant: str, key: str, holder: str) -> bool:
         """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""
         with store_errors("renewing an Idempotency-Key's lease"):
             return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
                                         args=[holder, "renew", int(self.lease_s * 1000)]))
+
+    def charged(self, tenant: str, key: str, holder: str, digest: str) -> None:
+        """Note on the key that this claim's sends (`sends_digest`) were charged to the quotas: a retry of the
+        same sends after this attempt's outcome turned out unknown is not charged again."""
+        with store_errors("noting an Idempotency-Key's charge"):
+            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "charged", digest])
 
     def finish(self, tenant: str, key: str, status: int, body: dict, holder: str) -> bool:
         """Store the answer under the key, if this claim (`holder`) still holds it; False: its lease

@@ -1,7 +1,17 @@
 """Ingest quotas on the real gate (Redis): a request is admitted by all of its quotas or charged by none."""
 
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+
+from streams.errors import PublishOutcomeUnknown
 from streams.gate.gate import RedisGate
+from streams.ingest.api import Ingest, create_app
+from streams.ingest.api_keys import Principal
+from streams.ingest.idempotency import IngestIdempotency, body_hash
 from streams.ingest.quotas import IngestQuotas, OverQuota
+from streams.ingest.senders import SenderDomains
 from streams.send import build_send, validate_request
 from tests.harness import email_request
 
@@ -28,6 +38,29 @@ def test_a_request_refused_by_one_quota_is_charged_by_none(redis_client, namespa
     assert quotas.admit("acme", sends("transactional", 1)) is None  # requests: 3 of 5 used, the refused given back
 
 
+class Api:
+    """The ingest API over the real gate and idempotency store (Redis), with a broker whose answers the test
+    scripts (`broker`): acme's requests, posted as a batch under an Idempotency-Key."""
+
+    def __init__(self, redis_client, namespace, broker):
+        client = SimpleNamespace(names=None, routing=None, records=lambda sends: list(sends),
+                                 publisher=SimpleNamespace(publish_async=broker, publish=lambda records: None))
+        acme = SimpleNamespace(resolve=lambda token: Principal("tenant", "acme", "k1"))
+        self.ingest = Ingest(client=client, store=SimpleNamespace(accepted=lambda sends: None),  # type: ignore
+                             keys=acme, limits=None, known_policies=frozenset(), senders=SenderDomains(),
+                             quotas=IngestQuotas(RedisGate(redis_client, namespace)),
+                             idempotency=IngestIdempotency(redis_client, namespace))
+
+    def post(self, batch: dict, key: str) -> httpx.Response:
+        async def post() -> httpx.Response:
+            transport = httpx.ASGITransport(create_app(self.ingest), raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+                return await api.post("/v1/sends/batch", json=batch,
+                                      headers={"Authorization": "Bearer dr_ten_x", "Idempotency-Key": key})
+
+        return asyncio.run(post())
+
+
 def test_a_retry_of_a_request_that_may_have_been_published_is_not_charged_again(redis_client, namespace, limits):
     """Given acme's transactional quota of 50 (refilling 1 a second), and a broker that leaves a batch of 40
     receipts unconfirmed (it may have written them: 503 `outcome: unknown`) and then takes its retry,
@@ -35,17 +68,6 @@ def test_a_retry_of_a_request_that_may_have_been_published_is_not_charged_again(
     Then the retry is accepted, with the same send ids, charged nothing more (before, it was charged again:
     a tenant retrying through a broker's bad moment paid twice for sends delivered once, and was refused
     429), and the new batch is refused: the quota still holds."""
-    import asyncio
-    from types import SimpleNamespace
-
-    import httpx
-
-    from streams.errors import PublishOutcomeUnknown
-    from streams.ingest.api import Ingest, create_app
-    from streams.ingest.api_keys import Principal
-    from streams.ingest.idempotency import IngestIdempotency
-    from streams.ingest.senders import SenderDomains
-
     limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
     limits.set_tenant("ingest-transactional", "*", 1, 50)
     published: list[list[object]] = []
@@ -56,25 +78,35 @@ def test_a_retry_of_a_request_that_may_have_been_published_is_not_charged_again(
             raise PublishOutcomeUnknown("the batch's commit did not finish (test)")
         return []
 
-    client = SimpleNamespace(names=None, routing=None, records=lambda sends: list(sends),
-                             publisher=SimpleNamespace(publish_async=broker, publish=lambda records: None))
-    acme = SimpleNamespace(resolve=lambda token: Principal("tenant", "acme", "k1"))
-    ingest = Ingest(client=client, store=SimpleNamespace(accepted=lambda sends: None),  # type: ignore[arg-type]
-                    keys=acme, limits=None, known_policies=frozenset(), senders=SenderDomains(),
-                    quotas=IngestQuotas(RedisGate(redis_client, namespace)),
-                    idempotency=IngestIdempotency(redis_client, namespace))
+    api = Api(redis_client, namespace, broker)
     batch = {"sends": [email_request() for _ in range(40)]}
-
-    async def post(key: str) -> httpx.Response:
-        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
-            return await api.post("/v1/sends/batch", json=batch,
-                                  headers={"Authorization": "Bearer dr_ten_x", "Idempotency-Key": key})
-
-    first = asyncio.run(post("batch-1"))
+    first = api.post(batch, "batch-1")
     assert first.status_code == 503 and first.json()["outcome"] == "unknown", first.text
-    retry = asyncio.run(post("batch-1"))
+    retry = api.post(batch, "batch-1")
     assert retry.status_code == 202, retry.text
     assert [s.send_id for s in published[1]] == [s.send_id for s in published[0]]
-    other = asyncio.run(post("batch-2"))
-    assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text
+    other = api.post(batch, "batch-2")
+    assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text[:300]
+
+
+def test_a_request_taking_over_a_key_whose_holder_was_never_charged_is_charged(redis_client, namespace, limits):
+    """Given acme's transactional quota of 50, and an Idempotency-Key whose first holder died before its quotas
+    were asked (its lease lapsed; nothing was charged),
+    When acme posts the batch of 40 under that key, and then another 40 under a new key,
+    Then the first is accepted and charged (before, any request taking a lapsed key over was taken as charged
+    already: a tenant whose requests died early, or whose refused request could not free its key, sent them
+    for free), and the second is refused: 80 do not fit in 50."""
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "*", 1, 50)
+
+    async def broker(records):
+        return []
+
+    api = Api(redis_client, namespace, broker)
+    batch = {"sends": [email_request() for _ in range(40)]}
+    dead = IngestIdempotency(redis_client, namespace, lease_s=0)  # its lease has lapsed as soon as it is taken
+    dead.begin("acme", "batch-1", body_hash(batch))
+    taken_over = api.post(batch, "batch-1")
+    assert taken_over.status_code == 202, taken_over.text
+    other = api.post(batch, "batch-2")
+    assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text[:300]
