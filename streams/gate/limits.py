@@ -99,10 +99,11 @@ class LimitStore:
             writes = self._checked(provider, change, current)
             if not writes:
                 return current
+            record = dict(sorted({**current, **writes}.items()))
             if self.oplog is not None:
-                self.oplog.put(f"limits/{provider}", {**current, **writes})
+                self.oplog.put(f"limits/{provider}", record)
             written = self._write(provider, current, writes)
-            self._log_what_redis_holds(provider, after_success=written)
+            self._log_what_redis_holds(provider, written, orjson.dumps(record) if written else False)
             if written:
                 return self.show(provider)
         raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
@@ -135,11 +136,13 @@ class LimitStore:
                 writes[name] = value
         return writes
 
-    def _log_what_redis_holds(self, provider: str, after_success: bool) -> None:
+    def _log_what_redis_holds(self, provider: str, after_success: bool, logged: bytes | bool) -> None:
         """A change that lost its compare-and-set logged a record Redis never held, and a concurrent one may
-        log an older record after ours: each ends by logging what Redis holds (a rebuild restores that)."""
+        log an older record after ours: each ends by logging what Redis holds (a rebuild restores that), unless
+        it holds nothing (its data lost: the log keeps the limits for the rebuild)."""
         if self.oplog is not None:
-            log_what_redis_holds(self.oplog, f"limits/{provider}", lambda: self._logged_form(provider), after_success)
+            log_what_redis_holds(self.oplog, f"limits/{provider}", lambda: self._logged_form(provider), after_success,
+                                 logged=logged, deletes=False)
 
     def _logged_form(self, provider: str) -> bytes | None:
         """What Redis holds for `provider`, as its operator-log record (JSON), or None."""

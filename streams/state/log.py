@@ -23,17 +23,18 @@ log = logging.getLogger("streams.operator_log")
 
 
 def log_what_redis_holds(oplog: OperatorLog, key: str, read: Callable[[], bytes | None], after_success: bool,
-                         attempts: int = 10) -> None:
+                         attempts: int = 10, logged: bytes | None | bool = False, deletes: bool = True) -> None:
     """End a compare-and-set change of `key` by writing to the log what Redis holds now (`read()`), read again
     until it holds still. A change that lost its compare-and-set had logged its own record first, and
     another writer that lost one may log an older record after ours (it read Redis before our write):
     whichever writer touched Redis last logs last, so the log ends with what Redis holds, which a rebuild
     of Redis from it then restores. `after_success`: our own record is in the log already, so a write that
-    fails here is only logged (the change is not failed for it); otherwise PublishError is raised."""
-    logged: bytes | None | bool = False
+    fails here is only logged (the change is not failed for it); otherwise PublishError is raised. `logged`: the
+    record our change logged (not logged again when Redis holds just that). `deletes=False`: Redis holding
+    nothing is not logged (no change of this kind deletes: Redis lost its data, which the log restores)."""
     for _ in range(attempts):
         raw = read()
-        if raw == logged:
+        if raw == logged or (raw is None and not deletes):
             return
         try:
             oplog.put(key, orjson.loads(raw) if raw else None)

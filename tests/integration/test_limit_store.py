@@ -45,3 +45,33 @@ def test_two_operators_setting_two_tenants_at_once_both_stay_in_force_and_in_the
     held = b.show("resend")
     assert (held["tenant_rate:acme"], held["tenant_rate:globex"]) == (5, 2)
     assert logged(stack, oplog_topic, "resend") == held
+
+
+class CountingLog(OperatorLog):
+    def __init__(self, bootstrap, topic):
+        super().__init__(bootstrap, topic)
+        self.puts: list[tuple[str, object]] = []
+
+    def put(self, key, value) -> None:
+        super().put(key, value)
+        self.puts.append((key, value))
+
+
+def test_a_change_logs_one_record_and_a_redis_that_lost_its_data_deletes_none(
+        stack, redis_client, namespace, oplog_topic):
+    """Given resend's limits,
+    When an operator sets acme's limit with nobody else changing them, and then Redis loses the limits (flushed)
+    just before another change is read back,
+    Then the first change wrote one operator-log record (before: two, the same twice), and the second change
+    never logs "no limits" (a rebuild of Redis from the log restores the limits, rather than none)."""
+    oplog = CountingLog(stack.bootstrap, oplog_topic)
+    store = LimitStore(redis_client, namespace, oplog)
+    store.set_provider("resend", 10, 100)
+    oplog.puts.clear()
+    store.set_tenant("resend", "acme", 5, 10)
+    assert [k for k, _ in oplog.puts] == ["limits/resend"]
+
+    lost = LimitStore(redis_client, namespace, oplog)
+    lost._write = lambda provider, held, fields: redis_client.delete(lost.keys.limits(provider)) and True
+    lost.set_tenant("resend", "globex", 2, 4)
+    assert logged(stack, oplog_topic, "resend")["tenant_rate:globex"] == 2  # its own record, not a deletion
