@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from confluent_kafka import KafkaException
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from ..errors import (
@@ -170,12 +171,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
     @router.post("/v1/endpoints", status_code=201, response_model=EndpointCreated,
                  responses=documented(401, 403, 422, 503))
-    def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
-        try:
-            ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled)
-        except ConfigError as exc:
-            raise _invalid(exc) from None
-        return {**shown(ep), "secret": secret}
+    async def create_endpoint(body: EndpointCreate, tenant_id: Tenant) -> dict:
+        # The URL's host is looked up on the event loop; only the store's work takes one of the API's threads.
+        resolve = await endpoints.url_resolver(body.url)
+
+        def create() -> dict:
+            try:
+                ep, secret = endpoints.create(tenant_id, body.url, body.event_types, body.description, body.enabled,
+                                              resolve=resolve)
+            except ConfigError as exc:
+                raise _invalid(exc) from None
+            return {**shown(ep), "secret": secret}
+
+        return await run_in_threadpool(create)
 
     @router.get("/v1/endpoints", response_model=EndpointList, responses=documented(401, 403, 503))
     def list_endpoints(tenant_id: Tenant) -> dict:
@@ -190,14 +198,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
     @router.patch("/v1/endpoints/{endpoint_id}", response_model=EndpointView,
                   responses=documented(401, 403, 404, 422, 503))
-    def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
-        try:
-            ep = endpoints.update(tenant_id, endpoint_id, **body.model_dump())
-        except ConfigError as exc:
-            raise _invalid(exc) from None
-        if ep is None:
-            raise _not_found("endpoint")
-        return shown(ep)
+    async def update_endpoint(endpoint_id: str, body: EndpointUpdate, tenant_id: Tenant) -> dict:
+        resolve = await endpoints.url_resolver(body.url) if body.url is not None else None
+
+        def update() -> dict:
+            try:
+                ep = endpoints.update(tenant_id, endpoint_id, **body.model_dump(), resolve=resolve)
+            except ConfigError as exc:
+                raise _invalid(exc) from None
+            if ep is None:
+                raise _not_found("endpoint")
+            return shown(ep)
+
+        return await run_in_threadpool(update)
 
     @router.delete("/v1/endpoints/{endpoint_id}", status_code=204, responses=documented(401, 403, 404, 503))
     def delete_endpoint(endpoint_id: str, tenant_id: Tenant) -> Response:

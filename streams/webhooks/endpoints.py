@@ -27,10 +27,11 @@ from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
 from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable
+from .lookups import answered
 from .model import STATES, Endpoint, Health, Secret, with_health
 from .sealing import Sealer, seal
 from .signing import new_secret
-from .ssrf import Resolver, UnsafeUrl, UrlPolicy
+from .ssrf import Resolver, UnsafeUrl, UrlPolicy, is_ip, wire_host
 
 __all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
 
@@ -69,12 +70,27 @@ class EndpointStore:
         self._save_reserved = client.register_script(load_script(__package__, "save_reserved_endpoint.lua"))
         self._set_if_unchanged = client.register_script(SET_FIELD_IF_UNCHANGED)
 
-    def _check_url(self, url: str) -> str:
+    def _check_url(self, url: str, resolve: Resolver | None = None) -> str:
         try:
-            self.policy.check(url, self.resolve)
+            self.policy.check(url, resolve or self.resolve)
         except UnsafeUrl as exc:
             raise ConfigError(f"url: {exc}") from None
         return url
+
+    async def url_resolver(self, url: str) -> Resolver:
+        """For a request served on an event loop: the URL's host looked up there, before `create` or `update`
+        runs on one of the API's threads with the answer (`resolve=`), so that no thread, of the few every
+        tenant's requests share, waits up to 5 s for a tenant's silent name server. A resolver without an
+        awaitable form (`addresses`) is left to the check itself."""
+        lookup = getattr(self.resolve, "addresses", None)
+        host = wire_host(url)
+        if lookup is None or not host or is_ip(host) or host in self.policy.allow:
+            return self.resolve
+        try:
+            addresses = await lookup(host)
+        except (OSError, UnicodeError):  # TimeoutError and LookupFailed are OSErrors: it does not resolve
+            addresses = None
+        return answered(host, addresses)
 
     def _save(self, ep: Endpoint, expected: bytes | None = None) -> bool:
         """The operator log first, then Redis; with `expected`, only if the stored record is still exactly
@@ -142,12 +158,12 @@ class EndpointStore:
                       "operator log, which the workers follow: they may deliver to it", ep.id, ep.tenant)
 
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
-               enabled: bool = True) -> tuple[Endpoint, str]:
+               enabled: bool = True, resolve: Resolver | None = None) -> tuple[Endpoint, str]:
         """A new endpoint and its signing secret (shown once). Its place within the tenant's bound is
         reserved first, in one Redis step with the count, so concurrent creates cannot pass the bound."""
         secret, endpoint_id = new_secret(), new_endpoint_id()
-        ep = Endpoint(endpoint_id, tenant, self._check_url(url), check_event_types(event_types), description[:500],
-                      enabled, secrets=(Secret(seal(secret, endpoint_id, self.sealer)),),
+        ep = Endpoint(endpoint_id, tenant, self._check_url(url, resolve), check_event_types(event_types),
+                      description[:500], enabled, secrets=(Secret(seal(secret, endpoint_id, self.sealer)),),
                       created_at_ms=int(time.time() * 1000))
         reservations = self.keys.endpoint_reservations(tenant)
         with store_errors("reserving an endpoint's place"):
@@ -181,12 +197,13 @@ class EndpointStore:
         return [e for e in self.all(tenant) if e.deliverable and e.subscribes(event_type)]
 
     def update(self, tenant: str, endpoint_id: str, *, url: str | None = None, description: str | None = None,
-               event_types: list[str] | None = None, enabled: bool | None = None) -> Endpoint | None:
+               event_types: list[str] | None = None, enabled: bool | None = None,
+               resolve: Resolver | None = None) -> Endpoint | None:
         if self.get(tenant, endpoint_id) is None:  # ownership first: a URL check answers nobody else's ids
             return None
         changes: dict[str, Any] = {}
         if url is not None:
-            changes["url"] = self._check_url(url)
+            changes["url"] = self._check_url(url, resolve)
         if description is not None:
             changes["description"] = description[:500]
         if event_types is not None:

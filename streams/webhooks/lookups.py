@@ -9,6 +9,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import aiodns
 from aiodns import error as dns_errors
@@ -96,6 +97,11 @@ class BlockingResolver:
             lookup.cancel()
             raise
 
+    async def addresses(self, host: str) -> list[str]:
+        """The same lookup, awaited on the caller's own event loop (an API request's): no thread waits for it."""
+        lookup = asyncio.run_coroutine_threadsafe(addresses_of(self.names, host, BLOCKING_TIMEOUT_S), self.loop)
+        return await asyncio.wait_for(asyncio.wrap_future(lookup), BLOCKING_TIMEOUT_S)
+
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.names.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -104,14 +110,36 @@ class BlockingResolver:
             self.loop.close()
 
 
-_system: BlockingResolver | None = None
-_system_lock = threading.Lock()
+class SystemResolver:
+    """The machine's name servers, by a BlockingResolver started at first use (one per process)."""
+
+    def __init__(self) -> None:
+        self._resolver: BlockingResolver | None = None
+        self._lock = threading.Lock()
+
+    def _started(self) -> BlockingResolver:
+        with self._lock:
+            if self._resolver is None:
+                self._resolver = BlockingResolver()
+            return self._resolver
+
+    def __call__(self, host: str) -> list[str]:
+        """The host's addresses ([] or OSError: it does not resolve)."""
+        return self._started()(host)
+
+    async def addresses(self, host: str) -> list[str]:
+        return await self._started().addresses(host)
 
 
-def system_resolver(host: str) -> list[str]:
-    """The host's addresses by the machine's name servers ([] or OSError: it does not resolve)."""
-    global _system
-    with _system_lock:
-        if _system is None:
-            _system = BlockingResolver()
-    return _system(host)
+system_resolver = SystemResolver()
+
+
+def answered(host: str, addresses: list[str] | None) -> Callable[[str], list[str]]:
+    """A resolver answering for `host` what a lookup made before found (None: it failed), for a check that
+    must not wait for a name server on its thread."""
+    def resolve(name: str) -> list[str]:
+        if name != host or addresses is None:
+            raise OSError(f"{name} does not resolve")
+        return addresses
+
+    return resolve
