@@ -425,14 +425,19 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         return accepted
 
     def give_back(tenant_id: str, key: str | None, claim: Claimed, sends: list[Send]) -> None:
-        """What the quotas took for a request published not at all. Its key's note of the charge goes first: a
-        key that stays pending (its release failing too) must not spare its retry a charge given back."""
+        """What the quotas took for a request published not at all. Its key's note of the charge goes first (back
+        to the earlier attempt's): a key that stays pending (its release failing too) must not spare its retry a
+        charge given back. Kept when the note cannot be put back, or the key is no longer this request's (its
+        lease lapsed, and a retry that took it over may have been spared the charge on the strength of it)."""
         if key is not None and claim.holder and ingest.idempotency is not None:
             try:
-                ingest.idempotency.charged(tenant_id, key, claim.holder, "")
+                restored = ingest.idempotency.charged(tenant_id, key, claim.holder, claim.charged_before)
             except StoreUnavailable as exc:
                 log.warning("a refused request's charge was kept: its Idempotency-Key's note of it was not "
                             "cleared (%s)", exc)
+                return
+            if not restored:
+                log.warning("a refused request's charge was kept: its Idempotency-Key was taken over meanwhile")
                 return
         assert ingest.quotas is not None
         ingest.quotas.give_back_request(tenant_id, sends)

@@ -165,11 +165,13 @@ class IngestIdempotency:
             return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
                                         args=[holder, "renew", int(self.lease_s * 1000)]))
 
-    def charged(self, tenant: str, key: str, holder: str, digest: str) -> None:
+    def charged(self, tenant: str, key: str, holder: str, digest: str) -> bool:
         """Note on the key that this claim's sends (`sends_digest`) were charged to the quotas: a retry of the
-        same sends after this attempt's outcome turned out unknown is not charged again."""
+        same sends after this attempt's outcome turned out unknown is not charged again. False: the claim is no
+        longer this holder's (its lease lapsed into another request's hands), nothing was noted."""
         with store_errors("noting an Idempotency-Key's charge"):
-            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "charged", digest])
+            return bool(self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)],
+                                        args=[holder, "charged", digest]))
 
     def finish(self, tenant: str, key: str, status: int, body: dict, holder: str) -> bool:
         """Store the answer under the key, if this claim (`holder`) still holds it; False: its lease

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from streams.errors import PublishOutcomeUnknown
+from streams.errors import PublishError, PublishOutcomeUnknown
 from streams.gate.gate import RedisGate
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import Principal
@@ -108,5 +108,34 @@ def test_a_request_taking_over_a_key_whose_holder_was_never_charged_is_charged(r
     dead.begin("acme", "batch-1", body_hash(batch))
     taken_over = api.post(batch, "batch-1")
     assert taken_over.status_code == 202, taken_over.text
+    other = api.post(batch, "batch-2")
+    assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text[:300]
+
+
+def test_a_refused_request_whose_key_was_taken_over_keeps_its_charge(redis_client, namespace, limits):
+    """Given acme's transactional quota of 50, and a batch of 40 admitted (charged) whose publish takes so long
+    that its key's lease lapses and a retry under the key takes it over (spared the quotas: the first attempt
+    was charged for the same sends),
+    When the broker then refuses the first attempt's publish whole,
+    Then its charge is kept (before, it was given back: the retry went free of any charge), so a further 40
+    under a new key are refused."""
+    from streams.names import RedisKeys
+
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "*", 1, 50)
+    batch = {"sends": [email_request() for _ in range(40)]}
+    retry = IngestIdempotency(redis_client, namespace)
+    spared = []
+
+    async def broker(records):
+        if not spared:  # the first attempt's publish: its lease lapses, and the retry takes the key over
+            redis_client.hset(RedisKeys(namespace).ingest_idempotency("acme", "batch-1"), "lease_until", 0)
+            spared.append(retry.begin("acme", "batch-1", body_hash(batch)).charged_before)
+            raise PublishError("the lane topic refused the batch (test)")
+        return []
+
+    api = Api(redis_client, namespace, broker)
+    assert api.post(batch, "batch-1").status_code == 503
+    assert spared[0]  # the retry was told the sends were charged
     other = api.post(batch, "batch-2")
     assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text[:300]
