@@ -16,11 +16,11 @@ from aiodns import error as dns_errors
 
 # The resolver's first wait for an answer before it asks again, QUERY_TRIES times in all, each wait twice the
 # last. c-ares shortens the first wait once its name server has answered others fast (to about 250 ms): four
-# tries still wait about 3.75 s in all for a name whose own name servers are slow (two waited 0.75 s).
+# tries still wait about 3.75 s in all for a name whose own name servers are slow (two waited 0.75 s). A lookup
+# is given up after LOOKUP_WITHIN_S whatever the resolver would still wait (15 s before it has seen answers).
 QUERY_TIMEOUT_S = 1.0
 QUERY_TRIES = 4
 LOOKUP_WITHIN_S = 5.0  # a lookup with no answer by then has failed
-MAX_ASKS = 20  # a bound on the lookups of one name, should the resolver time out at once
 BLOCKING_TIMEOUT_S = 5.0  # how long a registration waits for its lookup
 
 
@@ -33,7 +33,8 @@ class LookupFailed(OSError):
 # Answers about the name: it does not exist, has no address, or is not one a name server can hold.
 NO_SUCH_NAME = frozenset({dns_errors.ARES_ENOTFOUND, dns_errors.ARES_ENODATA, dns_errors.ARES_ENONAME,
                           dns_errors.ARES_EBADNAME})
-CLOSING = frozenset({dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})  # the resolver is being closed
+# Not asked again: the resolver asked QUERY_TRIES times already, or is being closed.
+GIVEN_UP = frozenset({dns_errors.ARES_ETIMEOUT, dns_errors.ARES_ECANCELLED, dns_errors.ARES_EDESTRUCTION})
 
 
 async def name_resolver(nameservers: list[str] | None = None) -> aiodns.DNSResolver:
@@ -46,32 +47,29 @@ async def addresses_of(names: aiodns.DNSResolver, host: str, within_s: float = L
                        tries: int = 2) -> list[str]:
     """The host's addresses: [] when the name does not exist (or is not one a name server can hold);
     LookupFailed when the lookup itself failed `tries` times in a row (a name server's bad moment passes), or
-    found no answer within `within_s` (a lookup that timed out is made again while time is left)."""
+    found no answer within `within_s` (the resolver alone would wait up to 15 s for a silent name server)."""
     deadline = time.monotonic() + within_s
-    failures = 0
-    for _ in range(MAX_ASKS):
+    for tried in range(1, tries + 1):
         try:
-            found = await names.getaddrinfo(host, family=socket.AF_UNSPEC)
+            found = await asyncio.wait_for(names.getaddrinfo(host, family=socket.AF_UNSPEC),
+                                           max(0.0, deadline - time.monotonic()))
             return sorted({_text(node.addr[0]) for node in found.nodes})
+        except TimeoutError:
+            raise LookupFailed(f"no answer within {within_s:g} s") from None
         except dns_errors.DNSError as exc:
             code = exc.args[0] if exc.args else None
             if code in NO_SUCH_NAME:
                 return []
             failure = str(exc.args[1]) if len(exc.args) > 1 else "the lookup failed"
-            if code in CLOSING:
-                raise LookupFailed(failure) from None
-            if code == dns_errors.ARES_ETIMEOUT:
-                if time.monotonic() < deadline:
-                    continue
-                raise LookupFailed(failure) from None
-            failures += 1
-            if failures >= tries:
+            if code in GIVEN_UP:
                 raise LookupFailed(failure) from None
         except (UnicodeError, ValueError):  # a name the resolver cannot even encode
             return []
         except RuntimeError as exc:  # the resolver was closed (the process is stopping)
             raise LookupFailed(str(exc)) from None
-    raise LookupFailed(f"no answer after asking {MAX_ASKS} times")
+        if tried == tries:
+            raise LookupFailed(failure)
+    raise AssertionError("unreachable")
 
 
 def _text(address: bytes | str) -> str:
@@ -116,6 +114,10 @@ class SystemResolver:
     def __init__(self) -> None:
         self._resolver: BlockingResolver | None = None
         self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start it now (the API does, before serving: its first lookup must not start it on the event loop)."""
+        self._started()
 
     def _started(self) -> BlockingResolver:
         with self._lock:

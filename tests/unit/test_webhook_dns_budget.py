@@ -151,3 +151,23 @@ def test_a_name_answered_slowly_resolves_after_the_resolver_saw_fast_answers():
             await d.names.close()
 
         asyncio.run(scenario())
+
+
+def test_a_lookup_ends_within_its_time_whatever_the_resolver_would_wait():
+    """Given a resolver that has seen no answer yet (c-ares then waits 1 + 2 + 4 + 8 s for a silent name server),
+    When a host whose name server never answers is looked up with 1 s to spare,
+    Then the lookup fails within about that second (before, it went on for the resolver's 15 s: a delivery to the
+    host meanwhile joined it and failed `dns_timeout` although a new lookup might have been answered)."""
+    with LoopbackNameServer(silent={"silent.example"}) as nameserver:
+
+        async def scenario() -> float:
+            d = _delivery(asyncio.get_running_loop(), nameserver)
+            started = time.monotonic()
+            try:
+                with pytest.raises(lookups.LookupFailed, match="no answer within 1 s"):
+                    await lookups.addresses_of(d.names, "silent.example", within_s=1.0)
+                return time.monotonic() - started
+            finally:
+                await d.names.close()
+
+        assert asyncio.run(scenario()) < 2.0

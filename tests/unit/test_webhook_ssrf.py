@@ -101,7 +101,7 @@ def test_many_registrations_on_silent_name_servers_leave_another_tenants_registr
                 time.sleep(0.01)
             assert resolver("fast.example") == ["93.184.216.34"]
             assert not any(w.done() for w in waiting)  # answered while all 100 were still waiting
-            assert all(isinstance(w.exception(), TimeoutError) for w in waiting)
+            assert all(isinstance(w.exception(), OSError) for w in waiting)  # TimeoutError or LookupFailed
         finally:
             resolver.close()
 
