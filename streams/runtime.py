@@ -97,6 +97,7 @@ class Runtime:
         from .webhooks.endpoints import EndpointStore
         from .webhooks.lookups import system_resolver
 
+        system_resolver.start()  # here, not at a request's first lookup on the API's event loop
         return EndpointStore(client or self.redis(), self.namespace, self.operator_log(), self.url_policy(),
                              system_resolver, self.config.webhook_secret_keys)
 

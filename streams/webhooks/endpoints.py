@@ -31,7 +31,7 @@ from .lookups import answered
 from .model import STATES, Endpoint, Health, Secret, with_health
 from .sealing import Sealer, seal
 from .signing import new_secret
-from .ssrf import Resolver, UnsafeUrl, UrlPolicy, is_ip, wire_host
+from .ssrf import Resolver, UnsafeUrl, UrlPolicy
 
 __all__ = ["Endpoint", "EndpointDirectory", "EndpointStore", "Health", "with_health"]
 
@@ -55,6 +55,10 @@ def check_event_types(event_types: list[str]) -> tuple[str, ...]:
     if not event_types or not all(isinstance(t, str) and 0 < len(t) <= 128 for t in event_types):
         raise ConfigError("event_types must list at least one event type (or '*'), each 1 to 128 characters")
     return tuple(dict.fromkeys(event_types))
+
+
+class _LookupNeeded(Exception):
+    """The URL check reached its lookup (raised by the resolver `url_resolver` gives it to find out)."""
 
 
 class EndpointStore:
@@ -81,10 +85,23 @@ class EndpointStore:
         """For a request served on an event loop: the URL's host looked up there, before `create` or `update`
         runs on one of the API's threads with the answer (`resolve=`), so that no thread, of the few every
         tenant's requests share, waits up to 5 s for a tenant's silent name server. A resolver without an
-        awaitable form (`addresses`) is left to the check itself."""
+        awaitable form (`addresses`) is left to the check itself, as is a URL the check refuses or passes without
+        a lookup (its scheme, credentials, an address, an allowed host): no name server is asked for it."""
         lookup = getattr(self.resolve, "addresses", None)
-        host = wire_host(url)
-        if lookup is None or not host or is_ip(host) or host in self.policy.allow:
+        if lookup is None:
+            return self.resolve
+        host = ""
+
+        def asked(name: str) -> list[str]:
+            nonlocal host
+            host = name
+            raise _LookupNeeded
+
+        try:
+            self.policy.check(url, asked)
+        except (UnsafeUrl, _LookupNeeded):
+            pass
+        if not host:
             return self.resolve
         try:
             addresses = await lookup(host)

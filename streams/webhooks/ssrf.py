@@ -51,8 +51,12 @@ class UrlPolicy:
 
     def check(self, url: str, resolve: Resolver) -> None:
         """Raise UnsafeUrl for a URL we may not call (resolving its host with `resolve`)."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("https", "http") or not parts.hostname:
+        try:
+            parts = urlsplit(url)
+            hostname = parts.hostname
+        except ValueError:  # `http://[::1/x`: an unclosed bracket
+            raise UnsafeUrl(NOT_HTTP) from None
+        if parts.scheme not in ("https", "http") or not hostname:
             raise UnsafeUrl(NOT_HTTP)
         if parts.scheme != "https" and self.require_https:
             raise UnsafeUrl("webhook URLs must use https")

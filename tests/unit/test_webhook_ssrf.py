@@ -1,11 +1,14 @@
 """Where webhooks may not go, decided with a fake resolver (no traffic to private ranges, ever)."""
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
 from streams.webhooks import lookups
+from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.ssrf import UnsafeUrl, UrlPolicy
 from tests.nameserver import LoopbackNameServer
 
@@ -139,3 +142,45 @@ def test_a_refused_url_is_never_repeated_in_the_reason():
         with pytest.raises(UnsafeUrl) as refused:
             UrlPolicy().check(url, resolve)
         assert "secret-token" not in str(refused.value) and "not an http(s) URL" in str(refused.value)
+
+
+def test_a_url_with_an_unclosed_bracket_is_refused_not_a_500():
+    with pytest.raises(UnsafeUrl):
+        UrlPolicy().check("http://[::1/hooks", lambda host: [])
+
+
+class CountingResolver:
+    """A resolver with an awaitable form, counting the names it was asked for."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+
+    def __call__(self, host):
+        raise AssertionError("the check must use the answer looked up before")
+
+    async def addresses(self, host):
+        self.asked.append(host)
+        return ["93.184.216.34"]
+
+
+@pytest.mark.parametrize("url", ["ftp://example.com/h", "http://example.com/h", "https://u:p@example.com/h",
+                                 "https://93.184.216.34/h", "https://hooks.internal/h"],
+                         ids=["not http", "http where https is required", "credentials", "an address", "allowed"])
+def test_a_url_the_check_settles_without_a_lookup_asks_no_name_server(url):
+    """The registration's lookup on the event loop is made only for a URL the check would look up: a URL it
+    refuses anyway (or passes without a lookup) asks no name server, and waits for none."""
+    resolver = CountingResolver()
+    store = EndpointStore(SimpleNamespace(register_script=lambda text: None), "", None,  # type: ignore[arg-type]
+                          UrlPolicy(require_https=True, allow=frozenset({"hooks.internal"})), resolver)
+    assert asyncio.run(store.url_resolver(url)) is resolver and resolver.asked == []
+
+
+def test_a_url_the_check_looks_up_is_checked_with_the_answer_looked_up_on_the_loop():
+    resolver = CountingResolver()
+    store = EndpointStore(SimpleNamespace(register_script=lambda text: None), "", None,  # type: ignore[arg-type]
+                          UrlPolicy(), resolver)
+    resolve = asyncio.run(store.url_resolver("https://Bücher.example/hooks"))
+    assert resolver.asked == ["xn--bcher-kva.example"]
+    UrlPolicy().check("https://Bücher.example/hooks", resolve)  # a public address: passes, without asking again
+    with pytest.raises(OSError):
+        resolve("other.example")
