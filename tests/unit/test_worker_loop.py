@@ -568,6 +568,31 @@ def test_copies_moved_off_a_long_hold_past_their_max_age_end_by_their_state(redi
         assert parked == []
 
 
+def test_copies_moved_off_long_holds_while_redis_is_down_wait_out_its_back_off():
+    """Given two receivers (acme's and globex's) each held for a year, with a copy past its max age queued behind
+    each, and Redis down,
+    When the holds move them off the worker,
+    Then Redis is asked once, not once per queue: the failure starts the outage's back-off, during which no
+    state is read (each read of an unreachable Redis can take seconds of the poll loop), and both copies go
+    to the retry tier."""
+    sends, msgs = _messages(["acme", "globex", "acme", "globex"])
+    jobs = JobsGoingDown()
+    reads = []
+    status_many = jobs.status_many
+    jobs.status_many = lambda groups: (reads.append(groups), status_many(groups))[1]
+    worker, consumer, producer, provider = _worker(msgs[:2], jobs=jobs)
+    worker.routes.primary.spec = replace(worker.routes.primary.spec, shared_limit=False)
+    provider.answer = ProviderResult("throttled", 429, retry_after="31536000", error_name="http_429")
+    _run(worker)
+    jobs.down, reads[:] = True, []
+    consumer.pending += [FakeMessage(0, 2, encode(sends[2])), FakeMessage(0, 3, encode(sends[3]))]
+    worker.step()
+    assert len(reads) == 1 and worker.redis_outage.active
+    parked = sorted(h["send_id"].decode() for t, records in producer.records.items() if ".retry." in t
+                    for _, h in records)
+    assert parked == sorted(s.send_id for s in sends[2:])
+
+
 def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_idempotency_keys():
     """Given a batch claimed by a worker that died before the provider's answer, at a provider that does not
     honour idempotency keys,
