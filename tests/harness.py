@@ -289,21 +289,16 @@ def committed_messages(bootstrap: str, topic: str, timeout: float = 60.0) -> lis
         c.close()
 
 
-# Retry policies for tests that walk a whole schedule: 3 attempts, 10 s apart (DUAL_RAIL_RETRY_POLICIES).
-THREE_ATTEMPTS_10S_POLICIES = """
-[policy.transactional]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
+def retry_policies(policies: tuple[str, ...], max_attempts: int, max_age: str, schedule: str = "10s") -> str:
+    """DUAL_RAIL_RETRY_POLICIES for tests that walk a whole schedule: each named policy with the same values."""
+    sections = "".join(f'[policy.{name}]\nmax_attempts = {max_attempts}\nmax_age = "{max_age}"\n'
+                       f'schedule = ["{schedule}"]\n\n' for name in policies)
+    return sections + ('[routing]\ncategories = { transactional = "transactional", product = "transactional", '
+                       'marketing = "marketing" }\n')
 
-[policy.marketing]
-max_attempts = 3
-max_age = "1h"
-schedule = ["10s"]
 
-[routing]
-categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
-"""
+# 3 attempts, 10 s apart, within an hour.
+THREE_ATTEMPTS_10S_POLICIES = retry_policies(("transactional", "marketing"), 3, "1h")
 
 
 class HookedLog(OperatorLog):

@@ -107,6 +107,9 @@ class Dispatcher:
         self.on_expired = on_expired
         self.on_unbuildable = on_unbuildable
         self.on_unknown = on_unknown
+        # How a message `by_state` ends without a request is handed on, by its verdict.
+        self._enders: dict[str, Callable[[Pending], None]] = {
+            "duplicate": on_duplicate, "stale": self.on_stale, "too_old": on_expired, "unknown_outcome": on_unknown}
         self.on_state_lost = on_state_lost
         self.in_flight: dict[Future, Job] = {}
         # Requests that finished, in the order they did (appended by the thread that completed them):
@@ -458,8 +461,7 @@ class Dispatcher:
     def _end(self, p: Pending, verdict: str) -> None:
         """A message ended without a request by `by_state`'s verdict (not "send" nor "held")."""
         self._open.pop(id(p), None)
-        {"duplicate": self.on_duplicate, "stale": self.on_stale, "too_old": self.on_expired,
-         "unknown_outcome": self.on_unknown}[verdict](p)
+        self._enders[verdict](p)
 
     def _reconcile(self, tenant: str, request_key: str, send_ids: list[str] | tuple[str, ...],
                    members: list[Pending]) -> None:

@@ -370,8 +370,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             raise HTTPException(422, {"error": "invalid_request",
                                       "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
         digest = sends_digest([s.send_id for s in sends]) if claim.holder else ""
-        charge = ingest.quotas is not None and (not digest or digest != claim.charged_before)
-        if ingest.quotas is not None and charge:
+        charged = False  # spared when an earlier attempt under the key was charged for these very sends
+        if ingest.quotas is not None and (not digest or digest != claim.charged_before):
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
                 raise problem(429, "quota_exceeded", ["header", "authorization"],
@@ -381,12 +381,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],
                               f"{verdict.cost} sends at once can never fit the {verdict.quota} quota's burst: "
                               "send smaller batches")
+            charged = True
             if digest and key is not None and ingest.idempotency is not None:
                 try:
                     ingest.idempotency.charged(tenant_id, key, claim.holder, digest)
                 except StoreUnavailable as exc:  # then a retry after an unknown outcome is charged again
                     log.warning("an Idempotency-Key's charge was not noted: %s", exc)
-        return [a for a, _, _ in expanded], sends, skipped, origins, charge
+        return [a for a, _, _ in expanded], sends, skipped, origins, charged
 
     async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
                       claim: Claimed) -> list[Accepted]:
@@ -408,7 +409,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     finally:
                         metrics.INGEST_IN_FLIGHT.dec()
         except BaseException as exc:
-            if ingest.quotas is not None and charged and published_nothing(exc):
+            if charged and published_nothing(exc):
                 # Refused whole: the request is charged nothing (its retry would be charged again).
                 await run_in_threadpool(give_back, tenant_id, key, claim, sends)
             if isinstance(exc, RecordTooLarge):

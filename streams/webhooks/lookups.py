@@ -6,6 +6,7 @@ of them, and every other tenant's lookups waited and failed too."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
 import time
@@ -87,8 +88,11 @@ class BlockingResolver:
         self._thread.start()
         self.names = asyncio.run_coroutine_threadsafe(name_resolver(nameservers), self.loop).result(10)
 
+    def _lookup(self, host: str) -> concurrent.futures.Future[list[str]]:
+        return asyncio.run_coroutine_threadsafe(addresses_of(self.names, host, BLOCKING_TIMEOUT_S), self.loop)
+
     def __call__(self, host: str) -> list[str]:
-        lookup = asyncio.run_coroutine_threadsafe(addresses_of(self.names, host, BLOCKING_TIMEOUT_S), self.loop)
+        lookup = self._lookup(host)
         try:
             return lookup.result(timeout=BLOCKING_TIMEOUT_S)
         except TimeoutError:
@@ -97,8 +101,7 @@ class BlockingResolver:
 
     async def addresses(self, host: str) -> list[str]:
         """The same lookup, awaited on the caller's own event loop (an API request's): no thread waits for it."""
-        lookup = asyncio.run_coroutine_threadsafe(addresses_of(self.names, host, BLOCKING_TIMEOUT_S), self.loop)
-        return await asyncio.wait_for(asyncio.wrap_future(lookup), BLOCKING_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(self._lookup(host)), BLOCKING_TIMEOUT_S)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.names.close(), self.loop).result(10)

@@ -70,7 +70,7 @@ class UrlPolicy:
         # The reasons name the kind of address, never the address a name resolved to nor the
         # resolver's error: a tenant reads them, and must not map our internal names with them.
         try:
-            addresses = [host] if is_ip(host) else list(resolve(host))
+            addresses = [host] if _is_ip(host) else list(resolve(host))
         except (OSError, UnicodeError):  # UnicodeError: a label too long or empty (`a..com`)
             raise UnsafeUrl(f"the host {host!r} does not resolve") from None
         if not addresses:
@@ -80,7 +80,7 @@ class UrlPolicy:
                 raise UnsafeUrl(f"the host {host!r} resolves to a {_forbidden(address)} address")
 
 
-def is_ip(host: str) -> bool:
+def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
         return True

@@ -3,29 +3,10 @@ unknown outcome: the same body goes again under the same idempotency key, so the
 from its store; the claims are never released and re-batched under a new key (which would send
 the blast twice)."""
 
-from tests.harness import committed_lag, email_request, report_outcome, wait_until
+from tests.harness import committed_lag, email_request, report_outcome, retry_policies, wait_until
 
 BLAST = 300
-POLICIES = """
-[policy.otp]
-max_attempts = 4
-max_age = "10m"
-schedule = ["10s"]
-[policy.transactional]
-max_attempts = 4
-max_age = "10m"
-schedule = ["10s"]
-[policy.marketing]
-max_attempts = 4
-max_age = "10m"
-schedule = ["10s"]
-[policy.webhook]
-max_attempts = 4
-max_age = "10m"
-schedule = ["10s"]
-[routing]
-categories = { transactional = "transactional", product = "transactional", marketing = "marketing" }
-"""
+POLICIES = retry_policies(("otp", "transactional", "marketing", "webhook"), 4, "10m")
 
 
 def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
