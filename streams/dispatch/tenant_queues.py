@@ -102,6 +102,16 @@ class TenantQueues:
         self.buffered -= len(taken)
         return taken
 
+    def take_newest(self, key: str, n: int) -> list[Pending]:
+        """Up to n messages from the tail of a queue (the last to arrive), in their order."""
+        q = self.queues.get(key)
+        if q is None or n <= 0:
+            return []
+        taken = [q.items.pop() for _ in range(min(n, len(q.items)))]
+        taken.reverse()
+        self.buffered -= len(taken)
+        return taken
+
     def put_back(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
         """Return messages to the front of their queue, in their order; optionally hold the queue."""
         q = self.queues.setdefault(key, TenantQueue())

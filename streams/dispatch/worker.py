@@ -46,6 +46,8 @@ from .settle import Settler
 from .stages import wall_ms
 from .tenant_queues import Pending, TenantQueues, by_tenant
 
+TRIM_EVERY_S = 1.0  # how often queues grown past their tenant's share are trimmed
+
 log = logging.getLogger("streams.worker")
 
 
@@ -109,6 +111,8 @@ class LaneWorker:
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog
+        self.trim_every_s = TRIM_EVERY_S
+        self._next_trim = 0.0
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -127,7 +131,7 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
-        msgs = consume_ready(self.consumer, 500, self._idle_timeout())
+        msgs = self._of_assigned(consume_ready(self.consumer, 500, self._idle_timeout()))
         # The whole batch is tracked before any of it is taken in: should taking one in fail (the worker
         # then stops), the offsets stored on the way out stay below the messages not yet taken in.
         for msg in msgs:
@@ -135,6 +139,7 @@ class LaneWorker:
                 self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         for msg in msgs:
             self._intake(msg)
+        self._trim()
         self._collect()
         self.settler.spill_long_holds(self._end_expired)
         self.dispatcher.refresh_leases()
@@ -156,6 +161,13 @@ class LaneWorker:
         # unwritable (an ACL, a partition without its replicas) the copies pile up there, not in the queues.
         self.pauses.backpressure(self.queues.buffered + self.records.writer.pending, self.cfg.max_buffered)
         self.pauses.apply()
+
+    def _of_assigned(self, msgs: list) -> list:
+        """Drop a message whose partition was revoked after the poll returned it (the revoke runs in the next
+        consume of the same batch): its new owner reads it again, and tracking it here would bring back the
+        partition's offsets, below what the new owner commits, should the partition come back."""
+        assigned = self.pauses.assigned
+        return [m for m in msgs if m.error() or (m.topic(), m.partition()) in assigned]
 
     def _end_expired(self, items: list[Pending]) -> list[Pending]:
         """`Dispatcher.end_expired`, only while Redis's data is intact: with it lost, every send would read as
@@ -254,23 +266,55 @@ class LaneWorker:
 
     def _parked(self, p: Pending) -> bool:
         """Park a message whose tenant already holds its share of the buffer on a retry tier, due
-        back about when its turn comes; the partition (and its committed offset) moves on."""
+        back about when its turn comes; the partition (and its committed offset) moves on. Redis is
+        asked for the tenant's limit (at most every 10 s) only while the dispatch's Redis back-off allows."""
         if self.backlog is None:
             return False
+        now = time.monotonic()
+        if not self.redis_outage.ready(now):
+            return False  # no limit to plan with: kept (backpressure bounds memory; `_trim` parks it later)
         tenant = p.send.tenant_id
         queued = self.queues.size(self.queues.key_of(p))
         route = self.routes.of(p.provider)
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
-            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant),
-                                       time.monotonic())
-        except (StoreUnavailable, ConfigError):
-            return False  # no limit to plan with: keep it (backpressure still bounds memory)
+            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant), now)
+        except StoreUnavailable as exc:
+            self.redis_outage.failed(now, exc)
+            return False
+        except ConfigError:
+            return False
         if wait_s is None:
             return False
         due_ms = int(time.time() * 1000 + wait_s * 1000)
         self.records.spill(p, due_ms, tier_at_least(wait_s), self.settler.finisher(p.where))
         return True
+
+    def _trim(self) -> None:
+        """Park what a queue holds past its tenant's share, once a second: what was kept while the tenant's limit
+        could not be read (Redis down), or before its limit was lowered. Intake checks only what arrives; left
+        in place, such a queue would hold the worker's buffer full (every tenant paused with it) and its
+        partition's committed offset back until the tenant's own rate had worked through it."""
+        now = time.monotonic()
+        if self.backlog is None or now < self._next_trim or not self.redis_outage.ready(now):
+            return
+        self._next_trim = now + self.trim_every_s
+        for key in [k for k, q in self.queues.queues.items() if q.items]:
+            route, tenant = self.routes.of(self.queues.head_provider(key)), self.queues.head_tenant(key)
+            try:
+                share = self.backlog.share(self.dispatcher.tenant_limit(route, tenant).rate,
+                                           self.dispatcher.per_request(route, tenant))
+            except StoreUnavailable as exc:
+                self.redis_outage.failed(now, exc)
+                return
+            except ConfigError:
+                continue
+            excess = self.queues.take_newest(key, self.queues.size(key) - share)
+            for i, p in enumerate(excess):
+                if not self._parked(p):  # its turn is near after all (or Redis failed): the rest stays queued
+                    for kept in excess[i:]:
+                        self.queues.add(kept)
+                    break
 
     def _collect(self, block: bool = False) -> None:
         in_flight, finished = self.dispatcher.in_flight, self.dispatcher.finished

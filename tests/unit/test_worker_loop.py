@@ -51,9 +51,10 @@ class FakeConsumer:
         self.pending = list(messages)
         self.stored: dict[tuple[str, int], int] = {}
         self.on_assign = None
+        self.topics = [TOPIC]
 
     def subscribe(self, topics, on_assign=None, on_revoke=None, on_lost=None):
-        self.on_assign = on_assign
+        self.on_assign, self.topics = on_assign, list(topics)
 
     def poll(self, timeout=0):
         msgs = self.consume(1, timeout)
@@ -62,7 +63,7 @@ class FakeConsumer:
     def consume(self, num_messages=1, timeout=0):
         if self.on_assign:
             assign, self.on_assign = self.on_assign, None
-            assign(self, [_TP(TOPIC, p) for p in range(2)])
+            assign(self, [_TP(t, p) for t in self.topics for p in range(2)])
         out, self.pending = self.pending[:num_messages], self.pending[num_messages:]
         return out
 
@@ -350,6 +351,93 @@ def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
     assert dues == sorted(dues) and dues[-1] - dues[0] >= 34 / 5 * 1000 - 50  # one turn (1/5 s) apart
     assert len(provider.sent) == 30  # the 25 kept and the other tenant's 5
     assert consumer.stored[(TOPIC, 0)] == 65
+
+
+class DownGate(FakeGate):
+    """A gate whose Redis is down while `down` is set (every call refused); counts the limit reads."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.down, self.limit_reads = True, 0
+
+    def tenant_limit(self, provider, tenant):
+        self.limit_reads += 1
+        if self.down:
+            raise StoreUnavailable("Redis down")
+        return super().tenant_limit(provider, tenant)
+
+    def acquire_many(self, requests):
+        if self.down:
+            raise StoreUnavailable("Redis down")
+        return super().acquire_many(requests)
+
+
+def test_while_redis_is_down_intake_asks_for_a_tenants_limit_once_per_back_off_not_per_message():
+    """A hanging Redis costs each call its timeout: 500 messages asking it one by one would block the poll loop
+    for minutes (past max.poll.interval.ms). Intake follows the dispatch's Redis back-off instead."""
+    sends, msgs = _messages(["acme"] * 500)
+    gate = DownGate()
+    worker, *_ = _worker(msgs, gate=gate)
+    worker.backlog = BacklogShare()
+    worker.step()
+    assert worker.queues.buffered == 500  # kept, as before: nothing to plan with
+    assert gate.limit_reads == 1
+
+
+def test_a_queue_grown_past_its_share_while_redis_was_down_is_trimmed_once_it_is_back():
+    """Messages that arrived while the tenant's limit could not be read were all kept; once Redis answers, what
+    the tenant holds past its share (5/s over a 5 s horizon: 25) is parked on a retry tier, so the worker's
+    buffer and the partition's offset are not held until the tenant's own rate works through it."""
+    sends, msgs = _messages(["slow"] * 300)
+    gate = DownGate(rates={"slow": 5})
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
+    worker.backlog, worker.trim_every_s = BacklogShare(horizon_s=5), 0.0
+    worker.step()
+    assert worker.queues.buffered == 300 and provider.sent == []
+    gate.down = False
+    worker.redis_outage.recovered(time.monotonic())
+    _run(worker)
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    assert len(parked) == 275 and all(h["spilled"] == b"1" and h["attempt"] == b"1" for h in parked)
+    assert len(provider.sent) == 25
+    assert consumer.stored[(TOPIC, 0)] == 300
+
+
+class RevokingConsumer(FakeConsumer):
+    """Revokes partition 1 in the consume that follows the poll (as librdkafka serves a rebalance there),
+    after the poll has returned a message of that partition."""
+
+    def __init__(self, messages, worker_of):
+        super().__init__(messages)
+        self.worker_of, self.revoked = worker_of, False
+
+    def consume(self, num_messages=1, timeout=0):
+        if num_messages > 1 and not self.revoked and self.on_assign is None:
+            self.revoked = True
+            self.worker_of()._on_revoke(self, [_TP(TOPIC, 1)])
+        return super().consume(num_messages, timeout)
+
+
+def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_left_to_its_new_owner():
+    """Taken in, it would be sent by this worker as well as by the partition's new owner, and its offset would
+    bring the partition's tracking back here, below what the new owner commits."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
+    msgs = [FakeMessage(1, 40, encode(sends[0])), FakeMessage(0, 0, encode(sends[1]))]
+    holder: list = []
+    consumer = RevokingConsumer(msgs, lambda: holder[0])
+    spec = load_registry().primary("email")
+    provider = FakeProvider(DELIVERED)
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    holder.append(worker)
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    consumer.poll()  # the assignment (the fake assigns on its first call)
+    consumer.pending = msgs
+    _run(worker)
+    assert consumer.revoked
+    assert len(provider.sent) == 1 and sends[0].send_id.encode() not in provider.sent[0]
+    assert (TOPIC, 1) not in worker.tracker.committable() and (TOPIC, 1) not in consumer.stored
 
 
 def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt():
