@@ -165,6 +165,8 @@ class Retrier:
                 self.consume_outage.failed(time.monotonic(), msg.error())
             return
         self.consume_outage.recovered(time.monotonic())
+        if (msg.topic(), msg.partition()) not in self.assigned:
+            return  # revoked after the poll returned it (in the consume of the same batch): its new owner reads it
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
         try:
             headers = {k: v or b"" for k, v in (msg.headers() or [])}

@@ -56,3 +56,30 @@ def test_released_copies_the_lane_has_not_acknowledged_count_against_the_byte_bo
     assert r.writer.pending == 15
     r._bound_memory()
     assert r.consumer.paused == {(hour_tier, 0)}
+
+
+class _Message:
+    def __init__(self, topic, partition, offset):
+        self._where = (topic, partition, offset)
+
+    def error(self): return None
+    def topic(self): return self._where[0]
+    def partition(self): return self._where[1]
+    def offset(self): return self._where[2]
+    def headers(self): return []
+    def key(self): return None
+    def value(self): return b"{}"
+
+
+def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_not_held():
+    """librdkafka serves a revoke in the consume that follows the poll, after the poll returned a message of the
+    revoked partition. Held, that message would bring the partition's offsets back into this retrier (stored
+    below the new owner's commit should the partition come back); its new owner reads it again."""
+    now = 1_000_000_000_000
+    r = _retrier(now)
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    r._hold(_Message(tier, 1, 40))
+    r._hold(_Message(tier, 0, 7))
+    assert [(h.partition, h.offset) for h in r.heap] == [(0, 7)]
+    assert set(r.tracker.committable()) == {(tier, 0)}
