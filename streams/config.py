@@ -25,6 +25,7 @@ was expected. The variables and their defaults:
     YIELD_PAUSE_ABOVE             transactional lag (messages) at which marketing yields (default: 100)
     YIELD_RESUME_BELOW            ... and at or below which it resumes (default: 20)
     YIELD_PAUSE_ABOVE_SECONDS     also yield when the oldest transactional message is this old (default: 0, off)
+    YIELD_RESUME_BELOW_SECONDS    ... and resume only when it is at most this old (default: half of the above)
     YIELD_MIN_DWELL_S             shortest pause, seconds (default: 2)
     YIELD_STALE_AFTER_S           a lag reading older than this is not trusted, seconds (default: 3)
     DUAL_RAIL_COMMIT_INTERVAL_MS  how often consumers commit stored offsets (default: 1000)
@@ -119,6 +120,10 @@ def _instance(environ: Mapping[str, str]) -> str | None:
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
     return _parse(environ, name, default, float, "a number")
+
+
+def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
+    return _parse(environ, name, None, float, "a number")
 
 
 def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -247,10 +252,11 @@ def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
         return YieldPolicy(pause_above=_int(e, "YIELD_PAUSE_ABOVE", 100),
                            resume_below=_int(e, "YIELD_RESUME_BELOW", 20),
                            pause_above_seconds=_float(e, "YIELD_PAUSE_ABOVE_SECONDS", 0.0),
+                           resume_below_seconds=_optional_float(e, "YIELD_RESUME_BELOW_SECONDS"),
                            min_dwell_s=_float(e, "YIELD_MIN_DWELL_S", 2.0),
                            stale_after_s=_float(e, "YIELD_STALE_AFTER_S", 3.0))
     except ValueError as exc:
-        raise ConfigError(f"environment variables YIELD_RESUME_BELOW / YIELD_PAUSE_ABOVE: {exc}") from None
+        raise ConfigError(f"environment variables YIELD_RESUME_BELOW / YIELD_PAUSE_ABOVE (_SECONDS): {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class YieldPolicy:
     pause_above: int = 100
     resume_below: int = 20
     pause_above_seconds: float = 0.0   # 0: only the message count decides
+    resume_below_seconds: float | None = None  # None: half of pause_above_seconds
     min_dwell_s: float = 2.0
     stale_after_s: float = 3.0
 
@@ -32,6 +33,17 @@ class YieldPolicy:
         if not 0 <= self.resume_below < self.pause_above:
             raise ValueError(f"resume_below ({self.resume_below}) must be below "
                              f"pause_above ({self.pause_above}) and at least 0")
+        if self.pause_above_seconds and not 0 <= self.resume_seconds < self.pause_above_seconds:
+            raise ValueError(f"resume_below_seconds ({self.resume_below_seconds}) must be below "
+                             f"pause_above_seconds ({self.pause_above_seconds}) and at least 0")
+
+    @property
+    def resume_seconds(self) -> float:
+        """The age of the oldest transactional message at or below which marketing may resume (the seconds
+        threshold has a band like the count's: resuming just below where it paused, it flapped)."""
+        if self.resume_below_seconds is not None:
+            return self.resume_below_seconds
+        return self.pause_above_seconds / 2
 
 
 class Governor:
@@ -65,6 +77,7 @@ class Governor:
         if not self.paused and over:
             self._set(True, now_ms)
         elif self.paused and r.lag_messages <= p.resume_below and not over \
+                and (not p.pause_above_seconds or r.lag_seconds <= p.resume_seconds) \
                 and now_ms - self.changed_at >= p.min_dwell_s * 1000:
             self._set(False, now_ms)
         return self.paused

@@ -28,6 +28,25 @@ def test_seconds_threshold_also_pauses():
     assert g.decide(0) is True
 
 
+def test_the_seconds_threshold_has_a_band_so_marketing_does_not_flap():
+    """An oldest transactional message hovering around the seconds threshold (5.1 s, 4.9 s, ...) paused and
+    resumed marketing every dwell (each purging its fetch queue); now it resumes at half the threshold."""
+    g = Governor(YieldPolicy(pause_above=100, resume_below=20, pause_above_seconds=5.0))
+    changes, paused = 0, False
+    for i in range(30):
+        g.observe(LagReading(3, 5.1 if i % 2 == 0 else 4.9, i * 1_000), i * 1_000)
+        now_paused = g.decide(i * 1_000)
+        changes, paused = changes + (now_paused != paused), now_paused
+    assert changes == 1 and paused
+    g.observe(LagReading(3, 2.5, 31_000), 31_000)
+    assert g.decide(31_000) is False
+
+
+def test_a_seconds_band_set_upside_down_is_refused():
+    with pytest.raises(ValueError, match="resume_below_seconds"):
+        YieldPolicy(pause_above_seconds=5.0, resume_below_seconds=6.0)
+
+
 def test_stale_reading_is_not_trusted_and_keeps_the_state():
     g = Governor(P)
     assert g.stale(0)                         # no reading at all
