@@ -1,7 +1,8 @@
 """Why a lane worker's partitions are paused, and which are.
 
-Reasons: `yield` (a marketing lane while the transactional lane's lag is high) and `backpressure`
-(the worker's tenant queues are full). librdkafka keeps an application's pause flag on its
+Reasons: `yield` (a marketing lane while the transactional lane's lag is high), `no_reading` (a
+marketing lane without a fresh reading of that lag: it sends nothing, so it reads nothing either) and
+`backpressure` (the worker's tenant queues are full). librdkafka keeps an application's pause flag on its
 partition object, so a partition revoked while paused and later assigned again could stay paused
 for good, and a new assignment could start paused or not: on every assignment each partition's
 state is set explicitly from the current reasons (paused, or resumed). The consumer keeps polling
@@ -111,6 +112,9 @@ class LanePauses:
         stale = governor.stale(now_ms)
         if stale:  # the monitor is silent: measure the lag ourselves rather than run blind or stall
             self._direct.request()
+            self.reasons.add("no_reading")  # sending nothing, it reads nothing either (it would only spill it)
+        else:
+            self.reasons.discard("no_reading")
         metrics.LAG_READING_STALE.labels(self.channel).set(1 if stale else 0)
         self._decide(governor, now_ms)
 
@@ -140,7 +144,7 @@ class LanePauses:
         self._metrics()
 
     def _metrics(self) -> None:
-        for reason in ("yield", "backpressure"):
+        for reason in ("yield", "backpressure", "no_reading"):
             metrics.PAUSED.labels(*self._label, reason).set(1 if reason in self.reasons else 0)
         metrics.PAUSED_PARTITIONS.labels(*self._label).set(len(self.paused & self.assigned))
         metrics.ASSIGNED_PARTITIONS.labels(*self._label).set(len(self.assigned))

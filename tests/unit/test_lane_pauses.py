@@ -26,6 +26,17 @@ class Follower:
         pass
 
 
+class PausingConsumer:
+    def __init__(self):
+        self.paused: set[tuple[str, int]] = set()
+
+    def pause(self, partitions):
+        self.paused |= {(p.topic, p.partition) for p in partitions}
+
+    def resume(self, partitions):
+        self.paused -= {(p.topic, p.partition) for p in partitions}
+
+
 class Direct:
     """The background direct read: `reading` once asked for, or nothing (the broker not answering)."""
 
@@ -48,18 +59,23 @@ def test_a_worker_whose_only_reading_is_old_sends_nothing_until_a_fresh_one():
     record of the compacted lag topic, and the direct read of the lag has not answered yet,
     When it decides,
     Then it sends nothing and asks for a direct read (before, the old reading counted as its first reading and
-    it dispatched marketing blind, whatever the transactional lag was); once a fresh reading of lag 0 arrives
-    it runs."""
-    pauses = LanePauses(SimpleNamespace(pause=lambda p: None, resume=lambda p: None), "127.0.0.1:9",
-                        TopicNames(), "email", "marketing", YieldPolicy())
+    it dispatched marketing blind, whatever the transactional lag was), and its partitions are paused (it read
+    on, and parked everything past each tenant's share on a retry tier, which brought it back to be parked
+    again); once a fresh reading of lag 0 arrives it runs."""
+    consumer = PausingConsumer()
+    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy())
+    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=p) for p in range(2)])
     pauses._follower.close()
     pauses._direct.close()
     now = int(time.time() * 1000)
     pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - 600_000}])
     pauses._direct = direct = Direct()
     pauses.follow_lag()
+    pauses.apply()
     assert pauses.without_reading and direct.asked == 1
+    assert consumer.paused == {("notif.email.marketing", 0), ("notif.email.marketing", 1)}  # nor reads (spills)
     direct.reading = LagReading(0, 0.0, int(time.time() * 1000), "direct")
     pauses.follow_lag()
-    assert not pauses.without_reading and not pauses.yielding
+    pauses.apply()
+    assert not pauses.without_reading and not pauses.yielding and consumer.paused == set()
     pauses.close()
