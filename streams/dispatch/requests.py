@@ -35,7 +35,9 @@ LIMITS_TTL_S = 10.0
 # ValueError is the adapter refusing the request's shape (a batch too big, a batch where it takes one).
 PAYLOAD_ERRORS = (KeyError, TypeError, AttributeError, UnusablePayload)
 ROUND_MAX = 256  # requests per dispatch round (each round: three Redis round trips for all of them)
-COOL_DOWN_JITTER = 0.2  # workers leave a shared 429 cool-down up to 20% after it ends, not all at once
+# Workers leave a shared 429 cool-down up to 20% of it after it ends (at most 1 s), not all at once; a share
+# of a long cool-down (a Retry-After of an hour) would idle every worker for minutes past its end.
+COOL_DOWN_JITTER, COOL_DOWN_JITTER_MAX_S = 0.2, 1.0
 
 
 @dataclass
@@ -308,7 +310,7 @@ class Dispatcher:
         metrics.GATE_WAIT.labels(draw.route.name, self.lane).observe(admission.wait_s)
         wait_s = admission.wait_s
         if admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
-            wait_s *= 1 + COOL_DOWN_JITTER * self.rng.random()
+            wait_s += min(COOL_DOWN_JITTER * wait_s, COOL_DOWN_JITTER_MAX_S) * self.rng.random()
         until = time.monotonic() + wait_s
         tenant_only = admission.short == "tenant"
         self._requeue(draw.key, draw.items, hold_until=until if tenant_only else None)

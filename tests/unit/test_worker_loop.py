@@ -440,6 +440,28 @@ def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_left_to_
     assert (TOPIC, 1) not in worker.tracker.committable() and (TOPIC, 1) not in consumer.stored
 
 
+class CoolingGate(FakeGate):
+    """The provider's account cools down (a 429 with Retry-After: 3600 seen by another worker)."""
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        return Admission(False, 3600.0, "cooldown")
+
+
+def test_a_long_cool_down_ends_at_most_a_second_late():
+    """Workers leave a shared cool-down at jittered moments, not all at once; the jitter was a fifth of the
+    whole wait, so an hour's cool-down idled every worker up to 12 minutes past its end, every tenant with it."""
+    sends, msgs = _messages(["acme"] * 3)
+    worker, *_ = _worker(msgs, gate=CoolingGate())
+    worker.step()  # takes the sends in; the gate answers with the cool-down
+    ends = []
+    for _ in range(20):
+        worker.queues.hold_all(0.0)
+        before = time.monotonic()
+        worker.dispatcher.dispatch()
+        ends.append(worker.queues.global_ready_at - before)
+    assert all(3600.0 <= end <= 3601.1 for end in ends) and len(set(ends)) > 1
+
+
 def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt():
     """The age is checked before every attempt: a 10-minute OTP found two hours late is never sent."""
     old = build_send(validate_request({**email_request(), "template_id": "otp"}), "acme",
