@@ -316,7 +316,7 @@ class Settler:
     def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int, resent: bool):
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
                       self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale,
-                      first_copy_unknown=resent)
+                      first_copy_unknown=resent, throttle_is_attempt=route.spec.channel == "webhook")
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their

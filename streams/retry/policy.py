@@ -246,10 +246,12 @@ def tier_at_least(seconds: float) -> str:
 
 def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderResult, now_ms: int,
            jitter: float, provider_idempotent: bool = True, time_scale: float = 1.0,
-           first_copy_unknown: bool = False) -> Decision:
+           first_copy_unknown: bool = False, throttle_is_attempt: bool = False) -> Decision:
     """`attempt` is the attempt that just ran (1-based); `jitter` is a uniform draw in [0, 1).
     `time_scale` shrinks the tiers' delays for tests that walk a whole schedule (1.0 in production).
-    `first_copy_unknown`: this attempt re-sent a request whose first copy's fate is unknown."""
+    `first_copy_unknown`: this attempt re-sent a request whose first copy's fate is unknown.
+    `throttle_is_attempt`: a 429 counts as an attempt (a webhook receiver's: the tenant's own server, which a
+    delivery gives its schedule of attempts; a provider's 429 only says the shared account is busy)."""
     outcome = result.outcome
     # A send given up on that the provider may hold (this answer unknown, or an earlier copy's) is dead-lettered
     # `unknown_outcome`, whatever else ended it: replaying it blindly could deliver it twice.
@@ -262,7 +264,10 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
         return DeadLetter("endpoint_gone")
     if outcome == "unknown" and not provider_idempotent:
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
-    if attempt >= policy.max_attempts:
+    # A provider's 429 is the provider declining to look at the request, not a failed attempt: it never uses up
+    # the last one (a send throttled at its last attempt waits again; only its max age ends it).
+    declined = outcome in ("throttled", "quota") and not throttle_is_attempt
+    if attempt >= policy.max_attempts and not declined:
         return DeadLetter("unknown_outcome" if may_be_delivered else "retries_exhausted")
     # The earliest moment the next attempt may happen: what the provider asked for, at least.
     at_least = {"quota": PARK_AT_LEAST_S,

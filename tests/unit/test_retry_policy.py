@@ -70,6 +70,22 @@ def test_dead_letter_reasons():
     assert too_old == DeadLetter("too_old")
 
 
+@pytest.mark.parametrize("result", [ProviderResult("throttled", 429, retry_after="6"),
+                                    ProviderResult("throttled", 429, retry_after="120"),
+                                    ProviderResult("quota", 429)])
+def test_a_429_at_the_last_attempt_is_not_the_end_of_the_send(result):
+    """The provider never looked at it: a marketing send throttled at its last attempt waits again (before, it was
+    dead-lettered `retries_exhausted`, which invites a replay of a send nothing had failed); its max age still
+    ends it."""
+    d = decide(MARKETING, MARKETING.max_attempts, NOW - 1000, result, NOW, 0.5)
+    assert isinstance(d, RetryAt) and d.reason in ("rate_limited", "quota_exceeded")
+    late = decide(MARKETING, MARKETING.max_attempts, NOW - MARKETING.max_age_s * 1000 + 1000, result, NOW, 0.5)
+    assert isinstance(late, DeadLetter) and late.reason in ("too_old", "quota_exceeded")
+    # A webhook receiver's 429 is the tenant's server failing the delivery: it has its schedule of attempts.
+    receiver = decide(WEBHOOK, WEBHOOK.max_attempts, NOW - 1000, result, NOW, 0.5, throttle_is_attempt=True)
+    assert receiver == DeadLetter("retries_exhausted")
+
+
 def test_unknown_outcome_without_provider_idempotency_goes_to_reconciliation():
     d = decide(OTP, 1, NOW, ProviderResult("unknown"), NOW, 0.5, provider_idempotent=False)
     assert d == DeadLetter("unknown_outcome")
