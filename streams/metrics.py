@@ -87,8 +87,9 @@ BACKPRESSURE_PAUSES = Counter("dispatch_backpressure_pauses_total", "Times a wor
                               "its buffer was full", ["channel", "lane"])
 RETRY_TIER_WAITING = Gauge("dispatch_retry_tier_waiting_messages", "Retry messages not yet released, as the lag "
                            "monitor measures them", ["channel", "lane", "tier"])
-RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the most overdue "
-                           "unreleased retry message is, as the lag monitor measures it", ["channel", "lane", "tier"])
+RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the lowest unreleased "
+                           "retry message of a partition is (the most overdue of the tier's partitions), as the lag "
+                           "monitor measures it", ["channel", "lane", "tier"])
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])

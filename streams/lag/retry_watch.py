@@ -3,9 +3,12 @@ wait to be released, and how far past its due time the most overdue of them is.
 
 A retrier that died, stalled or lost its partitions shows here, from the outside: its tier's
 messages go overdue (`dispatch_retry_tier_overdue_seconds`, alert RetryTierStuck). The count is the
-retry group's committed lag; the overdue time comes from the `due_at_ms` headers of up to `peek`
-messages from each partition's committed position (everything before that was released). It runs
-on a thread of its own, every few seconds, so the transactional lag keeps its 500 ms rhythm.
+retry group's committed lag; the overdue time comes from the `due_at_ms` header of the message at each
+partition's committed position: the lowest one its retrier has not released (everything before it was).
+The messages after it say nothing: a retrier releases by due time (each copy's delay has its own
+jitter, and a long tier's copies fall due out of order by hours), so they may be released already while
+the committed offset waits for the head. It runs on a thread of its own, every few seconds, so the
+transactional lag keeps its 500 ms rhythm.
 """
 
 from __future__ import annotations
@@ -28,10 +31,9 @@ log = logging.getLogger("streams.retry_watch")
 
 
 class RetryTierWatch:
-    def __init__(self, bootstrap: str, names: TopicNames, channels: tuple[str, ...], every_s: float = 5.0,
-                 peek: int = 200):
+    def __init__(self, bootstrap: str, names: TopicNames, channels: tuple[str, ...], every_s: float = 5.0):
         self.bootstrap, self.names, self.channels = bootstrap, names, channels
-        self.every_s, self.peek = every_s, peek
+        self.every_s = every_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
         self._failing: set[str] = set()
@@ -74,8 +76,9 @@ class RetryTierWatch:
         metrics.RETRY_TIER_OVERDUE.labels(channel, lane, tier).set(overdue)
 
     def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:
-        """Seconds past due of the most overdue message among the first `peek` unreleased ones."""
-        ends = {p: min(high, pos + self.peek) for p, (pos, high) in positions.items() if high > pos}
+        """Seconds past due of the most overdue of the partitions' lowest unreleased messages (the first read
+        from each committed position: a transaction's marker there is never returned, the next message is)."""
+        ends = {p: pos + 1 for p, (pos, high) in positions.items() if high > pos}
         peeker.assign([TopicPartition(topic, p, positions[p][0]) for p in ends])
         now_ms = time.time() * 1000
         worst = 0.0
