@@ -84,6 +84,8 @@ def classify(status: int, name: str) -> Outcome:
         return "auth"
     if status == 409 and name == "concurrent_idempotent_requests":
         return "unknown"  # the first request is still running: ask again later with the same key
+    if status == 408:
+        return "unavailable"  # the server timed out before it had read the whole request: retried
     if 400 <= status < 500:
         return "rejected"
     if status in AMBIGUOUS_STATUSES:

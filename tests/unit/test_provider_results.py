@@ -21,6 +21,7 @@ def _provider(handler) -> ResendEmail:
     (429, "monthly_quota_exceeded", "quota"), (400, "validation_error", "rejected"),
     (422, "validation_error", "rejected"), (401, "invalid_api_key", "auth"),
     (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unknown"),
+    (408, "", "unavailable"), (408, "request_timeout", "unavailable"),
     (500, "internal_server_error", "unavailable"), (503, "", "unavailable"),
     (502, "bad_gateway", "unknown"), (504, "", "unknown"),
 ])
@@ -29,6 +30,17 @@ def test_status_and_error_name_decide_the_outcome(status, name, outcome):
     result = _provider(lambda req: httpx.Response(status, json=body, headers={"retry-after": "3"})).post(
         "/emails", b"{}", "re_k", "k")
     assert result.outcome == outcome and result.status == status
+
+
+def test_a_408_is_retried_not_dead_lettered():
+    """A 408: the provider stopped waiting for the rest of the request, so it never acted on it. The send is
+    retried on its policy's schedule (before, it was dead-lettered `permanent_error` at the first 408)."""
+    from streams.retry.policy import RetryAt, decide, load_policies
+
+    result = _provider(lambda req: httpx.Response(408, text="Request Timeout")).post("/emails", b"{}", "re_k", "k")
+    decision = decide(load_policies()["transactional"], 1, 0, result, 1_000, 0.5)
+    assert result.outcome == "unavailable" and isinstance(decision, RetryAt)
+    assert decision.reason == "provider_unavailable"
 
 
 def test_lost_answer_is_unknown_and_refused_connection_is_unavailable():
