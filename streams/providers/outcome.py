@@ -70,10 +70,13 @@ def error_name(body: bytes) -> str:
     return str(doc.get("name", "")) if isinstance(doc, dict) else ""
 
 
-# Answers after which the provider may have accepted the request: a gateway that lost the upstream's
-# answer, or the first request under the same idempotency key still running. They are unknown
-# outcomes: the same body goes again under the same key, never re-batched under a new one.
-AMBIGUOUS_STATUSES = frozenset({502, 504})
+# A 5xx may come after the provider acted on the request (a 500 or 503 from a server or proxy that
+# failed once the work was done, a gateway that lost the upstream's answer), and no provider we use
+# documents a 5xx that means "not processed". So a 5xx is an unknown outcome, as is a 409 saying the
+# first request under the same idempotency key is still running: the same body goes again under the
+# same key, never re-batched under a new one. Only 501 and 505 (the method or the HTTP version
+# refused) say the request was never acted on.
+NOT_ACTED_ON_5XX = frozenset({501, 505})
 
 
 def classify(status: int, name: str) -> Outcome:
@@ -88,7 +91,7 @@ def classify(status: int, name: str) -> Outcome:
         return "unavailable"  # the server timed out before it had read the whole request: retried
     if 400 <= status < 500:
         return "rejected"
-    if status in AMBIGUOUS_STATUSES:
+    if 500 <= status < 600 and status not in NOT_ACTED_ON_5XX:
         return "unknown"
     return "unavailable"
 

@@ -22,8 +22,9 @@ def _provider(handler) -> ResendEmail:
     (422, "validation_error", "rejected"), (401, "invalid_api_key", "auth"),
     (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unknown"),
     (408, "", "unavailable"), (408, "request_timeout", "unavailable"),
-    (500, "internal_server_error", "unavailable"), (503, "", "unavailable"),
-    (502, "bad_gateway", "unknown"), (504, "", "unknown"),
+    (500, "internal_server_error", "unknown"), (500, "application_error", "unknown"), (503, "", "unknown"),
+    (502, "bad_gateway", "unknown"), (504, "", "unknown"), (507, "", "unknown"),
+    (501, "", "unavailable"), (505, "", "unavailable"),
 ])
 def test_status_and_error_name_decide_the_outcome(status, name, outcome):
     body = {"id": "m1"} if status == 200 else {"statusCode": status, "name": name, "message": "x"}
