@@ -175,13 +175,13 @@ class HttpProvider:
             if not ids or not all(ids):
                 # A 2xx that names no message did not take it (the channel's next provider may).
                 return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
-                                      error_body=redact(resp.text), latency_s=latency)
+                                      error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
         name = self.parse_error(resp.content)
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name,
-                              error_body=redact(resp.text), latency_s=latency)
+                              error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

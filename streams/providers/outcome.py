@@ -17,13 +17,33 @@ import orjson
 Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", "unknown", "auth", "gone", "skipped"]
 QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
+_ENCODED_EMAIL_RE = re.compile(r"(?:[\w.+-]|%(?!40)[0-9A-Fa-f]{2})+%40(?:[\w.-]|%(?!40)[0-9A-Fa-f]{2})+")
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
-_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
+_BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+_JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
+_RESEND_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
+_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key)_[A-Za-z0-9_-]{8,}")
 
 
-def redact(text: str, limit: int = 500) -> str:
-    """Strip what identifies a person or unlocks an account from a provider's error body."""
-    text = _KEY_RE.sub("re_***", text)
+def _secret_key(match: re.Match[str]) -> str:
+    """A key-shaped word (`sk_live_...`), unless it reads as a name (`key_not_found`: short, no digit)."""
+    word = match.group(0)
+    token = word[len(match.group(1)) + 1:]
+    return f"{match.group(1)}_***" if len(token) >= 16 or any(c.isdigit() for c in token) else word
+
+
+def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
+    """Strip what identifies a person or unlocks an account from a provider's error body: `secrets`
+    (the key or token the request carried, whatever its shape), then bearer credentials, JWTs, API-key
+    shapes, email addresses (percent-encoded too) and phone numbers."""
+    for secret in secrets:
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} ***", text)
+    text = _JWT_RE.sub("***", text)
+    text = _RESEND_KEY_RE.sub("re_***", text)
+    text = _SECRET_KEY_RE.sub(_secret_key, text)
+    text = _ENCODED_EMAIL_RE.sub("***%40***", text)
     text = _EMAIL_RE.sub("***@***", text)
     return _PHONE_RE.sub("+***", text)[:limit]
 

@@ -85,6 +85,33 @@ def test_redaction_removes_addresses_numbers_and_keys():
     assert "jane" not in text and "555" not in text and "AbC123" not in text
 
 
+@pytest.mark.parametrize("text, secret", [
+    ("API key sk_live_9f8e7d6c5b4a39281706f5e4 is not valid", "9f8e7d6c5b4a"),
+    ("key pk_test_51HxYzAbCdEfGh refused, rk_live_abcdefghijklmnopqrstu too", "51HxYzAbCdEfGh"),
+    ("key_9f8e7d6c5b4a3928 unknown", "9f8e7d6c5b4a3928"),
+    ("rejected: Authorization: Bearer 0a1b2c3d4e5f.g6h7", "0a1b2c3d4e5f"),
+    ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjbGllbnQtMSJ9.c2lnbmF0dXJl expired", "eyJzdWIiOiJjbGllbnQtMSJ9"),
+    ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "anna"),
+    ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "news"),
+])
+def test_redaction_removes_tokens_key_shapes_and_percent_encoded_addresses(text, secret):
+    assert secret not in redact(text), redact(text)
+
+
+def test_redaction_keeps_error_names_that_only_look_like_keys():
+    assert redact("key_not_found: the domain is not verified") == "key_not_found: the domain is not verified"
+
+
+@pytest.mark.parametrize("status", [401, 422])
+def test_the_key_a_request_carried_is_stripped_from_the_providers_answer_whatever_its_shape(status):
+    """A provider that echoes the credential it refused (here a key of no known shape) never gets it into
+    the excerpt that is logged and put in DLQ headers."""
+    key = "Zq8v-31kf.LmN0pQ"
+    body = {"statusCode": status, "name": "invalid_api_key", "message": f"API key {key} is not valid"}
+    result = _provider(lambda req: httpx.Response(status, json=body)).post("/emails", b"{}", key, "k")
+    assert key not in result.error_body and "is not valid" in result.error_body
+
+
 def test_every_non_2xx_carries_its_status_and_a_redacted_body():
     body = {"statusCode": 422, "name": "validation_error", "message": "Invalid `to`: jane@example.com"}
     result = _provider(lambda req: httpx.Response(422, json=body)).post("/emails", b"{}", "re_k", "k")
