@@ -116,6 +116,18 @@ def classify(status: int, name: str) -> Outcome:
     return "unavailable"
 
 
+def token_outcome(status: int, error: str) -> Outcome:
+    """The outcome of a request whose token the token endpoint refused with `status` (OAuth `error`).
+    Our client credentials refused (401, 403, or RFC 6749's 400 `invalid_client`) is `auth`, as a 401 at
+    the send endpoint; a 429 is `throttled`; anything else `unavailable`. The send endpoint was never
+    called, so nothing can have been accepted."""
+    if status in (401, 403) or (status == 400 and error == "invalid_client"):
+        return "auth"
+    if status == 429:
+        return "throttled"
+    return "unavailable"
+
+
 def message_ids(body: bytes) -> tuple[str, ...]:
     """Message ids from a 2xx body: `{"id": ...}` or `{"data": [{"id": ...}, ...]}`."""
     doc = orjson.loads(body)
