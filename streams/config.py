@@ -65,6 +65,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -235,8 +236,29 @@ def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEn
         if p.auth == "token" and keys and not {"client_id", "client_secret"} <= set(keys):
             raise ConfigError(f"environment variable {p.keys_env} must hold client_id and client_secret "
                               f"(provider {p.name!r} authenticates with a token)")
-        out[p.name] = ProviderEndpoint(e.get(p.base_url_env) or None, keys)
+        out[p.name] = ProviderEndpoint(_base_url(e, p.base_url_env, p.name), keys)
     return out
+
+
+def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
+    """A provider's base URL: http(s), a host, and no path. The allowlist holds the provider's full paths
+    (`/emails`), so under a prefix (`/v1`) every request would be refused and nothing ever sent."""
+    raw = e.get(name) or None
+    if raw is None:
+        return None
+    try:
+        url = urlsplit(raw)
+        url.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"{name}={raw!r} (provider {provider!r}) must be an http(s) URL with a host")
+    if url.path not in ("", "/") or url.query or url.fragment:
+        shown = raw.replace(f":{url.password}@", ":***@") if url.password else raw
+        raise ConfigError(f"{name}={shown!r} (provider {provider!r}) must name no path, query or fragment: the "
+                          f"provider's allowlisted paths are full paths from the host (give "
+                          f"'{url.scheme}://{url.netloc}')")
+    return raw
 
 
 @dataclass(frozen=True)

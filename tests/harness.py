@@ -48,7 +48,8 @@ class MockProvider:
         self.http.post("/_mock/config", json=settings).raise_for_status()
 
     def reset(self, **settings) -> None:
-        defaults = {"rate": 1000.0, "latency_ms": 0.0, "fault_5xx_ratio": 0.0, "fault_timeout_ratio": 0.0,
+        defaults = {"rate": 1000.0, "latency_ms": 0.0, "fault_5xx_ratio": 0.0, "fault_408_ratio": 0.0,
+                    "fault_timeout_ratio": 0.0,
                     "fault_401_ratio": 0.0, "timeout_delay_s": 15.0, "hold_answers": False, "hold_answers_after": 0,
                     "fault_502_after_accept_ratio": 0.0, "token_ttl_s": 30.0, "sms_no_id_ratio": 0.0,
                     "sms_unsupported_prefixes": "", "sms_invalid_prefixes": ""}

@@ -75,7 +75,8 @@ def _prefixes(raw: str) -> list[str]:
 class MockConfig:
     rate: float = 10.0               # team-wide requests per second
     latency_ms: float = 0.0
-    fault_5xx_ratio: float = 0.0
+    fault_5xx_ratio: float = 0.0     # 500 before accepting (the worker cannot tell: an unknown outcome)
+    fault_408_ratio: float = 0.0     # 408 before reading the body (never acted on: retried, released)
     fault_timeout_ratio: float = 0.0
     timeout_delay_s: float = 15.0    # how late a "timed out" answer comes
     fault_401_ratio: float = 0.0
@@ -101,7 +102,7 @@ class MockState:
     deliveries: dict = field(default_factory=dict)    # send_id -> [receive unix times]
     tenants: dict = field(default_factory=dict)       # tenant -> counters
     counts: dict = field(default_factory=lambda: {
-        "requests_total": 0, "throttled": 0, "forbidden": 0, "faults_5xx": 0, "faults_timeout": 0,
+        "requests_total": 0, "throttled": 0, "forbidden": 0, "faults_5xx": 0, "faults_408": 0, "faults_timeout": 0,
         "faults_401": 0, "faults_502_after_accept": 0, "rejected": 0, "idempotent_replays": 0,
         "idempotency_conflicts": 0,
         "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0, "token_requests": 0,
@@ -206,6 +207,9 @@ def build_app(config: MockConfig) -> Starlette:
                           f"Too many requests. You can only make {config.rate:g} requests per second.",
                           {"ratelimit-limit": f"{config.rate:g}", "ratelimit-remaining": "0",
                            "ratelimit-reset": str(reset), "retry-after": str(reset)})
+        if config.fault_408_ratio and state.rng.random() < config.fault_408_ratio:  # no draw when off (seeded runs)
+            c["faults_408"] += 1
+            return err(408, "request_timeout", "The request body did not arrive in time.")
         raw = await request.body()
         key = request.headers.get("idempotency-key")
         digest = hashlib.sha256(raw).hexdigest()

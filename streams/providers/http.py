@@ -18,9 +18,9 @@ import httpx
 import orjson
 
 from ..errors import ForbiddenProviderPath, ProviderAuthError
-from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact
+from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact, token_outcome
 from .registry import ProviderSpec
-from .tokens import TokenSource
+from .tokens import TokenRefused, TokenSource
 
 log = logging.getLogger("streams.providers")
 
@@ -141,8 +141,12 @@ class HttpProvider:
         for attempt in (1, 2):
             try:
                 token = self.tokens.get()
-            except ProviderAuthError as exc:
-                # The send endpoint was never called: nothing can have been accepted.
+            except TokenRefused as exc:
+                outcome = token_outcome(exc.status, exc.error)
+                name = {"auth": "token_refused", "throttled": "token_throttled"}.get(outcome, "token_unavailable")
+                return ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
+                                      error_body=str(exc), latency_s=time.monotonic() - started)
+            except ProviderAuthError as exc:  # unreachable, or an answer without a usable token
                 return ProviderResult("unavailable", error_name="token_unavailable", error_body=str(exc),
                                       latency_s=time.monotonic() - started)
             result = self._post(path, body, token, idempotency_key, started)
@@ -175,13 +179,13 @@ class HttpProvider:
             if not ids or not all(ids):
                 # A 2xx that names no message did not take it (the channel's next provider may).
                 return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
-                                      error_body=redact(resp.text), latency_s=latency)
+                                      error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
         name = self.parse_error(resp.content)
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name,
-                              error_body=redact(resp.text), latency_s=latency)
+                              error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

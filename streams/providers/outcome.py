@@ -17,13 +17,33 @@ import orjson
 Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", "unknown", "auth", "gone", "skipped"]
 QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
+_ENCODED_EMAIL_RE = re.compile(r"(?:[\w.+-]|%(?!40)[0-9A-Fa-f]{2})+%40(?:[\w.-]|%(?!40)[0-9A-Fa-f]{2})+")
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
-_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
+_BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+_JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
+_RESEND_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
+_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key)_[A-Za-z0-9_-]{8,}")
 
 
-def redact(text: str, limit: int = 500) -> str:
-    """Strip what identifies a person or unlocks an account from a provider's error body."""
-    text = _KEY_RE.sub("re_***", text)
+def _secret_key(match: re.Match[str]) -> str:
+    """A key-shaped word (`sk_live_...`), unless it reads as a name (`key_not_found`: short, no digit)."""
+    word = match.group(0)
+    token = word[len(match.group(1)) + 1:]
+    return f"{match.group(1)}_***" if len(token) >= 16 or any(c.isdigit() for c in token) else word
+
+
+def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
+    """Strip what identifies a person or unlocks an account from a provider's error body: `secrets`
+    (the key or token the request carried, whatever its shape), then bearer credentials, JWTs, API-key
+    shapes, email addresses (percent-encoded too) and phone numbers."""
+    for secret in secrets:
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} ***", text)
+    text = _JWT_RE.sub("***", text)
+    text = _RESEND_KEY_RE.sub("re_***", text)
+    text = _SECRET_KEY_RE.sub(_secret_key, text)
+    text = _ENCODED_EMAIL_RE.sub("***%40***", text)
     text = _EMAIL_RE.sub("***@***", text)
     return _PHONE_RE.sub("+***", text)[:limit]
 
@@ -70,10 +90,13 @@ def error_name(body: bytes) -> str:
     return str(doc.get("name", "")) if isinstance(doc, dict) else ""
 
 
-# Answers after which the provider may have accepted the request: a gateway that lost the upstream's
-# answer, or the first request under the same idempotency key still running. They are unknown
-# outcomes: the same body goes again under the same key, never re-batched under a new one.
-AMBIGUOUS_STATUSES = frozenset({502, 504})
+# A 5xx may come after the provider acted on the request (a 500 or 503 from a server or proxy that
+# failed once the work was done, a gateway that lost the upstream's answer), and no provider we use
+# documents a 5xx that means "not processed". So a 5xx is an unknown outcome, as is a 409 saying the
+# first request under the same idempotency key is still running: the same body goes again under the
+# same key, never re-batched under a new one. Only 501 and 505 (the method or the HTTP version
+# refused) say the request was never acted on.
+NOT_ACTED_ON_5XX = frozenset({501, 505})
 
 
 def classify(status: int, name: str) -> Outcome:
@@ -84,10 +107,24 @@ def classify(status: int, name: str) -> Outcome:
         return "auth"
     if status == 409 and name == "concurrent_idempotent_requests":
         return "unknown"  # the first request is still running: ask again later with the same key
+    if status == 408:
+        return "unavailable"  # the server timed out before it had read the whole request: retried
     if 400 <= status < 500:
         return "rejected"
-    if status in AMBIGUOUS_STATUSES:
+    if 500 <= status < 600 and status not in NOT_ACTED_ON_5XX:
         return "unknown"
+    return "unavailable"
+
+
+def token_outcome(status: int, error: str) -> Outcome:
+    """The outcome of a request whose token the token endpoint refused with `status` (OAuth `error`).
+    Our client credentials refused (401, 403, or RFC 6749's 400 `invalid_client`) is `auth`, as a 401 at
+    the send endpoint; a 429 is `throttled`; anything else `unavailable`. The send endpoint was never
+    called, so nothing can have been accepted."""
+    if status in (401, 403) or (status == 400 and error == "invalid_client"):
+        return "auth"
+    if status == 429:
+        return "throttled"
     return "unavailable"
 
 

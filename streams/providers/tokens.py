@@ -49,6 +49,25 @@ def expiry_s(token: str, expires_in: object, now_unix: float) -> float:
     raise ProviderAuthError("the token endpoint's answer states no expiry (no JWT exp, no expires_in)")
 
 
+class TokenRefused(ProviderAuthError):
+    """The token endpoint answered, with a non-2xx: its status, Retry-After and OAuth `error` (never its body,
+    which may quote the credentials)."""
+
+    def __init__(self, provider: str, status: int, retry_after: str | None, error: str):
+        super().__init__(f"token endpoint of {provider} answered {status}" + (f" {error}" if error else ""))
+        self.status, self.retry_after, self.error = status, retry_after, error
+
+
+def oauth_error(body: bytes) -> str:
+    """The `error` of an OAuth error answer (RFC 6749 5.2), "" when there is none."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    error = doc.get("error") if isinstance(doc, dict) else None
+    return error if isinstance(error, str) and error.isascii() and len(error) <= 64 else ""
+
+
 class TokenSource:
     def __init__(self, provider: str, client: httpx.Client, path: str, client_id: str, client_secret: str,
                  clock: Callable[[], float] = time.monotonic):
@@ -83,7 +102,8 @@ class TokenSource:
         except httpx.TransportError as exc:
             raise ProviderAuthError(f"token endpoint of {self.provider} unreachable: {type(exc).__name__}") from None
         if not resp.is_success:
-            raise ProviderAuthError(f"token endpoint of {self.provider} answered {resp.status_code}")
+            raise TokenRefused(self.provider, resp.status_code, resp.headers.get("retry-after"),
+                               oauth_error(resp.content))
         try:
             doc = orjson.loads(resp.content)
             value = str(doc["access_token"])

@@ -27,10 +27,11 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
         stack, names, namespace, channel_topics, limits, processes, send_client, mock_provider, tmp_path,
         dispatch_env, redis_client):
     """Given retry policies allowing 3 attempts with a 10 s tier, a transactional SMS worker, its retrier and the
-    outcome recorder, and a provider that answers 500 to everything,
+    outcome recorder, and a provider that answers 408 to everything (it never read the request: a 500 would
+    leave the outcome unknown, and the send would end `unknown_outcome`),
     When one SMS send is published, and after it is dead-lettered the provider recovers and an operator replays it,
     Then the send lands once in notif.dlq after exactly 3 attempts (reason retries_exhausted, with its send id,
-    tenant, channel and the last 500 error), its status went through `retrying` and shows 3 attempts with their
+    tenant, channel and the last 408 error), its status went through `retrying` and shows 3 attempts with their
     status and duration; the replay is a new send with a new id and `replay_of` set, delivered once (the original
     id is never sent again); a delivered send can be replayed too; `dlq show` does not reveal the phone number;
     replaying an unknown id, or a send whose payload is older than 7 days, fails saying why."""
@@ -41,7 +42,7 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     policy_file.write_text(POLICIES)
     processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policy_file)
     env = {**dispatch_env, "DUAL_RAIL_RETRY_POLICIES": str(policy_file)}
-    mock_provider.configure(fault_5xx_ratio=1.0)
+    mock_provider.configure(fault_408_ratio=1.0)
     processes.worker("sms", "transactional")
     processes.retrier("sms", "transactional")
     processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
@@ -57,16 +58,16 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     assert r.key == send_id and r.headers["send_id"] == send_id
     assert r.reason == "retries_exhausted" and r.headers["attempts"] == "3"
     assert r.headers["tenant"] == "acme" and r.headers["channel"] == "sms"
-    assert r.headers["last_error"].startswith("500 internal_server_error")
-    assert mock_provider.stats()["faults_5xx"] == 3  # exactly the policy's attempts
+    assert r.headers["last_error"].startswith("408 request_timeout")
+    assert mock_provider.stats()["faults_408"] == 3  # exactly the policy's attempts
     status = wait_until(lambda: (s := store.get(send_id)) and s["status"] == "dead_lettered" and s, 30,
                         "the dead-lettered status")
     assert [(a["n"], a["status_code"], a["outcome"]) for a in status["attempt_history"]] == [
-        (1, 500, "unavailable"), (2, 500, "unavailable"), (3, 500, "unavailable")]
+        (1, 408, "unavailable"), (2, 408, "unavailable"), (3, 408, "unavailable")]
     assert all(a["duration_ms"] >= 0 and a["at_ms"] > 0 for a in status["attempt_history"])
 
     # When the provider recovers and an operator replays the dead letter
-    mock_provider.configure(fault_5xx_ratio=0.0)
+    mock_provider.configure(fault_408_ratio=0.0)
     out = _cli(env, "dlq", "replay", send_id)
     assert out.returncode == 0, out.stderr
     replay_id = out.stdout.split(" as a new send ")[1].split()[0]

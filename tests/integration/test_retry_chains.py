@@ -14,7 +14,7 @@ from tests.harness import committed_lag, sms_request, wait_until
 def test_a_lane_message_read_again_after_its_attempt_failed_starts_no_second_retry_chain(
         stack, names, namespace, redis_client, channel_topics, limits, processes, mock_provider, tmp_path):
     """Given a policy of 3 attempts 10 s apart, a transactional SMS worker and its retrier, and a provider that
-    answers 500 to everything,
+    answers 408 to everything (it never read the request: each attempt's sends are released),
     When a send's first attempt has failed, its retry copy is durable, and its lane message is then read again
     (published again, byte for byte, as a worker that died before committing its offset would meet it),
     Then the provider sees exactly 3 attempts and the send has exactly one dead letter, once the lane and the
@@ -27,7 +27,7 @@ def test_a_lane_message_read_again_after_its_attempt_failed_starts_no_second_ret
     policy_file = tmp_path / "policies.toml"
     policy_file.write_text(POLICIES)
     processes.env["DUAL_RAIL_RETRY_POLICIES"] = str(policy_file)
-    mock_provider.configure(fault_5xx_ratio=1.0)
+    mock_provider.configure(fault_408_ratio=1.0)
     processes.worker("sms", "transactional")
     processes.retrier("sms", "transactional")
 
@@ -57,4 +57,4 @@ def test_a_lane_message_read_again_after_its_attempt_failed_starts_no_second_ret
     letters = read_all(stack.bootstrap, names.dlq, timeout_s=2)
     assert [(r.send_id, r.reason, r.headers["attempts"]) for r in letters] == [
         (send.send_id, "retries_exhausted", "3")]
-    assert mock_provider.stats()["faults_5xx"] == 3
+    assert mock_provider.stats()["faults_408"] == 3

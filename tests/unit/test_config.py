@@ -39,3 +39,24 @@ def test_an_ingest_instance_name_must_be_usable_in_a_transactional_id():
     for bad in ("api 1", "api/1", "x" * 101):
         with pytest.raises(ConfigError, match="DUAL_RAIL_INGEST_INSTANCE=.* must be 1-100 letters, digits"):
             Config.from_env({"DUAL_RAIL_INGEST_INSTANCE": bad})
+
+
+def test_a_provider_base_url_with_a_path_is_refused_at_start_naming_the_provider_and_the_url():
+    """Given RESEND_BASE_URL with a path prefix (/v1), a query, or no host,
+    When the settings are read,
+    Then the process stops with an error naming the variable, the URL and the provider (before, every request
+    went to /v1/emails, which the allowlist refused in the pool thread: nothing was ever sent, and each send
+    was re-sent as an unknown outcome until it was dead-lettered); a bare host, with or without a slash, is
+    taken as it is."""
+    assert Config.from_env({"RESEND_BASE_URL": "https://api.resend.com"}).providers["resend"].base_url == \
+        "https://api.resend.com"
+    assert Config.from_env({"SMS_B_BASE_URL": "http://127.0.0.1:18080/"}).providers["sms-b"].base_url == \
+        "http://127.0.0.1:18080/"
+    with pytest.raises(ConfigError, match=r"RESEND_BASE_URL='https://api.example.com/v1' \(provider 'resend'\) "
+                                          r"must name no path.*give 'https://api.example.com'"):
+        Config.from_env({"RESEND_BASE_URL": "https://api.example.com/v1"})
+    with pytest.raises(ConfigError, match="SMS_BASE_URL=.*provider 'sms'.* no path, query"):
+        Config.from_env({"SMS_BASE_URL": "https://sms.example.com/?region=eu"})
+    for bad in ("api.example.com", "ftp://api.example.com", "https://api.example.com:port"):
+        with pytest.raises(ConfigError, match="must be an http\\(s\\) URL with a host"):
+            Config.from_env({"RESEND_BASE_URL": bad})

@@ -21,14 +21,27 @@ def _provider(handler) -> ResendEmail:
     (429, "monthly_quota_exceeded", "quota"), (400, "validation_error", "rejected"),
     (422, "validation_error", "rejected"), (401, "invalid_api_key", "auth"),
     (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unknown"),
-    (500, "internal_server_error", "unavailable"), (503, "", "unavailable"),
-    (502, "bad_gateway", "unknown"), (504, "", "unknown"),
+    (408, "", "unavailable"), (408, "request_timeout", "unavailable"),
+    (500, "internal_server_error", "unknown"), (500, "application_error", "unknown"), (503, "", "unknown"),
+    (502, "bad_gateway", "unknown"), (504, "", "unknown"), (507, "", "unknown"),
+    (501, "", "unavailable"), (505, "", "unavailable"),
 ])
 def test_status_and_error_name_decide_the_outcome(status, name, outcome):
     body = {"id": "m1"} if status == 200 else {"statusCode": status, "name": name, "message": "x"}
     result = _provider(lambda req: httpx.Response(status, json=body, headers={"retry-after": "3"})).post(
         "/emails", b"{}", "re_k", "k")
     assert result.outcome == outcome and result.status == status
+
+
+def test_a_408_is_retried_not_dead_lettered():
+    """A 408: the provider stopped waiting for the rest of the request, so it never acted on it. The send is
+    retried on its policy's schedule (before, it was dead-lettered `permanent_error` at the first 408)."""
+    from streams.retry.policy import RetryAt, decide, load_policies
+
+    result = _provider(lambda req: httpx.Response(408, text="Request Timeout")).post("/emails", b"{}", "re_k", "k")
+    decision = decide(load_policies()["transactional"], 1, 0, result, 1_000, 0.5)
+    assert result.outcome == "unavailable" and isinstance(decision, RetryAt)
+    assert decision.reason == "provider_unavailable"
 
 
 def test_lost_answer_is_unknown_and_refused_connection_is_unavailable():
@@ -70,6 +83,33 @@ def test_null_tags_mean_none_and_a_webhook_event_may_spell_occurred_at_either_wa
 def test_redaction_removes_addresses_numbers_and_keys():
     text = redact('{"message": "bad to: jane.doe@example.com, +1 415 555 0123, key re_AbC123"}')
     assert "jane" not in text and "555" not in text and "AbC123" not in text
+
+
+@pytest.mark.parametrize("text, secret", [
+    ("API key sk_live_9f8e7d6c5b4a39281706f5e4 is not valid", "9f8e7d6c5b4a"),
+    ("key pk_test_51HxYzAbCdEfGh refused, rk_live_abcdefghijklmnopqrstu too", "51HxYzAbCdEfGh"),
+    ("key_9f8e7d6c5b4a3928 unknown", "9f8e7d6c5b4a3928"),
+    ("rejected: Authorization: Bearer 0a1b2c3d4e5f.g6h7", "0a1b2c3d4e5f"),
+    ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjbGllbnQtMSJ9.c2lnbmF0dXJl expired", "eyJzdWIiOiJjbGllbnQtMSJ9"),
+    ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "anna"),
+    ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "news"),
+])
+def test_redaction_removes_tokens_key_shapes_and_percent_encoded_addresses(text, secret):
+    assert secret not in redact(text), redact(text)
+
+
+def test_redaction_keeps_error_names_that_only_look_like_keys():
+    assert redact("key_not_found: the domain is not verified") == "key_not_found: the domain is not verified"
+
+
+@pytest.mark.parametrize("status", [401, 422])
+def test_the_key_a_request_carried_is_stripped_from_the_providers_answer_whatever_its_shape(status):
+    """A provider that echoes the credential it refused (here a key of no known shape) never gets it into
+    the excerpt that is logged and put in DLQ headers."""
+    key = "Zq8v-31kf.LmN0pQ"
+    body = {"statusCode": status, "name": "invalid_api_key", "message": f"API key {key} is not valid"}
+    result = _provider(lambda req: httpx.Response(status, json=body)).post("/emails", b"{}", key, "k")
+    assert key not in result.error_body and "is not valid" in result.error_body
 
 
 def test_every_non_2xx_carries_its_status_and_a_redacted_body():

@@ -146,6 +146,38 @@ def test_a_401_refreshes_once_and_sends_the_same_request_again_a_second_401_is_a
     assert len(sent) == 2  # once more, never a third time
 
 
+@pytest.mark.parametrize("answer, outcome, name", [
+    (httpx.Response(401, json={"error": "invalid_client"}), "auth", "token_refused"),
+    (httpx.Response(403, json={"error": "access_denied"}), "auth", "token_refused"),
+    (httpx.Response(400, json={"error": "invalid_client"}), "auth", "token_refused"),
+    (httpx.Response(429, headers={"retry-after": "7"}), "throttled", "token_throttled"),
+    (httpx.Response(503, text="down for maintenance"), "unavailable", "token_unavailable"),
+    (httpx.Response(400, json={"error": "invalid_request"}), "unavailable", "token_unavailable"),
+    (None, "unavailable", "token_unavailable"),  # the endpoint does not answer
+], ids=["401", "403", "400 invalid_client", "429", "503", "400 other", "unreachable"])
+def test_a_token_endpoint_refusal_is_told_apart(answer, outcome, name):
+    """Revoked client credentials are an `auth` outcome, as a 401 at the send endpoint (the provider is held,
+    the alert fires, no attempt is used up); a 429 is `throttled` with the endpoint's Retry-After; anything
+    else stays `unavailable`. The send endpoint is never called."""
+    sends: list[httpx.Request] = []
+
+    def provider(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/oauth/token":
+            sends.append(request)
+            return httpx.Response(201, json={"message": {"sid": "SM1"}})
+        if answer is None:
+            raise httpx.ConnectError("refused", request=request)
+        return answer
+
+    adapter = SmsGatewayB(REGISTRY.providers["sms-b"], "http://p.test", {"client_id": "id", "client_secret": "s3cr3t"})
+    adapter.client._transport.inner = httpx.MockTransport(provider)  # no network, same allowlist
+    result = adapter.post("/v2/messages", b"{}", "unused", "send-1")
+    assert (result.outcome, result.error_name) == (outcome, name) and not sends
+    assert result.status == (answer.status_code if answer is not None else None)
+    assert result.retry_after == ("7" if outcome == "throttled" else None)
+    assert "s3cr3t" not in result.error_body
+
+
 @pytest.mark.parametrize("operator_pacing, cap", [(0, 8), (5, 5), (50, 8)])
 def test_a_worker_never_keeps_more_requests_in_flight_than_its_own_slots(operator_pacing, cap):
     """providers.toml allows 32 per worker; a worker started with --concurrency 8 keeps at most 8, whatever the

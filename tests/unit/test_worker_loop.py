@@ -23,7 +23,7 @@ from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
 from streams.names import TopicNames
 from streams.outcomes import events_of
-from streams.providers.outcome import ProviderResult, redact
+from streams.providers.outcome import ProviderResult, classify, redact
 from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
@@ -524,6 +524,7 @@ class KeyedProvider(FakeProvider):
     `answers` come first, in order ("accept, answer lost" or an answer given without accepting)."""
 
     LOST = "accepted, answer lost"
+    FAILED_AFTER = "accepted, then answered 500"
 
     def __init__(self, answers):
         super().__init__(DELIVERED)
@@ -537,10 +538,12 @@ class KeyedProvider(FakeProvider):
     def post(self, path, body, api_key, idempotency_key):
         self.keys.append(idempotency_key)
         answer = self.answers.pop(0) if self.answers else DELIVERED
-        if answer is self.LOST or answer is DELIVERED:
+        if answer is self.LOST or answer is self.FAILED_AFTER or answer is DELIVERED:
             self.accepted.setdefault(idempotency_key, body)
         if answer is self.LOST:
             return ProviderResult("unknown", 502, error_name="bad_gateway")
+        if answer is self.FAILED_AFTER:  # as the HTTP adapter maps it
+            return ProviderResult(classify(500, "internal_server_error"), 500, error_name="internal_server_error")
         return answer
 
     def deliveries(self) -> dict[bytes, int]:
@@ -574,6 +577,26 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
         returned += 1
         _run(worker)
     assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 3, provider.keys
+    assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
+
+
+def test_a_batch_answered_500_keeps_its_sends_claimed_and_only_its_request_is_sent_again():
+    """Given a batch of three marketing emails the provider accepted before it answered 500,
+    When each retry copy comes back,
+    Then the sends stayed claimed under the batch's key: every request the provider sees is the first one,
+    byte for byte, under its key, and each email is delivered once (released, the copies would come back
+    at their own jittered times and be re-batched under new keys: every email twice)."""
+    sends, msgs = _messages(["acme"] * 3)
+    provider, jobs = KeyedProvider([KeyedProvider.FAILED_AFTER]), RecordingJobs()
+    worker, consumer, producer, _ = _worker(msgs, jobs=jobs, lane="marketing", provider=provider)
+    _run(worker)
+    retry_topic, = (t for t in producer.records if ".retry." in t)
+    assert len(producer.records[retry_topic]) == 3 and len(provider.keys) == 1
+    assert {jobs.state[s.send_id] for s in sends} == {f"inflight:{provider.keys[0]}"}
+    for returned, (value, headers) in enumerate(list(producer.records[retry_topic])):
+        consumer.pending.append(FakeMessage(0, 3 + returned, value, list(headers.items())))
+        _run(worker)
+    assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 2, provider.keys
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
