@@ -62,14 +62,17 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> Non
             for m in msgs:
                 if m.error():
                     continue
-                if m.offset() + 1 >= ends.get(m.partition(), 0):
-                    ends.pop(m.partition(), None)
                 try:
                     doc = orjson.loads(m.value())
                 except (orjson.JSONDecodeError, TypeError):
                     continue
                 for event in events_of(doc):  # a record may hold several (one provider request's)
                     handle(event)
+            # A partition is read once the consumer's position reaches its end: a transaction's commit or
+            # abort marker takes the last offset and is never returned, so no record need be seen there.
+            for tp in c.position([TopicPartition(topic, p) for p in ends]):
+                if tp.offset >= ends[tp.partition]:
+                    del ends[tp.partition]
     finally:
         c.close()
 
