@@ -1,6 +1,8 @@
 """`streams state recover` on a real broker and Redis: it reads notif.outcomes to its end and rebuilds the
 delivered marks, whatever else the topic holds."""
 
+import logging
+import re
 import time
 import uuid
 
@@ -8,6 +10,7 @@ import orjson
 from confluent_kafka import Producer
 
 from streams.ingest.status import StatusStore
+from streams.kafka_client import put_acked
 from streams.names import RedisKeys
 from streams.state.guard import log_epoch
 from streams.state.log import OperatorLog
@@ -44,3 +47,32 @@ def test_recover_finishes_when_a_transaction_marker_ends_the_outcomes_partition(
     store = StatusStore(redis_client, namespace)
     assert [store.get(s)["status"] for s in ("s-1", "s-2")] == ["delivered", "delivered"]
     assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+
+
+def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, caplog):
+    """Given notif.outcomes holding a record that is not JSON, a delivered event whose provider_message_id
+    is a number (its send id, tenant and status good), and a good delivered event,
+    When `streams state recover` runs,
+    Then both delivered marks are rebuilt (the send with the bad field is not sent again), the bad event's
+    status is not recorded, and each skip is counted and logged with the field or why and its offset."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for value in (b"{not json", orjson.dumps({**_delivered("s-bad", now_ms), "provider_message_id": 42}),
+                  orjson.dumps(_delivered("s-good", now_ms))):
+        put_acked(producer, names.outcomes, b"k", value, 10, "an outcome record")
+    keys = RedisKeys(namespace)
+
+    with caplog.at_level(logging.INFO):
+        result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
+
+    assert [redis_client.get(keys.processed("acme", s)) for s in ("s-bad", "s-good")] == [b"delivered"] * 2
+    assert (result.delivered_marks, result.statuses, result.skipped) == (2, 1, 2)
+    store = StatusStore(redis_client, namespace)
+    assert store.get("s-bad") is None and store.get("s-good")["status"] == "delivered"
+    skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skips) == 2, skips
+    at = re.escape(names.outcomes) + r"\[\d+\]@"
+    assert any("not JSON" in s and re.search(at + "0:", s) for s in skips), skips
+    assert any("'provider_message_id'" in s and re.search(at + "1:", s) for s in skips), skips
