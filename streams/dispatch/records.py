@@ -50,9 +50,12 @@ def after_all(n: int, then: OnAck) -> OnAck:
     return one
 
 
-def error_header(result: ProviderResult) -> bytes:
-    """Status, error name and the (already redacted) body of a provider answer."""
-    return f"{result.status or result.outcome} {result.error_name} {result.error_body}".strip().encode()[:1000]
+def error_header(result: ProviderResult, channel: str) -> bytes:
+    """Status, error name and the (already redacted) body of a provider answer. A webhook receiver's
+    body is left out: receivers often echo the event back (personal data no redaction recognises),
+    and retry and DLQ headers are read by operators; the tenant reads it in its own attempt record."""
+    body = "" if channel == "webhook" else result.error_body
+    return f"{result.status or result.outcome} {result.error_name} {body}".strip().encode()[:1000]
 
 
 def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
@@ -143,7 +146,7 @@ class RecordWriter:
         goes to stays the one it was last tried on."""
         tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
-        headers["last_error"] = error_header(result)
+        headers["last_error"] = error_header(result, p.send.channel)
         headers.setdefault("first_error", headers["last_error"])
         headers["providers_tried"] = ",".join(tried).encode()
         metrics.RETRIES.labels(*self._label, decision.tier).inc()
@@ -167,7 +170,7 @@ class RecordWriter:
         tier = next(iter(RETRY_TIERS))
         headers = self._retry_headers(p, now_ms, tier, f"fallback:{result.error_name}", p.attempt + 1)
         headers.update({"provider": provider.encode(), "providers_tried": ",".join(tried).encode(),
-                        "last_error": error_header(result)})
+                        "last_error": error_header(result, p.send.channel)})
         headers.setdefault("first_error", headers["last_error"])
         metrics.SENDS.labels(*self._label, "fallback").inc()
         evidence(log, logging.WARNING, "fallback_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
@@ -207,7 +210,7 @@ class RecordWriter:
         headers.setdefault("origin_partition", str(p.partition).encode())
         headers.setdefault("origin_offset", str(p.offset).encode())
         if result is not None:
-            headers["last_error"] = error_header(result)
+            headers["last_error"] = error_header(result, p.send.channel)
             headers.setdefault("first_error", headers["last_error"])
         if tried:
             headers["providers_tried"] = ",".join(tried).encode()
