@@ -65,8 +65,8 @@ INGEST_BULK_RESTARTS = Counter("dispatch_ingest_bulk_process_restarts_total", "T
                                "bulk process again after it exited")
 OUTCOMES_RECORDED = Counter("dispatch_outcomes_recorded_total", "Outcome events applied to the status store",
                             ["status"])
-OUTCOMES_SKIPPED = Counter("dispatch_outcomes_skipped_total", "Outcome records or events the outcome recorder could "
-                           "not use (not JSON, a field of the wrong type) and skipped")
+OUTCOMES_SKIPPED = Counter("dispatch_outcomes_skipped_total", "Outcome records or events the outcome recorder (or "
+                           "state recover) could not use (not JSON, a field of the wrong type) and skipped")
 PAUSED = Gauge("dispatch_lane_paused", "1 while a worker keeps its partitions paused", ["channel", "lane", "reason"])
 
 PRODUCE_RETRIES = Counter("dispatch_produce_retries_total", "Records produced again after the broker did not "

@@ -50,12 +50,21 @@ _TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id"
 _INTEGERS = ("attempts", "completed_at_ms", "created_at_ms")
 
 
-def unusable(event: dict) -> str | None:
-    """Why an outcome event cannot be recorded, naming the field (None: it can). Our writers never
-    write such events; another producer on the topic, or a newer version, might."""
+def unidentified(event: dict) -> str | None:
+    """Why an outcome event does not say which send it is about and what became of it, naming the
+    field (None: it does; that is all a delivered mark needs)."""
     for name in ("send_id", "status", "tenant_id"):
         if not isinstance(event.get(name), str) or not event[name]:
             return f"'{name}' is not a non-empty string"
+    return None
+
+
+def unusable(event: dict) -> str | None:
+    """Why an outcome event cannot be recorded, naming the field (None: it can). Our writers never
+    write such events; another producer on the topic, or a newer version, might."""
+    problem = unidentified(event)
+    if problem:
+        return problem
     for name in _TEXT:
         if event.get(name) is not None and not isinstance(event[name], str):
             return f"'{name}' is not a string"

@@ -205,15 +205,28 @@ def audit(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _replay(rt: Runtime, send_id: str) -> int:
+def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool) -> int:
+    """`dead_letter`: replay a dead letter, once however often asked; else a new delivery of any finished send."""
     from ..ingest.status import StatusStore
-    from ..retry.replay import replay
+    from ..retry.replay import replay, replay_dead_letter
 
-    new = replay(rt.bootstrap, rt.names, StatusStore(rt.redis(), rt.namespace),
-                 rt.send_client(known_policies=frozenset(rt.policies())), send_id)
+    store, client = StatusStore(rt.redis(), rt.namespace), rt.send_client(known_policies=frozenset(rt.policies()))
+    if dead_letter:
+        done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked)
+        if done.send is None:
+            print(f"{send_id} was replayed already as {done.send_id} (replay_of={send_id}); nothing was published")
+            return 0
+        new = done.send
+    else:
+        new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
     print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
           f"{rt.names.lane(new.channel, new.lane)}")
     return 0
+
+
+def _outcome_checked_flag(p) -> None:
+    p.add_argument("--outcome-checked", action="store_true",
+                   help="replay a send dead-lettered unknown_outcome: you checked the provider does not hold it")
 
 
 def dlq(sub) -> None:
@@ -222,6 +235,7 @@ def dlq(sub) -> None:
     p.add_argument("send_id", nargs="?")
     p.add_argument("--reason", help="list only this reason")
     p.add_argument("--limit", type=int, default=50)
+    _outcome_checked_flag(p)
 
     def run(args: argparse.Namespace) -> int:
         from ..ingest.status import StatusStore
@@ -240,7 +254,7 @@ def dlq(sub) -> None:
         if not args.send_id:
             raise ConfigError(f"`streams dlq {args.action}` needs a send id")
         if args.action == "replay":
-            return _replay(rt, args.send_id)
+            return _replay(rt, args.send_id, args.outcome_checked, dead_letter=True)
         status = StatusStore(rt.redis(), rt.namespace).get(args.send_id) or {}
         position = (status["dlq_partition"], status["dlq_offset"]) if "dlq_offset" in status else None
         print(tools.describe(tools.find(rt.bootstrap, rt.names.dlq, args.send_id, position)))
@@ -253,6 +267,7 @@ def sends(sub) -> None:
     p = sub.add_parser("sends", help="operator: a send's status and history, and replays")
     p.add_argument("action", choices=["show", "replay"])
     p.add_argument("send_id")
+    _outcome_checked_flag(p)
 
     def run(args: argparse.Namespace) -> int:
         import orjson
@@ -261,7 +276,7 @@ def sends(sub) -> None:
 
         rt = Runtime(args.config)
         if args.action == "replay":
-            return _replay(rt, args.send_id)
+            return _replay(rt, args.send_id, args.outcome_checked, dead_letter=False)
         status = StatusStore(rt.redis(), rt.namespace).get(args.send_id)
         if status is None:
             raise ConfigError(f"no send {args.send_id} (its history is kept 30 days)")

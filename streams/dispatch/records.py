@@ -50,9 +50,12 @@ def after_all(n: int, then: OnAck) -> OnAck:
     return one
 
 
-def error_header(result: ProviderResult) -> bytes:
-    """Status, error name and the (already redacted) body of a provider answer."""
-    return f"{result.status or result.outcome} {result.error_name} {result.error_body}".strip().encode()[:1000]
+def error_header(result: ProviderResult, channel: str) -> bytes:
+    """Status, error name and the (already redacted) body of a provider answer. A webhook receiver's
+    body is left out: receivers often echo the event back (personal data no redaction recognises),
+    and retry and DLQ headers are read by operators; the tenant reads it in its own attempt record."""
+    body = "" if channel == "webhook" else result.error_body
+    return f"{result.status or result.outcome} {result.error_name} {body}".strip().encode()[:1000]
 
 
 def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
@@ -143,7 +146,7 @@ class RecordWriter:
         goes to stays the one it was last tried on."""
         tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
-        headers["last_error"] = error_header(result)
+        headers["last_error"] = error_header(result, p.send.channel)
         headers.setdefault("first_error", headers["last_error"])
         headers["providers_tried"] = ",".join(tried).encode()
         metrics.RETRIES.labels(*self._label, decision.tier).inc()
@@ -167,7 +170,7 @@ class RecordWriter:
         tier = next(iter(RETRY_TIERS))
         headers = self._retry_headers(p, now_ms, tier, f"fallback:{result.error_name}", p.attempt + 1)
         headers.update({"provider": provider.encode(), "providers_tried": ",".join(tried).encode(),
-                        "last_error": error_header(result)})
+                        "last_error": error_header(result, p.send.channel)})
         headers.setdefault("first_error", headers["last_error"])
         metrics.SENDS.labels(*self._label, "fallback").inc()
         evidence(log, logging.WARNING, "fallback_scheduled", send_id=p.send.send_id, tenant=p.send.tenant_id,
@@ -198,30 +201,32 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ dead letters
     def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck,
-                    tried: list[str] | None = None, detail: str = "") -> None:
+                    tried: list[str] | None = None, detail: str = "", attempted: bool | None = None) -> None:
+        """`attempted`: whether attempt `p.attempt` was made (default: when it has a result); the letter counts
+        the attempts made. Counted in dispatch_dead_letters_total once, by the reason it is stored under."""
+        made = p.attempt if (result is not None if attempted is None else attempted) else p.attempt - 1
         headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
                    "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
-                   "reason": reason.encode(), "attempts": str(p.attempt).encode(),
+                   "reason": reason.encode(), "attempts": str(made).encode(),
                    "origin_topic": p.headers.get("origin_topic", self.topic.encode()),
                    "group": self.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()}
         headers.setdefault("origin_partition", str(p.partition).encode())
         headers.setdefault("origin_offset", str(p.offset).encode())
         if result is not None:
-            headers["last_error"] = error_header(result)
+            headers["last_error"] = error_header(result, p.send.channel)
             headers.setdefault("first_error", headers["last_error"])
         if tried:
             headers["providers_tried"] = ",".join(tried).encode()
         if detail:
             headers["detail"] = redact(detail, 1000).encode()
-        metrics.DLQ.labels(*self._label, reason).inc()
         metrics.SENDS.labels(*self._label, "dead_lettered").inc()
         evidence(log, logging.WARNING, "dead_lettered", send_id=p.send.send_id, tenant=p.send.tenant_id,
                  provider=tried[-1] if tried else self.provider, providers_tried=",".join(tried or ()),
-                 attempts=p.attempt, reason=reason, **({"detail": redact(detail, 200)} if detail else {}))
+                 attempts=made, reason=reason, **({"detail": redact(detail, 200)} if detail else {}))
         attempt = attempt_info(p.attempt, result, now_ms) if result is not None else None
         # A webhook delivery that is given up on is "dropped" (the word its receivers' alerts use).
         status = "dropped" if p.send.channel == "webhook" else "dead_lettered"
-        event = {**self.outcome_event(p.send, status, p.attempt, now_ms, reason=reason, attempt=attempt,
+        event = {**self.outcome_event(p.send, status, made, now_ms, reason=reason, attempt=attempt,
                                       tried=tried),
                  "origin": self.origin(p)}
 
@@ -231,10 +236,14 @@ class RecordWriter:
             # would refuse it as still in progress).
             self.outcome({**event, "dlq": {"partition": partition, "offset": offset}}, on_ack)
 
+        def written_whole(partition: int, offset: int) -> None:  # refused, it is counted as too_large instead
+            metrics.DLQ.labels(*self._label, reason).inc()
+            written(partition, offset)
+
         self.produce(self.names.dlq, p.send.send_id.encode(), p.raw, headers, None,
                      on_refused=lambda err: self._dead_letter_without_payload(p.send.send_id.encode(), headers,
                                                                              None, written),
-                     on_written=written)
+                     on_written=written_whole)
 
     def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack: OnAck) -> None:
         """An event that never became a send: dead-letter it with the reason; the partition moves on."""
@@ -247,8 +256,11 @@ class RecordWriter:
                        "origin_partition": str(msg.partition()).encode(),
                        "origin_offset": str(msg.offset()).encode(), "group": self.group.encode(),
                        "dead_lettered_at_ms": str(int(time.time() * 1000)).encode()}
-        metrics.DLQ.labels(*self._label, reason).inc()
-        self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, on_ack,
+        def written_whole() -> None:  # refused, it is counted as too_large instead
+            metrics.DLQ.labels(*self._label, reason).inc()
+            on_ack()
+
+        self.produce(self.names.dlq, send_id or None, msg.value(), dlq_headers, written_whole,
                      on_refused=lambda err: self._dead_letter_without_payload(send_id or None, dlq_headers, on_ack))
 
     def _dead_letter_without_payload(self, key: bytes | None, headers: dict[str, bytes], on_ack: OnAck | None,

@@ -307,7 +307,8 @@ class Settler:
     def dead_letter_unknown_outcome(self, p: Pending) -> None:
         """Its request went to a provider without idempotency keys and its sender stopped before the
         answer: it may have been delivered, so it waits for reconciliation, never sent again by itself."""
-        self.records.dead_letter(p, "unknown_outcome", None, int(time.time() * 1000), self.finisher(p.where))
+        self.records.dead_letter(p, "unknown_outcome", None, int(time.time() * 1000), self.finisher(p.where),
+                                 attempted=True)  # its request went out: this attempt was made, its outcome unknown
 
     def dead_letter_unbuildable(self, p: Pending, detail: str) -> None:
         """A send whose payload the provider adapter cannot turn into a request: it never can be."""

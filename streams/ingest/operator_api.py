@@ -30,7 +30,7 @@ from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
 from ..gate.limits import LimitChange
 from ..retry import dlq as dead_letters
-from ..retry.replay import replay
+from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
 from .api_keys import Principal, public
@@ -161,6 +161,8 @@ class DeadLetters(BaseModel):
 class Replayed(BaseModel):
     send_id: str = Field(description="the new send")
     replay_of: str
+    earlier: bool = Field(False, description="true: an earlier call replayed it as `send_id`; nothing was "
+                                             "published now")
 
 
 class AuditEntry(BaseModel):
@@ -269,17 +271,23 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 
     @router.post("/dlq/{send_id}/replay", status_code=202, response_model=Replayed,
                  responses=documented(401, 403, 404, 409, 503))
-    def replay_dead_letter(send_id: str, who: Operator) -> dict:
+    def replay_dead_letter(send_id: str, who: Operator, outcome_checked: bool = False) -> dict:
+        """A new send with the dead letter's payload, once: asked again (another operator, a retry after a
+        timeout) it answers the same send id with `earlier: true`. 409 for a send that is not a dead letter
+        (a delivered one), and for one dead-lettered `unknown_outcome` unless `outcome_checked=true` (the
+        provider may hold it: check there first)."""
         try:
-            new = replay(client.bootstrap, client.names, store, client, send_id)
+            done = replay_dead_letter_once(client.bootstrap, client.names, store, client, send_id, outcome_checked)
         except ReplayRefused as exc:
             code = 404 if str(exc).startswith("no send") else 409
             raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
         except PublishError as exc:  # unknown: the message names the new send id, to look up before replaying
             raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"},
                           outcome="unknown" if isinstance(exc, PublishOutcomeUnknown) else None) from None
-        audited(who, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id}, repeatable=False)
-        return {"send_id": new.send_id, "replay_of": send_id}
+        if done.send is None:
+            return {"send_id": done.send_id, "replay_of": send_id, "earlier": True}
+        audited(who, f"replay/{send_id}", None, {"send_id": done.send_id, "replay_of": send_id}, repeatable=False)
+        return {"send_id": done.send_id, "replay_of": send_id}
 
     @router.post("/endpoints/{endpoint_id}/reactivate", response_model=EndpointView,
                  responses=documented(401, 403, 404, 503))

@@ -36,6 +36,13 @@ class UnusableOutcome(ValueError):
 FINAL = frozenset({b"delivered", b"dead_lettered", b"dropped", b"skipped"})
 
 
+def skip_outcome(msg, why: str, logger: logging.Logger = log) -> None:
+    """A record of notif.outcomes, or an event in it, that can never be recorded: skipped, counted,
+    logged with why (the field) and its offset (the outcome recorder and `streams state recover`)."""
+    metrics.OUTCOMES_SKIPPED.inc()
+    logger.error("skipping an unusable outcome in %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), why)
+
+
 class StatusStore:
     """Status, attempt history and where a send's payload can be found, kept 30 days."""
 
@@ -174,11 +181,6 @@ class OutcomeRecorder:
         gone = {(p.topic, p.partition) for p in partitions}
         self.backlog = [m for m in self.backlog if (m.topic(), m.partition()) not in gone]
 
-    def _skip(self, msg, why: str) -> None:
-        """A record, or an event in it, that can never be recorded: skipped, counted, logged by offset."""
-        metrics.OUTCOMES_SKIPPED.inc()
-        log.error("skipping an unusable outcome in %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), why)
-
     def step(self) -> None:
         self._check_state()
         msgs = consume_ready(self.consumer, 500, 0.2)
@@ -203,13 +205,13 @@ class OutcomeRecorder:
                 events = events_of(orjson.loads(msg.value())) if msg.value() is not None else []  # may hold several
             except orjson.JSONDecodeError:
                 events = []
-                self._skip(msg, "not JSON")
+                skip_outcome(msg, "not JSON")
             try:
                 for event in events:  # again from the first after a Redis error: applying twice is harmless
                     try:
                         self.store.record_outcome(event)
                     except UnusableOutcome as exc:  # the others of its record are still recorded
-                        self._skip(msg, str(exc))
+                        skip_outcome(msg, str(exc))
                     else:
                         metrics.OUTCOMES_RECORDED.labels(event["status"]).inc()
             except StoreUnavailable as exc:

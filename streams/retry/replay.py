@@ -6,12 +6,15 @@ key), a new creation time (its age starts now), and carries the original id in `
 payload is byte-identical, read from where the send was kept: its dead letter, or, for a send that
 was delivered, the lane message that was delivered. Payloads are kept 7 days; after that a replay
 fails with an error that says so (the history is kept 30 days, so the error can say when).
+A send dead-lettered `unknown_outcome` is replayed only once the caller says it checked the provider
+does not hold it; a dead letter replayed as such (`replay_dead_letter`) is replayed once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..errors import (
@@ -33,6 +36,9 @@ from .dlq import PAYLOAD_DAYS, fetch, find
 log = logging.getLogger("streams.replay")
 PAYLOAD_MS = PAYLOAD_DAYS * 24 * 3600 * 1000
 REPLAYABLE = frozenset({"delivered", "dead_lettered", "dropped", "skipped"})
+DEAD_LETTERED = frozenset({"dead_lettered", "dropped"})  # a webhook delivery's dead letter is `dropped`
+# How an operator says they checked that the provider does not hold a send left to reconciliation.
+OUTCOME_CHECKED = "`--outcome-checked` (CLI) or `?outcome_checked=true` (API)"
 
 
 def _when(ms: int) -> str:
@@ -61,17 +67,32 @@ def _payload(bootstrap: str, names: TopicNames, send_id: str, status: dict) -> b
                         f"(sent {_when(_started(status))}); nothing is left to send")
 
 
-def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
-           tenant: str | None = None, now_ms: int | None = None) -> Send:
-    """Publish a new send with the payload of `send_id` (delivered or dead-lettered); returns it.
-    `tenant`, when given, must own the send (a tenant never sees another tenant's sends)."""
-    now_ms = now_ms or int(time.time() * 1000)
-    status = store.get(send_id)
+def _check(status: dict | None, send_id: str, tenant: str | None, statuses: frozenset[str],
+           outcome_checked: bool) -> dict:
+    """The send's status when it may be replayed; else ReplayRefused saying why."""
     if status is None or (tenant is not None and status.get("tenant_id") != tenant):
         raise ReplayRefused(f"no send {send_id} (its history is kept 30 days)")
-    if status["status"] not in REPLAYABLE:
+    if status["status"] == "delivered" and "delivered" not in statuses:
+        raise ReplayRefused(f"send {send_id} was delivered: it is not a dead letter (a new delivery of it is "
+                            f"`streams sends replay {send_id}`)")
+    if status["status"] not in statuses:
         raise ReplayRefused(f"send {send_id} is {status['status']}: only a finished send (delivered, dead-lettered, "
                             "dropped or skipped) can be replayed (one still in progress is retried by dispatch itself)")
+    if status.get("reason") == "unknown_outcome" and not outcome_checked:
+        raise ReplayRefused(f"send {send_id} was dead-lettered unknown_outcome: the provider may have accepted it, "
+                            "and a replay (a new send id) would deliver it a second time; check with the provider "
+                            f"that it does not hold it, then replay with {OUTCOME_CHECKED}")
+    return status
+
+
+def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
+           tenant: str | None = None, now_ms: int | None = None, statuses: frozenset[str] = REPLAYABLE,
+           outcome_checked: bool = False) -> Send:
+    """Publish a new send with the payload of `send_id` (one of `statuses`); returns it. `tenant`, when
+    given, must own the send (a tenant never sees another tenant's sends). A send dead-lettered
+    `unknown_outcome` is refused unless `outcome_checked` (the caller checked the provider does not hold it)."""
+    now_ms = now_ms or int(time.time() * 1000)
+    status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
     if now_ms - _started(status) > PAYLOAD_MS:
         raise ReplayRefused(f"the payload of send {send_id} has expired: payloads are kept {PAYLOAD_DAYS} days "
                             f"(sent {_when(_started(status))}); nothing is left to send")
@@ -96,3 +117,50 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     except StoreUnavailable as exc:  # published: its status follows from its outcomes as it is dispatched
         log.warning("the replay %s of %s is published, but its status was not recorded: %s", new.send_id, send_id, exc)
     return new
+
+
+@dataclass(frozen=True)
+class DeadLetterReplay:
+    send_id: str            # the replay's send id
+    send: Send | None       # None: an earlier call replayed it, and nothing was published now
+
+
+def replay_dead_letter(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
+                       outcome_checked: bool = False, now_ms: int | None = None) -> DeadLetterReplay:
+    """Replay a dead letter once (`streams dlq replay`, POST /v1/admin/dlq/{id}/replay): it is claimed as a
+    bulk webhook replay claims it (StatusStore.claim_replay), so a second call, by another operator or a
+    client retrying after a timeout, is answered with the first replay's send id and publishes nothing.
+    A refusal, or a publish with nothing published, frees the claim; a publish the broker left unconfirmed
+    keeps it (that replay may exist: `streams sends replay` sends it again deliberately)."""
+    status = store.get(send_id)
+    if earlier := _replayed_as(status):
+        return DeadLetterReplay(earlier, None)
+    _check(status, send_id, None, DEAD_LETTERED, outcome_checked)  # refused before anything is claimed
+    if not store.claim_replay(send_id):
+        if earlier := _replayed_as(store.get(send_id)):
+            return DeadLetterReplay(earlier, None)
+        raise ReplayRefused(f"send {send_id} is being replayed by another call, or its replay was left unconfirmed "
+                            "by the broker (that call named the send id to look up); a new delivery regardless is "
+                            f"`streams sends replay {send_id}`")
+    try:
+        new = replay(bootstrap, names, store, client, send_id, now_ms=now_ms, statuses=DEAD_LETTERED,
+                     outcome_checked=outcome_checked)
+    except PublishOutcomeUnknown:
+        raise
+    except BaseException:
+        try:
+            store.release_replay(send_id)
+        except StoreUnavailable as exc:  # the failure itself is the answer; the claim stays (never twice)
+            log.warning("the replay claim of %s was not freed: %s", send_id, exc)
+        raise
+    try:
+        store.mark_replayed(send_id, new.send_id)
+    except StoreUnavailable as exc:  # published: the answer names it; the claim stays (never replayed twice)
+        log.warning("the replay %s of %s is published, but not recorded as its replay: %s", new.send_id, send_id, exc)
+    return DeadLetterReplay(new.send_id, new)
+
+
+def _replayed_as(status: dict | None) -> str | None:
+    """The send id of the send's replay, once one is published (a claim still "pending" is none)."""
+    earlier = (status or {}).get("replayed_as")
+    return earlier if earlier and earlier != "pending" else None

@@ -3,15 +3,18 @@ let dispatch resume.
 
 `notif.outcomes` is the durable record of every terminal outcome: each `delivered` event of the
 last 7 days becomes a `delivered` mark in processed_jobs again (so no send delivered before the
-loss is sent twice when its message is read again), and every event is applied to the send
-status store. Then the operator log's epoch is written back to Redis (on a Redis Cluster with its
-marker in every hash slot), which ends the hold.
+loss is sent twice when its message is read again; also for an event with a bad field of its own,
+when its send id, tenant and status are good), and every event is applied to the send status
+store (one with a field of the wrong type is skipped, as the outcome recorder skips it, and logged).
+Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
+hash slot), which ends the hold.
 What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
 outcome is unknown; they are sent again) and `accepted` statuses of sends with no outcome yet.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,17 +22,19 @@ from dataclasses import dataclass
 
 import orjson
 import redis
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from ..dispatch.idempotency import DELIVERED_TTL_S
 from ..errors import StackError
-from ..ingest.status import StatusStore
+from ..ingest.status import StatusStore, UnusableOutcome, skip_outcome
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
-from ..outcomes import events_of, unusable
+from ..outcomes import events_of, unidentified
 from ..redis_client import store_errors
 from .guard import log_epoch, write_epoch
 from .log import OperatorLog
+
+log = logging.getLogger("streams.state.recover")
 
 
 @dataclass
@@ -37,10 +42,10 @@ class Recovery:
     events: int = 0
     delivered_marks: int = 0
     statuses: int = 0
-    skipped: int = 0  # events with a field of the wrong type (the outcome recorder skips them too)
+    skipped: int = 0  # records not JSON, and events with a field of the wrong type (not recorded as statuses)
 
 
-def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> None:
+def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> None:
     c = Consumer(client_config(bootstrap, quiet=True, settings={
         "group.id": f"state-recover-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
     try:
@@ -62,14 +67,12 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[dict], None]) -> Non
             for m in msgs:
                 if m.error():
                     continue
-                if m.offset() + 1 >= ends.get(m.partition(), 0):
-                    ends.pop(m.partition(), None)
-                try:
-                    doc = orjson.loads(m.value())
-                except (orjson.JSONDecodeError, TypeError):
-                    continue
-                for event in events_of(doc):  # a record may hold several (one provider request's)
-                    handle(event)
+                handle(m)
+            # A partition is read once the consumer's position reaches its end: a transaction's commit or
+            # abort marker takes the last offset and is never returned, so no record need be seen there.
+            for tp in c.position([TopicPartition(topic, p) for p in ends]):
+                if tp.offset >= ends[tp.partition]:
+                    del ends[tp.partition]
     finally:
         c.close()
 
@@ -80,20 +83,43 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
     result = Recovery()
     now_ms = int(time.time() * 1000)
 
-    def apply(event: dict) -> None:
-        if unusable(event):  # the outcome recorder skipped it too
-            result.skipped += 1
+    def skip(msg: Message, why: str) -> None:
+        result.skipped += 1
+        skip_outcome(msg, why, log)
+
+    def apply(msg: Message) -> None:
+        try:
+            events = events_of(orjson.loads(msg.value())) if msg.value() is not None else []
+        except orjson.JSONDecodeError:
+            skip(msg, "not JSON")
+            return
+        for event in events:  # a record may hold several (one provider request's)
+            apply_event(msg, event)
+
+    def apply_event(msg: Message, event: dict) -> None:
+        problem = unidentified(event)
+        if problem:
+            skip(msg, problem)
             return
         result.events += 1
-        if event.get("status") == "delivered":
-            age_s = (now_ms - int(event.get("completed_at_ms") or now_ms)) / 1000
+        marked = ""
+        if event["status"] == "delivered":  # its mark needs only the send and its tenant
+            completed = event.get("completed_at_ms")
+            if not isinstance(completed, int) or isinstance(completed, bool) or completed <= 0:
+                completed = now_ms  # unknown: kept a full week, never shorter
+            age_s = (now_ms - completed) / 1000
             if age_s < DELIVERED_TTL_S:
                 with store_errors("restoring a delivered mark"):
                     client.set(keys.processed(event["tenant_id"], event["send_id"]), "delivered",
                                ex=max(1, int(DELIVERED_TTL_S - age_s)))
                 result.delivered_marks += 1
-        store.record_outcome(event)
-        result.statuses += 1
+                marked = " (its delivered mark is rebuilt)"
+        try:
+            store.record_outcome(event)
+        except UnusableOutcome as exc:  # the outcome recorder skips it too
+            skip(msg, f"{exc}{marked}")
+        else:
+            result.statuses += 1
         if result.events % 10_000 == 0:
             progress(f"{result.events} outcome events applied")
 

@@ -286,12 +286,15 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
     @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202, response_model=ReplayedDelivery,
                  responses=documented(401, 403, 404, 409, 410, 503))
-    def replay_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
+    def replay_delivery(delivery_id: str, tenant_id: Tenant, outcome_checked: bool = False) -> dict:
+        """A new delivery with a new webhook-id. 409 for one dead-lettered `unknown_outcome` unless
+        `outcome_checked=true`: the receiver may have it already."""
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
             raise _not_found("delivery")
         try:
-            new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+            new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id,
+                         outcome_checked=outcome_checked)
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None

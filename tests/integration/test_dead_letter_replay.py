@@ -13,10 +13,10 @@ from streams.ingest.sdk import SendClient
 from streams.ingest.status import StatusStore
 from streams.kafka_client import durable_producer, put_acked
 from streams.retry.dlq import fetch, read_all
-from streams.retry.replay import replay
+from streams.retry.replay import replay, replay_dead_letter
 from streams.send import MAX_SEND_BYTES, build_send, encode, validate_request
 from tests.harness import THREE_ATTEMPTS_10S_POLICIES as POLICIES
-from tests.harness import email_request, sms_request, wait_until
+from tests.harness import count_records, email_request, sms_request, wait_until
 
 
 def _cli(env, *args):
@@ -143,3 +143,48 @@ def test_a_replay_grown_past_the_send_limit_is_refused_for_good(stack, names, ch
                                      "offset": written.offset}})
     with pytest.raises(ReplayRefused, match=f"send {send.send_id} cannot be replayed: send 0 is"):
         replay(stack.bootstrap, names, store, send_client, send.send_id)
+
+
+def _dead_letter(send_client, store, reason: str, status: str = "dead_lettered") -> str:
+    """A published email send recorded as `status` (its lane record is where a replay finds its payload)."""
+    send = build_send(validate_request(email_request()), "shop")
+    [written] = send_client.publish_sends([send])
+    store.record_outcome({"send_id": send.send_id, "status": status, "tenant_id": "shop", "reason": reason,
+                          "completed_at_ms": int(time.time() * 1000),
+                          "origin": {"topic": written.topic, "partition": written.partition,
+                                     "offset": written.offset}})
+    return send.send_id
+
+
+def test_a_dead_letter_is_replayed_once_and_a_risky_or_delivered_one_is_refused(
+        stack, names, channel_topics, send_client, redis_client, namespace):
+    """Given dead letters on the real stack: one `retries_exhausted`, one `unknown_outcome` (the provider may
+    hold it), and a send that was delivered,
+    When each is replayed as a dead letter (`streams dlq replay`, POST /v1/admin/dlq/{id}/replay), the first twice,
+    Then the first is published once, and the second call answers the first call's send id; the unknown_outcome
+    one is refused, saying why and how, until the operator says they checked the provider; the delivered one is
+    refused (it is no dead letter)."""
+    channel_topics("email")
+    store = StatusStore(redis_client, namespace)
+    lane = names.lane("email", "transactional")
+    exhausted = _dead_letter(send_client, store, "retries_exhausted")
+    unknown = _dead_letter(send_client, store, "unknown_outcome")
+    delivered = _dead_letter(send_client, store, "", status="delivered")
+    assert count_records(stack.bootstrap, lane) == 3
+
+    first = replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
+    second = replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
+    assert first.send is not None and first.send.replay_of == exhausted
+    assert second.send is None and second.send_id == first.send_id
+    assert count_records(stack.bootstrap, lane) == 4  # one replay published
+
+    with pytest.raises(ReplayRefused, match="unknown_outcome: the provider may have accepted it.*--outcome-checked"):
+        replay_dead_letter(stack.bootstrap, names, store, send_client, unknown)
+    with pytest.raises(ReplayRefused, match="unknown_outcome"):  # nor as a send
+        replay(stack.bootstrap, names, store, send_client, unknown)
+    with pytest.raises(ReplayRefused, match=f"send {delivered} was delivered: it is not a dead letter"):
+        replay_dead_letter(stack.bootstrap, names, store, send_client, delivered)
+    assert count_records(stack.bootstrap, lane) == 4  # the refusals published nothing, and claimed nothing
+    checked = replay_dead_letter(stack.bootstrap, names, store, send_client, unknown, outcome_checked=True)
+    assert checked.send is not None and checked.send.replay_of == unknown
+    assert count_records(stack.bootstrap, lane) == 5

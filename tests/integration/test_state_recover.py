@@ -1,0 +1,78 @@
+"""`streams state recover` on a real broker and Redis: it reads notif.outcomes to its end and rebuilds the
+delivered marks, whatever else the topic holds."""
+
+import logging
+import re
+import time
+import uuid
+
+import orjson
+from confluent_kafka import Producer
+
+from streams.ingest.status import StatusStore
+from streams.kafka_client import put_acked
+from streams.names import RedisKeys
+from streams.state.guard import log_epoch
+from streams.state.log import OperatorLog
+from streams.state.recover import recover
+
+
+def _delivered(send_id: str, now_ms: int) -> dict:
+    return {"send_id": send_id, "tenant_id": "acme", "channel": "email", "lane": "transactional",
+            "status": "delivered", "attempts": 1, "provider": "resend", "provider_message_id": "m1", "reason": "",
+            "created_at_ms": now_ms - 1000, "completed_at_ms": now_ms}
+
+
+def test_recover_finishes_when_a_transaction_marker_ends_the_outcomes_partition(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client):
+    """Given notif.outcomes whose one partition ends with a transaction of two outcome records (as ingest writes
+    a request's skipped deliveries), so its last offset is the commit marker no consumer is ever given,
+    When `streams state recover` runs,
+    Then it finishes, rebuilds both sends' delivered marks and statuses, and writes the epoch back."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    producer = Producer({"bootstrap.servers": stack.bootstrap, "transactional.id": f"test-{uuid.uuid4().hex}"})
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for send_id in ("s-1", "s-2"):
+        producer.produce(names.outcomes, orjson.dumps(_delivered(send_id, now_ms)), key=b"k", partition=0)
+    producer.commit_transaction(10)
+    keys = RedisKeys(namespace)
+    oplog = OperatorLog(stack.bootstrap, oplog_topic)
+
+    result = recover(stack.bootstrap, redis_client, names, keys, oplog)
+
+    assert (result.events, result.delivered_marks, result.skipped) == (2, 2, 0)
+    assert [redis_client.get(keys.processed("acme", s)) for s in ("s-1", "s-2")] == [b"delivered", b"delivered"]
+    store = StatusStore(redis_client, namespace)
+    assert [store.get(s)["status"] for s in ("s-1", "s-2")] == ["delivered", "delivered"]
+    assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+
+
+def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, caplog):
+    """Given notif.outcomes holding a record that is not JSON, a delivered event whose provider_message_id
+    is a number (its send id, tenant and status good), and a good delivered event,
+    When `streams state recover` runs,
+    Then both delivered marks are rebuilt (the send with the bad field is not sent again), the bad event's
+    status is not recorded, and each skip is counted and logged with the field or why and its offset."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for value in (b"{not json", orjson.dumps({**_delivered("s-bad", now_ms), "provider_message_id": 42}),
+                  orjson.dumps(_delivered("s-good", now_ms))):
+        put_acked(producer, names.outcomes, b"k", value, 10, "an outcome record")
+    keys = RedisKeys(namespace)
+
+    with caplog.at_level(logging.INFO):
+        result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
+
+    assert [redis_client.get(keys.processed("acme", s)) for s in ("s-bad", "s-good")] == [b"delivered"] * 2
+    assert (result.delivered_marks, result.statuses, result.skipped) == (2, 1, 2)
+    store = StatusStore(redis_client, namespace)
+    assert store.get("s-bad") is None and store.get("s-good")["status"] == "delivered"
+    skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skips) == 2, skips
+    at = re.escape(names.outcomes) + r"\[\d+\]@"
+    assert any("not JSON" in s and re.search(at + "0:", s) for s in skips), skips
+    assert any("'provider_message_id'" in s and re.search(at + "1:", s) for s in skips), skips

@@ -1,0 +1,130 @@
+"""What a lane worker writes to Kafka (streams/dispatch/records.py), with an in-memory producer: the headers
+of retry copies and dead letters."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from confluent_kafka import KafkaError
+from prometheus_client import REGISTRY
+
+from streams.dispatch.records import RecordWriter
+from streams.dispatch.tenant_queues import Pending
+from streams.providers.outcome import ProviderResult
+from streams.retry.policy import RetryAt
+from streams.send import build_send, encode, validate_request
+from tests.harness import email_request, webhook_event
+from tests.unit.test_worker_loop import NAMES, FakeMessage, FakeProducer
+
+LANE = NAMES.lane("webhook", "transactional")
+
+
+def _writer() -> tuple[RecordWriter, FakeProducer]:
+    producer = FakeProducer()
+    return RecordWriter(producer, NAMES, "webhook", "transactional", "webhook", LANE, "g"), producer
+
+
+def _delivery(attempt: int = 1) -> Pending:
+    request = webhook_event()
+    request["payload"] = {**request["payload"], "event_id": "ev_1", "endpoint_id": "ep_1"}
+    send = build_send(validate_request(request), "acme")
+    return Pending(LANE, 0, 5, encode(send), {}, send, attempt)
+
+
+def _flush(producer: FakeProducer) -> None:
+    while producer.poll():
+        pass
+
+
+def test_a_webhook_receivers_answer_never_reaches_retry_or_dead_letter_headers():
+    """Given a webhook receiver that answered 500 echoing the event back (a person's name and street),
+    When its delivery is copied to a retry tier, and when it is dead-lettered,
+    Then no header of the retry copy or the dead letter carries the answer (they say status and error class),
+    while the tenant's own attempt record keeps the excerpt."""
+    echo = ProviderResult("unavailable", 500, error_name="http_500",
+                          error_body='echo {"name": "Jane Roe", "street": "1 Elm Row"}')
+    writer, producer = _writer()
+    now_ms = int(time.time() * 1000)
+    writer.retry(_delivery(), RetryAt("10s", now_ms + 10_000, "http_500"), echo, now_ms, lambda: None,
+                 ["webhook"])
+    writer.dead_letter(_delivery(9), "retries_exhausted", echo, now_ms, lambda: None, ["webhook"])
+    writer.webhook_attempt(_delivery(9), echo, now_ms, dropped=True)
+    _flush(producer)
+
+    [(_, retry)] = producer.records[NAMES.retry("webhook", "transactional", "10s")]
+    [(_, letter)] = producer.records[NAMES.dlq]
+    for headers in (retry, letter):
+        assert headers["last_error"] == headers["first_error"] == b"500 http_500"
+        assert not any(b"Jane" in v or b"Elm" in v for v in headers.values() if v is not None), headers
+    [(attempt, _)] = producer.records[NAMES.webhook_attempts]
+    assert b"Jane Roe" in attempt  # the tenant reads it in its own attempt record
+
+
+class RefusingProducer(FakeProducer):
+    """Refuses every record carrying a payload to the DLQ for its size (in its batch and alone)."""
+
+    def poll(self, timeout=0):
+        acks, self._acks = self._acks, []
+        for ack, written in acks:
+            refused = written.value() is not None and written.value() == self.refuse
+            ack(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE) if refused else None, written)
+        return len(acks)
+
+
+def _email(attempt: int) -> Pending:
+    send = build_send(validate_request(email_request()), "acme")
+    return Pending(NAMES.lane("email", "transactional"), 0, 3, encode(send), {}, send, attempt)
+
+
+def _serve(writer: RecordWriter) -> None:
+    """Serve the writer's delivery reports, a refused record tried again alone, with no backoff waits."""
+    for _ in range(10):
+        writer.writer.outage.next_try_at = 0.0
+        writer.writer.poll(0)
+
+
+def _dead_letters(reason: str) -> float:
+    return REGISTRY.get_sample_value("dispatch_dead_letters_total",
+                                     {"channel": "email", "lane": "transactional", "reason": reason}) or 0.0
+
+
+def test_a_dead_letter_written_before_an_attempt_counts_only_the_attempts_made():
+    """Given an OTP found too old before its first attempt, and another before its third,
+    When each is dead-lettered `too_old`,
+    Then the letter and its outcome event say 0 and 2 attempts (the retrier counts alike); a send whose request
+    went out with its outcome unknown counts that attempt."""
+    producer = FakeProducer()
+    writer = RecordWriter(producer, NAMES, "email", "transactional", "resend", NAMES.lane("email", "transactional"),
+                          "g")
+    now_ms = int(time.time() * 1000)
+    for attempt in (1, 3):
+        writer.dead_letter(_email(attempt), "too_old", None, now_ms, lambda: None)
+    writer.dead_letter(_email(2), "unknown_outcome", None, now_ms, lambda: None, attempted=True)
+    _flush(producer)
+    assert [h["attempts"] for _, h in producer.records[NAMES.dlq]] == [b"0", b"2", b"2"]
+    assert [orjson.loads(v)["attempts"] for v, _ in producer.records[NAMES.outcomes]] == [0, 2, 2]
+
+
+def test_a_dead_letter_refused_for_its_size_is_counted_once_as_too_large():
+    """Given a broker that refuses a dead letter with its payload for its size,
+    When a send is dead-lettered `retries_exhausted`, and an event that never became a send `malformed`,
+    Then each is kept without its payload (reason too_large) and counted once in dispatch_dead_letters_total,
+    as too_large (the reason `streams dlq list --reason` finds it under), not also under its first reason."""
+    producer = RefusingProducer()
+    writer = RecordWriter(producer, NAMES, "email", "transactional", "resend", NAMES.lane("email", "transactional"),
+                          "g")
+    before = {r: _dead_letters(r) for r in ("retries_exhausted", "malformed", "too_large")}
+    p = _email(3)
+    producer.refuse = p.raw
+    writer.dead_letter(p, "retries_exhausted", ProviderResult("unavailable", 500, error_name="http_500"),
+                       int(time.time() * 1000), lambda: None)
+    _serve(writer)
+    raw = _email(1)
+    producer.refuse = raw.raw
+    writer.dead_letter_raw(FakeMessage(0, 4, raw.raw), {}, "malformed", "a test", lambda: None)
+    _serve(writer)
+    kept = [h for v, h in producer.records[NAMES.dlq] if v is None]
+    assert [h["reason"] for h in kept] == [b"too_large", b"too_large"]
+    assert {r: _dead_letters(r) - before[r] for r in before} == {"retries_exhausted": 0, "malformed": 0,
+                                                                  "too_large": 2}
