@@ -64,11 +64,19 @@ class RedisGate:
             self._acquire(keys=self._keys(provider, tenant), args=[tenant, 1, messages, "1" if reserve else "0"],
                           client=pipe)
         try:
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
         for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
+            if isinstance(reply, redis.ResponseError):
+                # This request's own keys (a bucket Redis holds in a shape the script cannot read): its error
+                # alone, not the round's; the others were decided and their tokens taken.
+                out.append(GateError(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be "
+                                     f"read ({reply})"))
+                continue
+            if isinstance(reply, Exception):
+                raise GateUnavailable(f"bucket gate unavailable ({reply}); failing closed")
             try:
                 out.append(self._admission(reply, provider, tenant, messages))
             except (GateError, ConfigError) as exc:

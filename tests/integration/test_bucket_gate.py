@@ -6,7 +6,7 @@ import time
 import pytest
 import redis
 
-from streams.errors import ConfigError, CostExceedsBurst, GateUnavailable
+from streams.errors import ConfigError, CostExceedsBurst, GateError, GateUnavailable
 from streams.gate.gate import RedisGate
 from streams.names import RedisKeys as Keys
 
@@ -115,3 +115,16 @@ def test_misconfiguration_and_outage_fail_closed(gate, redis_client, namespace):
     down = RedisGate(redis.Redis(port=1, socket_connect_timeout=0.2), namespace)
     with pytest.raises(GateUnavailable, match="failing closed"):
         down.acquire("resend", "big", 1)
+
+
+def test_a_bucket_redis_holds_in_a_broken_shape_fails_only_its_own_request(gate, redis_client, namespace):
+    """Given tenant "broken" whose bucket key Redis holds as something else than a bucket (written by hand, by
+    another program or another version), in a round with two other tenants' requests,
+    When the round asks the gate,
+    Then "broken" alone gets an error naming it, and the others are admitted; before, the round failed as a
+    whole (every tenant of the worker held as for a Redis outage, round after round, while the requests decided
+    before the error kept their tokens)."""
+    redis_client.set(Keys(namespace).tenant_bucket("resend", "broken"), "5")
+    answers = gate.acquire_many([("resend", "a", 1, False), ("resend", "broken", 1, False), ("resend", "b", 1, False)])
+    assert answers[0].allowed and answers[2].allowed
+    assert isinstance(answers[1], GateError) and "'broken'" in str(answers[1])
