@@ -69,7 +69,7 @@ class RedisGate:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
         for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
-            if isinstance(reply, redis.ResponseError):
+            if type(reply) is redis.ResponseError:  # not its subclasses: a cluster moving, a read-only replica
                 # This request's own keys (a bucket Redis holds in a shape the script cannot read): its error
                 # alone, not the round's; the others were decided and their tokens taken.
                 out.append(GateError(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be "
