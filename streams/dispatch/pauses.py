@@ -109,10 +109,11 @@ class LanePauses:
         direct = self._direct.take()
         if direct is not None:
             governor.observe(direct, now_ms)
-        stale = governor.stale(now_ms)
-        if stale:  # the monitor is silent: measure the lag ourselves rather than run blind or stall
+        if governor.aging(now_ms):  # the monitor is silent: measure the lag ourselves rather than run blind or stall
             self._direct.request()
-            self.reasons.add("no_reading")  # sending nothing, it reads nothing either (it would only spill it)
+        stale = governor.stale(now_ms)
+        if stale:  # sending nothing, it reads nothing either (it would only park what it reads)
+            self.reasons.add("no_reading")
         else:
             self.reasons.discard("no_reading")
         metrics.LAG_READING_STALE.labels(self.channel).set(1 if stale else 0)

@@ -56,6 +56,11 @@ class Governor:
     def stale(self, now_ms: int) -> bool:
         return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 1000
 
+    def aging(self, now_ms: int) -> bool:
+        """Past half the age a reading may have: time to measure the lag directly, so that a silent monitor's
+        last reading is followed by a direct one before it goes stale (not after: the lane would stop meanwhile)."""
+        return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 500
+
     def observe(self, reading: LagReading, now_ms: int) -> bool:
         """Keep the newest reading. One stamped further ahead of `now_ms` than a reading may age is refused
         (False): a monitor whose clock ran ahead, or a stamp in other units, would otherwise be newer than every

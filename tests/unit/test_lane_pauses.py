@@ -79,3 +79,21 @@ def test_a_worker_whose_only_reading_is_old_sends_nothing_until_a_fresh_one():
     pauses.apply()
     assert not pauses.without_reading and not pauses.yielding and consumer.paused == set()
     pauses.close()
+
+
+def test_a_silent_monitors_last_reading_is_followed_by_a_direct_one_before_it_goes_stale():
+    """With the monitor silent, the direct read was asked for only once the last reading was stale: every few
+    seconds the lane paused its partitions (purging their fetch queues) until the read came back. Now it is asked
+    for once the reading is past half the age it may have, and the lane does not stop."""
+    consumer = PausingConsumer()
+    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy(stale_after_s=3.0))
+    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=0)])
+    pauses._follower.close()
+    pauses._direct.close()
+    now = int(time.time() * 1000)
+    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - 2_000}])
+    pauses._direct = direct = Direct()
+    pauses.follow_lag()
+    pauses.apply()
+    assert direct.asked == 1 and not pauses.without_reading and consumer.paused == set()
+    pauses.close()
