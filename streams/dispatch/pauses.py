@@ -42,6 +42,7 @@ class LanePauses:
         self.governor = Governor(policy) if policy else None
         self._follower: Consumer | None = None
         self._direct: BackgroundLagRead | None = None
+        self._monitor_ts_ms = 0  # the newest reading the monitor published
         if self.governor:
             self._follower = Consumer(client_config(bootstrap, quiet=True, settings={
                 "group.id": names.lag_follower_group(channel, lane), "enable.auto.commit": False}))
@@ -106,17 +107,19 @@ class LanePauses:
             if not governor.observe(reading, now_ms):
                 log.warning("ignoring a lag reading stamped %.1f s ahead of this worker's clock at %s@%d",
                             (reading.ts_ms - now_ms) / 1000, msg.topic(), msg.offset())
+            else:
+                self._monitor_ts_ms = max(self._monitor_ts_ms, reading.ts_ms)
         direct = self._direct.take()
         if direct is not None:
             governor.observe(direct, now_ms)
         if governor.aging(now_ms):  # the monitor is silent: measure the lag ourselves rather than run blind or stall
             self._direct.request()
-        stale = governor.stale(now_ms)
-        if stale:  # sending nothing, it reads nothing either (it would only park what it reads)
+        if governor.stale(now_ms):  # sending nothing, it reads nothing either (it would only park what it reads)
             self.reasons.add("no_reading")
         else:
             self.reasons.discard("no_reading")
-        metrics.LAG_READING_STALE.labels(self.channel).set(1 if stale else 0)
+        monitor_silent = now_ms - self._monitor_ts_ms > governor.policy.stale_after_s * 1000
+        metrics.LAG_READING_STALE.labels(self.channel).set(1 if monitor_silent else 0)
         self._decide(governor, now_ms)
 
     def _decide(self, governor: Governor, now_ms: int) -> None:
