@@ -18,6 +18,7 @@ Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", 
 QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
 _ENCODED_EMAIL_RE = re.compile(r"(?:[\w.+-]|%(?!40)[0-9A-Fa-f]{2})+%40(?:[\w.-]|%(?!40)[0-9A-Fa-f]{2})+")
+_LAST_WORD_RE = re.compile(r"\S+\Z")
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
 _BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 _JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
@@ -39,6 +40,11 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
     for secret in secrets:
         if len(secret) >= 4:
             text = text.replace(secret, "***")
+    if len(text) > 2 * limit:
+        # Only the excerpt is kept: the patterns, some quadratic on long unbroken runs (holding the GIL, so every
+        # thread of the worker, for seconds on a provider's 30 KB echo), read just its first part, without the
+        # word the cut went through (a secret cut short could slip past its pattern).
+        text = text[:2 * limit] if text[2 * limit].isspace() else _LAST_WORD_RE.sub("", text[:2 * limit])
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} ***", text)
     text = _JWT_RE.sub("***", text)
     text = _RESEND_KEY_RE.sub("re_***", text)

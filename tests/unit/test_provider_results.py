@@ -1,5 +1,8 @@
 """Provider answers map to outcomes the retry policy understands; error bodies are redacted."""
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -96,6 +99,18 @@ def test_redaction_removes_addresses_numbers_and_keys():
 ])
 def test_redaction_removes_tokens_key_shapes_and_percent_encoded_addresses(text, secret):
     assert secret not in redact(text), redact(text)
+
+
+def test_redaction_of_a_long_echo_reads_only_what_the_excerpt_keeps():
+    """A provider (or a proxy) echoing a 210 KB percent-encoded request: the patterns, some quadratic on long
+    unbroken runs and holding the GIL, took minutes over it, and every thread of the worker (its poll loop, its
+    lease refreshes) waited. A secret cut short by the excerpt's end is left out, not shown in part."""
+    # In a process of its own: a regular expression holds the GIL, so no thread of this one could time it.
+    code = 'from streams.providers.outcome import redact; redact("%7B%22to%22%3A" * 15_000)'
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=10)  # minutes before
+    # An address that shrinks to ***@*** brings what follows into the excerpt, a key the cut went through too.
+    cut_key = "a" * 980 + "@example.com " + "sk_live_1234567890abcdef and more"
+    assert "sk_live" not in redact(cut_key, limit=500)
 
 
 def test_redaction_keeps_error_names_that_only_look_like_keys():
