@@ -240,6 +240,14 @@ def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEn
     return out
 
 
+_URL_PASSWORD = re.compile(r"(//[^/?#@:]*:)[^/?#@]*@")
+
+
+def _masked(url: str) -> str:
+    """A URL as an error may show it: a password in it (`user:secret@`) masked, whether the URL parses or not."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
 def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
     """A provider's base URL: http(s), a host, and no path. The allowlist holds the provider's full paths
     (`/emails`), so under a prefix (`/v1`) every request would be refused and nothing ever sent."""
@@ -252,12 +260,11 @@ def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
     except ValueError:
         url = None
     if url is None or url.scheme not in ("http", "https") or not url.hostname:
-        raise ConfigError(f"{name}={raw!r} (provider {provider!r}) must be an http(s) URL with a host")
+        raise ConfigError(f"{name}={_masked(raw)!r} (provider {provider!r}) must be an http(s) URL with a host")
     if url.path not in ("", "/") or url.query or url.fragment:
-        shown = raw.replace(f":{url.password}@", ":***@") if url.password else raw
-        raise ConfigError(f"{name}={shown!r} (provider {provider!r}) must name no path, query or fragment: the "
-                          f"provider's allowlisted paths are full paths from the host (give "
-                          f"'{url.scheme}://{url.netloc}')")
+        raise ConfigError(f"{name}={_masked(raw)!r} (provider {provider!r}) must name no path, query or fragment: "
+                          f"the provider's allowlisted paths are full paths from the host (give "
+                          f"{_masked(f'{url.scheme}://{url.netloc}')!r})")
     return raw
 
 

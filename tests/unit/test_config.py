@@ -60,3 +60,13 @@ def test_a_provider_base_url_with_a_path_is_refused_at_start_naming_the_provider
     for bad in ("api.example.com", "ftp://api.example.com", "https://api.example.com:port"):
         with pytest.raises(ConfigError, match="must be an http\\(s\\) URL with a host"):
             Config.from_env({"RESEND_BASE_URL": bad})
+
+
+@pytest.mark.parametrize("bad", ["https://user:s3cret@api.example.com/v1", "ftp://user:s3cret@api.example.com",
+                                 "https://user:s3cret@api.example.com:port"])
+def test_a_password_in_a_refused_provider_base_url_never_reaches_the_error(bad):
+    """The refusal names the URL, and for a path the URL to give instead: both with the password masked (the
+    suggestion and the other refusals showed it)."""
+    with pytest.raises(ConfigError) as refused:
+        Config.from_env({"RESEND_BASE_URL": bad})
+    assert "s3cret" not in str(refused.value) and "user:***@" in str(refused.value)
