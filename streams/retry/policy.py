@@ -272,7 +272,10 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     # The earliest moment the next attempt may happen: what the provider asked for, at least.
     at_least = {"quota": PARK_AT_LEAST_S,
                 "throttled": parse_retry_after(result.retry_after, now_ms)}.get(outcome) or 0.0
-    tier = max(policy.tier_after(attempt), tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
+    # Past its attempts (a 429 at the last one) a send has no next tier of its schedule: it waits for what the
+    # provider asked, at least the shortest tier.
+    scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))
+    tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms - created_ms > policy.max_age_s * 1000:

@@ -81,6 +81,11 @@ def test_a_429_at_the_last_attempt_is_not_the_end_of_the_send(result):
     assert isinstance(d, RetryAt) and d.reason in ("rate_limited", "quota_exceeded")
     late = decide(MARKETING, MARKETING.max_attempts, NOW - MARKETING.max_age_s * 1000 + 1000, result, NOW, 0.5)
     assert isinstance(late, DeadLetter) and late.reason in ("too_old", "quota_exceeded")
+    # It waits for what the provider asked (at least the shortest tier), not for the schedule's last tier: an OTP
+    # 6 minutes old throttled at its last attempt for 6 s is tried again in about 10 s, not dead-lettered too_old.
+    if result.retry_after == "6":
+        otp = decide(OTP, OTP.max_attempts, NOW - 370_000, result, NOW, 0.5)
+        assert isinstance(otp, RetryAt) and otp.tier == "10s" and 6_000 <= otp.due_ms - NOW <= 12_000
     # A webhook receiver's 429 is the tenant's server failing the delivery: it has its schedule of attempts.
     receiver = decide(WEBHOOK, WEBHOOK.max_attempts, NOW - 1000, result, NOW, 0.5, throttle_is_attempt=True)
     assert receiver == DeadLetter("retries_exhausted")
