@@ -84,6 +84,10 @@ class ReplayRefused(DispatchError):
     """A dead letter that cannot be replayed; the message says why."""
 
 
+class ReplayNeedsCheck(ReplayRefused):
+    """Refused until the operator says they checked the provider (a send dead-lettered `unknown_outcome`)."""
+
+
 class StoreUnavailable(DispatchError):
     """Redis did not answer (connection refused, timeout, a script error). Nothing was decided:
     the caller holds the work and tries again later."""

@@ -21,6 +21,7 @@ from ..errors import (
     MalformedEvent,
     PublishError,
     PublishOutcomeUnknown,
+    ReplayNeedsCheck,
     ReplayOutcomeUnknown,
     ReplayRefused,
     SendTooLarge,
@@ -76,10 +77,11 @@ def _check(status: dict | None, send_id: str, tenant: str | None, statuses: froz
         raise ReplayRefused(f"send {send_id} was delivered: it is not a dead letter (a new delivery of it is "
                             f"`streams sends replay {send_id}`)")
     if status["status"] not in statuses:
-        raise ReplayRefused(f"send {send_id} is {status['status']}: only a finished send (delivered, dead-lettered, "
-                            "dropped or skipped) can be replayed (one still in progress is retried by dispatch itself)")
+        allowed = " or ".join(sorted(statuses))
+        raise ReplayRefused(f"send {send_id} is {status['status']}: only a send that is {allowed} can be replayed "
+                            "here (one still in progress is retried by dispatch itself)")
     if status.get("reason") == "unknown_outcome" and not outcome_checked:
-        raise ReplayRefused(f"send {send_id} was dead-lettered unknown_outcome: the provider may have accepted it, "
+        raise ReplayNeedsCheck(f"send {send_id} was dead-lettered unknown_outcome: the provider may have accepted it, "
                             "and a replay (a new send id) would deliver it a second time; check with the provider "
                             f"that it does not hold it, then replay with {OUTCOME_CHECKED}")
     return status

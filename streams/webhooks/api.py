@@ -29,6 +29,7 @@ from ..errors import (
     ConfigError,
     PublishError,
     PublishOutcomeUnknown,
+    ReplayNeedsCheck,
     ReplayOutcomeUnknown,
     ReplayRefused,
     StoreUnavailable,
@@ -337,7 +338,7 @@ def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, st
                 continue
             checked = delivery_id
             new = replay_once(store, delivery_id, functools.partial(replay_it, delivery_id))
-        except ReplayRefused as exc:  # for good (an expired payload): its claim stays, it is not tried again
+        except ReplayRefused as exc:  # for good (an expired payload: its claim stays), or until checked
             refused.append({"delivery_id": delivery_id, "msg": str(exc)})
             continue
         except Exception as exc:  # noqa: BLE001 - whatever stops it, the answer names what was published
@@ -384,15 +385,18 @@ def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Se
     """A bulk replay's step: `do_replay()` unless a bulk replay did already (None). Its claim stays once the
     replay may have been published, also when the broker left that unknown (asked again, a bulk replay
     must not replay it twice), and when it was refused for good; any other failure (reading the payload,
+    an unknown outcome not yet checked with the provider,
     a publish with nothing published) frees it for the next call (when that fails, the failure carries
     the note CLAIM_KEPT). `do_replay` raises nothing once it has published, nor does this after it."""
     if not store.claim_replay(delivery_id):
         return None
     try:
         new = do_replay()
-    except (PublishOutcomeUnknown, ReplayRefused):
+    except PublishOutcomeUnknown:
         raise
     except BaseException as failure:
+        if isinstance(failure, ReplayRefused) and not isinstance(failure, ReplayNeedsCheck):
+            raise  # for good: its claim stays (an unknown outcome is refused only until the provider is checked)
         try:
             store.release_replay(delivery_id)
         except StoreUnavailable as exc:  # the failure itself is the answer; the claim stays (never twice)

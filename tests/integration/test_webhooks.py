@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from streams.errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, ReplayOutcomeUnknown, ReplayRefused
+from streams.errors import (
+    BrokerUnavailable,
+    PublishError,
+    PublishOutcomeUnknown,
+    ReplayNeedsCheck,
+    ReplayOutcomeUnknown,
+    ReplayRefused,
+)
 from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.names import RedisKeys
@@ -324,10 +331,12 @@ def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no
                                                                                             namespace):
     """Given five deliveries a bulk replay takes in turn,
     When the first one's publish fails with nothing published, the second one's payload is not read in time, the
-    third one's publish is left unknown by the broker, the fourth is refused for good (its payload expired) and the
-    fifth is published, and the endpoint's deliveries are replayed in bulk again,
+    third one's publish is left unknown by the broker, the fourth is refused for good (its payload expired), the
+    fifth is published, and a sixth is refused until its unknown outcome is checked with the provider, and the
+    endpoint's deliveries are replayed in bulk again,
     Then the first two are replayed then (they were lost to bulk replays before: counted as already replayed, never
-    sent), and neither the third (it may have been sent), the fourth nor the fifth is replayed a second time."""
+    sent), and so is the sixth once checked (its claim kept it from the operator's checked replay before), and
+    neither the third (it may have been sent), the fourth nor the fifth is replayed a second time."""
     store = StatusStore(redis_client, namespace)
     published: list[str] = []
 
@@ -347,6 +356,8 @@ def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no
         replay_once(store, "d-unknown", publish("d-unknown", PublishOutcomeUnknown("no acknowledgement")))
     with pytest.raises(ReplayRefused):
         replay_once(store, "d-expired", publish("d-expired", ReplayRefused("its payload has expired")))
+    with pytest.raises(ReplayNeedsCheck):  # until the operator checked the provider: its claim is freed
+        replay_once(store, "d-unchecked", publish("d-unchecked", ReplayNeedsCheck("dropped unknown_outcome")))
     assert replay_once(store, "d-sent", publish("d-sent")).send_id == "replay-of-d-sent"
 
     assert replay_once(store, "d-refused", publish("d-refused")).send_id == "replay-of-d-refused"
@@ -354,7 +365,8 @@ def test_a_bulk_replay_that_published_nothing_is_replayed_by_the_next_one_and_no
     assert replay_once(store, "d-unknown", publish("d-unknown")) is None
     assert replay_once(store, "d-expired", publish("d-expired")) is None  # refused for good: not tried again
     assert replay_once(store, "d-sent", publish("d-sent")) is None
-    assert published == ["d-sent", "d-refused", "d-unread"]
+    assert replay_once(store, "d-unchecked", publish("d-unchecked")).send_id == "replay-of-d-unchecked"
+    assert published == ["d-sent", "d-refused", "d-unread", "d-unchecked"]
     assert store.get("d-refused")["replayed_as"] == "replay-of-d-refused"
 
 
