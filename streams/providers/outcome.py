@@ -122,12 +122,17 @@ def classify(status: int, name: str) -> Outcome:
     return "unavailable"
 
 
+# RFC 6749 5.2's errors that say our client's registration or settings are wrong: they do not go away by retrying.
+OAUTH_CONFIG_ERRORS = frozenset({"invalid_client", "unauthorized_client", "unsupported_grant_type", "invalid_grant",
+                                 "invalid_scope"})
+
+
 def token_outcome(status: int, error: str) -> Outcome:
     """The outcome of a request whose token the token endpoint refused with `status` (OAuth `error`).
-    Our client credentials refused (401, 403, or RFC 6749's 400 `invalid_client`) is `auth`, as a 401 at
+    Our client credentials refused (401, 403, or a 400 with an error of OAUTH_CONFIG_ERRORS) is `auth`, as a 401 at
     the send endpoint; a 429 is `throttled`; anything else `unavailable`. The send endpoint was never
     called, so nothing can have been accepted."""
-    if status in (401, 403) or (status == 400 and error == "invalid_client"):
+    if status in (401, 403) or (status == 400 and error in OAUTH_CONFIG_ERRORS):
         return "auth"
     if status == 429:
         return "throttled"

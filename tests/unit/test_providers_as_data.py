@@ -150,11 +150,12 @@ def test_a_401_refreshes_once_and_sends_the_same_request_again_a_second_401_is_a
     (httpx.Response(401, json={"error": "invalid_client"}), "auth", "token_refused"),
     (httpx.Response(403, json={"error": "access_denied"}), "auth", "token_refused"),
     (httpx.Response(400, json={"error": "invalid_client"}), "auth", "token_refused"),
+    (httpx.Response(400, json={"error": "unauthorized_client"}), "auth", "token_refused"),
     (httpx.Response(429, headers={"retry-after": "7"}), "throttled", "token_throttled"),
     (httpx.Response(503, text="down for maintenance"), "unavailable", "token_unavailable"),
     (httpx.Response(400, json={"error": "invalid_request"}), "unavailable", "token_unavailable"),
     (None, "unavailable", "token_unavailable"),  # the endpoint does not answer
-], ids=["401", "403", "400 invalid_client", "429", "503", "400 other", "unreachable"])
+], ids=["401", "403", "400 invalid_client", "400 unauthorized_client", "429", "503", "400 other", "unreachable"])
 def test_a_token_endpoint_refusal_is_told_apart(answer, outcome, name):
     """Revoked client credentials are an `auth` outcome, as a 401 at the send endpoint (the provider is held,
     the alert fires, no attempt is used up); a 429 is `throttled` with the endpoint's Retry-After; anything
