@@ -29,6 +29,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+class PauseRecordingConsumer:
+    """A consumer that only records which partitions are paused (unit tests of pause decisions)."""
+
+    def __init__(self):
+        self.paused: set[tuple[str, int]] = set()
+
+    def pause(self, partitions):
+        self.paused |= {(p.topic, p.partition) for p in partitions}
+
+    def resume(self, partitions):
+        self.paused -= {(p.topic, p.partition) for p in partitions}
+
+
 class MockProvider:
     """The mock provider process, driven over its HTTP control endpoints."""
 

@@ -8,6 +8,7 @@ import orjson
 from streams.dispatch.pauses import LanePauses
 from streams.lag.yield_policy import LagReading, YieldPolicy
 from streams.names import TopicNames, lag_key
+from tests.harness import PauseRecordingConsumer
 
 
 class Follower:
@@ -24,17 +25,6 @@ class Follower:
 
     def close(self):
         pass
-
-
-class PausingConsumer:
-    def __init__(self):
-        self.paused: set[tuple[str, int]] = set()
-
-    def pause(self, partitions):
-        self.paused |= {(p.topic, p.partition) for p in partitions}
-
-    def resume(self, partitions):
-        self.paused -= {(p.topic, p.partition) for p in partitions}
 
 
 class Direct:
@@ -54,6 +44,19 @@ class Direct:
         pass
 
 
+def _marketing_pauses(reading_age_ms: int, partitions: int = 1):
+    """A marketing lane's pauses whose follower reads back one lag reading of that age, its direct read silent."""
+    consumer = PauseRecordingConsumer()
+    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy(stale_after_s=3.0))
+    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=p) for p in range(partitions)])
+    pauses._follower.close()
+    pauses._direct.close()
+    now = int(time.time() * 1000)
+    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - reading_age_ms}])
+    pauses._direct = direct = Direct()
+    return pauses, consumer, direct
+
+
 def test_a_worker_whose_only_reading_is_old_sends_nothing_until_a_fresh_one():
     """Given a marketing worker starting while the monitor is silent: its follower reads back a 10-minute-old
     record of the compacted lag topic, and the direct read of the lag has not answered yet,
@@ -62,14 +65,7 @@ def test_a_worker_whose_only_reading_is_old_sends_nothing_until_a_fresh_one():
     it dispatched marketing blind, whatever the transactional lag was), and its partitions are paused (it read
     on, and parked everything past each tenant's share on a retry tier, which brought it back to be parked
     again); once a fresh reading of lag 0 arrives it runs."""
-    consumer = PausingConsumer()
-    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy())
-    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=p) for p in range(2)])
-    pauses._follower.close()
-    pauses._direct.close()
-    now = int(time.time() * 1000)
-    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - 600_000}])
-    pauses._direct = direct = Direct()
+    pauses, consumer, direct = _marketing_pauses(600_000, partitions=2)
     pauses.follow_lag()
     pauses.apply()
     assert pauses.without_reading and direct.asked == 1
@@ -85,14 +81,7 @@ def test_a_silent_monitors_last_reading_is_followed_by_a_direct_one_before_it_go
     """With the monitor silent, the direct read was asked for only once the last reading was stale: every few
     seconds the lane paused its partitions (purging their fetch queues) until the read came back. Now it is asked
     for once the reading is past half the age it may have, and the lane does not stop."""
-    consumer = PausingConsumer()
-    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy(stale_after_s=3.0))
-    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=0)])
-    pauses._follower.close()
-    pauses._direct.close()
-    now = int(time.time() * 1000)
-    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": now - 2_000}])
-    pauses._direct = direct = Direct()
+    pauses, consumer, direct = _marketing_pauses(2_000)
     pauses.follow_lag()
     pauses.apply()
     assert direct.asked == 1 and not pauses.without_reading and consumer.paused == set()

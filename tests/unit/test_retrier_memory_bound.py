@@ -5,17 +5,7 @@ producer never acknowledges."""
 
 from streams.kafka_client import AckedWriter
 from streams.retry.retrier import Held, Retrier, RetrierConfig
-
-
-class RecordingConsumer:
-    def __init__(self):
-        self.paused: set[tuple[str, int]] = set()
-
-    def pause(self, partitions):
-        self.paused |= {(p.topic, p.partition) for p in partitions}
-
-    def resume(self, partitions):
-        self.paused -= {(p.topic, p.partition) for p in partitions}
+from tests.harness import PauseRecordingConsumer
 
 
 class SilentProducer:
@@ -35,7 +25,7 @@ def _retrier(now_ms: float) -> Retrier:
     r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1", max_held=1_000, max_held_bytes=100_000),
                 clock=lambda: now_ms / 1000)
     r.consumer.close()
-    r.consumer = RecordingConsumer()  # type: ignore[assignment]
+    r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
     r.writer = AckedWriter(SilentProducer(), "test")  # type: ignore[arg-type]
     return r
 
