@@ -106,6 +106,11 @@ class GateUnavailable(StoreUnavailable, GateError):
     """Redis is unreachable while admitting a request. The gate fails closed: no provider call."""
 
 
+class BucketUnreadable(GateUnavailable):
+    """One request's buckets are held by Redis in a shape the gate's script cannot read (a key of another type, a
+    field missing): that request fails alone, not every request of its round."""
+
+
 class CostExceedsBurst(GateError):
     """The requested cost is larger than a bucket's burst; waiting would never help."""
 

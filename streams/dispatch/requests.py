@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
+from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
 from ..gate.gate import Admission, Gate
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
@@ -528,12 +528,16 @@ class Dispatcher:
                         route.name)
             return True
         try:
-            admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
-        except CostExceedsBurst:
-            # Stored before the tenant's burst was lowered: it cannot be split (same body, same key),
-            # so it is charged a full burst instead of never being admitted.
-            burst = self.gate.tenant_limit(route.name, stored.tenant).burst
-            admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
+            try:
+                admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
+            except CostExceedsBurst:
+                # Stored before the tenant's burst was lowered: it cannot be split (same body, same key),
+                # so it is charged a full burst instead of never being admitted.
+                burst = self.gate.tenant_limit(route.name, stored.tenant).burst
+                admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
+        except BucketUnreadable as exc:  # this tenant's alone: held, not the whole round
+            log.error("%s; holding request %s", exc, request_key)
+            admission = Admission(False)
         if not admission.allowed:
             self.jobs.keep_unknown(tenant, request_key, self.worker_id)
             return False

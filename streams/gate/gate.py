@@ -13,7 +13,7 @@ from typing import Protocol
 
 import redis
 
-from ..errors import ConfigError, CostExceedsBurst, GateError, GateUnavailable
+from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, GateUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore, Pacing
@@ -52,6 +52,8 @@ class RedisGate:
             reply = self._acquire(keys=self._keys(provider, tenant),
                                   args=[tenant, 1, messages, "1" if reserve else "0"])
         except redis.RedisError as exc:
+            if _unreadable(exc):
+                raise _bucket_unreadable(provider, tenant, exc) from None
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         return self._admission(reply, provider, tenant, messages)
 
@@ -69,11 +71,8 @@ class RedisGate:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
         for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
-            if type(reply) is redis.ResponseError:  # not its subclasses: a cluster moving, a read-only replica
-                # This request's own keys (a bucket Redis holds in a shape the script cannot read): its error
-                # alone, not the round's; the others were decided and their tokens taken.
-                out.append(GateError(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be "
-                                     f"read ({reply})"))
+            if isinstance(reply, Exception) and _unreadable(reply):
+                out.append(_bucket_unreadable(provider, tenant, reply))  # its error alone, not the round's
                 continue
             if isinstance(reply, Exception):
                 raise GateUnavailable(f"bucket gate unavailable ({reply}); failing closed")
@@ -124,3 +123,15 @@ class RedisGate:
 
     def pacing(self, provider: str) -> Pacing:
         return LimitStore(self.client, self.namespace).pacing(provider)
+
+
+def _unreadable(exc: Exception) -> bool:
+    """Whether a script's error is about the keys it was given (a key of another type; its Lua failing on a
+    field missing), in Redis 7's wording, rather than about Redis (MISCONF, OOM, NOREPLICAS, a cluster moving,
+    a read-only replica), which is an outage of the gate. Redis 7 appends `on @user_script` to any error a
+    script's own calls met, so the text's beginning decides."""
+    return type(exc) is redis.ResponseError and str(exc).startswith(("WRONGTYPE", "user_script:"))
+
+
+def _bucket_unreadable(provider: str, tenant: str, exc: Exception) -> BucketUnreadable:
+    return BucketUnreadable(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be read ({exc})")

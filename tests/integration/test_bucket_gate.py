@@ -6,7 +6,7 @@ import time
 import pytest
 import redis
 
-from streams.errors import ConfigError, CostExceedsBurst, GateError, GateUnavailable
+from streams.errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateUnavailable
 from streams.gate.gate import RedisGate
 from streams.names import RedisKeys as Keys
 
@@ -127,4 +127,6 @@ def test_a_bucket_redis_holds_in_a_broken_shape_fails_only_its_own_request(gate,
     redis_client.set(Keys(namespace).tenant_bucket("resend", "broken"), "5")
     answers = gate.acquire_many([("resend", "a", 1, False), ("resend", "broken", 1, False), ("resend", "b", 1, False)])
     assert answers[0].allowed and answers[2].allowed
-    assert isinstance(answers[1], GateError) and "'broken'" in str(answers[1])
+    assert isinstance(answers[1], BucketUnreadable) and "'broken'" in str(answers[1])
+    with pytest.raises(BucketUnreadable):  # asked alone (a request re-sent after an unknown outcome), the same
+        gate.acquire("resend", "broken", 1)

@@ -1,7 +1,9 @@
 """The token-bucket reference: admits within limits, denies without debiting, waits exactly."""
 
 import pytest
+import redis
 
+from streams.gate.gate import _unreadable
 from streams.gate.token_bucket import Bucket, Limit, decide, refill
 
 G, T = Limit(rate=10, burst=10), Limit(rate=100, burst=100)
@@ -54,3 +56,22 @@ def test_admissions_over_a_window_never_exceed_rate_times_window_plus_burst():
         admitted += d.allowed
     assert admitted <= 10 * 10 + 10
     assert admitted >= 10 * 10  # and the limit is actually used
+
+
+@pytest.mark.parametrize("error, unreadable", [
+    (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value script: 37, on "
+                         "@user_script:1."), True),
+    (redis.ResponseError("user_script:1: attempt to perform arithmetic on field '?' (a boolean value) script: 32, "
+                         "on @user_script:1."), True),
+    (redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist "
+                         "to disk. script: 37, on @user_script:51."), False),
+    (redis.ResponseError("NOREPLICAS Not enough good replicas to write."), False),
+    (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), False),
+    (redis.exceptions.MovedError("3999 127.0.0.1:6381"), False),
+    (redis.ConnectionError("Connection refused"), False),
+])
+def test_only_a_scripts_error_about_its_own_keys_fails_one_request_of_a_round(error, unreadable):
+    """A key of another type, or the script failing on a field missing, is that request's (held alone); Redis
+    refusing writes, a replica, a cluster moving or a lost connection is an outage of the gate (every request held,
+    the outage back-off, DispatchHoldingForDependency). Redis 7 names the script in every error its calls met."""
+    assert _unreadable(error) is unreadable

@@ -17,7 +17,7 @@ from streams.dispatch.backlog import BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
-from streams.errors import StoreUnavailable
+from streams.errors import BucketUnreadable, StoreUnavailable
 from streams.gate.gate import Admission
 from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
@@ -460,6 +460,33 @@ def test_a_long_cool_down_ends_at_most_a_second_late():
         worker.dispatcher.dispatch()
         ends.append(worker.queues.global_ready_at - before)
     assert all(3600.0 <= end <= 3601.1 for end in ends) and len(set(ends)) > 1
+
+
+class OneBrokenBucketGate(FakeGate):
+    """Tenant "broken"'s buckets are held by Redis in a shape the gate's script cannot read."""
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant == "broken":
+            raise BucketUnreadable(f"the buckets of provider {provider!r} for tenant 'broken' cannot be read")
+        return super().acquire(provider, tenant, messages, reserve)
+
+    def acquire_many(self, requests):
+        return [BucketUnreadable("unreadable") if r[1] == "broken" else self.acquire(*r) for r in requests]
+
+
+def test_a_tenant_whose_buckets_cannot_be_read_is_held_alone_also_when_its_request_is_re_sent():
+    """Tenant "broken"'s request met an unknown outcome and is taken over for a re-send, which asks the gate
+    alone; its buckets cannot be read. Before, that error failed the whole dispatch round like a Redis outage
+    (every tenant back to its queue, the outage back-off, round after round); now "broken" is held and "acme"
+    is sent."""
+    sends, msgs = _messages(["broken", "acme"])
+    jobs = RecordingJobs()
+    jobs.claim([sends[0].send_id], f"send-{sends[0].send_id}", "dead-worker", "/emails", b"the body", "broken", "")
+    worker, consumer, producer, provider = _worker(msgs, gate=OneBrokenBucketGate(), jobs=jobs)
+    _run(worker, steps=5)
+    assert [body for body in provider.sent if b"the body" in body] == []
+    assert len(provider.sent) == 1 and sends[1].send_id.encode() in provider.sent[0]
+    assert not worker.redis_outage.active
 
 
 def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt():
