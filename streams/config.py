@@ -240,12 +240,13 @@ def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEn
     return out
 
 
-_URL_PASSWORD = re.compile(r"(//[^/?#@:]*:)[^/?#@]*@")
+_URL_USERINFO = re.compile(r"//.*@")
 
 
 def _masked(url: str) -> str:
-    """A URL as an error may show it: a password in it (`user:secret@`) masked, whether the URL parses or not."""
-    return _URL_PASSWORD.sub(r"\1***@", url)
+    """A URL as an error may show it: whatever comes before an `@` (a user and password, a token as the user,
+    a password holding `@` or `/`) masked, whether the URL parses or not."""
+    return _URL_USERINFO.sub("//***@", url)
 
 
 def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:

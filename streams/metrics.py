@@ -50,8 +50,8 @@ LAG_MONITOR_LAST_PUBLISH = Gauge("dispatch_lag_monitor_last_publish_timestamp_se
                                  "Unix time of the lag monitor's last publication")
 LAG_READING_AGE = Gauge("dispatch_lag_reading_age_seconds", "Age of the lag reading a marketing worker acts on",
                         ["channel"])
-LAG_READING_STALE = Gauge("dispatch_lag_reading_stale", "1 while the monitor's reading is stale and the worker "
-                          "reads the lag directly", ["channel"])
+LAG_READING_STALE = Gauge("dispatch_lag_reading_stale", "1 while the monitor's readings are stale (older than "
+                          "YIELD_STALE_AFTER_S): the worker goes by its own reads of the lag", ["channel"])
 PAUSED_PARTITIONS = Gauge("dispatch_worker_paused_partitions", "Assigned partitions a worker holds paused",
                           ["channel", "lane"])
 ASSIGNED_PARTITIONS = Gauge("dispatch_worker_assigned_partitions", "Partitions assigned to a worker",

@@ -19,6 +19,7 @@ QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
 _ENCODED_EMAIL_RE = re.compile(r"(?:[\w.+-]|%(?!40)[0-9A-Fa-f]{2})+%40(?:[\w.-]|%(?!40)[0-9A-Fa-f]{2})+")
 _LAST_WORD_RE = re.compile(r"\S+\Z")
+CUT_WORD_MAX = 256  # a word the excerpt's cut goes through is left out when at most this long (a key, a token)
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
 _BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 _JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
@@ -43,8 +44,11 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
     if len(text) > 2 * limit:
         # Only the excerpt is kept: the patterns, some quadratic on long unbroken runs (holding the GIL, so every
         # thread of the worker, for seconds on a provider's 30 KB echo), read just its first part, without the
-        # word the cut went through (a secret cut short could slip past its pattern).
-        text = text[:2 * limit] if text[2 * limit].isspace() else _LAST_WORD_RE.sub("", text[:2 * limit])
+        # word the cut went through when it is short enough to be a secret cut short, which could slip past its
+        # pattern (a longer run, compact JSON, is kept: its end lies past what the excerpt shows).
+        head = text[:2 * limit]
+        last_word = _LAST_WORD_RE.search(head) if not text[2 * limit].isspace() else None
+        text = head[:last_word.start()] if last_word and len(last_word.group()) <= CUT_WORD_MAX else head
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} ***", text)
     text = _JWT_RE.sub("***", text)
     text = _RESEND_KEY_RE.sub("re_***", text)

@@ -111,6 +111,9 @@ def test_redaction_of_a_long_echo_reads_only_what_the_excerpt_keeps():
     # An address that shrinks to ***@*** brings what follows into the excerpt, a key the cut went through too.
     cut_key = "a" * 980 + "@example.com " + "sk_live_1234567890abcdef and more"
     assert "sk_live" not in redact(cut_key, limit=500)
+    # Compact JSON longer than the cut (no space in it) keeps its excerpt.
+    compact = '{"message":"bad","echo":"' + "a" * 1200 + '"}'
+    assert redact(compact, limit=500).startswith('{"message":"bad"')
 
 
 def test_redaction_keeps_error_names_that_only_look_like_keys():
