@@ -270,7 +270,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         return _letter(record)
 
     @router.post("/dlq/{send_id}/replay", status_code=202, response_model=Replayed,
-                 responses=documented(401, 403, 404, 409, 503))
+                 responses=documented(401, 403, 404, 409, 422, 503))
     def replay_dead_letter(send_id: str, who: Operator, outcome_checked: bool = False) -> dict:
         """A new send with the dead letter's payload, once: asked again (another operator, a retry after a
         timeout) it answers the same send id with `earlier: true`. 409 for a send that is not a dead letter

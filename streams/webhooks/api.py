@@ -286,7 +286,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         return _delivery(delivery_id, doc)
 
     @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202, response_model=ReplayedDelivery,
-                 responses=documented(401, 403, 404, 409, 410, 503))
+                 responses=documented(401, 403, 404, 409, 410, 422, 503))
     def replay_delivery(delivery_id: str, tenant_id: Tenant, outcome_checked: bool = False) -> dict:
         """A new delivery with a new webhook-id. 409 for one dead-lettered `unknown_outcome` unless
         `outcome_checked=true`: the receiver may have it already."""
