@@ -302,13 +302,15 @@ class LaneWorker:
         for key in [k for k, q in self.queues.queues.items() if q.items]:
             route, tenant = self.routes.of(self.queues.head_provider(key)), self.queues.head_tenant(key)
             try:
-                share = self.backlog.share(self.dispatcher.tenant_limit(route, tenant).rate,
-                                           self.dispatcher.per_request(route, tenant))
+                rate = self.dispatcher.tenant_limit(route, tenant).rate
+                share = self.backlog.share(rate, self.dispatcher.per_request(route, tenant))
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return
             except ConfigError:
                 continue
+            if self.queues.size(key) <= share or (share + 1) / max(rate, 1e-6) < self.backlog.horizon_s:
+                continue  # within its share, or a fast tenant whose turn is near anyway (never parked)
             excess = self.queues.take_newest(key, self.queues.size(key) - share)
             for i, p in enumerate(excess):
                 if not self._parked(p):  # its turn is near after all (or Redis failed): the rest stays queued
