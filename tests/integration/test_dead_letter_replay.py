@@ -101,6 +101,12 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
         ConfigEntry("max.message.bytes", "100", incremental_operation=AlterConfigOpType.SET)])
     for f in admin.incremental_alter_configs([change]).values():
         f.result()
+
+    def lane_limit() -> str:  # the change is applied from the metadata log: described once the broker has it
+        [described] = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, lane)]).values()
+        return described.result()["max.message.bytes"].value
+
+    wait_until(lambda: lane_limit() == "100", 10, "the broker to apply the lane's new max.message.bytes")
     fresh = SendClient(stack.bootstrap, names)  # reads the topic's limit anew
     try:
         with pytest.raises(ReplayRefused, match=f"send {send_id} cannot be replayed: record 0 is"):
