@@ -27,6 +27,14 @@ class BacklogShare:
         """Messages a tenant may hold in the worker's buffer."""
         return max(per_request, min(self.max_share, int(rate * self.horizon_s)))
 
+    def excess(self, queued: int, rate: float, per_request: int) -> int:
+        """How many of `queued` messages lie past the tenant's share and might be parked (0 when within it, or
+        when the turn of the first one past it is near anyway, which `park` would never park)."""
+        share = self.share(rate, per_request)
+        if queued <= share or (share + 1) / max(rate, 1e-6) < self.horizon_s:
+            return 0
+        return queued - share
+
     def park(self, tenant: str, queued: int, rate: float, per_request: int, now: float) -> float | None:
         """Seconds until a message arriving now is due back, when it should be parked; None when it
         should be queued (the tenant is within its share, or its turn is near anyway)."""

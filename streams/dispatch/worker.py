@@ -303,15 +303,14 @@ class LaneWorker:
             route, tenant = self.routes.of(self.queues.head_provider(key)), self.queues.head_tenant(key)
             try:
                 rate = self.dispatcher.tenant_limit(route, tenant).rate
-                share = self.backlog.share(rate, self.dispatcher.per_request(route, tenant))
+                per_request = self.dispatcher.per_request(route, tenant)
+                past_share = self.backlog.excess(self.queues.size(key), rate, per_request)
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return
             except ConfigError:
                 continue
-            if self.queues.size(key) <= share or (share + 1) / max(rate, 1e-6) < self.backlog.horizon_s:
-                continue  # within its share, or a fast tenant whose turn is near anyway (never parked)
-            excess = self.queues.take_newest(key, self.queues.size(key) - share)
+            excess = self.queues.take_newest(key, past_share)
             for i, p in enumerate(excess):
                 if not self._parked(p):  # its turn is near after all (or Redis failed): the rest stays queued
                     for kept in excess[i:]:

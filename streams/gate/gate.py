@@ -52,9 +52,7 @@ class RedisGate:
             reply = self._acquire(keys=self._keys(provider, tenant),
                                   args=[tenant, 1, messages, "1" if reserve else "0"])
         except redis.RedisError as exc:
-            if _unreadable(exc):
-                raise _bucket_unreadable(provider, tenant, exc) from None
-            raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
+            raise _failure(provider, tenant, exc) from None
         return self._admission(reply, provider, tenant, messages)
 
     def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]:
@@ -71,11 +69,12 @@ class RedisGate:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
         for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
-            if isinstance(reply, Exception) and _unreadable(reply):
-                out.append(_bucket_unreadable(provider, tenant, reply))  # its error alone, not the round's
-                continue
             if isinstance(reply, Exception):
-                raise GateUnavailable(f"bucket gate unavailable ({reply}); failing closed")
+                failure = _failure(provider, tenant, reply)
+                if not isinstance(failure, BucketUnreadable):
+                    raise failure
+                out.append(failure)  # its error alone, not the round's
+                continue
             try:
                 out.append(self._admission(reply, provider, tenant, messages))
             except (GateError, ConfigError) as exc:
@@ -133,5 +132,8 @@ def _unreadable(exc: Exception) -> bool:
     return type(exc) is redis.ResponseError and str(exc).startswith(("WRONGTYPE", "user_script:"))
 
 
-def _bucket_unreadable(provider: str, tenant: str, exc: Exception) -> BucketUnreadable:
-    return BucketUnreadable(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be read ({exc})")
+def _failure(provider: str, tenant: str, exc: Exception) -> GateUnavailable:
+    """What a failed gate script means: this request's buckets unreadable, or the gate unavailable."""
+    if _unreadable(exc):
+        return BucketUnreadable(f"the buckets of provider {provider!r} for tenant {tenant!r} cannot be read ({exc})")
+    return GateUnavailable(f"bucket gate unavailable ({exc}); failing closed")
