@@ -152,3 +152,9 @@ class SendTooLarge(PublishError):
 
         self.index, self.size, self.limit = index, size, limit or MAX_SEND_BYTES
         super().__init__(f"send {index} is {size} bytes; a send may be at most {self.limit} bytes")
+
+
+class AuditUnconfirmed(DispatchError):
+    """An operator change made from the CLI was applied (and its result printed), but the broker did not
+    confirm its record on the audit trail. The `streams` command exits 4 for it, not 1: nothing failed to
+    apply, and running the command again would make a second change where one cannot be repeated."""

@@ -11,7 +11,7 @@ import sys
 
 from .. import logs
 from ..config import Config
-from ..errors import DispatchError
+from ..errors import AuditUnconfirmed, DispatchError
 from . import dev, operator, roles
 
 
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         args.config = Config.from_env()  # every setting parsed once, before anything starts
         logs.setup(args.config.log_level, args.log_format or args.config.log_format)
         return args.func(args)
+    except AuditUnconfirmed as exc:
+        print(f"warning: {exc}", file=sys.stderr)
+        return 4
     except DispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..errors import AuditUnconfirmed, ConfigError, PublishError
 from ..runtime import Runtime
+
+if TYPE_CHECKING:
+    from ..webhooks.model import Endpoint
+
+
+def _audited(rt: Runtime, what: str, before: object, after: object) -> None:
+    """Record an operator change, applied already and its result printed, on the audit trail as
+    `cli:<user>@<host>`. Printed first so that a record the broker does not confirm never hides what
+    was done (a new key's token, a replay's send id): the command then warns and exits 4."""
+    from ..state.audit import cli_actor
+
+    try:
+        rt.audit_log().record(cli_actor(), what, before, after)
+    except PublishError as exc:
+        raise AuditUnconfirmed(f"{what} was applied, but the audit trail did not confirm its record ({exc}); "
+                               "it may be missing from `streams audit`") from None
 
 
 def topics(sub) -> None:
@@ -75,18 +92,14 @@ def limits(sub) -> None:
         if args.provider not in known:
             raise ConfigError(f"no provider or quota {args.provider!r} (known: {', '.join(known)})")
         store = rt.limit_store()
-        if args.action == "set":
-            from ..state.audit import cli_actor
-
-            before = store.show(args.provider)
-            shown = store.apply(args.provider, LimitChange(args.global_rate, args.global_burst, args.reserve,
-                                                           args.tenant, args.rate, args.burst, args.concurrency,
-                                                           args.pause_ms))
-            rt.audit_log().record(cli_actor(), f"limits/{args.provider}", before, shown)
-        else:
-            shown = store.show(args.provider)
+        before = store.show(args.provider)
+        shown = before if args.action != "set" else store.apply(args.provider, LimitChange(
+            args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate, args.burst, args.concurrency,
+            args.pause_ms))
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
+        if args.action == "set":
+            _audited(rt, f"limits/{args.provider}", before, shown)
         return 0
 
     p.set_defaults(func=run)
@@ -99,8 +112,6 @@ def senders(sub) -> None:
     p.add_argument("--domains", help="set: comma-separated domains (subdomains included; empty: no email)")
 
     def run(args: argparse.Namespace) -> int:
-        from ..state.audit import cli_actor
-
         rt = Runtime(args.config)
         store = rt.sender_store()
         if args.action == "list":
@@ -120,13 +131,13 @@ def senders(sub) -> None:
             if args.domains is None:
                 raise ConfigError("`streams senders set` needs --domains (comma-separated; '' for no email)")
             after = store.set(args.tenant, [d.strip() for d in args.domains.split(",") if d.strip()])
-            rt.audit_log().record(cli_actor(), f"senders/{args.tenant}", before, after)
             print(f"{args.tenant}  {', '.join(after) or '(no email)'}")
+            _audited(rt, f"senders/{args.tenant}", before, after)
             return 0
         if not store.remove(args.tenant):
             raise ConfigError(f"no sender domains set by an operator for {args.tenant!r}")
-        rt.audit_log().record(cli_actor(), f"senders/{args.tenant}", before, None)
         print(f"removed {args.tenant}'s sender domains (SENDER_DOMAINS applies again)")
+        _audited(rt, f"senders/{args.tenant}", before, None)
         return 0
 
     p.set_defaults(func=run)
@@ -144,10 +155,9 @@ def keys(sub) -> None:
 
     def run(args: argparse.Namespace) -> int:
         from ..ingest.api_keys import public
-        from ..state.audit import cli_actor
 
         rt = Runtime(args.config)
-        api_keys, audit = rt.api_keys(), rt.audit_log()
+        api_keys = rt.api_keys()
         if args.action == "list":
             for k in api_keys.list(args.tenant):
                 state = "revoked" if k.revoked_at_ms else ("expiring" if k.expires_at_ms else "valid")
@@ -160,9 +170,9 @@ def keys(sub) -> None:
             token = api_keys.create("operator" if args.operator else "tenant", args.tenant, args.label)
             principal = api_keys.resolve(token)
             assert principal is not None
-            audit.record(cli_actor(), f"apikey/{principal.key_id}", None,
-                         {"role": principal.role, "tenant": principal.tenant, "label": args.label})
             print(token)
+            _audited(rt, f"apikey/{principal.key_id}", None,
+                     {"role": principal.role, "tenant": principal.tenant, "label": args.label})
             return 0
         if not args.key_id:
             raise ConfigError(f"`streams keys {args.action}` needs a key id")
@@ -171,15 +181,15 @@ def keys(sub) -> None:
             raise ConfigError(f"no API key {args.key_id}")
         if args.action == "revoke":
             after = api_keys.revoke(args.key_id)
-            audit.record(cli_actor(), f"apikey/{args.key_id}", public(before), public(after) if after else None)
             print(f"revoked {args.key_id}")
+            _audited(rt, f"apikey/{args.key_id}", public(before), public(after) if after else None)
             return 0
         rotated = api_keys.rotate(args.key_id, args.overlap)
         if rotated is None:
             raise ConfigError(f"API key {args.key_id} is no longer valid: create a new one")
         token, old = rotated
-        audit.record(cli_actor(), f"apikey/{args.key_id}", public(before), {"old": public(old)})
         print(token)
+        _audited(rt, f"apikey/{args.key_id}", public(before), {"old": public(old)})
         return 0
 
     p.set_defaults(func=run)
@@ -221,6 +231,7 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
         new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
     print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
           f"{rt.names.lane(new.channel, new.lane)}")
+    _audited(rt, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
     return 0
 
 
@@ -310,9 +321,12 @@ def state(sub) -> None:
             skipped = f" ({done.skipped} unusable events skipped)" if done.skipped else ""
             print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks and "
                   f"{done.statuses} statuses rebuilt{skipped}; dispatch resumes")
+            _audited(rt, "state/recover", None, {"events": done.events, "delivered_marks": done.delivered_marks,
+                                                 "statuses": done.statuses, "skipped": done.skipped})
         else:
-            print(f"acknowledged: epoch {acknowledge_loss(client, rt.config.keys, oplog)}; dispatch resumes "
-                  "(sends delivered before the loss may be sent again)")
+            epoch = acknowledge_loss(client, rt.config.keys, oplog)
+            print(f"acknowledged: epoch {epoch}; dispatch resumes (sends delivered before the loss may be sent again)")
+            _audited(rt, "state/acknowledge-loss", None, {"epoch": epoch})
         return 0
 
     p.set_defaults(func=run)
@@ -355,40 +369,55 @@ def endpoints(sub) -> None:
             except UnsealError as exc:  # a secret sealed under a key no longer listed
                 raise ConfigError(f"{exc}: list that key again (after the first) and re-seal") from None
             print(f"{changed} endpoint(s) of {len(tenants)} tenant(s) re-sealed under key {sealer.keys[0][0]!r}")
+            _audited(rt, f"endpoints/{args.tenant}/reseal", None, {"key": sealer.keys[0][0], "endpoints": changed})
             return 0
         if args.action == "create":
             if not args.url or not args.events:
                 raise ConfigError("`streams endpoints create` needs --url and --events")
             ep, secret = store.create(args.tenant, args.url, args.events.split(","), args.description)
             print(orjson.dumps({**ep.public(), "secret": secret}, option=orjson.OPT_INDENT_2).decode())
+            _audited(rt, f"endpoint/{ep.id}", None, _audit_view(ep))
             return 0
         if not args.endpoint_id:
             raise ConfigError(f"`streams endpoints {args.action}` needs an endpoint id")
         missing = ConfigError(f"no endpoint {args.endpoint_id} for tenant {args.tenant}")
+        stored = store.get(args.tenant, args.endpoint_id)
+        if stored is None:
+            raise missing
+        before = webhooks.current(stored)
+        what = f"endpoint/{args.endpoint_id}"
         if args.action == "delete":
             if not store.delete(args.tenant, args.endpoint_id):
                 raise missing
             print(f"deleted {args.endpoint_id}")
+            _audited(rt, what, _audit_view(before), None)
             return 0
         if args.action == "rotate":
             rotated = store.rotate_secret(args.tenant, args.endpoint_id)
             if rotated is None:
                 raise missing
             print(rotated)
+            _audited(rt, what, _audit_view(before), {**_audit_view(before), "secret": "rotated"})
             return 0
-        if args.action == "show":
-            found = store.get(args.tenant, args.endpoint_id)
-            found = found and webhooks.current(found)
-        elif args.action == "reactivate":  # counter and alert window reset, deliveries resume
+        found: Endpoint | None = before
+        if args.action == "reactivate":  # counter and alert window reset, deliveries resume
             found = webhooks.reactivate(args.tenant, args.endpoint_id)
-        else:
+        elif args.action in ("enable", "disable"):
             found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
         if found is None:
             raise missing
         print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())
+        if args.action != "show":  # reactivated: active now, before the health app has read it
+            after = found if args.action == "reactivate" else webhooks.current(found)
+            _audited(rt, what, _audit_view(before), _audit_view(after))
         return 0
 
     p.set_defaults(func=run)
+
+
+def _audit_view(ep) -> dict:
+    """An endpoint as the audit trail keeps it: never its secrets, nor its URL (which may carry a token)."""
+    return {"tenant": ep.tenant, "enabled": ep.enabled, "state": ep.state, "event_types": list(ep.event_types)}
 
 
 COMMANDS = [topics, limits, senders, keys, audit, dlq, sends, state, endpoints]

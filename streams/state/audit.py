@@ -1,6 +1,6 @@
-"""The audit trail: every operator change (limits and quotas, API keys, dead-letter replays,
-endpoint reactivations, state recovery) as one record on `notif.audit`: who (the operator key's
-id, or `cli:<user>@<host>`), what, the state before and after, when. Written and acknowledged
+"""The audit trail: every operator change (limits and quotas, sender domains, API keys, replays,
+webhook endpoints, state recovery) as one record on `notif.audit`: who (the operator key's id, or
+`cli:<user>@<host>`), what, the state before and after, when. Written and acknowledged
 before the change is answered; read with `streams audit`. Secrets never appear in it (keys by id).
 """
 

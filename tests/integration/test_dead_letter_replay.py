@@ -1,5 +1,6 @@
 """A send that keeps failing ends in notif.dlq after exactly its policy's attempts, with its history; a
-replay is a new delivery (a new send id carrying `replay_of`), allowed while the payload is kept."""
+replay is a new delivery (a new send id carrying `replay_of`), allowed while the payload is kept, and on the
+audit trail."""
 
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from streams.kafka_client import durable_producer, put_acked
 from streams.retry.dlq import fetch, read_all
 from streams.retry.replay import replay, replay_dead_letter
 from streams.send import MAX_SEND_BYTES, build_send, encode, validate_request
+from streams.state.audit import AuditLog, cli_actor
 from tests.harness import THREE_ATTEMPTS_10S_POLICIES as POLICIES
 from tests.harness import count_records, email_request, sms_request, wait_until
 
@@ -33,7 +35,7 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     Then the send lands once in notif.dlq after exactly 3 attempts (reason retries_exhausted, with its send id,
     tenant, channel and the last 408 error), its status went through `retrying` and shows 3 attempts with their
     status and duration; the replay is a new send with a new id and `replay_of` set, delivered once (the original
-    id is never sent again); a delivered send can be replayed too; `dlq show` does not reveal the phone number;
+    id is never sent again); a delivered send can be replayed too; both replays are on the audit trail; `dlq show` does not reveal the phone number;
     replaying an unknown id, or a send whose payload is older than 7 days, fails saying why."""
     channel_topics("sms")
     limits.set_provider("sms", 100, 100)
@@ -85,6 +87,9 @@ def test_exhausted_send_is_dead_lettered_with_its_history_then_replayed_as_a_new
     assert again.returncode == 0, again.stderr
     second_id = again.stdout.split(" as a new send ")[1].split()[0]
     wait_until(lambda: second_id in mock_provider.stats(deliveries=True)["deliveries"], 30, "the second replay")
+    replays = [e for e in AuditLog(stack.bootstrap, names.audit).read() if e["what"].startswith("replay/")]
+    assert [(e["what"], e["after"]["send_id"], e["who"]) for e in replays] == [
+        (f"replay/{send_id}", replay_id, cli_actor()), (f"replay/{replay_id}", second_id, cli_actor())]
 
     shown = _cli(env, "dlq", "show", send_id)
     assert "retries_exhausted" in shown.stdout and "+14155550123" not in shown.stdout

@@ -1,0 +1,73 @@
+"""Every operator change made from the `streams` CLI is on the audit trail, as the API's are, and a record
+the broker does not confirm never hides what was done."""
+
+import subprocess
+import sys
+import time
+
+import orjson
+from confluent_kafka.admin import AdminClient
+
+from streams.state.audit import AuditLog, cli_actor
+
+
+def _cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_every_operator_change_from_the_cli_is_on_the_audit_trail(stack, names, channel_topics, dispatch_env):
+    """Given a namespace with the webhook channel's topics,
+    When an operator, from the CLI, creates a tenant's webhook endpoint (its URL carrying a token), disables it,
+    reactivates it, rotates its secret and deletes it, then acknowledges a Redis data loss and runs a state
+    recovery,
+    Then each change is one entry on the audit trail, in order, by `cli:<user>@<host>`, with the state before
+    and after (before: nothing was recorded for any of them); neither a signing secret nor the URL is in it."""
+    channel_topics("webhook")
+    started = int(time.time() * 1000)
+    created = _cli(dispatch_env, "endpoints", "create", "--tenant", "acme", "--events", "*",
+                   "--url", "http://127.0.0.1:9/hook?token=url-carried-token")
+    assert created.returncode == 0, created.stderr
+    endpoint = orjson.loads(created.stdout)
+    endpoint_id, secret = endpoint["id"], endpoint["secret"]
+    for action in ("disable", "reactivate", "rotate", "delete"):
+        done = _cli(dispatch_env, "endpoints", action, endpoint_id, "--tenant", "acme")
+        assert done.returncode == 0, (action, done.stderr)
+        if action == "rotate":
+            rotated = done.stdout.strip()
+    for action in ("acknowledge-loss", "recover"):
+        done = _cli(dispatch_env, "state", action)
+        assert done.returncode == 0, (action, done.stderr)
+
+    trail = list(AuditLog(stack.bootstrap, names.audit).read(started))
+    assert [e["what"] for e in trail] == [f"endpoint/{endpoint_id}"] * 5 + ["state/acknowledge-loss", "state/recover"]
+    assert {e["who"] for e in trail} == {cli_actor()}
+    create, disable, reactivate, rotate, delete, acknowledged, recovered = trail
+    assert create["before"] is None and create["after"]["enabled"] and create["after"]["tenant"] == "acme"
+    assert disable["before"]["enabled"] and not disable["after"]["enabled"]
+    assert reactivate["after"]["state"] == "active"
+    assert rotate["after"]["secret"] == "rotated"
+    assert delete["before"]["tenant"] == "acme" and delete["after"] is None
+    assert acknowledged["after"]["epoch"] and recovered["after"]["events"] == 0
+    shown = orjson.dumps(trail).decode()
+    assert secret not in shown and rotated not in shown and "url-carried-token" not in shown
+
+
+def test_a_cli_change_the_audit_trail_does_not_confirm_still_shows_what_was_done(stack, names, channel_topics,
+                                                                               dispatch_env):
+    """Given an audit trail the broker cannot take records on (its topic is gone),
+    When an operator creates a tenant's API key from the CLI,
+    Then the key is created and printed (before: the command failed before printing it, so the key existed and
+    nobody had it), and the command warns that the change was applied but is not on the audit trail, exiting 4
+    (not 1: running it again would make a second key); the warning does not carry the key."""
+    channel_topics("email")
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    for f in admin.delete_topics([names.audit]).values():
+        f.result()
+    made = _cli(dispatch_env, "keys", "create", "--tenant", "acme", "--label", "cli-audit-test")
+    assert made.returncode == 4, made.stderr
+    token = made.stdout.strip()
+    assert token and token not in made.stderr
+    assert "was applied, but the audit trail did not confirm its record" in made.stderr
+    listed = _cli(dispatch_env, "keys", "list", "--tenant", "acme")
+    assert listed.returncode == 0 and "valid" in listed.stdout and "cli-audit-test" in listed.stdout, listed
