@@ -65,7 +65,7 @@ class MockProvider:
                     "fault_timeout_ratio": 0.0,
                     "fault_401_ratio": 0.0, "timeout_delay_s": 15.0, "hold_answers": False, "hold_answers_after": 0,
                     "fault_502_after_accept_ratio": 0.0, "token_ttl_s": 30.0, "sms_no_id_ratio": 0.0,
-                    "sms_unsupported_prefixes": "", "sms_invalid_prefixes": ""}
+                    "sms_unsupported_prefixes": "", "sms_invalid_prefixes": "", "revoked_api_keys": ""}
         self.configure(**{**defaults, **settings})
         self.http.post("/_mock/reset").raise_for_status()
 

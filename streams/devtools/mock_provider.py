@@ -8,6 +8,8 @@
 - A second SMS protocol with short-lived tokens: `POST /oauth/token` (client credentials) issues
   HS256 JWTs that live `token_ttl_s` (30 s; settable), `POST /v2/messages` answers 401 to an expired,
   revoked (`revoke_tokens`) or forged token. Start a second instance to stand for a second provider.
+- Resend API keys: a key not starting with `re_` gets 401; one of `revoked_api_keys` (comma-separated)
+  403 `invalid_api_key`, Resend's answer for a key deleted from the dashboard.
 - SMS rules for fallback tests: `sms_no_id_ratio` answers 200 without a message id;
   destinations starting with one of `sms_unsupported_prefixes` get 400 `unsupported_destination`,
   with one of `sms_invalid_prefixes` 400 `invalid_recipient` (a business rule).
@@ -88,6 +90,7 @@ class MockConfig:
     sms_no_id_ratio: float = 0.0     # 200 without a message id (the message was not taken)
     sms_unsupported_prefixes: str = ""  # comma-separated: 400 unsupported_destination
     sms_invalid_prefixes: str = ""      # comma-separated: 400 invalid_recipient (a business rule)
+    revoked_api_keys: str = ""          # comma-separated: 403 invalid_api_key (a key deleted at the provider)
     seed: int | None = None
 
 
@@ -106,7 +109,7 @@ class MockState:
         "faults_401": 0, "faults_502_after_accept": 0, "rejected": 0, "idempotent_replays": 0,
         "idempotency_conflicts": 0,
         "single_email_requests": 0, "batch_email_requests": 0, "sms_requests": 0, "token_requests": 0,
-        "token_refused_401": 0, "sms_no_id": 0, "sms_unsupported": 0, "sms_invalid": 0,
+        "token_refused_401": 0, "api_keys_refused_403": 0, "sms_no_id": 0, "sms_unsupported": 0, "sms_invalid": 0,
         "marketing_single_requests": 0, "messages_delivered": 0})
     forbidden_paths: list = field(default_factory=list)
     revoked_before: float = 0.0                       # tokens issued before this are refused
@@ -199,6 +202,9 @@ def build_app(config: MockConfig) -> Starlette:
             if api_key.startswith("re_"):
                 c["faults_401"] += 1
             return err(401, "validation_error" if not api_key else "invalid_api_key", "API key is invalid")
+        elif api_key in _prefixes(config.revoked_api_keys):
+            c["api_keys_refused_403"] += 1
+            return err(403, "invalid_api_key", "API key is invalid")
         ok, wait = state.take_token()
         if not ok:
             c["throttled"] += 1

@@ -1,6 +1,6 @@
-"""Providers as data, against two mock providers: short-lived tokens refreshed once on a 401, pacing
-changed at run time, fallback to the channel's next provider on named reasons only, and the same
-evidence and retry behaviour for every provider.
+"""Providers as data, against two mock providers: short-lived tokens refreshed once on a 401, a key the
+provider calls invalid held (not dead-lettered), pacing changed at run time, fallback to the channel's next
+provider on named reasons only, and the same evidence and retry behaviour for every provider.
 
 The second SMS provider (`sms-b`: token auth, its own protocol) is a second mock provider process.
 Where a test needs it first in line, it runs the workers with its own providers file
@@ -15,7 +15,7 @@ from streams.gate.limits import LimitChange
 from streams.ingest.status import StatusStore
 from streams.providers.registry import DEFAULT_FILE
 from streams.retry.dlq import read_all
-from tests.harness import committed_lag, free_port, metric, sms_request, wait_until
+from tests.harness import committed_lag, email_request, free_port, metric, sms_request, wait_until
 
 
 def providers_file(tmp_path, sms: list[str]) -> str:
@@ -94,6 +94,37 @@ def test_a_401_that_a_fresh_token_does_not_cure_holds_and_alerts_instead_of_usin
     mock_provider_b.configure(fault_401_ratio=0.0)
     wait_until(lambda: send_id in mock_provider_b.stats(deliveries=True)["deliveries"], 30, "the delivery")
     assert read_all(stack.bootstrap, names.dlq, timeout_s=2) == []
+    assert "provider_auth_failed" in processes.logs()
+
+
+def test_a_tenant_key_the_provider_calls_invalid_holds_that_tenant_instead_of_dead_lettering(
+        stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given tenant acme sending email under its own Resend key, which the provider answers 403 invalid_api_key
+    (Resend's answer for a key deleted from its dashboard), and tenant shop under the shared key,
+    When each sends a receipt,
+    Then shop's is delivered; acme's is held: counted in dispatch_provider_auth_failures_total (the
+    ProviderAuthFailing alert), neither dead-lettered nor put on a retry tier (before: a 403 was `rejected`, and
+    the receipt was dead-lettered `permanent_error` at once); once the key works again it is delivered, once."""
+    channel_topics("email")
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    mock_provider.configure(revoked_api_keys="re_acme_own_key")
+    port = free_port()
+    processes.start("worker-email", "worker", "--channel", "email", "--lane", "transactional", "--metrics-port",
+                    str(port), ready="consuming", env={"PROVIDER_AUTH_HOLD_S": "2", "RESEND_API_KEYS":
+                                                       '{"*": "re_test_default", "acme": "re_acme_own_key"}'})
+    held = send_client.publish("acme", email_request())
+    other = send_client.publish("shop", email_request())
+    wait_until(lambda: other in mock_provider.stats(deliveries=True)["deliveries"], 30, "shop's receipt")
+    wait_until(lambda: (metric(port, "dispatch_provider_auth_failures_total", provider="resend") or 0) >= 1, 30,
+               "the refused key to be counted")
+    assert mock_provider.stats()["api_keys_refused_403"] >= 1
+    assert held not in mock_provider.stats(deliveries=True)["deliveries"]
+    assert read_all(stack.bootstrap, names.dlq, timeout_s=2) == []
+    assert read_all(stack.bootstrap, names.retry("email", "transactional", "10s"), timeout_s=2) == []
+    mock_provider.configure(revoked_api_keys="")
+    wait_until(lambda: held in mock_provider.stats(deliveries=True)["deliveries"], 30, "acme's receipt")
+    assert mock_provider.stats()["duplicate_deliveries"] == 0
     assert "provider_auth_failed" in processes.logs()
 
 
