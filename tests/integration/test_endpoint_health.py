@@ -58,8 +58,9 @@ class Rig:
     def start_health(self, name: str = "endpoint-health"):
         port = free_port()
         self.health_ports.append(port)
+        # faust's own INFO lines (assignments, table recovery) are in the logs a failing test shows.
         return self.processes.start(name, "endpoint-health", "--metrics-port", str(port),
-                                    ready="endpoint health consuming")
+                                    ready="endpoint health consuming", env={"LOG_LEVEL": "INFO"})
 
     def kill(self, name: str) -> None:
         """kill -9 one process by name."""
