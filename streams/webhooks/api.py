@@ -38,7 +38,8 @@ from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import ReplayedDelivery, documented, problem
 from ..retry.replay import replay
-from ..send import EMAIL_PATTERN, MAX_RECIPIENTS, Send
+from ..send import EMAIL_PATTERN, EVENT_TYPE_PATTERN, MAX_RECIPIENTS, Send
+from .endpoints import MAX_EVENT_TYPES, MAX_URL_LENGTH
 from .ingest import WebhookIngest
 from .model import Endpoint
 
@@ -50,21 +51,22 @@ DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts"
 
 # Documented as check_event_types checks them (at run time, a 422 from the endpoint store).
 EventTypes = Annotated[list[str], WithJsonSchema({
-    "type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1, "maxLength": 128},
+    "type": "array", "minItems": 1, "maxItems": MAX_EVENT_TYPES,
+    "items": {"type": "string", "pattern": f"{EVENT_TYPE_PATTERN}|^[*]$"},
     "description": "event types it receives ('*' for all)"})]
 URL = ("https URL the deliveries are POSTed to (a public address: private, loopback and link-local addresses are "
        "refused, and the host must resolve)")
 
 
 class EndpointCreate(BaseModel):
-    url: str = Field(description=URL)
+    url: str = Field(description=URL, max_length=MAX_URL_LENGTH)
     event_types: EventTypes = Field(min_length=1)
     description: str = Field("", description="kept up to 500 characters")
     enabled: bool = True
 
 
 class EndpointUpdate(BaseModel):
-    url: str | None = Field(None, description=URL)
+    url: str | None = Field(None, description=URL, max_length=MAX_URL_LENGTH)
     event_types: EventTypes | None = None
     description: str | None = None
     enabled: bool | None = None

@@ -10,6 +10,7 @@ the project members kept in the operator log.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
+from ..send import EVENT_TYPE_PATTERN
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
 from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable
 from .lookups import answered
@@ -51,9 +53,21 @@ def new_endpoint_id() -> str:
     return "ep_" + uuid.uuid4().hex[:20]
 
 
+# An endpoint is one record of the operator log and one Redis hash read for every event: its size is bounded,
+# so that a create is refused with why (422) rather than by the log's record limit (a 503 on every try).
+MAX_URL_LENGTH = 2048
+MAX_EVENT_TYPES = 100
+_EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
+
+
 def check_event_types(event_types: list[str]) -> tuple[str, ...]:
-    if not event_types or not all(isinstance(t, str) and 0 < len(t) <= 128 for t in event_types):
-        raise ConfigError("event_types must list at least one event type (or '*'), each 1 to 128 characters")
+    """Each one an event type a send can carry (`send.EVENT_TYPE_PATTERN`), or '*' for all: an endpoint
+    subscribed to a name no event can have would silently receive nothing."""
+    if not event_types or len(event_types) > MAX_EVENT_TYPES:
+        raise ConfigError(f"event_types must list 1 to {MAX_EVENT_TYPES} event types (or '*')")
+    for i, t in enumerate(event_types):
+        if not isinstance(t, str) or (t != "*" and not _EVENT_TYPE.fullmatch(t)):
+            raise ConfigError(f"event_types[{i}] is not an event type: 1 to 128 of A-Z a-z 0-9 _ . : - (or '*')")
     return tuple(dict.fromkeys(event_types))
 
 
@@ -75,6 +89,8 @@ class EndpointStore:
         self._set_if_unchanged = client.register_script(SET_FIELD_IF_UNCHANGED)
 
     def _check_url(self, url: str, resolve: Resolver | None = None) -> str:
+        if len(url) > MAX_URL_LENGTH:
+            raise ConfigError(f"url: at most {MAX_URL_LENGTH} characters")
         try:
             self.policy.check(url, resolve or self.resolve)
         except UnsafeUrl as exc:

@@ -289,6 +289,25 @@ def test_urls_into_private_networks_are_refused_at_registration(hooks, url, why)
     assert r.status_code == 422 and why in r.text
 
 
+def test_an_endpoint_no_event_could_reach_or_too_large_to_store_is_refused_saying_why(hooks, mock_endpoint):
+    """Given a tenant registering endpoints,
+    When one subscribes to "invoice paid" (no event type has a space), one lists 101 event types, and one has a
+    3,000-character URL (an endpoint is one operator-log record; one over its size limit was refused with a 503
+    on every try),
+    Then each is refused 422 naming the field, and the tenant has no endpoint; "invoice.paid" and '*' are taken."""
+    a = hooks.keys["a"]
+    url = mock_endpoint.url("bounded")
+    spaced = hooks.post("/v1/endpoints", json={"url": url, "event_types": ["invoice.paid", "invoice paid"]}, headers=a)
+    assert spaced.status_code == 422 and "event_types[1] is not an event type" in spaced.text, spaced.text
+    many = hooks.post("/v1/endpoints", json={"url": url, "event_types": [f"e.{i}" for i in range(101)]}, headers=a)
+    assert many.status_code == 422 and "1 to 100 event types" in many.text, many.text
+    long_url = hooks.post("/v1/endpoints", json={"url": url + "?" + "x" * 3000, "event_types": ["*"]}, headers=a)
+    assert long_url.status_code == 422 and "url" in long_url.text, long_url.text
+    assert hooks.get("/v1/endpoints", headers=a).json()["endpoints"] == []
+    taken = hooks.post("/v1/endpoints", json={"url": url, "event_types": ["invoice.paid", "*"]}, headers=a)
+    assert taken.status_code == 201, taken.text
+
+
 def test_a_rotated_secret_signs_alongside_the_old_one(hooks, mock_endpoint):
     """Given an endpoint whose receiver knows only the old secret, then only the new one,
     When the tenant rotates the secret and an event is delivered,
