@@ -16,8 +16,8 @@ Another tenant's endpoint or delivery is indistinguishable from a missing one (4
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Callable, Collection
+from typing import Annotated, Any, Literal
 
 from confluent_kafka import KafkaException
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
@@ -151,7 +151,10 @@ class BulkReplayed(BaseModel):
 class BulkReplay(BaseModel):
     since_ms: int = Field(description="replay deliveries created at or after this time (Unix ms)")
     until_ms: int | None = Field(None, description="... and before this time (default: now)")
-    statuses: list[str] = Field(default=["dropped", "skipped"], description="which outcomes to replay")
+    # Final outcomes only: a delivery still under way is refused by the replay, and a refusal keeps its claim,
+    # which would keep it out of every later bulk replay once it had ended.
+    statuses: list[Literal["delivered", "dropped", "skipped", "dead_lettered"]] = Field(
+        default=["dropped", "skipped"], min_length=1, description="which final outcomes to replay")
     limit: int = Field(MAX_BULK_REPLAY, ge=1, le=MAX_BULK_REPLAY)
 
 
@@ -322,7 +325,7 @@ class BulkReplayStopped(Exception):
 CLAIM_KEPT = "the replay claim could not be freed"
 
 
-def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, statuses: list[str], limit: int,
+def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, statuses: Collection[str], limit: int,
                    replay_it: Callable[[str], Send]) -> dict:
     """The bulk replay's answer: the tenant's `candidates` with one of `statuses`, each replayed once (see
     `replay_once`), up to `limit`. Any failure other than a refusal for good stops it there, raised as

@@ -238,7 +238,7 @@ def test_replay_is_a_new_delivery_and_refused_after_the_payload_expired(hooks, m
     """Given a delivered event,
     When tenant a replays the delivery, and replays the endpoint's deliveries in bulk twice,
     Then the replay arrives with a new webhook-id and carries replay_of; a bulk replay replays each failed delivery
-    once however often it is asked; and a replay of a delivery whose payload is older than 7 days fails saying so."""
+    once however often it is asked, and only final outcomes may be asked for (422); and a replay of a delivery whose payload is older than 7 days fails saying so."""
     ep = _register(hooks, mock_endpoint, "fixme", status=500)
     ids = [hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
            for _ in range(2)]
@@ -257,6 +257,10 @@ def test_replay_is_a_new_delivery_and_refused_after_the_payload_expired(hooks, m
     second = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json={"since_ms": since}, headers=hooks.keys["a"]).json()
     assert [x["replay_of"] for x in first["replayed"]] == [ids[0], ids[1]] and second["replayed"] == []
     assert second["already_replayed"] == 2
+    # Final outcomes only: a delivery still under way would be refused, and its claim kept it out for good.
+    under_way = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json={"since_ms": since, "statuses": ["retrying"]},
+                           headers=hooks.keys["a"])
+    assert under_way.status_code == 422 and "statuses" in under_way.text, under_way.text
 
     with pytest.raises(ReplayRefused, match="has expired: payloads are kept 7 days"):
         replay(stack.bootstrap, names, hooks.store, None, ids[1], now_ms=int(time.time() * 1000) + 8 * 86_400_000)
