@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -192,13 +192,20 @@ class Publisher:
         done: Future[Written] = Future()
 
         def on_delivery(err: KafkaError | None, msg) -> None:  # on the poll thread
-            if err is not None and may_be_written(err):
-                done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send; it may have "
-                                                         f"been written: {err.str()}"))
-            elif err is not None:
-                done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
-            else:
-                done.set_result(Written(msg.topic(), msg.partition(), msg.offset()))
+            # The caller may have given up on it: asyncio.wrap_future cancels this future when the task awaiting
+            # it is cancelled (a timeout around publish_async). Setting a cancelled future raises, and confluent-kafka
+            # raises a callback's error out of poll(): the poll thread died, and every later send waited for good.
+            try:
+                if err is not None and may_be_written(err):
+                    done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send; it may have "
+                                                             f"been written: {err.str()}"))
+                elif err is not None:
+                    done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
+                else:
+                    done.set_result(Written(msg.topic(), msg.partition(), msg.offset()))
+            except InvalidStateError:
+                log.info("a send to %s was acknowledged after its caller stopped waiting (err=%s)", r.topic,
+                         err.str() if err is not None else None)
 
         try:
             produce(self.single, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,
@@ -208,8 +215,13 @@ class Publisher:
         return done
 
     def _poll(self) -> None:
+        """Serve the single-record producer's delivery reports until closed; no error ends it (every single
+        send of this process waits on it)."""
         while not self._stop.is_set():
-            self.single.poll(0.05)
+            try:
+                self.single.poll(0.05)
+            except Exception:  # noqa: BLE001 - logged; the next report must still be served
+                log.exception("a delivery report of the ingest producer failed")
 
     def _transaction(self, records: list[Record]) -> list[Written]:
         producer = self._borrow()
