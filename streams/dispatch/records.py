@@ -108,13 +108,14 @@ class RecordWriter:
         self.outcome({**self.outcome_event(p.send, "skipped", p.attempt - 1, now_ms, reason=reason),
                       "origin": self.origin(p)}, on_ack)
 
-    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False,
+    def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
                         on_ack: OnAck | None = None) -> None:
         """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
-        delivery was given up after it."""
+        delivery was given up after it, for this reason (the dead letter's; false: not given up)."""
         fields = webhook_fields(p.send)
         event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
-                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024], "dropped": dropped}
+                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024],
+                 "dropped": dropped or False}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {}, on_ack)
 

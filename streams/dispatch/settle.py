@@ -227,7 +227,7 @@ class Settler:
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p))
                 continue
             decision = self._decide(route, p, result, now_ms, job.resent)
-            finish = self._announced(p, result, now_ms, isinstance(decision, DeadLetter),
+            finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
                                      self._tried_then_finish(job, p))
             if isinstance(decision, RetryAt):
                 self.records.retry(p, decision, result, now_ms, finish, tried)
@@ -284,14 +284,14 @@ class Settler:
                 if q.items and self.routes.of(q.items[0].provider) is route:
                     q.ready_at = max(q.ready_at, until)
 
-    def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool = False,
+    def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
                   on_ack: OnAck | None = None) -> None:
         """Every webhook attempt is an event on the attempts topic; `dropped` marks the attempt after
-        which the delivery was given up (endpoint health counts both)."""
+        which the delivery was given up, with why (endpoint health counts both; its alert names why)."""
         if p.send.channel == "webhook":
             self.records.webhook_attempt(p, result, now_ms, dropped, on_ack)
 
-    def _announced(self, p: Pending, result: ProviderResult, now_ms: int, dropped: bool, then: OnAck) -> OnAck:
+    def _announced(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str, then: OnAck) -> OnAck:
         """`_announce`, returning what to give the record that settles the message: `then` runs once that
         record and the attempt event (a webhook's) are both acknowledged."""
         if p.send.channel != "webhook":

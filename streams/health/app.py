@@ -178,7 +178,7 @@ class EndpointHealthApp:
             return
         ep = self.directory.endpoints.get(h.endpoint_id)
         payload = alert_email(alert.kind, h.endpoint_id, ep.url if ep else "(deleted)", h.tenant, h.last_error,
-                              members, self.config.alerts_from)
+                              members, self.config.alerts_from, alert.reason, alert.attempts)
         send = Send(v=SCHEMA_VERSION, send_id=alert.send_id, tenant_id=self.config.alerts_tenant, channel="email",
                     category="transactional", lane="transactional",
                     policy=self.routing.policy_for("email", "transactional", ALERT_TEMPLATE),

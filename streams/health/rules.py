@@ -6,8 +6,9 @@ the events themselves, so replaying them decides the same way (and names the sam
   successful delivery puts the count back to zero.
 - At 10 consecutive failures the endpoint is `degraded`: nothing more is sent to it, and it is never
   retried or probed by itself; someone reactivates it once it is fixed.
-- Two alerts, to the members of the endpoint's project: "Webhook event dropped" (a delivery used up
-  its 9 attempts) and "Webhook delivery stopped" (the endpoint just became degraded).
+- Two alerts, to the members of the endpoint's project: "Webhook event dropped" (a delivery was given
+  up on, saying why: it used up its 9 attempts, a 410, its max age) and "Webhook delivery stopped" (the
+  endpoint just became degraded).
 - At most one alert per endpoint per 24 h, with one deliberate exception: "stopped" is always sent,
   even after a "dropped" in the window; after a "stopped", "dropped" alerts are silenced for the
   rest of the window.
@@ -56,6 +57,8 @@ class Alert:
     kind: str          # "dropped" | "stopped"
     send_id: str       # stable per (endpoint, incident, window): a replay never sends it twice
     at_ms: int
+    reason: str = ""   # a "dropped": why the delivery was given up (its dead letter's reason)
+    attempts: int = 0  # ... and after how many attempts
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,10 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
             suppressed.append("dropped")  # one alert per window; after a "stopped", silence
         else:
             h = replace(h, window_start_ms=now, stopped_sent=False)
-            alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now))
+            dropped = event["dropped"]  # why it was given up (events written before the reason was: True)
+            reason = dropped if isinstance(dropped, str) else "retries_exhausted"
+            alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now, reason,
+                                int(event.get("n") or 0)))
     if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:
         return Outcome(h, False, tuple(alerts), tuple(suppressed))
     window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
@@ -128,10 +134,10 @@ def describe(event: dict) -> str:
 
 
 def alert_email(kind: str, endpoint_id: str, endpoint_url: str, tenant: str, last_error: str, members: list[str],
-                sender: str) -> dict:
+                sender: str, reason: str = "retries_exhausted", attempts: int = 0) -> dict:
     """The rendered email of an alert (sent through our own transactional email lane): it names the
     endpoint (its id and host: a URL's path and query are the tenant's text, and may hold a token),
-    the project and the last error."""
+    the project, the last error and, for a dropped delivery, why it was given up (`reason`, after `attempts`)."""
     host = urlsplit(endpoint_url).hostname or endpoint_url  # "(deleted)" stays as it is
     where = f"Your webhook endpoint at {host} ({endpoint_id}, project {tenant})"
     if kind == "stopped":
@@ -142,7 +148,16 @@ def alert_email(kind: str, endpoint_id: str, endpoint_url: str, tenant: str, las
                 "missed are listed as skipped in its deliveries and can be replayed for 7 days.")
     else:
         subject = "Webhook event dropped"
-        text = (f"{where}: a delivery failed 9 attempts and was dropped. New events were still being sent when "
-                f"it was dropped. Last error: {last_error}.\n\n"
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}" if attempts else "its attempts"
+        why = {"retries_exhausted": f"a delivery failed {tries} and was dropped. New events were still being sent "
+                                    "when it was dropped",
+               "unknown_outcome": f"a delivery was dropped after {tries}: the last one got no answer, so the "
+                                  "endpoint may have received it",
+               "endpoint_gone": "a delivery was dropped: the endpoint answered 410 Gone, which disables it. Nothing "
+                                "more is sent to it until it is reactivated "
+                                f"(POST /v1/endpoints/{endpoint_id}/reactivate)",
+               "too_old": f"a delivery was dropped after {tries}: its next attempt would have come past the "
+                          "delivery's maximum age"}.get(reason, f"a delivery was dropped ({reason}) after {tries}")
+        text = (f"{where}: {why}. Last error: {last_error}.\n\n"
                 "The event can be replayed for 7 days (POST /v1/deliveries/{id}/replay).")
     return {"from": sender, "to": members, "subject": subject, "text": text}

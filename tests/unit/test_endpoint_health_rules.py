@@ -173,3 +173,26 @@ def test_new_events_are_skipped_for_a_degraded_endpoint_or_an_extreme_backlog():
     assert skip_reason(None, (99, now - 5 * HOUR), limit, now) is None       # old, but not many
     assert skip_reason(None, (10_000, now - 60_000), limit, now) is None     # many, but draining fast
     assert skip_reason(EndpointHealth("active"), (0, None), limit, now) is None
+
+
+@pytest.mark.parametrize("reason, attempt, says, never", [
+    ("retries_exhausted", 9, "a delivery failed 9 attempts and was dropped", "410"),
+    ("endpoint_gone", 1, "answered 410 Gone, which disables it", "failed 9 attempts"),
+    ("unknown_outcome", 9, "the endpoint may have received it", "failed 9 attempts"),
+    ("too_old", 4, "past the delivery's maximum age", "failed 9 attempts"),
+    (True, 9, "a delivery failed 9 attempts", "410"),  # an event written before the reason was
+])
+def test_a_dropped_alert_says_why_the_delivery_was_given_up(reason, attempt, says, never):
+    """Given a delivery given up on at its `attempt`-th attempt for `reason`,
+    When its attempt event is applied,
+    Then the "dropped" alert's email says why (before: every one said it "failed 9 attempts", a 410 at the first
+    attempt included)."""
+    from streams.health.rules import alert_email
+
+    f = Feed()
+    out = f.push({"kind": "attempt", "outcome": "gone" if reason == "endpoint_gone" else "unavailable",
+                  "status_code": 410 if reason == "endpoint_gone" else 500, "n": attempt, "dropped": reason}, 0)
+    [alert] = out.alerts
+    text = alert_email(alert.kind, "ep_1", "https://hooks.acme.test/x", "acme", f.h.last_error, ["m@acme.test"],
+                       "alerts@platform.test", alert.reason, alert.attempts)["text"]
+    assert says in text and never not in text
