@@ -473,7 +473,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             return JSONResponse(await run(Claimed(int(time.time() * 1000), "")), status)  # type: ignore[misc]
         if not key.strip():
             raise problem(422, "invalid_request", ["header", "Idempotency-Key"], "an Idempotency-Key cannot be empty")
-        state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, body_hash(canonical))
+        try:
+            digest = body_hash(canonical)
+        except orjson.JSONEncodeError:  # a field the sends ignore, nested past what a canonical form can hold
+            raise problem(422, "invalid_request", ["body"], "the request body is nested more than 254 levels deep: "
+                          "it has no canonical form for its Idempotency-Key") from None
+        state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest)
         if isinstance(state, Answered):
             return JSONResponse(state.body, state.status, headers={"Idempotent-Replayed": "true"})
         if isinstance(state, Conflict):

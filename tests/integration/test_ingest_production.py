@@ -91,6 +91,23 @@ def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client
     assert count_records(stack.bootstrap, topic) == 4
 
 
+def test_a_keyed_body_nested_too_deep_for_a_canonical_form_is_refused_not_a_500(api, stack, names):
+    """Given a valid send carrying a field the sends ignore, nested 300 levels deep (past the 254 levels the
+    canonical form of a body can hold),
+    When it is posted with an Idempotency-Key, twice,
+    Then each answer is 422 naming the body, and nothing is published (before: 500 "may have taken effect,
+    retry with the same Idempotency-Key", which answered 500 again on every retry)."""
+    junk: list = []
+    for _ in range(300):
+        junk = [junk]
+    headers = {**api.keys["a"], "Idempotency-Key": "deep-1"}
+    for _ in range(2):
+        r = api.post("/v1/sends", json={**email_request(), "junk": junk}, headers=headers)
+        assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body"], r.text
+        assert "nested more than 254 levels" in r.text
+    assert count_records(stack.bootstrap, names.lane("email", "transactional")) == 0
+
+
 def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(redis_client, namespace):
     """Given a request that claimed an Idempotency-Key with a 1.5 s lease and is still being published,
     When 4.5 s pass while the API renews the lease (three leases' time),
