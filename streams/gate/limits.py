@@ -60,6 +60,7 @@ def check_tenant(tenant: str, rate: int, burst: int) -> None:
 
 
 CHANGE_ATTEMPTS = 10
+INGEST_QUOTA_PREFIX = "ingest-"  # the ingest quotas' names (ingest/quotas.py): buckets that limit tenants only
 # KEYS[1] a provider's limits (hash)   ARGV[1] JSON {field: value as text}: what the change was checked against
 # ARGV[2..] field, value pairs to write. Written only while the hash holds exactly what was read: 1, else 0.
 _SET_IF_UNCHANGED = """
@@ -127,6 +128,12 @@ class LimitStore:
             check_tenant(change.tenant or "", change.tenant_rate, change.tenant_burst)
             writes.update({f"tenant_rate:{change.tenant}": change.tenant_rate,
                            f"tenant_burst:{change.tenant}": change.tenant_burst})
+            if provider.startswith(INGEST_QUOTA_PREFIX) and "global_rate" not in {**current, **writes}:
+                # The quota's bucket script admits nothing without its global limit, which ingest reads as a
+                # quota nobody set: the tenant quota would be accepted here and never enforced.
+                raise ConfigError(f"ingest quota {provider!r} has no global limit: a tenant quota is enforced only "
+                                  "with one; set the global rate and burst (high: quotas are per tenant) first, or "
+                                  "in the same change")
         for name in ("concurrency", "pause_ms"):
             value = getattr(change, name)
             if value is not None:

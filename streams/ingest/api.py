@@ -374,8 +374,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         if ingest.quotas is not None and (not digest or digest != claim.charged_before):
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
+                whose = "the platform-wide limit of the" if verdict.shared else "over the"
                 raise problem(429, "quota_exceeded", ["header", "authorization"],
-                              f"over the {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s",
+                              f"{whose} {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s",
                               headers={"Retry-After": str(max(1, round(verdict.retry_after_s + 0.5)))})
             if isinstance(verdict, BeyondBurst):
                 raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],

@@ -6,8 +6,9 @@ under these names:
     ingest-transactional   a tenant's transactional and product sends per second
     ingest-marketing       a tenant's marketing sends per second
 
-Each needs its global limit too (set it high: quotas are per tenant). A quota nobody has set is
-not enforced. Over a quota, the request is refused whole with 429 and Retry-After (nothing is
+Each needs its global limit too (set it high: quotas are per tenant); a tenant quota is refused
+while its global limit is missing, which would leave it unenforced. A quota nobody has set is not
+enforced. Over a quota, the request is refused whole with 429 and Retry-After (nothing is
 published); a request larger than the tenant's burst can never pass and gets 422.
 
 The transactional quota is the ceiling that keeps one tenant from holding the transactional lane
@@ -38,6 +39,7 @@ def lane_quota(lane: str) -> str:
 class OverQuota:
     quota: str
     retry_after_s: float
+    shared: bool = False  # the quota's global bucket ran out (every tenant's), not the tenant's own
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class IngestQuotas:
             elif isinstance(answer, GateError):
                 refusal = refusal or answer
             elif not answer.allowed:
-                refusal = refusal or OverQuota(quota, answer.wait_s)
+                refusal = refusal or OverQuota(quota, answer.wait_s, answer.short == "global")
             else:
                 taken.append((quota, tenant, cost))
         if refusal is None:

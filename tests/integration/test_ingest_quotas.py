@@ -139,3 +139,23 @@ def test_a_refused_request_whose_key_was_taken_over_keeps_its_charge(redis_clien
     assert spared[0]  # the retry was told the sends were charged
     other = api.post(batch, "batch-2")
     assert other.status_code == 429 and other.json()["error"] == "quota_exceeded", other.text[:300]
+
+
+def test_a_refusal_by_the_shared_global_limit_says_so_not_the_tenants_own(redis_client, namespace, limits):
+    """Given a transactional ingest quota whose global burst (every tenant's) is 10 requests, and a tenant quota of
+    100 sends,
+    When acme's 10 requests take the 10 and globex, far under its own quota, sends one receipt,
+    Then globex is refused as over the shared limit (before: told it was over its own quota, which it was not);
+    and once globex's own quota of 1 is what runs out, it is told that one."""
+    limits.set_provider("ingest-transactional", 1, 10)
+    limits.set_tenant("ingest-transactional", "*", 100, 100)
+    quotas = IngestQuotas(RedisGate(redis_client, namespace))
+    for _ in range(10):  # the global bucket counts requests, a tenant's counts sends
+        assert quotas.admit("acme", sends("transactional", 1)) is None
+    refused = quotas.admit("globex", sends("transactional", 1))
+    assert isinstance(refused, OverQuota) and refused.quota == "ingest-transactional" and refused.shared
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "globex", 1, 1)
+    assert quotas.admit("globex", sends("transactional", 1)) is None
+    own = quotas.admit("globex", sends("transactional", 1))
+    assert isinstance(own, OverQuota) and not own.shared

@@ -75,3 +75,17 @@ def test_a_change_logs_one_record_and_a_redis_that_lost_its_data_deletes_none(
     lost._write = lambda provider, held, fields: redis_client.delete(lost.keys.limits(provider)) and True
     lost.set_tenant("resend", "globex", 2, 4)
     assert logged(stack, oplog_topic, "resend")["tenant_rate:globex"] == 2  # its own record, not a deletion
+
+
+def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unenforced(redis_client, namespace):
+    """Given no limits for the ingest-transactional quota,
+    When an operator sets the default tenant quota alone, then the global limit and the tenant quota in one change,
+    Then the first is refused saying the global limit is missing and nothing is written (before: accepted, and never
+    enforced: ingest reads a quota whose bucket has no global limit as a quota nobody set); the second is taken."""
+    store = LimitStore(redis_client, namespace)
+    with pytest.raises(ConfigError, match="'ingest-transactional' has no global limit"):
+        store.apply("ingest-transactional", LimitChange(tenant="*", tenant_rate=1, tenant_burst=1))
+    assert store.show("ingest-transactional") == {}
+    done = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
+                                                           tenant_rate=1, tenant_burst=1))
+    assert (done["global_rate"], done["tenant_rate:*"]) == (10_000, 1)
