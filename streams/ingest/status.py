@@ -16,7 +16,7 @@ from ..backoff import Outage
 from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
-from ..outcomes import events_of, unusable
+from ..outcomes import events_of, unusable, webhook_fields
 from ..redis_client import store_errors
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ class StatusStore:
 
     def accepted(self, sends: list) -> None:
         """Recorded once published: a status an outcome already wrote (the send can be dispatched
-        before this runs) is never replaced by `accepted`."""
+        before this runs) is never replaced by `accepted`. A webhook delivery is listed under its
+        endpoint from here on, as its outcomes list it (it is found while it waits its turn)."""
         pipe = self.client.pipeline(transaction=False)
         now = int(time.time() * 1000)
         for s in sends:
@@ -60,6 +61,11 @@ class StatusStore:
             fields = {"tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane, "accepted_at_ms": now}
             if s.replay_of:
                 fields["replay_of"] = s.replay_of
+            fields.update({k: v for k, v in webhook_fields(s).items() if isinstance(v, str) and v})
+            if "endpoint_id" in fields:
+                index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]))
+                pipe.zadd(index, {s.send_id: s.created_at_ms})
+                pipe.expire(index, STATUS_TTL_S)
             pipe.hset(key, mapping=fields)
             pipe.hsetnx(key, "status", "accepted")
             pipe.hsetnx(key, "attempts", 0)

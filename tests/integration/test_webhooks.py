@@ -312,6 +312,29 @@ def test_an_endpoint_no_event_could_reach_or_too_large_to_store_is_refused_sayin
     assert taken.status_code == 201, taken.text
 
 
+def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topics, limits, processes, redis_client,
+                                                         mock_endpoint):
+    """Given tenant a's endpoint and no webhook worker running yet (its deliveries wait),
+    When a publishes an event,
+    Then its delivery is found at once (status accepted, naming its endpoint and event) and listed under its
+    endpoint (before: 404 "no such delivery" and an empty list until its first attempt, minutes or hours behind
+    a slow endpoint); once a worker runs it is delivered and still listed once."""
+    hooks = _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE, worker=False)
+    ep = _register(hooks, mock_endpoint, "waiting")
+    [delivery] = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"]
+    found = hooks.get(f"/v1/deliveries/{delivery['delivery_id']}", headers=hooks.keys["a"])
+    assert found.status_code == 200, found.text
+    assert (found.json()["status"], found.json()["endpoint_id"], found.json()["event_type"]) == (
+        "accepted", ep["id"], "invoice.paid")
+    listed = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", headers=hooks.keys["a"]).json()["deliveries"]
+    assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
+    assert hooks.get(f"/v1/deliveries/{delivery['delivery_id']}", headers=hooks.keys["b"]).status_code == 404
+    _webhook_worker(processes)
+    assert _final(hooks, delivery["delivery_id"])["status"] == "delivered"
+    listed = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", headers=hooks.keys["a"]).json()["deliveries"]
+    assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
+
+
 def test_a_rotated_secret_signs_alongside_the_old_one(hooks, mock_endpoint):
     """Given an endpoint whose receiver knows only the old secret, then only the new one,
     When the tenant rotates the secret and an event is delivered,
