@@ -122,11 +122,14 @@ class StatusStore:
                                                start=0, num=limit)
         return [i.decode() for i in ids]
 
-    def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int) -> list[str]:
-        """An endpoint's delivery ids created in [since_ms, until_ms), oldest first."""
+    def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int,
+                                    limit: int) -> list[tuple[str, int]]:
+        """An endpoint's first `limit` deliveries created in [since_ms, until_ms), oldest first, with when each
+        was created (a busy endpoint lists millions in 30 days: one call never reads them all)."""
         with store_errors("listing an endpoint's deliveries"):
-            ids = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id), since_ms, f"({until_ms}")
-        return [i.decode() for i in ids]
+            found = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id), since_ms, f"({until_ms}",
+                                              start=0, num=limit, withscores=True)
+        return [(i.decode(), int(score)) for i, score in found]
 
     def claim_replay(self, send_id: str) -> bool:
         """True once per send: a bulk replay called twice replays each send once."""

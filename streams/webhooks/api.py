@@ -45,6 +45,7 @@ from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
 MAX_BULK_REPLAY = 1000
+MAX_BULK_CONSIDERED = 10_000  # deliveries one bulk replay call looks at (each is a status read); the next call goes on
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
 
@@ -146,6 +147,8 @@ class BulkReplayed(BaseModel):
     already_replayed: int
     refused: list[RefusedDelivery] = Field(description="deliveries that cannot be replayed (not asked again)")
     considered: int
+    next_since_ms: int | None = Field(None, description=f"set when more deliveries of the range remain than one "
+                                      f"call looks at ({MAX_BULK_CONSIDERED}): call again with this since_ms")
 
 
 class BulkReplay(BaseModel):
@@ -273,13 +276,17 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         if endpoints.get(tenant_id, endpoint_id) is None:
             raise _not_found("endpoint")
         until = body.until_ms or int(time.time() * 1000)
-        candidates = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until)
+        listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
+        candidates = [d for d, _ in listed[:MAX_BULK_CONSIDERED]]
+        # Past the page: where the next call starts (deliveries created in the same millisecond as the last one
+        # looked at are looked at again, and answer as already replayed).
+        more = {"next_since_ms": listed[MAX_BULK_CONSIDERED - 1][1]} if len(listed) > MAX_BULK_CONSIDERED else {}
 
         def replay_it(delivery_id: str) -> Send:
             return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
 
         try:
-            return replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it)
+            return {**replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it), **more}
         except BulkReplayStopped as stop:
             raise _stopped(stop) from None
 

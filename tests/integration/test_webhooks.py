@@ -512,3 +512,16 @@ def test_a_bulk_replay_whose_store_fails_mid_way_still_names_every_replay_it_pub
         replay_in_turn(store, ["d-3"], "tenant-a", ["dropped"], 100, broken)
     answer = _stopped(unexpected.value)
     assert answer.status_code == 500 and answer.detail["replayed"] == [] and "a bug" not in str(answer.detail)
+
+
+def test_an_endpoints_deliveries_are_listed_a_bounded_page_at_a_time(redis_client, namespace):
+    """Given an endpoint with 5 deliveries created one millisecond apart,
+    When its deliveries of a range are listed with a bound of 3 (a bulk replay looks at 10,000 per call),
+    Then the 3 oldest come back with when each was created, where the next call starts (before: every delivery of
+    the range in one Redis call: millions for a busy endpoint over 30 days, on the API's shared threads)."""
+    store = StatusStore(redis_client, namespace)
+    for i in range(5):
+        store.record_outcome({"send_id": f"d-{i}", "status": "dropped", "created_at_ms": 1000 + i,
+                              "completed_at_ms": 2000 + i, "endpoint_id": "ep", "tenant_id": "tenant-a"})
+    assert store.endpoint_deliveries_between("ep", 0, 10**13, 3) == [("d-0", 1000), ("d-1", 1001), ("d-2", 1002)]
+    assert store.endpoint_deliveries_between("ep", 1002, 10**13, 3) == [("d-2", 1002), ("d-3", 1003), ("d-4", 1004)]
