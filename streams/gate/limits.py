@@ -6,6 +6,7 @@ is checked against the limits it would produce, so both refuse the same things w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
+from ..send import TENANT_ID_PATTERN
 from ..state.log import log_what_redis_holds
 from .token_bucket import Limit
 
@@ -55,6 +57,9 @@ def check_provider(rate: int, burst: int, reserve: int) -> None:
 def check_tenant(tenant: str, rate: int, burst: int) -> None:
     if not tenant:
         raise ConfigError("a tenant limit needs a tenant id (or '*' for the default)")
+    if tenant != "*" and not re.fullmatch(TENANT_ID_PATTERN, tenant):
+        raise ConfigError(f"{tenant!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or '-'), nor '*': no "
+                          "send could ever be held to this limit")
     if rate < 1 or burst < 1:
         raise ConfigError(f"tenant rate and burst must be >= 1 (got rate={rate}, burst={burst})")
 

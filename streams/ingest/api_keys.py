@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Literal
@@ -104,8 +105,9 @@ class ApiKeys:
         return next((k for k in self.list() if k.id == key_id), None)
 
     def revoke(self, key_id: str) -> KeyInfo | None:
-        """Refused from now on, by every API process."""
-        return self._change(key_id, revoked_at_ms=int(time.time() * 1000))
+        """Refused from now on, by every API process (revoked again, it keeps its first revocation's time)."""
+        now = int(time.time() * 1000)
+        return self._change(key_id, lambda doc: {**doc, "revoked_at_ms": doc.get("revoked_at_ms") or now})
 
     def rotate(self, key_id: str, overlap_s: int = 24 * 3600) -> tuple[str, KeyInfo] | None:
         """A new key with the same role and tenant; the old one keeps working `overlap_s` seconds (a key already
@@ -117,9 +119,9 @@ class ApiKeys:
             raise ConfigError(f"overlap must be between 0 and 30 days (got {overlap_s} s)")
         token = self.create(old.role, old.tenant, old.label)
         ends = int(time.time() * 1000) + overlap_s * 1000
-        if old.expires_at_ms is not None:  # rotated before: its end may come sooner, never later
-            ends = min(ends, old.expires_at_ms)
-        changed = self._change(key_id, expires_at_ms=ends)
+        # Rotated before (by another operator meanwhile, too): its end may come sooner, never later.
+        changed = self._change(key_id, lambda doc: {**doc,
+                                                    "expires_at_ms": min(ends, doc.get("expires_at_ms") or ends)})
         assert changed is not None
         return token, changed
 
@@ -151,10 +153,10 @@ class ApiKeys:
         except redis.RedisError:
             pass  # a last-used time is a convenience: never a reason to refuse a request
 
-    def _change(self, key_id: str, **fields: int) -> KeyInfo | None:
-        """Merge `fields` into a key's record, compare-and-set: a change written by another process since
-        this one read the record (a revocation landing in the middle of a rotation) is read again and kept,
-        never overwritten with the older record."""
+    def _change(self, key_id: str, update: Callable[[dict], dict]) -> KeyInfo | None:
+        """Write `update(record)` over a key's record, compare-and-set: a change written by another process
+        since this one read the record (a revocation landing in the middle of a rotation) is read again,
+        updated again and kept, never overwritten with the older record."""
         for _ in range(CHANGE_ATTEMPTS):
             with store_errors("reading API keys"):
                 raw = self.client.hgetall(self.key)
@@ -162,7 +164,7 @@ class ApiKeys:
             if found is None:
                 return None
             digest, stored = found
-            doc = {**orjson.loads(stored), **fields}
+            doc = update(orjson.loads(stored))
             saved = self._save(digest, doc, stored)
             if self.oplog is not None:  # the log ends with what Redis holds, whoever won
                 log_what_redis_holds(self.oplog, f"apikey/{digest}", partial(self._raw, digest), saved)

@@ -225,9 +225,10 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             raise problem(422, "invalid_request", ["body", "tenant"], str(exc)) from None
         info = ingest.keys.resolve(token)
         assert info is not None
-        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": body.tenant, "label": body.label},
+        # The key's tenant as stored (an operator key has none, whatever the body said).
+        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": info.tenant, "label": body.label},
                 repeatable=False)
-        return {"id": info.key_id, "key": token, "role": body.role, "tenant": body.tenant,
+        return {"id": info.key_id, "key": token, "role": body.role, "tenant": info.tenant,
                 "note": "the key is shown once: store it now"}
 
     @router.post("/keys/{key_id}/revoke", response_model=KeyView, responses=documented(401, 403, 404, 503))

@@ -338,6 +338,11 @@ def test_operator_routes_refuse_tenants_and_every_change_is_audited(api, stack, 
     limits = next(e for e in trail if e["what"] == "limits/resend")
     assert limits["who"].startswith("key:") and limits["after"]["global_rate"] == 7 and limits["before"] == {}
     assert any(e["what"] == f"apikey/{made['id']}" for e in trail)
+    operator_key = api.post("/v1/admin/keys", json={"role": "operator", "tenant": "tenant-d"}, headers=op).json()
+    assert operator_key["tenant"] is None  # an operator key has no tenant, whatever the body said
+    [entry] = [e for e in api.get("/v1/admin/audit", params={"since_ms": started}, headers=op).json()["entries"]
+               if e["what"] == f"apikey/{operator_key['id']}"]
+    assert entry["after"]["tenant"] is None
     assert made["key"] not in str(trail)
     out = subprocess.run([sys.executable, "-m", "streams.cli", "audit", "--since-ms", str(started)],
                          env=dispatch_env, capture_output=True, text=True, timeout=60)

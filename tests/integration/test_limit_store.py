@@ -89,3 +89,14 @@ def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unen
     done = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
                                                            tenant_rate=1, tenant_burst=1))
     assert (done["global_rate"], done["tenant_rate:*"]) == (10_000, 1)
+
+
+def test_a_limit_for_a_name_no_tenant_can_have_is_refused(redis_client, namespace):
+    """Given resend's limits,
+    When an operator sets a limit for "bad tenant" (a space: no tenant id has one),
+    Then it is refused saying why, and nothing is written (before: stored, and no send was ever held to it)."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 10, 10)
+    with pytest.raises(ConfigError, match="'bad tenant' is not a tenant id"):
+        store.set_tenant("resend", "bad tenant", 1, 1)
+    assert "tenant_rate:bad tenant" not in store.show("resend")
