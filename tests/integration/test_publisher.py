@@ -25,3 +25,18 @@ def test_a_caller_that_stops_waiting_does_not_stop_every_later_send(stack, creat
         assert written.topic == topic and written.offset == i + 2
     finally:
         publisher.close()
+
+
+def test_nothing_to_publish_asks_nothing_of_the_broker():
+    """Given the ingest publisher and no broker at its address,
+    When it is given no records (a webhook event no endpoint subscribes to),
+    Then it answers at once that nothing was written (before: it ran an empty transaction, which failed after its
+    timeout: the event was answered 503 for nothing)."""
+    import asyncio
+
+    publisher = Publisher("127.0.0.1:1", timeout_s=2)
+    try:
+        assert publisher.publish([]) == []
+        assert asyncio.run(publisher.publish_async([])) == []
+    finally:
+        publisher.close()
