@@ -23,10 +23,11 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 DEGRADE_AFTER = 10
-# Attempts that are not the endpoint's failure (our side failed before anything was sent, an operator's
-# sealing key missing; or the URL that answered is no longer the endpoint's): they neither degrade it nor
-# mail its tenant's members.
-OURS = frozenset({"secret_unreadable", "gone_before_url_change"})  # the latter: the old URL answered
+# Attempts that are not the endpoint's failure (our side failed before anything was sent: an operator's
+# sealing key missing, the worker's endpoint view behind the log; or the URL that answered is no longer the
+# endpoint's): they neither degrade it nor mail its tenant's members.
+OURS = frozenset({"secret_unreadable", "gone_before_url_change",  # the latter: the old URL answered
+                  "endpoint_view_behind"})  # the worker's view of the endpoints could not catch up
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 

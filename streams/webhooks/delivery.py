@@ -41,6 +41,7 @@ from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 EXCERPT_BYTES = 1024
 DRAIN_S = 1.0  # how long a 2xx answer's body is waited for (read only so its connection can be reused)
 DNS_TTL_S = 30.0
+VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to read the operator log to its end
 DNS_TIMEOUT_S = 5.0
 UNSEAL_LOG_EVERY_S = 60.0
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
@@ -196,6 +197,16 @@ class WebhookDelivery:
 
     async def _deliver(self, endpoint_id: str, body: bytes, msg_id: str) -> ProviderResult:
         ep = self.directory.get(endpoint_id)
+        if ep is None:
+            # Deleted, or created a moment ago and not read by this view yet (the API that fanned the event
+            # out had read it; the lane's record can come before the operator log's): only a view holding
+            # everything the log holds now may say deleted, which skips the delivery for good.
+            started = time.monotonic()
+            caught_up = await asyncio.get_running_loop().run_in_executor(None, self.directory.sync, VIEW_SYNC_S)
+            ep = self.directory.get(endpoint_id)
+            if ep is None and not caught_up:  # retried on its schedule; not the endpoint's failure
+                return ProviderResult("unavailable", error_name="endpoint_view_behind",
+                                      latency_s=time.monotonic() - started)
         if ep is None:
             return ProviderResult("skipped", error_name="endpoint_deleted")
         if not ep.enabled or ep.state == "disabled":

@@ -190,3 +190,44 @@ def test_an_event_naming_another_tenants_endpoint_is_never_built():
         assert d.build([Outbound("s2", "acme", "transactional", {**payload, "endpoint_id": "ep_a"})], False)[0] == "ep_a"
     finally:
         d.close()
+
+
+class LaggingView:
+    """An endpoint view that has not read the newest endpoints yet: `sync` brings it up to the log's end (the
+    worker's poll thread reading on), or cannot (`reachable` False: the broker did not say where the end is)."""
+
+    def __init__(self, known: list[Endpoint], behind: list[Endpoint], reachable: bool = True):
+        self.by_id, self.behind, self.reachable = {ep.id: ep for ep in known}, behind, reachable
+
+    def get(self, endpoint_id: str):
+        return self.by_id.get(endpoint_id)
+
+    def sync(self, timeout_s: float) -> bool:
+        if self.reachable:
+            self.by_id.update({ep.id: ep for ep in self.behind})
+        return self.reachable
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_endpoint_the_view_has_not_read_yet_is_delivered_to_not_taken_for_deleted(nameserver, receiver):
+    """Given a worker whose endpoint view has not yet read a just-created endpoint (the lane's record of its first
+    delivery came before the operator log's record of the endpoint), and an endpoint that was deleted,
+    When a delivery goes to each, and then to the new one while the broker cannot say where the log ends,
+    Then the new endpoint's delivery is delivered once the view has read the log to its end (before: skipped for
+    good as `endpoint_deleted`); the deleted one's is skipped as deleted; with the log's end unknown the delivery
+    is retried (`endpoint_view_behind`, which is not the endpoint's failure), not skipped."""
+    new = endpoint("ep_new", "acme", f"http://a.shared.test:{receiver}/hooks")
+    d = client(LaggingView([], [new]), nameserver)
+    try:
+        results = [deliver(d, new, 1), deliver(d, endpoint("ep_gone", "acme", "http://gone.test/x"), 2)]
+    finally:
+        d.close()
+    assert [(r.outcome, r.error_name) for r in results] == [("delivered", ""), ("skipped", "endpoint_deleted")]
+    d = client(LaggingView([], [new], reachable=False), nameserver)
+    try:
+        behind = deliver(d, new, 3)
+    finally:
+        d.close()
+    assert (behind.outcome, behind.error_name) == ("unavailable", "endpoint_view_behind")
