@@ -146,9 +146,10 @@ class BulkReplayed(BaseModel):
     replayed: list[ReplayedDelivery]
     already_replayed: int
     refused: list[RefusedDelivery] = Field(description="deliveries that cannot be replayed (not asked again)")
-    considered: int
-    next_since_ms: int | None = Field(None, description=f"set when more deliveries of the range remain than one "
-                                      f"call looks at ({MAX_BULK_CONSIDERED}): call again with this since_ms")
+    considered: int = Field(description="deliveries of the range this call looked at, oldest first")
+    next_since_ms: int | None = Field(None, description=f"set when deliveries of the range remain that this call did "
+                                      f"not look at (it stopped at `limit` replays, or at {MAX_BULK_CONSIDERED} "
+                                      "deliveries looked at): call again with this since_ms for the rest")
 
 
 class BulkReplay(BaseModel):
@@ -278,15 +279,13 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         until = body.until_ms or int(time.time() * 1000)
         listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
         candidates = [d for d, _ in listed[:MAX_BULK_CONSIDERED]]
-        # Past the page: where the next call starts (deliveries created in the same millisecond as the last one
-        # looked at are looked at again, and answer as already replayed).
-        more = {"next_since_ms": listed[MAX_BULK_CONSIDERED - 1][1]} if len(listed) > MAX_BULK_CONSIDERED else {}
 
         def replay_it(delivery_id: str) -> Send:
             return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
 
         try:
-            return {**replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it), **more}
+            answer = replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it)
+            return {**answer, "next_since_ms": next_since(listed, answer["considered"])}
         except BulkReplayStopped as stop:
             raise _stopped(stop) from None
 
@@ -332,6 +331,13 @@ class BulkReplayStopped(Exception):
 CLAIM_KEPT = "the replay claim could not be freed"
 
 
+def next_since(listed: list[tuple[str, int]], considered: int) -> int | None:
+    """Where a bulk replay's next call starts: the creation time of the first delivery of `listed` (oldest first,
+    with their creation times) that this call did not look at; None when it looked at them all. Deliveries
+    created in that same millisecond that it did look at are looked at again, and answer as already replayed."""
+    return listed[considered][1] if considered < len(listed) else None
+
+
 def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, statuses: Collection[str], limit: int,
                    replay_it: Callable[[str], Send]) -> dict:
     """The bulk replay's answer: the tenant's `candidates` with one of `statuses`, each replayed once (see
@@ -339,10 +345,11 @@ def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, st
     BulkReplayStopped, which carries what it did replay (those are published: the answer must name them)."""
     replayed: list[dict] = []
     refused: list[dict] = []
-    already = 0
+    already = considered = 0
     for delivery_id in candidates:
         if len(replayed) >= limit:
             break
+        considered += 1
         checked: str | None = None  # named in an answer only once known to be the tenant's
         try:
             doc = store.get(delivery_id)
@@ -359,7 +366,7 @@ def replay_in_turn(store: StatusStore, candidates: list[str], tenant_id: str, st
             already += 1
             continue
         replayed.append({"delivery_id": new.send_id, "replay_of": delivery_id})
-    return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": len(candidates)}
+    return {"replayed": replayed, "already_replayed": already, "refused": refused, "considered": considered}
 
 
 def _stopped(stop: BulkReplayStopped) -> HTTPException:

@@ -22,7 +22,7 @@ from streams.names import RedisKeys
 from streams.retry.replay import replay
 from streams.send import MAX_SEND_BYTES
 from streams.state.log import OperatorLog
-from streams.webhooks.api import BulkReplayStopped, _stopped, replay_in_turn, replay_once
+from streams.webhooks.api import BulkReplayStopped, _stopped, next_since, replay_in_turn, replay_once
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
@@ -525,3 +525,24 @@ def test_an_endpoints_deliveries_are_listed_a_bounded_page_at_a_time(redis_clien
                               "completed_at_ms": 2000 + i, "endpoint_id": "ep", "tenant_id": "tenant-a"})
     assert store.endpoint_deliveries_between("ep", 0, 10**13, 3) == [("d-0", 1000), ("d-1", 1001), ("d-2", 1002)]
     assert store.endpoint_deliveries_between("ep", 1002, 10**13, 3) == [("d-2", 1002), ("d-3", 1003), ("d-4", 1004)]
+
+
+def test_following_next_since_ms_replays_every_delivery_of_the_range_once(redis_client, namespace):
+    """Given an endpoint with 5 dropped deliveries,
+    When bulk replays with a limit of 2 each follow the `next_since_ms` of the answer before,
+    Then every delivery is replayed once, in three calls, the last answering no next_since_ms (before:
+    next_since_ms named the end of the page read, past deliveries a call stopped short of at its limit, which
+    a client following it never replayed)."""
+    store = StatusStore(redis_client, namespace)
+    for i in range(5):
+        store.record_outcome({"send_id": f"d-{i}", "status": "dropped", "created_at_ms": 1000 + i,
+                              "completed_at_ms": 2000 + i, "endpoint_id": "ep", "tenant_id": "tenant-a"})
+    since, replayed, calls = 0, [], 0
+    while since is not None:
+        calls += 1
+        listed = store.endpoint_deliveries_between("ep", since, 10**13, 10_001)
+        answer = replay_in_turn(store, [d for d, _ in listed], "tenant-a", ["dropped"], 2,
+                                lambda d: SimpleNamespace(send_id=f"replay-of-{d}"))
+        replayed += [r["replay_of"] for r in answer["replayed"]]
+        since = next_since(listed, answer["considered"])
+    assert (replayed, calls) == ([f"d-{i}" for i in range(5)], 3)
