@@ -49,17 +49,15 @@ class SendClient:
 
     def publish_batch(self, tenant_id: str, requests: list[dict], idempotency_key: str | None = None) -> list[str]:
         """Validate every send first (any error rejects the whole batch), then publish them all or none.
-        With `idempotency_key`, the send ids are derived from (tenant, key, position, the send's content):
-        publishing the same batch again under the same key gives the same ids, and dispatch delivers each
-        id once; a different send under a key used before gets an id of its own (the same id would have
-        been taken for a duplicate of the first, and never sent). (Such ids do not sort by creation time;
-        the HTTP API keeps the first answer instead, and refuses a different body under a key with 422.)"""
+        With `idempotency_key`, the send ids are derived from (tenant, key, position): publishing the
+        same batch again under the same key gives the same ids, and dispatch delivers each id once.
+        (Such ids do not sort by creation time; the HTTP API keeps the first answer instead.)"""
         valid = validate_batch(requests, self.known_policies)
         if any(r.channel == "webhook" for r in valid):
             raise SendValidationError([{"loc": ("channel",), "msg": "a webhook event fans out to the tenant's "
                                         "endpoints: publish it through the ingest API (POST /v1/sends)"}])
-        ids = [keyed_send_id(tenant_id, idempotency_key, i, 0, content=r.model_dump_json().encode())
-               if idempotency_key else None for i, r in enumerate(valid)]
+        ids = [keyed_send_id(tenant_id, idempotency_key, i, 0) if idempotency_key else None
+               for i in range(len(valid))]
         sends = [build_send(r, tenant_id, routing=self.routing, send_id=ids[i]) for i, r in enumerate(valid)]
         self.publish_sends(sends)
         return [s.send_id for s in sends]
@@ -86,8 +84,7 @@ class SendClient:
         self.publisher.close()
 
 
-def keyed_send_id(tenant_id: str, idempotency_key: str, position: int, first_ms: int, content: bytes = b"") -> str:
+def keyed_send_id(tenant_id: str, idempotency_key: str, position: int, first_ms: int) -> str:
     """The send id of the `position`-th send of an idempotent request: the same for the same tenant,
-    key, position and `content` (its time part is the key's first use, `first_ms`)."""
-    seed = f"{tenant_id}\x00{idempotency_key}\x00{position}".encode()
-    return new_send_id(first_ms, seed + b"\x00" + content if content else seed)
+    key and position (its time part is the key's first use, `first_ms`)."""
+    return new_send_id(first_ms, f"{tenant_id}\x00{idempotency_key}\x00{position}".encode())
