@@ -49,8 +49,10 @@ class SendClient:
 
     def publish_batch(self, tenant_id: str, requests: list[dict], idempotency_key: str | None = None) -> list[str]:
         """Validate every send first (any error rejects the whole batch), then publish them all or none.
-        With `idempotency_key`, the send ids are derived from (tenant, key, position): publishing the
-        same batch again under the same key gives the same ids, and dispatch delivers each id once.
+        With `idempotency_key`, the send ids are derived from (tenant, key, position), not from the sends'
+        content: publishing the same batch again under the same key (rebuilt, a timestamp in it changed) gives
+        the same ids, and dispatch delivers each id once. So a key names one batch for good: other sends under
+        it would be taken for the first ones and never sent (nothing is ever sent twice by a retry).
         (Such ids do not sort by creation time; the HTTP API keeps the first answer instead.)"""
         valid = validate_batch(requests, self.known_policies)
         if any(r.channel == "webhook" for r in valid):

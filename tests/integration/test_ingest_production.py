@@ -225,12 +225,16 @@ def test_a_key_taken_over_after_its_lease_lapsed_is_never_freed_again(redis_clie
 
 def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, channel_topics):
     """Given the SDK and an idempotency key,
-    When the same batch is published twice under it,
-    Then both calls return the same send ids (dispatch delivers each id once)."""
+    When the same batch is published twice under it, and once more rebuilt with content changed (a retry that
+    rebuilds its sends, a timestamp in them moved on),
+    Then every call returns the same send ids (dispatch delivers each id once: a retry never sends twice)."""
     channel_topics("email")
     first = send_client.publish_batch("tenant-a", [email_request()] * 3, idempotency_key="import-7")
     second = send_client.publish_batch("tenant-a", [email_request()] * 3, idempotency_key="import-7")
     assert first == second and len(set(first)) == 3
+    rebuilt = send_client.publish_batch("tenant-a", [email_request(subject="Hello (retried)")] * 3,
+                                        idempotency_key="import-7")
+    assert rebuilt == first
 
 
 def test_quotas_refuse_a_tenant_over_its_rate_and_no_one_else(api, limits, stack, names):
