@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -157,6 +157,10 @@ class WebhookDelivery:
         self._unseal_logged: dict[str, float] = {}  # endpoint -> when a secret that does not open was last logged
         self._dns: dict[str, tuple[float, list[str]]] = {}
         self._looking_up: dict[str, asyncio.Future] = {}
+        # Bringing the endpoint view up to the log's end, for deliveries to endpoints it does not know: one at a
+        # time, on a thread of its own (it waits on the broker), shared by the deliveries waiting meanwhile.
+        self._view_sync: asyncio.Future[bool] | None = None
+        self._view_syncer = ThreadPoolExecutor(1, thread_name_prefix="webhook-view-sync")
         self.resolver = PinnedResolver()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
@@ -191,6 +195,18 @@ class WebhookDelivery:
             raise UnusablePayload(f"the endpoint {str(endpoint_id)[:80]!r} is not this tenant's")
         return endpoint_id, delivery_body(messages[0].payload)
 
+    async def _view_caught_up(self) -> bool:
+        """Whether the endpoint view holds everything the log held when this was asked (at most VIEW_SYNC_S). A
+        catch-up already under way is joined, and then one more is made: the one joined may have learnt where the
+        log ends before this delivery's endpoint was written there."""
+        loop = asyncio.get_running_loop()
+        joined = self._view_sync is not None and not self._view_sync.done()
+        for _ in range(2 if joined else 1):
+            if self._view_sync is None or self._view_sync.done():
+                self._view_sync = loop.run_in_executor(self._view_syncer, self.directory.sync, VIEW_SYNC_S)
+            caught_up = await asyncio.shield(self._view_sync)
+        return caught_up
+
     def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
         msg_id = idempotency_key.removeprefix("send-")  # the delivery id: stable across retries
         return asyncio.run_coroutine_threadsafe(self._deliver(path, body, msg_id), self.loop)
@@ -202,7 +218,7 @@ class WebhookDelivery:
             # out had read it; the lane's record can come before the operator log's): only a view holding
             # everything the log holds now may say deleted, which skips the delivery for good.
             started = time.monotonic()
-            caught_up = await asyncio.get_running_loop().run_in_executor(None, self.directory.sync, VIEW_SYNC_S)
+            caught_up = await self._view_caught_up()
             ep = self.directory.get(endpoint_id)
             if ep is None and not caught_up:  # retried on its schedule; not the endpoint's failure
                 return ProviderResult("unavailable", error_name="endpoint_view_behind",
@@ -308,6 +324,7 @@ class WebhookDelivery:
         self.directory.poll()
 
     def close(self) -> None:
+        self._view_syncer.shutdown(wait=True, cancel_futures=True)
         self.directory.close()
         asyncio.run_coroutine_threadsafe(self.session.close(), self.loop).result(10)
         asyncio.run_coroutine_threadsafe(self.fresh.close(), self.loop).result(10)
