@@ -154,7 +154,7 @@ def keys(sub) -> None:
     p.add_argument("--overlap", type=int, default=24 * 3600, help="rotate: seconds the old key keeps working")
 
     def run(args: argparse.Namespace) -> int:
-        from ..ingest.api_keys import public
+        from ..ingest.api_keys import key_id, public
 
         rt = Runtime(args.config)
         api_keys = rt.api_keys()
@@ -167,12 +167,11 @@ def keys(sub) -> None:
         if args.action == "create":
             if not args.operator and not args.tenant:
                 raise ConfigError("`streams keys create` needs --tenant T or --operator")
-            token = api_keys.create("operator" if args.operator else "tenant", args.tenant, args.label)
-            principal = api_keys.resolve(token)
-            assert principal is not None
-            print(token)
-            _audited(rt, f"apikey/{principal.key_id}", None,
-                     {"role": principal.role, "tenant": principal.tenant, "label": args.label})
+            role = "operator" if args.operator else "tenant"
+            token = api_keys.create(role, args.tenant, args.label)
+            print(token)  # first: nothing after it may leave a key nobody holds
+            _audited(rt, f"apikey/{key_id(token)}", None,
+                     {"role": role, "tenant": args.tenant if role == "tenant" else None, "label": args.label})
             return 0
         if not args.key_id:
             raise ConfigError(f"`streams keys {args.action}` needs a key id")

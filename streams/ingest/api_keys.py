@@ -62,6 +62,11 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def key_id(token: str) -> str:
+    """The id a key is listed, revoked and audited by (from the key itself: no store is asked)."""
+    return _digest(token)[:12]
+
+
 class ApiKeys:
     """Keys are written to the operator log (`oplog`, acknowledged) before Redis, so they outlive
     a loss of Redis data; see LimitStore for stores without one."""

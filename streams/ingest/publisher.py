@@ -209,8 +209,11 @@ class Publisher:
                 else:
                     done.set_result(Written(msg.topic(), msg.partition(), msg.offset()))
             except InvalidStateError:
-                log.info("a send to %s was acknowledged after its caller stopped waiting (err=%s)", r.topic,
-                         err.str() if err is not None else None)
+                if err is None:
+                    log.info("a send to %s was acknowledged after its caller stopped waiting", r.topic)
+                else:
+                    log.warning("a send to %s whose caller stopped waiting was not acknowledged: %s", r.topic,
+                                err.str())
 
         try:
             produce(self.single, r.topic, r.value, key=r.key, headers=r.headers, on_delivery=on_delivery,

@@ -154,7 +154,8 @@ class HttpProvider:
                 return result
             self.tokens.invalidate(token)
             if attempt == 1:
-                log.info("provider %s answered 401: token refreshed, the same request goes once more", self.name)
+                log.info("provider %s refused the token (%s): token refreshed, the same request goes once more",
+                         self.name, result.status)
         return result
 
     def _post(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float) -> ProviderResult:

@@ -1,7 +1,9 @@
 """The audit trail: every operator change (limits and quotas, sender domains, API keys, replays,
 webhook endpoints, state recovery) as one record on `notif.audit`: who (the operator key's id, or
-`cli:<user>@<host>`), what, the state before and after, when. Written and acknowledged
-before the change is answered; read with `streams audit`. Secrets never appear in it (keys by id).
+`cli:<user>@<host>`), what, the state before and after, when. Written once the change is applied
+(the API answers after the broker acknowledged it; the CLI prints what it did first, then records it,
+and exits 4 when the broker does not confirm the record); read with `streams audit`. Secrets never
+appear in it (keys by id).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import orjson
 from confluent_kafka.admin import AdminClient
 
 from streams.state.audit import AuditLog, cli_actor
+from tests.harness import wait_until
 
 
 def _cli(env, *args):
@@ -64,6 +65,7 @@ def test_a_cli_change_the_audit_trail_does_not_confirm_still_shows_what_was_done
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
     for f in admin.delete_topics([names.audit]).values():
         f.result()
+    wait_until(lambda: names.audit not in admin.list_topics(timeout=10).topics, 30, "the audit topic to be gone")
     made = _cli(dispatch_env, "keys", "create", "--tenant", "acme", "--label", "cli-audit-test")
     assert made.returncode == 4, made.stderr
     token = made.stdout.strip()
