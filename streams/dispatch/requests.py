@@ -125,6 +125,7 @@ class Dispatcher:
         # it chooses) never hold more than this many of the worker's slots, so other tenants find room.
         self.per_tenant: int | None = None
         self.in_flight_by_tenant: Counter[str] = Counter()
+        self._tenant_share: int | None = None  # per_tenant, or less while more tenants have work (`_fair_share`)
         # A queue whose requests fail gets one request in flight until one succeeds again, then earns
         # its share back one by one: a failing webhook endpoint never holds many of the worker's slots.
         self.queue_caps: dict[str, int] = {}
@@ -169,6 +170,7 @@ class Dispatcher:
         one round (three Redis round trips for all of them) as far as its bucket's burst can admit
         them, and each provider's pacing holds. Appends to `draws` as it goes: what it drew before a
         Redis error goes back to its queue."""
+        self._tenant_share = self._fair_share(ready)
         drawn: Counter[str] = Counter()
         drawn_of_tenant: Counter[str] = Counter()
         by_route: Counter[str] = Counter()
@@ -421,8 +423,20 @@ class Dispatcher:
                 and len(self.in_flight) < self.concurrency and self.in_flight_by_queue[key] < self._cap(key)
                 and not self._tenant_full(self.queues.head_tenant(key)))
 
+    def _fair_share(self, ready: list[str]) -> int | None:
+        """The most requests a tenant may have in flight now: `per_tenant`, and no more than an even share of the
+        worker's slots among the tenants with work (a request in flight, or a queue ready). With `per_tenant` alone
+        (half the slots) two tenants' slow receivers could hold every slot, and a third tenant's deliveries found
+        room only when a freed slot happened to come to them first; now each freed slot goes to a tenant under
+        its share."""
+        if self.per_tenant is None:
+            return None
+        active = set(self.in_flight_by_tenant) | {self.queues.head_tenant(k) for k in ready if self.queues.size(k)}
+        return max(self.per_queue or 1, min(self.per_tenant, self.concurrency // max(1, len(active))))
+
     def _tenant_full(self, tenant: str, drawn: int = 0) -> bool:
-        return self.per_tenant is not None and self.in_flight_by_tenant[tenant] + drawn >= self.per_tenant
+        share = self._tenant_share if self._tenant_share is not None else self.per_tenant
+        return share is not None and self.in_flight_by_tenant[tenant] + drawn >= share
 
     def done(self, job: Job, succeeded: bool) -> None:
         """A request finished: its queue may start another, and earns or loses its share of slots."""

@@ -799,6 +799,53 @@ def test_one_tenants_slow_receivers_leave_room_for_another_tenants_deliveries():
     assert sends[-1].send_id.encode() in provider.sent
 
 
+class HeldProvider(FakeProvider):
+    """Receivers that answer only when the test says so (`answer_all(tenant)`)."""
+
+    def __init__(self, answer):
+        super().__init__(answer)
+        self.waiting: list[tuple[bytes, Future]] = []
+
+    def submit(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        done: Future = Future()
+        self.waiting.append((body, done))
+        return done
+
+    def answer_all(self, send_ids: set[str]) -> None:
+        for body, done in self.waiting:
+            if not done.done() and body.decode() in send_ids:
+                done.set_result(self.answer)
+
+
+def test_a_third_tenant_gets_the_next_freed_slot_while_two_tenants_fill_the_worker():
+    """Given a worker whose queues are receivers (10 requests in flight, 2 per receiver, 5 per tenant), tenants A
+    and B each with 12 deliveries to 6 slow receivers (holding all 10 slots), then tenant C's one delivery,
+    When A's 5 requests are answered (5 slots free) and the worker dispatches, A's queues coming first,
+    Then C's delivery is sent and A takes no more than its even share (3 of 10 among three tenants) (before: A took
+    all 5 freed slots back, up to its 5, and C waited for the next slot that happened to reach it first)."""
+    def delivery(tenant: str, i: int):
+        return build_send(validate_request({**email_request(), "correlation_id": f"{tenant}-receiver-{i % 6}"}), tenant)
+
+    sends = [delivery(t, i) for t in ("a", "b") for i in range(12)] + [delivery("c", 0)]
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    worker, consumer, producer, provider = _worker(msgs[:-1], provider=HeldProvider(DELIVERED))
+    worker.queues.queue_key = lambda send: f"{send.tenant_id}/{send.correlation_id}"
+    worker.dispatcher.concurrency, worker.dispatcher.per_queue, worker.dispatcher.per_tenant = 10, 2, 5
+    worker.dispatcher.rng = SimpleNamespace(shuffle=lambda keys: keys.sort(), random=lambda: 0.5)  # a's queues first
+    for _ in range(10):
+        worker.step()
+    assert Counter(job.tenant for job in worker.dispatcher.in_flight.values()) == {"a": 5, "b": 5}
+    consumer.pending.append(msgs[-1])
+    worker.step()
+    provider.answer_all({s.send_id for s in sends if s.tenant_id == "a"})
+    for _ in range(10):
+        worker.step()
+    by_tenant = Counter(job.tenant for job in worker.dispatcher.in_flight.values())
+    assert sends[-1].send_id.encode() in provider.sent
+    assert by_tenant["c"] == 1 and by_tenant["a"] <= 3 and by_tenant["b"] == 5
+
+
 @pytest.mark.parametrize("second, parked", [("1", 0), (None, 3)], ids=["Retry-After 1 s", "no Retry-After"])
 def test_a_receivers_short_retry_after_ends_its_earlier_long_one(second, parked):
     """Given a receiver with its own limit and two requests to it in flight, answered 429 with Retry-After
