@@ -233,8 +233,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
     @app.exception_handler(StarletteHTTPException)  # ours, and the router's own (no such path, method not allowed)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = exc.detail if isinstance(exc.detail, dict) else {
-            "error": HTTP_ERRORS.get(exc.status_code, "http_error"), "errors": [{"loc": [], "msg": str(exc.detail)}]}
+        if exc.status_code == 400 and not isinstance(exc.detail, dict):  # the framework could not parse the body
+            body: object = {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": (
+                "the request body could not be read as JSON (nested too deeply for the parser?)")}]}
+        else:
+            body = exc.detail if isinstance(exc.detail, dict) else {
+                "error": HTTP_ERRORS.get(exc.status_code, "http_error"),
+                "errors": [{"loc": [], "msg": str(exc.detail)}]}
         metrics.INGEST_REJECTED.labels(str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 

@@ -101,3 +101,24 @@ def test_a_request_the_broker_refuses_is_charged_to_no_quota():
 
     assert asyncio.run(post()).status_code == 503
     assert gate.taken and sorted(gate.given_back) == sorted(gate.taken)
+
+
+def test_a_body_nested_too_deep_for_the_parser_is_refused_naming_the_body():
+    """Given a send whose ignored field nests 5,000 arrays deep (past what the framework's JSON parser reads),
+    When it is posted,
+    Then it is refused 400 `invalid_request` naming the body and saying why (before: `http_error` with no place
+    and "There was an error parsing the body")."""
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing may be published"))
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains())
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            body = '{"channel": "email", "junk": ' + "[" * 5000 + "]" * 5000 + "}"
+            return await api.post("/v1/sends", content=body, headers={"Authorization": "Bearer dr_ten_x",
+                                                                      "Content-Type": "application/json"})
+
+    r = asyncio.run(post())
+    assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
+    assert r.json()["errors"][0]["loc"] == ["body"] and "could not be read as JSON" in r.text
