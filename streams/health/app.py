@@ -225,6 +225,9 @@ class EndpointHealthApp:
             return
         behind = {p: start for p, (start, end) in offsets.items() if end > start}
         busy = busy or self.busy or self.app.rebalancing or generation != self.app.consumer_generation_id
+        if behind:  # what a stalled partition's check saw (a takeover that applied nothing left no trace)
+            log.info("stall check (generation %s): partitions behind from their committed offsets %s; agent busy: "
+                     "%s; events taken %s", generation, behind, busy, taken)
         for partition, offset in self.stalls.observe(generation, taken, busy, behind).items():
             if await self._read_again(topic, partition, offset):
                 self.stalls.reread(partition, offset)
