@@ -18,6 +18,20 @@ class OneTenant:
         return Principal("tenant", "acme", "k1")
 
 
+def publishing_nothing() -> Ingest:
+    """The ingest API's state for one tenant, with a client that fails the test if anything is published."""
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing may be published"))
+    return Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                  known_policies=frozenset(), senders=SenderDomains())
+
+
+async def post_to(ingest: Ingest, path: str, **request) -> httpx.Response:
+    """One request to the ingest app, in process."""
+    transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+        return await api.post(path, **request)
+
+
 def test_a_payload_nested_too_deep_is_refused_naming_it_never_a_500():
     """Given a send whose payload nests 300 objects deep (the event's JSON encoder stops at 254),
     When it is posted, alone or in a batch,
@@ -50,16 +64,9 @@ def test_a_payload_nested_too_deep_is_refused_naming_it_never_a_500():
 @pytest.mark.parametrize("header", ["bearer dr_ten_x", "BEARER dr_ten_x", "Bearer  dr_ten_x "])
 def test_the_bearer_scheme_is_read_in_any_case(header):
     """HTTP authentication schemes are case-insensitive (RFC 9110 11.1): `bearer` was answered 401."""
-    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing published"))
-    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
-                    known_policies=frozenset(), senders=SenderDomains())
-
-    async def post() -> httpx.Response:
-        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
-            return await api.post("/v1/sends", json={"channel": "email"}, headers={"Authorization": header})
-
-    assert asyncio.run(post()).status_code == 422  # past authentication, to validation
+    r = asyncio.run(post_to(publishing_nothing(), "/v1/sends", json={"channel": "email"},
+                            headers={"Authorization": header}))
+    assert r.status_code == 422  # past authentication, to validation
 
 
 class CountingGate:
@@ -108,17 +115,8 @@ def test_a_body_nested_too_deep_for_the_parser_is_refused_naming_the_body():
     When it is posted,
     Then it is refused 400 `invalid_request` naming the body and saying why (before: `http_error` with no place
     and "There was an error parsing the body")."""
-    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing may be published"))
-    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
-                    known_policies=frozenset(), senders=SenderDomains())
-
-    async def post() -> httpx.Response:
-        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
-            body = '{"channel": "email", "junk": ' + "[" * 5000 + "]" * 5000 + "}"
-            return await api.post("/v1/sends", content=body, headers={"Authorization": "Bearer dr_ten_x",
-                                                                      "Content-Type": "application/json"})
-
-    r = asyncio.run(post())
+    body = '{"channel": "email", "junk": ' + "[" * 5000 + "]" * 5000 + "}"
+    r = asyncio.run(post_to(publishing_nothing(), "/v1/sends", content=body,
+                            headers={"Authorization": "Bearer dr_ten_x", "Content-Type": "application/json"}))
     assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
     assert r.json()["errors"][0]["loc"] == ["body"] and "could not be read as JSON" in r.text
