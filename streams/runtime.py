@@ -200,7 +200,7 @@ class Runtime:
         """A lane worker, with `concurrency` provider requests in flight at most (default:
         `default_concurrency`). `queue_key`, `yielding=False` and `backlog=False` exist for the
         benchmarks' naive baseline."""
-        from .dispatch.backlog import BacklogShare
+        from .dispatch.backlog import HORIZON_S, BacklogShare
         from .dispatch.idempotency import CLAIM_TTL_MS, RECORD_TTL_MS, ProcessedJobs
         from .dispatch.tenant_queues import by_endpoint, by_tenant
         from .dispatch.worker import LaneWorker, WorkerConfig
@@ -226,7 +226,7 @@ class Runtime:
                             self.policies(),
                             queue_key or (by_endpoint if webhook else by_tenant),
                             guard=self.state_guard(f"worker {channel}.{lane}", client),
-                            backlog=BacklogShare() if backlog else None,
+                            backlog=BacklogShare(HORIZON_S[lane]) if backlog else None,
                             on_gone=self._disable_gone_endpoint(client) if webhook else None)
         if webhook:  # one queue per endpoint, each with a bounded share of the requests in flight
             worker.dispatcher.per_queue = c.webhook_endpoint_concurrency

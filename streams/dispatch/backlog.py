@@ -1,20 +1,29 @@
 """How much of a worker's buffer one tenant may hold, and when its excess is due back. Pure code.
 
-A tenant whose bucket lets it send `rate` messages a second only needs the next few seconds of its
-work in memory. Holding more hurts everyone else: the worker's buffer fills (and it pauses every
-partition), and the tenant's unfinished messages pin the committed offset, so the lane's lag counts
-work held back by that tenant's own limit (which makes every tenant's marketing yield and pages
-on-call). So a tenant may hold `rate x horizon_s` messages (at least one request's worth, at most
-`max_share`); a message past that, whose turn is at least `horizon_s` away, is parked on a retry
-tier, due back about when its turn would have come, which lets the partition's committed offset
-move on. A fast tenant whose turn is near is never parked (that would only churn the tier); the
-worker's overall buffer bound still holds its memory.
+A tenant whose bucket lets it send `rate` messages a second (and `burst` at once when it has not been
+sending) only needs the next few seconds of its work in memory. Holding more hurts everyone else: the
+worker's buffer fills (and it pauses every partition), and the tenant's unfinished messages pin the
+committed offset, so the lane's lag counts work held back by that tenant's own limit (which makes every
+tenant's marketing yield and pages on-call). So a tenant may hold what its bucket lets go within
+`horizon_s` (at least one request's worth, at most `max_share`); a message past that, whose turn is at
+least `horizon_s` away, is parked on a retry tier, due back about when its turn would have come, which
+lets the partition's committed offset move on. A fast tenant whose turn is near is never parked (that
+would only churn the tier); the worker's overall buffer bound still holds its memory.
+
+The horizon is the lane's (`HORIZON_S`). Marketing yields while the transactional lane's committed lag
+is over its threshold, and a transactional tenant held back by its own limit pins that offset for as
+long as its share lasts: ten seconds of it would count ten seconds of the partition's whole inflow as
+lag, and a tenant sending above its own rate would keep every tenant's marketing paused. So the
+transactional lane holds one second of a tenant's rate past its burst, about the lag the one-second
+offset commit leaves anyway.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+HORIZON_S = {"transactional": 1.0, "marketing": 10.0}
 
 
 @dataclass
@@ -23,28 +32,35 @@ class BacklogShare:
     max_share: int = 5_000
     _parked: dict[str, deque[float]] = field(default_factory=dict)  # tenant -> due times still ahead
 
-    def share(self, rate: float, per_request: int) -> int:
-        """Messages a tenant may hold in the worker's buffer."""
-        return max(per_request, min(self.max_share, int(rate * self.horizon_s)))
+    def share(self, rate: float, per_request: int, burst: int = 0) -> int:
+        """Messages a tenant may hold in the worker's buffer. `burst`: what its bucket may still let go at once
+        (0 while the tenant waits on its bucket)."""
+        return max(per_request, min(self.max_share, burst + int(rate * self.horizon_s)))
 
-    def excess(self, queued: int, rate: float, per_request: int) -> int:
+    def excess(self, queued: int, rate: float, per_request: int, burst: int = 0) -> int:
         """How many of `queued` messages lie past the tenant's share and might be parked (0 when within it, or
         when the turn of the first one past it is near anyway, which `park` would never park)."""
-        share = self.share(rate, per_request)
-        if queued <= share or (share + 1) / max(rate, 1e-6) < self.horizon_s:
+        share = self.share(rate, per_request, burst)
+        if queued <= share or self._turn(share + 1, rate, burst) < self.horizon_s:
             return 0
         return queued - share
 
-    def park(self, tenant: str, queued: int, rate: float, per_request: int, now: float) -> float | None:
+    def park(self, tenant: str, queued: int, rate: float, per_request: int, now: float,
+             burst: int = 0) -> float | None:
         """Seconds until a message arriving now is due back, when it should be parked; None when it
         should be queued (the tenant is within its share, or its turn is near anyway)."""
-        if queued < self.share(rate, per_request):
+        if queued < self.share(rate, per_request, burst):
             return None
         parked = self._parked.setdefault(tenant, deque())
         while parked and parked[0] <= now:
             parked.popleft()
-        wait = (queued + len(parked) + 1) / max(rate, 1e-6)
+        wait = self._turn(queued + len(parked) + 1, rate, burst)
         if wait < self.horizon_s:
             return None
         parked.append(now + wait)
         return wait
+
+    @staticmethod
+    def _turn(nth: int, rate: float, burst: int) -> float:
+        """Seconds until the tenant's `nth` message in line may go: the burst at once, then `rate` a second."""
+        return max(0.0, (nth - burst) / max(rate, 1e-6))

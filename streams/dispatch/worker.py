@@ -274,11 +274,13 @@ class LaneWorker:
         if not self.redis_outage.ready(now):
             return False  # no limit to plan with: kept (backpressure bounds memory; `_trim` parks it later)
         tenant = p.send.tenant_id
-        queued = self.queues.size(self.queues.key_of(p))
+        key = self.queues.key_of(p)
+        queued = self.queues.size(key)
         route = self.routes.of(p.provider)
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
-            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant), now)
+            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant), now,
+                                       self._burst_left(key, limit.burst, now))
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
             return False
@@ -289,6 +291,12 @@ class LaneWorker:
         due_ms = int(time.time() * 1000 + wait_s * 1000)
         self.records.spill(p, due_ms, tier_at_least(wait_s), self.settler.finisher(p.where))
         return True
+
+    def _burst_left(self, key: str, burst: int, now: float) -> int:
+        """What the tenant's bucket may let go at once: its burst, or nothing while its queue waits on a hold (the
+        gate holds a tenant's queue until its next token once its bucket ran dry)."""
+        q = self.queues.queues.get(key)
+        return 0 if q is not None and q.ready_at > now else burst
 
     def _trim(self) -> None:
         """Park what a queue holds past its tenant's share, once a second: what was kept while the tenant's limit
@@ -302,9 +310,10 @@ class LaneWorker:
         for key in [k for k, q in self.queues.queues.items() if q.items]:
             route, tenant = self.routes.of(self.queues.head_provider(key)), self.queues.head_tenant(key)
             try:
-                rate = self.dispatcher.tenant_limit(route, tenant).rate
+                limit = self.dispatcher.tenant_limit(route, tenant)
                 per_request = self.dispatcher.per_request(route, tenant)
-                past_share = self.backlog.excess(self.queues.size(key), rate, per_request)
+                past_share = self.backlog.excess(self.queues.size(key), limit.rate, per_request,
+                                                 self._burst_left(key, limit.burst, now))
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return

@@ -47,3 +47,38 @@ def test_a_flooding_throttled_tenant_does_not_stall_its_partition(
     flooder = mock_provider.stats()["tenants"]["flooder"]["messages"]
     assert flooder <= 5 * (time.monotonic() - flood_started) + 5, flooder  # held to its own rate (+ burst)
     assert neighbour_s < 30
+
+
+PUMP_PER_S, PUMP_S, PUMPER_RATE = 16, 25, 2
+
+
+def test_a_transactional_tenant_sending_above_its_rate_does_not_hold_the_lanes_lag_over_the_yield_threshold(
+        fault_stack, fault_runtime, fault_topics, fault_processes, mock_provider, names):
+    """Given one transactional partition and tenant "pumper" limited to 2 OTPs a second (burst 2),
+    When it publishes 16 OTPs a second for 25 s (an SMS-pumping attack, say) to a transactional worker and retrier,
+    Then from the 12th second on (past what a ten-second share would hold) the lane's committed lag stays below the
+    yield threshold (100 messages), so other tenants' marketing goes on, and the pumper is held to its own rate.
+    Held ten seconds of its rate, the pumper pinned the committed offset ten seconds back: 160 messages of lag."""
+    fault_topics("email", lane_partitions=1)
+    mock_provider.reset(rate=1000)
+    limits = fault_runtime.limit_store()
+    limits.set_provider("resend", 1000, 1000)
+    limits.set_tenant("resend", "*", 10_000, 100)
+    limits.set_tenant("resend", "pumper", PUMPER_RATE, PUMPER_RATE)
+    port = free_port()
+    fault_processes.worker("email", "transactional", "--metrics-port", str(port))
+    fault_processes.retrier("email", "transactional")
+    client = fault_runtime.send_client()
+    group, topic = names.group("email", "transactional"), names.lane("email", "transactional")
+
+    started, lags = time.monotonic(), []
+    for second in range(PUMP_S):
+        client.publish_batch("pumper", [email_request("transactional")] * PUMP_PER_S)
+        if second >= 12:
+            lags.append(committed_lag(fault_stack.bootstrap, group, topic))
+        time.sleep(max(0.0, started + second + 1 - time.monotonic()))  # the pumper's pace, not a wait for us
+
+    assert max(lags) < 100, lags
+    assert metric(port, "dispatch_spilled_total") > 0
+    pumped = mock_provider.stats()["tenants"]["pumper"]["messages"]
+    assert pumped <= PUMPER_RATE * (time.monotonic() - started) + PUMPER_RATE, pumped

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from streams.dispatch.backlog import BacklogShare
+from streams.dispatch.backlog import HORIZON_S, BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
@@ -107,9 +107,9 @@ class FakeProducer:
 
 
 class FakeGate:
-    def __init__(self, short_tenants=(), rates=None):
+    def __init__(self, short_tenants=(), rates=None, bursts=None):
         self.short_tenants = set(short_tenants)
-        self.rates = rates or {}
+        self.rates, self.bursts = rates or {}, bursts or {}
 
     def acquire(self, provider, tenant, messages, reserve=False):
         if tenant in self.short_tenants:
@@ -120,7 +120,7 @@ class FakeGate:
         return [self.acquire(*r) for r in requests]
 
     def cool_down(self, provider, seconds): pass
-    def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), 100)
+    def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), self.bursts.get(tenant, 100))
     def pacing(self, provider): return Pacing()
 
 
@@ -337,20 +337,51 @@ def test_a_webhook_receivers_answer_never_reaches_our_logs(caplog):
 
 
 def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
-    """A tenant throttled to 5/s may hold 5 s of its work (25 messages) in the buffer (the horizon is 5 s here);
-    the rest is parked on a retry tier, due back in turn, without using up an attempt, so the partition's
-    offset moves on."""
+    """A tenant throttled to 5/s with a burst of 5 may hold what its bucket lets go within 5 s (the horizon here):
+    its burst and 5 s of its rate, 30 messages. The rest is parked on a retry tier, due back in turn, without
+    using up an attempt, so the partition's offset moves on."""
     sends, msgs = _messages(["slow"] * 60 + ["fast"] * 5)
-    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"slow": 5}))
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"slow": 5}, bursts={"slow": 5}))
     worker.backlog = BacklogShare(horizon_s=5)
     _run(worker)
     parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
-    assert len(parked) == 35
+    assert len(parked) == 30
     assert all(h["spilled"] == b"1" and h["attempt"] == b"1" for h in parked)
     dues = [int(h["due_at_ms"]) for h in parked]
-    assert dues == sorted(dues) and dues[-1] - dues[0] >= 34 / 5 * 1000 - 50  # one turn (1/5 s) apart
-    assert len(provider.sent) == 30  # the 25 kept and the other tenant's 5
+    assert dues == sorted(dues) and dues[-1] - dues[0] >= 29 / 5 * 1000 - 50  # one turn (1/5 s) apart
+    assert len(provider.sent) == 35  # the 30 kept and the other tenant's 5
     assert consumer.stored[(TOPIC, 0)] == 65
+
+
+def test_a_transactional_tenant_above_its_rate_holds_one_second_of_it_and_its_burst_only_until_it_waits():
+    """The transactional lane's horizon is 1 s: marketing yields on that lane's committed lag, which counts the
+    partition's whole inflow behind the first message a tenant holds. A burst within the tenant's bucket is kept
+    (parking it would delay sends its bucket lets go at once); once the tenant waits on its bucket, only a second
+    of its rate is."""
+    gate = FakeGate(rates={"pumper": 5}, bursts={"pumper": 10})
+    sends, msgs = _messages(["pumper"] * 40)
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
+    worker.backlog = BacklogShare(HORIZON_S["transactional"])
+    worker.step()
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    assert len(parked) == 40 - 15  # kept: its burst (10) and 1 s of its rate (5)
+
+    worker.queues.hold("pumper", time.monotonic() + 0.2)  # its bucket ran dry: the gate holds its queue
+    consumer.pending.extend(FakeMessage(0, 40 + i, encode(build_send(validate_request(email_request()), "pumper")))
+                             for i in range(10))
+    held = worker.queues.size("pumper")
+    worker.step()
+    assert worker.queues.size("pumper") == max(held, 5)  # nothing more kept while it waits: 1 s of its rate
+
+
+def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
+    gate = FakeGate(rates={"acme": 1}, bursts={"acme": 20})
+    sends, msgs = _messages(["acme"] * 20)
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
+    worker.backlog = BacklogShare(HORIZON_S["transactional"])
+    _run(worker)
+    assert not [topic for topic in producer.records if ".retry." in topic]
+    assert len(provider.sent) == 20
 
 
 class DownGate(FakeGate):
@@ -386,10 +417,10 @@ def test_while_redis_is_down_intake_asks_for_a_tenants_limit_once_per_back_off_n
 
 def test_a_queue_grown_past_its_share_while_redis_was_down_is_trimmed_once_it_is_back():
     """Messages that arrived while the tenant's limit could not be read were all kept; once Redis answers, what
-    the tenant holds past its share (5/s over a 5 s horizon: 25) is parked on a retry tier, so the worker's
-    buffer and the partition's offset are not held until the tenant's own rate works through it."""
+    the tenant holds past its share (a burst of 5 and 5/s over a 5 s horizon: 30) is parked on a retry tier, so the
+    worker's buffer and the partition's offset are not held until the tenant's own rate works through it."""
     sends, msgs = _messages(["slow"] * 300)
-    gate = DownGate(rates={"slow": 5})
+    gate = DownGate(rates={"slow": 5}, bursts={"slow": 5})
     worker, consumer, producer, provider = _worker(msgs, gate=gate)
     worker.backlog, worker.trim_every_s = BacklogShare(horizon_s=5), 0.0
     worker.step()
@@ -398,8 +429,8 @@ def test_a_queue_grown_past_its_share_while_redis_was_down_is_trimmed_once_it_is
     worker.redis_outage.recovered(time.monotonic())
     _run(worker)
     parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
-    assert len(parked) == 275 and all(h["spilled"] == b"1" and h["attempt"] == b"1" for h in parked)
-    assert len(provider.sent) == 25
+    assert len(parked) == 270 and all(h["spilled"] == b"1" and h["attempt"] == b"1" for h in parked)
+    assert len(provider.sent) == 30
     assert consumer.stored[(TOPIC, 0)] == 300
 
 
