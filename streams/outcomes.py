@@ -7,8 +7,10 @@ each): a worker writes, and waits for the broker to acknowledge, one record per 
 one per send. Readers take the events of a record with `events_of`; each event means the same
 either way.
 
-Statuses: `retrying` and `unknown` (intermediate), `delivered`, `dead_lettered`, `dropped` (a
-webhook delivery given up) and `skipped` (a webhook delivery never attempted) (final).
+Statuses: `accepted` (published by the SDK; the ingest API writes it to the status store itself),
+`retrying` and `unknown` (intermediate), `delivered`, `dead_lettered`, `dropped` (a webhook delivery
+given up) and `skipped` (a webhook delivery never attempted) (final). An `accepted` event never
+replaces any other status.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from .send import Send
 
 OUTCOMES_PER_RECORD = 100
+ACCEPTED = "accepted"
 
 
 def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provider: str,
@@ -29,6 +32,13 @@ def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provi
             "created_at_ms": s.created_at_ms, "completed_at_ms": now_ms,
             "latency_ms": max(0, now_ms - s.created_at_ms), "attempt": attempt, "replay_of": s.replay_of,
             **webhook_fields(s)}
+
+
+def accepted_events(sends: list[Send], now_ms: int) -> list[dict]:
+    """Sends the broker has now, their status until their first outcome."""
+    return [{"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
+             "status": ACCEPTED, "created_at_ms": s.created_at_ms, "accepted_at_ms": now_ms, "replay_of": s.replay_of}
+            for s in sends]
 
 
 def webhook_fields(s: Send) -> dict:
@@ -46,8 +56,9 @@ def events_of(doc: Any) -> list[dict]:
     return [doc] if isinstance(doc, dict) else []
 
 
-_TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id", "event_id", "event_type")
-_INTEGERS = ("attempts", "completed_at_ms", "created_at_ms")
+_TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id", "event_id", "event_type", "channel",
+         "lane")
+_INTEGERS = ("attempts", "completed_at_ms", "created_at_ms", "accepted_at_ms")
 
 
 def unidentified(event: dict) -> str | None:

@@ -179,6 +179,15 @@ class Publisher:
             return [self._single(records[0], self.timeout_s).result(self.timeout_s + 5)]
         return self._transaction(records)
 
+    def publish_unwaited(self, records: list[Record]) -> None:
+        """Best effort, not waited for: each record on its own through the shared idempotent producer; one the
+        broker does not acknowledge is logged, never raised (what must be durable goes through `publish`)."""
+        for r in records:
+            try:
+                self._single(r, 0.0).add_done_callback(_log_failure)
+            except PublishError as exc:
+                log.warning("a record for %s was not published: %s", r.topic, exc)
+
     async def publish_async(self, records: list[Record]) -> list[Written]:
         if not records:
             return []
@@ -341,3 +350,9 @@ class Publisher:
         self.executor.shutdown(wait=True)
         while not self._pool.empty():
             self._pool.get_nowait().flush(5)
+
+
+def _log_failure(done: Future[Written]) -> None:
+    exc = done.exception()
+    if exc is not None:
+        log.warning("a record published without waiting was not acknowledged: %s", exc)

@@ -11,10 +11,14 @@ transactional lane. A batch is validated whole before anything is published, and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+
+import orjson
 
 from ..errors import SendTooLarge, SendValidationError
 from ..names import TopicNames
+from ..outcomes import OUTCOMES_PER_RECORD, accepted_events
 from ..retry.policy import PolicyRouting, default_routing
 from ..send import MAX_SEND_BYTES, Send, build_send, encode, new_send_id, validate_batch
 from .publisher import Publisher, Record, Written
@@ -61,8 +65,20 @@ class SendClient:
         ids = [keyed_send_id(tenant_id, idempotency_key, i, 0) if idempotency_key else None
                for i in range(len(valid))]
         sends = [build_send(r, tenant_id, routing=self.routing, send_id=ids[i]) for i, r in enumerate(valid)]
-        self.publish_sends(sends)
+        # Their `accepted` status (GET /v1/sends/{id}) comes from notif.outcomes, through the outcome recorder: in
+        # a batch's own transaction; for one send (an OTP), after its acknowledgement, not waited for.
+        if len(sends) == 1:
+            self.publish_sends(sends)
+            self.publisher.publish_unwaited(self.accepted_records(sends))
+        else:
+            self.publisher.publish(self.records(sends) + self.accepted_records(sends))
         return [s.send_id for s in sends]
+
+    def accepted_records(self, sends: list[Send]) -> list[Record]:
+        now = int(time.time() * 1000)
+        return [Record(self.names.outcomes, chunk[0].send_id.encode(),
+                       orjson.dumps({"events": accepted_events(chunk, now)}))
+                for chunk in (sends[i:i + OUTCOMES_PER_RECORD] for i in range(0, len(sends), OUTCOMES_PER_RECORD))]
 
     def records(self, sends: list[Send]) -> list[Record]:
         """Each send as the record its lane topic gets; SendTooLarge names a send over the limit."""

@@ -16,7 +16,7 @@ from ..backoff import Outage
 from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
-from ..outcomes import events_of, unusable, webhook_fields
+from ..outcomes import ACCEPTED, events_of, unusable, webhook_fields
 from ..redis_client import store_errors
 
 if TYPE_CHECKING:
@@ -57,21 +57,24 @@ class StatusStore:
         pipe = self.client.pipeline(transaction=False)
         now = int(time.time() * 1000)
         for s in sends:
-            key = self.keys.send_status(s.send_id)
             fields = {"tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane, "accepted_at_ms": now}
             if s.replay_of:
                 fields["replay_of"] = s.replay_of
             fields.update({k: v for k, v in webhook_fields(s).items() if isinstance(v, str) and v})
-            if "endpoint_id" in fields:
-                index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]))
-                pipe.zadd(index, {s.send_id: s.created_at_ms})
-                pipe.expire(index, STATUS_TTL_S)
-            pipe.hset(key, mapping=fields)
-            pipe.hsetnx(key, "status", "accepted")
-            pipe.hsetnx(key, "attempts", 0)
-            pipe.expire(key, STATUS_TTL_S)
+            self._accept(pipe, s.send_id, fields, s.created_at_ms)
         with store_errors("recording accepted sends"):
             pipe.execute()
+
+    def _accept(self, pipe, send_id: str, fields: dict, created_at_ms: int) -> None:
+        key = self.keys.send_status(send_id)
+        if "endpoint_id" in fields:
+            index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]))
+            pipe.zadd(index, {send_id: created_at_ms})
+            pipe.expire(index, STATUS_TTL_S)
+        pipe.hset(key, mapping=fields)
+        pipe.hsetnx(key, "status", ACCEPTED)
+        pipe.hsetnx(key, "attempts", 0)
+        pipe.expire(key, STATUS_TTL_S)
 
     def record_outcome(self, event: dict) -> None:
         """Apply an outcome event (at least once: applying one twice changes nothing). A final status
@@ -81,6 +84,14 @@ class StatusStore:
         if problem:
             raise UnusableOutcome(problem)
         send_id = event["send_id"]
+        if event["status"] == ACCEPTED:  # the SDK's: as `accepted` above, never over a status already there
+            fields = {k: event[k] for k in ("tenant_id", "channel", "lane", "accepted_at_ms", "replay_of")
+                      if event.get(k)}
+            pipe = self.client.pipeline(transaction=False)
+            self._accept(pipe, send_id, fields, event.get("created_at_ms") or 0)
+            with store_errors("recording an accepted send"):
+                pipe.execute()
+            return
         key, attempts_key = self.keys.send_status(send_id), self.keys.send_attempts(send_id)
         fields = {"status": event["status"], "tenant_id": event["tenant_id"],
                   "completed_at_ms": event.get("completed_at_ms") or 0,

@@ -9,7 +9,8 @@ store (one with a field of the wrong type is skipped, as the outcome recorder sk
 Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
 hash slot), which ends the hold.
 What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
-outcome is unknown; they are sent again) and `accepted` statuses of sends with no outcome yet.
+outcome is unknown; they are sent again) and `accepted` statuses of sends the ingest API took (it
+writes them to Redis only) that have no outcome yet; the SDK's are `accepted` events on the topic.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ recover` share (pure code)."""
 
 import pytest
 
-from streams.outcomes import events_of, unusable
+from streams.outcomes import accepted_events, events_of, unusable
+from streams.send import build_send, validate_request
+from tests.harness import email_request
 
 
 def _event(**fields) -> dict:
@@ -13,6 +15,8 @@ def _event(**fields) -> dict:
 
 def test_events_our_writers_produce_are_usable():
     assert unusable(_event()) is None
+    sends = [build_send(validate_request(email_request()), "acme")]
+    assert [unusable(e) for e in accepted_events(sends, 1)] == [None]
     assert unusable(_event(attempts=None, providers_tried=["resend", "sms_b"], dlq={"partition": 0, "offset": 1},
                            attempt={"n": 1}, endpoint_id="ep_1", replay_of=None)) is None
 
@@ -24,7 +28,7 @@ def test_events_our_writers_produce_are_usable():
     ({"origin": {"topic": "t", "partition": "0", "offset": 5}}, "'origin'"), ({"origin": {"topic": 5}}, "'origin'"),
     ({"providers_tried": "resend"}, "'providers_tried'"), ({"attempt": 3}, "'attempt'"),
     ({"attempt": {"n": "1"}}, "'attempt'"),
-    ({"endpoint_id": ["e"]}, "'endpoint_id'"),
+    ({"endpoint_id": ["e"]}, "'endpoint_id'"), ({"lane": {"x": 1}}, "'lane'"), ({"accepted_at_ms": 1.5}, "'accepted_at_ms'"),
 ])
 def test_an_event_with_a_field_of_the_wrong_type_is_unusable_and_the_field_named(fields, named):
     assert named in unusable(_event(**fields))
