@@ -9,7 +9,7 @@ A reading older than `stale_after_s` is not trusted: the caller must read the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,13 @@ class Governor:
     def observe(self, reading: LagReading, now_ms: int) -> bool:
         """Keep the newest reading. One stamped further ahead of `now_ms` than a reading may age is refused
         (False): a monitor whose clock ran ahead, or a stamp in other units, would otherwise be newer than every
-        later reading and never stale, and the decision would freeze on it."""
+        later reading and never stale, and the decision would freeze on it. One stamped ahead by less counts as
+        measured now: it ages from now, not from its stamp (a silent monitor's last reading would otherwise stay
+        fresh for up to `stale_after_s` longer)."""
         if reading.ts_ms - now_ms > self.policy.stale_after_s * 1000:
             return False
+        if reading.ts_ms > now_ms:
+            reading = replace(reading, ts_ms=now_ms)
         if self.reading is None or reading.ts_ms >= self.reading.ts_ms:
             self.reading = reading
         return True

@@ -77,6 +77,16 @@ def test_a_reading_stamped_ahead_of_the_clock_is_refused_and_freezes_nothing():
     assert g.decide(now + 2_500) is True
 
 
+def test_a_reading_stamped_a_little_ahead_ages_from_when_it_was_taken_in():
+    """A monitor whose clock runs 2 s ahead and then falls silent: its last reading goes stale 3 s after the worker
+    took it in (then the worker reads the lag itself), not 3 s after its stamp."""
+    now = 1_800_000_000_000
+    g = Governor(P)
+    assert g.observe(LagReading(0, 0.0, now + 2_000), now) is True
+    assert not g.stale(now + 3_000) and g.stale(now + 3_001)
+    assert g.observe(LagReading(7, 0.0, now + 1_000), now + 1_000) and g.reading.lag_messages == 7  # newer: taken
+
+
 def test_thresholds_must_leave_a_gap():
     with pytest.raises(ValueError, match="must be below"):
         YieldPolicy(pause_above=10, resume_below=10)
