@@ -291,8 +291,7 @@ class Dispatcher:
         the denied go back to their queue, holding whichever bucket was short."""
         if not draws:
             return []
-        answers = self.gate.acquire_many([(d.route.name, d.tenant, len(d.items), self.reserve,
-                                           d.route.credentials.has_own_key(d.tenant)) for d in draws])
+        answers = self.gate.acquire_many([(d.route.name, d.tenant, len(d.items), self.reserve) for d in draws])
         admitted = []
         # Last to first: a queue's denied requests go back to its front in the order they were taken.
         for draw, answer in reversed(list(zip(draws, answers, strict=True))):
@@ -542,15 +541,14 @@ class Dispatcher:
                         "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
                         route.name)
             return True
-        own = route.credentials.has_own_key(stored.tenant)
         try:
             try:
-                admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), self.reserve, own)
+                admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)
             except CostExceedsBurst:
                 # Stored before the tenant's burst was lowered: it cannot be split (same body, same key),
                 # so it is charged a full burst instead of never being admitted.
                 burst = self.gate.tenant_limit(route.name, stored.tenant).burst
-                admission = self.gate.acquire(route.name, stored.tenant, burst, self.reserve, own)
+                admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
         except BucketUnreadable as exc:  # this tenant's alone: held, not the whole round
             log.error("%s; holding request %s", exc, request_key)
             admission = Admission(False)

@@ -3,8 +3,6 @@
 -- runs one table of cases through both).
 -- KEYS[1] limits hash   KEYS[2] global bucket   KEYS[3] tenant bucket   KEYS[4] cool-down until (ms)
 -- ARGV[1] tenant   ARGV[2] request cost   ARGV[3] message cost   ARGV[4] "1" to apply the reserve
--- ARGV[5] "1": the tenant sends under a provider account of its own (only its tenant bucket counts: the
--- global bucket and the shared account's cool-down are the shared account's, and are left untouched)
 -- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (nothing written),
 -- -1 a cost exceeds a burst (short = which bucket), -2 no provider limit configured.
 local t = redis.call('TIME')
@@ -12,8 +10,6 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local tenant = ARGV[1]
 local req_cost = tonumber(ARGV[2])
 local msg_cost = tonumber(ARGV[3])
-local own = ARGV[5] == '1'
-if own then req_cost = 0 end
 
 local l = redis.call('HMGET', KEYS[1], 'global_rate', 'global_burst', 'reserve',
   'tenant_rate:' .. tenant, 'tenant_burst:' .. tenant, 'tenant_rate:*', 'tenant_burst:*')
@@ -38,14 +34,13 @@ local function wait(have, need, rate)
   return math.ceil((need - have) / rate)
 end
 
-local cool = 0
-if not own then cool = tonumber(redis.call('GET', KEYS[4]) or '0') end
+local cool = tonumber(redis.call('GET', KEYS[4]) or '0')
 if cool > now then return {0, cool - now, 'cooldown'} end
 
 local g = refill(KEYS[2], g_rate, g_burst)
 local tk = refill(KEYS[3], t_rate, t_burst)
 local reserve = 0
-if ARGV[4] == '1' and not own then reserve = math.min(tonumber(l[3] or '0'), g_burst - req_cost) end
+if ARGV[4] == '1' then reserve = math.min(tonumber(l[3] or '0'), g_burst - req_cost) end
 local g_wait = wait(g, (req_cost + reserve) * 1000, g_rate)
 local t_wait = wait(tk, msg_cost * 1000, t_rate)
 if g_wait > 0 or t_wait > 0 then
@@ -53,11 +48,9 @@ if g_wait > 0 or t_wait > 0 then
   return {0, t_wait, 'tenant'}
 end
 
-if not own then
-  redis.call('HSET', KEYS[2], 'mt', g - req_cost * 1000, 'ts', now)
-  -- An idle bucket refills to full; expiring it then is the same as keeping it.
-  redis.call('PEXPIRE', KEYS[2], math.ceil(g_burst * 1000 / g_rate) + 60000)
-end
+redis.call('HSET', KEYS[2], 'mt', g - req_cost * 1000, 'ts', now)
 redis.call('HSET', KEYS[3], 'mt', tk - msg_cost * 1000, 'ts', now)
+-- An idle bucket refills to full; expiring it then is the same as keeping it.
+redis.call('PEXPIRE', KEYS[2], math.ceil(g_burst * 1000 / g_rate) + 60000)
 redis.call('PEXPIRE', KEYS[3], math.ceil(t_burst * 1000 / t_rate) + 60000)
 return {1, 0, ''}

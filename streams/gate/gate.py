@@ -27,12 +27,9 @@ class Admission:
     short: str = ""  # "" | "global" | "tenant" | "cooldown"
 
 
-Request = tuple[str, str, int, bool, bool]  # provider, tenant, messages, reserve, own account
-
-
 class Gate(Protocol):
-    def acquire(self, provider: str, tenant: str, messages: int, reserve: bool, own_account: bool) -> Admission: ...
-    def acquire_many(self, requests: list[Request]) -> list[Admission | GateError | ConfigError]: ...
+    def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
+    def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
     def refund_many(self, admitted: list[tuple[str, str, int]]) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
@@ -40,9 +37,7 @@ class Gate(Protocol):
 
 
 class RedisGate:
-    """`acquire` admits one provider request (cost 1) carrying `messages` messages (tenant cost). A tenant that
-    sends under a provider account of its own (`own_account`) is held by its tenant bucket only: the global bucket
-    and the cool-down stand for the shared account's limit, which its requests do not count against."""
+    """`acquire` admits one provider request (cost 1) carrying `messages` messages (tenant cost)."""
 
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self.client = client
@@ -52,28 +47,28 @@ class RedisGate:
         self._cool = client.register_script(load_script(__package__, "cooldown.lua"))
         self._refund = client.register_script(load_script(__package__, "refund.lua"))
 
-    def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False,
-                own_account: bool = False) -> Admission:
+    def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False) -> Admission:
         try:
-            reply = self._acquire(keys=self._keys(provider, tenant), args=_args(tenant, messages, reserve, own_account))
+            reply = self._acquire(keys=self._keys(provider, tenant),
+                                  args=[tenant, 1, messages, "1" if reserve else "0"])
         except redis.RedisError as exc:
             raise _failure(provider, tenant, exc) from None
         return self._admission(reply, provider, tenant, messages)
 
-    def acquire_many(self, requests: list[Request]) -> list[Admission | GateError | ConfigError]:
-        """Several admissions (provider, tenant, messages, reserve, own account) in one round trip; each is
-        decided on its own, atomically, exactly as `acquire` would; a cost that can never pass comes back as
+    def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]:
+        """Several admissions (provider, tenant, messages, reserve) in one round trip; each is decided
+        on its own, atomically, exactly as `acquire` would; a cost that can never pass comes back as
         its error instead of an admission."""
         pipe = self.client.pipeline(transaction=False)
-        for provider, tenant, messages, reserve, own_account in requests:
-            self._acquire(keys=self._keys(provider, tenant), args=_args(tenant, messages, reserve, own_account),
+        for provider, tenant, messages, reserve in requests:
+            self._acquire(keys=self._keys(provider, tenant), args=[tenant, 1, messages, "1" if reserve else "0"],
                           client=pipe)
         try:
             replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
-        for (provider, tenant, messages, _, _), reply in zip(requests, replies, strict=True):
+        for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
             if isinstance(reply, Exception):
                 failure = _failure(provider, tenant, reply)
                 if not isinstance(failure, BucketUnreadable):
@@ -127,10 +122,6 @@ class RedisGate:
 
     def pacing(self, provider: str) -> Pacing:
         return LimitStore(self.client, self.namespace).pacing(provider)
-
-
-def _args(tenant: str, messages: int, reserve: bool, own_account: bool) -> list:
-    return [tenant, 1, messages, "1" if reserve else "0", "1" if own_account else "0"]
 
 
 def _unreadable(exc: Exception) -> bool:

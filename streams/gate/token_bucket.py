@@ -48,18 +48,13 @@ def decide(
     global_bucket: Bucket | None, global_limit: Limit,
     tenant_bucket: Bucket | None, tenant_limit: Limit,
     request_cost: int, message_cost: int, now_ms: int,
-    reserve_tokens: int = 0, cool_until_ms: int = 0, own_account: bool = False,
+    reserve_tokens: int = 0, cool_until_ms: int = 0,
 ) -> Decision:
     """Admit one provider request carrying `message_cost` messages, or say how long to wait.
 
     `reserve_tokens` is the share of the global bucket this caller may not take (marketing leaves it
     for transactional traffic). Costs larger than a burst can never be admitted: ValueError.
-    `own_account`: the tenant sends under a provider account of its own, whose limits are not the shared
-    account's: only its tenant bucket counts (the global bucket and the shared account's cool-down do not,
-    and the global bucket is left as it is).
     """
-    if own_account:
-        request_cost, reserve_tokens, cool_until_ms = 0, 0, 0
     if request_cost > global_limit.burst:
         raise ValueError(f"request cost {request_cost} exceeds the provider burst {global_limit.burst}")
     if message_cost > tenant_limit.burst:
@@ -76,5 +71,5 @@ def decide(
         short = "global" if g_wait >= t_wait else "tenant"
         return Decision(False, max(g_wait, t_wait), short, *unchanged)
     return Decision(True, 0, "",
-                    unchanged[0] if own_account else Bucket(g.millitokens - request_cost * 1000, now_ms),
+                    Bucket(g.millitokens - request_cost * 1000, now_ms),
                     Bucket(t.millitokens - message_cost * 1000, now_ms))

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..errors import ConfigError, CostExceedsBurst, GateError
-from ..gate.gate import Gate, Request
+from ..gate.gate import Gate
 from ..send import Send
 
 REQUESTS = "ingest-requests"
@@ -54,14 +54,13 @@ class IngestQuotas:
         self.gate = gate
 
     @staticmethod
-    def _checks(tenant: str, sends: list[Send]) -> list[Request]:
+    def _checks(tenant: str, sends: list[Send]) -> list[tuple[str, str, int, bool]]:
         per_lane = Counter(s.lane for s in sends)
-        return ([(REQUESTS, tenant, 1, False, False)]
-                + [(lane_quota(lane), tenant, n, False, False) for lane, n in per_lane.items()])
+        return [(REQUESTS, tenant, 1, False)] + [(lane_quota(lane), tenant, n, False) for lane, n in per_lane.items()]
 
     def give_back_request(self, tenant: str, sends: list[Send]) -> None:
         """An admitted request that then published nothing (the broker refused it): charged nothing."""
-        self.give_back([(quota, tenant, cost) for quota, _, cost, _, _ in self._checks(tenant, sends)])
+        self.give_back([(quota, tenant, cost) for quota, _, cost, _ in self._checks(tenant, sends)])
 
     def admit(self, tenant: str, sends: list[Send]) -> OverQuota | BeyondBurst | None:
         """None: within every quota that is set (the buckets are debited). A request refused by one quota is
@@ -70,7 +69,7 @@ class IngestQuotas:
         checks = self._checks(tenant, sends)
         taken: list[tuple[str, str, int]] = []
         refusal: OverQuota | BeyondBurst | GateError | None = None
-        for (quota, _, cost, _, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):
+        for (quota, _, cost, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):
             if isinstance(answer, CostExceedsBurst):
                 refusal = refusal or BeyondBurst(quota, cost, str(answer))
             elif isinstance(answer, ConfigError):

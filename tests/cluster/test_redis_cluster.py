@@ -129,7 +129,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs = ProcessedJobs(recording, ns)
     ingest = IngestIdempotency(recording, ns)
     gate.acquire(providers[0], tenants[0], 1)
-    gate.acquire_many([(p, t, 2, True, False) for p in providers for t in tenants])
+    gate.acquire_many([(p, t, 2, True) for p in providers for t in tenants])
     gate.cool_down(providers[1], 0.01)
     gate.refund_many([(p, t, 1) for p in providers for t in tenants])
     claims = [Claim(t, idempotency_key([f"{t}-{i}" for i in range(3)]), tuple(f"{t}-{i}" for i in range(3)), "w",
@@ -216,9 +216,8 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     out.append(("marketing held by the reserve", _admission(gate.acquire(p0, "big", 1, reserve=True))))
     out.append(("transactional passes", _admission(gate.acquire(p0, "otp", 1))))
     out.append(("many", [_admission(a) for a in gate.acquire_many(
-        [(p, t, 3, False, False) for p in providers for t in tenants]
-        + [("unconfigured", tenants[0], 1, False, False), (p1, "small", 5, False, False), (p0, "big", 1, True, False),
-           (p0, "small", 1, True, True)])]))
+        [(p, t, 3, False) for p in providers for t in tenants]
+        + [("unconfigured", tenants[0], 1, False), (p1, "small", 5, False), (p0, "big", 1, True)])]))
     gate.cool_down(p1, 1.5)
     out.append(("cool-down holds", _admission(gate.acquire(p1, tenants[0], 1))))
     gate.cool_down(p1, 0.1)

@@ -65,27 +65,6 @@ def test_marketing_cannot_take_the_transactional_reserve(gate):
     assert gate.acquire("resend", "otp-tenant", 1, reserve=False).allowed  # transactional still passes
 
 
-def test_a_tenant_under_its_own_provider_account_is_held_by_its_own_bucket_only(gate, limits, redis_client, namespace):
-    """Given the shared account's global bucket emptied by shared tenants and the shared account cooling down after a
-    429, and tenant "byok" sending under a provider account of its own (limit 5 a second, burst 5),
-    When "byok" asks for 6 requests of one message,
-    Then 5 are admitted and the sixth is held by its own bucket, the global bucket is left exactly as it was, and a
-    shared tenant is still held by the cool-down: the shared account's limit neither holds nor counts "byok"."""
-    limits.set_provider("resend", 1, 10)
-    limits.set_tenant("resend", "byok", 5, 5)
-    while gate.acquire("resend", "big", 1).allowed:
-        pass
-    gate.cool_down("resend", 30)
-    global_bucket = Keys(namespace).global_bucket("resend")
-    before = redis_client.hgetall(global_bucket)
-
-    answers = [gate.acquire("resend", "byok", 1, reserve=True, own_account=True) for _ in range(6)]
-
-    assert [a.allowed for a in answers] == [True] * 5 + [False] and answers[5].short == "tenant"
-    assert redis_client.hgetall(global_bucket) == before
-    assert gate.acquire("resend", "big", 1).short == "cooldown"
-
-
 def test_contended_gate_never_admits_more_than_the_provider_limit(gate):
     """Given a provider limit of 10 requests a second with a burst of 10,
     When 8 threads hammer the gate for 2 seconds,
@@ -146,8 +125,7 @@ def test_a_bucket_redis_holds_in_a_broken_shape_fails_only_its_own_request(gate,
     whole (every tenant of the worker held as for a Redis outage, round after round, while the requests decided
     before the error kept their tokens)."""
     redis_client.set(Keys(namespace).tenant_bucket("resend", "broken"), "5")
-    answers = gate.acquire_many([("resend", "a", 1, False, False), ("resend", "broken", 1, False, False),
-                              ("resend", "b", 1, False, False)])
+    answers = gate.acquire_many([("resend", "a", 1, False), ("resend", "broken", 1, False), ("resend", "b", 1, False)])
     assert answers[0].allowed and answers[2].allowed
     assert isinstance(answers[1], BucketUnreadable) and "'broken'" in str(answers[1])
     with pytest.raises(BucketUnreadable):  # asked alone (a request re-sent after an unknown outcome), the same

@@ -30,7 +30,6 @@ class Case:
     marketing: bool = False
     cool_for_ms: int = 0
     tenant_specific: bool = True  # the tenant's own limit, else the '*' default
-    own_account: bool = False     # the tenant sends under a provider account of its own
 
 
 CASES = [
@@ -47,13 +46,6 @@ CASES = [
     Case("default tenant limit", Limit(10, 10), Limit(3, 3), None, 2000, messages=3, tenant_specific=False),
     Case("cool-down", Limit(10, 10), Limit(100, 100), None, None, cool_for_ms=FUTURE_MS),
     Case("cost above the tenant burst", Limit(10, 10), Limit(5, 5), None, None, messages=6),
-    Case("own account: the shared global bucket empty", Limit(1, 10), Limit(5, 5), 0, None, own_account=True),
-    Case("own account: the shared account cooling down", Limit(10, 10), Limit(5, 5), None, 3000,
-         cool_for_ms=FUTURE_MS, own_account=True),
-    Case("own account: the reserve does not apply", Limit(10, 10), Limit(5, 5), 2000, None, reserve=3,
-         marketing=True, own_account=True),
-    Case("own account: its tenant bucket short", Limit(10, 10), Limit(2, 4), 10_000, 1500, messages=2,
-         own_account=True),
 ]
 
 
@@ -93,14 +85,13 @@ def test_lua_gate_and_reference_agree(case, redis_client, namespace):
         expected = decide(None if case.global_mt is None else Bucket(case.global_mt, stamp), case.global_limit,
                           None if case.tenant_mt is None else Bucket(case.tenant_mt, stamp), case.tenant_limit,
                           1, case.messages, now_ms, reserve_tokens=reserve,
-                          cool_until_ms=now_ms + case.cool_for_ms if case.cool_for_ms else 0,
-                          own_account=case.own_account)
+                          cool_until_ms=now_ms + case.cool_for_ms if case.cool_for_ms else 0)
     except ValueError:
         with pytest.raises(CostExceedsBurst):
-            RedisGate(redis_client, namespace).acquire("p", "acme", case.messages, case.marketing, case.own_account)
+            RedisGate(redis_client, namespace).acquire("p", "acme", case.messages, reserve=case.marketing)
         return
 
-    got = RedisGate(redis_client, namespace).acquire("p", "acme", case.messages, case.marketing, case.own_account)
+    got = RedisGate(redis_client, namespace).acquire("p", "acme", case.messages, reserve=case.marketing)
 
     assert got.allowed == expected.allowed
     assert got.short == expected.short
@@ -110,9 +101,7 @@ def test_lua_gate_and_reference_agree(case, redis_client, namespace):
         assert round(got.wait_s * 1000) == expected.wait_ms
     global_after = _bucket(redis_client, keys.global_bucket("p"))
     tenant_after = _bucket(redis_client, keys.tenant_bucket("p", "acme"))
-    if expected.allowed and case.own_account:  # the shared account's bucket is not its to write
-        assert (global_after, tenant_after) == (case.global_mt, expected.tenant_after.millitokens)
-    elif expected.allowed:
+    if expected.allowed:
         assert (global_after, tenant_after) == (expected.global_after.millitokens, expected.tenant_after.millitokens)
     else:  # a denial writes nothing
         assert (global_after, tenant_after) == (case.global_mt, case.tenant_mt)

@@ -77,7 +77,7 @@ class CountingGate:
 
     def acquire_many(self, requests):
         from streams.gate.gate import Admission
-        self.taken += [(q, t, n) for q, t, n, _, _ in requests]
+        self.taken += [(q, t, n) for q, t, n, _ in requests]
         return [Admission(True) for _ in requests]
 
     def refund_many(self, admitted):

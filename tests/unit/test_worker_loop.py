@@ -111,7 +111,7 @@ class FakeGate:
         self.short_tenants = set(short_tenants)
         self.rates, self.bursts = rates or {}, bursts or {}
 
-    def acquire(self, provider, tenant, messages, reserve=False, own_account=False):
+    def acquire(self, provider, tenant, messages, reserve=False):
         if tenant in self.short_tenants:
             return Admission(False, 3600.0, "tenant")
         return Admission(True)
@@ -200,11 +200,11 @@ DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
 def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None,
-            producer=None, channel="email", credentials=None):
+            producer=None, channel="email"):
     spec = replace(load_registry().primary(channel), idempotent=idempotent)
     cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), producer or FakeProducer(), provider or FakeProvider(answer)
-    routes = Routes([Route(spec, provider, ProviderCredentials(credentials or {"*": "re_key"}))])
+    routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
     worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     return worker, consumer, producer, provider
@@ -384,29 +384,6 @@ def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
     assert len(provider.sent) == 20
 
 
-class AskedGate(FakeGate):
-    """Records what the gate was asked."""
-
-    def __init__(self):
-        super().__init__()
-        self.asked = []
-
-    def acquire_many(self, requests):
-        self.asked += requests
-        return super().acquire_many(requests)
-
-
-def test_a_tenant_with_a_provider_key_of_its_own_is_gated_on_its_own_account_only():
-    """The shared global bucket and cool-down stand for the shared account's limit: a tenant whose requests go out
-    under a key of its own neither counts against it nor waits on it (its own bucket still holds it)."""
-    sends, msgs = _messages(["byok", "acme"])
-    gate = AskedGate()
-    worker, _, _, provider = _worker(msgs, gate=gate, credentials={"*": "re_shared", "byok": "re_byok"})
-    _run(worker)
-    assert {(tenant, own) for _, tenant, _, _, own in gate.asked} == {("byok", True), ("acme", False)}
-    assert len(provider.sent) == 2
-
-
 class DownGate(FakeGate):
     """A gate whose Redis is down while `down` is set (every call refused); counts the limit reads."""
 
@@ -497,7 +474,7 @@ def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_left_to_
 class CoolingGate(FakeGate):
     """The provider's account cools down (a 429 with Retry-After: 3600 seen by another worker)."""
 
-    def acquire(self, provider, tenant, messages, reserve=False, own_account=False):
+    def acquire(self, provider, tenant, messages, reserve=False):
         return Admission(False, 3600.0, "cooldown")
 
 
@@ -519,10 +496,10 @@ def test_a_long_cool_down_ends_at_most_a_second_late():
 class OneBrokenBucketGate(FakeGate):
     """Tenant "broken"'s buckets are held by Redis in a shape the gate's script cannot read."""
 
-    def acquire(self, provider, tenant, messages, reserve=False, own_account=False):
+    def acquire(self, provider, tenant, messages, reserve=False):
         if tenant == "broken":
             raise BucketUnreadable(f"the buckets of provider {provider!r} for tenant 'broken' cannot be read")
-        return super().acquire(provider, tenant, messages, reserve, own_account)
+        return super().acquire(provider, tenant, messages, reserve)
 
     def acquire_many(self, requests):
         return [BucketUnreadable("unreadable") if r[1] == "broken" else self.acquire(*r) for r in requests]
