@@ -108,7 +108,7 @@ class LanePauses:
                 log.warning("ignoring a lag reading stamped %.1f s ahead of this worker's clock at %s@%d",
                             (reading.ts_ms - now_ms) / 1000, msg.topic(), msg.offset())
             else:
-                self._monitor_ts_ms = max(self._monitor_ts_ms, reading.ts_ms)
+                self._monitor_ts_ms = max(self._monitor_ts_ms, min(reading.ts_ms, now_ms))  # as the governor ages it
         direct = self._direct.take()
         if direct is not None:
             governor.observe(direct, now_ms)
