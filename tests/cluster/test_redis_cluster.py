@@ -250,7 +250,7 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
 
     store = StatusStore(client, ns)
     sends = [SimpleNamespace(send_id=f"send-{i}", tenant_id=tenants[i % len(tenants)], channel="email",
-                             lane="transactional", replay_of=None) for i in range(6)]
+                             lane="transactional", replay_of=None, created_at_ms=1_000 + i) for i in range(6)]
     store.accepted(sends)
     for i, s in enumerate(sends):
         base = {"send_id": s.send_id, "tenant_id": s.tenant_id, "completed_at_ms": 1000 + i, "provider": "resend",
