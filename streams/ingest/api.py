@@ -451,19 +451,26 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
     def after_publish(sends: list[Send], skipped: list[tuple[Send, str]], skipped_written) -> None:
         """Published: now recorded. A Redis or broker failure here does not undo the publish; the
-        statuses come from the outcomes as the sends are dispatched."""
+        statuses come from the outcomes as the sends are dispatched. A skipped delivery is never
+        dispatched, so its outcome goes to notif.outcomes first, whether or not Redis answers: the
+        outcome recorder records its status (and lists it under its endpoint) from there."""
+        outcomes = outcome_records(client.names, skipped, skipped_written, int(time.time() * 1000)) if skipped else []
+        if outcomes:
+            try:
+                client.publisher.publish([r for _, r in outcomes])
+            except PublishError as exc:
+                log.warning("%d skipped deliveries' outcomes were not published (%s); their statuses are "
+                            "recorded in the state store only", len(outcomes), exc)
         try:
             store.accepted(sends + [s for s, _ in skipped])
-            if skipped:
-                outcomes = outcome_records(client.names, skipped, skipped_written, int(time.time() * 1000))
-                for event, _ in outcomes:
-                    store.record_outcome(event)
-                client.publisher.publish([r for _, r in outcomes])
-            if webhooks is not None:
-                webhooks.enqueued([s for s in sends if s.channel == "webhook"])
-        except (StoreUnavailable, PublishError) as exc:
+            for event, _ in outcomes:
+                store.record_outcome(event)
+        except StoreUnavailable as exc:
             log.warning("published %d sends, but recording them failed (%s); their statuses follow from their "
-                        "outcomes as they are dispatched", len(sends), exc)
+                        "outcomes as they are dispatched (or, skipped, as the outcome recorder reads them)",
+                        len(sends) + len(skipped), exc)
+        if webhooks is not None:
+            webhooks.enqueued([s for s in sends if s.channel == "webhook"])  # a failure is logged there
 
     async def canonical(request: Request) -> object:
         """The body as the events read JSON (what an Idempotency-Key's body is compared on)."""
