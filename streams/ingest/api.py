@@ -224,16 +224,32 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     ending_claims: set[asyncio.Future] = set()  # Idempotency-Key claims being freed or lapsed (kept referenced)
     tenant_batches: dict[str, asyncio.Semaphore] = {}
 
+    async def unauthenticated(request: Request) -> JSONResponse | None:
+        """The answer for a caller without a valid key, checked here for a body the framework could not parse:
+        it parses the body before any dependency runs, so a caller without a key would learn about its JSON
+        (and cost a parse) before being told it needs one. Every other request is authenticated first."""
+        try:
+            await run_in_threadpool(auth.principal, request)
+        except StarletteHTTPException as denied:
+            return await _http(request, denied)
+        except StoreUnavailable as exc:
+            return await _store(request, exc)
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in flatten_errors(exc.errors())]
         status = 400 if any(e["msg"].startswith("JSON decode error") for e in errors) else 422
+        if status == 400 and (denied := await unauthenticated(request)) is not None:
+            return denied
         metrics.INGEST_REJECTED.labels(str(status)).inc()
         return JSONResponse({"error": "invalid_request", "errors": errors}, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)  # ours, and the router's own (no such path, method not allowed)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and not isinstance(exc.detail, dict):  # the framework could not parse the body
+            if (denied := await unauthenticated(request)) is not None:
+                return denied
             body: object = {"error": "invalid_request", "errors": [{"loc": ["body"], "msg": (
                 "the request body could not be read as JSON (nested too deeply for the parser?)")}]}
         else:

@@ -120,3 +120,23 @@ def test_a_body_nested_too_deep_for_the_parser_is_refused_naming_the_body():
                             headers={"Authorization": "Bearer dr_ten_x", "Content-Type": "application/json"}))
     assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
     assert r.json()["errors"][0]["loc"] == ["body"] and "could not be read as JSON" in r.text
+
+
+class KnownKeys:
+    def resolve(self, token: str) -> Principal | None:
+        return Principal("tenant", "acme", "k1") if token == "dr_ten_x" else None
+
+
+@pytest.mark.parametrize("body", ['{"channel": "email", ', '{"junk": ' + "[" * 5000 + "]" * 5000 + "}"])
+def test_a_body_that_is_not_json_is_answered_401_to_a_caller_without_a_valid_key(body):
+    """Given a body the API cannot parse (broken JSON, or nested past what the framework's parser reads),
+    When it is posted without a key, with a key nobody issued, and with a valid key,
+    Then the first two get 401 `unauthorized` and only the last is told about its body (400): the framework
+    parses a body before authentication runs, so before, anybody learnt about their JSON without a key."""
+    ingest = publishing_nothing()
+    ingest.keys = KnownKeys()  # type: ignore[assignment]
+    answers = [asyncio.run(post_to(ingest, "/v1/sends", content=body, headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}))
+        for key in (None, "dr_nobody", "dr_ten_x")]
+    assert [(r.status_code, r.json()["error"]) for r in answers] == [
+        (401, "unauthorized"), (401, "unauthorized"), (400, "invalid_request")], [r.text for r in answers]
