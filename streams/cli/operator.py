@@ -318,10 +318,11 @@ def state(sub) -> None:
             done = recover(rt.bootstrap, client, rt.names, rt.config.keys, oplog,
                            progress=lambda m: print(f"  {m}", file=sys.stderr))
             skipped = f" ({done.skipped} unusable events skipped)" if done.skipped else ""
-            print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks and "
-                  f"{done.statuses} statuses rebuilt{skipped}; dispatch resumes")
+            print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks, "
+                  f"{done.statuses} statuses and {done.replay_marks} replay marks rebuilt{skipped}; dispatch resumes")
             _audited(rt, "state/recover", None, {"events": done.events, "delivered_marks": done.delivered_marks,
-                                                 "statuses": done.statuses, "skipped": done.skipped})
+                                                 "statuses": done.statuses, "replay_marks": done.replay_marks,
+                                                 "skipped": done.skipped})
         else:
             epoch = acknowledge_loss(client, rt.config.keys, oplog)
             print(f"acknowledged: epoch {epoch}; dispatch resumes (sends delivered before the loss may be sent again)")

@@ -152,6 +152,24 @@ class StatusStore:
         with store_errors("releasing a replay"):
             self.client.hdel(self.keys.send_status(send_id), "replayed_as")
 
+    def restore_replays(self, replays: dict[str, str], chunk: int = 1000) -> int:
+        """`state recover`: mark each send of `replays` (send id: its replay's id) replayed, unless it is marked
+        already or has no status (a send whose own outcomes are gone gets no status of a replay's). How many
+        were marked."""
+        ids, marked = list(replays), 0
+        with store_errors("restoring replay marks"):
+            for i in range(0, len(ids), chunk):
+                part = ids[i:i + chunk]
+                pipe = self.client.pipeline(transaction=False)
+                for send_id in part:
+                    pipe.exists(self.keys.send_status(send_id))
+                found = [send_id for send_id, n in zip(part, pipe.execute(), strict=True) if n]
+                pipe = self.client.pipeline(transaction=False)
+                for send_id in found:
+                    pipe.hsetnx(self.keys.send_status(send_id), "replayed_as", replays[send_id])
+                marked += sum(pipe.execute())
+        return marked
+
     def mark_replayed(self, send_id: str, replay_id: str) -> None:
         with store_errors("recording a replay"):
             self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)

@@ -105,7 +105,9 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
                             f"({exc.reason}: {exc.detail})") from None
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
     try:
-        client.publish_sends([new])
+        # With its `accepted` event, in one transaction: the durable record that `send_id` was replayed, from
+        # which `streams state recover` rebuilds the mark that stops a second replay after a Redis data loss.
+        client.publisher.publish(client.records([new]) + client.accepted_records([new]))
     except (RecordTooLarge, SendTooLarge) as exc:  # for good: too large for the topic, or grown by replay_of
         raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated

@@ -8,6 +8,8 @@ when its send id, tenant and status are good), and every event is applied to the
 store (one with a field of the wrong type is skipped, as the outcome recorder skips it, and logged).
 Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
 hash slot), which ends the hold.
+A replayed send whose status is rebuilt is marked replayed again (every replay carries `replay_of`,
+from its `accepted` event on), so a bulk or dead-letter replay asked again does not send it twice.
 What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
 outcome is unknown; they are sent again) and `accepted` statuses of sends the ingest API took (it
 writes them to Redis only) that have no outcome yet; the SDK's are `accepted` events on the topic.
@@ -44,6 +46,7 @@ class Recovery:
     delivered_marks: int = 0
     statuses: int = 0
     skipped: int = 0  # records not JSON, and events with a field of the wrong type (not recorded as statuses)
+    replay_marks: int = 0  # sends marked replayed again (a bulk or dead-letter replay never replays them twice)
 
 
 def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> None:
@@ -82,6 +85,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
     store = StatusStore(client, names.namespace)
     result = Recovery()
+    replays: dict[str, str] = {}  # a replayed send's id: its (first seen) replay's
     now_ms = int(time.time() * 1000)
 
     def skip(msg: Message, why: str) -> None:
@@ -115,6 +119,8 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
                                ex=max(1, int(DELIVERED_TTL_S - age_s)))
                 result.delivered_marks += 1
                 marked = " (its delivered mark is rebuilt)"
+        if isinstance(event.get("replay_of"), str) and event["replay_of"]:
+            replays.setdefault(event["replay_of"], event["send_id"])
         try:
             store.record_outcome(event)
         except UnusableOutcome as exc:  # the outcome recorder skips it too
@@ -125,6 +131,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             progress(f"{result.events} outcome events applied")
 
     _read_all(bootstrap, names.outcomes, apply)
+    result.replay_marks = store.restore_replays(replays)
     write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
     return result
 

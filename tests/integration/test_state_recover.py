@@ -12,9 +12,12 @@ from confluent_kafka import Producer
 from streams.ingest.status import StatusStore
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
+from streams.retry.replay import replay_dead_letter
+from streams.send import build_send, validate_request
 from streams.state.guard import log_epoch
 from streams.state.log import OperatorLog
 from streams.state.recover import recover
+from tests.harness import count_records, email_request
 
 
 def _delivered(send_id: str, now_ms: int) -> dict:
@@ -76,3 +79,38 @@ def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_say
     at = re.escape(names.outcomes) + r"\[\d+\]@"
     assert any("not JSON" in s and re.search(at + "0:", s) for s in skips), skips
     assert any("'provider_message_id'" in s and re.search(at + "1:", s) for s in skips), skips
+
+
+def test_a_dead_letter_replayed_before_the_loss_is_not_replayed_again_after_recover(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, send_client):
+    """Given an email send dead-lettered (its outcome on notif.outcomes, as a worker writes it) and replayed once
+    (`streams dlq replay`: a new send, not yet dispatched),
+    When Redis loses this deployment's data, `streams state recover` runs, and the dead letter is replayed again
+    (an operator, or a client retrying after the outage's 503),
+    Then the second call answers the first replay's send id and publishes nothing: the replay's `accepted` event,
+    in the replay's own transaction, tells recover that the send was replayed. Before, recover rebuilt the
+    dead letter's status without that mark, and the second call published a second replay (sent twice)."""
+    channel_topics("email")
+    store = StatusStore(redis_client, namespace)
+    send = build_send(validate_request(email_request()), "shop")
+    [written] = send_client.publish_sends([send])
+    dead = {"send_id": send.send_id, "status": "dead_lettered", "tenant_id": "shop", "channel": "email",
+            "lane": "transactional", "reason": "retries_exhausted", "completed_at_ms": int(time.time() * 1000),
+            "origin": {"topic": written.topic, "partition": written.partition, "offset": written.offset}}
+    put_acked(send_client.producer, names.outcomes, send.send_id.encode(), orjson.dumps(dead), 10, "a dead letter")
+    store.record_outcome(dead)  # what the outcome recorder does
+    first = replay_dead_letter(stack.bootstrap, names, store, send_client, send.send_id)
+    assert first.send is not None
+    lane = names.lane("email", "transactional")
+    assert count_records(stack.bootstrap, lane) == 2
+
+    lost = list(redis_client.scan_iter(f"{namespace}*"))
+    assert lost and redis_client.delete(*lost) == len(lost)
+    result = recover(stack.bootstrap, redis_client, names, RedisKeys(namespace), OperatorLog(stack.bootstrap,
+                                                                                            oplog_topic))
+    assert (result.statuses, result.replay_marks) == (2, 1)
+    assert store.get(send.send_id)["status"] == "dead_lettered"
+
+    again = replay_dead_letter(stack.bootstrap, names, store, send_client, send.send_id)
+    assert (again.send, again.send_id) == (None, first.send_id)
+    assert count_records(stack.bootstrap, lane) == 2
