@@ -145,4 +145,5 @@ def serve(host: str, port: int) -> None:
     import uvicorn
 
     uvicorn.run(build_app(), host=host, port=port, log_level="warning", access_log=False,
-                limit_concurrency=10_000, backlog=4096)
+                limit_concurrency=10_000, backlog=4096,
+                timeout_graceful_shutdown=1)  # requests held by `timeout` do not hold the shutdown

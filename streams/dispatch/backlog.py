@@ -10,6 +10,10 @@ least `horizon_s` away, is parked on a retry tier, due back about when its turn 
 lets the partition's committed offset move on. A fast tenant whose turn is near is never parked (that
 would only churn the tier); the worker's overall buffer bound still holds its memory.
 
+Where queues are webhook endpoints, an endpoint whose requests fail drains more slowly than its tenant's
+bucket (one request at a time, each taking up to the attempt timeout): the worker then passes the rate
+and burst it can actually send at (`Dispatcher.drain`), so its excess is parked too.
+
 The horizon is the lane's (`HORIZON_S`). Marketing yields while the transactional lane's committed lag
 is over its threshold, and a transactional tenant held back by its own limit pins that offset for as
 long as its share lasts: ten seconds of it would count ten seconds of the partition's whole inflow as
@@ -30,7 +34,7 @@ HORIZON_S = {"transactional": 1.0, "marketing": 10.0}
 class BacklogShare:
     horizon_s: float = 10.0
     max_share: int = 5_000
-    _parked: dict[str, deque[float]] = field(default_factory=dict)  # tenant -> due times still ahead
+    _parked: dict[str, deque[float]] = field(default_factory=dict)  # queue -> due times still ahead
 
     def share(self, rate: float, per_request: int, burst: int = 0) -> int:
         """Messages a tenant may hold in the worker's buffer. `burst`: what its bucket may still let go at once
@@ -45,13 +49,13 @@ class BacklogShare:
             return 0
         return queued - share
 
-    def park(self, tenant: str, queued: int, rate: float, per_request: int, now: float,
+    def park(self, queue: str, queued: int, rate: float, per_request: int, now: float,
              burst: int = 0) -> float | None:
         """Seconds until a message arriving now is due back, when it should be parked; None when it
         should be queued (the tenant is within its share, or its turn is near anyway)."""
         if queued < self.share(rate, per_request, burst):
             return None
-        parked = self._parked.setdefault(tenant, deque())
+        parked = self._parked.setdefault(queue, deque())
         while parked and parked[0] <= now:
             parked.popleft()
         wait = self._turn(queued + len(parked) + 1, rate, burst)

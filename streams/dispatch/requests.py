@@ -129,6 +129,7 @@ class Dispatcher:
         # A queue whose requests fail gets one request in flight until one succeeds again, then earns
         # its share back one by one: a failing webhook endpoint never holds many of the worker's slots.
         self.queue_caps: dict[str, int] = {}
+        self.attempt_s: dict[str, float] = {}  # a capped queue's recent attempt time, smoothed (seconds)
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
         self._next_refresh = 0.0
 
@@ -438,8 +439,9 @@ class Dispatcher:
         share = self._tenant_share if self._tenant_share is not None else self.per_tenant
         return share is not None and self.in_flight_by_tenant[tenant] + drawn >= share
 
-    def done(self, job: Job, succeeded: bool) -> None:
-        """A request finished: its queue may start another, and earns or loses its share of slots."""
+    def done(self, job: Job, succeeded: bool, latency_s: float = 0.0) -> None:
+        """A request finished (taking `latency_s`): its queue may start another, and earns or loses its share of
+        slots."""
         self.routes.of(job.provider).in_flight -= 1
         self.in_flight_by_queue[job.queue] -= 1
         if self.in_flight_by_queue[job.queue] <= 0:
@@ -452,10 +454,22 @@ class Dispatcher:
                 cap = self._cap(job.queue) + 1
                 if cap >= self.per_queue:
                     self.queue_caps.pop(job.queue, None)
+                    self.attempt_s.pop(job.queue, None)
                 else:
                     self.queue_caps[job.queue] = cap
             else:
                 self.queue_caps[job.queue] = 1
+            if job.queue in self.queue_caps:
+                before = self.attempt_s.get(job.queue)
+                self.attempt_s[job.queue] = latency_s if before is None else (before + latency_s) / 2
+
+    def drain(self, queue: str, rate: float, burst: int) -> tuple[float, int]:
+        """What a queue can send: its tenant's bucket (`rate` a second, `burst` at once), or less while its
+        requests fail (a webhook endpoint timing out): its cap at once, and its cap per attempt time."""
+        cap = self.queue_caps.get(queue)
+        if cap is None:
+            return rate, burst
+        return min(rate, cap / max(self.attempt_s.get(queue, 0.0), 0.001)), min(burst, cap)
 
     def tenant_limit(self, route: Route, tenant: str) -> Limit:
         """The tenant's bucket limit at a provider, read from Redis at most every LIMITS_TTL_S

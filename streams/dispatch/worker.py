@@ -279,8 +279,8 @@ class LaneWorker:
         route = self.routes.of(p.provider)
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
-            wait_s = self.backlog.park(tenant, queued, limit.rate, self.dispatcher.per_request(route, tenant), now,
-                                       self._burst_left(key, limit.burst, now))
+            rate, burst = self.dispatcher.drain(key, limit.rate, self._burst_left(key, limit.burst, now))
+            wait_s = self.backlog.park(key, queued, rate, self.dispatcher.per_request(route, tenant), now, burst)
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
             return False
@@ -312,8 +312,8 @@ class LaneWorker:
             try:
                 limit = self.dispatcher.tenant_limit(route, tenant)
                 per_request = self.dispatcher.per_request(route, tenant)
-                past_share = self.backlog.excess(self.queues.size(key), limit.rate, per_request,
-                                                 self._burst_left(key, limit.burst, now))
+                rate, burst = self.dispatcher.drain(key, limit.rate, self._burst_left(key, limit.burst, now))
+                past_share = self.backlog.excess(self.queues.size(key), rate, per_request, burst)
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return
@@ -346,7 +346,7 @@ class LaneWorker:
                 log.exception("provider call failed unexpectedly")
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
             job.stamps["answered"] = wall_ms()
-            self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"))
+            self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"), latency_s=result.latency_s)
             provider = self.routes.of(job.provider).name
             metrics.PROVIDER_REQUESTS.labels(provider, result.outcome).inc()
             metrics.PROVIDER_LATENCY.labels(provider).observe(result.latency_s)

@@ -27,7 +27,7 @@ from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
 from streams.webhooks.ssrf import UrlPolicy
-from tests.harness import committed_messages, free_port, start_api, wait_until
+from tests.harness import committed_lag, committed_messages, free_port, start_api, wait_until
 from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final
 from tests.harness import register_endpoint as _register
@@ -546,3 +546,35 @@ def test_following_next_since_ms_replays_every_delivery_of_the_range_once(redis_
         replayed += [r["replay_of"] for r in answer["replayed"]]
         since = next_since(listed, answer["considered"])
     assert (replayed, calls) == ([f"d-{i}" for i in range(5)], 3)
+
+
+def test_a_tenants_receiver_timing_out_does_not_hold_the_lanes_lag_for_every_tenant(
+        stack, namespace, names, channel_topics, limits, processes, redis_client, mock_endpoint):
+    """Given one webhook lane partition shared by tenants a and b, attempts timing out after 2 s, a's receiver never
+    answering and b's answering at once, both tenants' buckets far above what they send,
+    When a publishes 2 events a second and b 8 a second for 25 s,
+    Then from the 10th second on the lane's committed lag stays under the yield threshold (100 messages), and b's
+    events are delivered. Before, a's deliveries waited in the worker for their turn at one attempt each 2 s (its
+    bucket allowed far more, and the share was sized by it), the oldest pinning the partition's committed offset:
+    b's deliveries behind it counted as transactional lag, over 100 within seconds, pausing every tenant's
+    marketing webhooks for as long as a's receiver kept failing."""
+    processes.env["WEBHOOK_TIMEOUT_S"] = "2"
+    api = _hooks(namespace, lambda channel: channel_topics(channel, lane_partitions=1), limits, processes,
+                 redis_client, 1.0)
+    _register(api, mock_endpoint, "a-hook", who="a", timeout=True)
+    _register(api, mock_endpoint, "b-hook", who="b")
+    group, topic = names.group("webhook", "transactional"), names.lane("webhook", "transactional")
+
+    started, lags = time.monotonic(), []
+    for second in range(25):
+        for who, n in (("a", 2), ("b", 8)):
+            r = api.post("/v1/sends/batch", json={"sends": [event()] * n}, headers=api.keys[who])
+            assert r.status_code == 202, r.text
+        if second >= 10:
+            lags.append(committed_lag(stack.bootstrap, group, topic))
+        time.sleep(max(0.0, started + second + 1 - time.monotonic()))  # the tenants' pace, not a wait for us
+
+    print(f"the lane's committed lag from the 10th second on: {lags}")
+    assert max(lags) < 100, lags
+    wait_until(lambda: mock_endpoint.stats()["endpoints"].get("b-hook", {}).get("ok", 0) >= 200, 30,
+               "b's 200 deliveries")

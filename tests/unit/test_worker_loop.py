@@ -4,6 +4,7 @@ offsets are stored, for the delivered, throttled, rejected and duplicate paths."
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future
@@ -1510,3 +1511,36 @@ def test_a_dead_letter_is_finished_once_its_status_is_acknowledged_too():
         worker.step()
     assert len(producer.records[NAMES.dlq]) == 1 and len(producer.records[NAMES.outcomes]) >= 1
     assert consumer.stored.get((TOPIC, 0), 0) == 0
+
+
+def test_a_receiver_timing_out_keeps_what_it_can_attempt_within_the_horizon_and_the_rest_is_parked():
+    """Given a worker whose queues are receivers (2 requests in flight per receiver, a one-second horizon, as the
+    transactional lane's), tenant A's receiver failing every delivery after 10 s (a timeout), A's bucket letting
+    1,000 a second go,
+    When A's first delivery has failed and 30 more arrive for that receiver, then tenant B's 5,
+    Then the receiver keeps what it can attempt (one at a time, one per 10 s) and the other 29 are parked, due back
+    10 s apart, so the partition's offset moves past them and B's deliveries go out. Before, all 30 stayed in the
+    worker, sized by A's bucket: an attempt each 10 s, the oldest pinning the committed offset for 5 minutes,
+    counted as transactional lag that paused every tenant's marketing."""
+    def delivery(tenant: str):
+        return build_send(validate_request({**email_request(), "correlation_id": f"{tenant}-receiver"}), tenant)
+
+    sends = [delivery("a") for _ in range(31)] + [delivery("b") for _ in range(5)]
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    timed_out = ProviderResult("unavailable", error_name="Timeout", latency_s=10.0)
+    worker, consumer, producer, provider = _worker(msgs[:1])
+    worker.queues.queue_key = lambda send: f"{send.tenant_id}/{send.correlation_id}"
+    worker.dispatcher.per_queue = 2
+    worker.backlog = BacklogShare(horizon_s=1.0)
+    provider.post = lambda *args: (provider.sent.append(args[1]),
+                                   timed_out if args[1].decode() in {s.send_id for s in sends[:31]} else DELIVERED)[1]
+    _run(worker, steps=3)
+    consumer.pending.extend(msgs[1:])
+    _run(worker, steps=20)
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records
+              if h.get("spilled") == b"1"]
+    assert len(parked) == 29
+    dues = sorted(int(h["due_at_ms"]) for h in parked)
+    assert all(9_900 <= later - earlier <= 10_100 for earlier, later in itertools.pairwise(dues))
+    assert {s.send_id.encode() for s in sends[31:]} <= set(provider.sent)
+    assert consumer.stored[(TOPIC, 0)] == 36
