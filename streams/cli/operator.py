@@ -253,13 +253,13 @@ def dlq(sub) -> None:
 
         rt = Runtime(args.config)
         if args.action == "list":
-            records = tools.read_all(rt.bootstrap, rt.names.dlq)
-            shown = [r for r in records if not args.reason or r.reason == args.reason][-args.limit:]
+            listing = tools.latest(rt.bootstrap, rt.names.dlq, args.limit, args.reason)
+            shown = listing.latest
             for r in shown:
                 print(f"{r.send_id:<38} {r.reason:<18} attempts={r.headers.get('attempts', '-'):<3} "
                       f"tenant={r.headers.get('tenant', '-')} lane={r.headers.get('channel', '?')}."
                       f"{r.headers.get('lane', '?')}")
-            print(f"{len(shown)} of {len(records)} dead letters")
+            print(f"{len(shown)} of {listing.total} dead letters")
             return 0
         if not args.send_id:
             raise ConfigError(f"`streams dlq {args.action}` needs a send id")

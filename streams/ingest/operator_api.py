@@ -256,9 +256,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     @router.get("/dlq", response_model=DeadLetters, responses=documented(401, 403, 422, 503))
     def list_dead_letters(_: Operator, reason: str | None = None,
                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
-        records = dead_letters.read_all(client.bootstrap, client.names.dlq)
-        shown = [r for r in records if not reason or r.reason == reason][-limit:]
-        return {"total": len(records), "dead_letters": [_letter(r) for r in shown]}
+        listing = dead_letters.latest(client.bootstrap, client.names.dlq, limit, reason)
+        return {"total": listing.total, "dead_letters": [_letter(r) for r in listing.latest]}
 
     @router.get("/dlq/{send_id}", response_model=DeadLetter, responses=documented(401, 403, 404, 503))
     def show_dead_letter(send_id: str, _: Operator) -> dict:

@@ -4,9 +4,11 @@ Dead letters keep their payload 7 days (the topic's retention), like the lane to
 
 from __future__ import annotations
 
+import heapq
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +46,13 @@ class DeadLetterRecord:
         return self.headers.get("reason", "")
 
 
-def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLetterRecord]:
-    """Every record currently in the DLQ (from the start to the end offsets read at call time)."""
-    c = Consumer(client_config(bootstrap, quiet=True, settings={"group.id": "dlq-reader", "enable.auto.commit": False}))
+def _read(bootstrap: str, topic: str, timeout_s: float, handle: Callable[[Any], None], complete: bool) -> None:
+    """Every record from the start to the end offsets read at call time, in turn to `handle`. With `complete`,
+    BrokerUnavailable when the broker did not give them all within `timeout_s` (else what came is all)."""
+    c = Consumer(client_config(bootstrap, quiet=True, settings={
+        "group.id": "dlq-reader", "enable.auto.commit": False,
+        # A start offset retention has deleted meanwhile: from the oldest left, never the end (nothing).
+        "auto.offset.reset": "earliest"}))
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         ends = {}
@@ -57,21 +63,57 @@ def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLe
                 ends[p] = high
                 assignment.append(TopicPartition(topic, p, low))
         c.assign(assignment)
-        out: list[DeadLetterRecord] = []
         remaining = dict(ends)
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
             for m in c.consume(num_messages=1000, timeout=0.5):
                 if m.error():
                     continue
-                headers = {k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])}
-                out.append(DeadLetterRecord(m.partition(), m.offset(), (m.key() or b"").decode(errors="replace"),
-                                            m.value(), headers, m.timestamp()[1]))
+                handle(m)
                 if m.offset() + 1 >= ends.get(m.partition(), 0):
                     remaining.pop(m.partition(), None)
-        return sorted(out, key=lambda r: r.timestamp_ms)
+        if remaining and complete:
+            raise BrokerUnavailable(f"{topic}: {len(remaining)} partition(s) not read to their end within "
+                                    f"{timeout_s:.0f} s")
     finally:
         c.close()
+
+
+def read_all(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[DeadLetterRecord]:
+    """The records currently in the DLQ with their payloads, oldest first: what the broker gave within
+    `timeout_s` (for tools and tests that poll; operators list with `latest`)."""
+    out: list[DeadLetterRecord] = []
+    _read(bootstrap, topic, timeout_s, lambda m: out.append(_record(m)), complete=False)
+    return sorted(out, key=lambda r: r.timestamp_ms)
+
+
+@dataclass(frozen=True)
+class Listing:
+    total: int                       # dead letters in the DLQ
+    latest: list[DeadLetterRecord]   # the newest that matched, oldest first, without their payloads
+
+
+def latest(bootstrap: str, topic: str, limit: int, reason: str | None = None, timeout_s: float = 30.0) -> Listing:
+    """The newest `limit` dead letters (of `reason`), headers only: memory bounded by `limit` whatever the DLQ
+    holds (a week of a blast's dead letters, payloads up to 1 MiB each). BrokerUnavailable rather than a
+    partial list when the broker does not give every partition to its end within `timeout_s`."""
+    kept: list[tuple[int, int, int, DeadLetterRecord]] = []  # a heap: the oldest kept first
+    total = 0
+
+    def keep(m: Any) -> None:
+        nonlocal total
+        total += 1
+        r = _record(m, payload=False)
+        if reason and r.reason != reason:
+            return
+        item = (r.timestamp_ms, r.partition, r.offset, r)  # the first three are unique: records never compared
+        if len(kept) < limit:
+            heapq.heappush(kept, item)
+        else:
+            heapq.heappushpop(kept, item)
+
+    _read(bootstrap, topic, timeout_s, keep, complete=True)
+    return Listing(total, [r for *_, r in sorted(kept)])
 
 
 def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Any | None:
@@ -100,10 +142,10 @@ def partition_for(key: bytes, partitions: int) -> int:
     return zlib.crc32(key) % partitions
 
 
-def _record(m: Any) -> DeadLetterRecord:
+def _record(m: Any, payload: bool = True) -> DeadLetterRecord:
     headers = {k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])}
-    return DeadLetterRecord(m.partition(), m.offset(), (m.key() or b"").decode(errors="replace"), m.value(),
-                            headers, m.timestamp()[1])
+    return DeadLetterRecord(m.partition(), m.offset(), (m.key() or b"").decode(errors="replace"),
+                            m.value() if payload else None, headers, m.timestamp()[1])
 
 
 def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | None = None) -> DeadLetterRecord:

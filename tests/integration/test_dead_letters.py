@@ -1,7 +1,13 @@
 """Events that cannot be dispatched go to notif.dlq with a reason; the partition keeps moving."""
 
+import subprocess
+import sys
+
+import pytest
 from confluent_kafka import Producer
 
+from streams.errors import BrokerUnavailable
+from streams.retry.dlq import latest
 from streams.send import build_send, encode, validate_request
 from tests.harness import committed_lag, email_request, read_topic, wait_until
 
@@ -54,3 +60,33 @@ def test_lane_violation_and_malformed_events_are_dead_lettered_and_the_partition
     assert violation.value() == encode(marketing)  # the payload travels byte-identical
     assert dict(by_reason["unknown_version"].headers())["send_id"] == b"future-1"
     assert b"schema version 2" in dict(by_reason["unknown_version"].headers())["detail"]
+
+
+def test_listing_dead_letters_keeps_only_the_newest_asked_for_and_never_passes_a_partial_list_off_as_whole(
+        stack, names, channel_topics, dispatch_env):
+    """Given 30 dead letters of two reasons spread over the DLQ's partitions, each with a 10 KB payload,
+    When operators list the newest 4 `retries_exhausted` ones (`streams dlq list`, GET /v1/admin/dlq), and then list
+    with no time at all to read the topic,
+    Then they get those 4, oldest first, without payloads (the listing holds `limit` letters, not the whole DLQ's
+    payloads: a week of a blast's, up to 1 MiB each, in the API process every tenant's sends go through), the
+    total counts all 30; and the listing that could not read every partition to its end is an error
+    (BrokerUnavailable: 503), not a shorter list taken for the whole."""
+    channel_topics("email")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for i in range(30):
+        reason = "retries_exhausted" if i % 2 else "permanent_error"
+        producer.produce(names.dlq, key=f"s-{i}".encode(), value=b"x" * 10_000, timestamp=1_700_000_000_000 + i,
+                         headers=[("send_id", f"s-{i}".encode()), ("reason", reason.encode())])
+    producer.flush(10)
+
+    listing = latest(stack.bootstrap, names.dlq, 4, "retries_exhausted")
+    assert listing.total == 30
+    assert [r.send_id for r in listing.latest] == ["s-23", "s-25", "s-27", "s-29"]
+    assert all(r.value is None for r in listing.latest)
+    cli = subprocess.run([sys.executable, "-m", "streams.cli", "dlq", "list", "--reason", "retries_exhausted",
+                          "--limit", "4"], env=dispatch_env, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert [line.split()[0] for line in cli.stdout.splitlines()] == ["s-23", "s-25", "s-27", "s-29", "4"]
+    assert cli.stdout.splitlines()[-1] == "4 of 30 dead letters"
+    with pytest.raises(BrokerUnavailable, match="not read to their end"):
+        latest(stack.bootstrap, names.dlq, 4, timeout_s=0)
