@@ -17,7 +17,7 @@ from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
 from ..outcomes import ACCEPTED, events_of, unusable, webhook_fields
-from ..redis_client import store_errors
+from ..redis_client import load_script, store_errors
 
 if TYPE_CHECKING:
     from ..state.guard import StateGuard
@@ -49,6 +49,7 @@ class StatusStore:
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self.client = client
         self.keys = RedisKeys(namespace)
+        self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
 
     def accepted(self, sends: list) -> None:
         """Recorded once published: a status an outcome already wrote (the send can be dispatched
@@ -106,7 +107,6 @@ class StatusStore:
             if isinstance(where, dict):
                 fields.update({f"{prefix}_{k}": v for k, v in where.items()})
         with store_errors("recording an outcome"):
-            current = self.client.hget(key, "status")
             pipe = self.client.pipeline(transaction=False)
             if isinstance(event.get("attempt"), dict):
                 pipe.hset(attempts_key, str(event["attempt"].get("n")), orjson.dumps(event["attempt"]))
@@ -120,9 +120,9 @@ class StatusStore:
                 fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
                 if event["status"].encode() in FINAL:  # no longer part of the endpoint's backlog
                     pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
-            if current not in FINAL or event["status"].encode() in FINAL and current != b"delivered":
-                pipe.hset(key, mapping=fields)
-                pipe.expire(key, STATUS_TTL_S)
+            final = "1" if event["status"].encode() in FINAL else "0"
+            self._record_status(keys=[key], args=[event["status"], final, STATUS_TTL_S,
+                                                  *(x for kv in fields.items() for x in kv)], client=pipe)
             pipe.execute()
 
     def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None) -> list[str]:

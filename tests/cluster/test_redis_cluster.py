@@ -112,7 +112,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     client of the Redis Cluster that notes the keys of every script call,
     When the limit store (a compare-and-set change), the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
     mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh), ingest idempotency (begin, renew, finish, release),
-    the endpoint store (create, a compare-and-set change) and API keys (a compare-and-set change) run for tenants and providers spread over all three masters,
+    the endpoint store (create, a compare-and-set change), API keys (a compare-and-set change) and the status store
+    (recording an outcome) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
     first, nodes = cluster_startup(healthy_redis_cluster.url)
@@ -160,6 +161,10 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     assert [len(endpoints.all(t)) for t in tenants] == [1] * len(tenants)
     keys = ApiKeys(recording, ns)
     assert keys.revoke(keys.resolve(keys.create("tenant", tenants[0])).key_id).revoked_at_ms  # compare-and-set
+    statuses = StatusStore(recording, ns)
+    for t in tenants:  # send ids hashing all over the cluster: each status compared and written in its own slot
+        statuses.record_outcome({"send_id": f"{t}-s", "tenant_id": t, "status": "delivered", "attempts": 1})
+    assert statuses.get(f"{tenants[0]}-s")["status"] == "delivered"
 
     sites = registration_sites()
     used = {}
