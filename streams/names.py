@@ -201,6 +201,12 @@ class RedisKeys:
         return f"{self.namespace}dr:apikeys:used"
 
     @property
+    def restored(self) -> str:
+        """Present once a state guard has restored the operator state after a data loss, until Redis has its
+        epoch again: the other roles' guards then leave Redis to the live changes."""
+        return f"{self.namespace}dr:restored"
+
+    @property
     def epoch(self) -> str:
         """Written once per Redis data set; its absence while the operator log knows an epoch means
         Redis lost its data."""

@@ -2,8 +2,9 @@
 
 Redis holds an epoch id, written once per data set and recorded in the operator log. When Redis
 has no epoch but the log has one, Redis lost its data (restarted without persistence, flushed,
-failed over to an empty replica): every role that notices it rebuilds the operator state (limits,
-API keys, endpoints, project members) from the log by itself, and dispatch holds, failing closed,
+failed over to an empty replica): the first role to notice it rebuilds the operator state (limits,
+API keys, endpoints, project members) from the log by itself, writing only what Redis lacks, once
+per loss (so no stale snapshot is written back over a change made since), and dispatch holds, failing closed,
 because the delivery marks (`processed_jobs`) are gone and re-sending everything is worse than
 waiting. It holds until an operator runs `streams state recover` (which rebuilds the marks from
 `notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss`.
@@ -113,10 +114,13 @@ def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch:
     oplog.put("epoch", {"epoch": epoch, "markers": is_cluster(client)})
     with store_errors("writing the Redis epoch"):
         client.set(keys.epoch, epoch)
+        client.delete(keys.restored)  # the next loss is restored again
 
 
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
-    """Write the operator state of a log snapshot into Redis; returns the entries written."""
+    """Write the operator state of a log snapshot into Redis where Redis lacks it; returns the entries looked at.
+    Never over what Redis holds (HSETNX, SET NX): an entry changed since the snapshot was read (a key revoked
+    or rotated, an endpoint moved, a limit changed) is never written back to its state before."""
     pipe = client.pipeline(transaction=False)
     written = 0
     for key, value in snapshot.items():
@@ -128,15 +132,16 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
                           len(value) - len(scalars))
             if not scalars:
                 continue
-            pipe.hset(keys.limits(name), mapping=scalars)
+            for field, number in scalars.items():
+                pipe.hsetnx(keys.limits(name), field, number)
         elif kind == "apikey":
-            pipe.hset(keys.api_keys, name, orjson.dumps(value))
+            pipe.hsetnx(keys.api_keys, name, orjson.dumps(value))
         elif kind == "endpoint" and isinstance(value.get("tenant"), str):
-            pipe.hset(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
+            pipe.hsetnx(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
         elif kind == "members" and value:
-            pipe.set(keys.members(name), orjson.dumps(value))
+            pipe.set(keys.members(name), orjson.dumps(value), nx=True)
         elif kind == "senders" and isinstance(value, dict) and isinstance(value.get("domains"), list):
-            pipe.hset(keys.sender_domains, name, orjson.dumps(value["domains"]))
+            pipe.hsetnx(keys.sender_domains, name, orjson.dumps(value["domains"]))
         else:
             continue
         written += 1
@@ -206,6 +211,8 @@ class StateGuard:
                     return
             if self.lost:
                 log.warning("%s: Redis state recovered (epoch %s); resuming", self.role, redis_epoch)
+                with store_errors("clearing the restored mark"):
+                    self.client.delete(self.keys.restored)  # one this guard set after recovery began
             self.lost = False
         elif redis_epoch is not None and recorded is None:
             # An existing Redis, first seen by the log.
@@ -240,10 +247,19 @@ class StateGuard:
         return True
 
     def _hold(self, why: str, snapshot: dict[str, dict]) -> None:
-        written = restore(self.client, self.keys, snapshot)
+        # Restored once per loss, by the first guard to look (a second loss of a single Redis takes the
+        # `restored` mark with it, and is restored again): restoring at every look would write each look's
+        # snapshot back over changes made since it was read (an endpoint deleted meanwhile would come back).
+        with store_errors("reading whether operator state was restored"):
+            done = self.client.exists(self.keys.restored)
+        restored = "" if done else f"restored what Redis lacked of the operator log's " \
+                                   f"{restore(self.client, self.keys, snapshot)} entries"
+        if not done:
+            with store_errors("marking operator state restored"):
+                self.client.set(self.keys.restored, self.role)
         if not self.lost:
-            log.error("%s: Redis has lost its data (%s): restored %d operator entries from the operator log; "
-                      "dispatch holds until an operator runs `streams state recover`", self.role, why, written)
+            log.error("%s: Redis has lost its data (%s): %s; dispatch holds until an operator runs "
+                      "`streams state recover`", self.role, why, restored or "operator state was restored already")
         self.lost = True
 
     def _first_epoch(self) -> None:

@@ -1,0 +1,57 @@
+"""The state guard after a Redis data loss, on a real Redis and operator log: the operator state comes back from
+the log once, only where Redis lacks it, so changes made after it came back (an endpoint deleted, a key revoked)
+stay made whatever another role's guard read of the log before them."""
+
+from streams.ingest.api_keys import ApiKeys
+from streams.names import RedisKeys
+from streams.state.guard import StateGuard, restore
+from streams.state.log import OperatorLog
+from streams.webhooks.endpoints import EndpointStore
+from streams.webhooks.lookups import system_resolver
+from streams.webhooks.ssrf import UrlPolicy
+
+
+class LogAsItWas:
+    """The operator log as a guard read it just before the changes of the test (its look was under way)."""
+
+    def __init__(self, snapshot: dict):
+        self._snapshot = snapshot
+
+    def snapshot(self) -> dict:
+        return self._snapshot
+
+
+def test_an_endpoint_deleted_and_a_key_revoked_after_the_restore_stay_so_through_other_roles_looks(
+        stack, oplog_topic, namespace, redis_client):
+    """Given a deployment with tenant acme's endpoint and API key, whose Redis then loses its data,
+    When the API's guard notices and restores the operator state, acme deletes the endpoint and an operator revokes
+    the key, and then a worker's guard looks with the log as it read it before those two changes,
+    Then the endpoint stays deleted and the key revoked; and a restore from that older log never writes over what
+    Redis holds. Before, every guard restored at every look while dispatch held, writing its snapshot over Redis:
+    the endpoint came back (listed, counted against the tenant's limit) and the revoked key worked again."""
+    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    api_guard = StateGuard(redis_client, keys, oplog, "api")
+    assert api_guard.check()  # a new deployment: it writes the epoch
+    endpoints = EndpointStore(redis_client, namespace, oplog, UrlPolicy(require_https=False,
+                                                                        allow=frozenset({"127.0.0.1"})),
+                              system_resolver)
+    endpoint, _ = endpoints.create("acme", "http://127.0.0.1:9/hook", ["*"])
+    api_keys = ApiKeys(redis_client, namespace, oplog)
+    token = api_keys.create("tenant", "acme")
+    key_id = api_keys.resolve(token).key_id
+
+    lost = list(redis_client.scan_iter(f"{namespace}*"))
+    assert redis_client.delete(*lost) == len(lost)
+    assert not api_guard.check(force=True)  # the loss: dispatch holds, the operator state is back
+    assert endpoints.get("acme", endpoint.id) is not None and api_keys.resolve(token) is not None
+    before = oplog.snapshot()
+
+    assert endpoints.delete("acme", endpoint.id)
+    assert api_keys.revoke(key_id).revoked_at_ms
+    worker_guard = StateGuard(redis_client, keys, LogAsItWas(before), "worker")
+    assert not worker_guard.check(force=True)  # it holds too
+
+    assert endpoints.get("acme", endpoint.id) is None and endpoints.all("acme") == []
+    assert api_keys.resolve(token) is None
+    restore(redis_client, keys, before)
+    assert api_keys.resolve(token) is None
