@@ -10,7 +10,7 @@ two into the state everyone shows and acts on.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 STATES = ("active", "degraded", "disabled")
@@ -18,7 +18,7 @@ STATES = ("active", "degraded", "disabled")
 
 @dataclass(frozen=True)
 class Secret:
-    value: str
+    value: str = field(repr=False)  # never in a log line or a traceback's repr
     expires_at_ms: int | None = None  # None: the current secret
 
 

@@ -6,6 +6,7 @@ import time
 import pytest
 from standardwebhooks.webhooks import Webhook
 
+from streams.webhooks.model import Endpoint, Secret
 from streams.webhooks.signing import InvalidSignature, headers, new_secret, sign, verify
 
 # The example published with the Standard Webhooks specification (and its reference libraries).
@@ -39,3 +40,12 @@ def test_the_reference_library_verifies_what_we_sign_with_either_secret_during_a
         verify(signed, body, secret, now=time.time())
     with pytest.raises(InvalidSignature):
         verify(signed, body, new_secret(), now=time.time())
+
+
+def test_an_endpoints_repr_never_shows_its_signing_secrets():
+    """An endpoint in a log line, an assertion message or a traceback's locals shows its secrets' expiry, never
+    their value (the dataclass repr showed every `whsec_` secret in full)."""
+    ep = Endpoint("ep_1", "acme", "https://hooks.acme.test/in", ("*",),
+                  secrets=(Secret("whsec_current"), Secret("whsec_previous", expires_at_ms=1)))
+    assert "whsec_" not in repr(ep) and "whsec_" not in str(ep)
+    assert ep.signing_secrets(0) == ["whsec_current", "whsec_previous"]
