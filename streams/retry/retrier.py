@@ -9,8 +9,11 @@ byte with its headers, to its lane topic when it is due. Nothing sleeps in the p
 poll timeout is the time to the next due message (at most 0.5 s).
 
 Offsets are tracked per partition and stored only up to the lowest message not yet acknowledged
-in its lane topic, so a crash re-reads only unreleased messages (the lane worker's idempotency
-absorbs the few released twice). Memory is bounded (`memory_bound.py`): past `max_held` messages
+in its lane topic, so a crash (or a rebalance) re-reads every message from there on: the unreleased
+ones, and those released behind them. Behind a copy due far ahead (a long Retry-After, a tenant's
+excess parked for hours) that can be many: already past due, they are released again at once, and
+the lane worker's idempotency makes each a duplicate it skips (`stale` or `duplicate`), never a
+second send. Memory is bounded (`memory_bound.py`): past `max_held` messages
 or `max_held_bytes` the retrier pauses the partitions holding messages due late, so the short tiers
 keep flowing; past twice that, every partition; each until half is released. A copy the broker did
 not acknowledge is produced again until it is.
