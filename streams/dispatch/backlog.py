@@ -34,7 +34,7 @@ HORIZON_S = {"transactional": 1.0, "marketing": 10.0}
 class BacklogShare:
     horizon_s: float = 10.0
     max_share: int = 5_000
-    _parked: dict[str, deque[float]] = field(default_factory=dict)  # queue -> due times still ahead
+    _parked: dict[str, deque[float]] = field(default_factory=dict)  # what is paced -> due times still ahead
 
     def share(self, rate: float, per_request: int, burst: int = 0) -> int:
         """Messages a tenant may hold in the worker's buffer. `burst`: what its bucket may still let go at once
@@ -49,13 +49,15 @@ class BacklogShare:
             return 0
         return queued - share
 
-    def park(self, queue: str, queued: int, rate: float, per_request: int, now: float,
+    def park(self, paced: str, queued: int, rate: float, per_request: int, now: float,
              burst: int = 0) -> float | None:
         """Seconds until a message arriving now is due back, when it should be parked; None when it
-        should be queued (the tenant is within its share, or its turn is near anyway)."""
+        should be queued (the tenant is within its share, or its turn is near anyway). `paced`: whose turns
+        these are (the tenant, or a failing endpoint's queue), so the due times of what it parked before
+        space this one out."""
         if queued < self.share(rate, per_request, burst):
             return None
-        parked = self._parked.setdefault(queue, deque())
+        parked = self._parked.setdefault(paced, deque())
         while parked and parked[0] <= now:
             parked.popleft()
         wait = self._turn(queued + len(parked) + 1, rate, burst)

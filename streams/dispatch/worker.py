@@ -280,7 +280,9 @@ class LaneWorker:
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
             rate, burst = self.dispatcher.drain(key, limit.rate, self._burst_left(key, limit.burst, now))
-            wait_s = self.backlog.park(key, queued, rate, self.dispatcher.per_request(route, tenant), now, burst)
+            # Turns are paced per tenant (its bucket), or per endpoint while its failures slow it down.
+            paced = key if key in self.dispatcher.queue_caps else tenant
+            wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst)
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
             return False

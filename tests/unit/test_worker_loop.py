@@ -1544,3 +1544,25 @@ def test_a_receiver_timing_out_keeps_what_it_can_attempt_within_the_horizon_and_
     assert all(9_900 <= later - earlier <= 10_100 for earlier, later in itertools.pairwise(dues))
     assert {s.send_id.encode() for s in sends[31:]} <= set(provider.sent)
     assert consumer.stored[(TOPIC, 0)] == 36
+
+
+def test_a_tenant_over_its_bucket_parks_its_endpoints_deliveries_in_one_line_of_turns():
+    """Given a worker whose queues are receivers, tenant A throttled to 5 a second (burst 5, a one-second horizon),
+    its 40 deliveries alternating between two healthy receivers,
+    When they arrive,
+    Then the deliveries parked are due back one turn of A's bucket (1/5 s) apart across both receivers, not each
+    receiver's line on its own (two deliveries due at each moment, back twice too early and parked again)."""
+    def delivery(i: int):
+        return build_send(validate_request({**email_request(), "correlation_id": f"receiver-{i % 2}"}), "a")
+
+    sends = [delivery(i) for i in range(40)]
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"a": 5}, bursts={"a": 5}))
+    worker.queues.queue_key = lambda send: f"{send.tenant_id}/{send.correlation_id}"
+    worker.dispatcher.per_queue = 2
+    worker.backlog = BacklogShare(horizon_s=1.0)
+    _run(worker, steps=3)
+    dues = sorted(int(h["due_at_ms"]) for topic, records in producer.records.items() if ".retry." in topic
+                  for _, h in records if h.get("spilled") == b"1")
+    assert len(dues) >= 20
+    assert all(later - earlier >= 190 for earlier, later in itertools.pairwise(dues)), dues
