@@ -201,12 +201,6 @@ class RedisKeys:
         return f"{self.namespace}dr:apikeys:used"
 
     @property
-    def restored(self) -> str:
-        """Present once a state guard has restored the operator state after a data loss, until Redis has its
-        epoch again: the other roles' guards then leave Redis to the live changes."""
-        return f"{self.namespace}dr:restored"
-
-    @property
     def epoch(self) -> str:
         """Written once per Redis data set; its absence while the operator log knows an epoch means
         Redis lost its data."""
@@ -218,6 +212,11 @@ class RedisKeys:
     # the epoch itself is every script's marker.
     def epoch_marker(self, slot: int) -> str:
         return f"{self.namespace}dr:{{{slot_tags()[slot]}}}:epoch"
+
+    def restored_marker(self, slot: int) -> str:
+        """Present once the operator state whose keys hash to `slot` was restored after the slot lost its data
+        (state/guard.py `restore`); it goes with the slot's data."""
+        return f"{self.namespace}dr:{{{slot_tags()[slot]}}}:restored"
 
     def epoch_markers(self) -> list[str]:
         return [self.epoch_marker(slot) for slot in range(HASH_SLOTS)]

@@ -50,6 +50,10 @@ class StatusStore:
         self.client = client
         self.keys = RedisKeys(namespace)
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
+        # A send's replay mark, only while it has a status (one step: its status may expire in between).
+        self._mark_replayed_if_known = client.register_script(
+            "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSETNX', KEYS[1], 'replayed_as', ARGV[1]) "
+            "end return 0")
 
     def accepted(self, sends: list) -> None:
         """Recorded once published: a status an outcome already wrote (the send can be dispatched
@@ -159,14 +163,10 @@ class StatusStore:
         ids, marked = list(replays), 0
         with store_errors("restoring replay marks"):
             for i in range(0, len(ids), chunk):
-                part = ids[i:i + chunk]
                 pipe = self.client.pipeline(transaction=False)
-                for send_id in part:
-                    pipe.exists(self.keys.send_status(send_id))
-                found = [send_id for send_id, n in zip(part, pipe.execute(), strict=True) if n]
-                pipe = self.client.pipeline(transaction=False)
-                for send_id in found:
-                    pipe.hsetnx(self.keys.send_status(send_id), "replayed_as", replays[send_id])
+                for send_id in ids[i:i + chunk]:
+                    self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)], args=[replays[send_id]],
+                                                 client=pipe)
                 marked += sum(pipe.execute())
         return marked
 

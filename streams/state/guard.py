@@ -3,8 +3,9 @@
 Redis holds an epoch id, written once per data set and recorded in the operator log. When Redis
 has no epoch but the log has one, Redis lost its data (restarted without persistence, flushed,
 failed over to an empty replica): the first role to notice it rebuilds the operator state (limits,
-API keys, endpoints, project members) from the log by itself, writing only what Redis lacks, once
-per loss (so no stale snapshot is written back over a change made since), and dispatch holds, failing closed,
+API keys, endpoints, project members, sender domains) from the log by itself, writing only what Redis
+lacks, each hash slot once after it lost its data (so no stale snapshot is written back over a change
+made since; see `restore`), and dispatch holds, failing closed,
 because the delivery marks (`processed_jobs`) are gone and re-sending everything is worse than
 waiting. It holds until an operator runs `streams state recover` (which rebuilds the marks from
 `notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss`.
@@ -30,6 +31,7 @@ import uuid
 
 import orjson
 import redis
+from redis.crc import key_slot
 
 from .. import metrics
 from ..errors import StoreUnavailable
@@ -114,15 +116,16 @@ def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch:
     oplog.put("epoch", {"epoch": epoch, "markers": is_cluster(client)})
     with store_errors("writing the Redis epoch"):
         client.set(keys.epoch, epoch)
-        client.delete(keys.restored)  # the next loss is restored again
 
 
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
-    """Write the operator state of a log snapshot into Redis where Redis lacks it; returns the entries looked at.
-    Never over what Redis holds (HSETNX, SET NX): an entry changed since the snapshot was read (a key revoked
-    or rotated, an endpoint moved, a limit changed) is never written back to its state before."""
-    pipe = client.pipeline(transaction=False)
-    written = 0
+    """Write the operator state of a log snapshot into Redis, in the hash slots not yet restored since they lost
+    their data; returns the writes made. Each slot's `restored` marker is written after its entries and
+    lives in the slot, so it goes with the slot's data (a shard of a cluster lost later is restored too), and
+    a slot is restored once: a later look's snapshot is never written over changes made since (an endpoint
+    deleted during the hold would come back). Never over what Redis holds (HSETNX, SET NX): an entry changed
+    before the marker was written (a key revoked, an endpoint moved) keeps its change."""
+    planned: list[tuple[str, str | None, bytes | int]] = []  # (Redis key, hash field or None: the key, value)
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
         if kind == "limits" and value:
@@ -130,24 +133,37 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             if len(scalars) < len(value):  # limits are integers (LimitStore reads them so); never written otherwise
                 log.error("operator entry %r: skipping %d limit field(s) that are not integers", key,
                           len(value) - len(scalars))
-            if not scalars:
-                continue
-            for field, number in scalars.items():
-                pipe.hsetnx(keys.limits(name), field, number)
+            planned += [(keys.limits(name), field, number) for field, number in scalars.items()]
         elif kind == "apikey":
-            pipe.hsetnx(keys.api_keys, name, orjson.dumps(value))
+            planned.append((keys.api_keys, name, orjson.dumps(value)))
         elif kind == "endpoint" and isinstance(value.get("tenant"), str):
-            pipe.hsetnx(keys.endpoints(value["tenant"]), name, orjson.dumps(value))
+            planned.append((keys.endpoints(value["tenant"]), name, orjson.dumps(value)))
         elif kind == "members" and value:
-            pipe.set(keys.members(name), orjson.dumps(value), nx=True)
+            planned.append((keys.members(name), None, orjson.dumps(value)))
         elif kind == "senders" and isinstance(value, dict) and isinstance(value.get("domains"), list):
-            pipe.hsetnx(keys.sender_domains, name, orjson.dumps(value["domains"]))
-        else:
-            continue
-        written += 1
+            planned.append((keys.sender_domains, name, orjson.dumps(value["domains"])))
+    slots = sorted({key_slot(k.encode()) for k, _, _ in planned})
+    with store_errors("reading which hash slots' operator state is restored"):
+        pipe = client.pipeline(transaction=False)
+        for slot in slots:
+            pipe.exists(keys.restored_marker(slot))
+        done = {slot for slot, n in zip(slots, pipe.execute(), strict=True) if n}
+    todo = [w for w in planned if key_slot(w[0].encode()) not in done]
+    if not todo:
+        return 0
     with store_errors("restoring operator state"):
+        pipe = client.pipeline(transaction=False)
+        for k, field, v in todo:
+            if field is None:
+                pipe.set(k, v, nx=True)
+            else:
+                pipe.hsetnx(k, field, v)
         pipe.execute()
-    return written
+        pipe = client.pipeline(transaction=False)  # after the entries: a slot marked is a slot restored
+        for slot in {key_slot(k.encode()) for k, _, _ in todo}:
+            pipe.set(keys.restored_marker(slot), b"1")
+        pipe.execute()
+    return len(todo)
 
 
 class StateGuard:
@@ -211,8 +227,6 @@ class StateGuard:
                     return
             if self.lost:
                 log.warning("%s: Redis state recovered (epoch %s); resuming", self.role, redis_epoch)
-                with store_errors("clearing the restored mark"):
-                    self.client.delete(self.keys.restored)  # one this guard set after recovery began
             self.lost = False
         elif redis_epoch is not None and recorded is None:
             # An existing Redis, first seen by the log.
@@ -247,19 +261,10 @@ class StateGuard:
         return True
 
     def _hold(self, why: str, snapshot: dict[str, dict]) -> None:
-        # Restored once per loss, by the first guard to look (a second loss of a single Redis takes the
-        # `restored` mark with it, and is restored again): restoring at every look would write each look's
-        # snapshot back over changes made since it was read (an endpoint deleted meanwhile would come back).
-        with store_errors("reading whether operator state was restored"):
-            done = self.client.exists(self.keys.restored)
-        restored = "" if done else f"restored what Redis lacked of the operator log's " \
-                                   f"{restore(self.client, self.keys, snapshot)} entries"
-        if not done:
-            with store_errors("marking operator state restored"):
-                self.client.set(self.keys.restored, self.role)
+        written = restore(self.client, self.keys, snapshot)  # at every look: only slots not yet restored
         if not self.lost:
-            log.error("%s: Redis has lost its data (%s): %s; dispatch holds until an operator runs "
-                      "`streams state recover`", self.role, why, restored or "operator state was restored already")
+            log.error("%s: Redis has lost its data (%s): restored %d operator entries from the operator log; "
+                      "dispatch holds until an operator runs `streams state recover`", self.role, why, written)
         self.lost = True
 
     def _first_epoch(self) -> None:

@@ -113,7 +113,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     When the limit store (a compare-and-set change), the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
     mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh), ingest idempotency (begin, renew, finish, release),
     the endpoint store (create, a compare-and-set change), API keys (a compare-and-set change) and the status store
-    (recording an outcome) run for tenants and providers spread over all three masters,
+    (recording an outcome, restoring replay marks) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
     first, nodes = cluster_startup(healthy_redis_cluster.url)
@@ -165,6 +165,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     for t in tenants:  # send ids hashing all over the cluster: each status compared and written in its own slot
         statuses.record_outcome({"send_id": f"{t}-s", "tenant_id": t, "status": "delivered", "attempts": 1})
     assert statuses.get(f"{tenants[0]}-s")["status"] == "delivered"
+    assert statuses.restore_replays({f"{t}-s": f"{t}-r" for t in tenants}) == len(tenants)
 
     sites = registration_sites()
     used = {}
@@ -503,3 +504,46 @@ def test_slots_a_master_was_given_empty_later_are_seen_by_a_role_that_claims_not
     assert role.lost and missing_markers(client, keys) == 10
     write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()))
     assert role.check(force=True)
+
+
+def test_operator_state_of_a_second_master_lost_during_the_hold_comes_back_and_a_deletion_stays(
+        healthy_redis_cluster, stack, create_topics):
+    """Given a Redis Cluster with one endpoint for each of many tenants (spread over all three masters), each in the
+    operator log,
+    When one master loses its data (a guard holds and restores), a tenant whose endpoint is on another master then
+    deletes it, and then that other master loses its data too, before anyone recovers,
+    Then the next look of a guard restores the second master's endpoints too (each slot carries its own
+    `restored` marker, lost with its data: one marker for the whole deployment, living on an intact master, would
+    have left them gone for good, since recover does not restore), while the endpoint deleted after the first
+    restore stays deleted."""
+    client = connect(healthy_redis_cluster.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    names, keys = TopicNames(ns), RedisKeys(ns)
+    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
+    oplog = OperatorLog(stack.bootstrap, names.operator)
+    guard = StateGuard(client, keys, oplog, "test")
+    assert guard.check()
+    endpoints = EndpointStore(client, ns, oplog, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                              system_resolver)
+    by_node: dict[str, list[tuple[str, str]]] = {}
+    for t in (f"tenant{i}" for i in range(30)):
+        created, _ = endpoints.create(t, "http://127.0.0.1:9/hooks", ["*"])
+        by_node.setdefault(client.get_node_from_key(keys.endpoints(t)).name, []).append((t, created.id))
+    first, second = [n for n in by_node if n != client.get_node_from_key(keys.epoch).name][:2]
+
+    def flush(node: str) -> None:
+        host, port = node.rsplit(":", 1)
+        redis.Redis(host=host, port=int(port)).flushall()
+
+    flush(first)
+    guard.recheck()
+    assert not guard.check()
+    assert all(endpoints.get(t, e) for t, e in by_node[first])  # restored
+    deleted_tenant, deleted = by_node[second][0]
+    assert endpoints.delete(deleted_tenant, deleted)
+
+    flush(second)
+    assert not guard.check(force=True)
+    assert all(endpoints.get(t, e) for t, e in by_node[second][1:])
+    assert endpoints.get(deleted_tenant, deleted) is None
+    assert all(endpoints.get(t, e) for t, e in by_node[first])

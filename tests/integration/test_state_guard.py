@@ -3,7 +3,7 @@ the log once, only where Redis lacks it, so changes made after it came back (an 
 stay made whatever another role's guard read of the log before them."""
 
 from streams.ingest.api_keys import ApiKeys
-from streams.names import RedisKeys
+from streams.names import HASH_SLOTS, RedisKeys
 from streams.state.guard import StateGuard, restore
 from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
@@ -26,9 +26,10 @@ def test_an_endpoint_deleted_and_a_key_revoked_after_the_restore_stay_so_through
     """Given a deployment with tenant acme's endpoint and API key, whose Redis then loses its data,
     When the API's guard notices and restores the operator state, acme deletes the endpoint and an operator revokes
     the key, and then a worker's guard looks with the log as it read it before those two changes,
-    Then the endpoint stays deleted and the key revoked; and a restore from that older log never writes over what
-    Redis holds. Before, every guard restored at every look while dispatch held, writing its snapshot over Redis:
-    the endpoint came back (listed, counted against the tenant's limit) and the revoked key worked again."""
+    Then the endpoint stays deleted and the key revoked (each hash slot is restored once after it lost its data);
+    and a restore from that older log never writes over what Redis holds. Before, every guard restored at every
+    look while dispatch held, writing its snapshot over Redis: the endpoint came back (listed, counted against the
+    tenant's limit) and the revoked key worked again."""
     keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
     api_guard = StateGuard(redis_client, keys, oplog, "api")
     assert api_guard.check()  # a new deployment: it writes the epoch
@@ -53,5 +54,6 @@ def test_an_endpoint_deleted_and_a_key_revoked_after_the_restore_stay_so_through
 
     assert endpoints.get("acme", endpoint.id) is None and endpoints.all("acme") == []
     assert api_keys.resolve(token) is None
+    redis_client.delete(*(keys.restored_marker(slot) for slot in range(HASH_SLOTS)))  # as if never restored
     restore(redis_client, keys, before)
-    assert api_keys.resolve(token) is None
+    assert api_keys.resolve(token) is None  # what Redis holds is never written over

@@ -1,6 +1,7 @@
 """The status store on a real Redis: outcomes of one send applied by two writers at once (two outcome recorder
 copies reading different partitions, or a recorder and `streams state recover`) end at the final status."""
 
+import pytest
 import redis
 
 from streams.ingest.status import StatusStore
@@ -20,8 +21,8 @@ class ReadsThenPauses(redis.Redis):
         return value
 
 
-def _event(status: str, attempts: int) -> dict:
-    return {"send_id": "s-1", "tenant_id": "acme", "channel": "email", "lane": "transactional", "status": status,
+def _event(status: str, attempts: int, send_id: str = "s-1") -> dict:
+    return {"send_id": send_id, "tenant_id": "acme", "channel": "email", "lane": "transactional", "status": status,
             "attempts": attempts, "completed_at_ms": 1_700_000_000_000 + attempts, "provider": "resend"}
 
 
@@ -43,3 +44,17 @@ def test_a_retrying_outcome_applied_while_another_writer_records_delivered_never
 
     doc = other.get("s-1")
     assert (doc["status"], doc["attempts"]) == ("delivered", 2), doc
+
+
+@pytest.mark.parametrize("first, late, ends", [
+    ("delivered", "retrying", "delivered"), ("dead_lettered", "retrying", "dead_lettered"),
+    ("skipped", "unknown", "skipped"), ("delivered", "dead_lettered", "delivered"),
+    ("dead_lettered", "delivered", "delivered"), ("retrying", "dead_lettered", "dead_lettered")])
+def test_an_outcome_arriving_late_never_replaces_a_final_status_but_delivered_replaces_any(
+        redis_client, namespace, first, late, ends):
+    """Given a send's `first` outcome recorded, When an earlier outcome arrives late (`late`), Then the status is
+    `ends`: no status replaces a final one, except `delivered` (the provider has it), which nothing replaces."""
+    store = StatusStore(redis_client, namespace)
+    store.record_outcome(_event(first, 2, "s-late"))
+    store.record_outcome(_event(late, 1, "s-late"))
+    assert store.get("s-late")["status"] == ends
