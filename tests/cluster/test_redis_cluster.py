@@ -391,11 +391,7 @@ def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_a
     raises StateLost and leaves nothing claimed on either master; the worker's guard, asked to look again, holds,
     and so does another role's guard at its next periodic look; and after the epoch is written again (as
     `streams state recover` ends) they resume and the claim goes through."""
-    client = connect(healthy_redis_cluster.url)
-    ns = f"s{uuid.uuid4().hex[:8]}."
-    names, keys = TopicNames(ns), RedisKeys(ns)
-    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
-    oplog = OperatorLog(stack.bootstrap, names.operator)
+    client, ns, keys, oplog = _deployment(healthy_redis_cluster, stack, create_topics)
     guard = StateGuard(client, keys, oplog, "test")
     assert guard.check()                                  # a new deployment: the guard writes the epoch
     assert missing_markers(client, keys) == 0
@@ -440,11 +436,7 @@ def test_a_deployment_from_before_the_markers_gets_them_once_and_dispatches(heal
     entry later loses that record (an older version's tool wrote it) while a master other than the epoch's lost
     its data, a new guard holds instead of writing the missing markers again, unless the log records that a role
     set out to write them (an adoption stopped part-way is finished, not taken for a loss)."""
-    client = connect(healthy_redis_cluster.url)
-    ns = f"s{uuid.uuid4().hex[:8]}."
-    names, keys = TopicNames(ns), RedisKeys(ns)
-    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
-    oplog = OperatorLog(stack.bootstrap, names.operator)
+    client, ns, keys, oplog = _deployment(healthy_redis_cluster, stack, create_topics)
     client.set(keys.epoch, "e-old")
     oplog.put("epoch", {"epoch": "e-old"})
     assert missing_markers(client, keys) == 16384
@@ -483,11 +475,7 @@ def test_slots_a_master_was_given_empty_later_are_seen_by_a_role_that_claims_not
     a shard died, look like: its first slot keeps its marker),
     Then within one sweep of all slots (128 looks, about 11 minutes at one look every 5 s) that role's look finds them
     and it holds; once the epoch is written again it resumes."""
-    client = connect(healthy_redis_cluster.url)
-    ns = f"s{uuid.uuid4().hex[:8]}."
-    names, keys = TopicNames(ns), RedisKeys(ns)
-    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
-    oplog = OperatorLog(stack.bootstrap, names.operator)
+    client, ns, keys, oplog = _deployment(healthy_redis_cluster, stack, create_topics)
     assert StateGuard(client, keys, oplog, "worker").check()  # writes the epoch and every marker
     role = StateGuard(client, keys, oplog, "ingest")
     assert role.check()                                       # its first check reads every marker
@@ -516,11 +504,7 @@ def test_operator_state_of_a_second_master_lost_during_the_hold_comes_back_and_a
     `restored` marker, lost with its data: one marker for the whole deployment, living on an intact master, would
     have left them gone for good, since recover does not restore), while the endpoint deleted after the first
     restore stays deleted."""
-    client = connect(healthy_redis_cluster.url)
-    ns = f"s{uuid.uuid4().hex[:8]}."
-    names, keys = TopicNames(ns), RedisKeys(ns)
-    create_topics({names.operator: 1}, {"cleanup.policy": "compact"})
-    oplog = OperatorLog(stack.bootstrap, names.operator)
+    client, ns, keys, oplog = _deployment(healthy_redis_cluster, stack, create_topics)
     guard = StateGuard(client, keys, oplog, "test")
     assert guard.check()
     endpoints = EndpointStore(client, ns, oplog, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
@@ -547,3 +531,11 @@ def test_operator_state_of_a_second_master_lost_during_the_hold_comes_back_and_a
     assert all(endpoints.get(t, e) for t, e in by_node[second][1:])
     assert endpoints.get(deleted_tenant, deleted) is None
     assert all(endpoints.get(t, e) for t, e in by_node[first])
+
+
+def _deployment(cluster, stack, create_topics) -> tuple:
+    """A client of the cluster, a namespace of the test's own, its Redis keys and its operator log."""
+    client = connect(cluster.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    create_topics({TopicNames(ns).operator: 1}, {"cleanup.policy": "compact"})
+    return client, ns, RedisKeys(ns), OperatorLog(stack.bootstrap, TopicNames(ns).operator)

@@ -88,7 +88,7 @@ def test_a_dead_letter_replayed_before_the_loss_is_not_replayed_again_after_reco
     When Redis loses this deployment's data, `streams state recover` runs, and the dead letter is replayed again
     (an operator, or a client retrying after the outage's 503),
     Then the second call answers the first replay's send id and publishes nothing: the replay's `accepted` event,
-    in the replay's own transaction, tells recover that the send was replayed. Before, recover rebuilt the
+    published right after the replay, tells recover that the send was replayed. Before, recover rebuilt the
     dead letter's status without that mark, and the second call published a second replay (sent twice)."""
     channel_topics("email")
     store = StatusStore(redis_client, namespace)
