@@ -120,12 +120,12 @@ def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch:
 
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
     """Write the operator state of a log snapshot into Redis, in the hash slots not yet restored since they lost
-    their data; returns the writes made. Each slot's `restored` marker is written after its entries and
+    their data; returns how many entries it wrote. Each slot's `restored` marker is written after its entries and
     lives in the slot, so it goes with the slot's data (a shard of a cluster lost later is restored too), and
     a slot is restored once: a later look's snapshot is never written over changes made since (an endpoint
     deleted during the hold would come back). Never over what Redis holds (HSETNX, SET NX): an entry changed
     before the marker was written (a key revoked, an endpoint moved) keeps its change."""
-    planned: list[tuple[str, str | None, bytes | int]] = []  # (Redis key, hash field or None: the key, value)
+    planned: list[tuple[str, str, str | None, bytes | int]] = []  # (entry, Redis key, hash field or None, value)
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
         if kind == "limits" and value:
@@ -133,37 +133,37 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             if len(scalars) < len(value):  # limits are integers (LimitStore reads them so); never written otherwise
                 log.error("operator entry %r: skipping %d limit field(s) that are not integers", key,
                           len(value) - len(scalars))
-            planned += [(keys.limits(name), field, number) for field, number in scalars.items()]
+            planned += [(key, keys.limits(name), field, number) for field, number in scalars.items()]
         elif kind == "apikey":
-            planned.append((keys.api_keys, name, orjson.dumps(value)))
+            planned.append((key, keys.api_keys, name, orjson.dumps(value)))
         elif kind == "endpoint" and isinstance(value.get("tenant"), str):
-            planned.append((keys.endpoints(value["tenant"]), name, orjson.dumps(value)))
+            planned.append((key, keys.endpoints(value["tenant"]), name, orjson.dumps(value)))
         elif kind == "members" and value:
-            planned.append((keys.members(name), None, orjson.dumps(value)))
+            planned.append((key, keys.members(name), None, orjson.dumps(value)))
         elif kind == "senders" and isinstance(value, dict) and isinstance(value.get("domains"), list):
-            planned.append((keys.sender_domains, name, orjson.dumps(value["domains"])))
-    slots = sorted({key_slot(k.encode()) for k, _, _ in planned})
+            planned.append((key, keys.sender_domains, name, orjson.dumps(value["domains"])))
+    slots = sorted({key_slot(k.encode()) for _, k, _, _ in planned})
     with store_errors("reading which hash slots' operator state is restored"):
         pipe = client.pipeline(transaction=False)
         for slot in slots:
             pipe.exists(keys.restored_marker(slot))
         done = {slot for slot, n in zip(slots, pipe.execute(), strict=True) if n}
-    todo = [w for w in planned if key_slot(w[0].encode()) not in done]
+    todo = [w for w in planned if key_slot(w[1].encode()) not in done]
     if not todo:
         return 0
     with store_errors("restoring operator state"):
         pipe = client.pipeline(transaction=False)
-        for k, field, v in todo:
+        for _, k, field, v in todo:
             if field is None:
                 pipe.set(k, v, nx=True)
             else:
                 pipe.hsetnx(k, field, v)
         pipe.execute()
         pipe = client.pipeline(transaction=False)  # after the entries: a slot marked is a slot restored
-        for slot in {key_slot(k.encode()) for k, _, _ in todo}:
+        for slot in {key_slot(k.encode()) for _, k, _, _ in todo}:
             pipe.set(keys.restored_marker(slot), b"1")
         pipe.execute()
-    return len(todo)
+    return len({entry for entry, *_ in todo})
 
 
 class StateGuard:
