@@ -463,13 +463,14 @@ class Dispatcher:
                 before = self.attempt_s.get(job.queue)
                 self.attempt_s[job.queue] = latency_s if before is None else (before + latency_s) / 2
 
-    def drain(self, queue: str, rate: float, burst: int) -> tuple[float, int]:
-        """What a queue can send: its tenant's bucket (`rate` a second, `burst` at once), or less while its
-        requests fail (a webhook endpoint timing out): its cap at once, and its cap per attempt time."""
+    def drain(self, queue: str, tenant: str, rate: float, burst: int) -> tuple[str, float, int]:
+        """Whose turns a queue's messages take and at what pace: its tenant's, at its bucket (`rate` a second,
+        `burst` at once); or, while its requests fail (a webhook endpoint timing out), its own, at its cap at once
+        and its cap per attempt time."""
         cap = self.queue_caps.get(queue)
         if cap is None:
-            return rate, burst
-        return min(rate, cap / max(self.attempt_s.get(queue, 0.0), 0.001)), min(burst, cap)
+            return tenant, rate, burst
+        return queue, min(rate, cap / max(self.attempt_s.get(queue, 0.0), 0.001)), min(burst, cap)
 
     def tenant_limit(self, route: Route, tenant: str) -> Limit:
         """The tenant's bucket limit at a provider, read from Redis at most every LIMITS_TTL_S

@@ -279,9 +279,7 @@ class LaneWorker:
         route = self.routes.of(p.provider)
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
-            rate, burst = self.dispatcher.drain(key, limit.rate, self._burst_left(key, limit.burst, now))
-            # Turns are paced per tenant (its bucket), or per endpoint while its failures slow it down.
-            paced = key if key in self.dispatcher.queue_caps else tenant
+            paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
             wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst)
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
@@ -314,7 +312,7 @@ class LaneWorker:
             try:
                 limit = self.dispatcher.tenant_limit(route, tenant)
                 per_request = self.dispatcher.per_request(route, tenant)
-                rate, burst = self.dispatcher.drain(key, limit.rate, self._burst_left(key, limit.burst, now))
+                _, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
                 past_share = self.backlog.excess(self.queues.size(key), rate, per_request, burst)
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)

@@ -33,7 +33,7 @@ class UnusableOutcome(ValueError):
 # The statuses a send goes through: accepted at ingest; retrying (a definite failure, a retry is
 # scheduled) or unknown (the last attempt's outcome is unknown: retried under the same key, or
 # waiting for reconciliation); then delivered or dead_lettered, which are final.
-FINAL = frozenset({b"delivered", b"dead_lettered", b"dropped", b"skipped"})
+FINAL = frozenset({b"delivered", b"dead_lettered", b"dropped", b"skipped"})  # also in record_status.lua
 
 
 def skip_outcome(msg, why: str, logger: logging.Logger = log) -> None:
@@ -124,8 +124,7 @@ class StatusStore:
                 fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
                 if event["status"].encode() in FINAL:  # no longer part of the endpoint's backlog
                     pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
-            final = "1" if event["status"].encode() in FINAL else "0"
-            self._record_status(keys=[key], args=[event["status"], final, STATUS_TTL_S,
+            self._record_status(keys=[key], args=[event["status"], STATUS_TTL_S,
                                                   *(x for kv in fields.items() for x in kv)], client=pipe)
             pipe.execute()
 

@@ -142,13 +142,14 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
             planned.append((key, keys.members(name), None, orjson.dumps(value)))
         elif kind == "senders" and isinstance(value, dict) and isinstance(value.get("domains"), list):
             planned.append((key, keys.sender_domains, name, orjson.dumps(value["domains"])))
-    slots = sorted({key_slot(k.encode()) for _, k, _, _ in planned})
+    slot_of = {k: key_slot(k.encode()) for _, k, _, _ in planned}
+    slots = sorted(set(slot_of.values()))
     with store_errors("reading which hash slots' operator state is restored"):
         pipe = client.pipeline(transaction=False)
         for slot in slots:
             pipe.exists(keys.restored_marker(slot))
         done = {slot for slot, n in zip(slots, pipe.execute(), strict=True) if n}
-    todo = [w for w in planned if key_slot(w[1].encode()) not in done]
+    todo = [w for w in planned if slot_of[w[1]] not in done]
     if not todo:
         return 0
     with store_errors("restoring operator state"):
@@ -160,7 +161,7 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
                 pipe.hsetnx(k, field, v)
         pipe.execute()
         pipe = client.pipeline(transaction=False)  # after the entries: a slot marked is a slot restored
-        for slot in {key_slot(k.encode()) for _, k, _, _ in todo}:
+        for slot in {slot_of[k] for _, k, _, _ in todo}:
             pipe.set(keys.restored_marker(slot), b"1")
         pipe.execute()
     return len({entry for entry, *_ in todo})
