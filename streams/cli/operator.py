@@ -66,17 +66,28 @@ def topics(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _rate(text: str) -> float:
+    from ..gate.limits import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
     p.add_argument("action", choices=["set", "show"])
     p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook), "
                                                      "or an ingest quota (ingest-requests, ingest-transactional, "
                                                      "ingest-marketing)")
-    p.add_argument("--global-rate", type=int, help="provider requests per second (its real limit)")
+    p.add_argument("--global-rate", type=_rate, help="provider requests a second (its real limit); or a count per "
+                                                    "unit: 30/min, 100/h, 500/day")
     p.add_argument("--global-burst", type=int)
     p.add_argument("--reserve", type=int, help="global tokens marketing may not take (kept for transactional)")
     p.add_argument("--tenant", help="tenant id, or '*' for the default")
-    p.add_argument("--rate", type=int, help="tenant messages per second")
+    p.add_argument("--rate", type=_rate, help="tenant messages a second (0.5: one every 2 s); or a count per unit: "
+                                               "30/min, 100/h, 500/day")
     p.add_argument("--burst", type=int)
     p.add_argument("--concurrency", type=int,
                    help="pacing: requests in flight per worker to this provider (0: providers.toml's)")

@@ -1,4 +1,5 @@
--- Two-level token-bucket gate: one round trip, Redis server time, integer millitokens.
+-- Two-level token-bucket gate: one round trip, Redis server time, millitokens (integers unless a rate is a
+-- fraction: Redis keeps a fractional one to 17 digits, which reads back exactly).
 -- Mirrors streams/gate/token_bucket.py (the reference; tests/integration/test_gate_matches_reference.py
 -- runs one table of cases through both).
 -- KEYS[1] limits hash   KEYS[2] global bucket   KEYS[3] tenant bucket   KEYS[4] cool-down until (ms)

@@ -6,6 +6,7 @@ is checked against the limits it would produce, so both refuse the same things w
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
 class LimitChange:
     """A partial update: provider-wide fields, and/or one tenant's (or the default '*') limit."""
 
-    global_rate: int | None = None
+    global_rate: float | None = None  # tokens a second: a whole number, or a fraction (0.5, 30/min as 0.5)
     global_burst: int | None = None
     reserve: int | None = None
     tenant: str | None = None
-    tenant_rate: int | None = None
+    tenant_rate: float | None = None
     tenant_burst: int | None = None
     concurrency: int | None = None   # pacing: requests in flight per worker, at most (0: the provider's default)
     pause_ms: int | None = None      # pacing: the least pause between request waves (0: none)
@@ -47,21 +48,53 @@ class Pacing:
     pause_ms: int = 0
 
 
-def check_provider(rate: int, burst: int, reserve: int) -> None:
-    if rate < 1 or burst < 1:
-        raise ConfigError(f"global rate and burst must be >= 1 (got rate={rate}, burst={burst})")
+MIN_RATE = 1 / 86_400  # one a day: a bucket refills at least once in a day
+_PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600, "d": 86_400,
+        "day": 86_400}
+
+
+def parse_rate(text: str) -> float:
+    """A rate as operators write it: tokens a second (`20`, `0.5`), or a count per unit (`30/min`, `100/h`,
+    `500/day`). Whole rates come back as int."""
+    count, _, unit = text.strip().partition("/")
+    per = _PER.get(unit.strip().lower()) if unit else 1
+    try:
+        value = float(count) / per if per else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ConfigError(f"{text!r} is not a rate: give tokens a second (20, 0.5) or a count per unit "
+                          f"(30/min, 100/h, 500/day)")
+    return normal_rate(value)
+
+
+def normal_rate(value: float) -> float:
+    """A whole rate as an int (what Redis then holds reads as an integer, as before fractions were allowed)."""
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def _check_rate(what: str, rate: float) -> None:
+    if not MIN_RATE <= rate:
+        raise ConfigError(f"{what} rate must be at least one a day ({MIN_RATE:.7f} a second; got {rate:g})")
+
+
+def check_provider(rate: float, burst: int, reserve: int) -> None:
+    _check_rate("global", rate)
+    if burst < 1:
+        raise ConfigError(f"global burst must be >= 1 (got burst={burst})")
     if not 0 <= reserve < burst:
         raise ConfigError(f"reserve must be between 0 and burst-1 (got {reserve}, burst {burst})")
 
 
-def check_tenant(tenant: str, rate: int, burst: int) -> None:
+def check_tenant(tenant: str, rate: float, burst: int) -> None:
     if not tenant:
         raise ConfigError("a tenant limit needs a tenant id (or '*' for the default)")
     if tenant != "*" and not re.fullmatch(TENANT_ID_PATTERN, tenant):
         raise ConfigError(f"{tenant!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or '-'), nor '*': no "
                           "send could ever be held to this limit")
-    if rate < 1 or burst < 1:
-        raise ConfigError(f"tenant rate and burst must be >= 1 (got rate={rate}, burst={burst})")
+    _check_rate("tenant", rate)
+    if burst < 1:
+        raise ConfigError(f"tenant burst must be >= 1 (got burst={burst})")
 
 
 CHANGE_ATTEMPTS = 10
@@ -83,6 +116,17 @@ return 1
 """
 
 
+def _number(field: str, held: bytes) -> float:
+    """A limit field as Redis holds it: an integer; a rate may be a fraction (redis-py writes a float as its
+    repr, which reads back exactly)."""
+    try:
+        return int(held)
+    except ValueError:
+        if "rate" not in field:
+            raise
+        return float(held)
+
+
 class LimitStore:
     """`oplog` (the operator log) makes changes durable beyond Redis: every change is written there,
     acknowledged, before Redis. The processes' stores always have one; a store without one (tests
@@ -98,7 +142,7 @@ class LimitStore:
         self.oplog = oplog
         self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
 
-    def apply(self, provider: str, change: LimitChange) -> dict[str, int]:
+    def apply(self, provider: str, change: LimitChange) -> dict[str, float]:
         """Validate a change against the current limits, write it, and return the new limits."""
         for _ in range(CHANGE_ATTEMPTS):
             current = self.show(provider)
@@ -115,9 +159,9 @@ class LimitStore:
         raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
                                "attempts)")
 
-    def _checked(self, provider: str, change: LimitChange, current: dict[str, int]) -> dict[str, int]:
+    def _checked(self, provider: str, change: LimitChange, current: dict[str, float]) -> dict[str, float]:
         """The fields `change` writes, checked against the limits they would produce with `current`."""
-        writes: dict[str, int] = {}
+        writes: dict[str, float] = {}
         if change.global_rate is not None or change.global_burst is not None or change.reserve is not None:
             rate = change.global_rate if change.global_rate is not None else current.get("global_rate")
             burst = change.global_burst if change.global_burst is not None else current.get("global_burst")
@@ -125,13 +169,13 @@ class LimitStore:
             if rate is None or burst is None:
                 raise ConfigError(f"provider {provider!r} has no global limit yet: give both the global "
                                   "rate and the global burst")
-            check_provider(rate, burst, reserve)
-            writes.update(global_rate=rate, global_burst=burst, reserve=reserve)
+            check_provider(rate, int(burst), int(reserve))
+            writes.update(global_rate=normal_rate(rate), global_burst=burst, reserve=reserve)
         if change.tenant is not None or change.tenant_rate is not None or change.tenant_burst is not None:
             if change.tenant_rate is None or change.tenant_burst is None:
                 raise ConfigError("a tenant limit needs the tenant, its rate and its burst")
             check_tenant(change.tenant or "", change.tenant_rate, change.tenant_burst)
-            writes.update({f"tenant_rate:{change.tenant}": change.tenant_rate,
+            writes.update({f"tenant_rate:{change.tenant}": normal_rate(change.tenant_rate),
                            f"tenant_burst:{change.tenant}": change.tenant_burst})
             if provider.startswith(INGEST_QUOTA_PREFIX) and "global_rate" not in {**current, **writes}:
                 # The quota's bucket script admits nothing without its global limit, which ingest reads as a
@@ -161,19 +205,19 @@ class LimitStore:
         held = self.show(provider)
         return orjson.dumps(held) if held else None
 
-    def set_provider(self, provider: str, rate: int, burst: int, reserve: int = 0) -> None:
+    def set_provider(self, provider: str, rate: float, burst: int, reserve: int = 0) -> None:
         self.apply(provider, LimitChange(global_rate=rate, global_burst=burst, reserve=reserve))
 
-    def set_tenant(self, provider: str, tenant: str, rate: int, burst: int) -> None:
+    def set_tenant(self, provider: str, tenant: str, rate: float, burst: int) -> None:
         """`tenant='*'` sets the default for tenants without their own limit."""
         self.apply(provider, LimitChange(tenant=tenant, tenant_rate=rate, tenant_burst=burst))
 
-    def show(self, provider: str) -> dict[str, int]:
+    def show(self, provider: str) -> dict[str, float]:
         try:
             raw = self.client.hgetall(self.keys.limits(provider))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot read the limits of {provider!r} ({exc})") from None
-        return {k.decode(): int(v) for k, v in sorted(raw.items())}
+        return {k.decode(): _number(k.decode(), v) for k, v in sorted(raw.items())}
 
     def tenant(self, provider: str, tenant: str) -> Limit:
         d = self.show(provider)
@@ -181,13 +225,14 @@ class LimitStore:
         burst = d.get(f"tenant_burst:{tenant}", d.get("tenant_burst:*"))
         if rate is None or burst is None:
             raise ConfigError(f"no limit for tenant {tenant!r} at provider {provider!r} and no default ('*')")
-        return Limit(rate, burst)
+        return Limit(rate, int(burst))
 
     def pacing(self, provider: str) -> Pacing:
         d = self.show(provider)
-        return Pacing(d.get("concurrency") or None, d.get("pause_ms", 0))
+        concurrency = d.get("concurrency")
+        return Pacing(int(concurrency) if concurrency else None, int(d.get("pause_ms", 0)))
 
-    def _write(self, provider: str, held: dict[str, int], fields: dict[str, int]) -> bool:
+    def _write(self, provider: str, held: dict[str, float], fields: dict[str, float]) -> bool:
         """Write `fields` while Redis still holds `held` (False: someone changed the limits meanwhile)."""
         pairs = [x for name, value in fields.items() for x in (name, value)]
         try:

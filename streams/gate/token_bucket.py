@@ -1,24 +1,28 @@
 """Two-level token-bucket maths: the reference the Redis Lua script (gate.lua) must match. Pure code.
 
-Integers only: tokens are kept in millitokens, time in milliseconds, rates in tokens per second
-(so a rate of r tokens/s refills r millitokens per ms). A decision either debits *both* buckets or
-debits nothing and says how long to wait; partial debits would leak quota between tenants.
+Tokens are kept in millitokens, time in milliseconds, rates in tokens per second (so a rate of r
+tokens/s refills r millitokens per ms). With whole rates every figure is an integer; a rate may also be
+a fraction (0.5: one token every 2 s; 30 a minute), whose refills are fractions of a millitoken. The
+arithmetic is in doubles, the same operations in the same order as the Lua script's, so both decide
+alike to the bit. A decision either debits *both* buckets or debits nothing and says how long to wait;
+partial debits would leak quota between tenants.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Limit:
-    rate: int    # tokens per second
+    rate: float  # tokens per second; a fraction refills one token every 1/rate seconds
     burst: int   # bucket capacity in tokens
 
 
 @dataclass(frozen=True)
 class Bucket:
-    millitokens: int
+    millitokens: float  # an integer unless a rate is a fraction
     updated_ms: int
 
 
@@ -40,8 +44,8 @@ def refill(bucket: Bucket | None, limit: Limit, now_ms: int) -> Bucket:
     return Bucket(min(full, bucket.millitokens + elapsed * limit.rate), now_ms)
 
 
-def _wait(have: int, need: int, rate: int) -> int:
-    return 0 if have >= need else -(-(need - have) // rate)  # ceil, in ms
+def _wait(have: float, need: int, rate: float) -> int:
+    return 0 if have >= need else math.ceil((need - have) / rate)  # in ms, as gate.lua
 
 
 def decide(

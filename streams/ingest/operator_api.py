@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
-from ..gate.limits import LimitChange
+from ..gate.limits import MIN_RATE, LimitChange
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
@@ -52,12 +52,14 @@ class LimitUpdate(BaseModel):
     model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"properties": {name: {"type": "null"} for name in TENANT_LIMIT}},
         {"properties": {name: {"not": {"type": "null"}} for name in TENANT_LIMIT}, "required": list(TENANT_LIMIT)}]})
-    global_rate: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    global_rate: float | None = Field(None, ge=MIN_RATE, le=MAX_LIMIT,
+                                      description="tokens a second; a fraction is one every 1/rate seconds")
     global_burst: int | None = Field(None, ge=1, le=MAX_LIMIT)
     reserve: int | None = Field(None, ge=0, le=MAX_LIMIT)
     tenant: str | None = Field(None, description="a tenant id, or '*' for the default",
                                json_schema_extra={"minLength": 1})
-    tenant_rate: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tenant_rate: float | None = Field(None, ge=MIN_RATE, le=MAX_LIMIT,
+                                      description="tokens a second; a fraction is one every 1/rate seconds")
     tenant_burst: int | None = Field(None, ge=1, le=MAX_LIMIT)
     concurrency: int | None = Field(None, ge=0, le=10_000,
                                     description="pacing: requests in flight per worker (0: the provider's default)")
@@ -108,7 +110,7 @@ class SenderDomainsView(BaseModel):
 
 class Limits(BaseModel):
     provider: str
-    limits: dict[str, int] = Field(description="global_rate, global_burst, reserve, tenant_rate:<tenant>, "
+    limits: dict[str, int | float] = Field(description="global_rate, global_burst, reserve, tenant_rate:<tenant>, "
                                                "tenant_burst:<tenant>, concurrency, pause_ms (those set)")
 
 

@@ -26,6 +26,7 @@ there the epoch is every slot's marker.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 
@@ -118,6 +119,11 @@ def write_epoch(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, epoch:
         client.set(keys.epoch, epoch)
 
 
+def _limit_number(v: object) -> bool:
+    """An integer, or a finite fraction (a rate below one a second, or per minute)."""
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
 def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
     """Write the operator state of a log snapshot into Redis, in the hash slots not yet restored since they lost
     their data; returns how many entries it wrote. Each slot's `restored` marker is written after its entries and
@@ -125,13 +131,13 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
     a slot is restored once: a later look's snapshot is never written over changes made since (an endpoint
     deleted during the hold would come back). Never over what Redis holds (HSETNX, SET NX): an entry changed
     before the marker was written (a key revoked, an endpoint moved) keeps its change."""
-    planned: list[tuple[str, str, str | None, bytes | int]] = []  # (entry, Redis key, hash field or None, value)
+    planned: list[tuple[str, str, str | None, bytes | float]] = []  # (entry, Redis key, hash field or None, value)
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
         if kind == "limits" and value:
-            scalars = {k: v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
-            if len(scalars) < len(value):  # limits are integers (LimitStore reads them so); never written otherwise
-                log.error("operator entry %r: skipping %d limit field(s) that are not integers", key,
+            scalars = {k: v for k, v in value.items() if _limit_number(v)}
+            if len(scalars) < len(value):  # limits are numbers (LimitStore reads them so); never written otherwise
+                log.error("operator entry %r: skipping %d limit field(s) that are not numbers", key,
                           len(value) - len(scalars))
             planned += [(key, keys.limits(name), field, number) for field, number in scalars.items()]
         elif kind == "apikey":

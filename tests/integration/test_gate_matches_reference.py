@@ -23,8 +23,8 @@ class Case:
     name: str
     global_limit: Limit
     tenant_limit: Limit
-    global_mt: int | None      # millitokens in the global bucket (None: never used, starts full)
-    tenant_mt: int | None
+    global_mt: float | None    # millitokens in the global bucket (None: never used, starts full)
+    tenant_mt: float | None
     messages: int = 1
     reserve: int = 0
     marketing: bool = False
@@ -46,6 +46,11 @@ CASES = [
     Case("default tenant limit", Limit(10, 10), Limit(3, 3), None, 2000, messages=3, tenant_specific=False),
     Case("cool-down", Limit(10, 10), Limit(100, 100), None, None, cool_for_ms=FUTURE_MS),
     Case("cost above the tenant burst", Limit(10, 10), Limit(5, 5), None, None, messages=6),
+    Case("tenant short at half a token a second", Limit(10, 10), Limit(0.5, 1), 10_000, 200),
+    Case("global short at a quarter of a request a second", Limit(0.25, 2), Limit(100, 100), 900, None),
+    Case("a fraction of a millitoken left after the debit", Limit(10, 10), Limit(1 / 3, 2), None,
+         1333.3333333333333),
+    Case("short by a fraction of a millitoken", Limit(10, 10), Limit(1 / 3, 2), None, 999.9999999999999),
 ]
 
 
@@ -62,9 +67,9 @@ def _seed(client, keys: RedisKeys, case: Case, now_ms: int) -> None:
         client.set(keys.cool("p"), now_ms + case.cool_for_ms)
 
 
-def _bucket(client, key: str) -> int | None:
+def _bucket(client, key: str) -> float | None:
     raw = client.hget(key, "mt")
-    return None if raw is None else int(raw)
+    return None if raw is None else float(raw)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

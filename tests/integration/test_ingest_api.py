@@ -102,6 +102,20 @@ def test_limits_are_for_operators_only(api):
     assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["global_rate"] == 10
 
 
+def test_an_operator_sets_a_tenant_rate_below_one_a_second_and_a_rate_of_zero_is_refused(api):
+    """Given the ingest API and an operator key,
+    When the operator sets tenant slow's rate to 0.5 a second (30 a minute), then to 0,
+    Then the first is accepted (200) and reads back as 0.5 (before: 422, a rate had to be a whole number), and the
+    second is refused (422) naming `tenant_rate`, leaving 0.5 in force."""
+    base = {"global_rate": 10, "global_burst": 10, "tenant": "slow", "tenant_burst": 1}
+    r = api.put("/v1/admin/limits/resend", json={**base, "tenant_rate": 0.5}, headers=api.operator)
+    assert r.status_code == 200, r.text
+    assert r.json()["limits"]["tenant_rate:slow"] == 0.5
+    r = api.put("/v1/admin/limits/resend", json={**base, "tenant_rate": 0}, headers=api.operator)
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "tenant_rate"]
+    assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["tenant_rate:slow"] == 0.5
+
+
 def test_openapi_schema_describes_the_endpoints(api):
     """Given the running ingest API,
     When its /openapi.json is fetched,

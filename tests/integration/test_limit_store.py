@@ -4,7 +4,11 @@ compare-and-set. These tests interleave two operators' changes of one provider."
 import pytest
 
 from streams.errors import ConfigError
-from streams.gate.limits import LimitChange, LimitStore
+from streams.gate.gate import RedisGate
+from streams.gate.limits import LimitChange, LimitStore, parse_rate
+from streams.gate.token_bucket import Limit
+from streams.names import RedisKeys
+from streams.state.guard import restore
 from streams.state.log import OperatorLog
 from tests.harness import HookedLog
 
@@ -100,3 +104,44 @@ def test_a_limit_for_a_name_no_tenant_can_have_is_refused(redis_client, namespac
     with pytest.raises(ConfigError, match="'bad tenant' is not a tenant id"):
         store.set_tenant("resend", "bad tenant", 1, 1)
     assert "tenant_rate:bad tenant" not in store.show("resend")
+
+
+def test_a_tenant_limited_to_30_a_minute_gets_one_send_every_two_seconds(redis_client, namespace):
+    """Given resend's limits,
+    When an operator limits acme to 30 a minute with a burst of 1 (before: refused, a rate had to be a whole number
+    a second, so the slowest limit was 60 a minute),
+    Then the limit reads back as 0.5 a second, and the gate (Lua, real Redis) admits one send, then tells the next to
+    wait 2 s; a bucket emptied a second ago holds half a token, and its next send is due a second later."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 10, 10)
+    store.apply("resend", LimitChange(tenant="acme", tenant_rate=parse_rate("30/min"), tenant_burst=1))
+    assert store.show("resend")["tenant_rate:acme"] == 0.5
+    gate = RedisGate(redis_client, namespace)
+    assert gate.tenant_limit("resend", "acme") == Limit(0.5, 1)
+
+    assert gate.acquire("resend", "acme", 1).allowed
+    denied = gate.acquire("resend", "acme", 1)
+    assert (denied.allowed, denied.short) == (False, "tenant")
+    assert 1.9 <= denied.wait_s <= 2.0
+
+    seconds, micros = redis_client.time()
+    emptied_ms = seconds * 1000 + micros // 1000 - 1000
+    redis_client.hset(RedisKeys(namespace).tenant_bucket("resend", "acme"), mapping={"mt": 0, "ts": emptied_ms})
+    denied = gate.acquire("resend", "acme", 1)
+    assert not denied.allowed and 0.9 <= denied.wait_s <= 1.0
+
+
+def test_a_rate_below_one_a_second_comes_back_when_redis_is_rebuilt_from_the_operator_log(
+        stack, redis_client, namespace, oplog_topic):
+    """Given acme limited to 30 a minute (written to the operator log, then Redis),
+    When Redis loses the limits and they are restored from the log's snapshot,
+    Then acme's limit is 0.5 a second again (before: the restore skipped every limit that was not an integer, so
+    acme fell back to the default limit, or to none)."""
+    store = LimitStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    store.set_provider("resend", 10, 10)
+    store.set_tenant("resend", "acme", parse_rate("30/min"), 1)
+    keys = RedisKeys(namespace)
+    redis_client.delete(keys.limits("resend"))
+
+    restore(redis_client, keys, OperatorLog(stack.bootstrap, oplog_topic).snapshot())
+    assert store.tenant("resend", "acme") == Limit(0.5, 1)

@@ -48,6 +48,26 @@ def test_refill_caps_at_burst_and_ignores_clock_going_back():
     assert refill(Bucket(5, 100), G, 50).millitokens == 5
 
 
+def test_a_rate_below_one_a_second_refills_a_fraction_and_waits_for_the_rest():
+    """A tenant limited to 30 a minute (0.5 a second) with a burst of 1: its bucket refills half a token in a
+    second, and the next token is due a second later; over a minute it is admitted 30 times and the burst at most."""
+    slow = Limit(rate=0.5, burst=1)
+    assert refill(Bucket(0, 0), slow, 1000).millitokens == 500
+    d = decide(None, G, Bucket(0, 0), slow, 1, 1, now_ms=1000)
+    assert (d.allowed, d.short, d.wait_ms) == (False, "tenant", 1000)
+    assert decide(None, G, Bucket(0, 0), slow, 1, 1, now_ms=2000).allowed
+    third = Limit(rate=1 / 3, burst=1)  # not exact in binary: the wait may round up one ms, never down
+    d = decide(None, G, Bucket(0, 0), third, 1, 1, now_ms=1000)
+    assert not d.allowed and d.wait_ms in (2000, 2001)
+    assert decide(None, G, Bucket(0, 0), third, 1, 1, now_ms=1000 + d.wait_ms).allowed
+    g, t, admitted = None, None, 0
+    for now in range(0, 60_000, 7):
+        d = decide(g, G, t, slow, 1, 1, now)
+        g, t = d.global_after, d.tenant_after
+        admitted += d.allowed
+    assert 30 <= admitted <= 30 + 1  # 30 a minute and the burst, at most; a poll every 7 ms loses a few ms a turn
+
+
 def test_admissions_over_a_window_never_exceed_rate_times_window_plus_burst():
     g, t, admitted = None, None, 0
     for now in range(0, 10_000, 7):  # 10 s, a request attempt every 7 ms
