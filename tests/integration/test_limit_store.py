@@ -1,5 +1,8 @@
 """Rate limits are operator state: the operator log (real Kafka) first, then Redis (real), written
-compare-and-set. These tests interleave two operators' changes of one provider."""
+compare-and-set. These tests interleave two operators' changes of one provider, and follow a rate below
+one a second from the operator to the gate, a worker and a rebuild of Redis."""
+
+import itertools
 
 import pytest
 
@@ -10,7 +13,7 @@ from streams.gate.token_bucket import Limit
 from streams.names import RedisKeys
 from streams.state.guard import restore
 from streams.state.log import OperatorLog
-from tests.harness import HookedLog
+from tests.harness import HookedLog, email_request, wait_until
 
 
 def logged(stack, topic, provider):
@@ -145,3 +148,29 @@ def test_a_rate_below_one_a_second_comes_back_when_redis_is_rebuilt_from_the_ope
 
     restore(redis_client, keys, OperatorLog(stack.bootstrap, oplog_topic).snapshot())
     assert store.tenant("resend", "acme") == Limit(0.5, 1)
+
+
+def test_a_worker_sends_a_tenant_limited_to_30_a_minute_one_email_every_two_seconds_and_others_at_once(
+        channel_topics, limits, processes, send_client, mock_provider):
+    """Given tenant slow limited to 30 emails a minute (burst 1) and every other tenant to 100 a second,
+    When slow and fast each publish 3 marketing emails and one marketing worker runs,
+    Then the provider receives slow's emails about 2 s apart (never less than 1.9 s: the gate's wait, read from a
+    fractional rate) and fast's all within a second of the first, each email once."""
+    channel_topics("email")
+    mock_provider.reset(rate=100)
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    limits.set_tenant("resend", "slow", parse_rate("30/min"), 1)
+    slow = send_client.publish_batch("slow", [email_request("marketing")] * 3)
+    fast = send_client.publish_batch("fast", [email_request("marketing")] * 3)
+
+    processes.worker("email", "marketing")
+    wait_until(lambda: mock_provider.stats()["distinct_sends"] == 6, 60, "all 6 emails to be delivered")
+
+    stats = mock_provider.stats(deliveries=True)
+    assert stats["duplicate_deliveries"] == 0
+    slow_at = sorted(t for i in slow for t in stats["deliveries"][i])
+    fast_at = sorted(t for i in fast for t in stats["deliveries"][i])
+    gaps = [b - a for a, b in itertools.pairwise(slow_at)]
+    assert all(1.9 <= gap <= 4.0 for gap in gaps), gaps
+    assert fast_at[-1] - fast_at[0] <= 1.0, fast_at
