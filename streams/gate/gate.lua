@@ -4,7 +4,7 @@
 -- runs one table of cases through both).
 -- KEYS[1] limits hash   KEYS[2] global bucket   KEYS[3] tenant bucket   KEYS[4] cool-down until (ms)
 -- ARGV[1] tenant   ARGV[2] request cost   ARGV[3] message cost   ARGV[4] "1" to apply the reserve
--- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (nothing written),
+-- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (no tokens written),
 -- -1 a cost exceeds a burst (short = which bucket), -2 no provider limit configured.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -30,6 +30,12 @@ local function refill(key, rate, burst)
   return math.min(full, tonumber(b[1]) + elapsed * rate)
 end
 
+-- An idle bucket refills to full; expiring it then is the same as keeping it. (The cap guards only limits
+-- stored before a refill was bounded to ten years: Redis reads larger figures as no integer.)
+local function ttl(burst, rate)
+  return math.min(math.ceil(burst * 1000 / rate), 1e15) + 60000
+end
+
 local function wait(have, need, rate)
   if have >= need then return 0 end
   return math.ceil((need - have) / rate)
@@ -45,13 +51,17 @@ if ARGV[4] == '1' then reserve = math.min(tonumber(l[3] or '0'), g_burst - req_c
 local g_wait = wait(g, (req_cost + reserve) * 1000, g_rate)
 local t_wait = wait(tk, msg_cost * 1000, t_rate)
 if g_wait > 0 or t_wait > 0 then
+  -- Nothing is debited. A bucket whose rate was lowered since its last admission may be set to expire
+  -- before it could refill at the new rate: it lives on until then (GT: never shortened), else it would
+  -- come back full early.
+  redis.call('PEXPIRE', KEYS[2], ttl(g_burst, g_rate), 'GT')
+  redis.call('PEXPIRE', KEYS[3], ttl(t_burst, t_rate), 'GT')
   if g_wait >= t_wait then return {0, g_wait, 'global'} end
   return {0, t_wait, 'tenant'}
 end
 
 redis.call('HSET', KEYS[2], 'mt', g - req_cost * 1000, 'ts', now)
 redis.call('HSET', KEYS[3], 'mt', tk - msg_cost * 1000, 'ts', now)
--- An idle bucket refills to full; expiring it then is the same as keeping it.
-redis.call('PEXPIRE', KEYS[2], math.ceil(g_burst * 1000 / g_rate) + 60000)
-redis.call('PEXPIRE', KEYS[3], math.ceil(t_burst * 1000 / t_rate) + 60000)
+redis.call('PEXPIRE', KEYS[2], ttl(g_burst, g_rate))
+redis.call('PEXPIRE', KEYS[3], ttl(t_burst, t_rate))
 return {1, 0, ''}

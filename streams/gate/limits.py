@@ -48,7 +48,10 @@ class Pacing:
     pause_ms: int = 0
 
 
-MIN_RATE = 1 / 86_400  # one a day: a bucket refills at least once in a day
+MIN_RATE = 1 / 86_400  # one a day
+# A bucket refills from empty to full within ten years at most: the gate's figures in milliseconds (the bucket's
+# expiry, a wait) then stay far below what Redis reads as an integer (a burst of 2 billion at one a day would not).
+MAX_REFILL_S = 10 * 365 * 86_400
 _PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600, "d": 86_400,
         "day": 86_400}
 
@@ -57,7 +60,7 @@ def parse_rate(text: str) -> float:
     """A rate as operators write it: tokens a second (`20`, `0.5`), or a count per unit (`30/min`, `100/h`,
     `500/day`). Whole rates come back as int."""
     count, _, unit = text.strip().partition("/")
-    per = _PER.get(unit.strip().lower()) if unit else 1
+    per = _PER.get(unit.strip().lower()) if "/" in text else 1
     try:
         value = float(count) / per if per else None
     except ValueError:
@@ -73,15 +76,19 @@ def normal_rate(value: float) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def _check_rate(what: str, rate: float) -> None:
+def _check_rate(what: str, rate: float, burst: int) -> None:
     if not MIN_RATE <= rate:
         raise ConfigError(f"{what} rate must be at least one a day ({MIN_RATE:.7f} a second; got {rate:g})")
+    if burst < 1:
+        raise ConfigError(f"{what} burst must be >= 1 (got burst={burst})")
+    if burst / rate > MAX_REFILL_S:
+        raise ConfigError(f"{what} burst {burst} at {rate:g} a second would take {burst / rate / 86_400:,.1f} days "
+                          f"to refill, over the {MAX_REFILL_S // 86_400:,} days allowed: a smaller burst, or a higher "
+                          "rate")
 
 
 def check_provider(rate: float, burst: int, reserve: int) -> None:
-    _check_rate("global", rate)
-    if burst < 1:
-        raise ConfigError(f"global burst must be >= 1 (got burst={burst})")
+    _check_rate("global", rate, burst)
     if not 0 <= reserve < burst:
         raise ConfigError(f"reserve must be between 0 and burst-1 (got {reserve}, burst {burst})")
 
@@ -92,9 +99,7 @@ def check_tenant(tenant: str, rate: float, burst: int) -> None:
     if tenant != "*" and not re.fullmatch(TENANT_ID_PATTERN, tenant):
         raise ConfigError(f"{tenant!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or '-'), nor '*': no "
                           "send could ever be held to this limit")
-    _check_rate("tenant", rate)
-    if burst < 1:
-        raise ConfigError(f"tenant burst must be >= 1 (got burst={burst})")
+    _check_rate("tenant", rate, burst)
 
 
 CHANGE_ATTEMPTS = 10

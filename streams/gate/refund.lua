@@ -17,7 +17,7 @@ local function credit(key, rate, burst, cost)
   if not b[1] then return end  -- expired: already full
   local have = math.min(full, tonumber(b[1]) + math.max(0, now - tonumber(b[2])) * rate)
   redis.call('HSET', key, 'mt', math.min(full, have + cost * 1000), 'ts', now)
-  redis.call('PEXPIRE', key, math.ceil(burst * 1000 / rate) + 60000)
+  redis.call('PEXPIRE', key, math.min(math.ceil(burst * 1000 / rate), 1e15) + 60000)  -- as gate.lua
 end
 
 credit(KEYS[2], g_rate, g_burst, tonumber(ARGV[2]))

@@ -51,6 +51,8 @@ CASES = [
     Case("a fraction of a millitoken left after the debit", Limit(10, 10), Limit(1 / 3, 2), None,
          1333.3333333333333),
     Case("short by a fraction of a millitoken", Limit(10, 10), Limit(1 / 3, 2), None, 999.9999999999999),
+    # 1000 / (1/3) rounds to 3000.0 in doubles, as Lua divides; the exact quotient's ceiling would be 3001.
+    Case("empty at a third of a token a second", Limit(10, 10), Limit(1 / 3, 1), None, 0),
 ]
 
 

@@ -174,3 +174,41 @@ def test_a_worker_sends_a_tenant_limited_to_30_a_minute_one_email_every_two_seco
     gaps = [b - a for a, b in itertools.pairwise(slow_at)]
     assert all(1.9 <= gap <= 4.0 for gap in gaps), gaps
     assert fast_at[-1] - fast_at[0] <= 1.0, fast_at
+
+
+def test_a_rate_lowered_to_one_a_day_holds_the_bucket_that_long_and_a_stored_fraction_takes_changes(
+        redis_client, namespace):
+    """Given acme at 100 a second (burst 100) whose bucket the gate just emptied,
+    When an operator lowers acme to one a day and acme asks again, then another change is made with the fraction
+    stored,
+    Then the denial waits a day and keeps the empty bucket for as long as it needs to refill at the new rate (before:
+    it expired a minute after the last admission and came back full, 100 sends at once); the later change is taken
+    (the compare-and-set reads the stored fraction as it was written)."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 1000, 1000)
+    store.set_tenant("resend", "acme", 100, 100)
+    gate = RedisGate(redis_client, namespace)
+    assert gate.acquire("resend", "acme", 100).allowed
+    store.set_tenant("resend", "acme", parse_rate("1/day"), 100)
+
+    denied = gate.acquire("resend", "acme", 1)
+    assert (denied.allowed, denied.short) == (False, "tenant") and 86_300 <= denied.wait_s <= 86_400
+    assert redis_client.pttl(RedisKeys(namespace).tenant_bucket("resend", "acme")) >= 100 * 86_400_000
+
+    store.set_tenant("resend", "globex", 1 / 3, 1)  # a fraction with no short decimal form
+    held = store.show("resend")
+    assert (held["tenant_rate:acme"], held["tenant_rate:globex"]) == (1 / 86_400, 1 / 3)
+
+
+def test_limits_stored_with_a_refill_of_millions_of_years_still_admit(redis_client, namespace):
+    """Given limits written straight to Redis (as an older version could, or by hand) with a burst of 2 billion at one
+    a day: a bucket expiry of 1.7e20 ms, which Redis reads as no integer,
+    When acme asks the gate,
+    Then it is admitted and its bucket expires (capped), where before the gate failed for the whole round (every
+    tenant in it held) after debiting both buckets."""
+    keys = RedisKeys(namespace)
+    redis_client.hset(keys.limits("resend"), mapping={"global_rate": 1000, "global_burst": 1000, "reserve": 0,
+                                                      "tenant_rate:acme": 1 / 86_400,
+                                                      "tenant_burst:acme": 2_000_000_000})
+    assert RedisGate(redis_client, namespace).acquire("resend", "acme", 1).allowed
+    assert redis_client.pttl(keys.tenant_bucket("resend", "acme")) > 0

@@ -237,6 +237,17 @@ def test_a_throttled_tenant_waits_alone_and_pins_only_its_own_offset():
     assert worker.queues.buffered == 1
 
 
+def test_a_tenant_denied_for_an_hour_is_asked_about_again_within_a_minute():
+    """A bucket's wait can be long (an hour here; a day at a rate of one a day): the queue is held a minute at most,
+    then the gate is asked again, so a limit an operator raised meanwhile applies to what the worker holds."""
+    sends, msgs = _messages(["slow"])
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(short_tenants={"slow"}))
+    _run(worker)
+    held_for = worker.queues.queues["slow"].ready_at - time.monotonic()
+    assert 55 <= held_for <= 60
+    assert provider.sent == []
+
+
 def test_a_permanent_rejection_is_dead_lettered_and_its_offset_finished():
     sends, msgs = _messages(["acme"])
     worker, consumer, producer, _ = _worker(msgs, answer=ProviderResult("rejected", 422, error_name="validation_error"))
