@@ -375,12 +375,27 @@ def endpoints(sub) -> None:
                 raise ConfigError("`streams endpoints reseal` needs WEBHOOK_SECRET_KEYS (its first key seals)")
             tenants = (sorted({ep.tenant for ep in webhooks.directory.endpoints.values()}) if args.tenant == "*"
                        else [args.tenant])
+            what, key = f"endpoints/{args.tenant}/reseal", sealer.keys[0][0]
+            changed = 0
             try:
-                changed = sum(store.reseal(t) for t in tenants)
-            except UnsealError as exc:  # a secret sealed under a key no longer listed
-                raise ConfigError(f"{exc}: list that key again (after the first) and re-seal") from None
-            print(f"{changed} endpoint(s) of {len(tenants)} tenant(s) re-sealed under key {sealer.keys[0][0]!r}")
-            _audited(rt, f"endpoints/{args.tenant}/reseal", None, {"key": sealer.keys[0][0], "endpoints": changed})
+                for tenant in tenants:
+                    changed += sum(store.resealing(tenant))
+            except Exception as exc:
+                # Stopped part-way (a secret no listed key opens, Redis or the operator log failing): what was
+                # re-sealed before is on the audit trail too, not only what a later run re-seals.
+                print(f"stopped at tenant {tenant}: {changed} endpoint(s) re-sealed under key {key!r} before",
+                      file=sys.stderr)
+                if changed:
+                    try:
+                        _audited(rt, what, None, {"key": key, "endpoints": changed,
+                                                  "stopped_at_tenant": tenant, "error": type(exc).__name__})
+                    except AuditUnconfirmed as unconfirmed:
+                        print(f"warning: {unconfirmed}", file=sys.stderr)
+                if isinstance(exc, UnsealError):  # a secret sealed under a key no longer listed
+                    raise ConfigError(f"{exc}: list that key again (after the first) and re-seal") from None
+                raise
+            print(f"{changed} endpoint(s) of {len(tenants)} tenant(s) re-sealed under key {key!r}")
+            _audited(rt, what, None, {"key": key, "endpoints": changed})
             return 0
         if args.action == "create":
             if not args.url or not args.events:

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -279,6 +279,11 @@ class EndpointStore:
     def reseal(self, tenant: str) -> int:
         """Every secret of the tenant's endpoints sealed under the first key (those stored in the clear, or
         under an older key, included); how many endpoints changed. UnsealError: a secret no key listed opens."""
+        return sum(self.resealing(tenant))
+
+    def resealing(self, tenant: str) -> Iterator[bool]:
+        """`reseal`, one endpoint at a time: whether each changed, as it is written (a caller that meets an
+        error part-way knows what was already re-sealed)."""
         assert self.sealer is not None, "re-sealing needs WEBHOOK_SECRET_KEYS"
         sealer = self.sealer
         now = int(time.time() * 1000)
@@ -287,12 +292,10 @@ class EndpointStore:
             return replace(ep, secrets=tuple(replace(s, value=sealer.reseal(s.value, ep.id)) for s in ep.secrets
                                              if s.expires_at_ms is None or s.expires_at_ms > now))
 
-        changed = 0
         for ep in self.all(tenant):
             before = ep.secrets
             after = self._change(tenant, ep.id, resealed)
-            changed += after is not None and after.secrets != before
-        return changed
+            yield after is not None and after.secrets != before
 
     def disable_gone(self, tenant: str, endpoint_id: str, url: str) -> Endpoint | None:
         """Disabled because `url` answered 410 Gone, unless the endpoint has another URL by now (the tenant
