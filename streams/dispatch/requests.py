@@ -306,6 +306,8 @@ class Dispatcher:
                 self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
                 log.error("%s; holding tenant %s", answer, draw.tenant)
             elif answer.allowed:
+                if (q := self.queues.queues.get(draw.key)) is not None:
+                    q.dry_until = 0.0
                 admitted.append(draw)
             else:
                 self._denied(draw, answer)
@@ -319,10 +321,12 @@ class Dispatcher:
             wait_s += min(COOL_DOWN_JITTER * wait_s, COOL_DOWN_JITTER_MAX_S) * self.rng.random()
         else:
             wait_s = min(wait_s, BUCKET_HOLD_MAX_S)
-        until = time.monotonic() + wait_s
+        now = time.monotonic()
+        until = now + wait_s
         tenant_only = admission.short == "tenant"
         self._requeue(draw.key, draw.items, hold_until=until if tenant_only else None)
         if tenant_only:
+            self.queues.queues[draw.key].dry_until = now + admission.wait_s
             return
         if draw.route is self.routes.primary:
             self.queues.hold_all(until)

@@ -41,6 +41,7 @@ class Pending:
 class TenantQueue:
     items: deque[Pending] = field(default_factory=deque)
     ready_at: float = 0.0
+    dry_until: float = 0.0  # its bucket's next token, as the gate last said (a hold may end sooner)
 
 
 def by_tenant(send: Send) -> str:

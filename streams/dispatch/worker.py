@@ -293,10 +293,11 @@ class LaneWorker:
         return True
 
     def _burst_left(self, key: str, burst: int, now: float) -> int:
-        """What the tenant's bucket may let go at once: its burst, or nothing while its queue waits on a hold (the
-        gate holds a tenant's queue until its next token once its bucket ran dry)."""
+        """What the tenant's bucket may let go at once: its burst, or nothing while its queue waits on a hold or its
+        bucket is dry (the gate holds a tenant's queue until its next token, or a minute at most, once its bucket ran
+        dry)."""
         q = self.queues.queues.get(key)
-        return 0 if q is not None and q.ready_at > now else burst
+        return 0 if q is not None and max(q.ready_at, q.dry_until) > now else burst
 
     def _trim(self) -> None:
         """Park what a queue holds past its tenant's share, once a second: what was kept while the tenant's limit

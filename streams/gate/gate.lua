@@ -36,6 +36,15 @@ local function ttl(burst, rate)
   return math.min(math.ceil(burst * 1000 / rate), 1e15) + 60000
 end
 
+-- A denied bucket whose rate was lowered since its last admission may be set to expire before it could refill
+-- at the new rate; it lives on until then, else it would come back full early. Only then is anything written:
+-- at an unchanged rate the expiry set at the admission is always long enough.
+local function keep(key, have, burst, rate)
+  local need = math.min(math.ceil((burst * 1000 - have) / rate), 1e15) + 60000
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < need then redis.call('PEXPIRE', key, need) end
+end
+
 local function wait(have, need, rate)
   if have >= need then return 0 end
   return math.ceil((need - have) / rate)
@@ -51,11 +60,8 @@ if ARGV[4] == '1' then reserve = math.min(tonumber(l[3] or '0'), g_burst - req_c
 local g_wait = wait(g, (req_cost + reserve) * 1000, g_rate)
 local t_wait = wait(tk, msg_cost * 1000, t_rate)
 if g_wait > 0 or t_wait > 0 then
-  -- Nothing is debited. A bucket whose rate was lowered since its last admission may be set to expire
-  -- before it could refill at the new rate: it lives on until then (GT: never shortened), else it would
-  -- come back full early.
-  redis.call('PEXPIRE', KEYS[2], ttl(g_burst, g_rate), 'GT')
-  redis.call('PEXPIRE', KEYS[3], ttl(t_burst, t_rate), 'GT')
+  keep(KEYS[2], g, g_burst, g_rate)  -- nothing is debited
+  keep(KEYS[3], tk, t_burst, t_rate)
   if g_wait >= t_wait then return {0, g_wait, 'global'} end
   return {0, t_wait, 'tenant'}
 end

@@ -81,10 +81,11 @@ def _check_rate(what: str, rate: float, burst: int) -> None:
         raise ConfigError(f"{what} rate must be at least one a day ({MIN_RATE:.7f} a second; got {rate:g})")
     if burst < 1:
         raise ConfigError(f"{what} burst must be >= 1 (got burst={burst})")
-    if burst / rate > MAX_REFILL_S:
+    largest = math.floor(MAX_REFILL_S * rate * (1 + 1e-12))  # a whole number of days' refill is allowed exactly
+    if burst > largest:
         raise ConfigError(f"{what} burst {burst} at {rate:g} a second would take {burst / rate / 86_400:,.1f} days "
-                          f"to refill, over the {MAX_REFILL_S // 86_400:,} days allowed: a smaller burst, or a higher "
-                          "rate")
+                          f"to refill, over the {MAX_REFILL_S // 86_400:,} days allowed: a burst of at most "
+                          f"{largest:,} at this rate, or a higher rate")
 
 
 def check_provider(rate: float, burst: int, reserve: int) -> None:

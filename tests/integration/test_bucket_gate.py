@@ -27,16 +27,18 @@ def test_denial_writes_nothing(gate, redis_client, namespace):
     """Given tenant "small" (burst of 2) that has just been admitted for 2 messages,
     When it asks the gate for 2 more,
     Then it is denied, told its tenant bucket is short and to wait at most 1 s, and neither the global nor the tenant
-    bucket in Redis has changed."""
+    bucket in Redis has changed, nor their expiry (set long enough at the admission, at an unchanged rate)."""
     k = Keys(namespace)
     watched = [k.global_bucket("resend"), k.tenant_bucket("resend", "small")]
     assert gate.acquire("resend", "small", 2).allowed
     before = _snapshot(redis_client, watched)
+    expiries = [redis_client.pttl(key) for key in watched]
 
     denied = gate.acquire("resend", "small", 2)
 
     assert not denied.allowed and denied.short == "tenant" and 0 < denied.wait_s <= 1.0
     assert _snapshot(redis_client, watched) == before
+    assert all(0 < redis_client.pttl(key) <= was for key, was in zip(watched, expiries, strict=True))
 
 
 def test_empty_tenant_bucket_does_not_consume_another_tenants_quota(gate, limits):

@@ -35,8 +35,9 @@ def test_a_burst_that_would_take_over_ten_years_to_refill_is_refused():
     """The gate's figures in milliseconds (a bucket's expiry, a wait) must stay integers Redis can read: a burst of 2
     billion at one a day would need 5 million years of refill."""
     check_tenant("acme", parse_rate("1/day"), 3650)
+    check_tenant("acme", parse_rate("85/day"), 310_250)  # exactly ten years, whatever the rounding of 85/86,400
     with pytest.raises(ConfigError, match="tenant burst 3651 at 1.15741e-05 a second would take 3,651.0 days to "
-                                          "refill, over the 3,650 days allowed"):
+                                          "refill, over the 3,650 days allowed: a burst of at most 3,650 at this rate"):
         check_tenant("acme", parse_rate("1/day"), 3651)
     with pytest.raises(ConfigError, match="global burst 2000000000 .* days to refill"):
         check_provider(parse_rate("1/day"), 2_000_000_000, 0)
