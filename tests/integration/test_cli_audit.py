@@ -9,6 +9,9 @@ import orjson
 from confluent_kafka.admin import AdminClient
 
 from streams.state.audit import AuditLog, cli_actor
+from streams.webhooks.endpoints import EndpointStore
+from streams.webhooks.lookups import system_resolver
+from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import wait_until
 
 
@@ -102,3 +105,39 @@ def test_a_reseal_stopped_part_way_puts_what_it_re_sealed_on_the_audit_trail(sta
     trail = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"].endswith("/reseal")]
     assert [e["after"] for e in trail] == [{"key": "test-2", "endpoints_at_least": 2, "stopped_at_tenant": "bbb",
                                             "error": "UnsealError"}]
+
+
+def test_a_reactivation_whose_health_reset_fails_still_puts_what_it_changed_on_the_audit_trail(
+        stack, names, namespace, redis_client, channel_topics, dispatch_env):
+    """Given a tenant's endpoint disabled by a 410, and the webhook attempts topic gone (the endpoint-health app's
+    input: the broker refuses the reactivation's health reset),
+    When an operator reactivates it from the CLI,
+    Then the command fails naming that topic (exit 1) and says the endpoint was changed before the error, the
+    endpoint is active in Redis (deliveries resume), and the audit trail holds that change, disabled -> active,
+    with the error (before: nothing was recorded, and only a later run that succeeded was)."""
+    channel_topics("webhook")
+    started = int(time.time() * 1000)
+    made = _cli(dispatch_env, "endpoints", "create", "--tenant", "acme", "--events", "*",
+                "--url", "http://127.0.0.1:9/hook")
+    assert made.returncode == 0, made.stderr
+    endpoint_id = orjson.loads(made.stdout)["id"]
+    store = EndpointStore(redis_client, namespace, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                          system_resolver)
+    assert store.set_state("acme", endpoint_id, "disabled", "the receiver answered 410 Gone").state == "disabled"
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    for f in admin.delete_topics([names.webhook_attempts]).values():
+        f.result()
+    wait_until(lambda: names.webhook_attempts not in admin.list_topics(timeout=10).topics, 30,
+               "the attempts topic to be gone")
+
+    done = _cli(dispatch_env, "endpoints", "reactivate", endpoint_id, "--tenant", "acme")
+    assert done.returncode == 1, done.stderr
+    assert names.webhook_attempts in done.stderr
+    assert f"stopped part-way: endpoint {endpoint_id} was changed before the error" in done.stderr
+    assert store.get("acme", endpoint_id).state == "active"
+
+    trail = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{endpoint_id}"]
+    assert len(trail) == 2, trail  # its creation, then the reactivation that stopped part-way
+    reactivated = trail[1]
+    assert reactivated["before"]["state"] == "disabled"
+    assert reactivated["after"]["state"] == "active" and reactivated["after"]["error"] == "PublishError"
