@@ -414,73 +414,53 @@ def endpoints(sub) -> None:
             raise missing
         before = webhooks.current(stored)
         what = f"endpoint/{args.endpoint_id}"
-        try:
-            return _change_endpoint(args, rt, webhooks, before, what, missing)
-        except AuditUnconfirmed:
-            raise  # applied whole; only its record is unconfirmed
-        except BaseException as exc:  # Ctrl-C included
-            if exc is not missing:  # deleted meanwhile by someone else: nothing of this command's was applied
-                _audit_stopped_change(rt, store, args.tenant, args.endpoint_id, stored, before, what, exc)
-            raise
+        if args.action == "delete":
+            if not store.delete(args.tenant, args.endpoint_id):
+                raise missing
+            print(f"deleted {args.endpoint_id}")
+            _audited(rt, what, _audit_view(before), None)
+            return 0
+        if args.action == "rotate":
+            rotated = store.rotate_secret(args.tenant, args.endpoint_id)
+            if rotated is None:
+                raise missing
+            print(rotated)
+            _audited(rt, what, _audit_view(before), {**_audit_view(before), "secret": "rotated"})
+            return 0
+        found: Endpoint | None = before
+        if args.action == "reactivate":  # counter and alert window reset, deliveries resume
+            found = webhooks.set_active(args.tenant, args.endpoint_id)
+            if found is None:
+                raise missing
+            try:
+                webhooks.reset_health(args.tenant, args.endpoint_id)
+            except BaseException as exc:  # Ctrl-C included
+                _reactivated_in_part(rt, what, before, webhooks.current(found), exc)
+                raise
+        elif args.action in ("enable", "disable"):
+            found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
+        if found is None:
+            raise missing
+        print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())
+        if args.action != "show":  # reactivated: active now, before the health app has read it
+            after = found if args.action == "reactivate" else webhooks.current(found)
+            _audited(rt, what, _audit_view(before), _audit_view(after))
+        return 0
 
     p.set_defaults(func=run)
 
 
-def _change_endpoint(args: argparse.Namespace, rt: Runtime, webhooks, before, what: str, missing: ConfigError) -> int:
-    """`streams endpoints show|enable|disable|delete|rotate|reactivate`, audited once applied."""
-    import orjson
-
-    store = webhooks.endpoints
-    if args.action == "delete":
-        if not store.delete(args.tenant, args.endpoint_id):
-            raise missing
-        print(f"deleted {args.endpoint_id}")
-        _audited(rt, what, _audit_view(before), None)
-        return 0
-    if args.action == "rotate":
-        rotated = store.rotate_secret(args.tenant, args.endpoint_id)
-        if rotated is None:
-            raise missing
-        print(rotated)
-        _audited(rt, what, _audit_view(before), {**_audit_view(before), "secret": "rotated"})
-        return 0
-    found: Endpoint | None = before
-    if args.action == "reactivate":  # counter and alert window reset, deliveries resume
-        found = webhooks.reactivate(args.tenant, args.endpoint_id)
-    elif args.action in ("enable", "disable"):
-        found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
-    if found is None:
-        raise missing
-    print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())
-    if args.action != "show":  # reactivated: active now, before the health app has read it
-        after = found if args.action == "reactivate" else webhooks.current(found)
-        _audited(rt, what, _audit_view(before), _audit_view(after))
-    return 0
-
-
-def _audit_stopped_change(rt: Runtime, store, tenant: str, endpoint_id: str, stored, before, what: str,
-                          exc: BaseException) -> None:
-    """A change that stopped part-way may have been applied in part: Redis written, then the operator log or
-    the health app's reactivation event failing (or Ctrl-C). What Redis holds now, when it differs from what
-    it held before, goes on the audit trail with the error, as a whole change would (never a secret); the
-    change's own error stays the answer."""
+def _reactivated_in_part(rt: Runtime, what: str, before, after, exc: BaseException) -> None:
+    """A reactivation whose health reset was not confirmed: the endpoint's configured state is active already (a
+    410's disable is lifted), so that change goes on the audit trail, as the endpoint now stands (`after`: still
+    degraded while the endpoint-health app holds it so), with the error; reactivating again finishes it. The
+    reset's own error stays the answer, whatever happens to this record."""
+    print(f"{what}'s configured state is active again, but its health reset (failure counter, alert window) was "
+          f"not confirmed (it is {after.state} now): reactivate it again to finish", file=sys.stderr)
     try:
-        now = store.get(tenant, endpoint_id)
-    except Exception as unreadable:  # noqa: BLE001 - the change's own error is the answer
-        print(f"warning: could not read endpoint {endpoint_id} again to audit what was changed ({unreadable})",
-              file=sys.stderr)
-        return
-    if now == stored:
-        return
-    after = {"deleted": True} if now is None else {
-        **_audit_view(now), **({"secret": "rotated"} if now.secrets != stored.secrets else {})}
-    print(f"stopped part-way: endpoint {endpoint_id} was {'deleted' if now is None else 'changed'} before the error "
-          f"(that change goes on the audit trail){'' if now is None else '; run the command again to finish it'}",
-          file=sys.stderr)
-    try:
-        _audited(rt, what, _audit_view(before), {**after, "error": type(exc).__name__})
-    except Exception as unconfirmed:  # noqa: BLE001 - the change's own error is the answer
-        print(f"warning: {unconfirmed}", file=sys.stderr)
+        _audited(rt, what, _audit_view(before), {**_audit_view(after), "error": type(exc).__name__})
+    except BaseException as unconfirmed:  # noqa: BLE001 - Ctrl-C here too: the reset's error is the answer
+        print(f"warning: {unconfirmed or type(unconfirmed).__name__}", file=sys.stderr)
 
 
 def _audit_view(ep) -> dict:

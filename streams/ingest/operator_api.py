@@ -33,6 +33,7 @@ from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
+from ..webhooks.ingest import REACTIVATED_IN_PART
 from .api_keys import Principal, public
 from .sender_store import SenderDomainStore
 from .senders import DOMAIN_PATTERN, MAX_DOMAINS
@@ -298,9 +299,20 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         if found is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         before = ingest.webhooks.current(found).public()
-        ep = ingest.webhooks.reactivate(found.tenant, endpoint_id)
+        ep = ingest.webhooks.set_active(found.tenant, endpoint_id)
         if ep is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
+        try:
+            ingest.webhooks.reset_health(found.tenant, endpoint_id)
+        except PublishError as exc:
+            # Its configured state is active already (a 410's disable lifted): on the audit trail too, as it now
+            # stands (degraded while the endpoint-health app holds it so), with the error.
+            log.warning("endpoint %s: configured state active again, its health reset not confirmed: %s",
+                        endpoint_id, exc)
+            audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]},
+                    {"state": ingest.webhooks.current(ep).state, "error": type(exc).__name__})
+            raise problem(503, "unavailable", [], REACTIVATED_IN_PART, {"Retry-After": "1"},
+                          outcome="applied") from None
         audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"})
         return ep.public()
 

@@ -40,7 +40,7 @@ from ..ingest.web import ReplayedDelivery, documented, problem
 from ..retry.replay import replay
 from ..send import EMAIL_PATTERN, EVENT_TYPE_PATTERN, MAX_RECIPIENTS, Send
 from .endpoints import MAX_EVENT_TYPES, MAX_URL_LENGTH
-from .ingest import WebhookIngest
+from .ingest import REACTIVATED_IN_PART, WebhookIngest
 from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
@@ -243,9 +243,14 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         """Back to active: deliveries resume, the failure counter and the alert window are reset (a
         second incident the same day gets its own alert). Events skipped meanwhile can be replayed
         (POST /v1/endpoints/{id}/replay)."""
-        ep = webhooks.reactivate(tenant_id, endpoint_id)
+        ep = webhooks.set_active(tenant_id, endpoint_id)
         if ep is None:
             raise _not_found("endpoint")
+        try:
+            webhooks.reset_health(tenant_id, endpoint_id)
+        except PublishError:
+            raise problem(503, "unavailable", [], REACTIVATED_IN_PART, {"Retry-After": "1"},
+                          outcome="applied") from None
         return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
 
     @router.put("/v1/members", response_model=MemberList, responses=documented(401, 403, 422, 503))

@@ -29,6 +29,9 @@ from .model import Endpoint, with_health
 
 log = logging.getLogger("streams.webhooks")
 FOLLOW_EVERY_S = 0.1
+REACTIVATED_IN_PART = ("the endpoint's configured state is active again (a 410's disable is lifted), but the message "
+                       "broker did not confirm its health reset (failure counter, alert window; a degraded endpoint "
+                       "stays degraded until then): reactivate it again to finish")
 
 
 @dataclass
@@ -93,14 +96,16 @@ class WebhookIngest:
         except StoreUnavailable as exc:
             log.warning("endpoint backlogs not updated for %d deliveries: %s", len(deliveries), exc)
 
-    def reactivate(self, tenant: str, endpoint_id: str) -> Endpoint | None:
-        """Back to active: its configured state (a 410 disables it) and its health, whose counter and
-        alert window the endpoint-health app resets when it reads the reactivation, in line with
-        the endpoint's attempts."""
-        ep = self.endpoints.set_state(tenant, endpoint_id, "active", "reactivated")
-        if ep is None:
-            return None
+    # A reactivation is two steps: `set_active`, then `reset_health`. When the second fails, the first stands (a
+    # 410's disable is lifted; a degraded endpoint stays degraded until the health app reads a reset): callers
+    # say so (REACTIVATED_IN_PART), and reactivating again finishes it.
+    def set_active(self, tenant: str, endpoint_id: str) -> Endpoint | None:
+        """Back to active: its configured state (a 410 disables it); deliveries resume at once."""
+        return self.endpoints.set_state(tenant, endpoint_id, "active", "reactivated")
+
+    def reset_health(self, tenant: str, endpoint_id: str) -> None:
+        """Its health: the endpoint-health app resets its failure counter and alert window when it reads this
+        event, in line with the endpoint's attempts. PublishError: not confirmed."""
         event = reactivation_event(endpoint_id, tenant, int(time.time() * 1000))
         put_acked(self.client.producer, self.client.names.webhook_attempts, endpoint_id.encode(), orjson.dumps(event),
                   self.client.timeout_s, f"the reactivation of endpoint {endpoint_id}")
-        return ep

@@ -9,10 +9,11 @@ import orjson
 from confluent_kafka.admin import AdminClient
 
 from streams.state.audit import AuditLog, cli_actor
+from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.ssrf import UrlPolicy
-from tests.harness import wait_until
+from tests.harness import free_port, start_api, wait_until
 
 
 def _cli(env, *args):
@@ -107,37 +108,83 @@ def test_a_reseal_stopped_part_way_puts_what_it_re_sealed_on_the_audit_trail(sta
                                             "error": "UnsealError"}]
 
 
-def test_a_reactivation_whose_health_reset_fails_still_puts_what_it_changed_on_the_audit_trail(
-        stack, names, namespace, redis_client, channel_topics, dispatch_env):
-    """Given a tenant's endpoint disabled by a 410, and the webhook attempts topic gone (the endpoint-health app's
-    input: the broker refuses the reactivation's health reset),
-    When an operator reactivates it from the CLI,
-    Then the command fails naming that topic (exit 1) and says the endpoint was changed before the error, the
-    endpoint is active in Redis (deliveries resume), and the audit trail holds that change, disabled -> active,
-    with the error (before: nothing was recorded, and only a later run that succeeded was)."""
-    channel_topics("webhook")
-    started = int(time.time() * 1000)
-    made = _cli(dispatch_env, "endpoints", "create", "--tenant", "acme", "--events", "*",
-                "--url", "http://127.0.0.1:9/hook")
-    assert made.returncode == 0, made.stderr
-    endpoint_id = orjson.loads(made.stdout)["id"]
-    store = EndpointStore(redis_client, namespace, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
-                          system_resolver)
+
+def _disabled_endpoint_and_no_attempts_topic(stack, names, redis_client, namespace, endpoint_id):
+    """The endpoint disabled by a 410, and the webhook attempts topic (the endpoint-health app's input) gone: the
+    broker refuses a reactivation's health reset."""
+    store = EndpointStore(redis_client, namespace, OperatorLog(stack.bootstrap, names.operator),
+                          UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), system_resolver)
     assert store.set_state("acme", endpoint_id, "disabled", "the receiver answered 410 Gone").state == "disabled"
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
     for f in admin.delete_topics([names.webhook_attempts]).values():
         f.result()
     wait_until(lambda: names.webhook_attempts not in admin.list_topics(timeout=10).topics, 30,
                "the attempts topic to be gone")
+    return store
+
+
+def test_a_reactivation_whose_health_reset_is_refused_is_on_the_audit_trail(stack, names, namespace, redis_client,
+                                                                            channel_topics, dispatch_env):
+    """Given a tenant's endpoint disabled by a 410, and the broker refusing the reactivation's health reset (the
+    webhook attempts topic is gone),
+    When an operator reactivates it from the CLI,
+    Then the command fails naming that topic (exit 1) and says the endpoint's configured state is active again but
+    its reset was not confirmed, to reactivate it again, the endpoint is active in Redis (deliveries resume), and the audit trail holds that change,
+    disabled -> active, with the error and without the URL (before: nothing was recorded; only a later run that
+    succeeded was)."""
+    channel_topics("webhook")
+    started = int(time.time() * 1000)
+    made = _cli(dispatch_env, "endpoints", "create", "--tenant", "acme", "--events", "*",
+                "--url", "http://127.0.0.1:9/hook?token=url-carried-token")
+    assert made.returncode == 0, made.stderr
+    endpoint_id = orjson.loads(made.stdout)["id"]
+    store = _disabled_endpoint_and_no_attempts_topic(stack, names, redis_client, namespace, endpoint_id)
 
     done = _cli(dispatch_env, "endpoints", "reactivate", endpoint_id, "--tenant", "acme")
     assert done.returncode == 1, done.stderr
     assert names.webhook_attempts in done.stderr
-    assert f"stopped part-way: endpoint {endpoint_id} was changed before the error" in done.stderr
+    assert (f"endpoint/{endpoint_id}'s configured state is active again, but its health reset (failure counter, alert "
+            "window) was not confirmed (it is active now): reactivate it again to finish") in done.stderr
     assert store.get("acme", endpoint_id).state == "active"
 
     trail = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{endpoint_id}"]
-    assert len(trail) == 2, trail  # its creation, then the reactivation that stopped part-way
+    assert len(trail) == 2, trail  # its creation, then the reactivation
     reactivated = trail[1]
-    assert reactivated["before"]["state"] == "disabled"
-    assert reactivated["after"]["state"] == "active" and reactivated["after"]["error"] == "PublishError"
+    assert reactivated["before"]["state"] == "disabled" and reactivated["after"]["state"] == "active"
+    assert reactivated["after"]["error"] in ("PublishError", "PublishOutcomeUnknown")
+    assert "url-carried-token" not in orjson.dumps(reactivated).decode()
+
+
+def test_an_operator_api_reactivation_whose_health_reset_is_refused_is_on_the_audit_trail(
+        stack, names, namespace, redis_client, channel_topics, processes):
+    """Given a tenant's endpoint disabled by a 410, and the broker refusing the reactivation's health reset,
+    When an operator reactivates it through the operator API,
+    Then the answer is 503 `"outcome": "applied"` saying the endpoint is active again and to reactivate it again to
+    finish, the endpoint is active in Redis, and the audit trail holds disabled -> active with the error (before:
+    a bare 503 and no record); the tenant's own reactivation is answered the same way."""
+    channel_topics("webhook")
+    api = start_api(processes, free_port(), {"a": "acme"}, redis_client, namespace)
+    started = int(time.time() * 1000)
+    r = api.post("/v1/endpoints", json={"url": "http://127.0.0.1:9/hook", "event_types": ["*"]}, headers=api.keys["a"])
+    assert r.status_code == 201, r.text
+    endpoint_id = r.json()["id"]
+    store = _disabled_endpoint_and_no_attempts_topic(stack, names, redis_client, namespace, endpoint_id)
+    wait_until(lambda: api.get(f"/v1/endpoints/{endpoint_id}", headers=api.keys["a"]).json()["state"] == "disabled",
+               30, "the API's view of the endpoint to say disabled")
+
+    # The broker's refusal of a topic it does not have comes after librdkafka's metadata wait (about 30 s).
+    r = api.post(f"/v1/admin/endpoints/{endpoint_id}/reactivate", headers=api.keys["operator"], timeout=120)
+    assert r.status_code == 503, r.text
+    assert r.json()["outcome"] == "applied" and "reactivate it again to finish" in r.text
+    assert store.get("acme", endpoint_id).state == "active"
+
+    trail = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{endpoint_id}"]
+    reactivated = trail[-1]  # the tenant's own creation of it is not an operator change
+    assert reactivated["who"].startswith("key:") and reactivated["before"] == {"state": "disabled"}
+    assert reactivated["after"]["state"] == "active"
+    assert reactivated["after"]["error"] in ("PublishError", "PublishOutcomeUnknown")
+
+    # The tenant's own reactivation (not an operator change: not audited) answers the same way.
+    r = api.post(f"/v1/endpoints/{endpoint_id}/reactivate", headers=api.keys["a"], timeout=120)
+    assert r.status_code == 503 and r.json()["outcome"] == "applied", r.text
+    assert "reactivate it again to finish" in r.text
