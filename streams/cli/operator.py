@@ -455,8 +455,9 @@ def _reactivated_in_part(rt: Runtime, what: str, before, after, exc: BaseExcepti
     410's disable is lifted), so that change goes on the audit trail, as the endpoint now stands (`after`: still
     degraded while the endpoint-health app holds it so), with the error; reactivating again finishes it. The
     reset's own error stays the answer, whatever happens to this record."""
-    print(f"{what}'s configured state is active again, but its health reset (failure counter, alert window) was "
-          f"not confirmed (it is {after.state} now): reactivate it again to finish", file=sys.stderr)
+    from ..webhooks.ingest import reactivated_in_part
+
+    print(f"{what}: {reactivated_in_part(after.state)}", file=sys.stderr)
     try:
         _audited(rt, what, _audit_view(before), {**_audit_view(after), "error": type(exc).__name__})
     except BaseException as unconfirmed:  # noqa: BLE001 - Ctrl-C here too: the reset's error is the answer

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi import Path as FastApiPath
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -33,7 +33,7 @@ from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
-from ..webhooks.ingest import REACTIVATED_IN_PART
+from ..webhooks.ingest import reactivated_in_part
 from .api_keys import Principal, public
 from .sender_store import SenderDomainStore
 from .senders import DOMAIN_PATTERN, MAX_DOMAINS
@@ -309,9 +309,14 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             # stands (degraded while the endpoint-health app holds it so), with the error.
             log.warning("endpoint %s: configured state active again, its health reset not confirmed: %s",
                         endpoint_id, exc)
-            audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]},
-                    {"state": ingest.webhooks.current(ep).state, "error": type(exc).__name__})
-            raise problem(503, "unavailable", [], REACTIVATED_IN_PART, {"Retry-After": "1"},
+            now = ingest.webhooks.current(ep).state
+            also = ""
+            try:
+                audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]},
+                        {"state": now, "error": type(exc).__name__})
+            except HTTPException:  # counted and logged there; this answer says both
+                also = "; its audit record was not confirmed either"
+            raise problem(503, "unavailable", [], reactivated_in_part(now) + also, {"Retry-After": "1"},
                           outcome="applied") from None
         audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"})
         return ep.public()

@@ -40,7 +40,7 @@ from ..ingest.web import ReplayedDelivery, documented, problem
 from ..retry.replay import replay
 from ..send import EMAIL_PATTERN, EVENT_TYPE_PATTERN, MAX_RECIPIENTS, Send
 from .endpoints import MAX_EVENT_TYPES, MAX_URL_LENGTH
-from .ingest import REACTIVATED_IN_PART, WebhookIngest
+from .ingest import WebhookIngest, reactivated_in_part
 from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
@@ -249,8 +249,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         try:
             webhooks.reset_health(tenant_id, endpoint_id)
         except PublishError:
-            raise problem(503, "unavailable", [], REACTIVATED_IN_PART, {"Retry-After": "1"},
-                          outcome="applied") from None
+            raise problem(503, "unavailable", [], reactivated_in_part(webhooks.current(ep).state),
+                          {"Retry-After": "1"}, outcome="applied") from None
         return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
 
     @router.put("/v1/members", response_model=MemberList, responses=documented(401, 403, 422, 503))

@@ -29,9 +29,15 @@ from .model import Endpoint, with_health
 
 log = logging.getLogger("streams.webhooks")
 FOLLOW_EVERY_S = 0.1
-REACTIVATED_IN_PART = ("the endpoint's configured state is active again (a 410's disable is lifted), but the message "
-                       "broker did not confirm its health reset (failure counter, alert window; a degraded endpoint "
-                       "stays degraded until then): reactivate it again to finish")
+
+
+def reactivated_in_part(state_now: str) -> str:
+    """What a reactivation whose health reset the broker did not confirm answers (`state_now`: the endpoint's
+    state as deliveries see it: `degraded` while the endpoint-health app still holds it so, a 410 or not)."""
+    return (f"the endpoint's configured state is active again, but the message broker did not confirm its health "
+            f"reset (failure counter, alert window); it is {state_now} now"
+            f"{'' if state_now == 'active' else ', and nothing is delivered to it until that reset goes through'}: "
+            "reactivate it again to finish")
 
 
 @dataclass
@@ -97,10 +103,10 @@ class WebhookIngest:
             log.warning("endpoint backlogs not updated for %d deliveries: %s", len(deliveries), exc)
 
     # A reactivation is two steps: `set_active`, then `reset_health`. When the second fails, the first stands (a
-    # 410's disable is lifted; a degraded endpoint stays degraded until the health app reads a reset): callers
-    # say so (REACTIVATED_IN_PART), and reactivating again finishes it.
+    # 410's disable is lifted; an endpoint whose health is degraded stays so until the health app reads a reset):
+    # callers say so (`reactivated_in_part`), and reactivating again finishes it.
     def set_active(self, tenant: str, endpoint_id: str) -> Endpoint | None:
-        """Back to active: its configured state (a 410 disables it); deliveries resume at once."""
+        """Its configured state back to active (a 410 disables it); deliveries resume unless its health is degraded."""
         return self.endpoints.set_state(tenant, endpoint_id, "active", "reactivated")
 
     def reset_health(self, tenant: str, endpoint_id: str) -> None:

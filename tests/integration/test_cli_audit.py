@@ -143,8 +143,9 @@ def test_a_reactivation_whose_health_reset_is_refused_is_on_the_audit_trail(stac
     done = _cli(dispatch_env, "endpoints", "reactivate", endpoint_id, "--tenant", "acme")
     assert done.returncode == 1, done.stderr
     assert names.webhook_attempts in done.stderr
-    assert (f"endpoint/{endpoint_id}'s configured state is active again, but its health reset (failure counter, alert "
-            "window) was not confirmed (it is active now): reactivate it again to finish") in done.stderr
+    assert (f"endpoint/{endpoint_id}: the endpoint's configured state is active again, but the message broker did not "
+            "confirm its health reset (failure counter, alert window); it is active now: reactivate it again to "
+            "finish") in done.stderr
     assert store.get("acme", endpoint_id).state == "active"
 
     trail = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{endpoint_id}"]
