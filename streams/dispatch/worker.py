@@ -148,8 +148,7 @@ class LaneWorker:
         # Yield, do not drain: what is in flight finishes, nothing new starts. Without any lag
         # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
         # lost, nothing is dispatched until an operator recovers it.
-        for route in self.routes.order:
-            route.adapter.poll()
+        self._poll_adapters()
         if (not (self.pauses.yielding or self.pauses.without_reading) and self.routes.primary.adapter.ready
                 and self._state_intact()):
             self.dispatcher.dispatch()
@@ -330,9 +329,11 @@ class LaneWorker:
     def _collect(self, block: bool = False) -> None:
         in_flight, finished = self.dispatcher.in_flight, self.dispatcher.finished
         if block and not finished and in_flight:
-            # Wait for the next answer, keeping our leases alive meanwhile (a rebalance or a shutdown
-            # drains here, and a lapsed lease would let another worker send the same request).
-            wait_futures(list(in_flight), timeout=1.0, return_when=FIRST_COMPLETED)
+            # Wait for the next answer (a rebalance or a shutdown drains here), keeping our leases alive
+            # meanwhile (a lapsed lease would let another worker send the same request), and what the
+            # adapters follow: a webhook delivery to an endpoint the view has not read yet waits for it.
+            wait_futures(list(in_flight), timeout=0.05, return_when=FIRST_COMPLETED)
+            self._poll_adapters()
             self.dispatcher.refresh_leases()
         done = []
         while finished:
@@ -352,6 +353,10 @@ class LaneWorker:
             metrics.PROVIDER_REQUESTS.labels(provider, result.outcome).inc()
             metrics.PROVIDER_LATENCY.labels(provider).observe(result.latency_s)
             self.settler.settle(job, result)
+
+    def _poll_adapters(self) -> None:
+        for route in self.routes.order:
+            route.adapter.poll()
 
     def _finish_duplicate(self, p: Pending) -> None:
         metrics.DUPLICATES.labels(*self._label).inc()

@@ -3,6 +3,7 @@ at-least-once delivery on the seed schedule, attempt history, replay, SSRF rules
 
 import base64
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -20,8 +21,10 @@ from streams.ingest.status import StatusStore
 from streams.lanes import RETRY_TIERS
 from streams.names import RedisKeys
 from streams.retry.replay import replay
+from streams.runtime import Runtime
 from streams.send import MAX_SEND_BYTES
 from streams.state.log import OperatorLog
+from streams.webhooks import delivery as delivery_module
 from streams.webhooks.api import BulkReplayStopped, _stopped, next_since, replay_in_turn, replay_once
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
@@ -578,3 +581,46 @@ def test_a_tenants_receiver_timing_out_does_not_hold_the_lanes_lag_for_every_ten
     assert max(lags) < 100, lags
     wait_until(lambda: mock_endpoint.stats()["endpoints"].get("b-hook", {}).get("ok", 0) >= 200, 30,
                "b's 200 deliveries")
+
+
+def test_a_worker_draining_still_follows_the_endpoint_view_for_a_delivery_waiting_on_it(
+        stack, namespace, channel_topics, limits, processes, redis_client, mock_endpoint, dispatch_env, monkeypatch):
+    """Given a webhook worker whose endpoint view is held back (its polls do nothing) while a tenant registers an
+    endpoint and publishes an event to it, so that the delivery, in flight, waits for the view to read the
+    endpoint (up to 30 s here),
+    When the worker shuts down, and the view is no longer held back from the moment its drain starts,
+    Then the delivery reaches the receiver before the drain ends (before: nothing polled the view while draining,
+    so the delivery waited the whole 30 s and failed as `endpoint_view_behind`, to be retried by a later worker;
+    a rebalance drained the same way)."""
+    api = _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE, worker=False)
+    monkeypatch.setattr(delivery_module, "VIEW_SYNC_S", 30.0)
+    worker = Runtime.from_env(dispatch_env).worker("webhook", "transactional")
+    adapter = worker.routes.primary.adapter
+    held_back = threading.Event()
+    follow = adapter.directory.poll
+    adapter.directory.poll = lambda: None if held_back.is_set() else follow()
+    drain = worker._drain
+
+    def drain_following_the_view(*args, **kwargs):
+        held_back.clear()
+        return drain(*args, **kwargs)
+
+    worker._drain = drain_following_the_view
+    stop = threading.Event()
+    running = threading.Thread(target=worker.run, kwargs={"until": stop.is_set})
+    running.start()
+    try:
+        wait_until(lambda: adapter.ready and worker.pauses.assigned, 60, "the worker to be assigned and ready")
+        held_back.set()
+        ep = _register(api, mock_endpoint, "new")
+        r = api.post("/v1/sends", json=event(), headers=api.keys["a"])
+        assert r.status_code == 202, r.text
+        [d] = r.json()["deliveries"]
+        assert d["endpoint_id"] == ep["id"]
+        wait_until(lambda: len(worker.dispatcher.in_flight) == 1, 30, "the delivery to be in flight")
+        assert d["delivery_id"] not in mock_endpoint.stats(deliveries=True)["deliveries"]
+    finally:
+        stop.set()
+        running.join(60)
+    assert not running.is_alive()
+    assert d["delivery_id"] in mock_endpoint.stats(deliveries=True)["deliveries"]
