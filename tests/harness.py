@@ -10,10 +10,10 @@ import httpx
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from streams.devtools.fleet import free_port
+from streams.devtools.fleet import free_port, local_client
 from streams.state.log import OperatorLog
 
-__all__ = ["free_port", "wait_until", "MockProvider", "email_request", "sms_request", "committed_lag",
+__all__ = ["free_port", "local_client", "wait_until", "MockProvider", "email_request", "sms_request", "committed_lag",
            "read_topic", "metric"]
 
 
@@ -48,7 +48,7 @@ class MockProvider:
     def __init__(self, port: int, proc: subprocess.Popen):
         self.url = f"http://127.0.0.1:{port}"
         self.proc = proc
-        self.http = httpx.Client(base_url=self.url, timeout=10)
+        self.http = local_client(base_url=self.url, timeout=10)
 
     def stats(self, deliveries: bool = False) -> dict:
         return self.http.get("/_mock/stats", params={"deliveries": "1"} if deliveries else None).json()
@@ -187,7 +187,7 @@ class MockEndpoint:
     def __init__(self, port: int, proc: subprocess.Popen):
         self.base = f"http://127.0.0.1:{port}"
         self.proc = proc
-        self.http = httpx.Client(base_url=self.base, timeout=10)
+        self.http = local_client(base_url=self.base, timeout=10)
 
     def url(self, name: str) -> str:
         return f"{self.base}/hooks/{name}"
@@ -212,7 +212,7 @@ def start_api(fleet, port: int, tenants: dict[str, str], redis_client, namespace
     from streams.ingest.api_keys import ApiKeys
 
     fleet.start("api", "api", "--port", str(port), env=env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    client = local_client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     wait_until(lambda: answers(client), 30, "the ingest API to answer")
     keys = ApiKeys(redis_client, namespace)
     client.keys = {name: {"Authorization": f"Bearer {keys.create('tenant', tenant)}"}  # type: ignore[attr-defined]

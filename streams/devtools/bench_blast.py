@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..ingest.sdk import SendClient
 from ..retry.dlq import read_all
 from .baseline import single_lane
-from .fleet import Fleet, free_port, start_dispatch
+from .fleet import Fleet, free_port, local_client, start_dispatch
 
 OTP_TENANT, BLAST_TENANT = "shop", "blaster"
 WARM_UP_S = 2.0
@@ -141,7 +141,7 @@ def run(duration_s: float = 30.0, provider_rps: int = 20, otp_rps: float | None 
         progress("starting the stack: topics, mock provider, workers, retriers, lag monitor")
         metrics_port = free_port()
         start_dispatch(fleet, provider_rps, latency_ms, with_api=False, marketing_metrics_port=metrics_port)
-        mock = httpx.Client(base_url=fleet.mock_url, timeout=30)
+        mock = local_client(base_url=fleet.mock_url, timeout=30)
         s = Scenario(fleet, provider_rps, mock, progress)
 
         idle_s = max(5.0, min_otps / otp_rps + 1)
@@ -209,7 +209,7 @@ def run(duration_s: float = 30.0, provider_rps: int = 20, otp_rps: float | None 
         with Fleet(f"bench{stamp}b.", log_dir / "single-lane", supervise=True, forget=True) as fleet:
             progress("baseline: one shared FIFO lane, no yielding")
             start_dispatch(fleet, provider_rps, latency_ms, baseline=True, with_api=False)
-            mock = httpx.Client(base_url=fleet.mock_url, timeout=30)
+            mock = local_client(base_url=fleet.mock_url, timeout=30)
             s = Scenario(fleet, provider_rps, mock, progress, baseline=True)
             under = OtpStream(s.client, s.published, otp_rps)
             t0 = time.monotonic()

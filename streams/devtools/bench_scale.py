@@ -15,11 +15,9 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
-
 from ..config import StackConfig
 from .bench_blast import _email
-from .fleet import Fleet
+from .fleet import Fleet, local_client
 
 
 def _one(workers: int, n: int, home: Path, progress) -> dict:
@@ -36,7 +34,7 @@ def _one(workers: int, n: int, home: Path, progress) -> dict:
         tenants = [f"bulk{i}" for i in range(8)]  # several tenants: partitions carry work for every worker
         for start in range(0, n, 1000):
             client.publish_batch(tenants[(start // 1000) % len(tenants)], [_email("marketing")] * min(1000, n - start))
-        mock = httpx.Client(base_url=url, timeout=30)
+        mock = local_client(base_url=url, timeout=30)
         progress(f"{workers} worker(s): {n} messages waiting")
         for i in range(workers):
             fleet.start(f"worker-{i}", "worker", "--channel", "email", "--lane", "marketing", ready="consuming")

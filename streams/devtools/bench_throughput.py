@@ -14,7 +14,6 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 from confluent_kafka import Consumer
 
 from ..dispatch.idempotency import idempotency_key
@@ -25,7 +24,7 @@ from ..providers.outcome import Outbound
 from ..providers.resend import ResendEmail
 from ..send import decode
 from .bench_blast import _email
-from .fleet import Fleet
+from .fleet import Fleet, local_client
 
 TENANT = "bulk"
 
@@ -120,7 +119,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         progress(f"publishing {n} marketing emails")
         for start in range(0, n, 1000):
             client.publish_batch(TENANT, [_email("marketing")] * min(1000, n - start))
-        mock = httpx.Client(base_url=url, timeout=30)
+        mock = local_client(base_url=url, timeout=30)
 
         progress("ceiling: consume and decode")
         ceiling_s = _consume(rt.bootstrap, topic, n, lambda m: decode(m.value()))
@@ -146,7 +145,7 @@ def run(n: int = 20_000, naive_n: int = 2_000, log_dir: Path | None = None, prog
         all_delivered = threading.Event()
 
         def watch_mock() -> None:  # off the worker's thread: asking the mock costs the worker nothing
-            with httpx.Client(base_url=url, timeout=30) as watcher:
+            with local_client(base_url=url, timeout=30) as watcher:
                 while watcher.get("/_mock/stats").json()["messages_delivered"] < n:
                     time.sleep(0.05)  # polling interval of an outside observer
             all_delivered.set()

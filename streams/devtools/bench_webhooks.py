@@ -25,7 +25,7 @@ from ..webhooks.delivery import delivery_body
 from ..webhooks.fanout import fan_out
 from ..webhooks.model import Endpoint
 from ..webhooks.signing import headers as signed_headers
-from .fleet import Fleet, free_port
+from .fleet import Fleet, free_port, local_client
 
 ENDPOINTS = 200
 TENANTS = 4  # 50 endpoints each: a tenant may have at most 50
@@ -48,7 +48,7 @@ class Receiver:
         port = free_port()
         fleet.start("mock-endpoint", "mock-endpoint", "--port", str(port), ready="mock endpoint on")
         self.base = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.base, timeout=30)
+        self.http = local_client(base_url=self.base, timeout=30)
         deadline = time.monotonic() + 20
         while True:  # the banner comes before the server listens
             try:
@@ -153,7 +153,7 @@ def _naive(stamp: int, log_dir: Path, n: int, latency_ms: float) -> float:
         body = delivery_body({"event_id": "e", "event_type": "bench.tick", "occurredAt": "2026-11-30T12:00:00Z",
                               "data": {"n": 1}})
         secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-        with httpx.Client(timeout=10) as http:
+        with local_client(timeout=10) as http:
             started = time.perf_counter()
             for i in range(n):
                 h = signed_headers([secret], f"naive-{i}", int(time.time()), body)

@@ -36,6 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The local servers (uvicorn: the mock provider, the mock endpoint, the ingest API) close a connection idle
+# for 5 s, and httpx keeps one idle for 5 s by default: a request sent on it just as the server closes it is
+# lost ("Server disconnected without sending a response"). Clients that drive those servers let an idle
+# connection go well before the server does.
+LOCAL_KEEPALIVE_S = 1.0
+
+
+def local_client(**kwargs) -> httpx.Client:
+    """An httpx client for the local servers, with `kwargs` as httpx.Client takes them."""
+    return httpx.Client(limits=httpx.Limits(keepalive_expiry=LOCAL_KEEPALIVE_S), **kwargs)
+
+
 @dataclass
 class Member:
     """One process of the fleet and how to start it again."""
@@ -194,7 +206,7 @@ class Fleet:
         self.start("mock-provider", "mock-provider", "--port", str(port), "--rate", str(rate),
                    "--latency-ms", str(latency_ms), ready="mock provider on", nice=self.outside_world_nice)
         self.mock_url = f"http://127.0.0.1:{port}"
-        client = httpx.Client(base_url=self.mock_url, timeout=10)
+        client = local_client(base_url=self.mock_url, timeout=10)
         deadline = time.monotonic() + 20
         while True:
             try:

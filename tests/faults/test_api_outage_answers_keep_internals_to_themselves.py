@@ -3,9 +3,7 @@ keys live in Redis, so none can be checked), gets 503 with Retry-After and the k
 failed, never the error text with internal hosts, ports or topics; the operator finds that in the
 log. Once the dependency is back, the same request is accepted."""
 
-import httpx
-
-from tests.harness import answers, email_request, free_port, wait_until
+from tests.harness import answers, email_request, free_port, local_client, wait_until
 
 
 def test_a_store_outage_is_answered_503_without_the_stores_address(fault_stack, fault_runtime, fault_topics,
@@ -20,8 +18,8 @@ def test_a_store_outage_is_answered_503_without_the_stores_address(fault_stack, 
     port = free_port()
     fault_processes.start("api", "api", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
-    tenant = httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
-    stranger = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer dr_not_a_key"})
+    tenant = local_client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
+    stranger = local_client(base_url=base, timeout=30, headers={"Authorization": "Bearer dr_not_a_key"})
     wait_until(lambda: answers(tenant), 30, "the ingest API")
     redis_port = str(fault_stack.redis().connection_pool.connection_kwargs["port"])
 

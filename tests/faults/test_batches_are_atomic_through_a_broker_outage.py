@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.harness import answers, email_request, free_port, read_committed, wait_until
+from tests.harness import answers, email_request, free_port, local_client, read_committed, wait_until
 
 BATCH = 20
 UNKNOWN = -1  # answered 503 with `"outcome": "unknown"`: the broker stopped while the batch's commit was asked
@@ -38,7 +38,7 @@ def test_a_broker_outage_in_the_middle_of_batches_leaves_each_batch_whole_or_abs
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
     fault_processes.start("api", "api", "--port", str(port), env={"KAFKA_DELIVERY_TIMEOUT_MS": "5000"})
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers={"Authorization": f"Bearer {api_key}"})
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     answered: dict[str, int] = {}
     stop = threading.Event()

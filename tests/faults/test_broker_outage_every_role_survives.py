@@ -12,7 +12,16 @@ import time
 
 import httpx
 
-from tests.harness import answers, committed_lag, email_request, free_port, metric, report_outcome, wait_until
+from tests.harness import (
+    answers,
+    committed_lag,
+    email_request,
+    free_port,
+    local_client,
+    metric,
+    report_outcome,
+    wait_until,
+)
 
 BLAST = 4_000
 OUTAGE_S = 40
@@ -44,7 +53,7 @@ def test_broker_outage_mid_blast_every_role_survives_nothing_lost_or_doubled(
                           ready="lag monitor publishing")
     fault_processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
     fault_processes.start("api", "api", "--port", str(api_port))
-    api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30,
+    api = local_client(base_url=f"http://127.0.0.1:{api_port}", timeout=30,
                        headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     client = fault_runtime.send_client()

@@ -13,7 +13,7 @@ from confluent_kafka import IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from tests.faults.test_batches_are_atomic_through_a_broker_outage import committed_by_batch
-from tests.harness import answers, email_request, free_port, metric_sum, wait_until
+from tests.harness import answers, email_request, free_port, local_client, metric_sum, wait_until
 
 BATCH = 200
 
@@ -76,7 +76,7 @@ def test_a_killed_bulk_process_is_restarted_and_fences_its_open_transaction(
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
     api_process = fault_processes.start("api", "api", "--port", str(port), env={"KAFKA_DELIVERY_TIMEOUT_MS": "30000"})
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     bulk_pid = bulk_process_of(api_process.pid)
     assert bulk_pid is not None, "the API started no bulk process"
@@ -104,7 +104,7 @@ def test_a_killed_bulk_process_is_restarted_and_fences_its_open_transaction(
             n += 1
 
     def post_singles() -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+        with local_client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                           headers={"Authorization": f"Bearer {api_key}"}) as client:
             while not stop.is_set():
                 singles.append(client.post("/v1/sends", json=email_request()).status_code)
@@ -188,7 +188,7 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
     api_process = fault_processes.start("api", "api", "--port", str(port))
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     hung = bulk_process_of(api_process.pid)
     assert hung is not None, "the API started no bulk process"

@@ -11,7 +11,16 @@ import time
 
 import httpx
 
-from tests.harness import answers, committed_lag, email_request, free_port, metric, report_outcome, wait_until
+from tests.harness import (
+    answers,
+    committed_lag,
+    email_request,
+    free_port,
+    local_client,
+    metric,
+    report_outcome,
+    wait_until,
+)
 
 BLAST = 3_000
 HOLD_S = 3
@@ -38,7 +47,7 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
     fault_processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
     fault_processes.start("lag-monitor", "lag-monitor", ready="lag monitor publishing")
     fault_processes.start("api", "api", "--port", str(api_port))
-    api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10,
+    api = local_client(base_url=f"http://127.0.0.1:{api_port}", timeout=10,
                        headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     client = fault_runtime.send_client()

@@ -10,7 +10,7 @@ import uuid
 
 import httpx
 
-from tests.harness import answers, email_request, free_port, read_committed, wait_until
+from tests.harness import answers, email_request, free_port, local_client, read_committed, wait_until
 
 BATCH = 5
 
@@ -42,7 +42,7 @@ def test_a_send_and_a_batch_the_broker_did_not_confirm_are_retried_under_the_sam
     api_key = fault_runtime.api_keys().create("tenant", "shop")
     port = free_port()
     fault_processes.start("api", "api", "--port", str(port), env={"KAFKA_DELIVERY_TIMEOUT_MS": "5000"})
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=90, headers={"Authorization": f"Bearer {api_key}"})
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=90, headers={"Authorization": f"Bearer {api_key}"})
     wait_until(lambda: answers(api), 30, "the ingest API")
     # The producers have their connections before the stall (what a stall meets in production).
     assert api.post("/v1/sends/batch", json={"sends": [email_request()] * 2}).status_code == 202

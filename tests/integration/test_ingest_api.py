@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from streams.ingest.api_keys import ApiKeys
-from tests.harness import count_records, email_request, free_port, wait_until
+from tests.harness import count_records, email_request, free_port, local_client, wait_until
 
 
 @pytest.fixture
@@ -12,7 +12,7 @@ def api(stack, names, namespace, channel_topics, processes, redis_client):
     channel_topics("email")
     port = free_port()
     processes.start("api", "api", "--port", str(port))
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    client = local_client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
     def up():
         try:
