@@ -24,6 +24,8 @@ from .tokens import TokenRefused, TokenSource
 
 log = logging.getLogger("streams.providers")
 
+KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
+
 
 class Provider(Protocol):
     name: str
@@ -51,9 +53,10 @@ class Provider(Protocol):
 class AllowlistTransport(httpx.BaseTransport):
     """Refuses, before any byte leaves the process, a request outside (method, path) allowlist."""
 
-    def __init__(self, allowed: set[tuple[str, str]], inner: httpx.BaseTransport | None = None):
+    def __init__(self, allowed: set[tuple[str, str]], inner: httpx.BaseTransport | None = None,
+                 limits: httpx.Limits | None = None):
         self.allowed = allowed
-        self.inner = inner or httpx.HTTPTransport(retries=0)
+        self.inner = inner or httpx.HTTPTransport(retries=0, limits=limits or httpx.Limits())
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if (request.method, request.url.path) not in self.allowed:
@@ -99,11 +102,16 @@ class HttpProvider:
         self.spec, self.name = spec, spec.name
         # Requests wait on the network in a small pool of threads; the worker's poll thread never does.
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"{self.name}-http")
-        self.client = httpx.Client(
-            base_url=base_url, transport=AllowlistTransport(set(spec.allowed)),
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
-            limits=httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=max(concurrency, 4)),
-        )
+        self.timeout_s = timeout_s
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        # Limits go to the transport: httpx.Client ignores its own when given one.
+        pooled = httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=max(concurrency, 4),
+                              keepalive_expiry=KEEPALIVE_S)
+        self.client = httpx.Client(base_url=base_url, timeout=timeout,
+                                   transport=AllowlistTransport(set(spec.allowed), limits=pooled))
+        # For the second try of a request whose pooled connection the provider had closed: never a pooled one.
+        self.fresh = httpx.Client(base_url=base_url, timeout=timeout, transport=AllowlistTransport(
+            set(spec.allowed), limits=httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=0)))
         self.tokens: TokenSource | None = None
         if spec.auth == "token":
             assert spec.token_path is not None  # the registry requires it for token auth
@@ -158,11 +166,30 @@ class HttpProvider:
                          self.name, result.status)
         return result
 
+    def _send(self, path: str, body: bytes, headers: dict[str, str], started: float) -> httpx.Response:
+        """POST on a pooled connection. One that the provider closed while it sat idle fails the next request
+        before any answer; only then, and only at a provider that honours idempotency keys, is the request
+        sent once more, on a new connection, within what is left of the timeout. Its key is the same, so a
+        provider that did read the first copy answers the second from its store. Elsewhere (the provider
+        may have read it before it closed) it is an unknown outcome, as is a new connection that fails."""
+        seen: set[str] = set()
+        try:
+            return self.client.post(path, content=body, headers=headers,
+                                    extensions={"trace": lambda event, info: seen.add(event)})
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            reused = "http11.send_request_headers.started" in seen and "connection.connect_tcp.started" not in seen
+            if not reused or "http11.receive_response_headers.complete" in seen or not self.spec.idempotent:
+                raise  # a new connection, or one that answered: another is no different
+            left = self.timeout_s - (time.monotonic() - started)
+            if left <= 0:
+                raise
+            return self.fresh.post(path, content=body, headers=headers,
+                                   timeout=httpx.Timeout(left, connect=min(left, 3.0)))
+
     def _post(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float) -> ProviderResult:
         try:
-            resp = self.client.post(path, content=body, headers={
-                "Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
-                "Idempotency-Key": idempotency_key})
+            resp = self._send(path, body, {"Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
+                                           "Idempotency-Key": idempotency_key}, started)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             # Never reached the provider: safe to retry.
             return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started)
@@ -191,3 +218,4 @@ class HttpProvider:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.client.close()
+        self.fresh.close()

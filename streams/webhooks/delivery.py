@@ -30,6 +30,7 @@ import aiohttp
 import orjson
 
 from .. import metrics
+from ..providers.http import KEEPALIVE_S
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
 from .endpoints import EndpointDirectory
 from .lookups import LookupFailed, addresses_of, name_resolver
@@ -44,7 +45,6 @@ DNS_TTL_S = 30.0
 VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to read the operator log to its end
 DNS_TIMEOUT_S = 5.0
 UNSEAL_LOG_EVERY_S = 60.0
-KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
 log = logging.getLogger("streams.webhooks")

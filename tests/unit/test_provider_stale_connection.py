@@ -1,0 +1,143 @@
+"""A provider request on a pooled connection that the provider closed meanwhile is sent again on a new
+connection within the same attempt, under the same idempotency key, instead of ending as an unknown
+outcome that costs the send an attempt and a retry delay."""
+
+import socket
+import socketserver
+import threading
+from concurrent.futures import wait
+from dataclasses import replace
+
+from streams.providers.registry import load_registry
+from streams.providers.resend import ResendEmail
+
+RESEND = load_registry().providers["resend"]
+
+
+class Provider(socketserver.ThreadingTCPServer):
+    """A provider that answers 200 to the first `answered_per_connection` requests of each connection, then
+    closes it when the next request arrives, without answering (as a server that closed an idle connection
+    just as the client reused it). With `pair_first_answers`, the first answers of the first two connections
+    wait until both hold a request, so a client sending two at once keeps two pooled connections."""
+
+    daemon_threads = True
+
+    def __init__(self, answered_per_connection: int, pair_first_answers: bool = False):
+        self.answered_per_connection = answered_per_connection
+        self.pair = threading.Barrier(2, timeout=10) if pair_first_answers else None
+        self.answered: list[int] = []  # requests answered, per connection
+        self.keys: list[str] = []  # the idempotency key of every request that arrived
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class Handler(socketserver.StreamRequestHandler):
+    server: Provider
+
+    def handle(self) -> None:
+        with self.server.lock:
+            self.server.answered.append(0)
+            me = len(self.server.answered) - 1
+        while True:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                line = self.rfile.readline()
+                if not line:
+                    return
+                head += line
+            fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+            fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+            self.rfile.read(int(fields.get(b"content-length", b"0")))
+            with self.server.lock:
+                self.server.keys.append(fields[b"idempotency-key"].decode())
+            if self.server.answered[me] == self.server.answered_per_connection:
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if self.server.pair is not None and me < 2 and self.server.answered[me] == 0:
+                self.server.pair.wait()
+            self.server.answered[me] += 1
+            body = b'{"id": "m-%d"}' % len(self.server.keys)
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+def test_a_request_on_a_connection_the_provider_closed_is_sent_again_on_a_new_one():
+    """Given a provider that closes a connection when its second request arrives, unanswered,
+    When two emails are posted one after the other (the second reuses the pooled connection),
+    Then both are delivered: the second was sent again, under the same idempotency key, on a new
+    connection, and the provider answered one request on each of the two connections."""
+    provider = Provider(answered_per_connection=1)
+    adapter = ResendEmail(RESEND, provider.url)
+    try:
+        first = adapter.post("/emails", b"{}", "re_k", "send-1")
+        second = adapter.post("/emails", b"{}", "re_k", "send-2")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert (first.outcome, first.status) == ("delivered", 200)
+    assert (second.outcome, second.status) == ("delivered", 200)
+    assert provider.answered == [1, 1]
+    assert provider.keys == ["send-1", "send-2", "send-2"]
+
+
+def test_the_second_try_never_takes_another_closed_connection_from_the_pool():
+    """Given a provider that closes a connection when its second request arrives, unanswered,
+    and two pooled connections to it (two emails posted at once, then idle),
+    When a third email is posted (its first try meets one closed connection, the other is closed too),
+    Then it is delivered: its second try went out on a new connection, not on the other pooled one."""
+    provider = Provider(answered_per_connection=1, pair_first_answers=True)
+    adapter = ResendEmail(RESEND, provider.url)
+    try:
+        burst = [adapter.submit("/emails", b"{}", "re_k", f"send-{i}") for i in (1, 2)]
+        wait(burst, timeout=20)
+        assert [f.result().outcome for f in burst] == ["delivered", "delivered"] and provider.answered == [1, 1]
+        third = adapter.post("/emails", b"{}", "re_k", "send-3")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert (third.outcome, third.status) == ("delivered", 200)
+    assert provider.answered == [1, 1, 1]  # one on each pooled connection, the third on a new one
+    assert provider.keys.count("send-3") == 2
+
+
+def test_a_new_connection_the_provider_closes_unanswered_is_an_unknown_outcome_not_sent_again():
+    """Given a provider that closes every connection when its first request arrives, unanswered,
+    When an email is posted (on a new connection: nothing pooled yet),
+    Then the attempt's outcome is unknown (the provider may have acted on it: only a pooled connection's
+    failure is sent again at once) and the provider saw one request on one connection."""
+    provider = Provider(answered_per_connection=0)
+    adapter = ResendEmail(RESEND, provider.url)
+    try:
+        result = adapter.post("/emails", b"{}", "re_k", "send-1")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert result.outcome == "unknown" and result.error_name == "protocol_error"
+    assert provider.answered == [0] and provider.keys == ["send-1"]
+
+
+def test_a_provider_without_idempotency_keys_is_never_sent_the_request_again():
+    """Given a provider that does not honour idempotency keys, and closes a connection when its second
+    request arrives, unanswered,
+    When two emails are posted one after the other (the second reuses the pooled connection),
+    Then the second's outcome is unknown (left to reconciliation by the worker) and it was sent once:
+    the provider may have read it before it closed, and nothing would stop it delivering a second copy."""
+    provider = Provider(answered_per_connection=1)
+    adapter = ResendEmail(replace(RESEND, idempotent=False), provider.url)
+    try:
+        first = adapter.post("/emails", b"{}", "re_k", "send-1")
+        second = adapter.post("/emails", b"{}", "re_k", "send-2")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert first.outcome == "delivered" and second.outcome == "unknown"
+    assert provider.answered == [1] and provider.keys == ["send-1", "send-2"]
