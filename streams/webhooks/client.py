@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from ..errors import DispatchError
+from ..providers.http import KEEPALIVE_S
 
 
 class WebhooksApiError(DispatchError):
@@ -26,7 +27,10 @@ class WebhooksApiError(DispatchError):
 
 class WebhooksClient:
     def __init__(self, base_url: str, api_key: str, timeout_s: float = 30.0):
+        # An idle connection goes before the API's server (uvicorn: 5 s) closes it, so no call is sent on a
+        # connection the server is closing at that moment (it would fail, "Server disconnected").
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s,
+                                 limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
                                  headers={"Authorization": f"Bearer {api_key}"})
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
