@@ -171,7 +171,7 @@ class Settler:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
         It stays replayable while its payload is kept. A re-sent request keeps its claim (its first
         copy's fate is unknown), as after any failure."""
-        if job.resent:
+        if job.resent or result.first_copy_unknown:
             self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
@@ -184,6 +184,7 @@ class Settler:
             # The 410 came from a URL the endpoint no longer has: a failure of this attempt, retried at the new one.
             result = replace(result, outcome="unavailable", error_name="gone_before_url_change")
         route = self.routes.of(job.provider)
+        resent = job.resent or result.first_copy_unknown  # the provider may hold an earlier copy under this key
         # A webhook receiver is the tenant's own server, and many echo the event they got (a person's data no
         # redaction knows): its answer goes to the tenant's own attempt record, never to our logs.
         body = None if route.spec.channel == "webhook" else result.error_body[:300]
@@ -200,7 +201,7 @@ class Settler:
                 self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
-        elif result.outcome == "unknown" or (job.resent and route.spec.idempotent):
+        elif result.outcome == "unknown" or (resent and route.spec.idempotent):
             # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
             # copy, which the provider may have accepted: the sends stay claimed under this key, and
             # only this request, byte for byte, is sent again (answered from the provider's store).
@@ -221,12 +222,12 @@ class Settler:
             tried = providers_tried(p, route)
             # A re-sent request stays claimed under its key at this provider (the first copy's fate
             # is unknown): another provider could deliver it a second time, so it never moves on.
-            fallback = None if job.resent else self.routes.fallback_for(route, result, tried)
+            fallback = None if resent else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p))
                 continue
-            decision = self._decide(route, p, result, now_ms, job.resent)
+            decision = self._decide(route, p, result, now_ms, resent)
             finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
                                      self._tried_then_finish(job, p))
             if isinstance(decision, RetryAt):

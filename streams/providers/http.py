@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Protocol
 
 import httpx
@@ -146,50 +147,67 @@ class HttpProvider:
         started = time.monotonic()
         if self.tokens is None:
             return self._post(path, body, api_key, idempotency_key, started)
+        first_copy_unknown = False  # a pass before sent its request twice, and the provider may hold a copy
         for attempt in (1, 2):
             try:
                 token = self.tokens.get()
             except TokenRefused as exc:
                 outcome = token_outcome(exc.status, exc.error)
                 name = {"auth": "token_refused", "throttled": "token_throttled"}.get(outcome, "token_unavailable")
-                return ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
-                                      error_body=str(exc), latency_s=time.monotonic() - started)
+                result = ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
+                                        error_body=str(exc), latency_s=time.monotonic() - started)
+                break
             except ProviderAuthError as exc:  # unreachable, or an answer without a usable token
-                return ProviderResult("unavailable", error_name="token_unavailable", error_body=str(exc),
-                                      latency_s=time.monotonic() - started)
+                result = ProviderResult("unavailable", error_name="token_unavailable", error_body=str(exc),
+                                        latency_s=time.monotonic() - started)
+                break
             result = self._post(path, body, token, idempotency_key, started)
+            first_copy_unknown = first_copy_unknown or result.first_copy_unknown
             if result.outcome != "auth":
-                return result
+                break
             self.tokens.invalidate(token)
             if attempt == 1:
                 log.info("provider %s refused the token (%s): token refreshed, the same request goes once more",
                          self.name, result.status)
-        return result
+        return _with_first_copy_unknown(result) if first_copy_unknown else result
 
-    def _send(self, path: str, body: bytes, headers: dict[str, str], started: float) -> httpx.Response:
+    def _send(self, path: str, body: bytes, headers: dict[str, str], started: float,
+              sent_again: list[bool]) -> httpx.Response:
         """POST on a pooled connection. One that the provider closed while it sat idle fails the next request
         before any answer; only then, and only at a provider that honours idempotency keys, is the request
         sent once more, on a new connection, within what is left of the timeout. Its key is the same, so a
         provider that did read the first copy answers the second from its store. Elsewhere (the provider
-        may have read it before it closed) it is an unknown outcome, as is a new connection that fails."""
+        may have read it before it closed) it is an unknown outcome, as is a new connection that fails.
+        `sent_again` is appended to when the second copy goes out: whatever it is answered, unless it is a
+        delivery, the provider may hold the first copy."""
         seen: set[str] = set()
         try:
             return self.client.post(path, content=body, headers=headers,
                                     extensions={"trace": lambda event, info: seen.add(event)})
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            reused = "http11.send_request_headers.started" in seen and "connection.connect_tcp.started" not in seen
+            opened = any(event.startswith("connection.connect_") for event in seen)
+            reused = "http11.send_request_headers.started" in seen and not opened
             if not reused or "http11.receive_response_headers.complete" in seen or not self.spec.idempotent:
                 raise  # a new connection, or one that answered: another is no different
             left = self.timeout_s - (time.monotonic() - started)
             if left <= 0:
                 raise
+            log.info("provider %s closed a pooled connection before answering request %s: sent again on a new one",
+                     self.name, headers["Idempotency-Key"])
+            sent_again.append(True)
             return self.fresh.post(path, content=body, headers=headers,
                                    timeout=httpx.Timeout(left, connect=min(left, 3.0)))
 
     def _post(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float) -> ProviderResult:
+        sent_again: list[bool] = []
+        result = self._answer(path, body, bearer, idempotency_key, started, sent_again)
+        return _with_first_copy_unknown(result) if sent_again else result
+
+    def _answer(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float,
+                sent_again: list[bool]) -> ProviderResult:
         try:
             resp = self._send(path, body, {"Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
-                                           "Idempotency-Key": idempotency_key}, started)
+                                           "Idempotency-Key": idempotency_key}, started, sent_again)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             # Never reached the provider: safe to retry.
             return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started)
@@ -219,3 +237,8 @@ class HttpProvider:
         self.pool.shutdown(wait=True)
         self.client.close()
         self.fresh.close()
+
+
+def _with_first_copy_unknown(result: ProviderResult) -> ProviderResult:
+    """A result of a request sent twice: unless delivered, the provider may hold the first copy."""
+    return result if result.outcome == "delivered" else replace(result, first_copy_unknown=True)

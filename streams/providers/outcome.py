@@ -68,6 +68,10 @@ class ProviderResult:
     error_body: str = ""          # redacted
     latency_s: float = 0.0
     target: str = ""              # where the request went, when a send's route does not say (a webhook URL)
+    # Sent a second time within the attempt (its first copy's connection closed unanswered), and this answer
+    # is not a delivery: the provider may hold the first copy, so the sends stay claimed under the key, as
+    # after any re-send.
+    first_copy_unknown: bool = False
 
 
 class UnusablePayload(Exception):

@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import wait
 from dataclasses import replace
 
+from streams.providers.http import KEEPALIVE_S
 from streams.providers.registry import load_registry
 from streams.providers.resend import ResendEmail
 
@@ -22,8 +23,9 @@ class Provider(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
 
-    def __init__(self, answered_per_connection: int, pair_first_answers: bool = False):
+    def __init__(self, answered_per_connection: int, pair_first_answers: bool = False, later_status: int = 200):
         self.answered_per_connection = answered_per_connection
+        self.later_status = later_status  # the status of every answer on connections after the first
         self.pair = threading.Barrier(2, timeout=10) if pair_first_answers else None
         self.answered: list[int] = []  # requests answered, per connection
         self.keys: list[str] = []  # the idempotency key of every request that arrived
@@ -65,9 +67,12 @@ class Handler(socketserver.StreamRequestHandler):
             if self.server.pair is not None and me < 2 and self.server.answered[me] == 0:
                 self.server.pair.wait()
             self.server.answered[me] += 1
-            body = b'{"id": "m-%d"}' % len(self.server.keys)
-            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(body), body))
+            if me == 0 or self.server.later_status == 200:
+                status, body = b"200 OK", b'{"id": "m-%d"}' % len(self.server.keys)
+            else:
+                status, body = b"%d Refused" % self.server.later_status, b'{"name": "rate_limit_exceeded"}'
+            self.wfile.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
 
 
 def test_a_request_on_a_connection_the_provider_closed_is_sent_again_on_a_new_one():
@@ -87,6 +92,37 @@ def test_a_request_on_a_connection_the_provider_closed_is_sent_again_on_a_new_on
     assert (second.outcome, second.status) == ("delivered", 200)
     assert provider.answered == [1, 1]
     assert provider.keys == ["send-1", "send-2", "send-2"]
+
+
+def test_a_second_copy_that_is_not_delivered_says_the_provider_may_hold_the_first():
+    """Given a provider that closes a connection when its second request arrives, unanswered, and answers
+    429 on every later connection,
+    When two emails are posted one after the other (the second is sent again on a new connection: 429),
+    Then the second's result is the 429 marked `first_copy_unknown`: the provider may have read the first
+    copy before it closed, so the worker keeps the sends claimed under the key (never re-batched under a
+    new one) and the first email's result carries no such mark."""
+    provider = Provider(answered_per_connection=1, later_status=429)
+    adapter = ResendEmail(RESEND, provider.url)
+    try:
+        first = adapter.post("/emails", b"{}", "re_k", "send-1")
+        second = adapter.post("/emails", b"{}", "re_k", "send-2")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert first.outcome == "delivered" and not first.first_copy_unknown
+    assert (second.outcome, second.status, second.first_copy_unknown) == ("throttled", 429, True)
+    assert provider.keys == ["send-1", "send-2", "send-2"]
+
+
+def test_the_pool_limits_reach_the_connections():
+    """httpx.Client ignores its own `limits` when it is given a transport: they are the transport's."""
+    adapter = ResendEmail(RESEND, "http://provider.test", concurrency=6)
+    try:
+        pool = adapter.client._transport.inner._pool
+        assert (pool._keepalive_expiry, pool._max_connections, pool._max_keepalive_connections) == (KEEPALIVE_S, 6, 6)
+        assert adapter.fresh._transport.inner._pool._max_keepalive_connections == 0
+    finally:
+        adapter.close()
 
 
 def test_the_second_try_never_takes_another_closed_connection_from_the_pool():

@@ -602,6 +602,7 @@ class KeyedProvider(FakeProvider):
 
     LOST = "accepted, answer lost"
     FAILED_AFTER = "accepted, then answered 500"
+    READ_THEN_REFUSED = "accepted, its connection closed unanswered; the next answer is its second copy's"
 
     def __init__(self, answers):
         super().__init__(DELIVERED)
@@ -615,8 +616,11 @@ class KeyedProvider(FakeProvider):
     def post(self, path, body, api_key, idempotency_key):
         self.keys.append(idempotency_key)
         answer = self.answers.pop(0) if self.answers else DELIVERED
-        if answer is self.LOST or answer is self.FAILED_AFTER or answer is DELIVERED:
+        if answer is self.LOST or answer is self.FAILED_AFTER or answer is DELIVERED or answer is self.READ_THEN_REFUSED:
             self.accepted.setdefault(idempotency_key, body)
+        if answer is self.READ_THEN_REFUSED:  # the adapter sends it again at once, under the same key
+            self.keys.append(idempotency_key)
+            answer = self.answers.pop(0)
         if answer is self.LOST:
             return ProviderResult("unknown", 502, error_name="bad_gateway")
         if answer is self.FAILED_AFTER:  # as the HTTP adapter maps it
@@ -654,6 +658,33 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
         returned += 1
         _run(worker)
     assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 3, provider.keys
+    assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
+
+
+@pytest.mark.parametrize("refusal", [
+    ProviderResult("throttled", 429, retry_after="0", error_name="rate_limit_exceeded", first_copy_unknown=True),
+    ProviderResult("throttled", 429, retry_after="120", error_name="rate_limit_exceeded", first_copy_unknown=True),
+    ProviderResult("unavailable", error_name="connection_refused", first_copy_unknown=True),
+], ids=["short 429", "long 429", "connection refused"])
+def test_a_request_sent_twice_in_its_attempt_whose_second_copy_fails_keeps_its_sends_claimed(refusal):
+    """Given a batch of three marketing emails whose request the provider read on a pooled connection and
+    then closed unanswered, and whose second copy, sent at once on a new connection, was refused (a 429, a
+    refused connection: the HTTP adapter marks such a result `first_copy_unknown`),
+    When the sends come back (in the worker after a short 429, from a retry tier otherwise),
+    Then they stay claimed under the first key: every request the provider sees carries that key, and each
+    email is delivered once (released, they would be re-batched under new keys: delivered twice)."""
+    sends, msgs = _messages(["acme"] * 3)
+    provider = KeyedProvider([KeyedProvider.READ_THEN_REFUSED, refusal])
+    worker, consumer, producer, _ = _worker(msgs, jobs=RecordingJobs(), lane="marketing", provider=provider)
+    _run(worker)
+    returned = 0
+    while returned < sum(len(producer.records[t]) for t in producer.records if ".retry." in t):
+        copies = [c for t in producer.records if ".retry." in t for c in producer.records[t]]
+        value, headers = copies[returned]
+        consumer.pending.append(FakeMessage(0, 3 + returned, value, list(headers.items())))
+        returned += 1
+        _run(worker)
+    assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 2, provider.keys
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
