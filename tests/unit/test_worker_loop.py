@@ -674,8 +674,8 @@ def test_a_request_sent_twice_in_its_attempt_whose_second_copy_fails_keeps_its_s
     Then they stay claimed under the first key: every request the provider sees carries that key, and each
     email is delivered once (released, they would be re-batched under new keys: delivered twice)."""
     sends, msgs = _messages(["acme"] * 3)
-    provider = KeyedProvider([KeyedProvider.READ_THEN_REFUSED, refusal])
-    worker, consumer, producer, _ = _worker(msgs, jobs=RecordingJobs(), lane="marketing", provider=provider)
+    provider, jobs = KeyedProvider([KeyedProvider.READ_THEN_REFUSED, refusal]), ReleaseNotingJobs()
+    worker, consumer, producer, _ = _worker(msgs, jobs=jobs, lane="marketing", provider=provider)
     _run(worker)
     returned = 0
     while returned < sum(len(producer.records[t]) for t in producer.records if ".retry." in t):
@@ -686,6 +686,17 @@ def test_a_request_sent_twice_in_its_attempt_whose_second_copy_fails_keeps_its_s
         _run(worker)
     assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 2, provider.keys
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
+    assert provider.keys[0] not in jobs.released  # after a short 429 a release would re-batch the same three
+
+
+class ReleaseNotingJobs(RecordingJobs):
+    def __init__(self):
+        super().__init__()
+        self.released: list[str] = []
+
+    def release(self, tenant, send_ids, key, owner, earlier=None):
+        self.released.append(key)
+        super().release(tenant, send_ids, key, owner, earlier)
 
 
 def test_a_batch_answered_500_keeps_its_sends_claimed_and_only_its_request_is_sent_again():
