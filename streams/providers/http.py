@@ -19,13 +19,13 @@ import httpx
 import orjson
 
 from ..errors import ForbiddenProviderPath, ProviderAuthError
+from . import connections
+from .connections import CONNECT_S, KEEPALIVE_S
 from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact, token_outcome
 from .registry import ProviderSpec
 from .tokens import TokenRefused, TokenSource
 
 log = logging.getLogger("streams.providers")
-
-KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 
 
 class Provider(Protocol):
@@ -104,7 +104,7 @@ class HttpProvider:
         # Requests wait on the network in a small pool of threads; the worker's poll thread never does.
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"{self.name}-http")
         self.timeout_s = timeout_s
-        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_S))
         # Limits go to the transport: httpx.Client ignores its own when given one.
         pooled = httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=max(concurrency, 4),
                               keepalive_expiry=KEEPALIVE_S)
@@ -118,7 +118,7 @@ class HttpProvider:
             assert spec.token_path is not None  # the registry requires it for token auth
             creds = credentials or {}
             self.tokens = TokenSource(spec.name, self.client, spec.token_path[1], creds.get("client_id", ""),
-                                      creds.get("client_secret", ""))
+                                      creds.get("client_secret", ""), fresh=self.fresh)
 
     def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
         return self.pool.submit(self.post, path, body, api_key, idempotency_key)
@@ -173,30 +173,24 @@ class HttpProvider:
 
     def _send(self, path: str, body: bytes, headers: dict[str, str], started: float,
               sent_again: list[bool]) -> httpx.Response:
-        """POST on a pooled connection. One that the provider closed while it sat idle fails the next request
-        before any answer; only then, and only at a provider that honours idempotency keys, is the request
-        sent once more, on a new connection, within what is left of the timeout. Its key is the same, so a
-        provider that did read the first copy answers the second from its store. Elsewhere (the provider
-        may have read it before it closed) it is an unknown outcome, as is a new connection that fails.
-        `sent_again` is appended to when the second copy goes out: whatever it is answered, unless it is a
-        delivery, the provider may hold the first copy."""
-        seen: set[str] = set()
-        try:
-            return self.client.post(path, content=body, headers=headers,
-                                    extensions={"trace": lambda event, info: seen.add(event)})
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            opened = any(event.startswith("connection.connect_") for event in seen)
-            reused = "http11.send_request_headers.started" in seen and not opened
-            if not reused or "http11.receive_response_headers.complete" in seen or not self.spec.idempotent:
-                raise  # a new connection, or one that answered: another is no different
-            left = self.timeout_s - (time.monotonic() - started)
-            if left <= 0:
-                raise
+        """POST on a pooled connection. One that the provider closed while it sat idle fails before any answer;
+        then, and only at a provider that honours idempotency keys, the request is sent once more on a new
+        connection, within what is left of the timeout. Its key is the same, so a provider that did read the
+        first copy answers the second from its store. Elsewhere (the provider may have read it before it
+        closed) it is an unknown outcome, as is a new connection that fails. `sent_again` is appended to
+        when the second copy goes out: whatever it is answered, unless it is a delivery, the provider may
+        hold the first copy."""
+
+        def again() -> bool:
+            if not self.spec.idempotent:
+                return False
             log.info("provider %s closed a pooled connection before answering request %s: sent again on a new one",
                      self.name, headers["Idempotency-Key"])
             sent_again.append(True)
-            return self.fresh.post(path, content=body, headers=headers,
-                                   timeout=httpx.Timeout(left, connect=min(left, 3.0)))
+            return True
+
+        return connections.post(self.client, self.fresh, path, body, headers,
+                                lambda: self.timeout_s - (time.monotonic() - started), again)
 
     def _post(self, path: str, body: bytes, bearer: str, idempotency_key: str, started: float) -> ProviderResult:
         sent_again: list[bool] = []

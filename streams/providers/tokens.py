@@ -22,6 +22,7 @@ import orjson
 
 from .. import metrics
 from ..errors import ProviderAuthError
+from . import connections
 
 log = logging.getLogger("streams.providers")
 MARGIN_S = 5.0          # refresh this long before the stated expiry ...
@@ -70,8 +71,10 @@ def oauth_error(body: bytes) -> str:
 
 class TokenSource:
     def __init__(self, provider: str, client: httpx.Client, path: str, client_id: str, client_secret: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, fresh: httpx.Client | None = None):
         self.provider, self.client, self.path = provider, client, path
+        # Asks again through `fresh` (never a pooled connection) when the pooled one had been closed while idle.
+        self.fresh = fresh
         self._credentials = {"grant_type": "client_credentials", "client_id": client_id,
                              "client_secret": client_secret}
         self.clock = clock
@@ -89,6 +92,14 @@ class TokenSource:
                 token = self._token = self._fetch()
             return token.value
 
+    def _again(self) -> bool:
+        """A token request has no effect but a token: it may always be asked again (once, on a new connection)."""
+        if self.fresh is None:
+            return False
+        log.info("token endpoint of %s closed a pooled connection before answering: asked again on a new one",
+                 self.provider)
+        return True
+
     def invalidate(self, value: str) -> None:
         with self._lock:
             if self._token is not None and self._token.value == value:
@@ -96,9 +107,11 @@ class TokenSource:
 
     def _fetch(self) -> Token:
         started = self.clock()
+        timeout = self.client.timeout.read or 10.0
         try:
-            resp = self.client.post(self.path, content=orjson.dumps(self._credentials),
-                                    headers={"Content-Type": "application/json"})
+            resp = connections.post(self.client, self.fresh or self.client, self.path,
+                                    orjson.dumps(self._credentials), {"Content-Type": "application/json"},
+                                    lambda: timeout - (self.clock() - started), self._again)
         except httpx.TransportError as exc:
             raise ProviderAuthError(f"token endpoint of {self.provider} unreachable: {type(exc).__name__}") from None
         if not resp.is_success:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from ..errors import DispatchError
-from ..providers.http import KEEPALIVE_S
+from ..providers.connections import KEEPALIVE_S
 
 
 class WebhooksApiError(DispatchError):

@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 
 from .. import metrics
-from ..providers.http import KEEPALIVE_S
+from ..providers.connections import KEEPALIVE_S
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
 from .endpoints import EndpointDirectory
 from .lookups import LookupFailed, addresses_of, name_resolver

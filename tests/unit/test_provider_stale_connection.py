@@ -8,9 +8,14 @@ import threading
 from concurrent.futures import wait
 from dataclasses import replace
 
-from streams.providers.http import KEEPALIVE_S
+import httpx
+import pytest
+
+from streams.errors import ProviderAuthError
+from streams.providers.connections import KEEPALIVE_S
 from streams.providers.registry import load_registry
 from streams.providers.resend import ResendEmail
+from streams.providers.tokens import TokenSource
 
 RESEND = load_registry().providers["resend"]
 
@@ -60,19 +65,31 @@ class Handler(socketserver.StreamRequestHandler):
             fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
             self.rfile.read(int(fields.get(b"content-length", b"0")))
             with self.server.lock:
-                self.server.keys.append(fields[b"idempotency-key"].decode())
+                self.server.keys.append(fields.get(b"idempotency-key", b"token").decode())
             if self.server.answered[me] == self.server.answered_per_connection:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             if self.server.pair is not None and me < 2 and self.server.answered[me] == 0:
                 self.server.pair.wait()
             self.server.answered[me] += 1
-            if me == 0 or self.server.later_status == 200:
+            if head.startswith(b"POST /oauth/token "):
+                status, body = b"200 OK", b'{"access_token": "tok-%d", "expires_in": 60}' % len(self.server.keys)
+            elif me == 0 or self.server.later_status == 200:
                 status, body = b"200 OK", b'{"id": "m-%d"}' % len(self.server.keys)
             else:
                 status, body = b"%d Refused" % self.server.later_status, b'{"name": "rate_limit_exceeded"}'
             self.wfile.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
+
+
+def _two_emails(provider: Provider, spec=RESEND):
+    """Two emails posted one after the other through one adapter (the second reuses the first's connection)."""
+    adapter = ResendEmail(spec, provider.url)
+    try:
+        return adapter.post("/emails", b"{}", "re_k", "send-1"), adapter.post("/emails", b"{}", "re_k", "send-2")
+    finally:
+        adapter.close()
+        provider.stop()
 
 
 def test_a_request_on_a_connection_the_provider_closed_is_sent_again_on_a_new_one():
@@ -81,13 +98,7 @@ def test_a_request_on_a_connection_the_provider_closed_is_sent_again_on_a_new_on
     Then both are delivered: the second was sent again, under the same idempotency key, on a new
     connection, and the provider answered one request on each of the two connections."""
     provider = Provider(answered_per_connection=1)
-    adapter = ResendEmail(RESEND, provider.url)
-    try:
-        first = adapter.post("/emails", b"{}", "re_k", "send-1")
-        second = adapter.post("/emails", b"{}", "re_k", "send-2")
-    finally:
-        adapter.close()
-        provider.stop()
+    first, second = _two_emails(provider)
     assert (first.outcome, first.status) == ("delivered", 200)
     assert (second.outcome, second.status) == ("delivered", 200)
     assert provider.answered == [1, 1]
@@ -102,13 +113,7 @@ def test_a_second_copy_that_is_not_delivered_says_the_provider_may_hold_the_firs
     copy before it closed, so the worker keeps the sends claimed under the key (never re-batched under a
     new one) and the first email's result carries no such mark."""
     provider = Provider(answered_per_connection=1, later_status=429)
-    adapter = ResendEmail(RESEND, provider.url)
-    try:
-        first = adapter.post("/emails", b"{}", "re_k", "send-1")
-        second = adapter.post("/emails", b"{}", "re_k", "send-2")
-    finally:
-        adapter.close()
-        provider.stop()
+    first, second = _two_emails(provider)
     assert first.outcome == "delivered" and not first.first_copy_unknown
     assert (second.outcome, second.status, second.first_copy_unknown) == ("throttled", 429, True)
     assert provider.keys == ["send-1", "send-2", "send-2"]
@@ -168,12 +173,32 @@ def test_a_provider_without_idempotency_keys_is_never_sent_the_request_again():
     Then the second's outcome is unknown (left to reconciliation by the worker) and it was sent once:
     the provider may have read it before it closed, and nothing would stop it delivering a second copy."""
     provider = Provider(answered_per_connection=1)
-    adapter = ResendEmail(replace(RESEND, idempotent=False), provider.url)
-    try:
-        first = adapter.post("/emails", b"{}", "re_k", "send-1")
-        second = adapter.post("/emails", b"{}", "re_k", "send-2")
-    finally:
-        adapter.close()
-        provider.stop()
+    first, second = _two_emails(provider, replace(RESEND, idempotent=False))
     assert first.outcome == "delivered" and second.outcome == "unknown"
     assert provider.answered == [1] and provider.keys == ["send-1", "send-2"]
+
+
+def test_a_token_request_on_a_connection_the_provider_closed_is_asked_again_on_a_new_one():
+    """Given a token endpoint that closes a connection when its second request arrives, unanswered,
+    When a token is fetched, dropped (as after a 401) and fetched again on the pooled connection,
+    Then the second fetch gets a token too, asked again on a new connection (before, it failed as
+    `token_unavailable`, costing the send an attempt), and a token source without a fresh client does not
+    ask again."""
+    provider = Provider(answered_per_connection=1)
+    pooled = httpx.Client(base_url=provider.url, timeout=5)
+    fresh = httpx.Client(base_url=provider.url, timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+    try:
+        tokens = TokenSource("sms-b", pooled, "/oauth/token", "id", "secret", fresh=fresh)
+        first = tokens.get()
+        tokens.invalidate(first)
+        second = tokens.get()
+        assert (first, second) == ("tok-1", "tok-3") and provider.answered == [1, 1]
+        without_fresh = TokenSource("sms-b", pooled, "/oauth/token", "id", "secret")
+        assert without_fresh.get() == "tok-4"  # a new connection: the pooled one was closed
+        without_fresh.invalidate("tok-4")
+        with pytest.raises(ProviderAuthError, match="unreachable"):
+            without_fresh.get()
+    finally:
+        pooled.close()
+        fresh.close()
+        provider.stop()

@@ -4,7 +4,7 @@ import http.server
 import threading
 import time
 
-from streams.providers.http import KEEPALIVE_S
+from streams.providers.connections import KEEPALIVE_S
 from streams.webhooks.client import WebhooksClient
 
 

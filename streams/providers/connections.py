@@ -1,0 +1,51 @@
+"""Pooled connections to a provider, and the one failure pooling adds.
+
+A provider (like most servers: uvicorn and Node after 5 s, gunicorn after 2 s) closes a connection that sat
+idle. The pool lets one go after KEEPALIVE_S, before most servers would; a request that still goes out on a
+connection the server is closing at that moment fails before any answer. `post` tells that case from the
+others by the request's trace (its headers went out on a connection it did not open, and no answer began)
+and, if the caller allows, sends the request once more through a client that never reuses a connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
+CONNECT_S = 3.0
+
+
+class _Trace:
+    """The httpcore trace events of one request (`extensions={"trace": ...}`)."""
+
+    def __init__(self) -> None:
+        self.events: set[str] = set()
+
+    def __call__(self, event: str, info: dict) -> None:
+        self.events.add(event)
+
+    def closed_while_idle(self) -> bool:
+        """Sent on a reused connection (none opened for it), which closed before any answer began."""
+        opened = any(event.startswith("connection.connect_") for event in self.events)
+        return ("http11.send_request_headers.started" in self.events and not opened
+                and "http11.receive_response_headers.complete" not in self.events)
+
+
+def post(pooled: httpx.Client, fresh: httpx.Client, path: str, content: bytes, headers: dict[str, str],
+         seconds_left: Callable[[], float], again: Callable[[], bool]) -> httpx.Response:
+    """POST through `pooled`. A request that met a connection the provider closed while it sat idle is sent
+    once more through `fresh`, with `seconds_left()` as its timeout, when `again()` says so (it is asked
+    only then, so it may log and record the second copy). Any other failure is raised as it came."""
+    trace = _Trace()
+    try:
+        return pooled.post(path, content=content, headers=headers, extensions={"trace": trace})
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+        if not trace.closed_while_idle():
+            raise  # a new connection, or one that answered: another is no different
+        left = seconds_left()
+        if left <= 0 or not again():
+            raise
+        return fresh.post(path, content=content, headers=headers,
+                          timeout=httpx.Timeout(left, connect=min(left, CONNECT_S)))
