@@ -1,10 +1,11 @@
 """Pooled connections to a provider, and the one failure pooling adds.
 
-A provider (like most servers: uvicorn and Node after 5 s, gunicorn after 2 s) closes a connection that sat
-idle. The pool lets one go after KEEPALIVE_S, before most servers would; a request that still goes out on a
-connection the server is closing at that moment fails before any answer. `post` tells that case from the
-others by the request's trace (its headers went out on a connection it did not open, and no answer began)
-and, if the caller allows, sends the request once more through a client that never reuses a connection.
+A provider, like most servers, closes a connection that sat idle (uvicorn and Node after 5 s). The pool lets
+one go after KEEPALIVE_S, before those would; a request that still goes out on a connection the server is
+closing at that moment (or one a server with a shorter keep-alive closed) fails before any answer. `post`
+tells that case from the others by the request's trace (it began sending its headers on a connection it did
+not open, and no answer's headers were read) and, if the caller allows, sends the request once more through
+a client that never reuses a connection.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class _Trace:
 def post(pooled: httpx.Client, fresh: httpx.Client, path: str, content: bytes, headers: dict[str, str],
          seconds_left: Callable[[], float], again: Callable[[], bool]) -> httpx.Response:
     """POST through `pooled`. A request that met a connection the provider closed while it sat idle is sent
-    once more through `fresh`, with `seconds_left()` as its timeout, when `again()` says so (it is asked
-    only then, so it may log and record the second copy). Any other failure is raised as it came."""
+    once more through `fresh` when `again()` says so (it is asked only then, so it may log and record the
+    second copy); `seconds_left()` bounds each of its reads and writes (its connect: CONNECT_S at most).
+    Any other failure is raised as it came."""
     trace = _Trace()
     try:
         return pooled.post(path, content=content, headers=headers, extensions={"trace": trace})

@@ -93,7 +93,8 @@ class TokenSource:
             return token.value
 
     def _again(self) -> bool:
-        """A token request has no effect but a token: it may always be asked again (once, on a new connection)."""
+        """A token request's only effect is one more token issued: it may be asked again (once, on a new
+        connection)."""
         if self.fresh is None:
             return False
         log.info("token endpoint of %s closed a pooled connection before answering: asked again on a new one",
@@ -109,7 +110,7 @@ class TokenSource:
         started = self.clock()
         timeout = self.client.timeout.read or 10.0
         try:
-            resp = connections.post(self.client, self.fresh or self.client, self.path,
+            resp = connections.post(self.client, self.client if self.fresh is None else self.fresh, self.path,
                                     orjson.dumps(self._credentials), {"Content-Type": "application/json"},
                                     lambda: timeout - (self.clock() - started), self._again)
         except httpx.TransportError as exc:

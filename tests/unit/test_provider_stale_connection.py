@@ -15,9 +15,11 @@ from streams.errors import ProviderAuthError
 from streams.providers.connections import KEEPALIVE_S
 from streams.providers.registry import load_registry
 from streams.providers.resend import ResendEmail
+from streams.providers.sms_b import SmsGatewayB
 from streams.providers.tokens import TokenSource
 
-RESEND = load_registry().providers["resend"]
+REGISTRY = load_registry()
+RESEND = REGISTRY.providers["resend"]
 
 
 class Provider(socketserver.ThreadingTCPServer):
@@ -33,7 +35,7 @@ class Provider(socketserver.ThreadingTCPServer):
         self.later_status = later_status  # the status of every answer on connections after the first
         self.pair = threading.Barrier(2, timeout=10) if pair_first_answers else None
         self.answered: list[int] = []  # requests answered, per connection
-        self.keys: list[str] = []  # the idempotency key of every request that arrived
+        self.keys: list[str] = []  # the idempotency key of every request that arrived ("token": a token request)
         self.lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -75,7 +77,8 @@ class Handler(socketserver.StreamRequestHandler):
             if head.startswith(b"POST /oauth/token "):
                 status, body = b"200 OK", b'{"access_token": "tok-%d", "expires_in": 60}' % len(self.server.keys)
             elif me == 0 or self.server.later_status == 200:
-                status, body = b"200 OK", b'{"id": "m-%d"}' % len(self.server.keys)
+                n = len(self.server.keys)  # Resend's shape and sms-b's
+                status, body = b"200 OK", b'{"id": "m-%d", "message": {"sid": "m-%d"}}' % (n, n)
             else:
                 status, body = b"%d Refused" % self.server.later_status, b'{"name": "rate_limit_exceeded"}'
             self.wfile.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
@@ -202,3 +205,23 @@ def test_a_token_request_on_a_connection_the_provider_closed_is_asked_again_on_a
         pooled.close()
         fresh.close()
         provider.stop()
+
+
+def test_a_provider_with_tokens_asks_for_a_token_again_on_a_new_connection():
+    """Given an SMS provider with short-lived tokens that closes a connection when its third request arrives,
+    unanswered,
+    When an SMS is sent (a token request and the SMS on one connection), the token is dropped (as after a
+    401), and a second SMS is sent (its token request meets the closed connection),
+    Then the second SMS is delivered: the adapter's token source asked again on a new connection."""
+    provider = Provider(answered_per_connection=2)
+    adapter = SmsGatewayB(REGISTRY.providers["sms-b"], provider.url, {"client_id": "id", "client_secret": "s"})
+    try:
+        first = adapter.post("/v2/messages", b"{}", "unused", "send-1")
+        adapter.tokens.invalidate(adapter.tokens.get())
+        second = adapter.post("/v2/messages", b"{}", "unused", "send-2")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert (first.outcome, second.outcome) == ("delivered", "delivered"), second
+    assert provider.keys == ["token", "send-1", "token", "token", "send-2"]
+    assert provider.answered == [2, 1, 1]  # the closed one, the token asked again, the second SMS
