@@ -295,10 +295,13 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     @router.post("/endpoints/{endpoint_id}/reactivate", response_model=EndpointView,
                  responses=documented(401, 403, 404, 503))
     def reactivate_endpoint(endpoint_id: str, who: Operator) -> dict:
-        found = ingest.webhooks.directory.endpoints.get(endpoint_id) if ingest.webhooks else None
-        if found is None:
+        found = ingest.webhooks.directory.endpoints.get(endpoint_id) if ingest.webhooks else None  # its tenant
+        # Its state as stored now, not as this process's endpoint view has read it so far: the view may not have
+        # read a 410's disable yet, and the audit record would say it was active.
+        stored = ingest.webhooks.endpoints.get(found.tenant, endpoint_id) if found and ingest.webhooks else None
+        if found is None or stored is None or ingest.webhooks is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
-        before = ingest.webhooks.current(found).public()
+        before = ingest.webhooks.current(stored).public()
         ep = ingest.webhooks.set_active(found.tenant, endpoint_id)
         if ep is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
