@@ -98,6 +98,9 @@ def fuzzed(api, stack, names):
 @pytest.fixture
 def api_schema(fuzzed):
     config = SchemathesisConfig.from_dict({
+        # An operation whose schema makes Hypothesis discard many drafts (the batch body's nested sends) failed the
+        # health check at random, not the API: the cases it does generate are still checked.
+        "suppress-health-check": ["filter_too_much"],
         "generation": {"max-examples": MAX_EXAMPLES, "database": "none"},
         "phases": {"stateful": {"enabled": False}},
     })
