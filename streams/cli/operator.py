@@ -373,8 +373,7 @@ def endpoints(sub) -> None:
             sealer = rt.config.webhook_secret_keys
             if sealer is None:
                 raise ConfigError("`streams endpoints reseal` needs WEBHOOK_SECRET_KEYS (its first key seals)")
-            tenants = (sorted({ep.tenant for ep in webhooks.directory.endpoints.values()}) if args.tenant == "*"
-                       else [args.tenant])
+            tenants = store.tenants() if args.tenant == "*" else [args.tenant]  # as Redis holds them, not the view
             what, key = f"endpoints/{args.tenant}/reseal", sealer.keys[0][0]
             changed = 0
             try:

@@ -295,24 +295,28 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     @router.post("/endpoints/{endpoint_id}/reactivate", response_model=EndpointView,
                  responses=documented(401, 403, 404, 503))
     def reactivate_endpoint(endpoint_id: str, who: Operator) -> dict:
-        found = ingest.webhooks.directory.endpoints.get(endpoint_id) if ingest.webhooks else None  # its tenant
-        # Its state as stored now, not as this process's endpoint view has read it so far: the view may not have
-        # read a 410's disable yet, and the audit record would say it was active.
-        stored = ingest.webhooks.endpoints.get(found.tenant, endpoint_id) if found and ingest.webhooks else None
-        if found is None or stored is None or ingest.webhooks is None:
+        webhooks = ingest.webhooks
+        if webhooks is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
-        before = ingest.webhooks.current(stored).public()
-        ep = ingest.webhooks.set_active(found.tenant, endpoint_id)
+        # The endpoint as stored now, not as this process's endpoint view has read it so far: the view may not have
+        # read its creation yet (its tenant is then looked up in Redis), nor a 410's disable (the audit record would
+        # say it was active).
+        seen = webhooks.directory.endpoints.get(endpoint_id)
+        stored = webhooks.endpoints.get(seen.tenant, endpoint_id) if seen else webhooks.endpoints.find(endpoint_id)
+        if stored is None:
+            raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
+        before = webhooks.current(stored).public()
+        ep = webhooks.set_active(stored.tenant, endpoint_id)
         if ep is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         try:
-            ingest.webhooks.reset_health(found.tenant, endpoint_id)
+            webhooks.reset_health(stored.tenant, endpoint_id)
         except PublishError as exc:
             # Its configured state is active already (a 410's disable lifted): on the audit trail too, as it now
             # stands (degraded while the endpoint-health app holds it so), with the error.
             log.warning("endpoint %s: configured state active again, its health reset not confirmed: %s",
                         endpoint_id, exc)
-            now = ingest.webhooks.current(ep).state
+            now = webhooks.current(ep).state
             also = ""
             try:
                 audited(who, f"endpoint/{endpoint_id}", {"state": before["state"]},

@@ -225,6 +225,23 @@ class EndpointStore:
             raw = self.client.hgetall(self.keys.endpoints(tenant))
         return sorted((Endpoint.from_doc(orjson.loads(v)) for v in raw.values()), key=lambda e: e.created_at_ms)
 
+    def tenants(self) -> list[str]:
+        """Every tenant with an endpoint, as Redis holds them: not as a view of the operator log has read them so
+        far (a tenant's first endpoint, created a moment ago, may not be in it yet)."""
+        prefix, suffix = self.keys.endpoints("\0").split("\0")
+        pattern = f"{_glob_escape(prefix)}*{_glob_escape(suffix)}"
+        with store_errors("listing the tenants with endpoints"):
+            found = {key.decode()[len(prefix):-len(suffix)] for key in self.client.scan_iter(match=pattern, count=1000)}
+        return sorted(found)
+
+    def find(self, endpoint_id: str) -> Endpoint | None:
+        """An endpoint by its id alone, looked up in Redis tenant by tenant (an operator's lookup, not a request's)."""
+        for tenant in self.tenants():
+            found = self.get(tenant, endpoint_id)
+            if found is not None:
+                return found
+        return None
+
     def subscribers(self, tenant: str, event_type: str) -> list[Endpoint]:
         """The endpoints a new event of this type is delivered to: enabled, active, subscribed."""
         return [e for e in self.all(tenant) if e.deliverable and e.subscribes(event_type)]
@@ -445,3 +462,8 @@ class EndpointDirectory:
     def close(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis SCAN pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

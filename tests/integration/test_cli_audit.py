@@ -12,6 +12,7 @@ from streams.state.audit import AuditLog, cli_actor
 from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
+from streams.webhooks.sealing import Sealer
 from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import free_port, start_api, wait_until
 
@@ -109,6 +110,30 @@ def test_a_reseal_stopped_part_way_puts_what_it_re_sealed_on_the_audit_trail(sta
 
 
 
+def _redis_only_store(redis_client, namespace, sealer=None):
+    """Endpoints written to Redis without the operator log: as a process's endpoint view, which follows that log,
+    sees an endpoint it has not read yet (the log is behind, or its follower stuck)."""
+    return EndpointStore(redis_client, namespace, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
+                         system_resolver, sealer)
+
+
+def test_a_reseal_of_every_tenant_reaches_the_endpoints_redis_holds(stack, namespace, redis_client, channel_topics,
+                                                                   dispatch_env):
+    """Given tenant ccc's endpoint sealed under key test-1 in Redis, which the operator log has not shown yet,
+    When an operator re-seals every tenant's endpoints under test-2,
+    Then that endpoint is re-sealed: 1 endpoint of 1 tenant, its secret under test-2 (before: the tenants were
+    listed from the endpoint view, and the run reported success with 0 of 0)."""
+    channel_topics("webhook")
+    test_1 = Sealer.parse(dispatch_env["WEBHOOK_SECRET_KEYS"].split(",")[1])
+    ep, _ = _redis_only_store(redis_client, namespace, test_1).create("ccc", "http://127.0.0.1:9/hook", ["*"])
+
+    resealed = _cli(dispatch_env, "endpoints", "reseal", "--tenant", "*")
+    assert resealed.returncode == 0, resealed.stderr
+    assert "1 endpoint(s) of 1 tenant(s) re-sealed under key 'test-2'" in resealed.stdout
+    [secret] = _redis_only_store(redis_client, namespace).get("ccc", ep.id).secrets
+    assert secret.value.startswith("sealed:v1:test-2:")
+
+
 def _disabled_endpoint_and_no_attempts_topic(stack, names, redis_client, namespace, endpoint_id):
     """The endpoint disabled by a 410, and the webhook attempts topic (the endpoint-health app's input) gone: the
     broker refuses a reactivation's health reset."""
@@ -189,3 +214,26 @@ def test_an_operator_api_reactivation_whose_health_reset_is_refused_is_on_the_au
     r = api.post(f"/v1/endpoints/{endpoint_id}/reactivate", headers=api.keys["a"], timeout=120)
     assert r.status_code == 503 and r.json()["outcome"] == "applied", r.text
     assert "reactivate it again to finish" in r.text
+
+
+def test_the_operator_api_reactivates_an_endpoint_its_endpoint_view_has_not_read(
+        stack, names, namespace, redis_client, channel_topics, processes):
+    """Given a tenant's endpoint disabled by a 410, in Redis, which the API process's endpoint view has not read
+    (neither its creation nor its disable),
+    When an operator reactivates it through the operator API,
+    Then it is reactivated: 200 with the endpoint active, active in Redis, and the audit trail holds
+    disabled -> active (before: 404, the endpoint's tenant was looked up in the view only)."""
+    channel_topics("webhook")
+    api = start_api(processes, free_port(), {"a": "acme"}, redis_client, namespace)
+    store = _redis_only_store(redis_client, namespace)
+    ep, _ = store.create("acme", "http://127.0.0.1:9/hook", ["*"])
+    assert store.set_state("acme", ep.id, "disabled", "the receiver answered 410 Gone").state == "disabled"
+    started = int(time.time() * 1000)
+
+    r = api.post(f"/v1/admin/endpoints/{ep.id}/reactivate", headers=api.keys["operator"])
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "active" and r.json()["id"] == ep.id
+    assert store.get("acme", ep.id).state == "active"
+    [reactivated] = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{ep.id}"]
+    assert reactivated["before"] == {"state": "disabled"} and reactivated["after"] == {"state": "active"}
+    assert api.post("/v1/admin/endpoints/ep_nobody_has/reactivate", headers=api.keys["operator"]).status_code == 404

@@ -406,3 +406,23 @@ def test_a_create_whose_redis_write_fails_is_taken_back_out_of_the_operator_log(
     (written, doc), (taken_back, tombstone) = log.writes
     assert written == taken_back and doc is not None and tombstone is None
     assert redis_client.zcard(keys.endpoint_reservations("acme")) == 0
+
+
+def test_the_tenants_with_endpoints_and_an_endpoint_by_id_are_read_from_redis(redis_client, namespace):
+    """Given endpoints of tenants acme and beta written to Redis only (no operator log, so no view has them), a
+    tenant with only a place reserved, and a tenant of another namespace whose name the first namespace's
+    `?` would match as a pattern,
+    When the operator's lookups list the tenants with endpoints and find beta's endpoint by its id alone,
+    Then they list acme and beta (not the reservation, not the other namespace), find beta's endpoint, and find
+    nothing for an id no tenant has."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    store = EndpointStore(redis_client, f"{namespace}?", None, policy, system_resolver)
+    other = EndpointStore(redis_client, f"{namespace}x", None, policy, system_resolver)
+    store.create("acme", "http://127.0.0.1:9/hooks/a", ["*"])
+    betas, _ = store.create("beta", "http://127.0.0.1:9/hooks/b", ["*"])
+    other.create("gamma", "http://127.0.0.1:9/hooks/c", ["*"])
+    redis_client.zadd(RedisKeys(f"{namespace}?").endpoint_reservations("delta"), {"ep_reserved": 1})
+
+    assert store.tenants() == ["acme", "beta"]
+    assert store.find(betas.id) == betas
+    assert store.find("ep_nobody_has") is None
