@@ -30,8 +30,12 @@ class Provider(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
 
-    def __init__(self, answered_per_connection: int, pair_first_answers: bool = False, later_status: int = 200):
+    def __init__(self, answered_per_connection: int = -1, pair_first_answers: bool = False, later_status: int = 200,
+                 script: list[int | str] | None = None):
         self.answered_per_connection = answered_per_connection
+        # Instead: what each request, in the order they arrive, gets: a status, "close" (the connection closed
+        # unanswered), or "close, then refuse" (the provider also stops taking connections).
+        self.script = script
         self.later_status = later_status  # the status of every answer on connections after the first
         self.pair = threading.Barrier(2, timeout=10) if pair_first_answers else None
         self.answered: list[int] = []  # requests answered, per connection
@@ -68,7 +72,11 @@ class Handler(socketserver.StreamRequestHandler):
             self.rfile.read(int(fields.get(b"content-length", b"0")))
             with self.server.lock:
                 self.server.keys.append(fields.get(b"idempotency-key", b"token").decode())
-            if self.server.answered[me] == self.server.answered_per_connection:
+                action = self.server.script.pop(0) if self.server.script is not None else None
+            if action == "close, then refuse":
+                self.server.shutdown()  # no longer accepting (its loop has stopped selecting on the socket) ...
+                self.server.socket.close()  # ... so a connection attempt from now on is refused
+            if self.server.answered[me] == self.server.answered_per_connection or isinstance(action, str):
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             if self.server.pair is not None and me < 2 and self.server.answered[me] == 0:
@@ -76,6 +84,8 @@ class Handler(socketserver.StreamRequestHandler):
             self.server.answered[me] += 1
             if head.startswith(b"POST /oauth/token "):
                 status, body = b"200 OK", b'{"access_token": "tok-%d", "expires_in": 60}' % len(self.server.keys)
+            elif action is not None and action != 200:
+                status, body = b"%d Refused" % action, b'{"name": "refused"}'
             elif me == 0 or self.server.later_status == 200:
                 n = len(self.server.keys)  # Resend's shape and sms-b's
                 status, body = b"200 OK", b'{"id": "m-%d", "message": {"sid": "m-%d"}}' % (n, n)
@@ -120,6 +130,37 @@ def test_a_second_copy_that_is_not_delivered_says_the_provider_may_hold_the_firs
     assert first.outcome == "delivered" and not first.first_copy_unknown
     assert (second.outcome, second.status, second.first_copy_unknown) == ("throttled", 429, True)
     assert provider.keys == ["send-1", "send-2", "send-2"]
+
+
+def test_a_second_copy_whose_connection_is_refused_says_the_provider_may_hold_the_first():
+    """Given a provider that closes a connection when its second request arrives, unanswered, and from then on
+    refuses connections,
+    When two emails are posted one after the other (the second's copy, sent again, meets a refused connection),
+    Then the second's result is `unavailable` (that copy never reached the provider) marked `first_copy_unknown`:
+    the first copy may have, so the worker keeps its sends claimed under the key instead of freeing them as a
+    request that never left."""
+    provider = Provider(script=[200, "close, then refuse"])
+    first, second = _two_emails(provider)
+    assert first.outcome == "delivered" and not first.first_copy_unknown
+    assert (second.outcome, second.error_name, second.first_copy_unknown) == ("unavailable", "connection_refused", True)
+    assert provider.keys == ["send-1", "send-2"]
+
+
+def test_the_mark_of_a_second_copy_outlives_a_token_refresh():
+    """Given an SMS provider with short-lived tokens that closes the connection of the first SMS unanswered, answers
+    its copy sent again 401 (the token expired), and the same SMS under a new token 429,
+    When the SMS is sent,
+    Then the result is the 429 marked `first_copy_unknown`: the first copy, sent before the token was refreshed,
+    may be held by the provider, though the last pass sent its request once."""
+    provider = Provider(script=[200, "close", 401, 200, 429])
+    adapter = SmsGatewayB(REGISTRY.providers["sms-b"], provider.url, {"client_id": "id", "client_secret": "s"})
+    try:
+        result = adapter.post("/v2/messages", b"{}", "unused", "send-1")
+    finally:
+        adapter.close()
+        provider.stop()
+    assert (result.outcome, result.status, result.first_copy_unknown) == ("throttled", 429, True)
+    assert provider.keys == ["token", "send-1", "send-1", "token", "send-1"]
 
 
 def test_the_pool_limits_reach_the_connections():
