@@ -138,13 +138,17 @@ def consume_ready(consumer: Consumer, max_messages: int, timeout: float) -> list
     return [first, *consumer.consume(num_messages=max_messages - 1, timeout=0)] if max_messages > 1 else [first]
 
 
-def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tuple[str, int]]) -> None:
+def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tuple[str, int]],
+                  past_idle_to_position: bool = True) -> None:
     """Store, for each assigned partition, the lowest offset whose work is unfinished; auto-commit
     picks it up. A partition with nothing unfinished stores the consumer's position when that is
     further: the control records a producer transaction leaves (its commit marker takes an offset
-    but is never returned to us) are then behind the stored offset too, and the lag reaches 0."""
+    but is never returned to us) are then behind the stored offset too, and the lag reaches 0.
+    That holds only while every message a poll returned is tracked: a caller storing from a
+    rebalance callback that ran inside a consume, after the poll before it returned messages not
+    tracked yet, passes `past_idle_to_position=False` (the position is past those messages)."""
     committable = {tp: o for tp, o in tracker.committable().items() if tp in assigned}
-    idle = [TopicPartition(t, p) for (t, p) in committable if tracker.idle(t, p)]
+    idle = [TopicPartition(t, p) for (t, p) in committable if past_idle_to_position and tracker.idle(t, p)]
     if idle:
         try:
             for tp in consumer.position(idle):

@@ -54,8 +54,12 @@ def by_endpoint(send: Send) -> str:
 
 
 class TenantQueues:
-    def __init__(self, queue_key: Callable[[Send], str] = by_tenant):
+    def __init__(self, queue_key: Callable[[Send], str] = by_tenant,
+                 owned: Callable[[tuple[str, int]], bool] = lambda partition: True):
+        """`owned`: whether this consumer still owns a (topic, partition); what is put back of one it no longer
+        owns is dropped."""
         self.queue_key = queue_key
+        self.owned = owned
         self.queues: dict[str, TenantQueue] = {}
         self.global_ready_at = 0.0
         self.buffered = 0
@@ -114,7 +118,10 @@ class TenantQueues:
         return taken
 
     def put_back(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
-        """Return messages to the front of their queue, in their order; optionally hold the queue."""
+        """Return messages to the front of their queue, in their order; optionally hold the queue. Messages of a
+        partition revoked (or lost) while their request was out are not returned: its new owner reads them again,
+        and dispatching them here too would start a second retry chain for each."""
+        items = [p for p in items if self.owned((p.topic, p.partition))]
         q = self.queues.setdefault(key, TenantQueue())
         q.items.extendleft(reversed(items))
         self.buffered += len(items)

@@ -90,7 +90,7 @@ class LaneWorker:
         self.topic, self.group = config.topic, config.group
         self.consumer, self.producer, self.routes = consumer, producer, routes
         self.policies = policies
-        self.queues = TenantQueues(queue_key)
+        self.queues = TenantQueues(queue_key, owned=lambda partition: partition in self.pauses.assigned)
         self.tracker = OffsetTracker()
         self.pauses = LanePauses(consumer, config.bootstrap, config.names, config.channel, config.lane,
                                  config.yield_policy)
@@ -113,6 +113,7 @@ class LaneWorker:
         self.backlog = backlog
         self.trim_every_s = TRIM_EVERY_S
         self._next_trim = 0.0
+        self._polling = False  # inside the consume (and the tracking) of a step
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,12 +132,14 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
+        self._polling = True  # a revoke served meanwhile may meet messages returned but not tracked yet
         msgs = self._of_assigned(consume_ready(self.consumer, 500, self._idle_timeout()))
         # The whole batch is tracked before any of it is taken in: should taking one in fail (the worker
         # then stops), the offsets stored on the way out stay below the messages not yet taken in.
         for msg in msgs:
             if not msg.error():
                 self.tracker.add(msg.topic(), msg.partition(), msg.offset())
+        self._polling = False
         for msg in msgs:
             self._intake(msg)
         self._trim()
@@ -224,7 +227,9 @@ class LaneWorker:
     def _on_revoke(self, consumer, partitions) -> None:
         metrics.REBALANCES.labels(*self._label, "revoked").inc(len(partitions))
         self._drain()
-        self._store_offsets()
+        # Served inside the consume after a poll, the consumer's position is past a message that poll returned
+        # and that is not tracked yet (it is dropped: its new owner reads it): store what is tracked, not beyond.
+        self._store_offsets(past_idle_to_position=not self._polling)
         commit_now(consumer)
         self._forget(partitions)
 
@@ -367,6 +372,6 @@ class LaneWorker:
         log.info("skipped a stale copy of send %s: its attempt %d was made already", p.send.send_id, p.attempt)
         self.tracker.finish(*p.where)
 
-    def _store_offsets(self) -> None:
-        store_offsets(self.consumer, self.tracker, self.pauses.assigned)
+    def _store_offsets(self, past_idle_to_position: bool = True) -> None:
+        store_offsets(self.consumer, self.tracker, self.pauses.assigned, past_idle_to_position)
         metrics.BUFFERED.labels(*self._label).set(self.queues.buffered)

@@ -3,6 +3,8 @@ are still in its process (payload and all), so a lane topic that does not acknow
 without its replicas) cannot make it read on without bound. No broker: the consumer records pauses and the
 producer never acknowledges."""
 
+from confluent_kafka import TopicPartition
+
 from streams.kafka_client import AckedWriter
 from streams.retry.retrier import Held, Retrier, RetrierConfig
 from tests.harness import PauseRecordingConsumer
@@ -73,3 +75,83 @@ def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_not_held
     r._hold(_Message(tier, 0, 7))
     assert [(h.partition, h.offset) for h in r.heap] == [(0, 7)]
     assert set(r.tracker.committable()) == {(tier, 0)}
+
+
+class AckingProducer(SilentProducer):
+    """The broker acknowledges every record at the next poll."""
+
+    def __init__(self):
+        self.acks: list = []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.acks.append(on_delivery)
+
+    def poll(self, timeout=0):
+        acks, self.acks = self.acks, []
+        for ack in acks:
+            ack(None, None)
+        return len(acks)
+
+
+class RevokeAfterPoll(PauseRecordingConsumer):
+    """Hands out one message per poll and knows its position; once asked to, the consume after a poll serves a
+    revoke of the retrier's partitions (as librdkafka may)."""
+
+    def __init__(self, retrier_of):
+        super().__init__()
+        self.retrier_of, self.revoke_next = retrier_of, False
+        self.queue: list = []
+        self.stored: dict[tuple[str, int], int] = {}
+        self.positions: dict[tuple[str, int], int] = {}
+
+    def poll(self, timeout=0):
+        if not self.queue:
+            return None
+        msg = self.queue.pop(0)
+        self.positions[(msg.topic(), msg.partition())] = msg.offset() + 1
+        return msg
+
+    def consume(self, num_messages=1, timeout=0):
+        if self.revoke_next:
+            self.revoke_next = False
+            retrier = self.retrier_of()
+            retrier._on_revoke(self, [TopicPartition(t, p) for t, p in retrier.assigned])
+        return []
+
+    def store_offsets(self, offsets):
+        self.stored.update({(tp.topic, tp.partition): tp.offset for tp in offsets})
+
+    def position(self, partitions):
+        return [TopicPartition(tp.topic, tp.partition, self.positions.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]
+
+    def commit(self, asynchronous=True):
+        pass
+
+
+def test_a_revoke_served_after_the_poll_returned_a_retry_copy_stores_no_offset_past_it():
+    """Given a retrier that has re-published the copy at offset 5 of the 10 s tier (acknowledged: nothing of the
+    partition unfinished),
+    When its next poll returns the copy at offset 6 and the consume after that poll serves the partition's revoke,
+    Then the offset stored for the partition is 6, so its new owner reads that copy (this retrier drops it);
+    before, the consumer's position (7) was stored and the copy was never re-published by anyone."""
+    now = 1_000_000_000_000
+    holder: list = []
+    r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1"), clock=lambda: now / 1000)
+    r.consumer.close()
+    consumer = RevokeAfterPoll(lambda: holder[0])
+    r.consumer = consumer  # type: ignore[assignment]
+    r.writer = AckedWriter(AckingProducer(), "test")  # type: ignore[arg-type]
+    holder.append(r)
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    consumer.queue.append(_Message(tier, 0, 5))
+    r.step()
+    r.step()
+    assert consumer.stored[(tier, 0)] == 6 and not r.heap
+
+    consumer.queue.append(_Message(tier, 0, 6))
+    consumer.revoke_next = True
+    r.step()
+    assert consumer.stored[(tier, 0)] == 6 and consumer.positions[(tier, 0)] == 7
+    assert not r.heap and not r.assigned

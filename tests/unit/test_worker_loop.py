@@ -1626,3 +1626,65 @@ def test_a_tenant_over_its_bucket_parks_its_endpoints_deliveries_in_one_line_of_
                   for _, h in records if h.get("spilled") == b"1")
     assert len(dues) >= 20
     assert all(later - earlier >= 190 for earlier, later in itertools.pairwise(dues)), dues
+
+
+class RevokeAfterPoll(BatchedConsumer):
+    """A consumer whose `consume` after a poll that returned a message serves a revoke of partition 1 (as
+    librdkafka may), once asked to."""
+
+    def __init__(self, batches, worker_of):
+        super().__init__(batches)
+        self.worker_of, self.revoke_next = worker_of, False
+
+    def consume(self, num_messages=1, timeout=0):
+        if num_messages > 1 and self.revoke_next:
+            self.revoke_next = False
+            self.worker_of()._on_revoke(self, [_TP(TOPIC, 1)])
+            return []
+        return super().consume(num_messages, timeout)
+
+
+def test_a_revoke_served_after_the_poll_returned_a_message_stores_no_offset_past_it():
+    """Given a worker that has delivered partition 1's send at offset 39 (nothing of it unfinished),
+    When its next poll returns the send at offset 40 and the consume after that poll serves partition 1's revoke,
+    Then the offset stored (and committed) for partition 1 is 40, so the partition's new owner reads that send:
+    this worker drops it (it no longer owns it); before, the consumer's position (41) was stored, skipping the
+    send for good."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
+    holder: list = []
+    consumer = RevokeAfterPoll([[FakeMessage(1, 39, encode(sends[0]))]], lambda: holder[0])
+    spec = load_registry().primary("email")
+    provider = FakeProvider(DELIVERED)
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    holder.append(worker)
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker)
+    assert consumer.stored[(TOPIC, 1)] == 40 and len(provider.sent) == 1
+
+    consumer.batches.append([FakeMessage(1, 40, encode(sends[1]))])
+    consumer.revoke_next = True
+    _run(worker)
+    assert consumer.stored[(TOPIC, 1)] == 40 and consumer.positions[1] == 41
+    assert len(provider.sent) == 1 and (TOPIC, 1) not in worker.tracker.committable()
+
+
+
+def test_a_short_429_answered_after_its_partition_was_lost_does_not_dispatch_the_send_here_again():
+    """Given a send whose request is out when its partition is lost (no drain: another worker owns it now),
+    When the provider answers a short 429 (the sends would go back to the front of their queue),
+    Then the send is not put back nor sent again by this worker: the partition's new owner reads it again
+    (before: it was dispatched here too, and both workers could start a retry chain for it)."""
+    sends, msgs = _messages(["acme"])
+    throttled = ProviderResult("throttled", 429, retry_after="0", error_name="rate_limit_exceeded")
+    worker, consumer, producer, provider = _worker(msgs, provider=HeldProvider(throttled))
+    for _ in range(5):
+        worker.step()
+    assert len(worker.dispatcher.in_flight) == 1
+    worker._on_lost(consumer, [_TP(TOPIC, 0)])
+    provider.answer_all({sends[0].send_id})
+    for _ in range(20):
+        worker.step()
+    assert len(provider.sent) == 1 and worker.queues.buffered == 0 and not worker.dispatcher.in_flight
+    assert not any(".retry." in t or t == NAMES.dlq for t in producer.records)
