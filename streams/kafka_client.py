@@ -128,13 +128,17 @@ def put_acked(producer: Producer, topic: str, key: bytes, value: bytes | None, t
         raise PublishError(f"{topic} did not acknowledge {what} ({failed[0].str()}); nothing was written")
 
 
-def consume_ready(consumer: Consumer, max_messages: int, timeout: float) -> list:
+def consume_ready(consumer: Consumer, max_messages: int, timeout: float,
+                  returned: Callable[[], None] | None = None) -> list:
     """Up to `max_messages` messages, returning as soon as one is there (waiting at most `timeout`).
     librdkafka's consume(n, timeout) waits for n messages or the whole timeout: an idle worker would
-    hold a lone OTP for up to its poll timeout."""
+    hold a lone OTP for up to its poll timeout. `returned` is called once the poll has returned a message,
+    before the consume that follows it (which may serve a rebalance: see `store_offsets`)."""
     first = consumer.poll(timeout)
     if first is None:
         return []
+    if returned is not None:
+        returned()
     return [first, *consumer.consume(num_messages=max_messages - 1, timeout=0)] if max_messages > 1 else [first]
 
 

@@ -113,7 +113,9 @@ class LaneWorker:
         self.backlog = backlog
         self.trim_every_s = TRIM_EVERY_S
         self._next_trim = 0.0
-        self._polling = False  # inside the consume (and the tracking) of a step
+        # A poll returned messages not tracked yet: offsets stored meanwhile (a revoke served in the consume that
+        # follows the poll, a shutdown after that consume raised) stop at what is tracked (`store_offsets`).
+        self._untracked = False
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -132,14 +134,13 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
-        self._polling = True  # a revoke served meanwhile may meet messages returned but not tracked yet
-        msgs = self._of_assigned(consume_ready(self.consumer, 500, self._idle_timeout()))
+        msgs = self._of_assigned(consume_ready(self.consumer, 500, self._idle_timeout(), self._returned))
         # The whole batch is tracked before any of it is taken in: should taking one in fail (the worker
         # then stops), the offsets stored on the way out stay below the messages not yet taken in.
         for msg in msgs:
             if not msg.error():
                 self.tracker.add(msg.topic(), msg.partition(), msg.offset())
-        self._polling = False
+        self._untracked = False
         for msg in msgs:
             self._intake(msg)
         self._trim()
@@ -199,9 +200,12 @@ class LaneWorker:
         next_ready = self.queues.next_ready(now)
         return 0.2 if next_ready is None else min(0.2, next_ready - now)
 
+    def _returned(self) -> None:
+        self._untracked = True
+
     def shutdown(self) -> None:
         self._drain()
-        self._store_offsets()
+        self._store_offsets(past_idle_to_position=not self._untracked)
         commit_now(self.consumer)
         self.consumer.close()
         self.pauses.close()
@@ -229,7 +233,7 @@ class LaneWorker:
         self._drain()
         # Served inside the consume after a poll, the consumer's position is past a message that poll returned
         # and that is not tracked yet (it is dropped: its new owner reads it): store what is tracked, not beyond.
-        self._store_offsets(past_idle_to_position=not self._polling)
+        self._store_offsets(past_idle_to_position=not self._untracked)
         commit_now(consumer)
         self._forget(partitions)
 

@@ -127,7 +127,9 @@ class Retrier:
         self.bound = MemoryBound(cfg.max_held, cfg.max_held_bytes)
         self._far: tuple[float, set[Partition]] = (0.0, set())  # (asked at, monotonic), cached for a second
         self.consume_outage = Outage("Kafka (retrier consume)")
-        self._polling = False  # inside the consume (and the holding) of a step
+        # A poll returned messages not held yet: offsets stored meanwhile (a revoke served in the consume that
+        # follows the poll, the exit after that consume raised) stop at what is tracked (`store_offsets`).
+        self._untracked = False
         self.running = True
         self._next_metrics_at = 0.0
         self._tier_of = {self.cfg.names.retry(cfg.channel, cfg.lane, t): t for t in RETRY_TIERS}
@@ -143,15 +145,14 @@ class Retrier:
                 self.step()
         finally:
             self.writer.drain(30)
-            self._store()
+            self._store(past_idle_to_position=not self._untracked)
             commit_now(self.consumer)
             self.consumer.close()
 
     def step(self) -> None:
-        self._polling = True  # a revoke served meanwhile may meet messages returned but not held yet
-        for msg in consume_ready(self.consumer, 500, self._poll_timeout()):
+        for msg in consume_ready(self.consumer, 500, self._poll_timeout(), self._returned):
             self._hold(msg)
-        self._polling = False
+        self._untracked = False
         self._release_due()
         self.writer.poll(0)
         self._store()
@@ -262,6 +263,9 @@ class Retrier:
             self._far = (time.monotonic(), far)
         return far
 
+    def _returned(self) -> None:
+        self._untracked = True
+
     def _store(self, past_idle_to_position: bool = True) -> None:
         store_offsets(self.consumer, self.tracker, self.assigned, past_idle_to_position)
 
@@ -291,7 +295,7 @@ class Retrier:
         self.writer.drain(30)
         # Served inside the consume after a poll, the consumer's position is past a message that poll returned
         # and that is not held yet (it is dropped: its new owner reads it): store what is tracked, not beyond.
-        self._store(past_idle_to_position=not self._polling)
+        self._store(past_idle_to_position=not self._untracked)
         commit_now(consumer)
         self._on_lost(consumer, partitions)
 

@@ -1647,7 +1647,7 @@ class RevokeAfterPoll(BatchedConsumer):
 def test_a_revoke_served_after_the_poll_returned_a_message_stores_no_offset_past_it():
     """Given a worker that has delivered partition 1's send at offset 39 (nothing of it unfinished),
     When its next poll returns the send at offset 40 and the consume after that poll serves partition 1's revoke,
-    Then the offset stored (and committed) for partition 1 is 40, so the partition's new owner reads that send:
+    Then the offset stored for partition 1 is 40, so the partition's new owner reads that send:
     this worker drops it (it no longer owns it); before, the consumer's position (41) was stored, skipping the
     send for good."""
     sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
@@ -1688,3 +1688,75 @@ def test_a_short_429_answered_after_its_partition_was_lost_does_not_dispatch_the
         worker.step()
     assert len(provider.sent) == 1 and worker.queues.buffered == 0 and not worker.dispatcher.in_flight
     assert not any(".retry." in t or t == NAMES.dlq for t in producer.records)
+
+
+class RevokeInPoll(BatchedConsumer):
+    """A consumer whose poll serves a revoke of partition 1 (before it returns anything), once asked to."""
+
+    def __init__(self, batches, worker_of):
+        super().__init__(batches)
+        self.worker_of, self.revoke_next = worker_of, False
+
+    def poll(self, timeout=0):
+        if self.revoke_next:
+            self.revoke_next = False
+            self.worker_of()._on_revoke(self, [_TP(TOPIC, 1)])
+            return None
+        return super().poll(timeout)
+
+
+def test_a_revoke_served_in_the_poll_stores_the_position_past_trailing_transaction_markers():
+    """Given a worker that has delivered partition 1's send at offset 39, and a transaction's commit marker at 40
+    (the consumer's position is 41; a marker is never returned),
+    When the next poll serves partition 1's revoke (every message returned before is tracked),
+    Then the offset stored is the position, 41, so the partition's lag reaches 0 (stopping at 40 would leave it
+    at 1 until new sends arrive, and a yielding marketing lane waiting for 0 would wait with it)."""
+    sends = [build_send(validate_request(email_request()), "acme")]
+    holder: list = []
+    consumer = RevokeInPoll([[FakeMessage(1, 39, encode(sends[0]))]], lambda: holder[0])
+    spec = load_registry().primary("email")
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    holder.append(worker)
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker)
+    consumer.positions[1] = 41
+    consumer.revoke_next = True
+    worker.step()
+    assert consumer.stored[(TOPIC, 1)] == 41
+
+
+class FailingAfterPoll(BatchedConsumer):
+    """A consumer whose consume after a poll that returned a message fails (a fatal error), once asked to."""
+
+    fail_next = False
+
+    def consume(self, num_messages=1, timeout=0):
+        if num_messages > 1 and self.fail_next:
+            from confluent_kafka import KafkaError, KafkaException
+            raise KafkaException(KafkaError(KafkaError._FATAL, "fatal (test)"))
+        return super().consume(num_messages, timeout)
+
+
+def test_a_worker_whose_consume_fails_after_the_poll_returned_a_message_stores_no_offset_past_it():
+    """Given a worker that has delivered partition 1's send at offset 39,
+    When its next poll returns the send at offset 40 and the consume after that poll fails, stopping the worker,
+    Then the offset it stores on the way out is 40: the send is read again (before: the position, 41, skipping it
+    for good)."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
+    consumer = FailingAfterPoll([[FakeMessage(1, 39, encode(sends[0]))]])
+    spec = load_registry().primary("email")
+    provider = FakeProvider(DELIVERED)
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials({"*": "k"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker)
+    assert consumer.stored[(TOPIC, 1)] == 40
+    consumer.batches.append([FakeMessage(1, 40, encode(sends[1]))])
+    consumer.fail_next = True
+    from confluent_kafka import KafkaException
+    with pytest.raises(KafkaException):
+        worker.run()
+    assert consumer.stored[(TOPIC, 1)] == 40 and consumer.positions[1] == 41 and len(provider.sent) == 1
