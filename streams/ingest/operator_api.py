@@ -33,6 +33,7 @@ from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
 from ..webhooks.api import EndpointView
+from ..webhooks.endpoints import EndpointViewBehind
 from ..webhooks.ingest import reactivated_in_part
 from .api_keys import Principal, public
 from .sender_store import SenderDomainStore
@@ -42,6 +43,8 @@ from .web import documented, problem
 log = logging.getLogger("streams.operator_api")
 
 TENANT_LIMIT = ("tenant", "tenant_rate", "tenant_burst")
+# How long a reactivation by endpoint id waits for this process's endpoint view to read one created a moment ago.
+ENDPOINT_VIEW_SYNC_S = 5.0
 MAX_LIMIT = 2**53  # the gate's Lua works in doubles: larger rates and bursts would not be held exactly
 
 
@@ -298,11 +301,15 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         webhooks = ingest.webhooks
         if webhooks is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
-        # The endpoint as stored now, not as this process's endpoint view has read it so far: the view may not have
-        # read its creation yet (its tenant is then looked up in Redis), nor a 410's disable (the audit record would
-        # say it was active).
-        seen = webhooks.directory.endpoints.get(endpoint_id)
-        stored = webhooks.endpoints.get(seen.tenant, endpoint_id) if seen else webhooks.endpoints.find(endpoint_id)
+        # Its tenant from this process's endpoint view, which waits to have read an endpoint created a moment ago;
+        # its state as stored now: the view may not have read a 410's disable yet (the audit would say active).
+        try:
+            seen = webhooks.directory.find(endpoint_id, ENDPOINT_VIEW_SYNC_S)
+        except EndpointViewBehind as exc:
+            log.warning("reactivation of endpoint %s: %s", endpoint_id, exc)
+            raise problem(503, "unavailable", [], "this process's view of the webhook endpoints is behind; retry "
+                          "after a moment", {"Retry-After": "1"}) from None
+        stored = webhooks.endpoints.get(seen.tenant, endpoint_id) if seen else None
         if stored is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         before = webhooks.current(stored).public()

@@ -227,20 +227,13 @@ class EndpointStore:
 
     def tenants(self) -> list[str]:
         """Every tenant with an endpoint, as Redis holds them: not as a view of the operator log has read them so
-        far (a tenant's first endpoint, created a moment ago, may not be in it yet)."""
+        far (a tenant's first endpoint, created a moment ago, may not be in it yet). A SCAN of the whole keyspace:
+        for an operator's command (a re-seal), never a request's path."""
         prefix, suffix = self.keys.endpoints("\0").split("\0")
         pattern = f"{_glob_escape(prefix)}*{_glob_escape(suffix)}"
         with store_errors("listing the tenants with endpoints"):
-            found = {key.decode()[len(prefix):-len(suffix)] for key in self.client.scan_iter(match=pattern, count=1000)}
-        return sorted(found)
-
-    def find(self, endpoint_id: str) -> Endpoint | None:
-        """An endpoint by its id alone, looked up in Redis tenant by tenant (an operator's lookup, not a request's)."""
-        for tenant in self.tenants():
-            found = self.get(tenant, endpoint_id)
-            if found is not None:
-                return found
-        return None
+            keys = self.client.scan_iter(match=pattern, count=10_000, _type="hash")
+            return sorted({key.decode("utf-8", "replace")[len(prefix):-len(suffix)] for key in keys})
 
     def subscribers(self, tenant: str, event_type: str) -> list[Endpoint]:
         """The endpoints a new event of this type is delivered to: enabled, active, subscribed."""
@@ -320,6 +313,10 @@ class EndpointStore:
         reason = "the receiver answered 410 Gone"
         return self._change(tenant, endpoint_id, lambda ep: replace(ep, state="disabled", state_reason=reason)
                             if ep.url == url else ep)
+
+
+class EndpointViewBehind(StackError):
+    """A process's endpoint view could not catch up with the topics it follows in the time it was given."""
 
 
 @dataclass
@@ -453,6 +450,19 @@ class EndpointDirectory:
                 raise StackError(f"reading {', '.join(self.topics)} did not catch up within {timeout_s:.0f} s")
             time.sleep(0.05)
             self.poll()
+
+    def find(self, endpoint_id: str, sync_s: float) -> Endpoint | None:
+        """An endpoint by its id alone, as configured (its tenant never changes). One this view has not read yet
+        (created a moment ago through another process) is looked for again once the view holds what the topics hold
+        now, which takes another thread polling it. None: no such endpoint. EndpointViewBehind: not caught up within
+        sync_s, so its absence says nothing."""
+        found = self.endpoints.get(endpoint_id)
+        if found is None:
+            if not self.sync(sync_s):
+                raise EndpointViewBehind(f"the endpoint view did not catch up with {', '.join(self.topics)} "
+                                         f"within {sync_s:.0f} s")
+            found = self.endpoints.get(endpoint_id)
+        return found
 
     def get(self, endpoint_id: str) -> Endpoint | None:
         """The endpoint, its state combining its configuration (`disabled` after a 410) and its health."""

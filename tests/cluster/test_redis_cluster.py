@@ -329,20 +329,20 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     assert answers["endpoint deliveries"] == ["hook-1"] and answers["missing"] is None
 
 
-def test_the_operators_endpoint_lookups_read_every_master(healthy_redis_cluster):
-    """Given endpoints of tenants whose keys live on all three masters (written to Redis only),
-    When an operator's lookups list the tenants with endpoints and find each endpoint by its id alone,
-    Then every tenant is listed and every endpoint is found (a SCAN of one node would miss two masters' tenants:
-    `endpoints reseal --tenant '*'` would skip them, and the operator API's reactivation answer 404)."""
+def test_the_tenants_with_endpoints_are_listed_from_every_master(healthy_redis_cluster):
+    """Given endpoints of tenants whose keys live on all three masters,
+    When an operator's re-seal lists the tenants with endpoints,
+    Then every tenant is listed (a SCAN of one node would miss two masters' tenants: `endpoints reseal --tenant '*'`
+    would skip their endpoints and report success)."""
     cluster = connect(healthy_redis_cluster.url)
     ns = f"s{uuid.uuid4().hex[:8]}."
     tenants = pick_names(cluster, lambda t: RedisKeys(ns).endpoints(t), [f"tenant{i}" for i in range(40)])
     store = EndpointStore(cluster, ns, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
                           system_resolver)
-    made = [store.create(t, "http://127.0.0.1:9/hook", ["*"])[0] for t in tenants]
+    for tenant in tenants:
+        store.create(tenant, "http://127.0.0.1:9/hook", ["*"])
 
     assert store.tenants() == tenants
-    assert [store.find(ep.id) for ep in made] == made
 
 
 def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healthy_redis_cluster):

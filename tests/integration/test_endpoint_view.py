@@ -14,11 +14,13 @@ from confluent_kafka import Producer
 from streams.errors import ConfigError, StoreUnavailable
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
+from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import (
     MAX_ENDPOINTS_PER_TENANT,
     MAX_PREVIOUS_SECRETS,
     EndpointDirectory,
     EndpointStore,
+    EndpointViewBehind,
 )
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer, open_secret
@@ -77,7 +79,6 @@ def test_unreadable_records_are_skipped_and_the_rest_of_their_batch_is_applied(s
     from streams import metrics
     from streams.names import RedisKeys
     from streams.state.guard import restore
-    from streams.state.log import OperatorLog
     from streams.webhooks.model import Endpoint, Secret
 
     channel_topics("webhook")
@@ -408,21 +409,54 @@ def test_a_create_whose_redis_write_fails_is_taken_back_out_of_the_operator_log(
     assert redis_client.zcard(keys.endpoint_reservations("acme")) == 0
 
 
-def test_the_tenants_with_endpoints_and_an_endpoint_by_id_are_read_from_redis(redis_client, namespace):
+def test_the_tenants_with_endpoints_are_read_from_redis(redis_client, namespace):
     """Given endpoints of tenants acme and beta written to Redis only (no operator log, so no view has them), a
-    tenant with only a place reserved, and a tenant of another namespace whose name the first namespace's
-    `?` would match as a pattern,
-    When the operator's lookups list the tenants with endpoints and find beta's endpoint by its id alone,
-    Then they list acme and beta (not the reservation, not the other namespace), find beta's endpoint, and find
-    nothing for an id no tenant has."""
+    tenant with only a place reserved, a string key where a tenant's endpoints would be, and a tenant of another
+    namespace whose name the first namespace's `?` would match as a pattern,
+    When an operator's re-seal lists the tenants with endpoints,
+    Then it lists acme and beta: not the reservation, the string key, nor the other namespace's tenant."""
     policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
     store = EndpointStore(redis_client, f"{namespace}?", None, policy, system_resolver)
     other = EndpointStore(redis_client, f"{namespace}x", None, policy, system_resolver)
     store.create("acme", "http://127.0.0.1:9/hooks/a", ["*"])
-    betas, _ = store.create("beta", "http://127.0.0.1:9/hooks/b", ["*"])
+    store.create("beta", "http://127.0.0.1:9/hooks/b", ["*"])
     other.create("gamma", "http://127.0.0.1:9/hooks/c", ["*"])
-    redis_client.zadd(RedisKeys(f"{namespace}?").endpoint_reservations("delta"), {"ep_reserved": 1})
+    keys = RedisKeys(f"{namespace}?")
+    redis_client.zadd(keys.endpoint_reservations("delta"), {"ep_reserved": 1})
+    redis_client.set(keys.endpoints("epsilon"), b"not a hash")
 
     assert store.tenants() == ["acme", "beta"]
-    assert store.find(betas.id) == betas
-    assert store.find("ep_nobody_has") is None
+
+
+def test_an_endpoint_looked_up_by_id_alone_is_found_once_the_view_has_read_it(stack, channel_topics, names,
+                                                                               redis_client, namespace):
+    """Given a view followed by a thread polling it every second, and an endpoint created (operator log, then
+    Redis) right before it is looked up by its id alone (as an operator's reactivation does),
+    When it is looked up,
+    Then it is found, with its tenant, although the view had not polled since it was created; an id nobody has
+    is not found; and a view that nobody polls says it is behind instead of answering "no such endpoint"."""
+    channel_topics("webhook")
+    directory = EndpointDirectory(stack.bootstrap, names.operator, names.endpoint_state)
+    directory.start()
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(FOLLOW_EVERY_S):
+            directory.poll()
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    store = EndpointStore(redis_client, namespace, OperatorLog(stack.bootstrap, names.operator),
+                          UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), system_resolver)
+    try:
+        ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/a", ["*"])
+        found = directory.find(ep.id, 30.0)
+        assert found is not None and (found.id, found.tenant) == (ep.id, "acme")
+        assert directory.find("ep_nobody_has", 30.0) is None
+    finally:
+        stop.set()
+        follower.join(10)
+
+    later, _ = store.create("acme", "http://127.0.0.1:9/hooks/b", ["*"])
+    with pytest.raises(EndpointViewBehind, match="did not catch up"):
+        directory.find(later.id, 0.5)  # nobody polls it any more
