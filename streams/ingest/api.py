@@ -210,6 +210,12 @@ def published_nothing(exc: BaseException) -> bool:
     return isinstance(exc, (StarletteHTTPException, RequestValidationError, StoreUnavailable, PublishError))
 
 
+class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
+    """A request that published nothing itself, under an Idempotency-Key an earlier attempt may have published
+    under (its outcome was unknown, or its process died while publishing): answered `"outcome": "unknown"`, never
+    "nothing was published", which would let the client send it again under a new key."""
+
+
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
     """The API; with `bulk_socket`, batches are forwarded to the bulk process listening there (bulk.py)."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
@@ -277,6 +283,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     async def _broker(request: Request, exc: Exception) -> JSONResponse:
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
         # PublishOutcomeUnknown maybe applied), or did not answer a read (dead letters, the audit trail).
+        if isinstance(exc, EarlierAttemptMayBePublished):
+            return _unavailable(request, exc, "the broker", str(exc), outcome="unknown")
         if isinstance(exc, PublishOutcomeUnknown):
             if request.url.path not in ("/v1/sends", "/v1/sends/batch"):  # a change, not a send: no key here
                 retry = "look at its result before making it again"
@@ -536,6 +544,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             ending_claims.add(ending)
             ending.add_done_callback(ending_claims.discard)
             await asyncio.shield(ending)
+            if freeing and state.maybe_published_before and isinstance(exc, (PublishError, StoreUnavailable)):
+                failed = ("the state store is unavailable" if isinstance(exc, StoreUnavailable)
+                          else "the message broker did not take it")
+                raise EarlierAttemptMayBePublished(
+                    f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
+                    "may have been published: retry after a moment with the same Idempotency-Key (sends then keep "
+                    "their send ids and are sent once)") from exc
             raise
         lease.cancel()
         try:

@@ -241,23 +241,25 @@ class BulkProxy:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_HEADERS]
+        keyed = any(k.lower() == b"idempotency-key" for k, _ in headers)
         query = scope.get("query_string", b"").decode("latin-1")
         try:
             answer = await bulk.request("POST", BATCH_PATH + (f"?{query}" if query else ""), headers, chunks,
                                         PUBLISH_WAIT_S)
         except Unreachable:
-            return await unavailable("the bulk ingest process is not running (it is being started again): "
-                                     "nothing was published; retry after a moment")(scope, receive, send)
+            return await unavailable("the bulk ingest process is not running (it is being started again): this "
+                                     "request published nothing; retry after a moment" + (
+                                         " with the same Idempotency-Key" if keyed else ""))(scope, receive, send)
         except TimeoutError:
             log.warning("the bulk ingest process did not answer a batch within %.0f s", PUBLISH_WAIT_S)
             return await unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "
-                                     "still publish this batch; retry later with the same Idempotency-Key to find "
-                                     "out without it being sent twice", outcome="unknown")(scope, receive, send)
+                                     f"still publish this batch; {_retry(keyed)}", outcome="unknown")(scope, receive,
+                                                                                                     send)
         except Interrupted as exc:
             log.warning("the bulk ingest process did not answer a batch (%s)", exc)
             return await unavailable("the bulk ingest process stopped while publishing this batch: it may or may "
-                                     "not have been published; retry with the same Idempotency-Key to find out "
-                                     "without it being sent twice", outcome="unknown")(scope, receive, send)
+                                     f"not have been published; {_retry(keyed)}", outcome="unknown")(scope, receive,
+                                                                                                    send)
         await _send_back(answer, send)
 
     async def _metrics(self, bulk: UnixHttp, scope, receive, send) -> None:
@@ -274,3 +276,10 @@ async def _send_back(answer: Answer, send) -> None:
     headers.append((b"content-length", str(len(answer.body)).encode()))
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
+
+
+def _retry(keyed: bool) -> str:
+    """What a batch's client may do after an unknown outcome."""
+    if keyed:
+        return "retry later with the same Idempotency-Key to find out without it being sent twice"
+    return "a retry without an Idempotency-Key is published under new send ids (send one to retry safely)"

@@ -64,12 +64,12 @@ if state == 'pending' then
   -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on); also
   -- returned: the sends an earlier attempt was charged to the quotas for ('' if none was)
   redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
-  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), redis.call('HGET', KEYS[1], 'charged') or ''}
+  return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), redis.call('HGET', KEYS[1], 'charged') or '', 1}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
            'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {'claimed', ARGV[2], ''}
+return {'claimed', ARGV[2], '', 0}
 """
 
 _AS_HOLDER = """
@@ -107,6 +107,9 @@ class Claimed:
     # The sends (`sends_digest`) an earlier attempt under the key, which may have been published, was charged to
     # the quotas for ("": none): this one, publishing the same send ids, is not charged again.
     charged_before: str = ""
+    # Taken over from an earlier attempt that may have published (its outcome unknown, or its process gone):
+    # this attempt failing with nothing published of its own must not answer "nothing was published".
+    maybe_published_before: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ class IngestIdempotency:
         if state == "pending":
             return Pending()
         charged = reply[2] if len(reply) > 2 else b""
-        return Claimed(int(reply[1]), holder, charged.decode() if isinstance(charged, bytes) else str(charged))
+        return Claimed(int(reply[1]), holder, charged.decode() if isinstance(charged, bytes) else str(charged),
+                       maybe_published_before=len(reply) > 3 and int(reply[3]) == 1)
 
     def renew(self, tenant: str, key: str, holder: str) -> bool:
         """Extend a pending key's lease by lease_s from now, if `holder` still holds it."""

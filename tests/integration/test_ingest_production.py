@@ -181,12 +181,13 @@ def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(
     """Given a request that claimed an Idempotency-Key and whose publish the broker did not confirm (it may be
     written),
     When its claim lapses the key (and another request's stale claim tries to as well),
-    Then the retry with the same body claims the key at once with the same first use (the same send ids), a
+    Then the retry with the same body claims the key at once with the same first use (the same send ids), and
+    is told an earlier attempt may have published (its own failure is then answered `"outcome": "unknown"`), a
     request with another body under the key gets a conflict (422), and only the holder's lapse counts."""
     idem = IngestIdempotency(redis_client, namespace)
     digest = body_hash(email_request())
     claim = idem.begin("tenant-a", "stalled", digest)
-    assert isinstance(claim, Claimed)
+    assert isinstance(claim, Claimed) and not claim.maybe_published_before
     idem.lapse("tenant-a", "stalled", "not-the-holder")
     assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)
 
@@ -194,13 +195,14 @@ def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(
     assert isinstance(idem.begin("tenant-a", "stalled", body_hash(sms_request())), Conflict)
     retry = idem.begin("tenant-a", "stalled", digest)
     assert isinstance(retry, Claimed) and retry.first_ms == claim.first_ms and retry.holder != claim.holder
+    assert retry.maybe_published_before
     assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)  # the retry holds it now
 
     # The retry fails with nothing published (a 429, an aborted batch): the key is not freed, or the next
     # retry would publish new send ids next to the first attempt's.
     idem.release("tenant-a", "stalled", retry.holder)
     again = idem.begin("tenant-a", "stalled", digest)
-    assert isinstance(again, Claimed) and again.first_ms == claim.first_ms
+    assert isinstance(again, Claimed) and again.first_ms == claim.first_ms and again.maybe_published_before
 
 
 def test_a_key_taken_over_after_its_lease_lapsed_is_never_freed_again(redis_client, namespace):

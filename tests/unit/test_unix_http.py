@@ -108,3 +108,30 @@ def test_the_three_failures_are_told_apart(tmp_path):
         return server
 
     assert len(asyncio.run(scenario()).requests) == 2
+
+
+@pytest.mark.parametrize("key", [None, "batch-7"])
+def test_a_batch_the_bulk_process_dropped_unanswered_tells_the_client_how_to_retry_safely(tmp_path, key):
+    """Given a bulk process that closes the connection without answering a batch (it may have published it),
+    When a client posts the batch through the API process, with or without an Idempotency-Key,
+    Then the answer is 503 `"outcome": "unknown"`; with a key it says to retry with the same key, without one it
+    says a retry is published under new send ids (before: it told a client without a key to reuse its key)."""
+    import httpx
+
+    from streams.ingest.bulk import BulkProxy
+
+    async def scenario():
+        server, listener, _ = await serving(tmp_path, [None])
+        async with listener:
+            proxy = BulkProxy(None, str(tmp_path / "s.sock"))
+            transport = httpx.ASGITransport(proxy)
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+                return await http.post("/v1/sends/batch", json={"sends": []},
+                                       headers={"Idempotency-Key": key} if key else {})
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
+    if key:
+        assert "same Idempotency-Key" in r.text
+    else:
+        assert "Idempotency-Key" in r.text and "same Idempotency-Key" not in r.text and "new send ids" in r.text

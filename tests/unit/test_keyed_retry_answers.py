@@ -1,0 +1,94 @@
+"""A keyed request that published nothing itself, under an Idempotency-Key an earlier attempt may have published
+under, is answered `"outcome": "unknown"`: a plain 503 says "not published", and a client believing it would
+send the request again under a new key, a second copy."""
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from streams.errors import PublishError, StoreUnavailable
+from streams.ingest.api import Ingest, create_app
+from streams.ingest.api_keys import Principal
+from streams.ingest.idempotency import Claimed
+from streams.ingest.sdk import SendClient
+from streams.names import TopicNames
+from tests.harness import email_request
+
+
+class Keys:
+    def resolve(self, token: str):
+        return Principal("tenant", "acme", "key-1")
+
+    def touch(self, *args, **kwargs):
+        pass
+
+
+class Idempotency:
+    """A key taken over from an earlier attempt (`maybe_published_before`), or claimed for the first time."""
+
+    def __init__(self, taken_over: bool):
+        self.taken_over = taken_over
+        self.ended: list[str] = []
+
+    def begin(self, tenant, key, digest):
+        return Claimed(1_700_000_000_000, "holder-1", maybe_published_before=self.taken_over)
+
+    def release(self, tenant, key, holder):
+        self.ended.append("release")
+
+    def lapse(self, tenant, key, holder):
+        self.ended.append("lapse")
+
+    def renew(self, tenant, key, holder):
+        return True
+
+
+class Refusing:
+    """A broker that refuses every publish whole (nothing written), or a state store that fails."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+    async def publish_async(self, records):
+        raise self.exc
+
+
+def _post(taken_over: bool, exc: Exception) -> tuple[httpx.Response, Idempotency]:
+    client = SendClient("127.0.0.1:1", TopicNames("t."))
+    client.publisher.close()
+    client.publisher = Refusing(exc)  # type: ignore[assignment]
+    idempotency = Idempotency(taken_over)
+    ingest = Ingest(client=client, store=SimpleNamespace(), keys=Keys(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), idempotency=idempotency)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+            return await http.post("/v1/sends", json=email_request(), headers={
+                "Authorization": "Bearer dr_ten_x", "Idempotency-Key": "order-7"})
+
+    return asyncio.run(call()), idempotency
+
+
+@pytest.mark.parametrize("exc", [PublishError("refused whole (test)"), StoreUnavailable("Redis down (test)")])
+def test_a_retry_of_a_maybe_published_request_that_publishes_nothing_says_the_outcome_is_unknown(exc):
+    """Given a key whose earlier attempt's outcome was unknown (the broker may hold it), taken over by a retry,
+    When that retry is refused whole (the broker refuses it, or the state store fails), publishing nothing,
+    Then the answer is 503 `"outcome": "unknown"` saying an earlier attempt may have been published and to retry
+    with the same key, and the key keeps its first use (before: a plain 503, which says nothing was published)."""
+    r, idempotency = _post(taken_over=True, exc=exc)
+    assert r.status_code == 503, r.text
+    assert r.json()["outcome"] == "unknown"
+    assert "an earlier attempt under this Idempotency-Key may have been published" in r.text
+    assert "same Idempotency-Key" in r.text and "Redis" not in r.text
+    assert idempotency.ended == ["release"]  # the store's release keeps a maybe-published key (it lapses it)
+
+
+def test_a_first_attempt_refused_whole_says_nothing_was_published():
+    """Given a key used for the first time, When the broker refuses the request whole, Then a plain 503: nothing
+    was published, and the key is free again."""
+    r, idempotency = _post(taken_over=False, exc=PublishError("refused whole (test)"))
+    assert r.status_code == 503 and "outcome" not in r.json(), r.text
+    assert idempotency.ended == ["release"]
