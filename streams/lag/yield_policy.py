@@ -59,7 +59,9 @@ class Governor:
     def aging(self, now_ms: int) -> bool:
         """Past half the age a reading may have: time to measure the lag directly, so that a silent monitor's
         last reading is followed by a direct one before it goes stale (not after: the lane would stop meanwhile)."""
-        return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 500
+        # A reading stamped ahead of now (this host's clock stepped back since) has an age nobody knows: read again.
+        return (self.reading is None or self.reading.ts_ms > now_ms
+                or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 500)
 
     def observe(self, reading: LagReading, now_ms: int) -> bool:
         """Keep the newest reading. One stamped further ahead of `now_ms` than a reading may age is refused
@@ -71,7 +73,9 @@ class Governor:
             return False
         if reading.ts_ms > now_ms:
             reading = replace(reading, ts_ms=now_ms)
-        if self.reading is None or reading.ts_ms >= self.reading.ts_ms:
+        # The kept reading stamped ahead of now: this host's clock stepped back (NTP correcting a fast clock), and
+        # every later reading would look older than it; any reading replaces it, or the decision would freeze.
+        if self.reading is None or reading.ts_ms >= self.reading.ts_ms or self.reading.ts_ms > now_ms:
             self.reading = reading
         return True
 
