@@ -150,13 +150,16 @@ def store_offsets(consumer: Consumer, tracker: OffsetTracker, assigned: set[tupl
     but is never returned to us) are then behind the stored offset too, and the lag reaches 0.
     That holds only while every message a poll returned is tracked: a caller storing from a
     rebalance callback that ran inside a consume, after the poll before it returned messages not
-    tracked yet, passes `past_idle_to_position=False` (the position is past those messages)."""
+    tracked yet, passes `past_idle_to_position=False` (the position is past those messages). A partition
+    nothing was taken from since it was assigned is idle too: its position can only have moved past
+    control records (a previous owner that stopped before them left its commit there)."""
     committable = {tp: o for tp, o in tracker.committable().items() if tp in assigned}
     idle = [TopicPartition(t, p) for (t, p) in committable if past_idle_to_position and tracker.idle(t, p)]
-    if idle:
+    unseen = [TopicPartition(t, p) for (t, p) in sorted(assigned - committable.keys())] if past_idle_to_position else []
+    if idle or unseen:
         try:
-            for tp in consumer.position(idle):
-                if tp.offset > committable[(tp.topic, tp.partition)]:
+            for tp in consumer.position(idle + unseen):
+                if tp.offset >= 0 and tp.offset > committable.get((tp.topic, tp.partition), -1):
                     committable[(tp.topic, tp.partition)] = tp.offset
         except KafkaException as exc:
             _log.debug("position: %s", exc)

@@ -1760,3 +1760,21 @@ def test_a_worker_whose_consume_fails_after_the_poll_returned_a_message_stores_n
     with pytest.raises(KafkaException):
         worker.run()
     assert consumer.stored[(TOPIC, 1)] == 40 and consumer.positions[1] == 41 and len(provider.sent) == 1
+
+
+def test_a_partition_nothing_was_read_from_stores_its_position_past_trailing_transaction_markers():
+    """Given a worker assigned partitions 0 and 1, with sends on partition 0 only, and partition 1's position past a
+    transaction's commit marker its previous owner had not committed past (41; a marker is never returned),
+    When the worker runs,
+    Then partition 1's stored offset is 41, so its lag reaches 0 (before: nothing was stored for it until a send
+    arrived there, and its lag stayed 1: a marketing lane yielding until the lag is 0 would have waited with it)."""
+    sends, msgs = _messages(["acme"])
+    consumer = BatchedConsumer([msgs])
+    consumer.positions[1] = 41
+    spec = load_registry().primary("email")
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker)
+    assert consumer.stored[(TOPIC, 0)] == 1 and consumer.stored[(TOPIC, 1)] == 41
