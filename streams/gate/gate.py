@@ -8,6 +8,7 @@ slot. Redis unreachable means closed: no admission, no provider call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +19,8 @@ from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore, Pacing
 from .token_bucket import Limit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,18 +71,31 @@ class RedisGate:
         except redis.RedisError as exc:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); failing closed") from None
         out: list[Admission | GateError | ConfigError] = []
+        unavailable: GateError | None = None
         for (provider, tenant, messages, _), reply in zip(requests, replies, strict=True):
             if isinstance(reply, Exception):
                 failure = _failure(provider, tenant, reply)
                 if not isinstance(failure, BucketUnreadable):
-                    raise failure
+                    unavailable = unavailable or failure
                 out.append(failure)  # its error alone, not the round's
                 continue
             try:
                 out.append(self._admission(reply, provider, tenant, messages))
             except (GateError, ConfigError) as exc:
                 out.append(exc)
+        if unavailable is not None:
+            # The round fails (a Redis Cluster master down for some buckets): what the other masters admitted in it
+            # is given back, or those tokens would be spent on requests that are never sent.
+            self._give_back([(p, t, m) for (p, t, m, _), a in zip(requests, out, strict=True)
+                             if isinstance(a, Admission) and a.allowed])
+            raise unavailable
         return out
+
+    def _give_back(self, admitted: list[tuple[str, str, int]]) -> None:
+        try:
+            self.refund_many(admitted)
+        except GateUnavailable as exc:  # the round's own failure is the answer; the tokens refill with time
+            log.warning("%d admissions of a failed gate round were not given back: %s", len(admitted), exc)
 
     def refund_many(self, admitted: list[tuple[str, str, int]]) -> None:
         """Give back admissions (provider, tenant, messages) whose callers did not use them, in one round trip."""
