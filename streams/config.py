@@ -286,7 +286,7 @@ def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
                            min_dwell_s=_float(e, "YIELD_MIN_DWELL_S", 2.0),
                            stale_after_s=_float(e, "YIELD_STALE_AFTER_S", 3.0))
     except ValueError as exc:
-        raise ConfigError(f"environment variables YIELD_RESUME_BELOW / YIELD_PAUSE_ABOVE (_SECONDS): {exc}") from None
+        raise ConfigError(f"environment variables YIELD_*: {exc}") from None
 
 
 @dataclass(frozen=True)

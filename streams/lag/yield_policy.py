@@ -9,7 +9,12 @@ A reading older than `stale_after_s` is not trusted: the caller must read the la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+# A reading may not go stale sooner: the lag monitor publishes at least every 0.5 s (`monitor.MAX_INTERVAL_S`),
+# and a reading stale before the next one arrives would leave marketing reading the lag itself all the time.
+MIN_STALE_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,11 @@ class YieldPolicy:
     stale_after_s: float = 3.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.stale_after_s) and self.stale_after_s >= MIN_STALE_AFTER_S):
+            raise ValueError(f"YIELD_STALE_AFTER_S ({self.stale_after_s}) must be a number of seconds of at least "
+                             f"{MIN_STALE_AFTER_S:g}")
+        if not (math.isfinite(self.min_dwell_s) and self.min_dwell_s >= 0):
+            raise ValueError(f"YIELD_MIN_DWELL_S ({self.min_dwell_s}) must be a number of seconds, at least 0")
         if not 0 <= self.resume_below < self.pause_above:
             raise ValueError(f"resume_below ({self.resume_below}) must be below "
                              f"pause_above ({self.pause_above}) and at least 0")

@@ -18,6 +18,13 @@ def test_marketing_nice_defaults_to_ten_and_names_the_variable_when_out_of_range
         Config.from_env({"DUAL_RAIL_MARKETING_NICE": "low"})
 
 
+def test_a_lag_reading_age_that_cannot_work_is_refused_at_start_naming_the_variable():
+    """YIELD_STALE_AFTER_S=0 made every lag reading stale at once; it is refused, naming the variable."""
+    assert Config.from_env({"YIELD_STALE_AFTER_S": "1.5"}).yield_policy.stale_after_s == 1.5
+    with pytest.raises(ConfigError, match=r"YIELD_STALE_AFTER_S \(0.0\) must be a number of seconds of at least 1"):
+        Config.from_env({"YIELD_STALE_AFTER_S": "0"})
+
+
 def test_the_ingest_bulk_process_defaults_to_nice_ten_and_can_be_turned_off():
     """Given no DUAL_RAIL_INGEST_BULK settings, then nice 19, then `off`, then bad values,
     Then batches go to a bulk process at nice 10, then 19; `off` serves them in the API process; a nice value out

@@ -105,3 +105,14 @@ def test_a_clock_stepped_back_does_not_freeze_the_decision_on_the_last_reading()
 def test_thresholds_must_leave_a_gap():
     with pytest.raises(ValueError, match="must be below"):
         YieldPolicy(pause_above=10, resume_below=10)
+
+
+@pytest.mark.parametrize("setting", [{"stale_after_s": 0.0}, {"stale_after_s": float("nan")},
+                                     {"stale_after_s": float("inf")}, {"min_dwell_s": -1.0},
+                                     {"min_dwell_s": float("nan")}])
+def test_a_stale_age_or_a_dwell_that_cannot_work_is_refused(setting):
+    """0 would make every reading stale before the monitor's next one; NaN would never let one go stale (a dead
+    monitor's last reading trusted for good); a negative or NaN dwell has no meaning."""
+    with pytest.raises(ValueError, match="YIELD_"):
+        YieldPolicy(**setting)
+
