@@ -286,7 +286,8 @@ def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
                            min_dwell_s=_float(e, "YIELD_MIN_DWELL_S", 2.0),
                            stale_after_s=_float(e, "YIELD_STALE_AFTER_S", 3.0))
     except ValueError as exc:
-        raise ConfigError(f"environment variables YIELD_*: {exc}") from None
+        raise ConfigError("environment variables YIELD_PAUSE_ABOVE, YIELD_RESUME_BELOW (and their _SECONDS), "
+                          f"YIELD_MIN_DWELL_S, YIELD_STALE_AFTER_S: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ class RedisGate:
         try:
             self.refund_many(admitted)
         except GateUnavailable as exc:  # the round's own failure is the answer; the tokens refill with time
-            log.warning("%d admissions of a failed gate round were not given back: %s", len(admitted), exc)
+            log.warning("admissions of a failed gate round were not all given back: %s", exc)
 
     def refund_many(self, admitted: list[tuple[str, str, int]]) -> None:
         """Give back admissions (provider, tenant, messages) whose callers did not use them, in one round trip."""
@@ -105,9 +105,15 @@ class RedisGate:
         for provider, tenant, messages in admitted:
             self._refund(keys=self._keys(provider, tenant)[:3], args=[tenant, 1, messages], client=pipe)
         try:
-            pipe.execute()
+            # Errors come back per refund: one raised out of a cluster pipeline would have it send every refund
+            # again, those that landed included (tokens given back twice).
+            replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); nothing given back") from None
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if failed:
+            raise GateUnavailable(f"bucket gate unavailable ({failed[0]}); {len(failed)} of {len(admitted)} "
+                                  "admissions not given back")
 
     def _keys(self, provider: str, tenant: str) -> list[str]:
         k = self.keys

@@ -284,7 +284,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         # The broker did not acknowledge (an audit record, a replay, a reactivation: not applied, or with
         # PublishOutcomeUnknown maybe applied), or did not answer a read (dead letters, the audit trail).
         if isinstance(exc, EarlierAttemptMayBePublished):
-            return _unavailable(request, exc, "the broker", str(exc), outcome="unknown")
+            dependency = "the state store" if isinstance(exc.__cause__, StoreUnavailable) else "the broker"
+            return _unavailable(request, exc, dependency, str(exc), outcome="unknown")
         if isinstance(exc, PublishOutcomeUnknown):
             if request.url.path not in ("/v1/sends", "/v1/sends/batch"):  # a change, not a send: no key here
                 retry = "look at its result before making it again"
@@ -515,7 +516,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         except orjson.JSONEncodeError:  # a field the sends ignore, nested past what a canonical form can hold
             raise problem(422, "invalid_request", ["body"], "the request body is nested more than 254 levels deep: "
                           "it has no canonical form for its Idempotency-Key") from None
-        state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest)
+        try:
+            state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest)
+        except StoreUnavailable as exc:  # this attempt published nothing; whether an earlier one under the key did
+            raise EarlierAttemptMayBePublished(  # cannot be told without the store: never "nothing published"
+                "this attempt published nothing (the state store is unavailable), but an earlier attempt under this "
+                "Idempotency-Key may have been published: retry after a moment with the same Idempotency-Key (sends "
+                "then keep their send ids and are sent once)") from exc
         if isinstance(state, Answered):
             return JSONResponse(state.body, state.status, headers={"Idempotent-Replayed": "true"})
         if isinstance(state, Conflict):

@@ -247,9 +247,13 @@ class BulkProxy:
             answer = await bulk.request("POST", BATCH_PATH + (f"?{query}" if query else ""), headers, chunks,
                                         PUBLISH_WAIT_S)
         except Unreachable:
-            return await unavailable("the bulk ingest process is not running (it is being started again): this "
-                                     "request published nothing; retry after a moment" + (
-                                         " with the same Idempotency-Key" if keyed else ""))(scope, receive, send)
+            if keyed:  # an earlier attempt under the key (the one that met the bulk process stopping) may have
+                return await unavailable("the bulk ingest process is not running (it is being started again): this "
+                                         "attempt published nothing, but an earlier attempt under this "
+                                         f"Idempotency-Key may have been; {_retry(keyed)}",
+                                         outcome="unknown")(scope, receive, send)
+            return await unavailable("the bulk ingest process is not running (it is being started again): "
+                                     "nothing was published; retry after a moment")(scope, receive, send)
         except TimeoutError:
             log.warning("the bulk ingest process did not answer a batch within %.0f s", PUBLISH_WAIT_S)
             return await unavailable(f"the bulk ingest process did not answer within {PUBLISH_WAIT_S:.0f} s: it may "

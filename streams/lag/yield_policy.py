@@ -64,7 +64,10 @@ class Governor:
         self.reading: LagReading | None = None
 
     def stale(self, now_ms: int) -> bool:
-        return self.reading is None or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 1000
+        """No reading, one too old, or one stamped ahead of now (this host's clock stepped back since: its age is
+        unknown, and trusting it for the size of the step could let marketing send through a transactional peak)."""
+        return (self.reading is None or self.reading.ts_ms > now_ms
+                or now_ms - self.reading.ts_ms > self.policy.stale_after_s * 1000)
 
     def aging(self, now_ms: int) -> bool:
         """Past half the age a reading may have: time to measure the lag directly, so that a silent monitor's

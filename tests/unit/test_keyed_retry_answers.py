@@ -33,6 +33,8 @@ class Idempotency:
         self.ended: list[str] = []
 
     def begin(self, tenant, key, digest):
+        if self.taken_over is None:
+            raise StoreUnavailable("checking an Idempotency-Key: Redis unavailable (test)")
         return Claimed(1_700_000_000_000, "holder-1", maybe_published_before=self.taken_over)
 
     def release(self, tenant, key, holder):
@@ -55,7 +57,7 @@ class Refusing:
         raise self.exc
 
 
-def _post(taken_over: bool, exc: Exception) -> tuple[httpx.Response, Idempotency]:
+def _post(taken_over: bool | None, exc: Exception) -> tuple[httpx.Response, Idempotency]:
     client = SendClient("127.0.0.1:1", TopicNames("t."))
     client.publisher.close()
     client.publisher = Refusing(exc)  # type: ignore[assignment]
@@ -92,3 +94,14 @@ def test_a_first_attempt_refused_whole_says_nothing_was_published():
     r, idempotency = _post(taken_over=False, exc=PublishError("refused whole (test)"))
     assert r.status_code == 503 and "outcome" not in r.json(), r.text
     assert idempotency.ended == ["release"]
+
+
+def test_a_keyed_request_whose_key_cannot_be_checked_says_the_outcome_is_unknown():
+    """Given a state store that fails when the request's Idempotency-Key is checked (so whether an earlier attempt
+    under it was published cannot be told), When the request is made, Then 503 `"outcome": "unknown"` naming the
+    state store and saying to retry with the same key (before: a plain 503, "not published")."""
+    r, idempotency = _post(taken_over=None, exc=PublishError("never reached (test)"))
+    assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
+    assert "state store is unavailable" in r.text and "same Idempotency-Key" in r.text
+    assert idempotency.ended == []
+

@@ -135,3 +135,27 @@ def test_a_batch_the_bulk_process_dropped_unanswered_tells_the_client_how_to_ret
         assert "same Idempotency-Key" in r.text
     else:
         assert "Idempotency-Key" in r.text and "same Idempotency-Key" not in r.text and "new send ids" in r.text
+
+
+@pytest.mark.parametrize("key", [None, "batch-7"])
+def test_a_batch_meeting_no_bulk_process_says_whether_an_earlier_attempt_may_have_published(tmp_path, key):
+    """Given no bulk process listening (being started again), When a batch is posted, Then 503: without a key,
+    nothing was published; with one, `"outcome": "unknown"`, as an earlier attempt under the key (the one that
+    met the process stopping) may have been published: retry with the same key (before: "nothing was published")."""
+    import httpx
+
+    from streams.ingest.bulk import BulkProxy
+
+    async def scenario():
+        proxy = BulkProxy(None, str(tmp_path / "absent.sock"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://api") as http:
+            return await http.post("/v1/sends/batch", json={"sends": []},
+                                   headers={"Idempotency-Key": key} if key else {})
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 503, r.text
+    if key:
+        assert r.json()["outcome"] == "unknown" and "same Idempotency-Key" in r.text
+    else:
+        assert "outcome" not in r.json() and "nothing was published" in r.text
+

@@ -1778,3 +1778,28 @@ def test_a_partition_nothing_was_read_from_stores_its_position_past_trailing_tra
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     _run(worker)
     assert consumer.stored[(TOPIC, 0)] == 1 and consumer.stored[(TOPIC, 1)] == 41
+
+
+def test_a_revoke_after_the_first_poll_of_a_partition_stores_nothing_past_its_first_message():
+    """Given a worker assigned partitions 0 and 1 that has read nothing of partition 1 yet,
+    When a poll returns partition 1's first message (offset 40, the position now 41) and the consume after it
+    serves partition 1's revoke,
+    Then nothing is stored for partition 1 (its committed offset stays where the new owner starts: at that
+    message), although the partition is unknown to this worker's tracking, which otherwise stores the position;
+    and a partition whose position is not known yet (-1001) is never stored."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
+    holder: list = []
+    consumer = RevokeAfterPoll([[FakeMessage(0, 0, encode(sends[0]))]], lambda: holder[0])
+    spec = load_registry().primary("email")
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    holder.append(worker)
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker)
+    assert consumer.stored == {(TOPIC, 0): 1}  # partition 1: position unknown (-1001), nothing stored
+
+    consumer.batches.append([FakeMessage(1, 40, encode(sends[1]))])
+    consumer.revoke_next = True
+    _run(worker)
+    assert (TOPIC, 1) not in consumer.stored and consumer.positions[1] == 41
