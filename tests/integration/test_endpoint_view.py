@@ -3,9 +3,11 @@ to the topics' ends, so it never fans out to an endpoint state older than one an
 showed the client (the bulk process serves batches while the API process answers `GET /v1/endpoints`)."""
 
 import base64
+import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -30,14 +32,9 @@ from tests.harness import wait_until
 FOLLOW_EVERY_S = 1.0  # slower than ingest's 0.1 s, so the view would lag without the sync
 
 
-def test_a_synced_view_holds_a_state_published_a_moment_before(stack, channel_topics, names):
-    """Given a view followed by a thread polling it every second,
-    When an endpoint's health is published (acknowledged) and the view is synced right after,
-    Then the sync returns once the view holds that state: degraded, then active again after a second
-    publication; and a view that nobody polls tells its caller within the time given."""
-    channel_topics("webhook")
-    directory = EndpointDirectory(stack.bootstrap, names.operator, names.endpoint_state)
-    directory.start()
+@contextlib.contextmanager
+def followed(directory: EndpointDirectory) -> Iterator[None]:
+    """The view polled by a thread of its own every FOLLOW_EVERY_S while the block runs."""
     stop = threading.Event()
 
     def follow() -> None:
@@ -46,17 +43,29 @@ def test_a_synced_view_holds_a_state_published_a_moment_before(stack, channel_to
 
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
-    producer = Producer({"bootstrap.servers": stack.bootstrap})
     try:
+        yield
+    finally:
+        stop.set()
+        follower.join(10)
+
+
+def test_a_synced_view_holds_a_state_published_a_moment_before(stack, channel_topics, names):
+    """Given a view followed by a thread polling it every second,
+    When an endpoint's health is published (acknowledged) and the view is synced right after,
+    Then the sync returns once the view holds that state: degraded, then active again after a second
+    publication; and a view that nobody polls tells its caller within the time given."""
+    channel_topics("webhook")
+    directory = EndpointDirectory(stack.bootstrap, names.operator, names.endpoint_state)
+    directory.start()
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    with followed(directory):
         assert directory.sync(30.0)
         for state in ("degraded", "active", "degraded"):
             put_acked(producer, names.endpoint_state, b"ep_view", orjson.dumps(
                 {"state": state, "reason": "10 consecutive failures", "since_ms": 1}), 10, "a health record")
             assert directory.sync(30.0)
             assert directory.health["ep_view"].state == state
-    finally:
-        stop.set()
-        follower.join(10)
 
     put_acked(producer, names.endpoint_state, b"ep_view", orjson.dumps({"state": "active"}), 10, "a health record")
     assert directory.sync(0.5) is False  # nobody polls it any more
@@ -438,24 +447,13 @@ def test_an_endpoint_looked_up_by_id_alone_is_found_once_the_view_has_read_it(st
     channel_topics("webhook")
     directory = EndpointDirectory(stack.bootstrap, names.operator, names.endpoint_state)
     directory.start()
-    stop = threading.Event()
-
-    def follow() -> None:
-        while not stop.wait(FOLLOW_EVERY_S):
-            directory.poll()
-
-    follower = threading.Thread(target=follow, daemon=True)
-    follower.start()
     store = EndpointStore(redis_client, namespace, OperatorLog(stack.bootstrap, names.operator),
                           UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), system_resolver)
-    try:
+    with followed(directory):
         ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/a", ["*"])
         found = directory.find(ep.id, 30.0)
         assert found is not None and (found.id, found.tenant) == (ep.id, "acme")
         assert directory.find("ep_nobody_has", 30.0) is None
-    finally:
-        stop.set()
-        follower.join(10)
 
     later, _ = store.create("acme", "http://127.0.0.1:9/hooks/b", ["*"])
     with pytest.raises(EndpointViewBehind, match="did not catch up"):

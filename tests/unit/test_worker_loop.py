@@ -1628,6 +1628,17 @@ def test_a_tenant_over_its_bucket_parks_its_endpoints_deliveries_in_one_line_of_
     assert all(later - earlier >= 190 for earlier, later in itertools.pairwise(dues)), dues
 
 
+def _worker_reading(consumer, provider=None):
+    """A transactional email worker subscribed through `consumer` (assigned at its first poll)."""
+    spec = load_registry().primary("email")
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
+                        FakeProducer(), Routes([Route(spec, provider or FakeProvider(DELIVERED),
+                                                      ProviderCredentials({"*": "k"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    return worker
+
+
 class RevokeAfterPoll(BatchedConsumer):
     """A consumer whose `consume` after a poll that returned a message serves a revoke of partition 1 (as
     librdkafka may), once asked to."""
@@ -1653,13 +1664,9 @@ def test_a_revoke_served_after_the_poll_returned_a_message_stores_no_offset_past
     sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
     holder: list = []
     consumer = RevokeAfterPoll([[FakeMessage(1, 39, encode(sends[0]))]], lambda: holder[0])
-    spec = load_registry().primary("email")
     provider = FakeProvider(DELIVERED)
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
-                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))]),
-                        FakeGate(), FakeJobs(), load_policies())
+    worker = _worker_reading(consumer, provider)
     holder.append(worker)
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     _run(worker)
     assert consumer.stored[(TOPIC, 1)] == 40 and len(provider.sent) == 1
 
@@ -1714,12 +1721,8 @@ def test_a_revoke_served_in_the_poll_stores_the_position_past_trailing_transacti
     sends = [build_send(validate_request(email_request()), "acme")]
     holder: list = []
     consumer = RevokeInPoll([[FakeMessage(1, 39, encode(sends[0]))]], lambda: holder[0])
-    spec = load_registry().primary("email")
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
-                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
-                        FakeGate(), FakeJobs(), load_policies())
+    worker = _worker_reading(consumer)
     holder.append(worker)
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     _run(worker)
     consumer.positions[1] = 41
     consumer.revoke_next = True
@@ -1746,12 +1749,8 @@ def test_a_worker_whose_consume_fails_after_the_poll_returned_a_message_stores_n
     for good)."""
     sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
     consumer = FailingAfterPoll([[FakeMessage(1, 39, encode(sends[0]))]])
-    spec = load_registry().primary("email")
     provider = FakeProvider(DELIVERED)
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
-                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials({"*": "k"}))]),
-                        FakeGate(), FakeJobs(), load_policies())
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    worker = _worker_reading(consumer, provider)
     _run(worker)
     assert consumer.stored[(TOPIC, 1)] == 40
     consumer.batches.append([FakeMessage(1, 40, encode(sends[1]))])
@@ -1771,11 +1770,7 @@ def test_a_partition_nothing_was_read_from_stores_its_position_past_trailing_tra
     sends, msgs = _messages(["acme"])
     consumer = BatchedConsumer([msgs])
     consumer.positions[1] = 41
-    spec = load_registry().primary("email")
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
-                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
-                        FakeGate(), FakeJobs(), load_policies())
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    worker = _worker_reading(consumer)
     _run(worker)
     assert consumer.stored[(TOPIC, 0)] == 1 and consumer.stored[(TOPIC, 1)] == 41
 
@@ -1790,12 +1785,8 @@ def test_a_revoke_after_the_first_poll_of_a_partition_stores_nothing_past_its_fi
     sends = [build_send(validate_request(email_request()), "acme") for _ in range(2)]
     holder: list = []
     consumer = RevokeAfterPoll([[FakeMessage(0, 0, encode(sends[0]))]], lambda: holder[0])
-    spec = load_registry().primary("email")
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), consumer,
-                        FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED), ProviderCredentials({"*": "k"}))]),
-                        FakeGate(), FakeJobs(), load_policies())
+    worker = _worker_reading(consumer)
     holder.append(worker)
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
     _run(worker)
     assert consumer.stored == {(TOPIC, 0): 1}  # partition 1: position unknown (-1001), nothing stored
 
