@@ -210,10 +210,20 @@ def published_nothing(exc: BaseException) -> bool:
     return isinstance(exc, (StarletteHTTPException, RequestValidationError, StoreUnavailable, PublishError))
 
 
+RETRY_WITH_KEY = "retry after a moment with the same Idempotency-Key (sends then keep their send ids and are sent once)"
+
+
 class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
     """A request that published nothing itself, under an Idempotency-Key an earlier attempt may have published
     under (its outcome was unknown, or its process died while publishing): answered `"outcome": "unknown"`, never
     "nothing was published", which would let the client send it again under a new key."""
+
+    @classmethod
+    def after(cls, failure: PublishError | StoreUnavailable) -> "EarlierAttemptMayBePublished":
+        failed = ("the state store is unavailable" if isinstance(failure, StoreUnavailable)
+                  else "the message broker did not take it")
+        return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
+                   f"may have been published: {RETRY_WITH_KEY}")
 
 
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
@@ -290,8 +300,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             if request.url.path not in ("/v1/sends", "/v1/sends/batch"):  # a change, not a send: no key here
                 retry = "look at its result before making it again"
             elif request.headers.get("idempotency-key"):
-                retry = ("retry after a moment with the same Idempotency-Key (sends then keep their send ids and "
-                         "are sent once)")
+                retry = RETRY_WITH_KEY
             else:
                 retry = "a retry without an Idempotency-Key is published under new send ids (send one to retry safely)"
             return _unavailable(request, exc, "the broker", "the message broker did not confirm the publish: it may "
@@ -519,10 +528,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         try:
             state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest)
         except StoreUnavailable as exc:  # this attempt published nothing; whether an earlier one under the key did
-            raise EarlierAttemptMayBePublished(  # cannot be told without the store: never "nothing published"
-                "this attempt published nothing (the state store is unavailable), but an earlier attempt under this "
-                "Idempotency-Key may have been published: retry after a moment with the same Idempotency-Key (sends "
-                "then keep their send ids and are sent once)") from exc
+            raise EarlierAttemptMayBePublished.after(exc) from exc  # cannot be told without the store
         if isinstance(state, Answered):
             return JSONResponse(state.body, state.status, headers={"Idempotent-Replayed": "true"})
         if isinstance(state, Conflict):
@@ -552,12 +558,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             ending.add_done_callback(ending_claims.discard)
             await asyncio.shield(ending)
             if freeing and state.maybe_published_before and isinstance(exc, (PublishError, StoreUnavailable)):
-                failed = ("the state store is unavailable" if isinstance(exc, StoreUnavailable)
-                          else "the message broker did not take it")
-                raise EarlierAttemptMayBePublished(
-                    f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
-                    "may have been published: retry after a moment with the same Idempotency-Key (sends then keep "
-                    "their send ids and are sent once)") from exc
+                raise EarlierAttemptMayBePublished.after(exc) from exc
             raise
         lease.cancel()
         try:
