@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
-from ..gate.gate import Admission, Gate
+from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, StateLost, StoreUnavailable
+from ..gate.gate import Admission, Gate, Unused
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
 from ..retry.policy import RetryPolicy, expired
@@ -337,9 +337,28 @@ class Dispatcher:
 
     def _claim_round(self, draws: list[Draw]) -> None:
         """Claim every admitted request with its exact body (one round trip) and start it; a request
-        some of whose sends a racing worker claimed meanwhile is claimed again without them."""
+        some of whose sends a racing worker claimed meanwhile is claimed again without them. What the
+        gate admitted for sends that did not go out (a request the adapter refuses, a payload it cannot
+        read, sends a racing worker claimed) is given back, so the tenant is charged for what was sent."""
         if not draws:
             return
+        charged = [(d, len(d.items)) for d in draws]
+        sent = self._claim_and_start(draws)
+        self._give_back([Unused(d.route.name, d.tenant, n - sent[id(d)], 0 if sent[id(d)] else 1)
+                         for d, n in charged if n > sent[id(d)]])
+
+    def _give_back(self, unused: list[Unused]) -> None:
+        """Best effort: Redis failing here leaves those tokens spent (they refill with time)."""
+        if not unused:
+            return
+        try:
+            self.gate.refund_many(unused)
+        except GateError as exc:
+            log.warning("could not give back the gate's tokens of %d request(s) not sent in full: %s", len(unused), exc)
+
+    def _claim_and_start(self, draws: list[Draw]) -> Counter[int]:
+        """Messages started per draw (by `id`)."""
+        sent: Counter[int] = Counter()
         built: list[Draw] = []
         claims: list[Claim] = []
         held: list[tuple[Draw, str]] = []
@@ -354,7 +373,7 @@ class Dispatcher:
             self._requeue(d.key, d.items, hold_until=time.monotonic() + 5.0)
         draws = built
         if not draws:
-            return
+            return sent
         answers = self.jobs.claim_many(claims)
         stamp = wall_ms()
         for draw, claim, busy in zip(draws, claims, answers, strict=True):
@@ -362,12 +381,14 @@ class Dispatcher:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
                                             tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
                                             {**draw.stamps, "claimed": stamp}))
+                sent[id(draw)] = len(draw.items)
                 continue
             taken = set(busy)
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
             rest = [p for i, p in enumerate(draw.items) if i not in taken]
             if rest:
-                self._submit(draw.route, draw.key, draw.tenant, rest)
+                sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
+        return sent
 
     def _claim_of(self, route: Route, tenant: str, items: list[Pending]) -> Claim:
         """The request for these messages at this provider: its key (the provider's name appended for
@@ -528,19 +549,22 @@ class Dispatcher:
         route.in_flight += 1
 
     # ---- the steps
-    def _submit(self, route: Route, key: str, tenant: str, fresh: list[Pending]) -> None:
+    def _submit(self, route: Route, key: str, tenant: str, fresh: list[Pending]) -> int:
+        """Claim these sends again without those a racing worker holds, and start their request: the
+        number of messages started."""
         for _ in range(CLAIM_RACE_ROUNDS):
             claim = self._claim_of(route, tenant, fresh)
             busy = set(self.jobs.claim_many([claim])[0])
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
                                        fresh, key, claim.provider))
-                return
+                return len(fresh)
             self._requeue(key, [fresh[i] for i in sorted(busy)], hold_until=time.monotonic() + 0.5)
             fresh = [p for i, p in enumerate(fresh) if i not in busy]
             if not fresh:
-                return
+                return 0
         self._requeue(key, fresh)
+        return 0
 
     def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,

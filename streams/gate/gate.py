@@ -9,8 +9,9 @@ slot. Redis unreachable means closed: no admission, no provider call.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import redis
 
@@ -30,11 +31,21 @@ class Admission:
     short: str = ""  # "" | "global" | "tenant" | "cooldown"
 
 
+class Unused(NamedTuple):
+    """Tokens an admission took for what its caller did not send: `messages` from the tenant's bucket, and
+    `requests` (the admission's one, or 0 when the request went out with fewer messages) from the global one."""
+
+    provider: str
+    tenant: str
+    messages: int
+    requests: int = 1
+
+
 class Gate(Protocol):
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
     def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
     def cool_down(self, provider: str, seconds: float) -> None: ...
-    def refund_many(self, admitted: list[tuple[str, str, int]]) -> None: ...
+    def refund_many(self, admitted: Iterable[tuple[str, str, int] | Unused]) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
     def pacing(self, provider: str) -> Pacing: ...
 
@@ -97,13 +108,15 @@ class RedisGate:
         except GateUnavailable as exc:  # the round's own failure is the answer; the tokens refill with time
             log.warning("admissions of a failed gate round were not all given back: %s", exc)
 
-    def refund_many(self, admitted: list[tuple[str, str, int]]) -> None:
-        """Give back admissions (provider, tenant, messages) whose callers did not use them, in one round trip."""
-        if not admitted:
+    def refund_many(self, admitted: Iterable[tuple[str, str, int] | Unused]) -> None:
+        """Give back admissions whose callers did not use them, in one round trip: a (provider, tenant, messages)
+        is a whole admission, an `Unused` may be part of one."""
+        unused = [Unused(*a) for a in admitted]
+        if not unused:
             return
         pipe = self.client.pipeline(transaction=False)
-        for provider, tenant, messages in admitted:
-            self._refund(keys=self._keys(provider, tenant)[:3], args=[tenant, 1, messages], client=pipe)
+        for provider, tenant, messages, requests in unused:
+            self._refund(keys=self._keys(provider, tenant)[:3], args=[tenant, requests, messages], client=pipe)
         try:
             # Errors come back per refund: one raised out of a cluster pipeline would have it send every refund
             # again, those that landed included (tokens given back twice).
@@ -112,7 +125,7 @@ class RedisGate:
             raise GateUnavailable(f"bucket gate unavailable ({exc}); nothing given back") from None
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if failed:
-            raise GateUnavailable(f"bucket gate unavailable ({failed[0]}); {len(failed)} of {len(admitted)} "
+            raise GateUnavailable(f"bucket gate unavailable ({failed[0]}); {len(failed)} of {len(unused)} "
                                   "admissions not given back")
 
     def _keys(self, provider: str, tenant: str) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from streams.errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateUnavailable
-from streams.gate.gate import RedisGate
+from streams.gate.gate import RedisGate, Unused
 from streams.names import RedisKeys as Keys
 
 
@@ -53,6 +53,23 @@ def test_empty_tenant_bucket_does_not_consume_another_tenants_quota(gate, limits
     # the denials debited nothing: of the global burst of 10, exactly 9 requests remain for "big"
     admitted = sum(gate.acquire("resend", "big", 10).allowed for _ in range(12))
     assert admitted == 9
+
+
+def test_a_request_sent_with_fewer_messages_gives_back_only_their_tenant_tokens(gate, limits):
+    """Given tenant "small" (burst of 2) admitted for 2 messages, and a global burst of 10 requests refilling one
+    a second, of which that admission took one and 8 more requests take 8,
+    When the caller sent 1 message of the 2 in its request (`Unused(requests=0)`), and gives the other back,
+    Then the tenant may send exactly one message more at once, and the global bucket still holds one request:
+    the request that went out stays paid for."""
+    limits.set_provider("resend", 1, 10)
+    assert gate.acquire("resend", "small", 2).allowed
+    assert all(gate.acquire("resend", "big", 1).allowed for _ in range(8))
+
+    gate.refund_many([Unused("resend", "small", 1, requests=0)])
+
+    assert not gate.acquire("resend", "small", 2).allowed
+    assert gate.acquire("resend", "small", 1).allowed  # the global bucket's last request
+    assert not gate.acquire("resend", "big", 1).allowed
 
 
 def test_marketing_cannot_take_the_transactional_reserve(gate):

@@ -18,8 +18,8 @@ from streams.dispatch.backlog import HORIZON_S, BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
-from streams.errors import BucketUnreadable, StoreUnavailable
-from streams.gate.gate import Admission
+from streams.errors import BucketUnreadable, GateUnavailable, StoreUnavailable
+from streams.gate.gate import Admission, Unused
 from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
 from streams.names import TopicNames
@@ -108,17 +108,28 @@ class FakeProducer:
 
 
 class FakeGate:
+    """Admits every tenant but `short_tenants`; `spent` counts the tokens each (provider, tenant) holds spent:
+    messages and requests admitted, less what was given back."""
+
     def __init__(self, short_tenants=(), rates=None, bursts=None):
         self.short_tenants = set(short_tenants)
         self.rates, self.bursts = rates or {}, bursts or {}
+        self.spent: Counter = Counter()
 
     def acquire(self, provider, tenant, messages, reserve=False):
         if tenant in self.short_tenants:
             return Admission(False, 3600.0, "tenant")
+        self.spent[(provider, tenant, "messages")] += messages
+        self.spent[(provider, tenant, "requests")] += 1
         return Admission(True)
 
     def acquire_many(self, requests):
         return [self.acquire(*r) for r in requests]
+
+    def refund_many(self, admitted):
+        for provider, tenant, messages, requests in map(lambda a: Unused(*a), admitted):
+            self.spent[(provider, tenant, "messages")] -= messages
+            self.spent[(provider, tenant, "requests")] -= requests
 
     def cool_down(self, provider, seconds): pass
     def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), self.bursts.get(tenant, 100))
@@ -1335,6 +1346,71 @@ def test_an_adapter_refusing_the_requests_shape_holds_the_queue_and_dead_letters
         q.ready_at = 0.0  # the hold (5 s) is over
     _run(worker)
     assert sum(body.count(b"|") + 1 for body in provider.sent) == 4 and consumer.stored[(TOPIC, 0)] == 4
+
+
+class RacingJobs(FakeJobs):
+    """processed_jobs where another worker claims the first two sends between this worker's status read and its
+    claim."""
+
+    def __init__(self, sends):
+        super().__init__()
+        self.racers = [s.send_id for s in sends[:2]]
+
+    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
+        for s in self.racers:
+            self.state.setdefault(s, "inflight:another-workers-request")
+        return super().claim(send_ids, key, owner, path, body, tenant, provider)
+
+
+@pytest.mark.parametrize("case, sent, charged", [
+    ("the adapter refuses the request's shape", 0, (0, 0)),
+    ("the adapter cannot read one payload", 5, (5, 1)),
+    ("a racing worker claimed two sends", 2, (2, 1)),
+])
+def test_a_tenant_is_charged_only_for_the_sends_a_round_sent(case, sent, charged):
+    """Given a marketing batch the gate admitted whole,
+    When its request goes out with fewer sends (a payload dead-lettered, sends another worker claimed meanwhile)
+    or not at all (the adapter refusing its shape, held),
+    Then the tokens of what did not go out are given back: the tenant's bucket holds spent only the messages sent,
+    and the global bucket only the requests sent, so its next requests are not delayed by tokens nobody used."""
+    def marketing(**payload):
+        return build_send(validate_request({**email_request(**payload), "category": "marketing"}), "blast")
+
+    jobs = FakeJobs()
+    if case == "the adapter refuses the request's shape":
+        sends, provider = [marketing() for _ in range(4)], SingleOnlyProvider(DELIVERED)
+    elif case == "the adapter cannot read one payload":
+        sends, provider = [marketing() for _ in range(5)] + [marketing(subject="poison")], PickyProvider(DELIVERED)
+    else:
+        sends, provider = [marketing() for _ in range(4)], FakeProvider(DELIVERED)
+        jobs = RacingJobs(sends)
+    gate = FakeGate()
+    worker, consumer, producer, _ = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)], gate=gate,
+                                            jobs=jobs, lane="marketing", provider=provider)
+    for _ in range(5):
+        worker.step()
+    assert sum(len(body.split(b"|")) for body in provider.sent) == sent
+    assert (gate.spent[("resend", "blast", "messages")], gate.spent[("resend", "blast", "requests")]) == charged
+
+
+class RefundRefusingGate(FakeGate):
+    def refund_many(self, admitted):
+        raise GateUnavailable("bucket gate unavailable (Redis down, test); nothing given back")
+
+
+def test_tokens_redis_refuses_to_take_back_stay_spent_and_the_round_goes_on(caplog):
+    """Redis failing as the round gives back the tokens of a dead-lettered payload: the tokens stay spent (they
+    refill with time), a warning says so, and the five other sends still go out once, every offset finished."""
+    sends = [build_send(validate_request({**email_request(subject=subject), "category": "marketing"}), "blast")
+             for subject in ["hi"] * 5 + ["poison"]]
+    gate = RefundRefusingGate()
+    worker, consumer, producer, provider = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)],
+                                                   gate=gate, lane="marketing", provider=PickyProvider(DELIVERED))
+    with caplog.at_level("WARNING"):
+        _run(worker)
+    assert sum(len(body.split(b"|")) for body in provider.sent) == 5 and len(producer.records[NAMES.dlq]) == 1
+    assert gate.spent[("resend", "blast", "messages")] == 6 and consumer.stored[(TOPIC, 0)] == 6
+    assert "could not give back the gate's tokens of 1 request(s) not sent in full" in caplog.text
 
 
 class ExpiredRecordJobs(FakeJobs):
