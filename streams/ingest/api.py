@@ -56,7 +56,16 @@ from ..webhooks.skipped import outcome_records, skipped_records
 from .api_keys import ApiKeys
 from .bulk import BulkProxy
 from .docs import mount_docs
-from .idempotency import MAX_KEY_LENGTH, Answered, Claimed, Conflict, IngestIdempotency, body_hash, sends_digest
+from .idempotency import (
+    MAX_KEY_LENGTH,
+    Answered,
+    Claimed,
+    Conflict,
+    IngestIdempotency,
+    OtherRoute,
+    body_hash,
+    sends_digest,
+)
 from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
@@ -128,7 +137,8 @@ IdempotencyKey = Annotated[str | None, Header(
     # Documented only (the handler refuses a blank key with its own message): not only white space.
     json_schema_extra={"pattern": f"[^{WHITE_SPACE}]"},
     description="the same key and body within 24 h: the first answer again, nothing published twice; another "
-                "body under a key used in the last 24 h: 422 (idempotency_key_reused)")]
+                "body, or the other of /v1/sends and /v1/sends/batch, under a key used in the last 24 h: 422 "
+                "(idempotency_key_reused)")]
 HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed"}
 # The events are JSON encoded by orjson, which carries integers from -2^63 to 2^64-1 and strings of Unicode
 # scalar values (no unpaired surrogate): a payload holding anything else is refused (422), and said so.
@@ -513,9 +523,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         except orjson.JSONDecodeError as exc:  # valid for Python's parser, not for the events' (a lone surrogate)
             raise problem(400, "invalid_request", ["body"], f"JSON decode error: {exc}") from None
 
-    async def idempotent(tenant_id: str, key: str | None, canonical: object, status: int,
+    async def idempotent(tenant_id: str, key: str | None, route: str, canonical: object, status: int,
                          run: Callable[[Claimed], object]) -> JSONResponse:
-        """Run `run(claim)` once per (tenant, key, body) within 24 h; replay its answer after that."""
+        """Run `run(claim)` once per (tenant, key, route, body) within 24 h; replay its answer after that."""
         if key is None or ingest.idempotency is None:
             return JSONResponse(await run(Claimed(int(time.time() * 1000), "")), status)  # type: ignore[misc]
         if not key.strip():
@@ -526,7 +536,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             raise problem(422, "invalid_request", ["body"], "the request body is nested more than 254 levels deep: "
                           "it has no canonical form for its Idempotency-Key") from None
         try:
-            state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest)
+            state = await run_in_threadpool(ingest.idempotency.begin, tenant_id, key, digest, route)
         except StoreUnavailable as exc:  # this attempt published nothing; whether an earlier one under the key did
             raise EarlierAttemptMayBePublished.after(exc) from exc  # cannot be told without the store
         if isinstance(state, Answered):
@@ -534,6 +544,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         if isinstance(state, Conflict):
             raise problem(422, "idempotency_key_reused", ["header", "Idempotency-Key"],
                           "this Idempotency-Key was used with a different request body in the last 24 h")
+        if isinstance(state, OtherRoute):
+            raise problem(422, "idempotency_key_reused", ["header", "Idempotency-Key"],
+                          f"this Idempotency-Key was used on {state.route} in the last 24 h")
         if not isinstance(state, Claimed):
             raise problem(409, "request_in_progress", ["header", "Idempotency-Key"],
                           "a request with this Idempotency-Key is still being published", {"Retry-After": "1"})
@@ -577,7 +590,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             [accepted] = await publish(tenant_id, [body], False, key, claim)
             return accepted.model_dump(exclude_none=True)
 
-        return await idempotent(tenant_id, key, await canonical(request), 202, run)
+        return await idempotent(tenant_id, key, "POST /v1/sends", await canonical(request), 202, run)
 
     @app.post("/v1/sends/batch", status_code=202, response_model=BatchAccepted,
               responses=documented(400, 401, 403, 409, 413, 422, 429, 503))
@@ -587,7 +600,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             accepted = await publish(tenant_id, body.sends, True, key, claim)
             return {"accepted": len(accepted), "sends": [a.model_dump(exclude_none=True) for a in accepted]}
 
-        return await idempotent(tenant_id, key, await canonical(request), 202, run)
+        return await idempotent(tenant_id, key, "POST /v1/sends/batch", await canonical(request), 202, run)
 
     if webhooks is not None:
         app.include_router(webhook_routes(webhooks, store, client, auth.tenant_dependency()))

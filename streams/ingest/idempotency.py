@@ -6,7 +6,8 @@ of the request's body. A request under the same key then gets, depending on its 
 state:
 
 - the same body, answered: the stored answer again (the same send ids), and nothing is published;
-- a different body: 422 (`idempotency_key_reused`), nothing is published;
+- a different body, or another route (a key used on `/v1/sends` sent to `/v1/sends/batch`): 422
+  (`idempotency_key_reused`), nothing is published;
 - the same key still pending (the first request is being published): 409 with Retry-After.
 
 A request that failed with nothing published (a 4xx, a 503 without `"outcome": "unknown"`)
@@ -48,12 +49,15 @@ PENDING_LEASE_S = 60
 MAX_KEY_LENGTH = 255
 
 _BEGIN = """
--- KEYS[1] the key's hash; ARGV: body hash, now ms (the key's first use), lease ms, kept s, holder token
+-- KEYS[1] the key's hash; ARGV: body hash, now ms (the key's first use), lease ms, kept s, holder token, route
 -- Leases are timed by Redis's clock, never the caller's: API hosts whose clocks disagree still agree
 -- on whether a lease is live.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local state = redis.call('HGET', KEYS[1], 'state')
+-- A key names one request on one route (keys stored before routes were kept have none: any route)
+local route = redis.call('HGET', KEYS[1], 'route')
+if state and route and route ~= ARGV[6] then return {'other_route', route} end
 if state == 'done' then
   if redis.call('HGET', KEYS[1], 'hash') ~= ARGV[1] then return {'conflict', 0} end
   return {'done', redis.call('HGET', KEYS[1], 'status'), redis.call('HGET', KEYS[1], 'answer')}
@@ -67,7 +71,7 @@ if state == 'pending' then
   return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), redis.call('HGET', KEYS[1], 'charged') or '', 1}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
-           'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5])
+           'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'route', ARGV[6])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'claimed', ARGV[2], '', 0}
 """
@@ -128,6 +132,13 @@ class Pending:
     pass
 
 
+@dataclass(frozen=True)
+class OtherRoute:
+    """The key was used on another route in the last 24 h (a key names one request on one route)."""
+
+    route: str
+
+
 def sends_digest(send_ids: list[str]) -> str:
     """The send ids a request publishes, in any order (two attempts under one key carry the same ids, unless
     the tenant's webhook endpoints changed in between)."""
@@ -146,13 +157,16 @@ class IngestIdempotency:
         self._begin = client.register_script(_BEGIN)
         self._as_holder = client.register_script(_AS_HOLDER)
 
-    def begin(self, tenant: str, key: str, digest: str) -> Claimed | Answered | Conflict | Pending:
+    def begin(self, tenant: str, key: str, digest: str,
+              route: str = "POST /v1/sends") -> Claimed | Answered | Conflict | Pending | OtherRoute:
         now_ms = int(time.time() * 1000)
         holder = uuid.uuid4().hex
         with store_errors("checking an Idempotency-Key"):
             reply = self._begin(keys=[self.keys.ingest_idempotency(tenant, key)],
-                                args=[digest, now_ms, int(self.lease_s * 1000), KEPT_S, holder])
+                                args=[digest, now_ms, int(self.lease_s * 1000), KEPT_S, holder, route])
         state = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        if state == "other_route":
+            return OtherRoute(reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1]))
         if state == "done":
             return Answered(int(reply[1]), orjson.loads(reply[2]))
         if state == "conflict":

@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from streams.ingest.api import keep_lease
 from streams.ingest.api_keys import ApiKeys
-from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, Pending, body_hash
+from streams.ingest.idempotency import Answered, Claimed, Conflict, IngestIdempotency, OtherRoute, Pending, body_hash
 from streams.names import RedisKeys
 from streams.send import MAX_SEND_BYTES
 from streams.state.guard import restore
@@ -89,6 +89,42 @@ def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client
     theirs = api.post("/v1/sends/batch", json=body, headers={**api.keys["b"], "Idempotency-Key": "order-42"})
     assert theirs.status_code == 202 and theirs.json() != first.json()
     assert count_records(stack.bootstrap, topic) == 4
+
+
+def test_an_idempotency_key_names_one_route(api, stack, names):
+    """Given a body valid on both routes (a single send carrying a `sends` field the sends ignore, which is also
+    a batch of one), posted to /v1/sends under a key,
+    When the same body goes to /v1/sends/batch under the same key,
+    Then it is 422 `idempotency_key_reused` naming the route the key was used on, not the single send's answer
+    replayed as if it were the batch's (a different shape, read as a batch of nothing); nothing more is
+    published, and the first route still replays its answer."""
+    topic = names.lane("email", "transactional")
+    headers = {**api.keys["a"], "Idempotency-Key": "both-routes"}
+    body = {**email_request(), "sends": [email_request()]}
+    single = api.post("/v1/sends", json=body, headers=headers)
+    assert single.status_code == 202 and count_records(stack.bootstrap, topic) == 1
+
+    batch = api.post("/v1/sends/batch", json=body, headers=headers)
+
+    assert batch.status_code == 422 and batch.json()["error"] == "idempotency_key_reused"
+    assert "POST /v1/sends in the last 24 h" in batch.json()["errors"][0]["msg"]
+    again = api.post("/v1/sends", json=body, headers=headers)
+    assert again.json() == single.json() and again.headers["idempotent-replayed"] == "true"
+    assert count_records(stack.bootstrap, topic) == 1
+
+
+def test_a_key_stored_before_routes_were_kept_answers_on_either_route(redis_client, namespace):
+    """A key answered by a version that did not note the route (a retry across an upgrade) still replays its
+    answer, on either route; a key that notes one refuses the other, pending or answered."""
+    idem, digest = IngestIdempotency(redis_client, namespace), body_hash(email_request())
+    claim = idem.begin("tenant-a", "old", digest, "POST /v1/sends")
+    assert isinstance(claim, Claimed) and idem.finish("tenant-a", "old", 202, {"id": "1"}, claim.holder)
+    assert idem.begin("tenant-a", "old", digest, "POST /v1/sends/batch") == OtherRoute("POST /v1/sends")
+    redis_client.hdel(RedisKeys(namespace).ingest_idempotency("tenant-a", "old"), "route")
+    assert idem.begin("tenant-a", "old", digest, "POST /v1/sends/batch") == Answered(202, {"id": "1"})
+
+    assert isinstance(idem.begin("tenant-a", "new", digest, "POST /v1/sends/batch"), Claimed)
+    assert idem.begin("tenant-a", "new", digest, "POST /v1/sends") == OtherRoute("POST /v1/sends/batch")
 
 
 def test_a_keyed_body_nested_too_deep_for_a_canonical_form_is_refused_not_a_500(api, stack, names):

@@ -32,7 +32,7 @@ class Idempotency:
         self.taken_over = taken_over
         self.ended: list[str] = []
 
-    def begin(self, tenant, key, digest):
+    def begin(self, tenant, key, digest, route):
         if self.taken_over is None:
             raise StoreUnavailable("checking an Idempotency-Key: Redis unavailable (test)")
         return Claimed(1_700_000_000_000, "holder-1", maybe_published_before=self.taken_over)
