@@ -50,8 +50,11 @@ class Recovery:
 
 
 def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> None:
+    # A start retention deleted after the watermarks were read is read on from the partition's new start (the
+    # default would jump to its end, and recovery stall there).
     c = Consumer(client_config(bootstrap, quiet=True, settings={
-        "group.id": f"state-recover-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        "group.id": f"state-recover-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest"}))
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         ends, assignment = {}, []

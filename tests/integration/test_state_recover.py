@@ -7,8 +7,10 @@ import time
 import uuid
 
 import orjson
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
+import streams.state.recover as recover_module
 from streams.ingest.status import StatusStore
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
@@ -50,6 +52,34 @@ def test_recover_finishes_when_a_transaction_marker_ends_the_outcomes_partition(
     store = StatusStore(redis_client, namespace)
     assert [store.get(s)["status"] for s in ("s-1", "s-2")] == ["delivered", "delivered"]
     assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+
+
+def test_recover_reads_from_the_start_retention_moved_to_while_it_began(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, monkeypatch):
+    """Given notif.outcomes whose partition holds six delivered events, of which retention deleted the first two
+    after recovery read the partition's start (its low watermark still said 0),
+    When `streams state recover` reads from that start, which no longer exists,
+    Then it reads on from the partition's new start: the four events still there get their delivered marks back
+    (before: the consumer jumped to the partition's end, as librdkafka does by default, and recovery failed
+    after 30 s as stalled, with none rebuilt)."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    sends = [f"s-{i}" for i in range(6)]
+    for send_id in sends:
+        producer.produce(names.outcomes, orjson.dumps(_delivered(send_id, now_ms)), key=b"k", partition=0)
+    assert producer.flush(10) == 0
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})  # kept: its futures need it alive
+    for future in admin.delete_records([TopicPartition(names.outcomes, 0, 2)]).values():
+        future.result(10)
+    read = recover_module.watermarks
+    monkeypatch.setattr(recover_module, "watermarks", lambda c, tp: (0, read(c, tp)[1]))  # read before retention
+    keys = RedisKeys(namespace)
+
+    result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
+
+    assert result.delivered_marks == 4
+    assert [redis_client.get(keys.processed("acme", s)) for s in sends] == [None, None] + [b"delivered"] * 4
 
 
 def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(
