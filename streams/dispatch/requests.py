@@ -541,7 +541,7 @@ class Dispatcher:
         for p in job.members:
             self._open.pop(id(p), None)
         job.stamps["sent"] = wall_ms()
-        fut = route.adapter.submit(job.path, job.body, api_key, job.key)
+        fut = route.adapter.submit(job.path, job.body, api_key, job.key, job.tenant)
         self.in_flight[fut] = job
         fut.add_done_callback(self.finished.append)
         self.in_flight_by_queue[job.queue] += 1

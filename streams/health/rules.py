@@ -27,7 +27,8 @@ DEGRADE_AFTER = 10
 # sealing key missing, the worker's endpoint view behind the log; or the URL that answered is no longer the
 # endpoint's): they neither degrade it nor mail its tenant's members.
 OURS = frozenset({"secret_unreadable", "gone_before_url_change",  # the latter: the old URL answered
-                  "endpoint_view_behind"})  # the worker's view of the endpoints could not catch up
+                  "endpoint_view_behind",  # the worker's view of the endpoints could not catch up
+                  "endpoint_of_another_tenant"})  # an event naming it, written past ingest: never sent
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 
@@ -97,6 +98,12 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
     """The health after one event of the endpoint's attempts topic (`offset`: its position there)."""
     if offset <= h.applied_upto:
         return Outcome(h)  # already applied before a restart: nothing happens twice
+    if event.get("outcome") == "skipped" or event.get("error") in OURS:
+        return Outcome(replace(h, applied_upto=offset))  # never attempted: neither a failure nor a success
+    if h.tenant and event.get("tenant_id") and event["tenant_id"] != h.tenant:
+        # Another tenant's event naming this endpoint (written to a lane past ingest): it neither counts nor
+        # moves the endpoint, nor its alerts, to that tenant.
+        return Outcome(replace(h, applied_upto=offset))
     h = replace(h, applied_upto=offset, tenant=event.get("tenant_id") or h.tenant)
     now = int(event.get("at_ms") or 0)
     if event.get("kind") == "reactivated":
@@ -105,8 +112,6 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
         return Outcome(reactivated, state_changed=h.state != "active")
     if event.get("outcome") == "delivered":
         return Outcome(replace(h, consecutive_failures=0))
-    if event.get("outcome") == "skipped" or event.get("error") in OURS:
-        return Outcome(h)  # never attempted: neither a failure nor a success
     h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))
     alerts: list[Alert] = []
     suppressed: list[str] = []

@@ -35,8 +35,10 @@ class Provider(Protocol):
         """The request path and body. Deterministic: the same messages give the same bytes."""
         ...
 
-    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
-        """Start the request; the future holds its result (never an exception for a provider's answer)."""
+    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str,
+               tenant: str) -> Future[ProviderResult]:
+        """Start the request of `tenant`'s sends; the future holds its result (never an exception for a
+        provider's answer)."""
         ...
 
     @property
@@ -120,8 +122,9 @@ class HttpProvider:
             self.tokens = TokenSource(spec.name, self.client, spec.token_path[1], creds.get("client_id", ""),
                                       creds.get("client_secret", ""), fresh=self.fresh)
 
-    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
-        return self.pool.submit(self.post, path, body, api_key, idempotency_key)
+    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str,
+               tenant: str) -> Future[ProviderResult]:
+        return self.pool.submit(self.post, path, body, api_key, idempotency_key)  # the account is the key's
 
     ready = True
 

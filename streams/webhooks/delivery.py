@@ -207,11 +207,12 @@ class WebhookDelivery:
             caught_up = await asyncio.shield(self._view_sync)
         return caught_up
 
-    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str) -> Future[ProviderResult]:
+    def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str,
+               tenant: str) -> Future[ProviderResult]:
         msg_id = idempotency_key.removeprefix("send-")  # the delivery id: stable across retries
-        return asyncio.run_coroutine_threadsafe(self._deliver(path, body, msg_id), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._deliver(path, body, msg_id, tenant), self.loop)
 
-    async def _deliver(self, endpoint_id: str, body: bytes, msg_id: str) -> ProviderResult:
+    async def _deliver(self, endpoint_id: str, body: bytes, msg_id: str, tenant: str) -> ProviderResult:
         ep = self.directory.get(endpoint_id)
         if ep is None:
             # Deleted, or created a moment ago and not read by this view yet (the API that fanned the event
@@ -225,6 +226,11 @@ class WebhookDelivery:
                                       latency_s=time.monotonic() - started)
         if ep is None:
             return ProviderResult("skipped", error_name="endpoint_deleted")
+        if ep.tenant != tenant:
+            # An event naming another tenant's endpoint, written to the lane past ingest, that `build` could not
+            # refuse (the view had not read the endpoint yet; or a stored request re-sent): never delivered, nor
+            # signed with that tenant's secret. Dead-lettered; not the endpoint's failure (health ignores it).
+            return ProviderResult("rejected", error_name="endpoint_of_another_tenant")
         if not ep.enabled or ep.state == "disabled":
             return ProviderResult("skipped", error_name="endpoint_disabled")
         if ep.state == "degraded":  # never retried or probed until someone reactivates it

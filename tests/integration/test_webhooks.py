@@ -321,7 +321,8 @@ def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topi
     When a publishes an event,
     Then its delivery is found at once (status accepted, naming its endpoint and event) and listed under its
     endpoint (before: 404 "no such delivery" and an empty list until its first attempt, minutes or hours behind
-    a slow endpoint); once a worker runs it is delivered and still listed once."""
+    a slow endpoint); once a worker runs it is delivered and still listed once. An outcome of tenant b's filed
+    under a's endpoint (an event of b's naming it, written to the lane past ingest) is not listed to a."""
     hooks = _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE, worker=False)
     ep = _register(hooks, mock_endpoint, "waiting")
     [delivery] = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"]
@@ -329,6 +330,10 @@ def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topi
     assert found.status_code == 200, found.text
     assert (found.json()["status"], found.json()["endpoint_id"], found.json()["event_type"]) == (
         "accepted", ep["id"], "invoice.paid")
+    StatusStore(redis_client, namespace).record_outcome(
+        {"send_id": "forged-by-b", "tenant_id": "tenant-b", "channel": "webhook", "lane": "transactional",
+         "status": "dead_lettered", "reason": "rejected", "attempts": 1, "endpoint_id": ep["id"],
+         "created_at_ms": int(time.time() * 1000)})
     listed = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", headers=hooks.keys["a"]).json()["deliveries"]
     assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
     assert hooks.get(f"/v1/deliveries/{delivery['delivery_id']}", headers=hooks.keys["b"]).status_code == 404

@@ -58,7 +58,7 @@ def test_skipped_deliveries_count_neither_way():
     assert f.h.consecutive_failures == 1
 
 
-@pytest.mark.parametrize("ours", ["secret_unreadable", "gone_before_url_change"])
+@pytest.mark.parametrize("ours", ["secret_unreadable", "gone_before_url_change", "endpoint_of_another_tenant"])
 def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant(ours):
     """Given 9 failures of the receiver,
     When 20 attempts fail before sending because the worker cannot open the endpoint's signing secret (an
@@ -71,6 +71,27 @@ def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_it
     for t in range(9, 29):
         f.push({"kind": "attempt", "outcome": "unavailable", "error": ours, "dropped": t == 28}, t)
     assert (f.h.state, f.h.consecutive_failures, f.alerts) == ("active", 9, [])
+
+
+def test_another_tenants_events_naming_the_endpoint_neither_degrade_it_nor_take_its_alerts():
+    """Given an endpoint of acme's whose first events are globex's, written to a lane past ingest naming acme's
+    endpoint (the worker refuses to send them: `endpoint_of_another_tenant`),
+    When acme's own receiver then fails 10 times, with more events of globex's in between (an older worker's, say,
+    that sent them),
+    Then globex's events change nothing (before: the first one made the endpoint globex's, so acme's alerts would
+    go to globex's members, and every one counted as a failure), and acme's tenth failure degrades it with one
+    "stopped" alert, for acme."""
+    f = Feed()
+    forged = {"kind": "attempt", "tenant_id": "globex", "outcome": "rejected", "error": "endpoint_of_another_tenant"}
+    for t in range(20):
+        f.push(forged, t)
+    assert (f.h.tenant, f.h.consecutive_failures) == ("", 0)
+    f.fail(20)
+    for t in range(21, 30):
+        f.push({"kind": "attempt", "tenant_id": "globex", "outcome": "unavailable", "status_code": 500}, t)
+        assert f.h.consecutive_failures == t - 20
+        f.fail(t)
+    assert (f.h.tenant, f.h.state, [k for k, _ in f.alerts]) == ("acme", "degraded", ["stopped"])
 
 
 def test_dropped_then_stopped_sends_both():

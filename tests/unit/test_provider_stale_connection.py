@@ -182,7 +182,7 @@ def test_the_second_try_never_takes_another_closed_connection_from_the_pool():
     provider = Provider(answered_per_connection=1, pair_first_answers=True)
     adapter = ResendEmail(RESEND, provider.url)
     try:
-        burst = [adapter.submit("/emails", b"{}", "re_k", f"send-{i}") for i in (1, 2)]
+        burst = [adapter.submit("/emails", b"{}", "re_k", f"send-{i}", "acme") for i in (1, 2)]
         wait(burst, timeout=20)
         assert [f.result().outcome for f in burst] == ["delivered", "delivered"] and provider.answered == [1, 1]
         third = adapter.post("/emails", b"{}", "re_k", "send-3")

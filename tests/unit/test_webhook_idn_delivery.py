@@ -50,7 +50,7 @@ def test_an_endpoint_on_an_internationalised_host_is_delivered_to(receiver, host
     d = WebhookDelivery(directory, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})), timeout_s=5,
                         nameservers=[nameserver.address])
     try:
-        result = d.submit(ep.id, b'{"type": "invoice.paid"}', "", "send-0001").result(10)
+        result = d.submit(ep.id, b'{"type": "invoice.paid"}', "", "send-0001", ep.tenant).result(10)
     finally:
         d.close()
         nameserver.close()

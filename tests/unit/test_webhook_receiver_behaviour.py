@@ -80,8 +80,8 @@ def client(directory, nameserver: LoopbackNameServer | None = None, timeout_s: f
                            timeout_s=timeout_s, nameservers=[nameserver.address] if nameserver else None)
 
 
-def deliver(d: WebhookDelivery, ep: Endpoint, n: int):
-    return d.submit(ep.id, b'{"type": "invoice.paid"}', "", f"send-{n:04d}").result(15)
+def deliver(d: WebhookDelivery, ep: Endpoint, n: int, tenant: str | None = None):
+    return d.submit(ep.id, b'{"type": "invoice.paid"}', "", f"send-{n:04d}", tenant or ep.tenant).result(15)
 
 
 def test_a_cookie_one_tenants_receiver_sets_never_goes_out_with_another_tenants_delivery(nameserver, receiver):
@@ -231,3 +231,21 @@ def test_an_endpoint_the_view_has_not_read_yet_is_delivered_to_not_taken_for_del
     finally:
         d.close()
     assert (behind.outcome, behind.error_name) == ("unavailable", "endpoint_view_behind")
+
+
+def test_an_event_naming_another_tenants_endpoint_the_view_had_not_read_is_never_delivered(nameserver, receiver):
+    """Given acme's event written to the lane past ingest, naming globex's endpoint, which the worker's view had
+    not read when the request was built (so `build` could not refuse it),
+    When it is delivered (the view catches up and finds the endpoint), and when a stored request of it is re-sent,
+    Then it is rejected as `endpoint_of_another_tenant` and globex's receiver gets nothing (before: it was POSTed
+    there, signed with globex's secret); globex's own delivery still goes out."""
+    theirs = endpoint("ep_g", "globex", f"http://b.shared.test:{receiver}/hooks")
+    d = client(LaggingView([], [theirs]), nameserver)
+    try:
+        forged = [deliver(d, theirs, 1, tenant="acme"), deliver(d, theirs, 2, tenant="acme")]
+        assert Receiver.cookies_seen == []
+        own = deliver(d, theirs, 3)
+    finally:
+        d.close()
+    assert [(r.outcome, r.error_name) for r in forged] == [("rejected", "endpoint_of_another_tenant")] * 2
+    assert own.outcome == "delivered" and len(Receiver.cookies_seen) == 1

@@ -195,7 +195,7 @@ class FakeProvider:
         self.sent.append(body)
         return self.answer
 
-    def submit(self, path, body, api_key, idempotency_key):
+    def submit(self, path, body, api_key, idempotency_key, tenant):
         done = Future()
         done.set_result(self.post(path, body, api_key, idempotency_key))
         return done
@@ -876,7 +876,7 @@ def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_ide
 class SilentProvider(FakeProvider):
     """Receivers that take every request and never answer (a tenant's slow endpoints)."""
 
-    def submit(self, path, body, api_key, idempotency_key):
+    def submit(self, path, body, api_key, idempotency_key, tenant):
         self.sent.append(body)
         return Future()
 
@@ -909,7 +909,7 @@ class HeldProvider(FakeProvider):
         super().__init__(answer)
         self.waiting: list[tuple[bytes, Future]] = []
 
-    def submit(self, path, body, api_key, idempotency_key):
+    def submit(self, path, body, api_key, idempotency_key, tenant):
         self.sent.append(body)
         done: Future = Future()
         self.waiting.append((body, done))
