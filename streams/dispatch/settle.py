@@ -169,15 +169,19 @@ class Settler:
 
     def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
-        It stays replayable while its payload is kept. A re-sent request keeps its claim (its first
-        copy's fate is unknown), as after any failure."""
-        if job.resent or result.first_copy_unknown:
+        It stays replayable while its payload is kept (a replay is a new send). Final: once its record is
+        acknowledged the send is marked `tried:<attempt>`, so a copy of it read again (a retry copy the
+        retrier releases again, a rebalance) is stale, never delivered hours late under its old id. A
+        re-sent request keeps its claim (its first copy's fate is unknown), as after any failure."""
+        resent = job.resent or result.first_copy_unknown
+        if resent:
             self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         for p in job.members:
-            self.records.skipped(p, result.error_name, now_ms, self.finisher(p.where))
+            finish = self.finisher(p.where) if resent else self._tried_then_finish(job, p)
+            self.records.skipped(p, result.error_name, now_ms, finish)
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         if result.outcome == "gone" and self.on_gone is not None and not self.on_gone(job, result):

@@ -1096,6 +1096,28 @@ def test_a_later_attempts_failure_keeps_the_earlier_mark_so_a_message_read_again
     assert provider_b.sent == [] and consumer_b.stored[(TOPIC, 0)] == 1
 
 
+@pytest.mark.parametrize("attempt", [1, 3])
+def test_a_skipped_delivery_read_again_is_never_sent_late(attempt):
+    """Given a delivery (attempt 1, or a retry copy for attempt 3) skipped because its endpoint was disabled,
+    When its message is read again after the endpoint came back (the retrier releasing the copy again after a
+    restart, a rebalance before the offset was committed),
+    Then the copy is stale and nothing is sent (before: the skip freed the send, and the copy went out hours late
+    under its old id, after the tenant may have replayed it under a new one)."""
+    sends, _ = _messages(["acme"])
+    jobs = FakeJobs()
+    if attempt > 1:
+        jobs.state[sends[0].send_id] = f"tried:{attempt - 1}"
+    headers = [("attempt", str(attempt).encode())] if attempt > 1 else []
+    copy = FakeMessage(0, 0, encode(sends[0]), headers)
+    a, consumer_a, producer_a, _ = _worker([copy], answer=ProviderResult("skipped", error_name="endpoint_disabled"),
+                                          jobs=jobs)
+    _run(a)
+    assert consumer_a.stored[(TOPIC, 0)] == 1 and jobs.state[sends[0].send_id] == f"tried:{attempt}"
+    b, consumer_b, _, provider_b = _worker([copy], jobs=jobs)
+    _run(b)
+    assert provider_b.sent == [] and consumer_b.stored[(TOPIC, 0)] == 1
+
+
 def test_of_a_stale_copy_and_the_live_retry_copy_in_one_batch_the_live_one_is_sent():
     """Given a marketing email whose attempt 1 failed and whose retry copy (attempt 2) is durable (tried:1),
     When its lane message is read again and lands in the same batch as the retry copy,
