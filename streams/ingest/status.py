@@ -110,10 +110,16 @@ class StatusStore:
         for prefix, where in (("origin", event.get("origin")), ("dlq", event.get("dlq"))):
             if isinstance(where, dict):
                 fields.update({f"{prefix}_{k}": v for k, v in where.items()})
+        attempt = None
+        if isinstance(event.get("attempt"), dict):
+            try:
+                attempt = orjson.dumps(event["attempt"])
+            except orjson.JSONEncodeError:  # read, but nested past what can be written back (255 levels)
+                raise UnusableOutcome("'attempt' is nested too deep to be stored") from None
         with store_errors("recording an outcome"):
             pipe = self.client.pipeline(transaction=False)
-            if isinstance(event.get("attempt"), dict):
-                pipe.hset(attempts_key, str(event["attempt"].get("n")), orjson.dumps(event["attempt"]))
+            if attempt is not None:
+                pipe.hset(attempts_key, str(event["attempt"].get("n")), attempt)
                 pipe.expire(attempts_key, STATUS_TTL_S)
             if event.get("endpoint_id"):  # a webhook delivery: listed under its endpoint, 30 days
                 index = self.keys.endpoint_deliveries(event["endpoint_id"])
