@@ -114,6 +114,11 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
                                    new.send_id) from None
     except PublishError as exc:
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
+    except (Exception, KeyboardInterrupt) as exc:  # an operator's Ctrl-C, or anything else, while the broker
+        # may be writing it: as unconfirmed (a caller freeing its replay claim now could replay it twice)
+        raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} (interrupted: "
+                                   f"{type(exc).__name__}); look it up (`streams sends show {new.send_id}`) before "
+                                   "replaying again", new.send_id) from exc
     try:
         # Its `accepted` event: the durable record that `send_id` was replayed, from which `streams state recover`
         # rebuilds the mark that stops a second replay after a Redis data loss (so are the replay's later outcomes).

@@ -9,7 +9,7 @@ import time
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from streams.errors import BrokerUnavailable, ReplayRefused
+from streams.errors import BrokerUnavailable, ReplayOutcomeUnknown, ReplayRefused
 from streams.ingest.sdk import SendClient
 from streams.ingest.status import StatusStore
 from streams.kafka_client import durable_producer, put_acked
@@ -199,3 +199,36 @@ def test_a_dead_letter_is_replayed_once_and_a_risky_or_delivered_one_is_refused(
     checked = replay_dead_letter(stack.bootstrap, names, store, send_client, unknown, outcome_checked=True)
     assert checked.send is not None and checked.send.replay_of == unknown
     assert count_records(stack.bootstrap, lane) == 5
+
+
+class InterruptedClient:
+    """The operator's Ctrl-C lands while the replay's publish waits for the broker's acknowledgement."""
+
+    def __init__(self, client: SendClient):
+        self.client = client
+
+    def publish_sends(self, sends):
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_dead_letter_replay_interrupted_while_publishing_keeps_its_claim(
+        stack, names, channel_topics, send_client, redis_client, namespace):
+    """Given a dead letter whose replay is interrupted (Ctrl-C) while its publish waits for the broker,
+    When the operator runs `streams dlq replay` again,
+    Then the first call ends saying the replay may have been published, naming its send id to look up, and the
+    second is refused (the claim was kept, so no second replay with another send id); before, the interrupt
+    freed the claim, and the second call published a second replay."""
+    channel_topics("email")
+    store = StatusStore(redis_client, namespace)
+    exhausted = _dead_letter(send_client, store, "retries_exhausted")
+
+    with pytest.raises(ReplayOutcomeUnknown, match="may have been published as .*KeyboardInterrupt") as unknown:
+        replay_dead_letter(stack.bootstrap, names, store, InterruptedClient(send_client), exhausted)
+
+    assert unknown.value.replay_id and store.get(exhausted)["replayed_as"] == "pending"
+    with pytest.raises(ReplayRefused, match="left unconfirmed"):
+        replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
+    assert count_records(stack.bootstrap, names.lane("email", "transactional")) == 1  # the dead letter's own
