@@ -584,7 +584,8 @@ class Dispatcher:
         if not route.spec.idempotent:
             # Its sender stopped before the answer, at a provider without idempotency keys: it may have
             # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
-            self._reconcile(tenant, request_key, stored.send_ids, group + self.queues.splice(queue, stored.send_ids))
+            members = self._with_queued_copies(group, queue, stored.send_ids)
+            self._reconcile(tenant, request_key, stored.send_ids, members)
             log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
                         "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
                         route.name)
@@ -603,13 +604,21 @@ class Dispatcher:
         if not admission.allowed:
             self.jobs.keep_unknown(tenant, request_key, self.worker_id)
             return False
-        # Other messages of ours that belong to the same request settle with it.
-        members = group + self.queues.splice(queue, stored.send_ids)
+        members = self._with_queued_copies(group, queue, stored.send_ids)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
                                stored.provider, resent=True))
         log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
                  len(stored.send_ids), route.name)
         return True
+
+    def _with_queued_copies(self, group: list[Pending], queue: str, send_ids: tuple[str, ...]) -> list[Pending]:
+        """Other messages of ours that belong to a recovered request settle with it; of two copies of one send
+        (the lane message and its retry copy, both read again after a crash) only the later attempt's, and the
+        other is ended as a duplicate: each would carry a retry chain of its own on, or a dead letter of its own."""
+        members, duplicates = unique_sends(group + self.queues.splice(queue, send_ids))
+        for p in duplicates:
+            self._end(p, "duplicate")
+        return members
 
     def refresh_leases(self) -> None:
         """Keep the leases of our requests in flight alive (at most every REFRESH_EVERY_S): while we

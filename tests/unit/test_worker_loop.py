@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from streams.dispatch.backlog import HORIZON_S, BacklogShare
-from streams.dispatch.idempotency import RECORD_GONE, StoredRequest
+from streams.dispatch.idempotency import RECORD_GONE, StoredRequest, idempotency_key
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import BucketUnreadable, GateUnavailable, StoreUnavailable
@@ -670,6 +670,30 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
         _run(worker)
     assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 3, provider.keys
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
+
+
+def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
+    """Given a send whose request's sender died (its outcome unknown), and whose lane message (attempt 1) and retry
+    copy (attempt 2) are both read again by the next worker, which has room for one request,
+    When the lane message meets the request and re-sends it, the retry copy queued behind it settling with it, and
+    the re-send fails,
+    Then one retry copy carries the send on, for attempt 3 (before: one copy per message the request settled, for
+    attempts 2 and 3: two retry chains of one send, each sent on its own schedule)."""
+    sends, _ = _messages(["acme"])
+    send = sends[0]
+    jobs = RecordingJobs()
+    key = idempotency_key([send.send_id])
+    jobs.state[send.send_id] = f"inflight:{key}"
+    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "")
+    lane_message = FakeMessage(0, 0, encode(send))
+    retry_copy = FakeMessage(0, 1, encode(send), [("attempt", b"2")])
+    worker, consumer, producer, provider = _worker([lane_message, retry_copy], jobs=jobs,
+                                                   answer=ProviderResult("unavailable", 503))
+    worker.dispatcher.concurrency = 1
+    _run(worker)
+    assert len(provider.sent) == 1 and consumer.stored[(TOPIC, 0)] == 2
+    copies = [headers for t, records in producer.records.items() if ".retry." in t for _, headers in records]
+    assert [h["attempt"] for h in copies] == [b"3"]
 
 
 @pytest.mark.parametrize("refusal", [
