@@ -330,8 +330,10 @@ def state(sub) -> None:
                            progress=lambda m: print(f"  {m}", file=sys.stderr))
             skipped = f" ({done.skipped} unusable events skipped)" if done.skipped else ""
             print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks, "
-                  f"{done.statuses} statuses and {done.replay_marks} replay marks rebuilt{skipped}; dispatch resumes")
+                  f"{done.stop_marks} reconcile/tried marks, {done.statuses} statuses and {done.replay_marks} "
+                  f"replay marks rebuilt{skipped}; dispatch resumes")
             _audited(rt, "state/recover", None, {"events": done.events, "delivered_marks": done.delivered_marks,
+                                                 "stop_marks": done.stop_marks,
                                                  "statuses": done.statuses, "replay_marks": done.replay_marks,
                                                  "skipped": done.skipped})
         else:

@@ -4,7 +4,10 @@ let dispatch resume.
 `notif.outcomes` is the durable record of every terminal outcome: each `delivered` event of the
 last 7 days becomes a `delivered` mark in processed_jobs again (so no send delivered before the
 loss is sent twice when its message is read again; also for an event with a bad field of its own,
-when its send id, tenant and status are good), and every event is applied to the send status
+when its send id, tenant and status are good). So do the marks that keep a copy read again from being
+sent: a send dead-lettered `unknown_outcome` is marked `reconcile` (the provider may hold it), and a
+failed attempt n (retrying, unknown, dead-lettered) or a skipped delivery `tried:<n>` (its copies for
+attempt n or earlier are stale), never over what says more. Every event is applied to the send status
 store (one with a field of the wrong type is skipped, as the outcome recorder skips it, and logged).
 Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
 hash slot), which ends the hold.
@@ -38,12 +41,41 @@ from .guard import log_epoch, write_epoch
 from .log import OperatorLog
 
 log = logging.getLogger("streams.state.recover")
+# A mark that keeps a copy read again from being sent, unless the key says more already (`delivered`, `reconcile`,
+# or `tried:<m>` with m >= n): as dispatch writes them (mark_tried.lua).   KEYS[1] processed_jobs key
+# ARGV[1] `reconcile` or `tried:<n>`   ARGV[2] ttl (s)
+_MARK_UNLESS_MORE = """
+local state = redis.call('GET', KEYS[1])
+if state == 'delivered' or state == 'reconcile' then return 0 end
+if state and string.sub(state, 1, 6) == 'tried:' and string.sub(ARGV[1], 1, 6) == 'tried:'
+   and tonumber(string.sub(state, 7)) >= tonumber(string.sub(ARGV[1], 7)) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+
+
+def stop_mark(event: dict) -> str | None:
+    """The processed_jobs mark (other than `delivered`) an outcome event leaves, as dispatch wrote it: None for
+    none. A dead letter `unknown_outcome` (the provider may hold the send) is `reconcile`; a failed attempt n,
+    or a delivery skipped before attempt n+1 (its event counts the n attempts made), `tried:<n>` / `tried:<n+1>`."""
+    attempts = event.get("attempts")
+    if not isinstance(attempts, int) or isinstance(attempts, bool):
+        attempts = 0
+    status = event["status"]
+    if status in ("dead_lettered", "dropped") and event.get("reason") == "unknown_outcome":
+        return "reconcile"
+    if status == "skipped":
+        return f"tried:{attempts + 1}"
+    if status in ("retrying", "unknown", "dead_lettered", "dropped") and attempts > 0:
+        return f"tried:{attempts}"
+    return None
 
 
 @dataclass
 class Recovery:
     events: int = 0
     delivered_marks: int = 0
+    stop_marks: int = 0  # reconcile and tried:<n> marks (a copy read again is not sent)
     statuses: int = 0
     skipped: int = 0  # records not JSON, and events with a field of the wrong type (not recorded as statuses)
     replay_marks: int = 0  # sends marked replayed again (a bulk or dead-letter replay never replays them twice)
@@ -87,6 +119,7 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> 
 def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
     store = StatusStore(client, names.namespace)
+    mark_unless_more = client.register_script(_MARK_UNLESS_MORE)
     result = Recovery()
     replays: dict[str, str] = {}  # a replayed send's id: its (first seen) replay's
     now_ms = int(time.time() * 1000)
@@ -111,17 +144,22 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             return
         result.events += 1
         marked = ""
-        if event["status"] == "delivered":  # its mark needs only the send and its tenant
-            completed = event.get("completed_at_ms")
-            if not isinstance(completed, int) or isinstance(completed, bool) or completed <= 0:
-                completed = now_ms  # unknown: kept a full week, never shorter
-            age_s = (now_ms - completed) / 1000
-            if age_s < DELIVERED_TTL_S:
-                with store_errors("restoring a delivered mark"):
-                    client.set(keys.processed(event["tenant_id"], event["send_id"]), "delivered",
-                               ex=max(1, int(DELIVERED_TTL_S - age_s)))
-                result.delivered_marks += 1
-                marked = " (its delivered mark is rebuilt)"
+        # Its mark needs only the send, its tenant, its status (and the attempts, for tried:<n>).
+        completed = event.get("completed_at_ms")
+        if not isinstance(completed, int) or isinstance(completed, bool) or completed <= 0:
+            completed = now_ms  # unknown: kept a full week, never shorter
+        age_s = (now_ms - completed) / 1000
+        processed = keys.processed(event["tenant_id"], event["send_id"])
+        if event["status"] == "delivered" and age_s < DELIVERED_TTL_S:
+            with store_errors("restoring a delivered mark"):
+                client.set(processed, "delivered", ex=max(1, int(DELIVERED_TTL_S - age_s)))
+            result.delivered_marks += 1
+            marked = " (its delivered mark is rebuilt)"
+        elif (mark := stop_mark(event)) is not None and age_s < DELIVERED_TTL_S:  # claims are kept as long
+            ttl_s = max(1, int(DELIVERED_TTL_S - age_s))
+            with store_errors("restoring a send's mark"):
+                result.stop_marks += mark_unless_more(keys=[processed], args=[mark, ttl_s])
+            marked = f" (its {mark} mark is rebuilt)"
         if isinstance(event.get("replay_of"), str) and event["replay_of"]:
             replays.setdefault(event["replay_of"], event["send_id"])
         try:

@@ -82,6 +82,37 @@ def test_recover_reads_from_the_start_retention_moved_to_while_it_began(
     assert [redis_client.get(keys.processed("acme", s)) for s in sends] == [None, None] + [b"delivered"] * 4
 
 
+def test_recover_rebuilds_the_marks_that_keep_a_copy_read_again_from_being_sent(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client):
+    """Given notif.outcomes holding, for sends of the last week: one dead-lettered `unknown_outcome` (the provider may
+    hold it); one whose attempt 2 failed (`retrying`); one whose attempt 1 failed and whose attempt 2 was then
+    delivered; a webhook delivery dropped after 9 attempts; and a delivery skipped before its third attempt,
+    When `streams state recover` runs after Redis lost its data,
+    Then each send's processed_jobs mark is back as dispatch had written it: `reconcile`, `tried:2`, `delivered`,
+    `tried:9`, `tried:3`; so a copy of them read again (a rebalance, the retrier releasing copies again after a
+    restart) is neither sent a second time nor starts a second chain (before: only `delivered` was rebuilt)."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+
+    def event(send_id: str, status: str, attempts: int, reason: str = "") -> bytes:
+        return orjson.dumps({**_delivered(send_id, now_ms), "status": status, "attempts": attempts, "reason": reason})
+
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for value in (event("s-unknown", "dead_lettered", 3, "unknown_outcome"), event("s-retrying", "retrying", 2),
+                  event("s-later", "retrying", 1), event("s-later", "delivered", 2),
+                  event("s-dropped", "dropped", 9, "retries_exhausted"), event("s-skipped", "skipped", 2)):
+        producer.produce(names.outcomes, value, key=b"k", partition=0)
+    assert producer.flush(10) == 0
+    keys = RedisKeys(namespace)
+
+    result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
+
+    marks = [redis_client.get(keys.processed("acme", s))
+             for s in ("s-unknown", "s-retrying", "s-later", "s-dropped", "s-skipped")]
+    assert marks == [b"reconcile", b"tried:2", b"delivered", b"tried:9", b"tried:3"]
+    assert (result.delivered_marks, result.stop_marks) == (1, 5)  # s-later: tried:1, then delivered
+
+
 def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(
         stack, channel_topics, oplog_topic, names, namespace, redis_client, caplog):
     """Given notif.outcomes holding a record that is not JSON, a delivered event whose provider_message_id
