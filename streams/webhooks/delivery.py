@@ -40,7 +40,7 @@ from .signing import headers as signed_headers
 from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 
 EXCERPT_BYTES = 1024
-DRAIN_S = 1.0  # how long a 2xx answer's body is waited for (read only so its connection can be reused)
+DRAIN_S = 1.0  # how long an answer's body is waited for (a 2xx's only so its connection can be reused)
 DNS_TTL_S = 30.0
 VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to read the operator log to its end
 DNS_TIMEOUT_S = 5.0
@@ -143,7 +143,10 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
             with contextlib.suppress(TimeoutError, aiohttp.ClientError):
                 await asyncio.wait_for(resp.content.read(EXCERPT_BYTES), DRAIN_S)
             return classify(resp.status, answer, b"", latency)
-        head = await resp.content.read(EXCERPT_BYTES)
+        # The status says what happened (a 410, a 429's Retry-After); a body that stalls does not make it a timeout.
+        head = b""
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+            head = await asyncio.wait_for(resp.content.read(EXCERPT_BYTES), DRAIN_S)
         return classify(resp.status, answer, head, time.monotonic() - started)
 
 

@@ -22,7 +22,8 @@ from tests.nameserver import LoopbackNameServer
 
 class Receiver(BaseHTTPRequestHandler):
     """Answers 200. `/set-cookies` answers with cookies for its parent domains; `/stall` sends its headers
-    (a 100-byte body announced) and then nothing until the test ends."""
+    (a 100-byte body announced) and then nothing until the test ends; `/stall-410` and `/stall-429` do the same
+    with that status (the 429 asking for an hour)."""
 
     cookies_seen: list[str | None] = []
     release = threading.Event()
@@ -30,11 +31,13 @@ class Receiver(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - the http.server hook's name
         self.rfile.read(int(self.headers["content-length"]))
         Receiver.cookies_seen.append(self.headers.get("cookie"))
-        self.send_response(200)
+        self.send_response(int(self.path.removeprefix("/stall-")) if self.path.startswith("/stall-") else 200)
+        if self.path == "/stall-429":
+            self.send_header("retry-after", "3600")
         if self.path == "/set-cookies":
             for domain in ("test", "shared.test", "a.shared.test"):
                 self.send_header("set-cookie", f"tossed-{domain}=from-a; Domain={domain}; Path=/")
-        if self.path == "/stall":
+        if self.path.startswith("/stall"):
             self.send_header("content-length", "100")
             self.end_headers()
             self.wfile.flush()
@@ -249,3 +252,19 @@ def test_an_event_naming_another_tenants_endpoint_the_view_had_not_read_is_never
         d.close()
     assert [(r.outcome, r.error_name) for r in forged] == [("rejected", "endpoint_of_another_tenant")] * 2
     assert own.outcome == "delivered" and len(Receiver.cookies_seen) == 1
+
+
+@pytest.mark.parametrize("status, outcome, retry_after", [(410, "gone", None), (429, "throttled", "3600")])
+def test_a_refusal_whose_body_stalls_is_taken_by_its_status_not_as_a_timeout(receiver, status, outcome, retry_after):
+    """Given a receiver that answers 410 (or 429 asking for an hour) and then stalls its body,
+    When a delivery goes to it (a 5 s attempt timeout),
+    Then the attempt ends on what the status says (its body waited for a second): `gone` (which disables it) or
+    `throttled` with its Retry-After (before: the attempt waited its whole timeout and was recorded as a timeout,
+    so a 410 never disabled the endpoint and the hour asked for was not waited)."""
+    ep = endpoint("ep_stall", "acme", f"http://127.0.0.1:{receiver}/stall-{status}")
+    d = client(endpoints(ep), timeout_s=5)
+    try:
+        result = deliver(d, ep, 1)
+    finally:
+        d.close()
+    assert (result.outcome, result.status, result.retry_after) == (outcome, status, retry_after)
