@@ -20,6 +20,7 @@ class Admitted:
 class Rejected:
     reason: str   # the DLQ `reason` header
     detail: str
+    send: Send | None = None  # it was read as a send (refused here for its channel, lane, policy or attempt header)
 
 
 def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: str,
@@ -31,16 +32,16 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
     except Exception as exc:  # noqa: BLE001 - an event no check foresaw is dead-lettered, never a crash loop
         return Rejected("malformed", f"the event cannot be read: {type(exc).__name__}")
     if send.channel != channel:
-        return Rejected("channel_mismatch", f"a {send.channel} send on the {channel} lane topic")
+        return Rejected("channel_mismatch", f"a {send.channel} send on the {channel} lane topic", send)
     if lane == "transactional" and send.lane == "marketing":
-        return Rejected("lane_violation", f"a {send.category} send may not travel in the transactional lane")
+        return Rejected("lane_violation", f"a {send.category} send may not travel in the transactional lane", send)
     if send.policy not in policies:
-        return Rejected("unknown_policy", unknown_policy(send.policy, policies))
+        return Rejected("unknown_policy", unknown_policy(send.policy, policies), send)
     raw_attempt = headers.get("attempt", b"1")
     try:
         attempt = int(raw_attempt)  # a header may also carry no value at all (None)
     except (ValueError, TypeError):
-        return Rejected("malformed", f"header 'attempt' is not an integer: {repr(raw_attempt)[:30]}")
+        return Rejected("malformed", f"header 'attempt' is not an integer: {repr(raw_attempt)[:30]}", send)
     if attempt < 1:
-        return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}")
+        return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}", send)
     return Admitted(send, attempt)

@@ -264,8 +264,14 @@ class LaneWorker:
         else:
             verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
         if isinstance(verdict, Rejected):
-            self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail,
-                                         self.settler.finisher((msg.topic(), msg.partition(), msg.offset())))
+            finish = self.settler.finisher((msg.topic(), msg.partition(), msg.offset()))
+            if verdict.send is None:
+                self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail, finish)
+            else:  # a send: its status says so too (else it reads `accepted` for 30 days), with where its letter is
+                refused = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, 1,
+                                  "", wall_ms())
+                self.records.dead_letter(refused, verdict.reason, None, int(time.time() * 1000), finish,
+                                         detail=verdict.detail)
             return
         p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt,
                     (headers.get("provider") or b"").decode(errors="replace"), wall_ms())
