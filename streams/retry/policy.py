@@ -258,10 +258,10 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     may_be_delivered = outcome == "unknown" or first_copy_unknown
     if outcome == "delivered":
         return Delivered()
-    if outcome == "rejected":
-        return DeadLetter("permanent_error")
+    if outcome == "rejected":  # this copy refused; an earlier copy of the request may have been accepted
+        return DeadLetter("unknown_outcome" if first_copy_unknown else "permanent_error")
     if outcome == "gone":
-        return DeadLetter("endpoint_gone")
+        return DeadLetter("unknown_outcome" if first_copy_unknown else "endpoint_gone")
     if outcome == "unknown" and not provider_idempotent:
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
     # A provider's 429 is the provider declining to look at the request, not a failed attempt: it never uses up
