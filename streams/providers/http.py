@@ -21,7 +21,16 @@ import orjson
 from ..errors import ForbiddenProviderPath, ProviderAuthError
 from . import connections
 from .connections import CONNECT_S, KEEPALIVE_S
-from .outcome import Outbound, ProviderResult, classify, error_name, message_ids, redact, token_outcome
+from .outcome import (
+    Outbound,
+    ProviderResult,
+    classify,
+    error_name,
+    message_ids,
+    redact,
+    safe_error_name,
+    token_outcome,
+)
 from .registry import ProviderSpec
 from .tokens import TokenRefused, TokenSource
 
@@ -158,10 +167,10 @@ class HttpProvider:
                 outcome = token_outcome(exc.status, exc.error)
                 name = {"auth": "token_refused", "throttled": "token_throttled"}.get(outcome, "token_unavailable")
                 result = ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
-                                        error_body=str(exc), latency_s=time.monotonic() - started)
+                                        error_body=redact(str(exc)), latency_s=time.monotonic() - started)
                 break
             except ProviderAuthError as exc:  # unreachable, or an answer without a usable token
-                result = ProviderResult("unavailable", error_name="token_unavailable", error_body=str(exc),
+                result = ProviderResult("unavailable", error_name="token_unavailable", error_body=redact(str(exc)),
                                         latency_s=time.monotonic() - started)
                 break
             result = self._post(path, body, token, idempotency_key, started)
@@ -225,7 +234,7 @@ class HttpProvider:
                                       error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
-        name = self.parse_error(resp.content)
+        name = safe_error_name(self.parse_error(resp.content))
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name,
                               error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)

@@ -95,6 +95,16 @@ class Outbound:
                       {"name": "lane", "value": self.lane}]
 
 
+_ERROR_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def safe_error_name(name: str) -> str:
+    """A provider's error name as we pass it on (logs, dead-letter headers, the attempt history, a metric label):
+    a short code such as `rate_limit_exceeded`; anything else (free text that may quote an address, an unbounded
+    string that would grow a label's values) becomes `other`."""
+    return name if not name or _ERROR_NAME_RE.fullmatch(name) else "other"
+
+
 def error_name(body: bytes) -> str:
     """The `name` field of a JSON error body ("" when there is none)."""
     try:
@@ -156,5 +166,10 @@ def message_ids(body: bytes) -> tuple[str, ...]:
     """Message ids from a 2xx body: `{"id": ...}` or `{"data": [{"id": ...}, ...]}`."""
     doc = orjson.loads(body)
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-        return tuple(str(d.get("id", "")) for d in doc["data"])
-    return (str(doc.get("id", "")),) if isinstance(doc, dict) else ()
+        return tuple(_id(d.get("id")) for d in doc["data"])
+    return (_id(doc.get("id")),) if isinstance(doc, dict) else ()
+
+
+def _id(value: object) -> str:
+    """A message id as text; "" for none (missing, null): a null id names no message."""
+    return "" if value is None else str(value)

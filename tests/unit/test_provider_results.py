@@ -149,3 +149,25 @@ def test_a_connection_reset_after_sending_is_an_unknown_outcome():
         raise httpx.ReadError("connection reset by peer", request=req)
 
     assert _provider(reset).post("/emails", b"{}", "re_k", "k").outcome == "unknown"
+
+
+@pytest.mark.parametrize("name, passed_on", [
+    ("rate_limit_exceeded", "rate_limit_exceeded"), ("RATE_LIMITED", "RATE_LIMITED"), ("21211", "21211"),
+    ("too many sends to jane@example.com or +15551234567", "other"), ("x" * 300, "other"), ("", "")])
+def test_a_providers_error_name_is_passed_on_only_as_a_short_code(name, passed_on):
+    """Given a 429 whose error `name` is a code, or free text quoting a recipient, or 300 characters long,
+    When the adapter reads it,
+    Then a code is passed on as it is (logs, dead-letter headers, the attempt history, the 429 metric's label), and
+    anything else as `other` (before: as it came, so a recipient's address reached our logs and a label took any
+    value the provider wrote)."""
+    result = _provider(lambda req: httpx.Response(429, json={"name": name, "message": "x"})).post(
+        "/emails", b"{}", "re_k", "k")
+    assert (result.outcome, result.error_name) == ("throttled", passed_on)
+
+
+@pytest.mark.parametrize("body", [{"id": None}, {"data": [{"id": "m1"}, {"id": None}]}])
+def test_a_2xx_naming_a_null_message_id_is_not_a_delivery(body):
+    """A 2xx whose id is null names no message: it is `no_message_id`, as a missing id is (before: delivered, with
+    the provider message id "None")."""
+    result = _provider(lambda req: httpx.Response(200, json=body)).post("/emails", b"{}", "re_k", "k")
+    assert (result.outcome, result.error_name) == ("rejected", "no_message_id")
