@@ -3,9 +3,10 @@ before the expiry the token itself states (its JWT `exp`, else the endpoint's `e
 a guessed lifetime.
 
 One refresh at a time per process: a request that finds the token stale waits for the refresh
-already under way instead of starting its own. After a 401, `invalidate(token)` drops that token
-(only if it is still the current one: a request that used an older token must not throw away the
-fresh one), and the next `get()` fetches a new one.
+already under way instead of starting its own, and shares its failure too (a token endpoint that
+fails is asked once by the requests waiting for it, not once by each of them in turn). After a
+401, `invalidate(token)` drops that token (only if it is still the current one: a request that used
+an older token must not throw away the fresh one), and the next `get()` fetches a new one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ class Token:
     refresh_at: float
 
 
+@dataclass(frozen=True)
+class FailedFetch:
+    at: float           # monotonic clock: when the token endpoint's failure was known
+    error: ProviderAuthError
+
+    def again(self) -> ProviderAuthError:
+        """The same failure, as an exception of its own for another request's thread."""
+        e = self.error
+        if isinstance(e, TokenRefused):
+            return TokenRefused(e.provider, e.status, e.retry_after, e.error)
+        return ProviderAuthError(str(e))
+
+
 def expiry_s(token: str, expires_in: object, now_unix: float) -> float:
     """Seconds the token lives: its `exp` claim (read, not verified: we are its bearer, not its
     audience), else `expires_in`. Raises ProviderAuthError when neither says."""
@@ -56,7 +70,7 @@ class TokenRefused(ProviderAuthError):
 
     def __init__(self, provider: str, status: int, retry_after: str | None, error: str):
         super().__init__(f"token endpoint of {provider} answered {status}" + (f" {error}" if error else ""))
-        self.status, self.retry_after, self.error = status, retry_after, error
+        self.provider, self.status, self.retry_after, self.error = provider, status, retry_after, error
 
 
 def oauth_error(body: bytes) -> str:
@@ -79,17 +93,27 @@ class TokenSource:
                              "client_secret": client_secret}
         self.clock = clock
         self._token: Token | None = None
+        self._failed: FailedFetch | None = None
         self._lock = threading.Lock()
         self.refreshes = 0
 
     def get(self) -> str:
         token = self._token
-        if token is not None and self.clock() < token.refresh_at:
+        asked = self.clock()
+        if token is not None and asked < token.refresh_at:
             return token.value
-        with self._lock:  # one refresh at a time; whoever waited finds the fresh token
+        with self._lock:  # one refresh at a time; whoever waited finds the fresh token, or its failure
             token = self._token
-            if token is None or self.clock() >= token.refresh_at:
+            if token is not None and self.clock() < token.refresh_at:
+                return token.value
+            if self._failed is not None and self._failed.at >= asked:  # failed while this request waited
+                raise self._failed.again()
+            try:
                 token = self._token = self._fetch()
+            except ProviderAuthError as exc:
+                self._failed = FailedFetch(self.clock(), exc)
+                raise
+            self._failed = None
             return token.value
 
     def _again(self) -> bool:

@@ -15,7 +15,7 @@ from streams.errors import ConfigError, ProviderAuthError
 from streams.providers.outcome import ProviderResult
 from streams.providers.registry import DEFAULT_FILE, ProviderCredentials, load_registry, parse_registry
 from streams.providers.sms_b import SmsGatewayB
-from streams.providers.tokens import TokenSource, expiry_s
+from streams.providers.tokens import TokenRefused, TokenSource, expiry_s
 
 REGISTRY = load_registry()
 
@@ -188,3 +188,39 @@ def test_a_worker_never_keeps_more_requests_in_flight_than_its_own_slots(operato
     route = Route(REGISTRY.providers["sms"], _Adapter(), ProviderCredentials({"*": "k"}), slots=8)
     route.pacing = Pacing(concurrency=operator_pacing)
     assert REGISTRY.providers["sms"].concurrency == 32 and route.cap == cap
+
+
+class FailingTokenEndpoint:
+    """A token endpoint answering 503 (slowly), counting the requests it gets."""
+
+    def __init__(self):
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            self.calls += 1
+        time.sleep(0.05)  # a slow endpoint: the other requests wait for this answer
+        return httpx.Response(503, json={"error": "temporarily_unavailable"})
+
+
+def test_a_failing_token_endpoint_is_asked_once_by_the_requests_waiting_for_it():
+    """Given a token endpoint that answers 503, and 32 requests needing a token at the same moment,
+    When they ask for it,
+    Then the endpoint is asked once and every request gets its refusal (before: each waiting request asked again in
+    turn, 32 calls one after another, the last request waiting for all of them); a request made later asks again."""
+    endpoint = FailingTokenEndpoint()
+    clock = [0.0]
+    source = TokenSource("p", httpx.Client(base_url="http://p.test", transport=httpx.MockTransport(endpoint)),
+                         "/oauth/token", "id", "secret", clock=lambda: clock[0])
+
+    def ask(_):
+        with pytest.raises(TokenRefused) as refused:
+            source.get()
+        return refused.value.status, refused.value.error
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = set(pool.map(ask, range(32)))
+    assert answers == {(503, "temporarily_unavailable")} and endpoint.calls == 1
+    clock[0] = 1.0
+    assert ask(0) == (503, "temporarily_unavailable") and endpoint.calls == 2
