@@ -260,8 +260,8 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
         return Delivered()
     if outcome == "rejected":  # this copy refused; an earlier copy of the request may have been accepted
         return DeadLetter("unknown_outcome" if first_copy_unknown else "permanent_error")
-    if outcome == "gone":
-        return DeadLetter("unknown_outcome" if first_copy_unknown else "endpoint_gone")
+    if outcome == "gone":  # the endpoint is disabled by it, which its tenant's alert says
+        return DeadLetter("endpoint_gone")
     if outcome == "unknown" and not provider_idempotent:
         return DeadLetter("unknown_outcome")  # to reconciliation: a fresh request could duplicate
     # A provider's 429 is the provider declining to look at the request, not a failed attempt: it never uses up
