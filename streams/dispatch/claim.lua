@@ -8,6 +8,8 @@
 -- stayed unknown past the provider's idempotency window is met as such (take_over.lua), never as free.
 -- ARGV[11] '1': claim nothing when this slot has no epoch marker. The slot's data was lost (Redis
 -- restarted empty, a shard failed over to an empty replica), so a delivered send would look free here.
+-- ARGV[12] the attempt of each send above its first, JSON {send id: attempt} ('' when all are first attempts): a
+-- copy of one of them for an earlier attempt, meeting this request later, is stale (see note_attempts.lua).
 -- Returns {} when claimed, -1 when the marker is missing, else the 0-based positions of the sends that
 -- are not free (free: no key, or `tried:<n>`).
 local last = #KEYS - 1
@@ -23,6 +25,7 @@ for i = 3, last do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[10]) end
 redis.call('DEL', KEYS[2])  -- a new claim starts a new record (never an older one's `unknown` mark)
 redis.call('HSET', KEYS[2], 'path', ARGV[5], 'body', ARGV[6], 'tenant', ARGV[7], 'ids', ARGV[8], 'provider', ARGV[9],
            'owner', ARGV[2])
+if ARGV[12] and ARGV[12] ~= '' then redis.call('HSET', KEYS[2], 'attempts', ARGV[12]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {}

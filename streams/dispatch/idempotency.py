@@ -23,7 +23,7 @@ copy (`release.lua`). Every key of a claim carries the tenant's hash tag (one Re
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import orjson
@@ -59,6 +59,7 @@ class Claim:
     path: str
     body: bytes
     provider: str = ""  # "" : the channel's first provider
+    attempts: dict[str, int] = field(default_factory=dict)  # sends above their first attempt: send id -> attempt
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class StoredRequest:
     tenant: str
     send_ids: tuple[str, ...]
     provider: str = ""  # the provider it went to: a recovered request goes to the same one
+    # Each send's live attempt (above its first): a copy for an earlier one is stale (claim.lua, note_attempts.lua).
+    attempts: dict[str, int] = field(default_factory=dict)
 
 
 NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
@@ -95,6 +98,8 @@ class ProcessedJobs:
         self._drop_lease = client.register_script(load_script(__package__, "drop_lease.lua"))
         self._take_over = client.register_script(load_script(__package__, "take_over.lua"))
         self._mark_tried = client.register_script(load_script(__package__, "mark_tried.lua"))
+        self._note_attempts = client.register_script(load_script(__package__, "note_attempts.lua"))
+        self._restore_mark = client.register_script(load_script(__package__, "restore_mark.lua"))
 
     def _request_keys(self, tenant: str, key: str, send_ids) -> list[str]:
         k = self.keys
@@ -154,7 +159,8 @@ class ProcessedJobs:
 
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
-                orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0"]
+                orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0",
+                orjson.dumps(c.attempts) if c.attempts else ""]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:
@@ -177,8 +183,9 @@ class ProcessedJobs:
             return None
         rec = dict(zip(reply[::2], reply[1::2], strict=True))
         ids = tuple(orjson.loads(rec[b"ids"]))
+        attempts = orjson.loads(rec[b"attempts"]) if rec.get(b"attempts") else {}
         return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids,
-                             rec.get(b"provider", b"").decode())
+                             rec.get(b"provider", b"").decode(), {str(s): int(n) for s, n in attempts.items()})
 
     def mark_delivered(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """Every send of the request `delivered`, and its lease and record gone, in one call."""
@@ -208,6 +215,27 @@ class ProcessedJobs:
                              args=[*attempts.values(), self.claim_ttl_ms], client=pipe)
         with store_errors("marking failed attempts"):
             pipe.execute()
+
+    def note_attempts(self, noted: list[tuple[str, str, str, int]]) -> None:
+        """(tenant, request key, send id, live attempt): the request was kept claimed after a failure, and the copy
+        carrying the send on to that attempt (or its dead letter) is acknowledged (note_attempts.lua). One round
+        trip."""
+        by_request: dict[tuple[str, str], dict[str, int]] = {}
+        for tenant, key, send_id, attempt in noted:
+            mine = by_request.setdefault((tenant, key), {})
+            mine[send_id] = max(attempt, mine.get(send_id, 0))
+        if not by_request:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for (tenant, key), attempts in by_request.items():
+            self._note_attempts(keys=[self.keys.request(tenant, key)], args=[orjson.dumps(attempts)], client=pipe)
+        with store_errors("noting a kept request's live attempts"):
+            pipe.execute()
+
+    def restore_mark(self, tenant: str, send_id: str, mark: str, ttl_s: int) -> bool:
+        """`streams state recover`: `reconcile` or `tried:<n>` again, unless the key says more (restore_mark.lua)."""
+        with store_errors("restoring a send's mark"):
+            return bool(self._restore_mark(keys=[self.keys.processed(tenant, send_id)], args=[mark, ttl_s]))
 
     def mark_reconcile(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """The outcome is unknown at a provider that does not honour idempotency keys: nothing may send

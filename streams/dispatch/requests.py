@@ -23,7 +23,7 @@ from ..gate.gate import Admission, Gate, Unused
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
 from ..retry.policy import RetryPolicy, expired
-from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, idempotency_key
+from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
 from .routes import Route, Routes
 from .stages import wall_ms
 from .tenant_queues import Pending, TenantQueues, unique_sends
@@ -398,7 +398,8 @@ class Dispatcher:
         path, body = route.adapter.build([Outbound(p.send.send_id, tenant, p.send.lane, p.send.payload)
                                           for p in items], batch=self.lane in route.spec.batch_lanes)
         provider = "" if route is self.routes.primary else route.name
-        return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider)
+        return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider,
+                     {p.send.send_id: p.attempt for p in items if p.attempt > 1})
 
     def _buildable_claim(self, d: Draw, held: list[tuple[Draw, str]]) -> Claim | None:
         """The claim of this draw's request; None when there is nothing to send now. A send whose payload
@@ -580,11 +581,14 @@ class Dispatcher:
             log.warning("request %s has had no known outcome for longer than providers keep idempotency keys: "
                         "%d of its sends left to reconciliation, not sent again", request_key, len(group))
             return True
+        group[:] = self._live(group, stored)  # in place: the caller puts back what is left when this is held
+        if not group:
+            return True  # only copies of attempts the request carries on already: ended as stale
         route = self.routes.of(stored.provider)
         if not route.spec.idempotent:
             # Its sender stopped before the answer, at a provider without idempotency keys: it may have
             # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
-            members = self._with_queued_copies(group, queue, stored.send_ids)
+            members = self._with_queued_copies(group, queue, stored)
             self._reconcile(tenant, request_key, stored.send_ids, members)
             log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
                         "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
@@ -604,21 +608,33 @@ class Dispatcher:
         if not admission.allowed:
             self.jobs.keep_unknown(tenant, request_key, self.worker_id)
             return False
-        members = self._with_queued_copies(group, queue, stored.send_ids)
+        members = self._with_queued_copies(group, queue, stored)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,
                                stored.provider, resent=True))
         log.info("re-sending request %s (%d sends) to %s after an unknown outcome", request_key,
                  len(stored.send_ids), route.name)
         return True
 
-    def _with_queued_copies(self, group: list[Pending], queue: str, send_ids: tuple[str, ...]) -> list[Pending]:
+    def _with_queued_copies(self, group: list[Pending], queue: str, stored: StoredRequest) -> list[Pending]:
         """Other messages of ours that belong to a recovered request settle with it; of two copies of one send
         (the lane message and its retry copy, both read again after a crash) only the later attempt's, and the
         other is ended as a duplicate: each would carry a retry chain of its own on, or a dead letter of its own."""
-        members, duplicates = unique_sends(group + self.queues.splice(queue, send_ids))
+        members, duplicates = unique_sends(group + self._live(self.queues.splice(queue, stored.send_ids), stored))
         for p in duplicates:
             self._end(p, "duplicate")
         return members
+
+    def _live(self, copies: list[Pending], stored: StoredRequest) -> list[Pending]:
+        """The copies not behind the attempt the request carries their send on (the attempt it was claimed for, or
+        the one a copy made after it failed again carries on); the others are ended as stale: sent with it, each
+        would carry a second chain of attempts on."""
+        live = []
+        for p in copies:
+            if p.attempt < stored.attempts.get(p.send.send_id, 0):
+                self._end(p, "stale")
+            else:
+                live.append(p)
+        return live
 
     def refresh_leases(self) -> None:
         """Keep the leases of our requests in flight alive (at most every REFRESH_EVERY_S): while we

@@ -88,9 +88,10 @@ class Settler:
         self.unsettled: list[tuple[Job, ProviderResult, int]] = []  # met a Redis error; tried again
         self.unmarked: list[Job] = []  # delivered and recorded, the `delivered` mark not yet written
         self.to_mark: list[Job] = []   # acknowledged during this poll; marked together by `flush_marks`
-        # Failed attempts whose copy is acknowledged: (tenant, send id, attempt, offset), marked `tried:<n>`
-        # together by `flush_marks`, then finished (kept while Redis fails).
-        self.to_mark_tried: list[tuple[str, str, int, Offset]] = []
+        # Failed attempts whose copy is acknowledged: (tenant, send id, attempt, offset, the request's key when its
+        # claim is kept, else ""), marked `tried:<n>` (or, kept, the next attempt noted on the request) together
+        # by `flush_marks`, then finished (kept while Redis fails).
+        self.to_mark_tried: list[tuple[str, str, int, Offset, str]] = []
         # Endpoint queues held by a long Retry-After: queue -> (monotonic end, wall-clock end in ms)
         self.long_holds: dict[str, tuple[float, int]] = {}
         self.rng = random.Random()
@@ -99,11 +100,14 @@ class Settler:
     def finisher(self, where: Offset) -> Callable[[], object]:
         return lambda: self.tracker.finish(*where)
 
-    def _tried_then_finish(self, job: Job, p: Pending) -> Callable[[], object]:
+    def _tried_then_finish(self, job: Job, p: Pending, kept: bool = False) -> Callable[[], object]:
         """Once the copy that carries a failed attempt on is acknowledged: mark the send `tried:<attempt>` (in
         `flush_marks`), then finish its message. Not before: a worker that died with the copy unacknowledged
-        must leave the message, read again, free to be sent again, never stale."""
-        return lambda: self.to_mark_tried.append((job.tenant, p.send.send_id, p.attempt, p.where))
+        must leave the message, read again, free to be sent again, never stale. `kept`: the request stays
+        claimed (its outcome unknown), so no mark can be written over its claim: the next attempt is noted on the
+        request instead, and a copy for this attempt or an earlier one that meets it later is stale."""
+        key = job.key if kept else ""
+        return lambda: self.to_mark_tried.append((job.tenant, p.send.send_id, p.attempt, p.where, key))
 
     @property
     def pending(self) -> int:
@@ -137,13 +141,16 @@ class Settler:
             return
         tried, self.to_mark_tried = self.to_mark_tried, []
         try:
-            self.jobs.mark_tried_many([(tenant, send_id, attempt) for tenant, send_id, attempt, _ in tried])
+            self.jobs.mark_tried_many([(tenant, send_id, attempt) for tenant, send_id, attempt, _, key in tried
+                                       if not key])
+            self.jobs.note_attempts([(tenant, key, send_id, attempt + 1) for tenant, send_id, attempt, _, key in tried
+                                     if key])
         except StoreUnavailable as exc:
             self.outage.failed(time.monotonic(), exc)
             self.to_mark_tried = tried + self.to_mark_tried
             return
         self.outage.recovered(time.monotonic())
-        for *_, where in tried:
+        for _, _, _, where, _ in tried:
             self.tracker.finish(*where)
 
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
@@ -180,8 +187,7 @@ class Settler:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         for p in job.members:
-            finish = self.finisher(p.where) if resent else self._tried_then_finish(job, p)
-            self.records.skipped(p, result.error_name, now_ms, finish)
+            self.records.skipped(p, result.error_name, now_ms, self._tried_then_finish(job, p, kept=resent))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         if result.outcome == "gone" and self.on_gone is not None and not self.on_gone(job, result):
@@ -203,9 +209,11 @@ class Settler:
                 self.gate.cool_down(route.name, wait)  # one limit for everyone: every worker holds off it
             else:  # a webhook endpoint's own limit, or the tenant's own account's: hold its queue only
                 self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
+        kept = False
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)
         elif result.outcome == "unknown" or (resent and route.spec.idempotent):
+            kept = True
             # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
             # copy, which the provider may have accepted: the sends stay claimed under this key, and
             # only this request, byte for byte, is sent again (answered from the provider's store).
@@ -229,11 +237,11 @@ class Settler:
             fallback = None if resent else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
-                self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p))
+                self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p, kept))
                 continue
             decision = self._decide(route, p, result, now_ms, resent)
             finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
-                                     self._tried_then_finish(job, p))
+                                     self._tried_then_finish(job, p, kept))
             if isinstance(decision, RetryAt):
                 self.records.retry(p, decision, result, now_ms, finish, tried)
             elif isinstance(decision, DeadLetter):

@@ -5,12 +5,15 @@ let dispatch resume.
 last 7 days becomes a `delivered` mark in processed_jobs again (so no send delivered before the
 loss is sent twice when its message is read again; also for an event with a bad field of its own,
 when its send id, tenant and status are good). So do the marks that keep a copy read again from being
-sent: a send dead-lettered `unknown_outcome` is marked `reconcile` (the provider may hold it), and a
-failed attempt n (retrying, unknown, dead-lettered) or a skipped delivery `tried:<n>` (its copies for
-attempt n or earlier are stale), never over what says more. Every event is applied to the send status
-store (one with a field of the wrong type is skipped, as the outcome recorder skips it, and logged).
+sent, as far as the events prove them (`stop_mark`): `reconcile` for a send dead-lettered
+`unknown_outcome` (the provider may hold it), `tried:<n>` for a dead letter or a skipped delivery, and
+one attempt less for a failed attempt going on; never over what says more, nor over a claim (a shard
+of a Redis Cluster that kept its data keeps a request's claim, to be re-sent byte for byte). Every
+event is applied to the send status store (one with a field of the wrong type is skipped, as the
+outcome recorder skips it, and logged).
 Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
-hash slot), which ends the hold.
+hash slot), which ends the hold; unless Redis lost its data again while recovery ran (a marker written
+as it started is gone): then nothing ends the hold, and recovery is to be run again.
 A replayed send whose status is rebuilt is marked replayed again (every replay carries `replay_of`,
 from its `accepted` event on), so a bulk or dead-letter replay asked again does not send it twice.
 What cannot be rebuilt: claims of requests that were in flight at the moment of the loss (their
@@ -30,44 +33,38 @@ import orjson
 import redis
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from ..dispatch.idempotency import DELIVERED_TTL_S
+from ..dispatch.idempotency import DELIVERED_TTL_S, ProcessedJobs
 from ..errors import StackError
 from ..ingest.status import StatusStore, UnusableOutcome, skip_outcome
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import events_of, unidentified
-from ..redis_client import store_errors
+from ..redis_client import is_cluster, store_errors
 from .guard import log_epoch, write_epoch
 from .log import OperatorLog
 
 log = logging.getLogger("streams.state.recover")
-# A mark that keeps a copy read again from being sent, unless the key says more already (`delivered`, `reconcile`,
-# or `tried:<m>` with m >= n): as dispatch writes them (mark_tried.lua).   KEYS[1] processed_jobs key
-# ARGV[1] `reconcile` or `tried:<n>`   ARGV[2] ttl (s)
-_MARK_UNLESS_MORE = """
-local state = redis.call('GET', KEYS[1])
-if state == 'delivered' or state == 'reconcile' then return 0 end
-if state and string.sub(state, 1, 6) == 'tried:' and string.sub(ARGV[1], 1, 6) == 'tried:'
-   and tonumber(string.sub(state, 7)) >= tonumber(string.sub(ARGV[1], 7)) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
 
 
 def stop_mark(event: dict) -> str | None:
-    """The processed_jobs mark (other than `delivered`) an outcome event leaves, as dispatch wrote it: None for
-    none. A dead letter `unknown_outcome` (the provider may hold the send) is `reconcile`; a failed attempt n,
-    or a delivery skipped before attempt n+1 (its event counts the n attempts made), `tried:<n>` / `tried:<n+1>`."""
+    """The processed_jobs mark (other than `delivered`) an outcome event proves, None for none; never more than
+    dispatch wrote. A dead letter `unknown_outcome` (the provider may hold the send) is `reconcile`; a dead letter
+    after n attempts (written before its event), or a delivery a worker skipped before attempt n+1 (its event counts
+    the n made), `tried:<n>` / `tried:<n+1>`. A failed attempt n going on (`retrying`, `unknown`) proves only that its
+    copy for attempt n was read (`tried:<n-1>`): the event and the copy carrying it on to n+1 are written apart, and
+    a worker that died between them left the copy for n the only one (dispatch marks `tried:<n>` once both are)."""
     attempts = event.get("attempts")
     if not isinstance(attempts, int) or isinstance(attempts, bool):
         attempts = 0
     status = event["status"]
     if status in ("dead_lettered", "dropped") and event.get("reason") == "unknown_outcome":
         return "reconcile"
-    if status == "skipped":
+    if status == "skipped" and event.get("origin"):  # a worker's (ingest's skip a delivery never enqueued)
         return f"tried:{attempts + 1}"
-    if status in ("retrying", "unknown", "dead_lettered", "dropped") and attempts > 0:
+    if status in ("dead_lettered", "dropped") and attempts > 0:
         return f"tried:{attempts}"
+    if status in ("retrying", "unknown") and attempts > 1:
+        return f"tried:{attempts - 1}"
     return None
 
 
@@ -119,7 +116,7 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> 
 def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
     store = StatusStore(client, names.namespace)
-    mark_unless_more = client.register_script(_MARK_UNLESS_MORE)
+    jobs = ProcessedJobs(client, names.namespace)
     result = Recovery()
     replays: dict[str, str] = {}  # a replayed send's id: its (first seen) replay's
     now_ms = int(time.time() * 1000)
@@ -157,8 +154,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             marked = " (its delivered mark is rebuilt)"
         elif (mark := stop_mark(event)) is not None and age_s < DELIVERED_TTL_S:  # claims are kept as long
             ttl_s = max(1, int(DELIVERED_TTL_S - age_s))
-            with store_errors("restoring a send's mark"):
-                result.stop_marks += mark_unless_more(keys=[processed], args=[mark, ttl_s])
+            result.stop_marks += jobs.restore_mark(event["tenant_id"], event["send_id"], mark, ttl_s)
             marked = f" (its {mark} mark is rebuilt)"
         if isinstance(event.get("replay_of"), str) and event["replay_of"]:
             replays.setdefault(event["replay_of"], event["send_id"])
@@ -171,10 +167,29 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
         if result.events % 10_000 == 0:
             progress(f"{result.events} outcome events applied")
 
+    markers = [keys.recovering] + (keys.recovering_markers() if is_cluster(client) else [])
+    _write_markers(client, markers)
     _read_all(bootstrap, names.outcomes, apply)
     result.replay_marks = store.restore_replays(replays)
+    with store_errors("reading the recovery's markers"):
+        lost = len(markers) - int(client.exists(*markers))
+    if lost:
+        raise StackError(f"Redis lost its data again while recovery ran ({lost} of its {len(markers)} markers are "
+                         "gone): dispatch still holds; make Redis keep its data, then run `streams state recover` "
+                         "again")
     write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
+    with store_errors("removing the recovery's markers"):
+        client.delete(*markers)
     return result
+
+
+def _write_markers(client: redis.Redis, markers: list[str]) -> None:
+    """One key per hash slot on a Redis Cluster (a master that loses its data takes its slots' markers along)."""
+    pipe = client.pipeline(transaction=False)
+    for key in markers:
+        pipe.set(key, b"1", ex=7 * 24 * 3600)
+    with store_errors("writing the recovery's markers"):
+        pipe.execute()
 
 
 def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:

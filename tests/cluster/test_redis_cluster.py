@@ -111,7 +111,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     endpoint store's), on a
     client of the Redis Cluster that notes the keys of every script call,
     When the limit store (a compare-and-set change), the gate (acquire, acquire_many, cool_down, refund_many), processed_jobs (claim, claim_many, mark_delivered,
-    mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh), ingest idempotency (begin, renew, finish, release),
+    mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh, note_attempts, restore_mark), ingest
+    idempotency (begin, renew, finish, release),
     the endpoint store (create, a compare-and-set change), API keys (a compare-and-set change) and the status store
     (recording an outcome, restoring replay marks) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
@@ -143,6 +144,8 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs.mark_reconcile(tenants[0], [f"{tenants[0]}-9"], "send-x")
     jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w", earlier={claims[2].send_ids[0]: 1})
     jobs.mark_tried_many([(t, f"{t}-t", 2) for t in tenants])
+    jobs.note_attempts([(c.tenant, c.key, c.send_ids[0], 2) for c in claims])
+    assert all(jobs.restore_mark(t, f"{t}-m", "tried:2", 60) for t in tenants)
     jobs.keep_unknown(claims[1].tenant, claims[1].key, "w")
     # marked delivered above: no record, and its sends no longer carry the claim (settled meanwhile)
     assert jobs.take_over(claims[1].tenant, claims[1].key, "w2", claims[1].send_ids) is None

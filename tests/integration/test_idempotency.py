@@ -315,3 +315,24 @@ def test_a_release_keeps_the_mark_of_the_attempt_before(redis_client, namespace)
     assert jobs.claim(["s1", "s2"], "batch-x", "w", "/emails/batch", b"b", "acme") == []
     jobs.release("acme", ["s1", "s2"], "batch-x", "w", earlier={"s1": 1, "s2": 0})
     assert jobs.status("acme", ["s1", "s2"]) == ["tried:1", None]
+
+
+def test_a_request_remembers_the_attempt_it_carries_each_send_on(redis_client, namespace):
+    """Given a batch claimed for s1's attempt 3 and s2's first attempt (only attempts above the first are stored),
+    When its sender dies and another worker takes it over, and after its re-send fails the copies carrying s2 on to
+    attempt 2 are acknowledged (noted, never lowered: a late note of attempt 2 for s1 changes nothing),
+    Then each take-over reads the live attempts (s1: 3, then s1: 3 and s2: 2), from which a copy behind them is
+    stale; a note for a request whose record is gone writes nothing."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    key = idempotency_key(["s1", "s2"])
+    [busy] = jobs.claim_many([Claim("acme", key, ("s1", "s2"), "worker-a", "/emails/batch", b"body", "", {"s1": 3})])
+    assert busy == []
+    redis_client.delete(RedisKeys(namespace).lease("acme", key))  # its sender died: the lease lapsed
+    stored = jobs.take_over("acme", key, "worker-b", ["s1", "s2"])
+    assert stored is not None and stored != RECORD_GONE and stored.attempts == {"s1": 3}
+    jobs.note_attempts([("acme", key, "s2", 2), ("acme", key, "s1", 2)])
+    redis_client.delete(RedisKeys(namespace).lease("acme", key))
+    again = jobs.take_over("acme", key, "worker-c", ["s1", "s2"])
+    assert again is not None and again != RECORD_GONE and again.attempts == {"s1": 3, "s2": 2}
+    jobs.note_attempts([("acme", "gone-request", "s3", 4)])
+    assert not redis_client.exists(RedisKeys(namespace).request("acme", "gone-request"))

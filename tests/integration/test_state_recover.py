@@ -7,10 +7,12 @@ import time
 import uuid
 
 import orjson
+import pytest
 from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 import streams.state.recover as recover_module
+from streams.errors import StackError
 from streams.ingest.status import StatusStore
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
@@ -85,32 +87,73 @@ def test_recover_reads_from_the_start_retention_moved_to_while_it_began(
 def test_recover_rebuilds_the_marks_that_keep_a_copy_read_again_from_being_sent(
         stack, channel_topics, oplog_topic, names, namespace, redis_client):
     """Given notif.outcomes holding, for sends of the last week: one dead-lettered `unknown_outcome` (the provider may
-    hold it); one whose attempt 2 failed (`retrying`); one whose attempt 1 failed and whose attempt 2 was then
-    delivered; a webhook delivery dropped after 9 attempts; and a delivery skipped before its third attempt,
+    hold it); one whose attempt 3 failed (`retrying`: only its copy for attempt 3 is known to have been read, the
+    one for attempt 4 may never have been written); one whose attempt 1 failed and whose attempt 2 was then
+    delivered; a webhook delivery dropped after 9 attempts; a delivery a worker skipped before its third attempt;
+    and one whose `unknown` attempt 1 left its request claimed on a shard that kept its data,
     When `streams state recover` runs after Redis lost its data,
-    Then each send's processed_jobs mark is back as dispatch had written it: `reconcile`, `tried:2`, `delivered`,
-    `tried:9`, `tried:3`; so a copy of them read again (a rebalance, the retrier releasing copies again after a
-    restart) is neither sent a second time nor starts a second chain (before: only `delivered` was rebuilt)."""
+    Then the marks are back as far as the events prove them: `reconcile`, `tried:2`, `delivered`, `tried:9`,
+    `tried:3`, and the claim is left as it was; so a copy read again (a rebalance, the retrier releasing copies
+    again after a restart) is neither sent a second time nor starts a second chain, and the live copy still goes
+    (before: only `delivered` was rebuilt)."""
     channel_topics("email")
     now_ms = int(time.time() * 1000)
 
-    def event(send_id: str, status: str, attempts: int, reason: str = "") -> bytes:
-        return orjson.dumps({**_delivered(send_id, now_ms), "status": status, "attempts": attempts, "reason": reason})
+    def event(send_id: str, status: str, attempts: int, reason: str = "", **more) -> bytes:
+        return orjson.dumps({**_delivered(send_id, now_ms), "status": status, "attempts": attempts, "reason": reason,
+                             **more})
 
     producer = Producer({"bootstrap.servers": stack.bootstrap})
-    for value in (event("s-unknown", "dead_lettered", 3, "unknown_outcome"), event("s-retrying", "retrying", 2),
+    origin = {"topic": names.lane("webhook", "transactional"), "partition": 0, "offset": 7}
+    for value in (event("s-unknown", "dead_lettered", 3, "unknown_outcome"), event("s-retrying", "retrying", 3),
                   event("s-later", "retrying", 1), event("s-later", "delivered", 2),
-                  event("s-dropped", "dropped", 9, "retries_exhausted"), event("s-skipped", "skipped", 2)):
+                  event("s-dropped", "dropped", 9, "retries_exhausted"),
+                  event("s-skipped", "skipped", 2, origin=origin), event("s-claimed", "unknown", 2)):
         producer.produce(names.outcomes, value, key=b"k", partition=0)
     assert producer.flush(10) == 0
     keys = RedisKeys(namespace)
+    redis_client.set(keys.processed("acme", "s-claimed"), "inflight:batch-x")
 
     result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
 
     marks = [redis_client.get(keys.processed("acme", s))
-             for s in ("s-unknown", "s-retrying", "s-later", "s-dropped", "s-skipped")]
-    assert marks == [b"reconcile", b"tried:2", b"delivered", b"tried:9", b"tried:3"]
-    assert (result.delivered_marks, result.stop_marks) == (1, 5)  # s-later: tried:1, then delivered
+             for s in ("s-unknown", "s-retrying", "s-later", "s-dropped", "s-skipped", "s-claimed")]
+    assert marks == [b"reconcile", b"tried:2", b"delivered", b"tried:9", b"tried:3", b"inflight:batch-x"]
+    assert (result.delivered_marks, result.stop_marks) == (1, 4)
+
+
+def test_recover_does_not_end_the_hold_when_redis_loses_its_data_again_meanwhile(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, monkeypatch):
+    """Given notif.outcomes holding two delivered events,
+    When Redis loses its data again while `streams state recover` applies the first (restarted empty: every key of
+    this deployment gone),
+    Then recovery fails saying so and to run it again, and the epoch is not written: dispatch keeps holding (before:
+    the epoch was written over a store missing the marks rebuilt before the second loss, and the hold ended); run
+    again, it rebuilds both marks and writes the epoch."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for send_id in ("s-1", "s-2"):
+        producer.produce(names.outcomes, orjson.dumps(_delivered(send_id, now_ms)), key=b"k", partition=0)
+    assert producer.flush(10) == 0
+    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    record, lost = StatusStore.record_outcome, []
+
+    def losing_data_once(store, event):
+        record(store, event)
+        if not lost:
+            lost.append(redis_client.delete(*redis_client.keys(f"{namespace}*")))
+
+    monkeypatch.setattr(StatusStore, "record_outcome", losing_data_once)
+    with pytest.raises(StackError, match="Redis lost its data again while recovery ran.*run `streams state recover`"):
+        recover(stack.bootstrap, redis_client, names, keys, oplog)
+    assert lost and redis_client.get(keys.epoch) is None
+
+    monkeypatch.setattr(StatusStore, "record_outcome", record)
+    recover(stack.bootstrap, redis_client, names, keys, oplog)
+    assert [redis_client.get(keys.processed("acme", s)) for s in ("s-1", "s-2")] == [b"delivered", b"delivered"]
+    assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+    assert redis_client.get(keys.recovering) is None
 
 
 def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(

@@ -145,12 +145,12 @@ class FakeJobs:
     def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
     def status_many(self, groups): return [self.status(t, ids) for t, ids in groups]
     def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant,
-                                                     c.provider) for c in claims]
+                                                     c.provider, c.attempts) for c in claims]
     def mark_delivered_many(self, requests):
         for tenant, ids, key in requests:
             self.mark_delivered(tenant, ids, key)
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
         busy = [i for i, s in enumerate(send_ids) if not self.state.get(s, "tried:").startswith("tried:")]
         if not busy:
             self.state.update({s: f"inflight:{key}" for s in send_ids})
@@ -176,6 +176,7 @@ class FakeJobs:
 
     def keep_unknown(self, tenant, key, owner): pass
     def refresh(self, leases, owner): pass
+    def note_attempts(self, noted): pass
 
 
 class FakeProvider:
@@ -614,13 +615,20 @@ class RecordingJobs(FakeJobs):
         super().__init__()
         self.records: dict[str, StoredRequest] = {}
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
         busy = super().claim(send_ids, key, owner, path, body, tenant, provider)
         if not busy:
-            self.records[key] = StoredRequest(key, path, body, tenant, tuple(sorted(send_ids)), provider)
+            self.records[key] = StoredRequest(key, path, body, tenant, tuple(sorted(send_ids)), provider,
+                                              dict(attempts or {}))
         return busy
 
     def take_over(self, tenant, key, owner, send_ids=()): return self.records.get(key)
+
+    def note_attempts(self, noted):
+        for _, key, send_id, attempt in noted:
+            if key in self.records:
+                live = self.records[key].attempts
+                live[send_id] = max(attempt, live.get(send_id, 0))
 
     def release(self, tenant, send_ids, key, owner, earlier=None):
         super().release(tenant, send_ids, key, owner, earlier)
@@ -714,6 +722,33 @@ def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     assert len(provider.sent) == 1 and consumer.stored[(TOPIC, 0)] == 2
     copies = [headers for t, records in producer.records.items() if ".retry." in t for _, headers in records]
     assert [h["attempt"] for h in copies] == [b"3"]
+
+
+def test_a_copy_behind_the_attempt_its_request_carries_on_is_stale_whenever_it_arrives():
+    """Given a send whose retry copy for attempt 2 was claimed and sent by a worker that then died (its outcome
+    unknown),
+    When the next worker reads the send's lane message (attempt 1) first, then the attempt 2 copy, whose re-send
+    fails, and later the attempt 2 copy once more (the retrier releasing it again),
+    Then only the attempt 2 copy is sent, once, and one retry copy carries the send on, for attempt 3; the lane
+    message and the copy read again are stale (before: each took the request over and was re-sent, and each
+    failure made a retry copy of its own: a second and a third chain of attempts of one send)."""
+    sends, _ = _messages(["acme"])
+    send = sends[0]
+    jobs = RecordingJobs()
+    key = idempotency_key([send.send_id])
+    jobs.state[send.send_id] = f"inflight:{key}"
+    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "",
+                                      {send.send_id: 2})
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs,
+                                                   answer=ProviderResult("unavailable", 503))
+    _run(worker)
+    assert provider.sent == [] and consumer.stored[(TOPIC, 0)] == 1
+    for offset in (1, 2):
+        consumer.pending.append(FakeMessage(0, offset, encode(send), [("attempt", b"2")]))
+        _run(worker)
+    assert len(provider.sent) == 1 and consumer.stored[(TOPIC, 0)] == 3
+    copies = [headers for t, records in producer.records.items() if ".retry." in t for _, headers in records]
+    assert [h["attempt"] for h in copies] == [b"3"] and jobs.records[key].attempts == {send.send_id: 3}
 
 
 @pytest.mark.parametrize("refusal", [
@@ -1422,10 +1457,10 @@ class RacingJobs(FakeJobs):
         super().__init__()
         self.racers = [s.send_id for s in sends[:2]]
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider=""):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
         for s in self.racers:
             self.state.setdefault(s, "inflight:another-workers-request")
-        return super().claim(send_ids, key, owner, path, body, tenant, provider)
+        return super().claim(send_ids, key, owner, path, body, tenant, provider, attempts)
 
 
 @pytest.mark.parametrize("case, sent, charged", [
