@@ -724,6 +724,28 @@ def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     assert [h["attempt"] for h in copies] == [b"3"]
 
 
+def test_a_re_sent_request_answered_skipped_is_final_too():
+    """Given a delivery whose request's sender died (its outcome unknown), re-sent by the next worker and answered
+    `skipped` (the endpoint was disabled meanwhile: the request stays claimed, its first copy's fate unknown),
+    When the same message is read again after the endpoint came back (a rebalance),
+    Then nothing is sent: the request remembers the attempt skipped, and the copy is stale (before: it took the
+    request over and re-sent it, hours late)."""
+    sends, _ = _messages(["acme"])
+    send = sends[0]
+    jobs = RecordingJobs()
+    key = idempotency_key([send.send_id])
+    jobs.state[send.send_id] = f"inflight:{key}"
+    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "")
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs,
+                                                   answer=ProviderResult("skipped", error_name="endpoint_disabled"))
+    _run(worker)
+    assert len(provider.sent) == 1 and jobs.records[key].attempts == {send.send_id: 2}
+    provider.answer = DELIVERED
+    consumer.pending.append(FakeMessage(0, 1, encode(send)))
+    _run(worker)
+    assert len(provider.sent) == 1 and consumer.stored[(TOPIC, 0)] == 2
+
+
 def test_a_copy_behind_the_attempt_its_request_carries_on_is_stale_whenever_it_arrives():
     """Given a send whose retry copy for attempt 2 was claimed and sent by a worker that then died (its outcome
     unknown),
