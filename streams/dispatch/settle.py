@@ -341,7 +341,7 @@ class Settler:
         metrics.SENDS.labels(*self.label, "throttled_in_process").inc(len(job.members))
 
     def _delivered(self, job: Job, result: ProviderResult, now_ms: int) -> None:
-        ids = dict(zip(sorted(job.send_ids), result.message_ids, strict=False))
+        ids = provider_ids(job, result)
         route = self.routes.of(job.provider)
         events = []
         held = set()
@@ -387,3 +387,18 @@ class Settler:
         self.outage.recovered(time.monotonic())
         for p in job.members:
             self.tracker.finish(*p.where)
+
+
+def provider_ids(job: Job, result: ProviderResult) -> dict[str, str]:
+    """Each send's id at the provider: a batch's answer lists them in the order of the request's messages, which
+    are the job's members in order for a request built here. A request re-sent from its stored body (the order
+    it was built in is not kept) names its send only when it carries one; and an answer whose count of ids is
+    not the request's names none (an id is never given to another send)."""
+    if len(result.message_ids) != len(job.send_ids):
+        return {}
+    if len(job.send_ids) == 1:
+        return {job.send_ids[0]: result.message_ids[0]}
+    order = [p.send.send_id for p in job.members]
+    if job.resent or sorted(order) != sorted(job.send_ids):
+        return {}
+    return dict(zip(order, result.message_ids, strict=True))

@@ -16,7 +16,10 @@ import pytest
 
 from streams.dispatch.backlog import HORIZON_S, BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest, idempotency_key
+from streams.dispatch.requests import Job
 from streams.dispatch.routes import Route, Routes
+from streams.dispatch.settle import provider_ids
+from streams.dispatch.tenant_queues import Pending
 from streams.dispatch.worker import LaneWorker, WorkerConfig
 from streams.errors import BucketUnreadable, GateUnavailable, StoreUnavailable
 from streams.gate.gate import Admission, Unused
@@ -1319,6 +1322,46 @@ def test_a_batched_request_writes_its_outcomes_in_one_record_and_finishes_offset
     _run(worker, steps=5)
     assert consumer.stored[(TOPIC, 0)] == 3
     assert worker.settler.pending == 0 and len(producer.records[NAMES.outcomes]) == 1
+
+
+class IdsInOrderProvider(FakeProvider):
+    """A batch endpoint answering one id per message, in the order of the request's messages."""
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        return ProviderResult("delivered", 200, tuple(f"msg-{s}" for s in body.decode().split("|")))
+
+
+def test_each_send_of_a_batch_gets_its_own_provider_message_id():
+    """Given a marketing batch whose messages were read in an order other than their send ids' (a later send first),
+    When the provider answers one id per message, in the request's order,
+    Then each send's outcome names the id the provider gave it (before: the ids were paired with the send ids
+    sorted, so a send's status could name another send's message at the provider)."""
+    sends = [build_send(validate_request({**email_request(), "category": "marketing"}), "blast") for _ in range(3)]
+    read_order = [sends[2], sends[0], sends[1]]
+    worker, consumer, producer, provider = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(read_order)],
+                                                   lane="marketing", provider=IdsInOrderProvider(DELIVERED))
+    _run(worker)
+    assert len(provider.sent) == 1 and provider.sent[0].decode().split("|") != sorted(s.send_id for s in sends)
+    events = [e for value, _ in producer.records[NAMES.outcomes] for e in events_of(orjson.loads(value))]
+    assert {e["send_id"]: e["provider_message_id"] for e in events} == {s.send_id: f"msg-{s.send_id}" for s in sends}
+
+
+def test_a_provider_id_is_never_given_to_another_send():
+    """An answer with fewer ids than the request's sends, or a multi-send request re-sent from its stored body (its
+    build order is not kept), names no send's id rather than a wrong one; a request of one send names it."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(3)]
+    members = [Pending(TOPIC, 0, i, b"", {}, s, 1) for i, s in enumerate(sends)]
+    ids = tuple(s.send_id for s in sends)
+
+    def job(members, resent=False):
+        return Job("k", "/emails/batch", b"", "acme", tuple(sorted(p.send.send_id for p in members)), members,
+                   resent=resent)
+
+    assert provider_ids(job(members), ProviderResult("delivered", 200, ("a", "b"))) == {}
+    assert provider_ids(job(members, resent=True), ProviderResult("delivered", 200, ("a", "b", "c"))) == {}
+    assert provider_ids(job(members), ProviderResult("delivered", 200, ("a", "b", "c"))) == dict(zip(ids, "abc", strict=True))
+    assert provider_ids(job(members[:1], resent=True), ProviderResult("delivered", 200, ("a",))) == {ids[0]: "a"}
 
 
 def test_outcome_records_hold_one_event_or_several():
