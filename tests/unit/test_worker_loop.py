@@ -703,6 +703,17 @@ def test_a_resent_request_that_fails_keeps_its_sends_claimed_under_its_key(refus
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
+def _orphaned_request(attempt: int = 1):
+    """A send claimed by a request whose sender died (its outcome unknown, its lease lapsed), claimed for `attempt`."""
+    send = build_send(validate_request(email_request()), "acme")
+    jobs = RecordingJobs()
+    key = idempotency_key([send.send_id])
+    jobs.state[send.send_id] = f"inflight:{key}"
+    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "",
+                                      {send.send_id: attempt} if attempt > 1 else {})
+    return send, jobs, key
+
+
 def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     """Given a send whose request's sender died (its outcome unknown), and whose lane message (attempt 1) and retry
     copy (attempt 2) are both read again by the next worker, which has room for one request,
@@ -710,12 +721,7 @@ def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     the re-send fails,
     Then one retry copy carries the send on, for attempt 3 (before: one copy per message the request settled, for
     attempts 2 and 3: two retry chains of one send, each sent on its own schedule)."""
-    sends, _ = _messages(["acme"])
-    send = sends[0]
-    jobs = RecordingJobs()
-    key = idempotency_key([send.send_id])
-    jobs.state[send.send_id] = f"inflight:{key}"
-    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "")
+    send, jobs, key = _orphaned_request()
     lane_message = FakeMessage(0, 0, encode(send))
     retry_copy = FakeMessage(0, 1, encode(send), [("attempt", b"2")])
     worker, consumer, producer, provider = _worker([lane_message, retry_copy], jobs=jobs,
@@ -733,12 +739,7 @@ def test_a_re_sent_request_answered_skipped_is_final_too():
     When the same message is read again after the endpoint came back (a rebalance),
     Then nothing is sent: the request remembers the attempt skipped, and the copy is stale (before: it took the
     request over and re-sent it, hours late)."""
-    sends, _ = _messages(["acme"])
-    send = sends[0]
-    jobs = RecordingJobs()
-    key = idempotency_key([send.send_id])
-    jobs.state[send.send_id] = f"inflight:{key}"
-    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "")
+    send, jobs, key = _orphaned_request()
     worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs,
                                                    answer=ProviderResult("skipped", error_name="endpoint_disabled"))
     _run(worker)
@@ -757,13 +758,7 @@ def test_a_copy_behind_the_attempt_its_request_carries_on_is_stale_whenever_it_a
     Then only the attempt 2 copy is sent, once, and one retry copy carries the send on, for attempt 3; the lane
     message and the copy read again are stale (before: each took the request over and was re-sent, and each
     failure made a retry copy of its own: a second and a third chain of attempts of one send)."""
-    sends, _ = _messages(["acme"])
-    send = sends[0]
-    jobs = RecordingJobs()
-    key = idempotency_key([send.send_id])
-    jobs.state[send.send_id] = f"inflight:{key}"
-    jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "",
-                                      {send.send_id: 2})
+    send, jobs, key = _orphaned_request(attempt=2)
     worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs,
                                                    answer=ProviderResult("unavailable", 503))
     _run(worker)
