@@ -265,7 +265,7 @@ class LaneWorker:
             verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
         if isinstance(verdict, Rejected):
             finish = self.settler.finisher((msg.topic(), msg.partition(), msg.offset()))
-            if verdict.send is None:
+            if verdict.send is None or self._carried_on_elsewhere(verdict.send):
                 self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail, finish)
             else:  # a send: its status says so too (else it reads `accepted` for 30 days), with where its letter is
                 refused = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, 1,
@@ -277,6 +277,19 @@ class LaneWorker:
                     (headers.get("provider") or b"").decode(errors="replace"), wall_ms())
         if not self._parked(p):
             self.queues.add(p)
+
+    def _carried_on_elsewhere(self, send: Send) -> bool:
+        """Whether a send this worker refuses may be carried on by another (a worker of another version, during a
+        rollout): processed_jobs holds an attempt, a claim or an outcome for it, or cannot be read. Its dead letter
+        then leaves its status alone: a final `dead_lettered` would let a replay send it while its chain may still
+        deliver it."""
+        if not self.dispatcher.outage.ready(time.monotonic()):
+            return True
+        try:
+            [[state]] = self.dispatcher.jobs.status_many([(send.tenant_id, [send.send_id])])
+        except StoreUnavailable:
+            return True
+        return state is not None
 
     def _parked(self, p: Pending) -> bool:
         """Park a message whose tenant already holds its share of the buffer on a retry tier, due

@@ -318,6 +318,26 @@ def test_a_send_refused_by_the_worker_is_dead_lettered_with_its_outcome(policy, 
     assert consumer.stored[(TOPIC, 0)] == 1
 
 
+@pytest.mark.parametrize("state", ["tried:1", "inflight:send-x", "delivered", "redis down"])
+def test_a_send_refused_here_that_another_worker_carries_on_keeps_its_status(state):
+    """Given a send this worker refuses (a policy only newer workers have, during a rollout) whose processed_jobs
+    state says another worker carries it on (an attempt made, a claim, delivered), or cannot be read,
+    When this worker reads a copy of it again (a rebalance),
+    Then the copy is dead-lettered without an outcome event: the send's status stays what its own chain says (a
+    final `dead_lettered` would let a replay send it while that chain may still deliver it)."""
+    send = build_send(validate_request(email_request()), "acme").model_copy(update={"policy": "newer-policy"})
+    jobs = JobsGoingDown()
+    if state == "redis down":
+        jobs.down = True
+    else:
+        jobs.state[send.send_id] = state
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], jobs=jobs)
+    _run(worker)
+    (_, dlq_headers), = producer.records[NAMES.dlq]
+    assert dlq_headers["reason"] == b"unknown_policy" and not producer.records.get(NAMES.outcomes)
+    assert consumer.stored[(TOPIC, 0)] == 1
+
+
 class FlakyJobs(FakeJobs):
     """processed_jobs whose Redis fails for the first `failures` calls of the named methods."""
 
