@@ -158,7 +158,9 @@ class IngestIdempotency:
         self._as_holder = client.register_script(_AS_HOLDER)
 
     def begin(self, tenant: str, key: str, digest: str,
-              route: str = "POST /v1/sends") -> Claimed | Answered | Conflict | Pending | OtherRoute:
+              route: str) -> Claimed | Answered | Conflict | Pending | OtherRoute:
+        """Claim the key for a request on `route` (e.g. "POST /v1/sends") with the body hash `digest`, or say why
+        not: its answer to replay, another body or route under it, or a request still publishing under it."""
         now_ms = int(time.time() * 1000)
         holder = uuid.uuid4().hex
         with store_errors("checking an Idempotency-Key"):

@@ -152,10 +152,10 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     assert jobs.claim([f"{tenants[1]}-9"], "send-y", "w", "/emails", b"y", tenants[1]) == []
     jobs.keep_unknown(tenants[1], "send-y", "w")
     assert jobs.take_over(tenants[1], "send-y", "w2", [f"{tenants[1]}-9"]).body == b"y"  # a live record, taken over on the cluster
-    claimed = ingest.begin(tenants[1], "key-1", "digest")
+    claimed = ingest.begin(tenants[1], "key-1", "digest", "POST /v1/sends")
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
     assert ingest.finish(tenants[1], "key-1", 202, {}, claimed.holder)
-    ingest.release(tenants[2], "key-2", ingest.begin(tenants[2], "key-2", "digest").holder)
+    ingest.release(tenants[2], "key-2", ingest.begin(tenants[2], "key-2", "digest", "POST /v1/sends").holder)
     endpoints = EndpointStore(recording, ns, None, UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"})),
                               system_resolver)
     for t in tenants:

@@ -82,7 +82,7 @@ def test_the_same_idempotency_key_publishes_once(api, stack, names, redis_client
     assert other.json()["errors"][0]["loc"] == ["header", "Idempotency-Key"]
 
     single = email_request()
-    IngestIdempotency(redis_client, namespace).begin("tenant-a", "in-flight", body_hash(single))
+    IngestIdempotency(redis_client, namespace).begin("tenant-a", "in-flight", body_hash(single), "POST /v1/sends")
     busy = api.post("/v1/sends", json=single, headers={**api.keys["a"], "Idempotency-Key": "in-flight"})
     assert busy.status_code == 409 and busy.headers["retry-after"] == "1"
 
@@ -152,7 +152,7 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
     store its answer under it: the new holder's answer is the one kept."""
     idem = IngestIdempotency(redis_client, namespace, lease_s=1.5)
     digest = body_hash(email_request())
-    claim = idem.begin("tenant-a", "slow-batch", digest)
+    claim = idem.begin("tenant-a", "slow-batch", digest, "POST /v1/sends")
     assert isinstance(claim, Claimed)
 
     async def publishing_for(seconds: float) -> None:
@@ -162,9 +162,9 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
         renewing.cancel()
 
     asyncio.run(publishing_for(4.5))
-    assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
+    assert isinstance(idem.begin("tenant-a", "slow-batch", digest, "POST /v1/sends"), Pending)
     def taken_over() -> Claimed | None:
-        state = idem.begin("tenant-a", "slow-batch", digest)
+        state = idem.begin("tenant-a", "slow-batch", digest, "POST /v1/sends")
         return state if isinstance(state, Claimed) else None
 
     taken = wait_until(taken_over, 10, "the lease to lapse", interval=0.1)
@@ -173,9 +173,9 @@ def test_a_key_being_published_keeps_its_lease_and_only_its_holder_renews_it(red
     assert idem.renew("tenant-a", "slow-batch", taken.holder) is True
     idem.release("tenant-a", "slow-batch", claim.holder)  # the first request failing late frees nothing
     assert idem.finish("tenant-a", "slow-batch", 202, {"from": "first"}, claim.holder) is False
-    assert isinstance(idem.begin("tenant-a", "slow-batch", digest), Pending)
+    assert isinstance(idem.begin("tenant-a", "slow-batch", digest, "POST /v1/sends"), Pending)
     assert idem.finish("tenant-a", "slow-batch", 202, {"from": "second"}, taken.holder) is True
-    assert idem.begin("tenant-a", "slow-batch", digest) == Answered(202, {"from": "second"})
+    assert idem.begin("tenant-a", "slow-batch", digest, "POST /v1/sends") == Answered(202, {"from": "second"})
 
 
 class SkewedClock:
@@ -195,14 +195,14 @@ def test_leases_are_timed_by_redis_not_by_hosts_whose_clocks_disagree(redis_clie
     request; and a holder whose clock runs 5 minutes behind renews its lease from Redis's now, not into the past."""
     idem = IngestIdempotency(redis_client, namespace, lease_s=60)
     digest = body_hash(email_request())
-    claim = idem.begin("tenant-a", "skewed", digest)
+    claim = idem.begin("tenant-a", "skewed", digest, "POST /v1/sends")
     assert isinstance(claim, Claimed)
 
     monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(+300))
-    assert isinstance(idem.begin("tenant-a", "skewed", digest), Pending)
+    assert isinstance(idem.begin("tenant-a", "skewed", digest, "POST /v1/sends"), Pending)
 
     monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(-300))
-    late = idem.begin("tenant-a", "late-clock", digest)
+    late = idem.begin("tenant-a", "late-clock", digest, "POST /v1/sends")
     assert isinstance(late, Claimed)
     longer = IngestIdempotency(redis_client, namespace, lease_s=600)  # a renewal that must show
     assert longer.renew("tenant-a", "late-clock", late.holder) is True
@@ -210,7 +210,7 @@ def test_leases_are_timed_by_redis_not_by_hosts_whose_clocks_disagree(redis_clie
     lease_until = int(redis_client.hget(idem.keys.ingest_idempotency("tenant-a", "late-clock"), "lease_until"))
     assert lease_until - (seconds * 1000 + micros // 1000) > 590_000  # 600 s from Redis's now
     monkeypatch.setattr("streams.ingest.idempotency.time", SkewedClock(0))
-    assert isinstance(idem.begin("tenant-a", "late-clock", digest), Pending)
+    assert isinstance(idem.begin("tenant-a", "late-clock", digest, "POST /v1/sends"), Pending)
 
 
 def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(redis_client, namespace):
@@ -222,22 +222,22 @@ def test_a_request_whose_outcome_is_unknown_keeps_its_key_bound_to_its_send_ids(
     request with another body under the key gets a conflict (422), and only the holder's lapse counts."""
     idem = IngestIdempotency(redis_client, namespace)
     digest = body_hash(email_request())
-    claim = idem.begin("tenant-a", "stalled", digest)
+    claim = idem.begin("tenant-a", "stalled", digest, "POST /v1/sends")
     assert isinstance(claim, Claimed) and not claim.maybe_published_before
     idem.lapse("tenant-a", "stalled", "not-the-holder")
-    assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)
+    assert isinstance(idem.begin("tenant-a", "stalled", digest, "POST /v1/sends"), Pending)
 
     idem.lapse("tenant-a", "stalled", claim.holder)
-    assert isinstance(idem.begin("tenant-a", "stalled", body_hash(sms_request())), Conflict)
-    retry = idem.begin("tenant-a", "stalled", digest)
+    assert isinstance(idem.begin("tenant-a", "stalled", body_hash(sms_request()), "POST /v1/sends"), Conflict)
+    retry = idem.begin("tenant-a", "stalled", digest, "POST /v1/sends")
     assert isinstance(retry, Claimed) and retry.first_ms == claim.first_ms and retry.holder != claim.holder
     assert retry.maybe_published_before
-    assert isinstance(idem.begin("tenant-a", "stalled", digest), Pending)  # the retry holds it now
+    assert isinstance(idem.begin("tenant-a", "stalled", digest, "POST /v1/sends"), Pending)  # the retry holds it now
 
     # The retry fails with nothing published (a 429, an aborted batch): the key is not freed, or the next
     # retry would publish new send ids next to the first attempt's.
     idem.release("tenant-a", "stalled", retry.holder)
-    again = idem.begin("tenant-a", "stalled", digest)
+    again = idem.begin("tenant-a", "stalled", digest, "POST /v1/sends")
     assert isinstance(again, Claimed) and again.first_ms == claim.first_ms and again.maybe_published_before
 
 
@@ -248,16 +248,16 @@ def test_a_key_taken_over_after_its_lease_lapsed_is_never_freed_again(redis_clie
     process may have published under those send ids)."""
     idem = IngestIdempotency(redis_client, namespace, lease_s=0.2)
     digest = body_hash(email_request())
-    dead = idem.begin("tenant-a", "crashed", digest)
+    dead = idem.begin("tenant-a", "crashed", digest, "POST /v1/sends")
     assert isinstance(dead, Claimed)
 
     def taken_over() -> Claimed | None:
-        state = idem.begin("tenant-a", "crashed", digest)
+        state = idem.begin("tenant-a", "crashed", digest, "POST /v1/sends")
         return state if isinstance(state, Claimed) else None
 
     taken = wait_until(taken_over, 10, "the dead request's lease to lapse", interval=0.05)
     idem.release("tenant-a", "crashed", taken.holder)
-    again = idem.begin("tenant-a", "crashed", digest)
+    again = idem.begin("tenant-a", "crashed", digest, "POST /v1/sends")
     assert isinstance(again, Claimed) and again.first_ms == dead.first_ms
 
 

@@ -105,7 +105,7 @@ def test_a_request_taking_over_a_key_whose_holder_was_never_charged_is_charged(r
     api = Api(redis_client, namespace, broker)
     batch = {"sends": [email_request() for _ in range(40)]}
     dead = IngestIdempotency(redis_client, namespace, lease_s=0)  # its lease has lapsed as soon as it is taken
-    dead.begin("acme", "batch-1", body_hash(batch))
+    dead.begin("acme", "batch-1", body_hash(batch), "POST /v1/sends/batch")
     taken_over = api.post(batch, "batch-1")
     assert taken_over.status_code == 202, taken_over.text
     other = api.post(batch, "batch-2")
@@ -130,7 +130,7 @@ def test_a_refused_request_whose_key_was_taken_over_keeps_its_charge(redis_clien
     async def broker(records):
         if not spared:  # the first attempt's publish: its lease lapses, and the retry takes the key over
             redis_client.hset(RedisKeys(namespace).ingest_idempotency("acme", "batch-1"), "lease_until", 0)
-            spared.append(retry.begin("acme", "batch-1", body_hash(batch)).charged_before)
+            spared.append(retry.begin("acme", "batch-1", body_hash(batch), "POST /v1/sends/batch").charged_before)
             raise PublishError("the lane topic refused the batch (test)")
         return []
 
