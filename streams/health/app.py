@@ -128,6 +128,9 @@ class EndpointHealthApp:
                 raise ValueError("not an attempt event")
             row = self.table.get(endpoint_id)
             before = Health.from_doc(row) if row else Health(endpoint_id)
+            ep = self.directory.endpoints.get(endpoint_id)
+            if ep is not None and before.tenant != ep.tenant:  # the endpoint's own tenant, never an event's
+                before = replace(before, tenant=ep.tenant)
             outcome = apply(before, doc, event.message.offset)
         except (ValueError, TypeError, AttributeError, KeyError):
             metrics.HEALTH_EVENTS.labels("malformed").inc()

@@ -572,3 +572,32 @@ def test_the_changelog_topic_exists_and_is_visible_before_the_app_starts(stack, 
         for copy in copies:
             copy.close()
         admin.delete(admin.named(f"{names.endpoint_health_app}-"))
+
+
+def test_another_tenants_events_naming_an_endpoint_never_take_its_health_or_its_alerts(rig, stack, names):
+    """Given tenant a's endpoint, whose first attempt event is one of tenant b's naming it (written to a lane past
+    ingest and sent by a worker of an older version, so not refused as `endpoint_of_another_tenant`),
+    When a's own receiver then fails ten times in a row,
+    Then the endpoint is degraded and the "stopped" alert goes to a's members: the health is a's, from the endpoint
+    itself (before: the first event made it b's, and a's failures were then ignored as another tenant's)."""
+    from confluent_kafka import Producer
+
+    rig.start(scale=0.001)
+    ep = rig.register("forged-first")
+    now = int(time.time() * 1000)
+    failure = {"kind": "attempt", "endpoint_id": ep["id"], "n": 1, "at_ms": now, "status_code": 500,
+               "outcome": "unavailable", "error": "http_500"}
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    key = ep["id"].encode()
+    producer.produce(names.webhook_attempts, key=key,
+                     value=orjson.dumps({**failure, "tenant_id": "tenant-b", "delivery_id": "d-forged"}))
+    for i in range(DEGRADE_AFTER):
+        producer.produce(names.webhook_attempts, key=key,
+                         value=orjson.dumps({**failure, "tenant_id": "tenant-a", "delivery_id": f"d-{i}",
+                                             "at_ms": now + i}))
+    assert producer.flush(10) == 0
+    rig.wait_state(ep, "degraded", timeout=60)
+    wait_until(lambda: any(m["subject"] == "Webhook delivery stopped" for m in rig.alerts()), 60,
+               "the stopped alert")
+    [alert] = [m for m in rig.alerts() if m["subject"] == "Webhook delivery stopped"]
+    assert alert["to"] == MEMBERS
