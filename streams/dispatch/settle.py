@@ -391,14 +391,8 @@ class Settler:
 
 def provider_ids(job: Job, result: ProviderResult) -> dict[str, str]:
     """Each send's id at the provider: a batch's answer lists them in the order of the request's messages, which
-    are the job's members in order for a request built here. A request re-sent from its stored body (the order
-    it was built in is not kept) names its send only when it carries one; and an answer whose count of ids is
-    not the request's names none (an id is never given to another send)."""
+    an adapter writes in send-id order (`Provider.build`), a stored request re-sent byte for byte too. An answer
+    whose count of ids is not the request's names none (an id is never given to another send)."""
     if len(result.message_ids) != len(job.send_ids):
         return {}
-    if len(job.send_ids) == 1:
-        return {job.send_ids[0]: result.message_ids[0]}
-    order = [p.send.send_id for p in job.members]
-    if job.resent or sorted(order) != sorted(job.send_ids):
-        return {}
-    return dict(zip(order, result.message_ids, strict=True))
+    return dict(zip(sorted(job.send_ids), result.message_ids, strict=True))

@@ -40,7 +40,7 @@ from .idempotency import LEASE_S, REFRESH_EVERY_S, ProcessedJobs
 from .intake import Admitted, Rejected, admit
 from .pauses import LanePauses
 from .records import RecordWriter
-from .requests import Dispatcher, Job
+from .requests import Dispatcher, Job, by_state
 from .routes import Routes
 from .settle import Settler
 from .stages import wall_ms
@@ -265,7 +265,7 @@ class LaneWorker:
             verdict = admit(msg.value(), headers, self.cfg.channel, self.cfg.lane, self.policies)
         if isinstance(verdict, Rejected):
             finish = self.settler.finisher((msg.topic(), msg.partition(), msg.offset()))
-            if verdict.send is None or self._carried_on_elsewhere(verdict.send):
+            if verdict.send is None or self._carried_on_elsewhere(verdict.send, headers):
                 self.records.dead_letter_raw(msg, headers, verdict.reason, verdict.detail, finish)
             else:  # a send: its status says so too (else it reads `accepted` for 30 days), with where its letter is
                 refused = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, 1,
@@ -278,18 +278,23 @@ class LaneWorker:
         if not self._parked(p):
             self.queues.add(p)
 
-    def _carried_on_elsewhere(self, send: Send) -> bool:
+    def _carried_on_elsewhere(self, send: Send, headers: dict[str, bytes]) -> bool:
         """Whether a send this worker refuses may be carried on by another (a worker of another version, during a
-        rollout): processed_jobs holds an attempt, a claim or an outcome for it, or cannot be read. Its dead letter
-        then leaves its status alone: a final `dead_lettered` would let a replay send it while its chain may still
-        deliver it."""
+        rollout): by processed_jobs, this copy would not be sent here either (delivered, a later attempt made, a
+        claim, left to reconciliation), or its state cannot be read. Its dead letter then leaves its status alone:
+        a final `dead_lettered` would let a replay send it while its chain may still deliver it. A copy that
+        would be sent (nothing else carries it on) gets its outcome event."""
         if not self.dispatcher.outage.ready(time.monotonic()):
             return True
         try:
             [[state]] = self.dispatcher.jobs.status_many([(send.tenant_id, [send.send_id])])
         except StoreUnavailable:
             return True
-        return state is not None
+        try:
+            attempt = int(headers.get("attempt") or b"1")
+        except ValueError:
+            attempt = 1
+        return by_state(state, attempt, too_old=False) != "send"
 
     def _parked(self, p: Pending) -> bool:
         """Park a message whose tenant already holds its share of the buffer on a retry tier, due

@@ -41,7 +41,8 @@ class Provider(Protocol):
     name: str
 
     def build(self, messages: list[Outbound], batch: bool) -> tuple[str, bytes]:
-        """The request path and body. Deterministic: the same messages give the same bytes."""
+        """The request path and body. Deterministic: the same messages give the same bytes, a batch's in send-id
+        order (its answer's ids are paired with the send ids in that order)."""
         ...
 
     def submit(self, path: str, body: bytes, api_key: str, idempotency_key: str,
