@@ -145,15 +145,14 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
         completed = event.get("completed_at_ms")
         if not isinstance(completed, int) or isinstance(completed, bool) or completed <= 0:
             completed = now_ms  # unknown: kept a full week, never shorter
-        age_s = (now_ms - completed) / 1000
-        processed = keys.processed(event["tenant_id"], event["send_id"])
-        if event["status"] == "delivered" and age_s < DELIVERED_TTL_S:
+        left_s = DELIVERED_TTL_S - (now_ms - completed) / 1000  # claims are kept as long as delivered marks
+        ttl_s = max(1, int(left_s))
+        if event["status"] == "delivered" and left_s > 0:
             with store_errors("restoring a delivered mark"):
-                client.set(processed, "delivered", ex=max(1, int(DELIVERED_TTL_S - age_s)))
+                client.set(keys.processed(event["tenant_id"], event["send_id"]), "delivered", ex=ttl_s)
             result.delivered_marks += 1
             marked = " (its delivered mark is rebuilt)"
-        elif (mark := stop_mark(event)) is not None and age_s < DELIVERED_TTL_S:  # claims are kept as long
-            ttl_s = max(1, int(DELIVERED_TTL_S - age_s))
+        elif (mark := stop_mark(event)) is not None and left_s > 0:
             result.stop_marks += jobs.restore_mark(event["tenant_id"], event["send_id"], mark, ttl_s)
             marked = f" (its {mark} mark is rebuilt)"
         if isinstance(event.get("replay_of"), str) and event["replay_of"]:
