@@ -134,12 +134,13 @@ class StatusStore:
                                                   *(x for kv in fields.items() for x in kv)], client=pipe)
             pipe.execute()
 
-    def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None) -> list[str]:
-        """An endpoint's delivery ids, newest first."""
+    def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None,
+                            skip: int = 0) -> list[str]:
+        """An endpoint's delivery ids, newest first (the first `skip` left out)."""
         with store_errors("listing an endpoint's deliveries"):
             ids = self.client.zrevrangebyscore(self.keys.endpoint_deliveries(endpoint_id),
                                                "+inf" if before_ms is None else f"({before_ms}", "-inf",
-                                               start=0, num=limit)
+                                               start=skip, num=limit)
         return [i.decode() for i in ids]
 
     def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int,

@@ -45,6 +45,7 @@ from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
 MAX_BULK_REPLAY = 1000
+MAX_DELIVERIES_READ_FOR_A_PAGE = 10  # pages' worth of an endpoint's index read to fill one page of the tenant's own
 MAX_BULK_CONSIDERED = 10_000  # deliveries one bulk replay call looks at (each is a status read); the next call goes on
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
@@ -270,10 +271,18 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
                             before_ms: int | None = None) -> dict:
         if endpoints.get(tenant_id, endpoint_id) is None:
             raise _not_found("endpoint")
-        found = [(d, store.get(d)) for d in store.endpoint_deliveries(endpoint_id, limit, before_ms)]
-        # Only the tenant's own: an event of another tenant naming this endpoint (written past ingest) is filed
-        # under it too.
-        return {"deliveries": [_delivery(d, doc) for d, doc in found if doc and doc.get("tenant_id") == tenant_id]}
+        return {"deliveries": _own_deliveries(endpoint_id, tenant_id, limit, before_ms)}
+
+    def _own_deliveries(endpoint_id: str, tenant_id: str, limit: int, before_ms: int | None) -> list[dict]:
+        """Only the tenant's own: an event of another tenant naming this endpoint (written past ingest) is filed
+        under it too. Read on past those, so that they do not shorten the page (a short page reads as the end)."""
+        own: list[dict] = []
+        for skip in range(0, MAX_DELIVERIES_READ_FOR_A_PAGE * limit, limit):
+            ids = store.endpoint_deliveries(endpoint_id, limit, before_ms, skip)
+            own += [_delivery(d, doc) for d in ids if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
+            if len(own) >= limit or len(ids) < limit:
+                break
+        return own[:limit]
 
     @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
                  responses=documented(401, 403, 404, 422, 503))

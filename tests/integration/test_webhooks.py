@@ -322,7 +322,8 @@ def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topi
     Then its delivery is found at once (status accepted, naming its endpoint and event) and listed under its
     endpoint (before: 404 "no such delivery" and an empty list until its first attempt, minutes or hours behind
     a slow endpoint); once a worker runs it is delivered and still listed once. An outcome of tenant b's filed
-    under a's endpoint (an event of b's naming it, written to the lane past ingest) is not listed to a."""
+    under a's endpoint (an event of b's naming it, written to the lane past ingest) is not listed to a, and does not
+    shorten a's page."""
     hooks = _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE, worker=False)
     ep = _register(hooks, mock_endpoint, "waiting")
     [delivery] = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"]
@@ -335,6 +336,9 @@ def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topi
          "status": "dead_lettered", "reason": "rejected", "attempts": 1, "endpoint_id": ep["id"],
          "created_at_ms": int(time.time() * 1000)})
     listed = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", headers=hooks.keys["a"]).json()["deliveries"]
+    assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
+    # b's newer entry does not take the place of a's on a page of one (before: an empty page, read as the end)
+    listed = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries?limit=1", headers=hooks.keys["a"]).json()["deliveries"]
     assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
     assert hooks.get(f"/v1/deliveries/{delivery['delivery_id']}", headers=hooks.keys["b"]).status_code == 404
     _webhook_worker(processes)
