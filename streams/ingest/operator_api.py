@@ -384,9 +384,9 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 
 
 def _letter(record: dead_letters.DeadLetterRecord) -> dict:
-    """A dead letter as operators see it: its headers (reason, attempts, origin, errors: redacted
-    when written), never its payload."""
+    """A dead letter as operators see it: its headers (reason, attempts, origin, errors), redacted, never its
+    payload."""
     return {"send_id": record.send_id, "reason": record.reason, "partition": record.partition,
             "offset": record.offset, "dead_lettered_at_ms": record.timestamp_ms,
-            "headers": {k: v for k, v in record.headers.items()}}
+            "headers": dead_letters.redacted_headers(record)}
 

@@ -184,12 +184,19 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
     return found
 
 
+def redacted_headers(record: DeadLetterRecord) -> dict[str, str]:
+    """A dead letter's headers as operators are shown them: each value redacted (an error excerpt, or a header
+    the producer set on its record, may quote a recipient or a credential), every name kept."""
+    return {k: redact(v, 300) for k, v in record.headers.items()}
+
+
 def describe(record: DeadLetterRecord) -> str:
     """A human summary without personal data (payload values redacted)."""
     lines = [f"send_id      {record.send_id}", f"reason       {record.reason}",
              f"dlq position {record.partition}/{record.offset} at {record.timestamp_ms}"]
-    for k in sorted(record.headers):
+    headers = redacted_headers(record)
+    for k in sorted(headers):
         if k not in ("send_id", "reason"):
-            lines.append(f"{k:<12} {redact(record.headers[k], 300)}")
+            lines.append(f"{k:<12} {headers[k]}")
     lines.append(f"payload      {len(record.value or b'')} bytes" + ("" if record.value else " (not in the DLQ)"))
     return "\n".join(lines)
