@@ -221,14 +221,14 @@ class RedisKeys:
     def epoch_markers(self) -> list[str]:
         return [self.epoch_marker(slot) for slot in range(HASH_SLOTS)]
 
-    @property
-    def recovering(self) -> str:
-        """Written as `streams state recover` starts, checked before it writes the epoch: gone means Redis lost its
-        data again meanwhile (on a Redis Cluster, one in every hash slot: `recovering_markers`)."""
-        return f"{self.namespace}dr:recovering"
+    def recovering(self, run: str) -> str:
+        """Written as a `streams state recover` run starts, checked before it writes the epoch: gone means Redis
+        lost its data again meanwhile (on a Redis Cluster, one in every hash slot: `recovering_markers`). Each run
+        has its own, so that one run ending does not take away the markers of another running alongside it."""
+        return f"{self.namespace}dr:recovering:{run}"
 
-    def recovering_markers(self) -> list[str]:
-        return [f"{self.namespace}dr:{{{slot_tags()[slot]}}}:recovering" for slot in range(HASH_SLOTS)]
+    def recovering_markers(self, run: str) -> list[str]:
+        return [f"{self.namespace}dr:{{{slot_tags()[slot]}}}:recovering:{run}" for slot in range(HASH_SLOTS)]
 
     def tenant_epoch_marker(self, tenant: str) -> str:
         """The marker in the slot of the tenant's processed_jobs keys."""

@@ -166,7 +166,8 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
         if result.events % 10_000 == 0:
             progress(f"{result.events} outcome events applied")
 
-    markers = [keys.recovering] + (keys.recovering_markers() if is_cluster(client) else [])
+    run = uuid.uuid4().hex
+    markers = [keys.recovering(run)] + (keys.recovering_markers(run) if is_cluster(client) else [])
     _write_markers(client, markers)
     _read_all(bootstrap, names.outcomes, apply)
     result.replay_marks = store.restore_replays(replays)

@@ -153,7 +153,34 @@ def test_recover_does_not_end_the_hold_when_redis_loses_its_data_again_meanwhile
     recover(stack.bootstrap, redis_client, names, keys, oplog)
     assert [redis_client.get(keys.processed("acme", s)) for s in ("s-1", "s-2")] == [b"delivered", b"delivered"]
     assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
-    assert redis_client.get(keys.recovering) is None
+    assert redis_client.keys(f"{namespace}dr:recovering*") == []
+
+
+def test_two_recover_runs_at_once_both_end_without_a_false_alarm(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, monkeypatch):
+    """Given notif.outcomes holding a delivered event,
+    When a second `streams state recover` runs (another operator) and ends while the first is applying it,
+    Then the first ends too, with the mark rebuilt and the epoch written (before: the second run removed the
+    markers the first had written, and the first reported that Redis had lost its data again)."""
+    channel_topics("email")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.outcomes, orjson.dumps(_delivered("s-1", int(time.time() * 1000))), key=b"k", partition=0)
+    assert producer.flush(10) == 0
+    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    record, runs = StatusStore.record_outcome, []
+
+    def a_second_run_alongside(store, event):
+        record(store, event)
+        if not runs:
+            runs.append("second")
+            runs.append(recover(stack.bootstrap, redis_client, names, keys, oplog))
+
+    monkeypatch.setattr(StatusStore, "record_outcome", a_second_run_alongside)
+    first = recover(stack.bootstrap, redis_client, names, keys, oplog)
+    assert first.delivered_marks == runs[1].delivered_marks == 1
+    assert redis_client.get(keys.processed("acme", "s-1")) == b"delivered"
+    assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+    assert redis_client.keys(f"{namespace}dr:recovering*") == []
 
 
 def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_says_what_it_skipped(
