@@ -50,10 +50,13 @@ class StatusStore:
         self.client = client
         self.keys = RedisKeys(namespace)
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
-        # A send's replay mark, only while it has a status (one step: its status may expire in between).
+        # A send's replay mark, only while it has a status of the replay's tenant (one step: its status may expire
+        # in between), where it has none or only a replay's claim ("pending": the replay that claimed it is
+        # published, and the call that published it could not record that).
         self._mark_replayed_if_known = client.register_script(
-            "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSETNX', KEYS[1], 'replayed_as', ARGV[1]) "
-            "end return 0")
+            "local s = redis.call('HMGET', KEYS[1], 'tenant_id', 'replayed_as') "
+            "if s[1] ~= ARGV[2] or (s[2] and s[2] ~= 'pending') then return 0 end "
+            "redis.call('HSET', KEYS[1], 'replayed_as', ARGV[1]) return 1")
 
     def accepted(self, sends: list) -> None:
         """Recorded once published: a status an outcome already wrote (the send can be dispatched
@@ -94,6 +97,7 @@ class StatusStore:
                       if event.get(k)}
             pipe = self.client.pipeline(transaction=False)
             self._accept(pipe, send_id, fields, event.get("created_at_ms") or 0)
+            self._note_replay(pipe, event)
             with store_errors("recording an accepted send"):
                 pipe.execute()
             return
@@ -132,7 +136,16 @@ class StatusStore:
                     pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
             self._record_status(keys=[key], args=[event["status"], STATUS_TTL_S,
                                                   *(x for kv in fields.items() for x in kv)], client=pipe)
+            self._note_replay(pipe, event)
             pipe.execute()
+
+    def _note_replay(self, pipe, event: dict) -> None:
+        """A replay's event marks its original replayed (as `state recover` does): a replay's claim left "pending"
+        because its call could not record the replay (Redis failed right after the publish) then names it, and
+        the dead letter's next replay answers with it instead of being refused as unconfirmed."""
+        if event.get("replay_of"):
+            self._mark_replayed_if_known(keys=[self.keys.send_status(event["replay_of"])],
+                                         args=[event["send_id"], event["tenant_id"]], client=pipe)
 
     def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None,
                             skip: int = 0) -> list[str]:
@@ -162,16 +175,16 @@ class StatusStore:
         with store_errors("releasing a replay"):
             self.client.hdel(self.keys.send_status(send_id), "replayed_as")
 
-    def restore_replays(self, replays: dict[str, str], chunk: int = 1000) -> int:
-        """`state recover`: mark each send of `replays` (send id: its replay's id) replayed, unless it is marked
-        already or has no status (a send whose own outcomes are gone gets no status of a replay's). How many
-        were marked."""
+    def restore_replays(self, replays: dict[str, tuple[str, str]], chunk: int = 1000) -> int:
+        """`state recover`: mark each send of `replays` (send id: its replay's id and tenant) replayed, unless it is
+        marked already or has no status of that tenant (a send whose own outcomes are gone gets no status of a
+        replay's). How many were marked."""
         ids, marked = list(replays), 0
         with store_errors("restoring replay marks"):
             for i in range(0, len(ids), chunk):
                 pipe = self.client.pipeline(transaction=False)
                 for send_id in ids[i:i + chunk]:
-                    self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)], args=[replays[send_id]],
+                    self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)], args=list(replays[send_id]),
                                                  client=pipe)
                 marked += sum(pipe.execute())
         return marked

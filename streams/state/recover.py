@@ -118,7 +118,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
     store = StatusStore(client, names.namespace)
     jobs = ProcessedJobs(client, names.namespace)
     result = Recovery()
-    replays: dict[str, str] = {}  # a replayed send's id: its (first seen) replay's
+    replays: dict[str, tuple[str, str]] = {}  # a replayed send's id: its (first seen) replay's id and tenant
     now_ms = int(time.time() * 1000)
 
     def skip(msg: Message, why: str) -> None:
@@ -156,7 +156,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             result.stop_marks += jobs.restore_mark(event["tenant_id"], event["send_id"], mark, ttl_s)
             marked = f" (its {mark} mark is rebuilt)"
         if isinstance(event.get("replay_of"), str) and event["replay_of"]:
-            replays.setdefault(event["replay_of"], event["send_id"])
+            replays.setdefault(event["replay_of"], (event["send_id"], event["tenant_id"]))
         try:
             store.record_outcome(event)
         except UnusableOutcome as exc:  # the outcome recorder skips it too

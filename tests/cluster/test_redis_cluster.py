@@ -168,7 +168,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     for t in tenants:  # send ids hashing all over the cluster: each status compared and written in its own slot
         statuses.record_outcome({"send_id": f"{t}-s", "tenant_id": t, "status": "delivered", "attempts": 1})
     assert statuses.get(f"{tenants[0]}-s")["status"] == "delivered"
-    assert statuses.restore_replays({f"{t}-s": f"{t}-r" for t in tenants}) == len(tenants)
+    assert statuses.restore_replays({f"{t}-s": (f"{t}-r", t) for t in tenants}) == len(tenants)
 
     sites = registration_sites()
     used = {}

@@ -6,19 +6,21 @@ import subprocess
 import sys
 import time
 
+import orjson
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from streams.errors import BrokerUnavailable, ReplayOutcomeUnknown, ReplayRefused
+from streams.errors import BrokerUnavailable, ReplayOutcomeUnknown, ReplayRefused, StoreUnavailable
 from streams.ingest.sdk import SendClient
 from streams.ingest.status import StatusStore
 from streams.kafka_client import durable_producer, put_acked
+from streams.outcomes import events_of
 from streams.retry.dlq import fetch, read_all
 from streams.retry.replay import replay, replay_dead_letter
 from streams.send import MAX_SEND_BYTES, build_send, encode, validate_request
 from streams.state.audit import AuditLog, cli_actor
 from tests.harness import THREE_ATTEMPTS_10S_POLICIES as POLICIES
-from tests.harness import count_records, email_request, sms_request, wait_until
+from tests.harness import committed_messages, count_records, email_request, sms_request, wait_until
 
 
 def _cli(env, *args):
@@ -232,3 +234,35 @@ def test_a_dead_letter_replay_interrupted_while_publishing_keeps_its_claim(
     with pytest.raises(ReplayRefused, match="left unconfirmed"):
         replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
     assert count_records(stack.bootstrap, names.lane("email", "transactional")) == 1  # the dead letter's own
+
+
+def test_a_replay_redis_could_not_record_is_named_once_its_accepted_event_is_recorded(
+        stack, names, channel_topics, send_client, redis_client, namespace, monkeypatch):
+    """Given a dead letter whose replay is published, and Redis fails just as the replay is to be recorded on it
+    (its claim stays `pending`, so it is never replayed twice),
+    When the outcome recorder records the replay's `accepted` event, and an operator asks for the replay again,
+    Then the answer is the replay's send id (`earlier`), nothing more is published (before: refused as "left
+    unconfirmed" for as long as the status lived); another tenant's event naming the send as its `replay_of`
+    never marks it."""
+    channel_topics("email")
+    store = StatusStore(redis_client, namespace)
+    exhausted = _dead_letter(send_client, store, "retries_exhausted")
+
+    def failing(*_):
+        raise StoreUnavailable("recording a replay: Redis is unavailable")
+
+    monkeypatch.setattr(StatusStore, "mark_replayed", failing)
+    first = replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
+    monkeypatch.undo()
+    assert first.send is not None and store.get(exhausted)["replayed_as"] == "pending"
+
+    events = [e for m in committed_messages(stack.bootstrap, names.outcomes) for e in events_of(orjson.loads(m.value()))]
+    [accepted] = [e for e in events if e["send_id"] == first.send_id]
+    store.record_outcome({**accepted, "send_id": "forged", "tenant_id": "other"})
+    assert store.get(exhausted)["replayed_as"] == "pending"
+    store.record_outcome(accepted)
+    assert store.get(exhausted)["replayed_as"] == first.send_id
+
+    again = replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
+    assert again.send is None and again.send_id == first.send_id
+    assert count_records(stack.bootstrap, names.lane("email", "transactional")) == 2  # the dead letter and one replay
