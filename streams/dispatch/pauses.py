@@ -36,7 +36,8 @@ class LanePauses:
         self.consumer = consumer
         self.channel = channel
         self._label = (channel, lane)
-        self.reasons: set[str] = set()
+        # A marketing lane starts without a reading: a partition assigned before its first one starts paused.
+        self.reasons: set[str] = {"no_reading"} if policy else set()
         self.paused: set[tuple[str, int]] = set()
         self.assigned: set[tuple[str, int]] = set()
         self.governor = Governor(policy) if policy else None

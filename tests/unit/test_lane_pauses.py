@@ -86,3 +86,22 @@ def test_a_silent_monitors_last_reading_is_followed_by_a_direct_one_before_it_go
     pauses.apply()
     assert direct.asked == 1 and not pauses.without_reading and consumer.paused == set()
     pauses.close()
+
+
+def test_a_marketing_worker_starts_with_its_partitions_paused_until_its_first_reading():
+    """Given a marketing worker that has just started (no lag reading followed yet),
+    When its first poll assigns it partitions (before anything has followed the lag),
+    Then they start paused (before: resumed, and that poll and the next read up to 500 sends, each tenant's excess
+    parked on a retry tier while the transactional lag might be high); a fresh reading of lag 0 resumes them."""
+    consumer = PauseRecordingConsumer()
+    pauses = LanePauses(consumer, "127.0.0.1:9", TopicNames(), "email", "marketing", YieldPolicy(stale_after_s=3.0))
+    pauses.on_assign([SimpleNamespace(topic="notif.email.marketing", partition=p) for p in range(2)])
+    assert consumer.paused == {("notif.email.marketing", 0), ("notif.email.marketing", 1)}
+    pauses._follower.close()
+    pauses._direct.close()
+    pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": int(time.time() * 1000)}])
+    pauses._direct = Direct()
+    pauses.follow_lag()
+    pauses.apply()
+    assert consumer.paused == set() and not pauses.reasons
+    pauses.close()
