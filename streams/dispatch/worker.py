@@ -116,6 +116,7 @@ class LaneWorker:
         # A poll returned messages not tracked yet: offsets stored meanwhile (a revoke served in the consume that
         # follows the poll, a shutdown after that consume raised) stop at what is tracked (`store_offsets`).
         self._untracked = False
+        self._held = False  # the last step held dispatch back (see `_idle_timeout`)
         self.running = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -153,8 +154,9 @@ class LaneWorker:
         # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
         # lost, nothing is dispatched until an operator recovers it.
         self._poll_adapters()
-        if (not (self.pauses.yielding or self.pauses.without_reading) and self.routes.primary.adapter.ready
-                and self._state_intact()):
+        self._held = (self.pauses.yielding or self.pauses.without_reading or not self.routes.primary.adapter.ready
+                      or not self._state_intact())
+        if not self._held:
             self.dispatcher.dispatch()
         self.records.writer.poll(0)
         self.settler.flush_marks()
@@ -193,12 +195,21 @@ class LaneWorker:
         stored, within about a millisecond, and a message that arrives meanwhile is taken at once
         (an earlier version waited up to 10 ms on the provider's futures alone, and a lone OTP
         arriving then waited with them). Otherwise until the next tenant (or the provider) becomes
-        ready, at most 0.2 s."""
+        ready, and Redis may be tried again after a failure, at most 0.2 s. While dispatch is held
+        (yielding, no lag reading, the provider's adapter catching up, Redis's data lost) no queue's
+        readiness counts: the wait is a step's whole 0.2 s (0.01 s for the adapter, which catches up
+        on this thread), not a busy loop for as long as the hold lasts."""
         if self.dispatcher.in_flight or self.records.writer.pending or self.settler.pending:
             return 0.001
+        if self._held:
+            return 0.2 if self.routes.primary.adapter.ready else 0.01
         now = time.monotonic()
         next_ready = self.queues.next_ready(now)
-        return 0.2 if next_ready is None else min(0.2, next_ready - now)
+        if next_ready is None:
+            return 0.2
+        if self.redis_outage.active:
+            next_ready = max(next_ready, self.redis_outage.next_try_at)
+        return min(0.2, next_ready - now)
 
     def _returned(self) -> None:
         self._untracked = True

@@ -2061,3 +2061,32 @@ def test_a_revoke_after_the_first_poll_of_a_partition_stores_nothing_past_its_fi
     consumer.revoke_next = True
     _run(worker)
     assert (TOPIC, 1) not in consumer.stored and consumer.positions[1] == 41
+
+
+class DownJobs(FakeJobs):
+    """processed_jobs whose Redis refuses every read."""
+
+    def status_many(self, groups):
+        raise StoreUnavailable("Redis down")
+
+
+@pytest.mark.parametrize("hold", ["yield", "redis_down"])
+def test_a_worker_holding_dispatch_back_waits_in_its_poll_instead_of_spinning(hold):
+    """Given a worker with 5 sends queued that holds dispatch back: a marketing lane yielding to the transactional
+    lane, or any lane whose Redis is down (between two tries of its back-off),
+    When it steps on,
+    Then each poll waits (a new message would still end the wait at once) instead of returning at once because
+    the queued sends' tenant is ready (before: a 0 s wait, some 50,000 steps a second: a core burnt for as long
+    as the hold lasted, while the transactional lane needed it), and nothing is sent."""
+    sends, msgs = _messages(["acme"] * 5)
+    worker, consumer, _, provider = _worker(msgs, lane="marketing" if hold == "yield" else "transactional",
+                                            jobs=DownJobs() if hold == "redis_down" else None)
+    if hold == "yield":
+        worker.pauses.reasons.add("yield")  # as following a high transactional lag sets it
+    waits: list[float] = []
+    poll = consumer.poll
+    consumer.poll = lambda timeout=0: (waits.append(timeout), poll(timeout))[1]
+    for _ in range(4):
+        worker.step()
+    assert worker.queues.buffered == 5 and provider.sent == []
+    assert min(waits[1:]) > 0.05, waits
