@@ -54,6 +54,10 @@ class LagMonitor:
                     if (channel, lane) not in self._failing:  # say it once, not every tick
                         log.warning("lag of %s.%s unavailable: %s", channel, lane, exc)
                         self._failing.add((channel, lane))
+                        # No reading is shown as none, not as the last one frozen (often 0): the channel's
+                        # publication timestamp goes stale, and LagMonitorStale names the channel.
+                        metrics.LANE_LAG_MESSAGES.remove(channel, lane)
+                        metrics.LANE_LAG_SECONDS.remove(channel, lane)
                     continue
                 if (channel, lane) in self._failing:
                     log.info("lag of %s.%s available again", channel, lane)
@@ -64,15 +68,16 @@ class LagMonitor:
                     value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
                              "ts": reading.ts_ms}
                     produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
-                            on_delivery=self._published)
+                            on_delivery=lambda err, msg, channel=channel: self._published(channel, err, msg))
         self.producer.poll(0)
 
-    def _published(self, err, _msg) -> None:
-        """The monitor is only as fresh as its last *acknowledged* reading: a monitor that cannot
-        read or write goes stale, and the LagMonitorStale alert says so."""
+    def _published(self, channel: str, err, _msg) -> None:
+        """The monitor is only as fresh as its last *acknowledged* reading, channel by channel: a monitor that
+        cannot read a channel's lag (its group's coordinator away, a topic it may not read) or write it goes
+        stale for that channel, and the LagMonitorStale alert names it."""
         if err is None:
             self.publish_outage.recovered(time.monotonic())
-            metrics.LAG_MONITOR_LAST_PUBLISH.set(time.time())
+            metrics.LAG_MONITOR_LAST_PUBLISH.labels(channel).set(time.time())
         else:
             self.publish_outage.failed(time.monotonic(), err)
 

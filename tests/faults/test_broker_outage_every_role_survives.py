@@ -66,12 +66,12 @@ def test_broker_outage_mid_blast_every_role_survives_nothing_lost_or_doubled(
     fault_stack.stop_kafka()
     stopped_at = time.monotonic()
     assert mock_provider.stats()["messages_delivered"] < BLAST, "the blast was over before the broker stopped"
-    wait_until(lambda: time.time() - metric(monitor_port, "dispatch_lag_monitor_last_publish_timestamp_seconds")
+    wait_until(lambda: time.time() - metric(monitor_port, "dispatch_lag_monitor_last_publish_timestamp_seconds", channel="email")
                > 10, 30, "the lag monitor to go stale while the broker is away", interval=0.5)
     time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))  # the outage lasts 40 s by definition
     fault_stack.start_kafka()
 
-    wait_until(lambda: time.time() - metric(monitor_port, "dispatch_lag_monitor_last_publish_timestamp_seconds")
+    wait_until(lambda: time.time() - metric(monitor_port, "dispatch_lag_monitor_last_publish_timestamp_seconds", channel="email")
                < 5, 60, "the lag monitor to publish again", interval=0.5)
     response = wait_until(lambda: _post(api), 60, "the API to accept a send again", interval=1.0)
     ids.append(response.json()["send_id"])

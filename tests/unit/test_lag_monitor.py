@@ -1,0 +1,73 @@
+"""The lag monitor says, channel by channel, which lag it could not read: it never shows an old reading as
+current, and its staleness names the channel."""
+
+import time
+
+from prometheus_client import REGISTRY
+
+from streams.lag.monitor import LagMonitor
+from streams.lag.yield_policy import LagReading
+from streams.names import TopicNames
+
+
+class ChannelReader:
+    """Lag readings of every lane, except those of the channels in `failing` (their group's coordinator away)."""
+
+    def __init__(self):
+        self.failing: set[str] = set()
+
+    def read(self, group, topic, source="monitor"):
+        if any(f".{c}." in topic for c in self.failing):
+            raise RuntimeError("coordinator not available")
+        return LagReading(3, 0.5, int(time.time() * 1000), source)
+
+    def close(self):
+        pass
+
+
+class AcknowledgingProducer:
+    """Every record acknowledged at the next poll."""
+
+    def __init__(self):
+        self.acks: list = []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.acks.append(on_delivery)
+
+    def poll(self, timeout=0):
+        acks, self.acks = self.acks, []
+        for ack in acks:
+            ack(None, None)
+
+    def flush(self, timeout=0):
+        self.poll()
+
+
+def _sample(name, **labels):
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def test_a_channel_whose_lag_cannot_be_read_goes_stale_alone_and_shows_no_old_reading():
+    """Given a monitor publishing email's and sms's lag,
+    When sms's lag can no longer be read (email's still can),
+    Then sms's publication timestamp stops while email's goes on (before: one timestamp for all channels, kept
+    fresh by email, so LagMonitorStale never fired for sms), and sms's lane lag gauges are gone rather than
+    frozen at their last value (which the lag alerts would have gone on reading)."""
+    monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email", "sms"))
+    monitor.reader, monitor.producer = ChannelReader(), AcknowledgingProducer()
+    monitor.tick()
+    monitor.producer.poll()
+    stamp = "dispatch_lag_monitor_last_publish_timestamp_seconds"
+    first = {c: _sample(stamp, channel=c) for c in ("email", "sms")}
+    assert None not in first.values()
+    assert _sample("dispatch_lane_lag_messages", channel="sms", lane="transactional") == 3
+
+    monitor.reader.failing.add("sms")
+    time.sleep(0.01)  # the next publication's wall-clock time differs from the first's
+    monitor.tick()
+    monitor.producer.poll()
+    assert _sample(stamp, channel="email") > first["email"]
+    assert _sample(stamp, channel="sms") == first["sms"]
+    assert _sample("dispatch_lane_lag_messages", channel="sms", lane="transactional") is None
+    assert _sample("dispatch_lane_lag_seconds", channel="sms", lane="marketing") is None
+    assert _sample("dispatch_lane_lag_messages", channel="email", lane="transactional") == 3
