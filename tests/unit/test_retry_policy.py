@@ -43,6 +43,9 @@ CASES = [
     ("429 missing header", OTP, 2, ProviderResult("throttled", 429), RetryAt, "1m", 48, 72),
     ("429 asking for more than the longest tier", MARKETING, 1, ProviderResult("throttled", 429, retry_after="50000"), RetryAt, "12h", 50000, 51840),
     ("quota 429 is parked", MARKETING, 1, ProviderResult("quota", 429, retry_after="1"), RetryAt, "1h", 3600, 4320),
+    # the quota resets in 10 h: parked until then, not asked again every hour (before: due in 1 h on the 1h tier)
+    ("quota 429 is parked as long as asked", MARKETING, 1, ProviderResult("quota", 429, retry_after="36000"), RetryAt,
+     "12h", 36000, 51840),
     ("quota 429 for an OTP is too old to park", OTP, 1, ProviderResult("quota", 429), DeadLetter, None, None, None),
     ("timeout after possible acceptance", OTP, 1, ProviderResult("unknown"), RetryAt, "10s", 8, 12),
     ("permanent 4xx", OTP, 1, ProviderResult("rejected", 422), DeadLetter, None, None, None),
