@@ -78,7 +78,8 @@ DEPENDENCY_DOWN = Gauge("dispatch_dependency_down", "1 while a role holds its wo
                         ["role", "dependency"])
 REDIS_STATE_LOST = Gauge("dispatch_redis_state_lost", "1 while Redis has lost its data and dispatch holds until "
                          "an operator recovers it (`streams state recover`)")
-RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier holds until their due time",
+RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier holds until their due time, and those it "
+                   "released that the lane has not acknowledged yet",
                    ["channel", "lane", "tier"])
 RETRY_OVERDUE = Gauge("dispatch_retry_overdue_seconds", "How long past its due time the most overdue held retry "
                       "message is (a working retrier keeps this near 0)", ["channel", "lane", "tier"])

@@ -22,6 +22,7 @@ not acknowledge is produced again until it is.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -121,6 +122,8 @@ class Retrier:
                                   f"retrier.{cfg.channel}.{cfg.lane}")
         self.tracker = OffsetTracker()
         self.heap: list[Held] = []
+        # Released to the lane, not acknowledged yet: still held as far as operators are concerned (the metrics).
+        self.released: dict[tuple[str, int, int], Held] = {}
         self.held_bytes = 0
         self.assigned: set[tuple[str, int]] = set()
         self.paused: set[Partition] = set()
@@ -198,10 +201,15 @@ class Retrier:
     def _republish(self, held: Held, now_ms: int) -> None:
         headers = {**held.headers, "retried_at_ms": str(now_ms).encode()}
         where = (held.topic, held.partition, held.offset)
+        self.released[where] = held
         self.writer.write(self.lane_topic, held.value, held.key, headers.items(),
-                          on_ack=lambda: self.tracker.finish(*where),
+                          on_ack=lambda: self._acknowledged(where),
                           on_refused=lambda err: self._dead_letter_refused(held, now_ms, where))
         metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
+
+    def _acknowledged(self, where: tuple[str, int, int]) -> None:
+        self.released.pop(where, None)
+        self.tracker.finish(*where)
 
     def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
         """The lane refused the copy for its size (the header added here took a record written straight to
@@ -209,6 +217,7 @@ class Retrier:
         never move on: the DLQ keeps a letter without the payload, naming the retry record that holds it."""
         log.error("the lane refused the retry copy at %s[%d]@%d for its size: dead-lettered without its payload",
                   *where)
+        self.released.pop(where, None)
         headers = {k: v[:1000] for k, v in held.headers.items() if k in OWN_DLQ_HEADERS}
         headers.update({"reason": b"too_large", "reason_detail": b"lane_copy_too_large",
                         "attempts": str(attempts_made(held)).encode(),
@@ -270,9 +279,11 @@ class Retrier:
         store_offsets(self.consumer, self.tracker, self.assigned, past_idle_to_position)
 
     def _metrics(self) -> None:
+        """Held and overdue, tier by tier: what waits here and what was released and the lane has not
+        acknowledged (the lane unwritable: those copies are held, and as overdue as they get)."""
         now_ms = self.clock() * 1000
         by_tier: dict[str, tuple[int, float]] = {t: (0, 0.0) for t in RETRY_TIERS}
-        for h in self.heap:
+        for h in itertools.chain(self.heap, self.released.values()):
             tier = self._tier_of.get(h.topic)
             if tier is not None:
                 count, overdue = by_tier[tier]
@@ -305,6 +316,7 @@ class Retrier:
         self.paused -= gone
         for tp in gone:
             self.tracker.forget(*tp)
+        self.released = {w: h for w, h in self.released.items() if w[:2] not in gone}  # its new owner's now
         kept = [h for h in self.heap if (h.topic, h.partition) not in gone]
         if len(kept) != len(self.heap):
             self.heap = kept

@@ -3,7 +3,10 @@ are still in its process (payload and all), so a lane topic that does not acknow
 without its replicas) cannot make it read on without bound. No broker: the consumer records pauses and the
 producer never acknowledges."""
 
+from types import SimpleNamespace
+
 from confluent_kafka import TopicPartition
+from prometheus_client import REGISTRY
 
 from streams.kafka_client import AckedWriter
 from streams.retry.retrier import Held, Retrier, RetrierConfig
@@ -21,6 +24,28 @@ class SilentProducer:
 
     def flush(self, timeout=0):
         return 1
+
+
+class AckingLaterProducer(SilentProducer):
+    """The broker acknowledges what it took only once `acknowledge()` is called."""
+
+    def __init__(self):
+        self.reports: list = []
+        self.acknowledging = False
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.reports.append(on_delivery)
+
+    def acknowledge(self):
+        self.acknowledging = True
+
+    def poll(self, timeout=0):
+        if not self.acknowledging:
+            return 0
+        reports, self.reports = self.reports, []
+        for report in reports:
+            report(None, SimpleNamespace(partition=lambda: 0, offset=lambda: 0))
+        return len(reports)
 
 
 def _retrier(now_ms: float) -> Retrier:
@@ -155,3 +180,31 @@ def test_a_revoke_served_after_the_poll_returned_a_retry_copy_stores_no_offset_p
     r.step()
     assert consumer.stored[(tier, 0)] == 6 and consumer.positions[(tier, 0)] == 7
     assert not r.heap and not r.assigned
+
+
+def test_released_copies_the_lane_has_not_acknowledged_are_shown_held_and_overdue():
+    """Given a retrier that released 3 due copies of the 10s tier to a lane that does not acknowledge them (an
+    ACL, a partition without its replicas),
+    When its metrics are read a minute later,
+    Then the tier shows 3 held, a minute overdue (before: 0 held and 0 s overdue, the dashboard saying the tiers
+    were healthy while nothing was released); once the lane acknowledges them, 0."""
+    now = [1_000_000_000_000]
+    r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1"), clock=lambda: now[0] / 1000)
+    r.consumer.close()
+    r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
+    producer = AckingLaterProducer()
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    for offset in range(3):
+        r._republish(Held(now[0], offset, tier, 0, None, b"y", {}), now[0])
+    now[0] += 60_000
+    r._metrics()
+    labels = {"channel": "email", "lane": "marketing", "tier": "10s"}
+    assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 3
+    assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 60
+    producer.acknowledge()
+    r.writer.poll(0)
+    r._metrics()
+    assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 0
+    assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 0
