@@ -86,7 +86,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         if bulk is not None:
             bulk.stop()
         if bulk_socket is not None:  # also when the API process was killed: it would leave the directory
-            remove_socket(bulk_socket)
+            remove_socket(bulk_socket, bulk_parent)
 
 
 def _fence_predecessor(publisher) -> None:

@@ -85,10 +85,16 @@ def die_with_parent(parent_pid: int) -> None:
         raise SystemExit("the ingest API process that started this bulk process has exited")
 
 
-def remove_socket(socket_path: str) -> None:
-    """The bulk process, on its way out: its socket, and the directory BulkProcess made for it."""
+def remove_socket(socket_path: str, parent_pid: int | None = None) -> None:
+    """The bulk process, on its way out: its socket, and, once the API process that made the socket's directory
+    is gone (killed: it would leave it behind), that directory. While the API process lives the directory stays
+    (it removes it when it stops): it is in /tmp under a name `ps` shows, and made again between two bulk
+    processes, another local user could make it first and put a socket of theirs there, which the API would
+    then hand every batch to, with its tenant's key."""
     path = Path(socket_path)
     path.unlink(missing_ok=True)
+    if parent_pid is not None and os.getppid() == parent_pid:
+        return
     if path.parent.name.startswith(BULK_DIR_PREFIX):  # that directory, never one given by hand
         try:
             path.parent.rmdir()
@@ -148,8 +154,7 @@ class BulkProcess:
     def _supervise(self) -> None:
         outage = Outage("the bulk ingest process", base_s=0.5, cap_s=30.0)
         while not self._stopping.is_set():
-            self._dir.mkdir(mode=0o700, exist_ok=True)  # the previous one removes it on its way out
-            Path(self.socket_path).unlink(missing_ok=True)
+            Path(self.socket_path).unlink(missing_ok=True)  # the directory stays ours (`remove_socket`)
             # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
             self._process = start_in_own_session(self.argv, self.nice)
             started = time.monotonic()

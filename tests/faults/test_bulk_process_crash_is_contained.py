@@ -4,6 +4,7 @@ does not hold back the lanes' read-committed consumers until the broker times it
 
 import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -219,3 +220,39 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     replayed = api.post("/v1/sends/batch", json=batch, headers={"Idempotency-Key": "hung-1"})
     assert replayed.headers.get("idempotent-replayed") == "true" and replayed.json() == retried.json()
 
+
+
+def test_the_bulk_process_leaves_its_socket_directory_to_the_live_api_process(
+        fault_runtime, fault_topics, fault_processes):
+    """Given the ingest API with its bulk process, whose socket lives in a directory of /tmp that only its user may
+    enter (named in `ps`),
+    When the bulk process exits on its own (SIGTERM: its own clean-up runs) while the API process lives (frozen, so
+    that nothing re-creates anything meanwhile),
+    Then the directory is still there, ours and 0700 (before: removed, and made again by the API process with
+    `exist_ok` a moment later: another local user who made it first would have had the API hand every batch, with
+    its tenant's key, to a socket of theirs); the API starts a new bulk process in it, which serves batches."""
+    fault_topics("email")
+    api_key = fault_runtime.api_keys().create("tenant", "shop")
+    port = free_port()
+    api_process = fault_processes.start("api", "api", "--port", str(port))
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+    wait_until(lambda: answers(api), 30, "the ingest API")
+    first = bulk_process_of(api_process.pid)
+    assert first is not None, "the API started no bulk process"
+    socket_dir = socket_dir_of(first)
+
+    os.kill(api_process.pid, signal.SIGSTOP)
+    try:
+        os.kill(first, signal.SIGTERM)
+        wait_until(lambda: not alive(first), 30, "the bulk process to exit")
+        assert socket_dir.is_dir(), "the bulk process removed its socket's directory while the API process lived"
+        st = socket_dir.lstat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode), stat.S_ISDIR(st.st_mode)) == (os.getuid(), 0o700, True)
+    finally:
+        os.kill(api_process.pid, signal.SIGCONT)
+    wait_until(lambda: (bulk_process_of(api_process.pid) or first) != first, 60, "a new bulk process")
+    batch = {"sends": [email_request("marketing") for _ in range(5)]}
+    answer = wait_until(lambda: (r := api.post("/v1/sends/batch", json=batch)).status_code == 202 and r, 60,
+                        "a batch served by the new bulk process")
+    assert answer.json()["accepted"] == 5
+    assert socket_dir_of(bulk_process_of(api_process.pid)) == socket_dir
