@@ -51,11 +51,11 @@ class StatusStore:
         self.keys = RedisKeys(namespace)
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
         # A send's replay mark, only while it has a status of the replay's tenant (one step: its status may expire
-        # in between), where it has none or only a replay's claim ("pending": the replay that claimed it is
-        # published, and the call that published it could not record that).
+        # in between), where it has only a replay's claim ("pending": the replay that claimed it is published, and
+        # the call that published it could not record that) or, unless ARGV[3] is "1", none.
         self._mark_replayed_if_known = client.register_script(
             "local s = redis.call('HMGET', KEYS[1], 'tenant_id', 'replayed_as') "
-            "if s[1] ~= ARGV[2] or (s[2] and s[2] ~= 'pending') then return 0 end "
+            "if s[1] ~= ARGV[2] or (s[2] and s[2] ~= 'pending') or (not s[2] and ARGV[3] == '1') then return 0 end "
             "redis.call('HSET', KEYS[1], 'replayed_as', ARGV[1]) return 1")
 
     def accepted(self, sends: list) -> None:
@@ -140,12 +140,13 @@ class StatusStore:
             pipe.execute()
 
     def _note_replay(self, pipe, event: dict) -> None:
-        """A replay's event marks its original replayed (as `state recover` does): a replay's claim left "pending"
-        because its call could not record the replay (Redis failed right after the publish) then names it, and
-        the dead letter's next replay answers with it instead of being refused as unconfirmed."""
+        """A replay's event names it on its original's replay claim left "pending" because the call that published
+        it could not record it (Redis failed right after the publish): the dead letter's next replay then answers
+        with it instead of being refused as unconfirmed. An original nobody claimed (a deliberate `sends replay`)
+        stays unmarked."""
         if event.get("replay_of"):
             self._mark_replayed_if_known(keys=[self.keys.send_status(event["replay_of"])],
-                                         args=[event["send_id"], event["tenant_id"]], client=pipe)
+                                         args=[event["send_id"], event["tenant_id"], "1"], client=pipe)
 
     def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None,
                             skip: int = 0) -> list[str]:
@@ -184,8 +185,8 @@ class StatusStore:
             for i in range(0, len(ids), chunk):
                 pipe = self.client.pipeline(transaction=False)
                 for send_id in ids[i:i + chunk]:
-                    self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)], args=list(replays[send_id]),
-                                                 client=pipe)
+                    self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)],
+                                                 args=[*replays[send_id], "0"], client=pipe)
                 marked += sum(pipe.execute())
         return marked
 
