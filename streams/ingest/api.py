@@ -35,6 +35,7 @@ from .. import metrics
 from ..errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, SendTooLarge, StoreUnavailable
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
+from ..providers.outcome import redact
 from ..send import (
     MAX_BATCH,
     MAX_SEND_BYTES,
@@ -266,6 +267,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in flatten_errors(exc.errors())]
         status = 400 if any(e["msg"].startswith("JSON decode error") for e in errors) else 422
+        content_type = request.headers.get("content-type", "")
+        kind, _, subtype = content_type.split(";")[0].strip().lower().partition("/")
+        read_as_json = kind == "application" and (subtype == "json" or subtype.endswith("+json"))  # as FastAPI
+        if any(e["loc"][:1] == ["body"] for e in errors) and not read_as_json:  # the body was never read as JSON
+            errors = [{"loc": ["header", "content-type"],
+                       "msg": f"the body is read as JSON only when sent with Content-Type: application/json (got "
+                              f"{content_type[:60]!r})"}]
         if status == 400 and (denied := await unauthenticated(request)) is not None:
             return denied
         metrics.INGEST_REJECTED.labels(str(status)).inc()
@@ -408,14 +416,18 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         origins = ([i for i, (_, group, _) in enumerate(expanded) for _ in group]
                    + [i for i, (_, _, group) in enumerate(expanded) for _ in group])
         try:
-            client.records(sends)
+            # The skipped deliveries too: kept on their topic, each is replayed later as a send of its own.
+            client.records(sends + [s for s, _ in skipped])
         except SendTooLarge as exc:
             i = origins[exc.index]
             raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
                           f"{exc.size} bytes; a send may be at most {exc.limit} bytes") from None
         except orjson.JSONEncodeError as exc:
             found = [(i, where_) for i, r in enumerate(requests) if (where_ := uncarried(r.payload))]
-            errors = [{"loc": [*where(i), "payload", *path], "msg": msg} for i, (path, msg) in found]
+            # A payload's keys may be addresses or numbers (a map by recipient): named redacted, as every
+            # validation error names them.
+            errors = [{"loc": [*where(i), "payload", *(redact(k, 100) if isinstance(k, str) else k for k in path)],
+                       "msg": msg} for i, (path, msg) in found]
             raise HTTPException(422, {"error": "invalid_request",
                                       "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
         digest = sends_digest([s.send_id for s in sends]) if claim.holder else ""
@@ -446,7 +458,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
         accepted, sends, skipped, origins, charged = await run_in_threadpool(prepare, tenant_id, requests, batch,
                                                                              key, claim)
-        records = client.records(sends) + skipped_records(client.names, skipped)
+        records = client.records(sends) + skipped_records(client.names, skipped)  # each checked by `prepare`
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
             # A tenant's batches queue for their turn before taking one of the process's in-flight
@@ -603,7 +615,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         return await idempotent(tenant_id, key, "POST /v1/sends/batch", await canonical(request), 202, run)
 
     if webhooks is not None:
-        app.include_router(webhook_routes(webhooks, store, client, auth.tenant_dependency()))
+        app.include_router(webhook_routes(webhooks, store, client, auth.tenant_dependency(), ingest.quotas))
 
     @app.get("/v1/sends/{send_id}", response_model=SendStatus, responses=documented(401, 403, 404, 503))
     def get_send(send_id: str, tenant_id: Tenant) -> dict:

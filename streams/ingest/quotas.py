@@ -54,19 +54,21 @@ class IngestQuotas:
         self.gate = gate
 
     @staticmethod
-    def _checks(tenant: str, sends: list[Send]) -> list[tuple[str, str, int, bool]]:
+    def _checks(tenant: str, sends: list[Send], request: bool = True) -> list[tuple[str, str, int, bool]]:
         per_lane = Counter(s.lane for s in sends)
-        return [(REQUESTS, tenant, 1, False)] + [(lane_quota(lane), tenant, n, False) for lane, n in per_lane.items()]
+        return ([(REQUESTS, tenant, 1, False)] if request else []) + [
+            (lane_quota(lane), tenant, n, False) for lane, n in per_lane.items()]
 
-    def give_back_request(self, tenant: str, sends: list[Send]) -> None:
+    def give_back_request(self, tenant: str, sends: list[Send], request: bool = True) -> None:
         """An admitted request that then published nothing (the broker refused it): charged nothing."""
-        self.give_back([(quota, tenant, cost) for quota, _, cost, _ in self._checks(tenant, sends)])
+        self.give_back([(quota, tenant, cost) for quota, _, cost, _ in self._checks(tenant, sends, request)])
 
-    def admit(self, tenant: str, sends: list[Send]) -> OverQuota | BeyondBurst | None:
+    def admit(self, tenant: str, sends: list[Send], request: bool = True) -> OverQuota | BeyondBurst | None:
         """None: within every quota that is set (the buckets are debited). A request refused by one quota is
         charged by none: what the others took is given back (a tenant retrying a batch over its marketing quota
-        must not use up its transactional one)."""
-        checks = self._checks(tenant, sends)
+        must not use up its transactional one). Without `request`, only the sends' lanes are charged (the sends
+        a bulk replay publishes one by one, its request charged once)."""
+        checks = self._checks(tenant, sends, request)
         taken: list[tuple[str, str, int]] = []
         refusal: OverQuota | BeyondBurst | GateError | None = None
         for (quota, _, cost, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):

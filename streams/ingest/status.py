@@ -149,13 +149,14 @@ class StatusStore:
                                          args=[event["send_id"], event["tenant_id"], "1"], client=pipe)
 
     def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None,
-                            skip: int = 0) -> list[str]:
-        """An endpoint's delivery ids, newest first (the first `skip` left out)."""
+                            upto_ms: int | None = None) -> list[tuple[str, int]]:
+        """An endpoint's delivery ids with when each was created, newest first: created before `before_ms`, or at
+        `upto_ms` or before (a caller reading on from the last one it read, skipping those it has)."""
+        top = f"({before_ms}" if before_ms is not None else "+inf" if upto_ms is None else upto_ms
         with store_errors("listing an endpoint's deliveries"):
-            ids = self.client.zrevrangebyscore(self.keys.endpoint_deliveries(endpoint_id),
-                                               "+inf" if before_ms is None else f"({before_ms}", "-inf",
-                                               start=skip, num=limit)
-        return [i.decode() for i in ids]
+            found = self.client.zrevrangebyscore(self.keys.endpoint_deliveries(endpoint_id), top, "-inf",
+                                                 start=0, num=limit, withscores=True)
+        return [(i.decode(), int(score)) for i, score in found]
 
     def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int,
                                     limit: int) -> list[tuple[str, int]]:

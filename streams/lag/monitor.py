@@ -41,6 +41,9 @@ class LagMonitor:
         self._failing: set[tuple[str, str]] = set()
         self.publish_outage = Outage("Kafka (notif.lag writes)")
         self.retry_watch = RetryTierWatch(bootstrap, self.names, tuple(channels), every_s=retry_watch_every_s)
+        started = time.time()
+        for channel in channels:  # a channel it never manages to publish goes stale from its start, not never
+            metrics.LAG_MONITOR_LAST_PUBLISH.labels(channel).set(started)
 
     def stop(self, *_: object) -> None:
         self.running = False

@@ -184,10 +184,19 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
     return found
 
 
+# The headers dispatch writes itself, ids, names, counts and times: shown as written (redacted, an offset or a
+# time in ms reads as a phone number).
+STRUCTURED_HEADERS = frozenset({
+    "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "attempts", "attempt", "origin_topic",
+    "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "providers_tried", "provider",
+    "payload_omitted", "due_at_ms", "retried_at_ms", "retry_reason", "tier", "spilled"})
+
+
 def redacted_headers(record: DeadLetterRecord) -> dict[str, str]:
-    """A dead letter's headers as operators are shown them: each value redacted (an error excerpt, or a header
-    the producer set on its record, may quote a recipient or a credential), every name kept."""
-    return {k: redact(v, 300) for k, v in record.headers.items()}
+    """A dead letter's headers as operators are shown them, every name kept: dispatch's own structured ones as
+    written, the rest redacted (an error excerpt, or a header the producer set on its record, may quote a
+    recipient or a credential)."""
+    return {k: v if k in STRUCTURED_HEADERS else redact(v, 300) for k, v in record.headers.items()}
 
 
 def describe(record: DeadLetterRecord) -> str:

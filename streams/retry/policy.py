@@ -31,6 +31,7 @@ from ..providers.outcome import ProviderResult
 
 JITTER = 0.2  # each delay is drawn from [0.8, 1.2] x the tier's delay
 PARK_AT_LEAST_S = 3600  # quota 429s wait at least an hour
+QUOTA_SPREAD, QUOTA_SPREAD_MAX_S = 0.05, 300.0  # quota-parked sends come back over 5% of the wait, 5 min at most
 DEFAULT_COOL_DOWN_S = 1.0  # a 429 without a usable Retry-After still holds the provider off this long
 # The longest wait a Retry-After is taken for: asked for longer, the provider is tried again after a day.
 MAX_RETRY_AFTER_S = 24 * 3600.0
@@ -276,7 +277,13 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     # provider asked, at least the shortest tier.
     scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))
     tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
-    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
+    if outcome == "quota":
+        # Due when the quota resets (the tier is only the topic that holds it: the retrier releases by the due
+        # time), spread over a little after it, or at the schedule's next tier when that is later.
+        delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
+        at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S)
+    else:
+        delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms - created_ms > policy.max_age_s * 1000:
         return DeadLetter("unknown_outcome" if may_be_delivered else "quota_exceeded" if outcome == "quota"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -89,10 +90,12 @@ def _check(status: dict | None, send_id: str, tenant: str | None, statuses: froz
 
 def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
            tenant: str | None = None, now_ms: int | None = None, statuses: frozenset[str] = REPLAYABLE,
-           outcome_checked: bool = False) -> Send:
+           outcome_checked: bool = False, admit: Callable[[Send], Callable[[], None]] | None = None) -> Send:
     """Publish a new send with the payload of `send_id` (one of `statuses`); returns it. `tenant`, when
     given, must own the send (a tenant never sees another tenant's sends). A send dead-lettered
-    `unknown_outcome` is refused unless `outcome_checked` (the caller checked the provider does not hold it)."""
+    `unknown_outcome` is refused unless `outcome_checked` (the caller checked the provider does not hold it).
+    `admit(new)`, when given, runs just before the publish (a tenant's ingest quotas: it raises to refuse the
+    replay, nothing published) and returns what gives its charge back should the broker refuse it."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
     if now_ms - _started(status) > PAYLOAD_MS:
@@ -104,15 +107,20 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
         raise ReplayRefused(f"send {send_id} cannot be replayed: its event is not a valid send "
                             f"({exc.reason}: {exc.detail})") from None
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
+    give_back = admit(new) if admit is not None else None
     try:
         client.publish_sends([new])
     except (RecordTooLarge, SendTooLarge) as exc:  # for good: too large for the topic, or grown by replay_of
+        if give_back is not None:
+            give_back()
         raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
                                    f"look it up (`streams sends show {new.send_id}`) before replaying again",
                                    new.send_id) from None
     except PublishError as exc:
+        if give_back is not None:  # nothing published: nothing charged
+            give_back()
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
     except (Exception, KeyboardInterrupt) as exc:  # an operator's Ctrl-C, or anything else, while the broker
         # may be writing it: as unconfirmed (a caller freeing its replay claim now could replay it twice)

@@ -34,7 +34,7 @@ import redis
 from confluent_kafka import Consumer, Message, TopicPartition
 
 from ..dispatch.idempotency import DELIVERED_TTL_S, ProcessedJobs
-from ..errors import StackError
+from ..errors import StackError, StoreUnavailable
 from ..ingest.status import StatusStore, UnusableOutcome, skip_outcome
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
@@ -169,17 +169,22 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
     run = uuid.uuid4().hex
     markers = [keys.recovering(run)] + (keys.recovering_markers(run) if is_cluster(client) else [])
     _write_markers(client, markers)
-    _read_all(bootstrap, names.outcomes, apply)
-    result.replay_marks = store.restore_replays(replays)
-    with store_errors("reading the recovery's markers"):
-        lost = len(markers) - int(client.exists(*markers))
-    if lost:
-        raise StackError(f"Redis lost its data again while recovery ran ({lost} of its {len(markers)} markers are "
-                         "gone): dispatch still holds; make Redis keep its data, then run `streams state recover` "
-                         "again")
-    write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
-    with store_errors("removing the recovery's markers"):
-        client.delete(*markers)
+    try:
+        _read_all(bootstrap, names.outcomes, apply)
+        result.replay_marks = store.restore_replays(replays)
+        with store_errors("reading the recovery's markers"):
+            lost = len(markers) - int(client.exists(*markers))
+        if lost:
+            raise StackError(f"Redis lost its data again while recovery ran ({lost} of its {len(markers)} markers "
+                             "are gone): dispatch still holds; make Redis keep its data, then run `streams state "
+                             "recover` again")
+        write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
+    finally:  # each run's own: a run that failed leaves none behind either (best effort: Redis may be why)
+        try:
+            with store_errors("removing the recovery's markers"):
+                client.delete(*markers)
+        except StoreUnavailable as exc:
+            log.warning("the recovery's markers were not removed (they expire in 7 days): %s", exc)
     return result
 
 

@@ -34,6 +34,7 @@ from ..errors import (
     ReplayRefused,
     StoreUnavailable,
 )
+from ..ingest.quotas import BeyondBurst, IngestQuotas, OverQuota
 from ..ingest.sdk import SendClient
 from ..ingest.status import StatusStore
 from ..ingest.web import ReplayedDelivery, documented, problem
@@ -45,7 +46,7 @@ from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
 MAX_BULK_REPLAY = 1000
-MAX_DELIVERIES_READ_FOR_A_PAGE = 10  # pages' worth of an endpoint's index read to fill one page of the tenant's own
+MAX_DELIVERIES_READ_FOR_A_PAGE = 3  # reads of an endpoint's index to fill one page of the tenant's own
 MAX_BULK_CONSIDERED = 10_000  # deliveries one bulk replay call looks at (each is a status read); the next call goes on
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
@@ -171,11 +172,42 @@ def _invalid(exc: Exception) -> HTTPException:
     return problem(422, "invalid_request", ["body"], str(exc))
 
 
+class ReplayOverQuota(Exception):
+    """A replay the tenant's ingest quotas refuse: nothing of it is published."""
+
+    def __init__(self, verdict: OverQuota | BeyondBurst):
+        self.retry_after_s = verdict.retry_after_s if isinstance(verdict, OverQuota) else 60.0
+        if isinstance(verdict, OverQuota):
+            whose = "the platform-wide limit of the" if verdict.shared else "over the"
+            message = f"{whose} {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s"
+        else:
+            message = verdict.message
+        super().__init__(message)
+
+    def answer(self, msg: str, **detail: Any) -> HTTPException:
+        return HTTPException(429, {"error": "quota_exceeded", "errors": [{"loc": ["header", "authorization"],
+                                                                          "msg": msg}], **detail},
+                             headers={"Retry-After": str(max(1, round(self.retry_after_s + 0.5)))})
+
+
 def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClient,
-                   tenant: Callable[..., str]) -> APIRouter:
+                   tenant: Callable[..., str], quotas: IngestQuotas | None = None) -> APIRouter:
     router = APIRouter(tags=["webhooks"])
     Tenant = Annotated[str, Depends(tenant)]  # noqa: N806 - a type alias
     endpoints = webhooks.endpoints
+
+    def charged(tenant_id: str, request: bool) -> Callable[[Send], Callable[[], None]] | None:
+        """A replay publishes a send as `POST /v1/sends` does, so the tenant's ingest quotas charge it (each
+        delivery a bulk replay publishes charges its lane; its request is charged once, up front)."""
+        if quotas is None:
+            return None
+
+        def admit(send: Send) -> Callable[[], None]:
+            verdict = quotas.admit(tenant_id, [send], request)
+            if verdict is not None:
+                raise ReplayOverQuota(verdict)
+            return lambda: quotas.give_back_request(tenant_id, [send], request)
+        return admit
 
     def shown(ep: Endpoint) -> dict:
         return webhooks.current(ep).public()
@@ -275,17 +307,27 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
     def _own_deliveries(endpoint_id: str, tenant_id: str, limit: int, before_ms: int | None) -> list[dict]:
         """Only the tenant's own: an event of another tenant naming this endpoint (written past ingest) is filed
-        under it too. Read on past those, so that they do not shorten the page (a short page reads as the end)."""
+        under it too. Read on past those, so that they do not shorten the page (a short page reads as the end);
+        a few reads at most. Each read goes on from the time of the last delivery read (by position, deliveries
+        added meanwhile would shift what comes next), skipping those of that time already read."""
         own: list[dict] = []
-        for skip in range(0, MAX_DELIVERIES_READ_FOR_A_PAGE * limit, limit):
-            ids = store.endpoint_deliveries(endpoint_id, limit, before_ms, skip)
-            own += [_delivery(d, doc) for d in ids if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
-            if len(own) >= limit or len(ids) < limit:
+        upto: int | None = None
+        read_at_upto: set[str] = set()
+        for _ in range(MAX_DELIVERIES_READ_FOR_A_PAGE):
+            wanted = max(limit, 100) + len(read_at_upto)
+            found = (store.endpoint_deliveries(endpoint_id, wanted, before_ms) if upto is None
+                     else store.endpoint_deliveries(endpoint_id, wanted, upto_ms=upto))
+            fresh = [(d, at) for d, at in found if not (at == upto and d in read_at_upto)]
+            own += [_delivery(d, doc) for d, _ in fresh if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
+            if len(own) >= limit or len(found) < wanted or not fresh:  # a page, the end, or only ties read
                 break
+            last = fresh[-1][1]
+            read_at_upto = {d for d, at in fresh if at == last} | (read_at_upto if last == upto else set())
+            upto = last
         return own[:limit]
 
     @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
-                 responses=documented(401, 403, 404, 422, 503))
+                 responses=documented(401, 403, 404, 422, 429, 503))
     def replay_endpoint(endpoint_id: str, body: BulkReplay, tenant_id: Tenant) -> dict:
         """Replay the endpoint's deliveries with one of `statuses` created in [since_ms, until_ms):
         at most `limit`, each at most once however often this is called (a receiver fixed its bug
@@ -293,16 +335,22 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         if endpoints.get(tenant_id, endpoint_id) is None:
             raise _not_found("endpoint")
         until = body.until_ms or int(time.time() * 1000)
+        if quotas is not None and (verdict := quotas.admit(tenant_id, [])) is not None:  # the request itself
+            over = ReplayOverQuota(verdict)
+            raise over.answer(f"{over}; nothing was replayed by this call", replayed=[])
         listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
         candidates = [d for d, _ in listed[:MAX_BULK_CONSIDERED]]
+        admit = charged(tenant_id, request=False)
 
         def replay_it(delivery_id: str) -> Send:
-            return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id)
+            return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id, admit=admit)
 
         try:
             answer = replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it)
             return {**answer, "next_since_ms": next_since(listed, answer["considered"])}
         except BulkReplayStopped as stop:
+            if quotas is not None and not stop.replayed:  # a call that published nothing is charged nothing
+                quotas.give_back_request(tenant_id, [])
             raise _stopped(stop) from None
 
     @router.get("/v1/deliveries/{delivery_id}", response_model=DeliveryView, responses=documented(401, 403, 404, 503))
@@ -313,7 +361,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         return _delivery(delivery_id, doc)
 
     @router.post("/v1/deliveries/{delivery_id}/replay", status_code=202, response_model=ReplayedDelivery,
-                 responses=documented(401, 403, 404, 409, 410, 422, 503))
+                 responses=documented(401, 403, 404, 409, 410, 422, 429, 503))
     def replay_delivery(delivery_id: str, tenant_id: Tenant, outcome_checked: bool = False) -> dict:
         """A new delivery with a new webhook-id. 409 for one dead-lettered `unknown_outcome` unless
         `outcome_checked=true`: the receiver may have it already."""
@@ -322,7 +370,9 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("delivery")
         try:
             new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id,
-                         outcome_checked=outcome_checked)
+                         outcome_checked=outcome_checked, admit=charged(tenant_id, request=True))
+        except ReplayOverQuota as over:
+            raise over.answer(f"{over}; nothing was replayed") from None
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
@@ -392,6 +442,11 @@ def _stopped(stop: BulkReplayStopped) -> HTTPException:
     cause, at = stop.cause, f"delivery {stop.delivery_id}" if stop.delivery_id else "the next delivery"
     done = (f"the {len(stop.replayed)} deliveries in `replayed` were replayed by this call" if stop.replayed
             else "nothing else was replayed by this call")
+    kept = (f"; {at} stays marked as being replayed, so bulk replays skip it: replay it with "
+            f"POST /v1/deliveries/{stop.delivery_id}/replay"
+            if stop.delivery_id and CLAIM_KEPT in getattr(cause, "__notes__", ()) else "")
+    if isinstance(cause, ReplayOverQuota):  # refused before its publish: call again once it allows, for the rest
+        return cause.answer(f"{cause} at {at}; {done}{kept}", replayed=stop.replayed)
     status, error = 503, "unavailable"
     if isinstance(cause, ReplayOutcomeUnknown):
         msg = (f"the message broker did not confirm the replay of {at}: it may have been published as delivery "
@@ -403,9 +458,7 @@ def _stopped(stop: BulkReplayStopped) -> HTTPException:
     else:
         status, error = 500, "internal_error"
         msg = f"replaying {at} failed unexpectedly (logged); {done}"
-    if stop.delivery_id and CLAIM_KEPT in getattr(cause, "__notes__", ()):
-        msg += (f"; {at} stays marked as being replayed, so bulk replays skip it: replay it with "
-                f"POST /v1/deliveries/{stop.delivery_id}/replay")
+    msg += kept
     detail: dict[str, Any] = {"error": error, "errors": [{"loc": [], "msg": msg}], "replayed": stop.replayed}
     if isinstance(cause, PublishOutcomeUnknown):
         detail["outcome"] = "unknown"

@@ -1,6 +1,7 @@
 """The HTTP ingest API: tenant-authenticated, validated whole, and blind to other tenants."""
 
 import httpx
+import orjson
 import pytest
 
 from streams.ingest.api_keys import ApiKeys
@@ -72,9 +73,10 @@ def test_invalid_batch_is_rejected_whole_with_field_errors(api, stack, names):
 
 def test_authentication_size_and_syntax_errors(api):
     """Given the ingest API,
-    When sends are posted without a key, with a forged key, with a 6 MiB body, with malformed JSON, and with an unknown
-    "policy" field,
-    Then they get 401, 401, 413 (saying what the size is limited to), 400, and 422 pointing at the policy field."""
+    When sends are posted without a key, with a forged key, with a 6 MiB body, with malformed JSON, with an unknown
+    "policy" field, and as JSON without its content type,
+    Then they get 401, 401, 413 (saying what the size is limited to), 400, 422 pointing at the policy field, and 422
+    naming the content type."""
     assert api.post("/v1/sends", json=email_request()).status_code == 401
     assert api.post("/v1/sends", json=email_request(),
                     headers={"Authorization": "Bearer dr_ten_forged"}).status_code == 401
@@ -85,6 +87,17 @@ def test_authentication_size_and_syntax_errors(api):
     assert r.status_code == 400
     r = api.post("/v1/sends", json={**email_request(), "policy": "vip"}, headers=api.tenant_a)
     assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "policy"]
+    # a good send posted as `curl -d` posts it: the answer names the content type (before: "Input should be a
+    # valid dictionary or object to extract fields from", at ["body"])
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {**api.tenant_a, **({"Content-Type": content_type} if content_type else {})}
+        r = api.post("/v1/sends", content=orjson.dumps(email_request()), headers=headers)
+        [error] = r.json()["errors"]
+        assert r.status_code == 422 and error["loc"] == ["header", "content-type"], r.text
+        assert "Content-Type: application/json" in error["msg"]
+    r = api.post("/v1/sends", content=orjson.dumps({**email_request(), "policy": "vip"}),  # a JSON subtype: read
+                 headers={**api.tenant_a, "Content-Type": "application/vnd.api+json"})
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "policy"], r.text
 
 
 def test_limits_are_for_operators_only(api):

@@ -7,7 +7,9 @@ import threading
 import time
 from types import SimpleNamespace
 
+import orjson
 import pytest
+from confluent_kafka import Producer
 
 from streams.errors import (
     BrokerUnavailable,
@@ -18,6 +20,7 @@ from streams.errors import (
     ReplayRefused,
 )
 from streams.ingest.status import StatusStore
+from streams.kafka_client import put_acked
 from streams.lanes import RETRY_TIERS
 from streams.names import RedisKeys
 from streams.retry.replay import replay
@@ -102,6 +105,36 @@ def test_an_oversized_event_in_a_batch_is_named_by_its_place_in_the_batch(hooks,
     assert r.status_code == 413, r.text
     [error] = r.json()["errors"]
     assert error["loc"] == ["body", "sends", 1] and error["msg"].startswith("send 1 is "), error
+
+
+def test_an_event_all_of_whose_deliveries_are_skipped_is_checked_like_any_other(
+        hooks, mock_endpoint, stack, names, redis_client, namespace):
+    """Given tenant a's only endpoint for invoice.paid degraded (its deliveries are skipped at ingest, kept on the
+    skipped topic to be replayed later),
+    When a posts an event holding an integer no event can carry, and one over the send limit (with the same
+    Idempotency-Key, retried),
+    Then the first is refused 422 naming where the integer is (before: 500 "outcome unknown", and every retry under
+    its key 500 again; a key that is an address is named redacted), the second 413 (before: 202 for a delivery whose replay is refused for good); a good event is
+    accepted, its delivery skipped."""
+    ep = _register(hooks, mock_endpoint, "resting")
+    # as the endpoint-health app publishes it after 10 failures in a row
+    put_acked(Producer({"bootstrap.servers": stack.bootstrap}), names.endpoint_state, ep["id"].encode(),
+              orjson.dumps({"state": "degraded", "reason": "10 consecutive failures", "since_ms": 1}), 10, "health")
+    wait_until(lambda: hooks.get(f"/v1/endpoints/{ep['id']}", headers=hooks.keys["a"]).json()["state"] == "degraded",
+               30, "the API's endpoint view to read the endpoint's health")
+    for _ in range(2):
+        r = hooks.post("/v1/sends", json=event(amount=2**70), headers={**hooks.keys["a"], "Idempotency-Key": "k-1"})
+        assert r.status_code == 422, r.text
+        assert r.json()["errors"][0]["loc"] == ["body", "payload", "data", "amount"]
+    # a payload keyed by recipient: the key is named redacted, as every validation error names an address
+    r = hooks.post("/v1/sends", json=event(**{"jane@example.test": 2**70}), headers=hooks.keys["a"])
+    assert r.status_code == 422 and "jane" not in r.text, r.text
+    assert r.json()["errors"][0]["loc"] == ["body", "payload", "data", "***@***"]
+    r = hooks.post("/v1/sends", json=event(blob="x" * (MAX_SEND_BYTES + 1024)), headers=hooks.keys["a"])
+    assert r.status_code == 413, r.text
+    r = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"])
+    assert r.status_code == 202, r.text
+    assert [d.get("skipped") for d in r.json()["deliveries"]] == ["endpoint_degraded"], r.json()
 
 
 def test_a_failing_endpoint_gets_exactly_nine_attempts_on_the_schedule_then_the_delivery_is_dropped(
@@ -267,6 +300,37 @@ def test_replay_is_a_new_delivery_and_refused_after_the_payload_expired(hooks, m
 
     with pytest.raises(ReplayRefused, match="has expired: payloads are kept 7 days"):
         replay(stack.bootstrap, names, hooks.store, None, ids[1], now_ms=int(time.time() * 1000) + 8 * 86_400_000)
+
+
+def test_replays_are_charged_to_the_tenants_ingest_quotas(hooks, mock_endpoint, limits):
+    """Given tenant a's 3 delivered events, and then a's transactional ingest quota set to a burst of 2 (refilling
+    one a day),
+    When a replays the endpoint's delivered deliveries in bulk (up to 10), and then the third one alone,
+    Then the bulk replay publishes 2 and stops with 429 and Retry-After, naming the 2 it replayed; the single replay
+    is refused 429 too, nothing published (before: every replay published, the quota never charged); once the quota
+    allows, a bulk replay goes on with the third (its claim was freed) and only it."""
+    ep = _register(hooks, mock_endpoint, "replayed")
+    ids = [hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+           for _ in range(3)]
+    for i in ids:
+        assert _final(hooks, i)["status"] == "delivered"
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "tenant-a", 1 / 86_400, 2)
+    now_ms = int(time.time() * 1000)  # the replays are created later: never candidates themselves
+    bulk = {"since_ms": now_ms - 600_000, "until_ms": now_ms + 1, "statuses": ["delivered"], "limit": 10}
+
+    r = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json=bulk, headers=hooks.keys["a"])
+    assert r.status_code == 429 and int(r.headers["retry-after"]) > 0, r.text
+    assert [x["replay_of"] for x in r.json()["replayed"]] == ids[:2]
+    assert "ingest-transactional quota" in r.json()["errors"][0]["msg"]
+    r = hooks.post(f"/v1/deliveries/{ids[2]}/replay", headers=hooks.keys["a"])
+    assert r.status_code == 429 and "nothing was replayed" in r.text, r.text
+
+    limits.set_tenant("ingest-transactional", "tenant-a", 1000, 10)
+    r = wait_until(lambda: (a := hooks.post(f"/v1/endpoints/{ep['id']}/replay", json=bulk,
+                                            headers=hooks.keys["a"])).status_code == 202 and a, 30,
+                   "the quota to allow the replay")
+    assert [x["replay_of"] for x in r.json()["replayed"]] == [ids[2]] and r.json()["already_replayed"] == 2
 
 
 def test_endpoints_and_deliveries_are_private_to_their_tenant(hooks, mock_endpoint):

@@ -8,14 +8,19 @@ def test_a_dead_letters_headers_are_shown_to_operators_redacted():
     """Given a dead letter whose last error quotes the recipient and whose producer set a header holding a phone
     number and a bearer token (headers travel with the record into the DLQ),
     When an operator looks at it through the admin API or the CLI,
-    Then every header is listed, its identifying values replaced (before: the API showed them as written)."""
-    record = DeadLetterRecord(0, 7, "s-1", b'{"to": "ana@example.com"}', {
-        "send_id": "s-1", "reason": "permanent_error", "attempts": "3",
+    Then every header is listed, its identifying values replaced (before: the API showed them as written), and
+    dispatch's own ids, offsets and times as written (redacted, they read as phone numbers)."""
+    send_id = "01905512-3456-7abc-8def-0123456789ab"  # ids, offsets and times in ms would read as phone numbers
+    record = DeadLetterRecord(0, 7, send_id, b'{"to": "ana@example.com"}', {
+        "send_id": send_id, "reason": "permanent_error", "attempts": "3", "origin_offset": "123456789",
+        "dead_lettered_at_ms": "1700000000000",
         "last_error": "422 invalid recipient ana@example.com",
         "x-origin": "call +14155550123 with Bearer abcdefghijklmnopqrstuvwxyz"}, 1_700_000_000_000)
     for shown in (str(_letter(record)), describe(record)):
         assert "ana@example.com" not in shown and "4155550123" not in shown
         assert "abcdefghijklmnopqrstuvwxyz" not in shown
-        assert "permanent_error" in shown and "s-1" in shown and "x-origin" in shown
+        assert "permanent_error" in shown and send_id in shown and "x-origin" in shown
     headers = _letter(record)["headers"]
-    assert set(headers) == set(record.headers) and headers["attempts"] == "3"
+    assert set(headers) == set(record.headers)
+    assert {k: headers[k] for k in ("send_id", "attempts", "origin_offset", "dead_lettered_at_ms")} == {
+        "send_id": send_id, "attempts": "3", "origin_offset": "123456789", "dead_lettered_at_ms": "1700000000000"}

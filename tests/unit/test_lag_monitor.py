@@ -55,6 +55,9 @@ def test_a_channel_whose_lag_cannot_be_read_goes_stale_alone_and_shows_no_old_re
     frozen at their last value (which the lag alerts would have gone on reading)."""
     monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email", "sms"))
     monitor.reader, monitor.producer = ChannelReader(), AcknowledgingProducer()
+    started = _sample("dispatch_lag_monitor_last_publish_timestamp_seconds", channel="sms")
+    assert started is not None  # a channel never published goes stale from the monitor's start (not absent)
+    time.sleep(0.01)
     monitor.tick()
     monitor.producer.poll()
     stamp = "dispatch_lag_monitor_last_publish_timestamp_seconds"

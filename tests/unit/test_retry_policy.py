@@ -42,10 +42,13 @@ CASES = [
     ("429 malformed header", OTP, 1, ProviderResult("throttled", 429, retry_after="soon"), RetryAt, "10s", 8, 12),
     ("429 missing header", OTP, 2, ProviderResult("throttled", 429), RetryAt, "1m", 48, 72),
     ("429 asking for more than the longest tier", MARKETING, 1, ProviderResult("throttled", 429, retry_after="50000"), RetryAt, "12h", 50000, 51840),
-    ("quota 429 is parked", MARKETING, 1, ProviderResult("quota", 429, retry_after="1"), RetryAt, "1h", 3600, 4320),
-    # the quota resets in 10 h: parked until then, not asked again every hour (before: due in 1 h on the 1h tier)
+    ("quota 429 is parked", MARKETING, 1, ProviderResult("quota", 429, retry_after="1"), RetryAt, "1h", 3600, 3780),
+    # the quota resets in 10 h: parked until then, not asked again every hour (before: due in 1 h on the 1h tier),
+    # and not until a tier's round figure (the 12h tier holds it: 9.6-14.4 h)
     ("quota 429 is parked as long as asked", MARKETING, 1, ProviderResult("quota", 429, retry_after="36000"), RetryAt,
-     "12h", 36000, 51840),
+     "12h", 36000, 36300),
+    ("quota 429 just over an hour", MARKETING, 1, ProviderResult("quota", 429, retry_after="3601"), RetryAt,
+     "3h", 3601, 3782),
     ("quota 429 for an OTP is too old to park", OTP, 1, ProviderResult("quota", 429), DeadLetter, None, None, None),
     ("timeout after possible acceptance", OTP, 1, ProviderResult("unknown"), RetryAt, "10s", 8, 12),
     ("permanent 4xx", OTP, 1, ProviderResult("rejected", 422), DeadLetter, None, None, None),
