@@ -270,10 +270,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         content_type = request.headers.get("content-type", "")
         kind, _, subtype = content_type.split(";")[0].strip().lower().partition("/")
         read_as_json = kind == "application" and (subtype == "json" or subtype.endswith("+json"))  # as FastAPI
-        if any(e["loc"][:1] == ["body"] for e in errors) and not read_as_json:  # the body was never read as JSON
+        if content_type and any(e["loc"][:1] == ["body"] for e in errors) and not read_as_json:
+            # The body was never read as JSON: its errors say nothing of it; the others stand.
             errors = [{"loc": ["header", "content-type"],
                        "msg": f"the body is read as JSON only when sent with Content-Type: application/json (got "
-                              f"{content_type[:60]!r})"}]
+                              f"{content_type[:60]!r})"}] + [e for e in errors if e["loc"][:1] != ["body"]]
         if status == 400 and (denied := await unauthenticated(request)) is not None:
             return denied
         metrics.INGEST_REJECTED.labels(str(status)).inc()

@@ -5,6 +5,7 @@ Dead letters keep their payload 7 days (the topic's retention), like the lane to
 from __future__ import annotations
 
 import heapq
+import re
 import time
 import uuid
 import zlib
@@ -184,19 +185,25 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
     return found
 
 
-# The headers dispatch writes itself, ids, names, counts and times: shown as written (redacted, an offset or a
-# time in ms reads as a phone number).
-STRUCTURED_HEADERS = frozenset({
-    "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "attempts", "attempt", "origin_topic",
-    "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "providers_tried", "provider",
-    "payload_omitted", "due_at_ms", "retried_at_ms", "retry_reason", "tier", "spilled"})
+# Dispatch's own counts, offsets and times (redacted, an offset or a time in ms reads as a phone number), and the
+# send id: shown as written when they have their shape. A producer may have set any header of its record, these
+# names too, so a value of another shape is redacted like the rest.
+_NUMBER_HEADERS = frozenset({"attempts", "attempt", "origin_partition", "origin_offset", "dead_lettered_at_ms",
+                             "due_at_ms", "retried_at_ms"})
+_NUMBER_RE = re.compile(r"\d{1,19}")
+_SEND_ID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def redacted_headers(record: DeadLetterRecord) -> dict[str, str]:
-    """A dead letter's headers as operators are shown them, every name kept: dispatch's own structured ones as
-    written, the rest redacted (an error excerpt, or a header the producer set on its record, may quote a
-    recipient or a credential)."""
-    return {k: v if k in STRUCTURED_HEADERS else redact(v, 300) for k, v in record.headers.items()}
+    """A dead letter's headers as operators are shown them, every name kept, each value redacted (an error excerpt,
+    or a header the producer set on its record, may quote a recipient or a credential) but dispatch's own numbers
+    and the send id, when they have that shape."""
+    def shown(name: str, value: str) -> str:
+        if (name in _NUMBER_HEADERS and _NUMBER_RE.fullmatch(value)) or (
+                name == "send_id" and _SEND_ID_RE.fullmatch(value)):
+            return value
+        return redact(value, 300)
+    return {k: shown(k, v) for k, v in record.headers.items()}
 
 
 def describe(record: DeadLetterRecord) -> str:

@@ -281,7 +281,9 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
         # Due when the quota resets (the tier is only the topic that holds it: the retrier releases by the due
         # time), spread over a little after it, or at the schedule's next tier when that is later.
         delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
-        at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S)
+        # The spread never pushes past the send's max age a reset that falls within it.
+        room_s = max(0.0, (created_ms + policy.max_age_s * 1000 - now_ms) / 1000 - at_least)
+        at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S, room_s)
     else:
         delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))

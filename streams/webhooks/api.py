@@ -173,21 +173,24 @@ def _invalid(exc: Exception) -> HTTPException:
 
 
 class ReplayOverQuota(Exception):
-    """A replay the tenant's ingest quotas refuse: nothing of it is published."""
+    """A replay the tenant's ingest quotas refuse: nothing of it is published. Over a quota: 429 with Retry-After;
+    beyond a burst (it can never pass, whenever asked): 422, as ingest answers."""
 
     def __init__(self, verdict: OverQuota | BeyondBurst):
-        self.retry_after_s = verdict.retry_after_s if isinstance(verdict, OverQuota) else 60.0
+        self.verdict = verdict
         if isinstance(verdict, OverQuota):
             whose = "the platform-wide limit of the" if verdict.shared else "over the"
             message = f"{whose} {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s"
         else:
-            message = verdict.message
+            message = f"the {verdict.quota} quota's burst can never admit it: {verdict.message}"
         super().__init__(message)
 
-    def answer(self, msg: str, **detail: Any) -> HTTPException:
-        return HTTPException(429, {"error": "quota_exceeded", "errors": [{"loc": ["header", "authorization"],
-                                                                          "msg": msg}], **detail},
-                             headers={"Retry-After": str(max(1, round(self.retry_after_s + 0.5)))})
+    def http(self, what_was_done: str, **detail: Any) -> HTTPException:
+        body = {"errors": [{"loc": ["header", "authorization"], "msg": f"{self}; {what_was_done}"}], **detail}
+        if isinstance(self.verdict, BeyondBurst):
+            return HTTPException(422, {"error": "quota_burst_exceeded", **body})
+        return HTTPException(429, {"error": "quota_exceeded", **body},
+                             headers={"Retry-After": str(max(1, round(self.verdict.retry_after_s + 0.5)))})
 
 
 def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClient,
@@ -336,21 +339,29 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("endpoint")
         until = body.until_ms or int(time.time() * 1000)
         if quotas is not None and (verdict := quotas.admit(tenant_id, [])) is not None:  # the request itself
-            over = ReplayOverQuota(verdict)
-            raise over.answer(f"{over}; nothing was replayed by this call", replayed=[])
-        listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
-        candidates = [d for d, _ in listed[:MAX_BULK_CONSIDERED]]
+            raise ReplayOverQuota(verdict).http("nothing was replayed by this call", replayed=[])
         admit = charged(tenant_id, request=False)
 
         def replay_it(delivery_id: str) -> Send:
             return replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id, admit=admit)
 
+        def give_back_the_request() -> None:
+            """A call that fails having published nothing (for sure) is charged nothing, as `POST /v1/sends`."""
+            if quotas is not None:
+                quotas.give_back_request(tenant_id, [])
+
+        try:
+            listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
+        except StoreUnavailable:
+            give_back_the_request()
+            raise
+        candidates = [d for d, _ in listed[:MAX_BULK_CONSIDERED]]
         try:
             answer = replay_in_turn(store, candidates, tenant_id, body.statuses, body.limit, replay_it)
             return {**answer, "next_since_ms": next_since(listed, answer["considered"])}
         except BulkReplayStopped as stop:
-            if quotas is not None and not stop.replayed:  # a call that published nothing is charged nothing
-                quotas.give_back_request(tenant_id, [])
+            if not stop.replayed and not isinstance(stop.cause, (ReplayOutcomeUnknown, PublishOutcomeUnknown)):
+                give_back_the_request()
             raise _stopped(stop) from None
 
     @router.get("/v1/deliveries/{delivery_id}", response_model=DeliveryView, responses=documented(401, 403, 404, 503))
@@ -372,7 +383,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id,
                          outcome_checked=outcome_checked, admit=charged(tenant_id, request=True))
         except ReplayOverQuota as over:
-            raise over.answer(f"{over}; nothing was replayed") from None
+            raise over.http("nothing was replayed") from None
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
@@ -446,7 +457,7 @@ def _stopped(stop: BulkReplayStopped) -> HTTPException:
             f"POST /v1/deliveries/{stop.delivery_id}/replay"
             if stop.delivery_id and CLAIM_KEPT in getattr(cause, "__notes__", ()) else "")
     if isinstance(cause, ReplayOverQuota):  # refused before its publish: call again once it allows, for the rest
-        return cause.answer(f"{cause} at {at}; {done}{kept}", replayed=stop.replayed)
+        return cause.http(f"at {at}; {done}{kept}", replayed=stop.replayed)
     status, error = 503, "unavailable"
     if isinstance(cause, ReplayOutcomeUnknown):
         msg = (f"the message broker did not confirm the replay of {at}: it may have been published as delivery "

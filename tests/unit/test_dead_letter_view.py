@@ -15,9 +15,12 @@ def test_a_dead_letters_headers_are_shown_to_operators_redacted():
         "send_id": send_id, "reason": "permanent_error", "attempts": "3", "origin_offset": "123456789",
         "dead_lettered_at_ms": "1700000000000",
         "last_error": "422 invalid recipient ana@example.com",
-        "x-origin": "call +14155550123 with Bearer abcdefghijklmnopqrstuvwxyz"}, 1_700_000_000_000)
+        "x-origin": "call +14155550123 with Bearer abcdefghijklmnopqrstuvwxyz",
+        # names dispatch writes too, set by the producer on its record with values of another shape
+        "reason_detail": "alice@example.com", "due_at_ms": "+44 7700 900123"}, 1_700_000_000_000)
     for shown in (str(_letter(record)), describe(record)):
         assert "ana@example.com" not in shown and "4155550123" not in shown
+        assert "alice@example.com" not in shown and "7700 900123" not in shown
         assert "abcdefghijklmnopqrstuvwxyz" not in shown
         assert "permanent_error" in shown and send_id in shown and "x-origin" in shown
     headers = _letter(record)["headers"]

@@ -244,3 +244,13 @@ def test_a_retry_copy_due_later_than_the_lanes_keep_payloads_is_held_for_the_lon
         assert due_time({"due_at_ms": far}, "t[0]@1", now_ms) == now_ms + 12 * 3600 * 1000
     in_three_days = int(now_ms + 3 * 24 * 3600 * 1000)
     assert due_time({"due_at_ms": str(in_three_days).encode()}, "t[0]@1", now_ms) == in_three_days
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.5, 0.999])
+def test_a_quota_reset_within_the_max_age_is_never_pushed_past_it_by_the_spread(jitter):
+    """A send 58 minutes into the transactional policy's 2 hours, answered a quota 429 resetting in an hour: due at
+    the reset, within its max age, whatever the jitter (before: dead-lettered `quota_exceeded` at a high jitter)."""
+    policy = POLICIES["transactional"]
+    created = NOW - 58 * 60_000
+    d = decide(policy, 1, created, ProviderResult("quota", 429, retry_after="3600"), NOW, jitter)
+    assert isinstance(d, RetryAt) and NOW + 3_600_000 <= d.due_ms <= created + policy.max_age_s * 1000, d
