@@ -178,6 +178,19 @@ def socket_dir_of(pid: int) -> Path:
     return Path(argv[argv.index(b"--bulk-socket") + 1].decode()).parent
 
 
+def _api_with_its_bulk_process(fault_runtime, fault_topics, fault_processes):
+    """The ingest API (email topics, tenant shop's client) and the pid of the bulk process it started."""
+    fault_topics("email")
+    api_key = fault_runtime.api_keys().create("tenant", "shop")
+    port = free_port()
+    api_process = fault_processes.start("api", "api", "--port", str(port))
+    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+    wait_until(lambda: answers(api), 30, "the ingest API")
+    bulk = bulk_process_of(api_process.pid)
+    assert bulk is not None, "the API started no bulk process"
+    return api_process, api, bulk
+
+
 def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_topics, fault_processes):
     """Given the ingest API with its bulk process,
     When the bulk process hangs (SIGSTOP: it holds its socket but never answers) while a batch is waiting for it,
@@ -185,14 +198,7 @@ def test_a_hung_bulk_process_is_killed_and_started_again(fault_runtime, fault_to
     dispatch_ingest_bulk_process_restarts_total), the waiting batch is answered 503 `"outcome": "unknown"` (it may
     or may not have been published), single sends are accepted throughout, and the same batch retried with the same
     Idempotency-Key (once its lease lets it) is accepted, a further retry replaying that answer."""
-    fault_topics("email")
-    api_key = fault_runtime.api_keys().create("tenant", "shop")
-    port = free_port()
-    api_process = fault_processes.start("api", "api", "--port", str(port))
-    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
-    wait_until(lambda: answers(api), 30, "the ingest API")
-    hung = bulk_process_of(api_process.pid)
-    assert hung is not None, "the API started no bulk process"
+    api_process, api, hung = _api_with_its_bulk_process(fault_runtime, fault_topics, fault_processes)
     batch = {"sends": [email_request("marketing") for _ in range(5)]}
     assert api.post("/v1/sends/batch", json=batch).status_code == 202  # the bulk process serves batches
 
@@ -231,14 +237,7 @@ def test_the_bulk_process_leaves_its_socket_directory_to_the_live_api_process(
     Then the directory is still there, ours and 0700 (before: removed, and made again by the API process with
     `exist_ok` a moment later: another local user who made it first would have had the API hand every batch, with
     its tenant's key, to a socket of theirs); the API starts a new bulk process in it, which serves batches."""
-    fault_topics("email")
-    api_key = fault_runtime.api_keys().create("tenant", "shop")
-    port = free_port()
-    api_process = fault_processes.start("api", "api", "--port", str(port))
-    api = local_client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {api_key}"})
-    wait_until(lambda: answers(api), 30, "the ingest API")
-    first = bulk_process_of(api_process.pid)
-    assert first is not None, "the API started no bulk process"
+    api_process, api, first = _api_with_its_bulk_process(fault_runtime, fault_topics, fault_processes)
     socket_dir = socket_dir_of(first)
 
     os.kill(api_process.pid, signal.SIGSTOP)

@@ -156,6 +156,14 @@ def test_recover_does_not_end_the_hold_when_redis_loses_its_data_again_meanwhile
     assert redis_client.keys(f"{namespace}dr:recovering*") == []
 
 
+def _one_delivered_event(stack, names, namespace, oplog_topic):
+    """notif.outcomes holding one delivered event (of send s-1); the keys and operator log a recovery runs with."""
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.outcomes, orjson.dumps(_delivered("s-1", int(time.time() * 1000))), key=b"k", partition=0)
+    assert producer.flush(10) == 0
+    return RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+
+
 def test_two_recover_runs_at_once_both_end_without_a_false_alarm(
         stack, channel_topics, oplog_topic, names, namespace, redis_client, monkeypatch):
     """Given notif.outcomes holding a delivered event,
@@ -163,10 +171,7 @@ def test_two_recover_runs_at_once_both_end_without_a_false_alarm(
     Then the first ends too, with the mark rebuilt and the epoch written (before: the second run removed the
     markers the first had written, and the first reported that Redis had lost its data again)."""
     channel_topics("email")
-    producer = Producer({"bootstrap.servers": stack.bootstrap})
-    producer.produce(names.outcomes, orjson.dumps(_delivered("s-1", int(time.time() * 1000))), key=b"k", partition=0)
-    assert producer.flush(10) == 0
-    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    keys, oplog = _one_delivered_event(stack, names, namespace, oplog_topic)
     record, runs = StatusStore.record_outcome, []
 
     def a_second_run_alongside(store, event):
@@ -254,10 +259,7 @@ def test_a_recover_run_that_stops_half_way_leaves_no_markers_behind(
     Then it ends without writing the epoch and without leaving its markers behind (each run has its own: on a Redis
     Cluster 16,385 keys a run, which every interrupted run would otherwise add for 7 days)."""
     channel_topics("email")
-    producer = Producer({"bootstrap.servers": stack.bootstrap})
-    producer.produce(names.outcomes, orjson.dumps(_delivered("s-1", int(time.time() * 1000))), key=b"k", partition=0)
-    assert producer.flush(10) == 0
-    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    keys, oplog = _one_delivered_event(stack, names, namespace, oplog_topic)
 
     def interrupted(store, event):
         raise KeyboardInterrupt
