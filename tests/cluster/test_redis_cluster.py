@@ -329,7 +329,7 @@ def test_gate_idempotency_and_status_store_answer_alike_on_the_cluster_and_a_sin
     assert [a["n"] for a in gets["send-0"]["attempt_history"]] == [1, 2]
     assert gets["send-1"]["status"] == "retrying"
     assert gets["hook-1"]["endpoint_id"] == "ep_1"
-    assert answers["endpoint deliveries"] == ["hook-1"] and answers["missing"] is None
+    assert answers["endpoint deliveries"] == [("hook-1", 4)] and answers["missing"] is None
 
 
 def test_the_tenants_with_endpoints_are_listed_from_every_master(healthy_redis_cluster):
