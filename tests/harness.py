@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
+from types import SimpleNamespace
 
 import httpx
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -27,6 +28,30 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class AcknowledgingProducer:
+    """A broker that takes every record and acknowledges it at the next poll, once `acknowledging` (unit tests
+    of what waits for acknowledgements)."""
+
+    def __init__(self, acknowledging: bool = True):
+        self.reports: list = []
+        self.acknowledging = acknowledging
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.reports.append(on_delivery)
+
+    def poll(self, timeout=0):
+        if not self.acknowledging:
+            return 0
+        reports, self.reports = self.reports, []
+        for report in reports:
+            report(None, SimpleNamespace(partition=lambda: 0, offset=lambda: 0))
+        return len(reports)
+
+    def flush(self, timeout=0):
+        self.poll()
+        return len(self.reports)
 
 
 class PauseRecordingConsumer:

@@ -436,10 +436,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         if ingest.quotas is not None and (not digest or digest != claim.charged_before):
             verdict = ingest.quotas.admit(tenant_id, sends)
             if isinstance(verdict, OverQuota):
-                whose = "the platform-wide limit of the" if verdict.shared else "over the"
                 raise problem(429, "quota_exceeded", ["header", "authorization"],
-                              f"{whose} {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s",
-                              headers={"Retry-After": str(max(1, round(verdict.retry_after_s + 0.5)))})
+                              str(verdict), headers={"Retry-After": verdict.retry_after})
             if isinstance(verdict, BeyondBurst):
                 raise problem(422, "quota_burst_exceeded", ["body", "sends"] if batch else ["body"],
                               f"{verdict.cost} sends at once can never fit the {verdict.quota} quota's burst: "

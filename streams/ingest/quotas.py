@@ -41,6 +41,15 @@ class OverQuota:
     retry_after_s: float
     shared: bool = False  # the quota's global bucket ran out (every tenant's), not the tenant's own
 
+    def __str__(self) -> str:
+        whose = "the platform-wide limit of the" if self.shared else "over the"
+        return f"{whose} {self.quota} quota: retry after {self.retry_after_s:.1f} s"
+
+    @property
+    def retry_after(self) -> str:
+        """The Retry-After header: whole seconds, never 0."""
+        return str(max(1, round(self.retry_after_s + 0.5)))
+
 
 @dataclass(frozen=True)
 class BeyondBurst:

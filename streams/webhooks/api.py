@@ -178,19 +178,15 @@ class ReplayOverQuota(Exception):
 
     def __init__(self, verdict: OverQuota | BeyondBurst):
         self.verdict = verdict
-        if isinstance(verdict, OverQuota):
-            whose = "the platform-wide limit of the" if verdict.shared else "over the"
-            message = f"{whose} {verdict.quota} quota: retry after {verdict.retry_after_s:.1f} s"
-        else:
-            message = f"the {verdict.quota} quota's burst can never admit it: {verdict.message}"
-        super().__init__(message)
+        super().__init__(str(verdict) if isinstance(verdict, OverQuota)
+                         else f"the {verdict.quota} quota's burst can never admit it: {verdict.message}")
 
     def http(self, what_was_done: str, **detail: Any) -> HTTPException:
         body = {"errors": [{"loc": ["header", "authorization"], "msg": f"{self}; {what_was_done}"}], **detail}
         if isinstance(self.verdict, BeyondBurst):
             return HTTPException(422, {"error": "quota_burst_exceeded", **body})
         return HTTPException(429, {"error": "quota_exceeded", **body},
-                             headers={"Retry-After": str(max(1, round(self.verdict.retry_after_s + 0.5)))})
+                             headers={"Retry-After": self.verdict.retry_after})
 
 
 def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClient,

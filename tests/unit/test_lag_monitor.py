@@ -8,6 +8,7 @@ from prometheus_client import REGISTRY
 from streams.lag.monitor import LagMonitor
 from streams.lag.yield_policy import LagReading
 from streams.names import TopicNames
+from tests.harness import AcknowledgingProducer
 
 
 class ChannelReader:
@@ -23,24 +24,6 @@ class ChannelReader:
 
     def close(self):
         pass
-
-
-class AcknowledgingProducer:
-    """Every record acknowledged at the next poll."""
-
-    def __init__(self):
-        self.acks: list = []
-
-    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
-        self.acks.append(on_delivery)
-
-    def poll(self, timeout=0):
-        acks, self.acks = self.acks, []
-        for ack in acks:
-            ack(None, None)
-
-    def flush(self, timeout=0):
-        self.poll()
 
 
 def _sample(name, **labels):

@@ -3,14 +3,12 @@ are still in its process (payload and all), so a lane topic that does not acknow
 without its replicas) cannot make it read on without bound. No broker: the consumer records pauses and the
 producer never acknowledges."""
 
-from types import SimpleNamespace
-
 from confluent_kafka import TopicPartition
 from prometheus_client import REGISTRY
 
 from streams.kafka_client import AckedWriter
 from streams.retry.retrier import Held, Retrier, RetrierConfig
-from tests.harness import PauseRecordingConsumer
+from tests.harness import AcknowledgingProducer, PauseRecordingConsumer
 
 
 class SilentProducer:
@@ -24,28 +22,6 @@ class SilentProducer:
 
     def flush(self, timeout=0):
         return 1
-
-
-class AckingLaterProducer(SilentProducer):
-    """The broker acknowledges what it took only once `acknowledge()` is called."""
-
-    def __init__(self):
-        self.reports: list = []
-        self.acknowledging = False
-
-    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
-        self.reports.append(on_delivery)
-
-    def acknowledge(self):
-        self.acknowledging = True
-
-    def poll(self, timeout=0):
-        if not self.acknowledging:
-            return 0
-        reports, self.reports = self.reports, []
-        for report in reports:
-            report(None, SimpleNamespace(partition=lambda: 0, offset=lambda: 0))
-        return len(reports)
 
 
 def _retrier(now_ms: float) -> Retrier:
@@ -102,22 +78,6 @@ def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_not_held
     assert set(r.tracker.committable()) == {(tier, 0)}
 
 
-class AckingProducer(SilentProducer):
-    """The broker acknowledges every record at the next poll."""
-
-    def __init__(self):
-        self.acks: list = []
-
-    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
-        self.acks.append(on_delivery)
-
-    def poll(self, timeout=0):
-        acks, self.acks = self.acks, []
-        for ack in acks:
-            ack(None, None)
-        return len(acks)
-
-
 class RevokeAfterPoll(PauseRecordingConsumer):
     """Hands out one message per poll and knows its position; once asked to, the consume after a poll serves a
     revoke of the retrier's partitions (as librdkafka may)."""
@@ -166,7 +126,7 @@ def test_a_revoke_served_after_the_poll_returned_a_retry_copy_stores_no_offset_p
     r.consumer.close()
     consumer = RevokeAfterPoll(lambda: holder[0])
     r.consumer = consumer  # type: ignore[assignment]
-    r.writer = AckedWriter(AckingProducer(), "test")  # type: ignore[arg-type]
+    r.writer = AckedWriter(AcknowledgingProducer(), "test")  # type: ignore[arg-type]
     holder.append(r)
     tier = r.cfg.topics[0]
     r.assigned = {(tier, 0)}
@@ -192,7 +152,7 @@ def test_released_copies_the_lane_has_not_acknowledged_are_shown_held_and_overdu
     r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1"), clock=lambda: now[0] / 1000)
     r.consumer.close()
     r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
-    producer = AckingLaterProducer()
+    producer = AcknowledgingProducer(acknowledging=False)
     r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
     tier = r.cfg.topics[0]
     r.assigned = {(tier, 0)}
@@ -203,7 +163,7 @@ def test_released_copies_the_lane_has_not_acknowledged_are_shown_held_and_overdu
     labels = {"channel": "email", "lane": "marketing", "tier": "10s"}
     assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 3
     assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 60
-    producer.acknowledge()
+    producer.acknowledging = True
     r.writer.poll(0)
     r._metrics()
     assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 0
