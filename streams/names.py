@@ -161,9 +161,11 @@ class RedisKeys:
         """Places held for a tenant's endpoints being created (counted against the most it may have)."""
         return f"{self.namespace}dr:{{t:{tenant}}}:endpoints:reserved"
 
-    def endpoint_deliveries(self, endpoint_id: str) -> str:
-        """An endpoint's deliveries by time (a sorted set), for `GET /v1/endpoints/{id}/deliveries`."""
-        return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries"
+    def endpoint_deliveries(self, endpoint_id: str, tenant_id: str) -> str:
+        """A tenant's deliveries to an endpoint by time (a sorted set), for `GET /v1/endpoints/{id}/deliveries`:
+        one per tenant, so that an event of another tenant naming the endpoint (written past ingest) is never
+        listed, nor read past, under the owner's."""
+        return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries:{tenant_id}"
 
     def endpoint_backlog(self, endpoint_id: str) -> str:
         """An endpoint's undelivered deliveries by creation time (a sorted set): backlog shedding."""

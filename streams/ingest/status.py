@@ -76,7 +76,7 @@ class StatusStore:
     def _accept(self, pipe, send_id: str, fields: dict, created_at_ms: int) -> None:
         key = self.keys.send_status(send_id)
         if "endpoint_id" in fields:
-            index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]))
+            index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]), str(fields["tenant_id"]))
             pipe.zadd(index, {send_id: created_at_ms})
             pipe.expire(index, STATUS_TTL_S)
         pipe.hset(key, mapping=fields)
@@ -126,7 +126,7 @@ class StatusStore:
                 pipe.hset(attempts_key, str(event["attempt"].get("n")), attempt)
                 pipe.expire(attempts_key, STATUS_TTL_S)
             if event.get("endpoint_id"):  # a webhook delivery: listed under its endpoint, 30 days
-                index = self.keys.endpoint_deliveries(event["endpoint_id"])
+                index = self.keys.endpoint_deliveries(event["endpoint_id"], event["tenant_id"])
                 created = int(event.get("created_at_ms") or event.get("completed_at_ms") or 0)
                 pipe.zadd(index, {send_id: created})
                 pipe.zremrangebyscore(index, 0, created - STATUS_TTL_S * 1000)
@@ -148,23 +148,33 @@ class StatusStore:
             self._mark_replayed_if_known(keys=[self.keys.send_status(event["replay_of"])],
                                          args=[event["send_id"], event["tenant_id"], "1"], client=pipe)
 
-    def endpoint_deliveries(self, endpoint_id: str, limit: int = 100, before_ms: int | None = None,
-                            upto_ms: int | None = None) -> list[tuple[str, int]]:
-        """An endpoint's delivery ids with when each was created, newest first: created before `before_ms`, or at
-        `upto_ms` or before (a caller reading on from the last one it read, skipping those it has)."""
-        top = f"({before_ms}" if before_ms is not None else "+inf" if upto_ms is None else upto_ms
+    def endpoint_deliveries(self, endpoint_id: str, tenant_id: str, limit: int = 100, before_ms: int | None = None,
+                            after: tuple[int, str] | None = None) -> list[tuple[str, int]]:
+        """A tenant's deliveries to an endpoint with when each was created, newest first (by time, then by id, both
+        descending): created before `before_ms`, or listed after `after`, the (time, id) of the last one a caller
+        read. Reading on by time alone would skip the rest of the millisecond a page ended in (a batch's events
+        share one), by position would shift as deliveries are added."""
+        key = self.keys.endpoint_deliveries(endpoint_id, tenant_id)
         with store_errors("listing an endpoint's deliveries"):
-            found = self.client.zrevrangebyscore(self.keys.endpoint_deliveries(endpoint_id), top, "-inf",
-                                                 start=0, num=limit, withscores=True)
-        return [(i.decode(), int(score)) for i, score in found]
+            if after is None:
+                top = f"({before_ms}" if before_ms is not None else "+inf"
+                found = self.client.zrevrangebyscore(key, top, "-inf", start=0, num=limit, withscores=True)
+            else:
+                at_ms, last_id = after
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zrevrangebyscore(key, at_ms, at_ms, withscores=True)  # that millisecond's, reverse byte order
+                pipe.zrevrangebyscore(key, f"({at_ms}", "-inf", start=0, num=limit, withscores=True)
+                same_ms, older = pipe.execute()
+                found = [(i, score) for i, score in same_ms if i < last_id.encode()] + older
+        return [(i.decode(), int(score)) for i, score in found[:limit]]
 
-    def endpoint_deliveries_between(self, endpoint_id: str, since_ms: int, until_ms: int,
+    def endpoint_deliveries_between(self, endpoint_id: str, tenant_id: str, since_ms: int, until_ms: int,
                                     limit: int) -> list[tuple[str, int]]:
-        """An endpoint's first `limit` deliveries created in [since_ms, until_ms), oldest first, with when each
-        was created (a busy endpoint lists millions in 30 days: one call never reads them all)."""
+        """A tenant's first `limit` deliveries to an endpoint created in [since_ms, until_ms), oldest first, with
+        when each was created (a busy endpoint lists millions in 30 days: one call never reads them all)."""
         with store_errors("listing an endpoint's deliveries"):
-            found = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id), since_ms, f"({until_ms}",
-                                              start=0, num=limit, withscores=True)
+            found = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id, tenant_id), since_ms,
+                                              f"({until_ms}", start=0, num=limit, withscores=True)
         return [(i.decode(), int(score)) for i, score in found]
 
     def claim_replay(self, send_id: str) -> bool:

@@ -13,6 +13,7 @@
 Another tenant's endpoint or delivery is indistinguishable from a missing one (404).
 """
 
+import base64
 import functools
 import logging
 import time
@@ -46,7 +47,6 @@ from .model import Endpoint
 
 log = logging.getLogger("streams.webhooks.api")
 MAX_BULK_REPLAY = 1000
-MAX_DELIVERIES_READ_FOR_A_PAGE = 3  # reads of an endpoint's index to fill one page of the tenant's own
 MAX_BULK_CONSIDERED = 10_000  # deliveries one bulk replay call looks at (each is a status read); the next call goes on
 DELIVERY_FIELDS = ("status", "endpoint_id", "event_id", "event_type", "attempts", "accepted_at_ms",
                    "completed_at_ms", "reason", "replay_of", "replayed_as", "attempt_history")
@@ -137,6 +137,7 @@ class DeliveryView(BaseModel):
 
 class DeliveryList(BaseModel):
     deliveries: list[DeliveryView]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null: this page is the last")
 
 
 class RefusedDelivery(BaseModel):
@@ -299,31 +300,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
     @router.get("/v1/endpoints/{endpoint_id}/deliveries", response_model=DeliveryList,
                 responses=documented(401, 403, 404, 422, 503))
     def endpoint_deliveries(endpoint_id: str, tenant_id: Tenant, limit: Annotated[int, Query(ge=1, le=500)] = 100,
-                            before_ms: int | None = None) -> dict:
+                            cursor: Annotated[str | None, Query(description=(
+                                "the `next_cursor` of the page before: the page after it"))] = None,
+                            before_ms: Annotated[int | None, Query(description=(
+                                "deliveries created before this time (ms); page on with `cursor`"))] = None) -> dict:
+        if cursor is not None and before_ms is not None:
+            raise problem(422, "invalid_request", ["query", "cursor"], "give cursor or before_ms, not both")
+        after = _read_cursor(cursor) if cursor is not None else None
         if endpoints.get(tenant_id, endpoint_id) is None:
             raise _not_found("endpoint")
-        return {"deliveries": _own_deliveries(endpoint_id, tenant_id, limit, before_ms)}
-
-    def _own_deliveries(endpoint_id: str, tenant_id: str, limit: int, before_ms: int | None) -> list[dict]:
-        """Only the tenant's own: an event of another tenant naming this endpoint (written past ingest) is filed
-        under it too. Read on past those, so that they do not shorten the page (a short page reads as the end);
-        a few reads at most. Each read goes on from the time of the last delivery read (by position, deliveries
-        added meanwhile would shift what comes next), skipping those of that time already read."""
-        own: list[dict] = []
-        upto: int | None = None
-        read_at_upto: set[str] = set()
-        for _ in range(MAX_DELIVERIES_READ_FOR_A_PAGE):
-            wanted = max(limit, 100) + len(read_at_upto)
-            found = (store.endpoint_deliveries(endpoint_id, wanted, before_ms) if upto is None
-                     else store.endpoint_deliveries(endpoint_id, wanted, upto_ms=upto))
-            fresh = [(d, at) for d, at in found if not (at == upto and d in read_at_upto)]
-            own += [_delivery(d, doc) for d, _ in fresh if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
-            if len(own) >= limit or len(found) < wanted or not fresh:  # a page, the end, or only ties read
-                break
-            last = fresh[-1][1]
-            read_at_upto = {d for d, at in fresh if at == last} | (read_at_upto if last == upto else set())
-            upto = last
-        return own[:limit]
+        found = store.endpoint_deliveries(endpoint_id, tenant_id, limit + 1, before_ms, after)
+        page = found[:limit]
+        deliveries = [_delivery(d, doc) for d, _ in page if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
+        return {"deliveries": deliveries, "next_cursor": _cursor(page[-1]) if len(found) > limit else None}
 
     @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
                  responses=documented(401, 403, 404, 422, 429, 503))
@@ -347,7 +336,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
                 quotas.give_back_request(tenant_id, [])
 
         try:
-            listed = store.endpoint_deliveries_between(endpoint_id, body.since_ms, until, MAX_BULK_CONSIDERED + 1)
+            listed = store.endpoint_deliveries_between(endpoint_id, tenant_id, body.since_ms, until,
+                                                       MAX_BULK_CONSIDERED + 1)
         except StoreUnavailable:
             give_back_the_request()
             raise
@@ -504,6 +494,24 @@ def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Se
         log.warning("the replay %s of %s is published, but not recorded as its replay: %s", new.send_id,
                     delivery_id, exc)
     return new
+
+
+def _cursor(last: tuple[str, int]) -> str:
+    """Where the next page starts: after the (time, id) of the last delivery of this one, opaque to callers."""
+    delivery_id, created_ms = last
+    return base64.urlsafe_b64encode(f"{created_ms}:{delivery_id}".encode()).decode().rstrip("=")
+
+
+def _read_cursor(cursor: str) -> tuple[int, str]:
+    try:
+        text = base64.b64decode(cursor + "=" * (-len(cursor) % 4), b"-_", validate=True).decode()
+        created_ms, _, delivery_id = text.partition(":")
+        if delivery_id and created_ms.isdigit():
+            return int(created_ms), delivery_id
+    except ValueError:  # not base64, not UTF-8
+        pass
+    raise problem(422, "invalid_request", ["query", "cursor"], "not a cursor this API gave: pass a page's "
+                                                                "next_cursor as it came")
 
 
 def _delivery(delivery_id: str, doc: dict) -> dict:

@@ -10,6 +10,7 @@ Errors come back as WebhooksApiError with the API's status and its `errors` list
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -68,7 +69,18 @@ class WebhooksClient:
             "event_type": event_type, "occurredAt": occurred_at, "data": data}})
 
     def deliveries(self, endpoint_id: str, limit: int = 100) -> list[dict]:
+        """The endpoint's newest `limit` deliveries (one page; `all_deliveries` reads them all)."""
         return self._call("GET", f"/v1/endpoints/{endpoint_id}/deliveries", params={"limit": limit})["deliveries"]
+
+    def all_deliveries(self, endpoint_id: str, page_size: int = 100) -> Iterator[dict]:
+        """Every delivery to the endpoint, newest first, a page at a time."""
+        params: dict[str, Any] = {"limit": page_size}
+        while True:
+            page = self._call("GET", f"/v1/endpoints/{endpoint_id}/deliveries", params=params)
+            yield from page["deliveries"]
+            if page["next_cursor"] is None:
+                return
+            params["cursor"] = page["next_cursor"]
 
     def delivery(self, delivery_id: str) -> dict:
         return self._call("GET", f"/v1/deliveries/{delivery_id}")

@@ -275,7 +275,7 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
         doc = store.get(s.send_id) or {}
         doc.pop("accepted_at_ms", None)
         out.append(("get", s.send_id, sorted(doc.items(), key=lambda kv: kv[0])))
-    out.append(("endpoint deliveries", store.endpoint_deliveries("ep_1")))
+    out.append(("endpoint deliveries", store.endpoint_deliveries("ep_1", tenants[0])))
     out.append(("missing", store.get("send-none")))
     return out
 

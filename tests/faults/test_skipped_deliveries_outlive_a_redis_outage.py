@@ -65,7 +65,7 @@ def test_a_delivery_skipped_while_redis_fails_after_the_publish_is_still_listed_
         doc = wait_until(lambda: store.get(delivery["delivery_id"]), 60,
                          "the skipped delivery's status to be recorded")
         assert (doc["status"], doc["reason"]) == ("skipped", "backlog_shed"), doc
-        assert delivery["delivery_id"] in [d for d, _ in store.endpoint_deliveries(endpoint_id)]
+        assert delivery["delivery_id"] in [d for d, _ in store.endpoint_deliveries(endpoint_id, "acme")]
     finally:
         webhooks.stop()
         rt.close()

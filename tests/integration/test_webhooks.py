@@ -29,6 +29,7 @@ from streams.send import MAX_SEND_BYTES
 from streams.state.log import OperatorLog
 from streams.webhooks import delivery as delivery_module
 from streams.webhooks.api import BulkReplayStopped, _stopped, next_since, replay_in_turn, replay_once
+from streams.webhooks.client import WebhooksClient
 from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
@@ -411,6 +412,41 @@ def test_a_delivery_waiting_its_turn_is_found_and_listed(namespace, channel_topi
     assert [d["delivery_id"] for d in listed] == [delivery["delivery_id"]]
 
 
+def test_an_endpoints_deliveries_are_paged_each_once_even_within_one_millisecond(
+        namespace, channel_topics, limits, processes, redis_client, mock_endpoint):
+    """Given tenant a's endpoint with 5 deliveries created in one millisecond (a batch's events share one) and 2
+    older, and 3 outcomes of tenant b's naming a's endpoint (written past ingest), newer than all of them,
+    When a reads its deliveries 2 at a time, each page from the `next_cursor` of the page before,
+    Then every one of a's 7 deliveries is listed once, newest first, on full pages of 2 then 1, the last page
+    says there is none after it, b's are never listed, and the SDK's `all_deliveries` reads the same (before:
+    paging on by `before_ms` = the last one's time skipped the other 3 of that millisecond, and b's entries
+    took the places of a's). A cursor that is not one the API gave is refused, naming the cursor."""
+    hooks = _hooks(namespace, channel_topics, limits, processes, redis_client, SCALE, worker=False)
+    ep = _register(hooks, mock_endpoint, "paged")
+    created = {**{f"d-same-{i}": 5_000 for i in range(5)}, "d-older-0": 4_000, "d-older-1": 3_000}
+    for delivery_id, at in [*created.items(), *((f"b-{i}", 9_000) for i in range(3))]:
+        hooks.store.record_outcome({"send_id": delivery_id, "status": "dropped", "created_at_ms": at,
+                                    "completed_at_ms": at + 1, "endpoint_id": ep["id"],
+                                    "tenant_id": "tenant-b" if delivery_id.startswith("b-") else "tenant-a"})
+    pages, params = [], {"limit": 2}
+    while True:
+        r = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", params=params, headers=hooks.keys["a"])
+        assert r.status_code == 200, r.text
+        pages.append([d["delivery_id"] for d in r.json()["deliveries"]])
+        if r.json()["next_cursor"] is None:
+            break
+        params["cursor"] = r.json()["next_cursor"]
+    newest_first = sorted(created, key=lambda d: (created[d], d), reverse=True)
+    assert pages == [newest_first[0:2], newest_first[2:4], newest_first[4:6], newest_first[6:]]
+
+    sdk = WebhooksClient(str(hooks.base_url), hooks.keys["a"]["Authorization"].removeprefix("Bearer "))
+    assert [d["delivery_id"] for d in sdk.all_deliveries(ep["id"], page_size=3)] == newest_first
+
+    for forged in ("nonsense", "OTk5OQ", params["cursor"] + "!"):  # not base64 / no id / not its form
+        r = hooks.get(f"/v1/endpoints/{ep['id']}/deliveries", params={"cursor": forged}, headers=hooks.keys["a"])
+        assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["query", "cursor"], (forged, r.text)
+
+
 def test_a_rotated_secret_signs_alongside_the_old_one(hooks, mock_endpoint):
     """Given an endpoint whose receiver knows only the old secret, then only the new one,
     When the tenant rotates the secret and an event is delivered,
@@ -599,8 +635,10 @@ def test_an_endpoints_deliveries_are_listed_a_bounded_page_at_a_time(redis_clien
     for i in range(5):
         store.record_outcome({"send_id": f"d-{i}", "status": "dropped", "created_at_ms": 1000 + i,
                               "completed_at_ms": 2000 + i, "endpoint_id": "ep", "tenant_id": "tenant-a"})
-    assert store.endpoint_deliveries_between("ep", 0, 10**13, 3) == [("d-0", 1000), ("d-1", 1001), ("d-2", 1002)]
-    assert store.endpoint_deliveries_between("ep", 1002, 10**13, 3) == [("d-2", 1002), ("d-3", 1003), ("d-4", 1004)]
+    assert store.endpoint_deliveries_between("ep", "tenant-a", 0, 10**13, 3) == [
+        ("d-0", 1000), ("d-1", 1001), ("d-2", 1002)]
+    assert store.endpoint_deliveries_between("ep", "tenant-a", 1002, 10**13, 3) == [
+        ("d-2", 1002), ("d-3", 1003), ("d-4", 1004)]
 
 
 def test_following_next_since_ms_replays_every_delivery_of_the_range_once(redis_client, namespace):
@@ -616,7 +654,7 @@ def test_following_next_since_ms_replays_every_delivery_of_the_range_once(redis_
     since, replayed, calls = 0, [], 0
     while since is not None:
         calls += 1
-        listed = store.endpoint_deliveries_between("ep", since, 10**13, 10_001)
+        listed = store.endpoint_deliveries_between("ep", "tenant-a", since, 10**13, 10_001)
         answer = replay_in_turn(store, [d for d, _ in listed], "tenant-a", ["dropped"], 2,
                                 lambda d: SimpleNamespace(send_id=f"replay-of-{d}"))
         replayed += [r["replay_of"] for r in answer["replayed"]]
