@@ -242,7 +242,9 @@ class TopicAdmin:
 
     def create_missing(self, specs: dict[str, TopicSpec]) -> None:
         """Create those of `specs` that do not exist (another client creating one at the same moment is
-        fine), and return once the brokers show them all (each broker asked, best effort and bounded,
+        fine), raise the replication factor of those that exist with fewer replicas (and then set their
+        configs, min.insync.replicas among them, as `topics apply` does; a topic of more replicas is left
+        as it is), and return once the brokers show them all (each broker asked, best effort and bounded,
         as after an apply). Raises TopicPlanError when one exists with another partition count, and
         StackError when the broker cannot be reached, does not answer in time or refuses (the admin
         client does not say which refusals would pass: a caller that waits asks again)."""
@@ -251,6 +253,12 @@ class TopicAdmin:
             if state.partitions != specs[name].partitions:
                 raise TopicPlanError(f"{name} has {state.partitions} partitions where {specs[name].partitions} "
                                      "are needed; recreate it deliberately")
+        # A topic created before its replication profile was set (a first start without it) would otherwise keep
+        # one copy for good: the endpoint-health changelog is not in topics/*.toml, `topics apply` never sees it.
+        raised = {n: specs[n] for n, st in existing.items() if st.replication_factor < specs[n].replication_factor}
+        if raised:
+            self.apply([c for c in plan(raised, {n: existing[n] for n in raised})
+                        if c.kind in ("add_replicas", "set_config")], raised)
         missing = [s for name, s in specs.items() if name not in existing]
         if missing:
             futures = self.admin.create_topics(

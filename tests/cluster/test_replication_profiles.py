@@ -11,7 +11,7 @@ from confluent_kafka import Consumer
 
 from streams.kafka_client import durable_producer
 from streams.topology.admin import TopicAdmin, list_partition_reassignments
-from streams.topology.spec import REPO_TOPICS, load_definitions, plan
+from streams.topology.spec import REPO_TOPICS, TopicSpec, load_definitions, plan
 
 pytestmark = pytest.mark.cluster
 
@@ -107,3 +107,28 @@ def test_cluster_profile_over_single_replica_topics_is_planned_then_reassigned(h
     refused = [c for c in plan(dev, admin.state(list(dev))) if c.kind == "refused"]
     assert {c.topic for c in refused} == set(written)
     assert "replication factor 3 -> 1: lowering it throws away copies of every partition" in refused[0].detail
+
+
+def test_a_topic_created_before_its_profile_gets_its_replicas_when_its_role_starts(healthy_kafka_cluster,
+                                                                                    topic_namespace):
+    """Given the endpoint-health changelog (a topic not in topics/*.toml, made by the role itself) created on the
+    three-broker cluster with one replica, as a first start without the cluster profile makes it,
+    When the role starts again with the profile (`create_missing` with 3 replicas and min.insync.replicas 2),
+    Then the topic has 3 in-sync replicas on every partition and min.insync.replicas 2 (before: it kept its one
+    copy for good, and `topics apply` never sees it); a start without the profile afterwards leaves it as is."""
+    admin = TopicAdmin(healthy_kafka_cluster.bootstrap)
+    name = f"{topic_namespace}endpoint-health-changelog"
+    admin.create_missing({name: TopicSpec(name, 3, 1, {"cleanup.policy": "compact"})})
+    assert admin.state([name])[name].replication_factor == 1
+
+    admin.create_missing({name: TopicSpec(name, 3, 3, {"cleanup.policy": "compact", "min.insync.replicas": "2"})})
+
+    state = admin.state([name])[name]
+    assert (state.replication_factor, state.overrides.get("min.insync.replicas")) == (3, "2")
+    assert state.overrides["cleanup.policy"] == "compact"
+    assert list_partition_reassignments(healthy_kafka_cluster.bootstrap, {name: [0, 1, 2]}) == []
+    for p in admin.admin.list_topics(name, timeout=10).topics[name].partitions.values():
+        assert len(p.replicas) == 3 and sorted(p.isrs) == sorted(p.replicas), (p.id, p.replicas, p.isrs)
+    admin.create_missing({name: TopicSpec(name, 3, 1, {"cleanup.policy": "compact"})})
+    assert admin.state([name])[name].replication_factor == 3
+    admin.delete([name])

@@ -172,6 +172,17 @@ def test_every_long_lived_role_has_a_deployment_and_every_lane_its_worker_and_re
         assert lanes == expected, f"{role} Deployments cover {lanes}, expected each of {expected} once"
 
 
+def test_every_process_creates_its_topics_replicated():
+    """Given the ConfigMap every process reads (the topics Job, and the endpoint-health role, which creates its
+    own changelog topic from its own environment),
+    When the topic definitions are loaded as those processes load them,
+    Then every topic has 3 replicas and min.insync.replicas 2 (before: the profile was left to the topics Job, so
+    every topic had one copy as written, and the changelog one for good)."""
+    config = deployed_config()
+    topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
+    assert {(t.replication_factor, t.config.get("min.insync.replicas")) for t in topics.values()} == {(3, "2")}
+
+
 @pytest.mark.parametrize("kind, name", [(d["kind"], d["metadata"]["name"]) for d in documents()
                                         if d["kind"] in ("Deployment", "Job")])
 def test_every_container_runs_a_valid_streams_invocation(kind, name):
