@@ -149,7 +149,12 @@ class EndpointStore:
             current = Endpoint.from_doc(orjson.loads(raw))
             changed = change(current)
             # Nothing to write is a success too: the log still gets what Redis holds (it may lag it).
-            if changed == current or self._save(changed, raw):
+            try:
+                saved = changed == current or self._save(changed, raw)
+            except StoreUnavailable:
+                self._take_back(tenant, endpoint_id, raw)
+                raise
+            if saved:
                 self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
                 return changed
             self._log_what_redis_holds(tenant, endpoint_id)
@@ -161,6 +166,23 @@ class EndpointStore:
         if self.oplog is not None:
             log_what_redis_holds(self.oplog, f"endpoint/{endpoint_id}", lambda: self._raw(tenant, endpoint_id),
                                  after_success)
+
+    def _take_back(self, tenant: str, endpoint_id: str, before: bytes) -> None:
+        """A change the log took and Redis did not answer: the workers follow the log, and the caller is told
+        nothing changed (it may try again), so the log gets what Redis holds, or, while Redis does not answer,
+        what it held when the change read it (before: the log kept the change, and the workers signed with a
+        secret the caller never saw, or skipped an endpoint Redis still showed active)."""
+        if self.oplog is None:
+            return
+        try:
+            now = self._raw(tenant, endpoint_id)
+        except StoreUnavailable:
+            now = before
+        try:
+            self.oplog.put(f"endpoint/{endpoint_id}", orjson.loads(now) if now else None)
+        except PublishError:
+            log.error("endpoint %s: a change the operator log took failed in Redis, and the log could not be "
+                      "written back (the workers follow the log until the endpoint's next change)", endpoint_id)
 
     def _raw(self, tenant: str, endpoint_id: str) -> bytes | None:
         with store_errors("reading an endpoint"):

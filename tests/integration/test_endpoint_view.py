@@ -418,6 +418,38 @@ def test_a_create_whose_redis_write_fails_is_taken_back_out_of_the_operator_log(
     assert redis_client.zcard(keys.endpoint_reservations("acme")) == 0
 
 
+class KeepingLog:
+    """An operator log that keeps what was written to it."""
+
+    def __init__(self):
+        self.writes: list[tuple[str, object]] = []
+
+    def put(self, key, value) -> None:
+        self.writes.append((key, value))
+
+
+def test_a_change_whose_redis_write_fails_leaves_the_operator_log_with_what_redis_holds(redis_client, namespace):
+    """Given an endpoint, then a secret rotation whose operator-log write succeeds and whose Redis write then fails
+    (Redis stays unreadable meanwhile),
+    When it is refused (the store is unavailable: the caller is told nothing changed),
+    Then the operator log, which the workers follow, ends with the endpoint as it was, its first secret (before: the log kept the new secret, the workers signed with a secret the caller never saw,
+    and once the old one lapsed every delivery failed its receiver's check)."""
+    keys = RedisKeys(namespace)
+    kept = KeepingLog()
+    store = EndpointStore(redis_client, namespace, kept, UrlPolicy(require_https=False,
+                                                                   allow=frozenset({"127.0.0.1"})), system_resolver)
+    created, _ = store.create("acme", "http://127.0.0.1:9/hooks/x", ["*"])
+    as_stored = orjson.loads(redis_client.hget(keys.endpoints("acme"), created.id))
+    store.oplog = RecordingLog(redis_client, keys.endpoints("acme"))  # the next write breaks the hash
+    redis_client.delete(keys.endpoints("acme"))
+    redis_client.hset(keys.endpoints("acme"), created.id, orjson.dumps(as_stored))
+
+    with pytest.raises(StoreUnavailable):
+        store.rotate_secret("acme", created.id)
+    (key, rotated), (_, last) = store.oplog.writes
+    assert key == f"endpoint/{created.id}" and rotated != as_stored and last == as_stored
+
+
 def test_the_tenants_with_endpoints_are_read_from_redis(redis_client, namespace):
     """Given endpoints of tenants acme and beta written to Redis only (no operator log, so no view has them), a
     tenant with only a place reserved, a string key where a tenant's endpoints would be, and a tenant of another
