@@ -109,7 +109,9 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
     if event.get("kind") == "reactivated":
         reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
                               incident=h.incident + 1, since_ms=now)
-        return Outcome(reactivated, state_changed=h.state != "active")
+        # Published even when this table says active already: the state topic, which the workers and ingest
+        # follow, may still say degraded (a changelog recreated or behind it), and a reactivation repairs that.
+        return Outcome(reactivated, state_changed=True)
     if event.get("outcome") == "delivered":
         return Outcome(replace(h, consecutive_failures=0))
     h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))

@@ -142,6 +142,16 @@ def test_reactivation_resets_the_counter_and_clears_the_alert_state():
     assert [k for k, _ in f.alerts] == ["stopped", "stopped"] and f.alerts[0][1] != f.alerts[1][1]
 
 
+def test_a_reactivation_publishes_the_state_even_when_the_table_says_active_already():
+    """Given an endpoint this table holds active (the state topic, which workers and ingest follow, may still say
+    degraded: a changelog recreated, or behind the state topic),
+    When it is reactivated,
+    Then the reactivation publishes its state (before: nothing was published, the endpoint stayed degraded
+    everywhere else for good and every new event was skipped, while the API answered that it was reactivated)."""
+    out = apply(Health("ep_1", tenant="acme"), reactivation_event("ep_1", "acme", 100), 5)
+    assert out.state_changed and out.health.state == "active" and state_doc(out.health)["state"] == "active"
+
+
 def test_an_event_applied_before_a_restart_changes_nothing_when_read_again():
     """Given the tenth failure applied (stopped alert, degraded) at offset 9,
     When the app restarts and reads offset 9 again (its commit came after),
