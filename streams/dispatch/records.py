@@ -109,13 +109,14 @@ class RecordWriter:
                       "origin": self.origin(p)}, on_ack)
 
     def webhook_attempt(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
-                        on_ack: OnAck | None = None) -> None:
+                        on_ack: OnAck | None = None, held: bool = False) -> None:
         """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
-        delivery was given up after it, for this reason (the dead letter's; false: not given up)."""
+        delivery was given up after it, for this reason (the dead letter's; false: not given up); `held`: the
+        receiver asked to wait a few seconds, and the worker tries the same attempt again after that wait."""
         fields = webhook_fields(p.send)
         event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
                  **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024],
-                 "dropped": dropped or False}
+                 "dropped": dropped or False, "held": held}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {}, on_ack)
 

@@ -50,13 +50,16 @@ from .tenant_queues import Offset, Pending, TenantQueues
 
 log = logging.getLogger("streams.settle")
 AUTH_HOLD_S = 30.0
+# A webhook receiver asking to wait a few seconds, answer after answer, is not counted against its endpoint's
+# health for this long (a burst it rate-limits); past it, each such answer counts, and one that never stops
+# asking degrades the endpoint instead of holding its deliveries, and its partition's offset, in the worker.
+HELD_UNCOUNTED_MS = 60_000
 
 
 def providers_tried(p: Pending, route: Route) -> list[str]:
     """The providers this send has been tried on, this one included (from its retry headers)."""
     earlier = [n for n in (p.headers.get("providers_tried") or b"").decode(errors="replace").split(",") if n]
     return earlier if route.name in earlier else [*earlier, route.name]
-
 
 
 def earlier_attempts(job: Job) -> dict[str, int]:
@@ -66,6 +69,7 @@ def earlier_attempts(job: Job) -> dict[str, int]:
     for p in job.members:
         earlier[p.send.send_id] = max(earlier.get(p.send.send_id, 0), p.attempt - 1)
     return earlier
+
 
 class Settler:
     def __init__(self, routes: Routes, label: tuple[str, str], queues: TenantQueues, tracker: OffsetTracker,
@@ -227,7 +231,8 @@ class Settler:
             return
         if wait_in_process(result, now_ms):
             for p in job.members:
-                self._announce(p, result, now_ms)
+                p.held_since_ms = p.held_since_ms or now_ms
+                self._announce(p, result, now_ms, held=now_ms - p.held_since_ms < HELD_UNCOUNTED_MS)
             self._back_off_in_process(job, result, now_ms)
             return
         for p in job.members:
@@ -298,11 +303,12 @@ class Settler:
                     q.ready_at = max(q.ready_at, until)
 
     def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
-                  on_ack: OnAck | None = None) -> None:
+                  on_ack: OnAck | None = None, held: bool = False) -> None:
         """Every webhook attempt is an event on the attempts topic; `dropped` marks the attempt after
-        which the delivery was given up, with why (endpoint health counts both; its alert names why)."""
+        which the delivery was given up, with why (endpoint health counts both; its alert names why);
+        `held`, one the worker tries again after the few seconds the receiver asked for (not counted)."""
         if p.send.channel == "webhook":
-            self.records.webhook_attempt(p, result, now_ms, dropped, on_ack)
+            self.records.webhook_attempt(p, result, now_ms, dropped, on_ack, held)
 
     def _announced(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str, then: OnAck) -> OnAck:
         """`_announce`, returning what to give the record that settles the message: `then` runs once that

@@ -31,6 +31,7 @@ class Pending:
     attempt: int
     provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
     consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)
+    held_since_ms: int = 0     # its first short 429 of this attempt, waited out in the worker (0: none)
 
     @property
     def where(self) -> Offset:

@@ -100,6 +100,12 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
         return Outcome(h)  # already applied before a restart: nothing happens twice
     if event.get("outcome") == "skipped" or event.get("error") in OURS:
         return Outcome(replace(h, applied_upto=offset))  # never attempted: neither a failure nor a success
+    if event.get("held") is True:
+        # The receiver asked to wait a few seconds (429, 503 with Retry-After), and the worker tries the same
+        # attempt again after that wait: the receiver is there, and a 20 s burst of such answers, ten a
+        # delivery, must not degrade it while a failing receiver takes hours on the retry schedule. An
+        # attempt that ends throttled (a longer wait, through the retry tiers) still counts.
+        return Outcome(replace(h, applied_upto=offset))
     if h.tenant and event.get("tenant_id") and event["tenant_id"] != h.tenant:
         # Another tenant's event naming this endpoint (written to a lane past ingest): it neither counts nor
         # moves the endpoint, nor its alerts, to that tenant.

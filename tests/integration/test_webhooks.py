@@ -34,7 +34,7 @@ from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
 from streams.webhooks.ssrf import UrlPolicy
-from tests.harness import committed_lag, committed_messages, free_port, start_api, wait_until
+from tests.harness import committed_lag, committed_messages, free_port, read_committed, start_api, wait_until
 from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final
 from tests.harness import register_endpoint as _register
@@ -182,6 +182,24 @@ def test_a_receivers_retry_after_cannot_stop_the_worker_for_everyone(hooks, mock
     assert _final(hooks, other, who="b")["status"] == "delivered"
     assert [name for name, proc, _ in processes.procs if proc.poll() is not None] == []
     assert _delivery(hooks, held)["status"] == "retrying"
+
+
+def test_a_receiver_asking_to_wait_a_second_is_tried_again_held_and_not_counted_against_it(hooks, mock_endpoint,
+                                                                                              stack, names):
+    """Given an endpoint answering 429 with Retry-After: 1,
+    When an event is delivered to it, it answers so at least twice, and is then fixed,
+    Then the delivery is delivered, and each 429 is on the attempts topic as `held` (tried again in the worker
+    after the wait, which endpoint health does not count as a failure: before, ten such answers in some 10 s
+    degraded the endpoint and an alert said deliveries had stopped)."""
+    ep = _register(hooks, mock_endpoint, "busy", status=429, retry_after="1")
+    delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    wait_until(lambda: mock_endpoint.stats()["endpoints"].get("busy", {}).get("failed", 0) >= 2, 20, "two 429s")
+    mock_endpoint.configure("busy", status=200)
+    assert _final(hooks, delivery_id)["status"] == "delivered"
+    attempts = [a for a in read_committed(stack.bootstrap, names.webhook_attempts) if a["endpoint_id"] == ep["id"]]
+    throttled = [a for a in attempts if a["outcome"] == "throttled"]
+    assert len(throttled) >= 2 and all(a["held"] is True for a in throttled), attempts
+    assert [a["held"] for a in attempts if a["outcome"] == "delivered"] == [False]
 
 
 def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):

@@ -142,6 +142,22 @@ def test_reactivation_resets_the_counter_and_clears_the_alert_state():
     assert [k for k, _ in f.alerts] == ["stopped", "stopped"] and f.alerts[0][1] != f.alerts[1][1]
 
 
+def test_a_receiver_asking_to_wait_a_few_seconds_is_not_degraded_for_it():
+    """Given an endpoint whose receiver answers 429 with Retry-After: 2 through a burst, each answer an attempt
+    event the worker tries again after the wait (`held`), 30 of them,
+    When they are applied,
+    Then it stays active with no failure counted and no alert (before: the tenth degraded it in some 20 s, while a
+    receiver answering 500 takes hours on the retry schedule); 10 throttled attempts that each went to a retry
+    tier (not held) still degrade it."""
+    f = Feed()
+    for t in range(30):
+        f.push({"kind": "attempt", "outcome": "throttled", "status_code": 429, "dropped": False, "held": True}, t)
+    assert (f.h.state, f.h.consecutive_failures, f.alerts) == ("active", 0, [])
+    for t in range(30, 40):
+        f.push({"kind": "attempt", "outcome": "throttled", "status_code": 429, "dropped": False, "held": False}, t)
+    assert f.h.state == "degraded" and [k for k, _ in f.alerts] == ["stopped"]
+
+
 def test_a_reactivation_publishes_the_state_even_when_the_table_says_active_already():
     """Given an endpoint this table holds active (the state topic, which workers and ingest follow, may still say
     degraded: a changelog recreated, or behind the state topic),

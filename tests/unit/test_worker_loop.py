@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
+from streams.dispatch import settle as settle_module
 from streams.dispatch.backlog import HORIZON_S, BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest, idempotency_key
 from streams.dispatch.requests import Job
@@ -31,7 +32,7 @@ from streams.providers.outcome import ProviderResult, classify, redact
 from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
-from tests.harness import email_request, sms_request
+from tests.harness import email_request, sms_request, webhook_event
 
 NAMES = TopicNames("u.")
 TOPIC = NAMES.lane("email", "transactional")
@@ -216,9 +217,9 @@ DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
 def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None,
-            producer=None, channel="email"):
+            producer=None, channel="email", lane_channel="email"):
     spec = replace(load_registry().primary(channel), idempotent=idempotent)
-    cfg = WorkerConfig("email", lane, "unused:9092", spec, NAMES)
+    cfg = WorkerConfig(lane_channel, lane, "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), producer or FakeProducer(), provider or FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
     worker = LaneWorker(cfg, consumer, producer, routes, gate or FakeGate(), jobs or FakeJobs(), load_policies())
@@ -620,6 +621,31 @@ def test_short_429s_waited_out_in_the_worker_do_not_use_up_attempts():
     assert len(provider.sent) == 9 and not any(".retry." in t for t in producer.records)
     [(event, _)] = producer.records[NAMES.outcomes][-1:]
     assert orjson.loads(event)["status"] == "delivered" and orjson.loads(event)["attempts"] == 1
+
+
+@pytest.mark.parametrize("held_for_ms, held", [(None, True), (0, False)], ids=["within 60 s", "past it"])
+def test_a_receivers_short_429s_are_announced_held_until_they_have_lasted_a_minute(monkeypatch, held_for_ms, held):
+    """Given a webhook receiver answering 429 with Retry-After: 0 three times, then 200,
+    When the worker waits each out and tries the same attempt again,
+    Then each 429's attempt event says `held` (endpoint health does not count it) while the receiver has asked to
+    wait for less than a minute, and not once it has asked for longer (each then counts: a receiver that never
+    stops asking is degraded rather than holding its deliveries in the worker); the delivery is attempt 1."""
+    if held_for_ms is not None:
+        monkeypatch.setattr(settle_module, "HELD_UNCOUNTED_MS", held_for_ms)
+    request = webhook_event()
+    request["payload"] = {**request["payload"], "event_id": "ev_1", "endpoint_id": "ep_1"}
+    send = build_send(validate_request(request), "acme")
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send))], channel="webhook",
+                                                   lane_channel="webhook")
+    answers = [ProviderResult("throttled", 429, retry_after="0", error_name="http_429")] * 3 + [DELIVERED]
+    provider.post = lambda *args: (provider.sent.append(args[1]), answers.pop(0))[1]
+    deadline = time.monotonic() + 10  # each 429 holds the endpoint's queue for the default second
+    while answers and time.monotonic() < deadline:
+        worker.step()
+    _run(worker)
+    attempts = [orjson.loads(v) for v, _ in producer.records[NAMES.webhook_attempts]]
+    assert [(a["outcome"], a["held"], a["n"]) for a in attempts] == [("throttled", held, 1)] * 3 + [
+        ("delivered", False, 1)]
 
 
 def test_an_unknown_outcome_at_a_provider_without_idempotency_keys_goes_to_reconciliation():
