@@ -210,6 +210,11 @@ ALONE_TRIES = 3      # tries alone not confirmed alone (a slow broker) before a 
 REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 
 
+# What produce() raises at once for a topic librdkafka knows it cannot write to now: denied, or not there.
+TOPIC_UNAVAILABLE = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError._UNKNOWN_TOPIC,
+                               KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION})
+
+
 class AckedWriter:
     """Writes records whose acknowledgement matters (outcomes, retry copies, dead letters).
 
@@ -244,6 +249,12 @@ class AckedWriter:
         self.pending_bytes -= record.size
 
     def _produce(self, record: _Record) -> None:
+        def on_failed(err: KafkaError) -> None:
+            metrics.PRODUCE_RETRIES.labels(self.label).inc()
+            self.outage.failed(time.monotonic(), err)
+            record.alone = False  # produced again with others: a size refusal then says nothing of it alone
+            self._failed.append(record)
+
         def on_delivery(err: KafkaError | None, msg: Any) -> None:
             self.unacknowledged -= 1
             if err is None:
@@ -261,10 +272,7 @@ class AckedWriter:
                 self._settled(record)
                 record.on_refused(err)
             else:
-                metrics.PRODUCE_RETRIES.labels(self.label).inc()
-                self.outage.failed(time.monotonic(), err)
-                record.alone = False  # produced again with others: a size refusal then says nothing of it alone
-                self._failed.append(record)
+                on_failed(err)
 
         self.unacknowledged += 1
         try:
@@ -278,8 +286,14 @@ class AckedWriter:
                 self._settled(record)
                 record.on_refused(err)
                 return
-            self._settled(record)
-            raise
+            if err.code() not in TOPIC_UNAVAILABLE:  # a fenced or failed producer, a bug: the role stops
+                self._settled(record)
+                raise
+            # A topic the cluster denies or does not have (an ACL, a tier made by an upgrade before `topics
+            # apply`): once librdkafka has marked it so, every produce to it fails here, at once. Kept and
+            # produced again after the backoff, as a failed delivery is (the caller's offsets stay unstored);
+            # raising made the role crash again on every restart, at the first record for that topic.
+            on_failed(err)
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; produce again what failed, once the backoff allows."""

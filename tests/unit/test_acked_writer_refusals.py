@@ -1,7 +1,7 @@
 """The broker refuses a whole batch of records for its size: the acknowledged writer tries a record
 refused in a batch again alone, and only a record refused alone is given up on (`on_refused`)."""
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from streams.kafka_client import AckedWriter
 
@@ -110,3 +110,50 @@ def test_a_record_to_try_alone_waits_for_an_empty_queue_and_a_try_not_confirmed_
     writer.write("t", b"other")  # produced beside it: their batch is refused
     run(writer, producer)
     assert (acked, refused, writer.pending) == ([1], [], 0)
+
+
+class DenyingProducer:
+    """librdkafka for a topic the cluster denies (an ACL) or does not have: the first record, queued before the
+    metadata came, fails in its delivery report; from then on produce() to it raises at once, until the topic
+    is there (`allowed`)."""
+
+    def __init__(self):
+        self.waiting, self.marked_bad, self.allowed = [], False, False
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        if self.marked_bad and not self.allowed:
+            raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+        self.waiting.append(on_delivery)
+
+    def poll(self, timeout=0):
+        waiting, self.waiting = self.waiting, []
+        for on_delivery in waiting:
+            if self.allowed:
+                on_delivery(None, Written())
+            else:
+                self.marked_bad = True
+                on_delivery(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), None)
+        return len(waiting)
+
+    def flush(self, timeout=0):
+        self.poll()
+        return 0
+
+
+def test_records_for_a_topic_the_cluster_denies_are_held_and_written_once_it_allows_them():
+    """Given a topic the cluster denies (its first record failed in its delivery report, later produces raise),
+    When records for it are written and produced again after the backoff, then the topic is allowed,
+    Then nothing raises (before: the produce's refusal left the worker's step, and the worker crashed again on
+    every restart at its first retry copy or dead letter), both records stay pending, unacknowledged, and both
+    are acknowledged once it is allowed."""
+    producer = DenyingProducer()
+    writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    acked = []
+    writer.write("notif.email.marketing.retry.5m", b"first", on_ack=lambda: acked.append(b"first"))
+    run(writer, producer, rounds=1)
+    writer.write("notif.email.marketing.retry.5m", b"second", on_ack=lambda: acked.append(b"second"))
+    run(writer, producer, rounds=3)
+    assert (writer.pending, acked) == (2, [])
+    producer.allowed = True
+    run(writer, producer, rounds=3)
+    assert (writer.pending, writer.pending_bytes, sorted(acked)) == (0, 0, [b"first", b"second"])
