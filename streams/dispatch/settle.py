@@ -160,6 +160,12 @@ class Settler:
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
         now_ms = now_ms or int(time.time() * 1000)
+        if result.outcome == "delivered" and result.message_ids and len(result.message_ids) != len(job.send_ids):
+            # A 2xx naming more or fewer messages than the request held (a batch partly refused, as a permissive
+            # batch mode answers): which were taken is not said, so none is called delivered. Asked again under
+            # its key (answered from the provider's store), it ends dead-lettered unknown_outcome, for an
+            # operator to check, rather than every email of the batch recorded delivered.
+            result = replace(result, outcome="unknown", error_name="message_count_mismatch")
         try:
             if result.outcome == "delivered":
                 self._delivered(job, result, now_ms)

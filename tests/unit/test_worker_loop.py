@@ -879,6 +879,25 @@ def test_a_batch_answered_500_keeps_its_sends_claimed_and_only_its_request_is_se
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
 
 
+def test_a_batch_answered_2xx_naming_fewer_messages_than_it_held_is_not_recorded_delivered():
+    """Given a batch of three marketing emails answered 200 with one message id (two refused, as a permissive batch
+    mode answers, without saying which),
+    When the worker settles it,
+    Then no email of it is recorded delivered (before: all three were, two of them never sent): the sends stay
+    claimed under the batch's key, to be asked again under it, each with a retry copy."""
+    sends, msgs = _messages(["acme"] * 3)
+    jobs = RecordingJobs()
+    worker, consumer, producer, provider = _worker(msgs, answer=ProviderResult("delivered", 200, ("m-only",)),
+                                                   jobs=jobs, lane="marketing")
+    _run(worker)
+    statuses = [orjson.loads(v)["status"] for v, _ in producer.records.get(NAMES.outcomes, [])]
+    assert "delivered" not in statuses and statuses, statuses
+    [key] = {jobs.state[s.send_id] for s in sends}
+    assert key.startswith("inflight:")
+    retry_topic, = (t for t in producer.records if ".retry." in t)
+    assert sorted(h["send_id"] for _, h in producer.records[retry_topic]) == sorted(s.send_id.encode() for s in sends)
+
+
 def test_a_send_whose_first_answer_was_lost_and_whose_resends_all_fail_is_dead_lettered_unknown_outcome():
     """Given an email the provider accepted but whose answer was lost (502), and every re-send of its request
     refused (503) until its attempts are used up,
