@@ -81,13 +81,17 @@ class LanePauses:
         self.paused -= gone
         self._metrics()
 
-    def backpressure(self, buffered: int, limit: int) -> None:
-        if buffered >= limit:
+    def backpressure(self, buffered: int, limit: int, buffered_bytes: int = 0, bytes_limit: int | None = None) -> None:
+        """Pause every partition when the buffer holds `limit` messages or `bytes_limit` bytes of them (large
+        sends fill memory long before the count does), until both are down to half."""
+        full_bytes = bytes_limit is not None and buffered_bytes >= bytes_limit
+        if buffered >= limit or full_bytes:
             if "backpressure" not in self.reasons:
                 metrics.BACKPRESSURE_PAUSES.labels(*self._label).inc()
-                log.warning("buffer full (%d messages): pausing every partition until half is sent", buffered)
+                log.warning("buffer full (%d messages, %d MiB): pausing every partition until half is sent",
+                            buffered, buffered_bytes // 2**20)
             self.reasons.add("backpressure")
-        elif buffered <= limit // 2:
+        elif buffered <= limit // 2 and (bytes_limit is None or buffered_bytes <= bytes_limit // 2):
             self.reasons.discard("backpressure")
 
     def follow_lag(self) -> None:

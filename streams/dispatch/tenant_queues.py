@@ -64,6 +64,7 @@ class TenantQueues:
         self.queues: dict[str, TenantQueue] = {}
         self.global_ready_at = 0.0
         self.buffered = 0
+        self.buffered_bytes = 0  # what the queued messages' events weigh (held twice: bytes and decoded)
 
     def key_of(self, p: Pending) -> str:
         """A message's queue: its tenant's (its endpoint's), apart for a fallback provider's messages
@@ -74,6 +75,7 @@ class TenantQueues:
     def add(self, p: Pending) -> None:
         self.queues.setdefault(self.key_of(p), TenantQueue()).items.append(p)
         self.buffered += 1
+        self.buffered_bytes += len(p.raw)
 
     def ready(self, now: float) -> list[str]:
         """Queues with work whose holds have passed."""
@@ -105,7 +107,7 @@ class TenantQueues:
         taken: list[Pending] = []
         while q.items and len(taken) < n and q.items[0].send.tenant_id == tenant:
             taken.append(q.items.popleft())
-        self.buffered -= len(taken)
+        self._removed(taken)
         return taken
 
     def take_newest(self, key: str, n: int) -> list[Pending]:
@@ -115,7 +117,7 @@ class TenantQueues:
             return []
         taken = [q.items.pop() for _ in range(min(n, len(q.items)))]
         taken.reverse()
-        self.buffered -= len(taken)
+        self._removed(taken)
         return taken
 
     def put_back(self, key: str, items: list[Pending], hold_until: float | None = None) -> None:
@@ -126,6 +128,7 @@ class TenantQueues:
         q = self.queues.setdefault(key, TenantQueue())
         q.items.extendleft(reversed(items))
         self.buffered += len(items)
+        self.buffered_bytes += sum(len(p.raw) for p in items)
         if hold_until is not None:
             q.ready_at = hold_until
 
@@ -144,15 +147,18 @@ class TenantQueues:
         out = [p for p in q.items if p.send.send_id in wanted]
         if out:
             q.items = deque(p for p in q.items if p.send.send_id not in wanted)
-            self.buffered -= len(out)
+            self._removed(out)
         return out
 
     def forget(self, partitions: set[tuple[str, int]]) -> None:
         """Drop the messages of revoked partitions (their new owner reads them again)."""
         for q in self.queues.values():
-            kept = deque(p for p in q.items if (p.topic, p.partition) not in partitions)
-            self.buffered -= len(q.items) - len(kept)
-            q.items = kept
+            self._removed([p for p in q.items if (p.topic, p.partition) in partitions])
+            q.items = deque(p for p in q.items if (p.topic, p.partition) not in partitions)
+
+    def _removed(self, items: list[Pending]) -> None:
+        self.buffered -= len(items)
+        self.buffered_bytes -= sum(len(p.raw) for p in items)
 
 
 def unique_sends(items: list[Pending]) -> tuple[list[Pending], list[Pending]]:

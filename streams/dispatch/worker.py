@@ -60,6 +60,7 @@ class WorkerConfig:
     names: TopicNames = TopicNames()
     concurrency: int = 8            # provider requests in flight
     max_buffered: int = 20_000      # messages held in tenant queues before partitions are paused
+    max_buffered_bytes: int = 256 * 2**20  # ... or bytes of them (a queued message takes ~2x its size in memory)
     lease_s: float = LEASE_S        # a claim's lease; refreshed every REFRESH_EVERY_S while in flight
     yield_policy: YieldPolicy | None = None  # marketing lanes yield to the transactional lane
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -164,7 +165,9 @@ class LaneWorker:
         self._store_offsets()
         # What waits for the broker's acknowledgement counts too: with a retry tier, the DLQ or the outcomes
         # unwritable (an ACL, a partition without its replicas) the copies pile up there, not in the queues.
-        self.pauses.backpressure(self.queues.buffered + self.records.writer.pending, self.cfg.max_buffered)
+        self.pauses.backpressure(self.queues.buffered + self.records.writer.pending, self.cfg.max_buffered,
+                                 self.queues.buffered_bytes + self.records.writer.pending_bytes,
+                                 self.cfg.max_buffered_bytes)
         self.pauses.apply()
 
     def _of_assigned(self, msgs: list) -> list:

@@ -242,6 +242,7 @@ def test_delivered_sends_publish_outcomes_and_store_offsets():
     outcomes = producer.records[NAMES.outcomes]
     assert sorted(v for v, _ in outcomes) and len(outcomes) == 3
     assert consumer.stored[(TOPIC, 0)] == 3  # everything below offset 3 is done
+    assert (worker.queues.buffered, worker.queues.buffered_bytes) == (0, 0)
 
 
 def test_a_throttled_tenant_waits_alone_and_pins_only_its_own_offset():
@@ -1854,6 +1855,25 @@ def test_copies_the_broker_does_not_acknowledge_count_against_the_buffer():
     assert worker.records.writer.pending == 10 and worker.queues.buffered == 0
     assert "backpressure" in worker.pauses.reasons
     assert consumer.stored.get((TOPIC, 0), 0) == 0  # and nothing unacknowledged is committed past
+
+
+def test_large_sends_pause_the_partitions_by_their_bytes_long_before_their_count_would():
+    """Given a worker allowed 20,000 messages or 100 KiB of them in memory, and a tenant held by its bucket,
+    When 10 sends of 20 KiB each arrive (a blast of HTML emails: 200 KiB, 10 messages),
+    Then it pauses its partitions (backpressure) rather than read on (before: only the count paused, so sends of
+    up to 1 MiB could fill 20 GiB, twice that in memory, and the pod was killed and read them all again)."""
+    sends = [build_send(validate_request(email_request(html="x" * 20 * 1024)), "held") for _ in range(10)]
+    spec = load_registry().primary("email")
+    consumer = FakeConsumer([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)])
+    config = WorkerConfig("email", "transactional", "unused:9092", spec, NAMES, max_buffered_bytes=100 * 1024)
+    worker = LaneWorker(config, consumer, FakeProducer(), Routes([Route(spec, FakeProvider(DELIVERED),
+                                                                        ProviderCredentials({"*": "re_key"}))]),
+                        FakeGate(short_tenants={"held"}), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    for _ in range(5):
+        worker.step()
+    assert worker.queues.buffered == 10 and worker.queues.buffered_bytes > 200 * 1024
+    assert "backpressure" in worker.pauses.reasons
 
 
 class OutcomesUnacknowledged(FakeProducer):
