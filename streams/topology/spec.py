@@ -32,6 +32,12 @@ KNOWN_CONFIGS = frozenset({
     "min.insync.replicas", "max.message.bytes", "min.compaction.lag.ms", "max.compaction.lag.ms",
     "delete.retention.ms", "compression.type", "message.timestamp.type", "min.cleanable.dirty.ratio",
 })
+# The integer configs and the least value the broker takes for each (-1: no limit).
+_INTEGER_AT_LEAST = {"retention.ms": -1, "retention.bytes": -1, "segment.ms": 1, "segment.bytes": 14,
+                     "min.insync.replicas": 1, "max.message.bytes": 0, "min.compaction.lag.ms": 0,
+                     "max.compaction.lag.ms": 1, "delete.retention.ms": 0}
+_ONE_OF = {"compression.type": {"uncompressed", "zstd", "lz4", "snappy", "gzip", "producer"},
+           "message.timestamp.type": {"CreateTime", "LogAppendTime"}}
 _FIELDS = {"name", "partitions", "replication_factor", "config", "description"}
 _CLEANUP = {"delete", "compact", "compact,delete", "delete,compact"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -108,6 +114,21 @@ def _positive_int(raw: object, where: str, fld: str) -> int:
     return raw
 
 
+def _check_config_values(config: dict[str, str], where: str) -> None:
+    """Values the broker would refuse, or that would stop every write, are refused here, before anything is applied
+    (`apply` creates topics before it alters configs: a value refused by the broker would leave a half-applied
+    plan)."""
+    for key, least in _INTEGER_AT_LEAST.items():
+        if key in config and (not re.fullmatch(r"-?[0-9]+", config[key]) or int(config[key]) < least):
+            raise _fail(where, f"field 'config.{key}' must be an integer >= {least}, got {config[key]!r}")
+    for key, allowed in _ONE_OF.items():
+        if key in config and config[key] not in allowed:
+            raise _fail(where, f"field 'config.{key}' must be one of {sorted(allowed)}, got {config[key]!r}")
+    ratio = config.get("min.cleanable.dirty.ratio")
+    if ratio is not None and not (re.fullmatch(r"[0-9]*\.?[0-9]+", ratio) and 0 <= float(ratio) <= 1):
+        raise _fail(where, f"field 'config.min.cleanable.dirty.ratio' must be a number from 0 to 1, got {ratio!r}")
+
+
 def parse_definitions(path: Path, text: str, namespace: str = "") -> list[TopicSpec]:
     """Parse one definition file into expanded topic specs; errors name file, topic and field."""
     try:
@@ -145,9 +166,7 @@ def parse_definitions(path: Path, text: str, namespace: str = "") -> list[TopicS
         policy = config.get("cleanup.policy")
         if policy is not None and policy not in _CLEANUP:
             raise _fail(where, f"field 'config.cleanup.policy' must be one of {sorted(_CLEANUP)}, got {policy!r}")
-        for key in ("retention.ms", "retention.bytes", "segment.ms", "delete.retention.ms"):
-            if key in config and not re.fullmatch(r"-?[0-9]+", config[key]):
-                raise _fail(where, f"field 'config.{key}' must be an integer, got {config[key]!r}")
+        _check_config_values(config, where)
         for name in _expand(raw_name, where):
             full = namespace + name
             if not _NAME.fullmatch(full) or len(full) > 249:
@@ -204,8 +223,20 @@ def load_definitions(directory: Path | None = None, namespace: str = "",
             specs[spec.name] = spec
     _check_retry_partitions(specs)
     if profile is None:
+        _check_insync_replicas(specs)
         return specs
     return apply_profile(specs, topic_profile(profile) if isinstance(profile, str) else profile)
+
+
+def _check_insync_replicas(specs: dict[str, TopicSpec]) -> None:
+    """As written (no profile), a topic's min.insync.replicas within its replicas (`apply_profile` checks a
+    profile's): more, and every write acknowledged by all in-sync replicas is refused, for good."""
+    for spec in specs.values():
+        insync = spec.config.get("min.insync.replicas")
+        if insync is not None and int(insync) > spec.replication_factor:
+            raise ConfigError(f"{spec.source}: field 'config.min.insync.replicas' = {insync} is more than its "
+                              f"replication_factor ({spec.replication_factor}): no write could be acknowledged "
+                              "(raise the replication with a profile: --profile / DUAL_RAIL_TOPIC_PROFILE)")
 
 
 def _check_retry_partitions(specs: dict[str, TopicSpec]) -> None:

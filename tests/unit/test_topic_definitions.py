@@ -38,7 +38,7 @@ def test_namespace_prefixes_every_name():
     ('name="a"\npartitions=0\nreplication_factor=1', "x.toml: topic 'a': field 'partitions' must be an integer >= 1, got 0"),
     ('name="a"\npartitions=1', "x.toml: topic 'a': field 'replication_factor' must be an integer >= 1, got None"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.msx"="1"}', "x.toml: topic 'a': field 'config.retention.msx' is not a known topic config"),
-    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="7d"}', "x.toml: topic 'a': field 'config.retention.ms' must be an integer, got '7d'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="7d"}', "x.toml: topic 'a': field 'config.retention.ms' must be an integer >= -1, got '7d'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"cleanup.policy"="compacted"}', "field 'config.cleanup.policy' must be one of"),
     ('name="notif.{region}"\npartitions=1\nreplication_factor=1', "x.toml: topic 'notif.{region}': field 'name': unknown placeholder {region}"),
     ('name="a"\npartitions=1\nreplication_factor=1\npartition=3', "x.toml: topic 'a': unknown field(s) ['partition']"),
@@ -48,6 +48,17 @@ def test_namespace_prefixes_every_name():
     ('name="a\\n"\npartitions=1\nreplication_factor=1', "invalid Kafka topic name 'a\\n'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="\u0661\u0662"}',
      "field 'config.retention.ms' must be an integer"),
+    # Values the broker would refuse, once other topics of the plan were created already (before: accepted).
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"max.message.bytes"="lots"}',
+     "field 'config.max.message.bytes' must be an integer >= 0, got 'lots'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"=-7}',
+     "field 'config.retention.ms' must be an integer >= -1, got '-7'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"min.insync.replicas"=0}',
+     "field 'config.min.insync.replicas' must be an integer >= 1, got '0'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"compression.type"="brotli"}',
+     "field 'config.compression.type' must be one of"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"min.cleanable.dirty.ratio"="1.5"}',
+     "field 'config.min.cleanable.dirty.ratio' must be a number from 0 to 1, got '1.5'"),
 ])
 def test_invalid_definition_names_file_topic_and_field(body, expected):
     with pytest.raises(ConfigError) as err:
@@ -60,6 +71,18 @@ def test_retry_topic_with_fewer_partitions_than_its_lane_is_rejected(tmp_path):
                                      '[[topic]]\nname="notif.email.marketing.retry.10s"\npartitions=2\nreplication_factor=1\n')
     with pytest.raises(ConfigError, match=r"notif.email.marketing.retry.10s has 2 partitions, fewer than its lane"):
         load_definitions(tmp_path)
+
+
+def test_min_insync_replicas_above_the_replication_factor_is_refused_as_written_and_kept_for_a_profile(tmp_path):
+    """Given a topic of 1 replica whose definition asks 2 in sync (every acks=all write would be refused, for good:
+    the lanes stall behind NOT_ENOUGH_REPLICAS),
+    When the definitions are loaded as written, and with the cluster profile (3 replicas),
+    Then as written they are refused naming the file, topic and field; with the profile they load, keeping 2."""
+    (tmp_path / "a.toml").write_text('[[topic]]\nname="notif.dlq"\npartitions=1\nreplication_factor=1\n'
+                                     'config={"min.insync.replicas"=2}\n')
+    with pytest.raises(ConfigError, match=r"topic 'notif.dlq': field 'config.min.insync.replicas' = 2 is more than"):
+        load_definitions(tmp_path)
+    assert load_definitions(tmp_path, profile="cluster")["notif.dlq"].config["min.insync.replicas"] == "2"
 
 
 def test_topic_defined_twice_is_rejected(tmp_path):
