@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import io
 import re
+import shlex
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from streams import kafka_client
 from streams.cli import build_parser, roles
 from streams.config import Config
 from streams.lanes import CHANNELS, LANES
+from streams.providers.registry import load_registry
 from streams.topology.spec import load_definitions
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -170,6 +172,48 @@ def test_every_long_lived_role_has_a_deployment_and_every_lane_its_worker_and_re
         lanes = sorted((a.channel, a.lane) for a in running if a.command == role)
         expected = sorted((c, lane) for c in CHANNELS for lane in LANES)
         assert lanes == expected, f"{role} Deployments cover {lanes}, expected each of {expected} once"
+
+
+def cpu_millis(workload: dict[str, Any]) -> float:
+    cpu = str(container(workload)["resources"]["requests"]["cpu"])
+    return float(cpu[:-1]) if cpu.endswith("m") else float(cpu) * 1000
+
+
+@pytest.mark.parametrize("role", ["worker", "retrier"])
+def test_marketing_copies_weigh_as_little_as_nice_10_against_transactional_ones(role):
+    """Given a channel's transactional and marketing Deployments of a role,
+    When their CPU requests (their cgroups' CPU weight, which is what a container's share comes from: nice 10
+    weighs only against the container's own processes) are compared,
+    Then a marketing copy asks at most 110/1024 of a transactional one (nice 10's weight against nice 0), as
+    docker-compose's cpu_shares do (before: the same, so a blast's CPU use delayed OTPs on a shared node)."""
+    for channel in CHANNELS:
+        transactional = deployments()[f"{role}-{channel}-transactional"]
+        marketing = deployments()[f"{role}-{channel}-marketing"]
+        assert cpu_millis(marketing) <= cpu_millis(transactional) * 110 / 1024, (channel, role)
+
+
+def setup_commands() -> list[list[str]]:
+    """The `streams ...` commands the README's setup runs in pods (`kubectl ... exec ... -- streams ...`)."""
+    text = (K8S / "README.md").read_text()
+    found = re.finditer(r"^kubectl [^\n]*? -- streams (.*)$", text, flags=re.M)
+    return [shlex.split(m.group(1), comments=True) for m in found]
+
+
+def test_the_setup_sets_limits_for_every_provider_and_its_commands_are_real():
+    """Given the README's setup commands,
+    When they are parsed by the real `streams` parser, and the providers they set limits for are listed,
+    Then every one parses, and every provider of providers.toml gets a global and a `*` tenant limit (before:
+    resend only, so the SMS and webhook workers held every send, waiting for limits nobody had set)."""
+    parser = build_parser()
+    commands = setup_commands()
+    assert len(commands) >= 5, commands
+    for argv in commands:
+        parser.parse_args(argv)
+    limits = [parser.parse_args(argv) for argv in commands if argv[:2] == ["limits", "set"]]
+    global_set = {a.provider for a in limits if a.global_rate is not None}
+    tenant_set = {a.provider for a in limits if a.tenant == "*" and a.rate is not None}
+    providers = {spec.name for channel in CHANNELS for spec in load_registry().for_channel(channel)}
+    assert global_set == tenant_set == providers
 
 
 def test_every_process_creates_its_topics_replicated():
