@@ -221,7 +221,9 @@ class AckedWriter:
     `on_ack` runs on the calling thread (inside `poll`) once the broker acknowledged the record. A
     record the broker did not acknowledge (down past the delivery timeout, leader gone) is produced
     again, with backoff, until it is: the caller's offset stays unstored meanwhile, so nothing is
-    lost and nothing freezes silently (a metric and one log line per episode say so). A record the
+    lost and nothing freezes silently (a metric and one log line per episode say so). Each topic has
+    a backoff of its own: records of one topic acknowledged meanwhile (the outcomes, while a retry tier's
+    partitions lack their replicas) neither end another's episode nor reset its backoff. A record the
     broker refuses for what it is (too large) goes to `on_refused` when given, instead of a loop.
     The broker refuses a whole batch of records for its size: a record refused in a batch is first
     produced again alone, so that only a record too large by itself goes to `on_refused`.
@@ -230,7 +232,7 @@ class AckedWriter:
     def __init__(self, producer: Producer, label: str):
         self.producer = producer
         self.label = label
-        self.outage = Outage(f"Kafka ({label} writes)", base_s=0.5, cap_s=10.0)
+        self.outages: dict[str, Outage] = {}  # per topic, from its first failure
         self._failed: list[_Record] = []
         self._refused_in_a_batch: list[_Record] = []
         self.unacknowledged = 0
@@ -251,7 +253,7 @@ class AckedWriter:
     def _produce(self, record: _Record) -> None:
         def on_failed(err: KafkaError) -> None:
             metrics.PRODUCE_RETRIES.labels(self.label).inc()
-            self.outage.failed(time.monotonic(), err)
+            self.outage(record.topic).failed(time.monotonic(), err)
             record.alone = False  # produced again with others: a size refusal then says nothing of it alone
             self._failed.append(record)
 
@@ -259,7 +261,8 @@ class AckedWriter:
             self.unacknowledged -= 1
             if err is None:
                 self._settled(record)
-                self.outage.recovered(time.monotonic())
+                if record.topic in self.outages:
+                    self.outages[record.topic].recovered(time.monotonic())
                 if record.on_written is not None:
                     record.on_written(msg.partition(), msg.offset())
                 if record.on_ack is not None:
@@ -308,16 +311,34 @@ class AckedWriter:
                 # Not acknowledged in time: records produced next may join its batch, so a refusal of that
                 # batch would not be its own; it is tried alone again instead of given up on.
                 record.alone = False
-        if self._failed and self.outage.ready(time.monotonic()):
-            again, self._failed = self._failed, []
+        if self._failed:
+            now = time.monotonic()
+            again = [r for r in self._failed if self.outages[r.topic].ready(now)]
+            self._failed = [r for r in self._failed if not self.outages[r.topic].ready(now)]
             for record in again:
                 self._produce(record)
         metrics.PRODUCE_PENDING.labels(self.label).set(self.pending)
+
+    def outage(self, topic: str) -> Outage:
+        if topic not in self.outages:
+            self.outages[topic] = Outage(f"Kafka ({self.label} writes to {topic})", base_s=0.5, cap_s=10.0)
+        return self.outages[topic]
 
     @property
     def pending(self) -> int:
         """Records not yet acknowledged (in flight or waiting to be produced again)."""
         return len(self._failed) + len(self._refused_in_a_batch) + self.unacknowledged
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether an acknowledgement (or a try alone) can come at any moment; records that only wait out a
+        backoff are not (`next_try_at` says when they go)."""
+        return bool(self.unacknowledged or self._refused_in_a_batch)
+
+    @property
+    def next_try_at(self) -> float | None:
+        """When the first record waiting out a backoff is produced again (None: none waits)."""
+        return min((self.outages[r.topic].next_try_at for r in self._failed), default=None)
 
     def drain(self, timeout_s: float) -> bool:
         """Flush until every record is acknowledged or `timeout_s` passes; True when all were."""
@@ -325,8 +346,8 @@ class AckedWriter:
         while self.pending and time.monotonic() < deadline:
             self.producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
             self.poll(0)
-            if self._failed:
-                time.sleep(min(0.2, max(0.0, self.outage.next_try_at - time.monotonic())))
+            if (next_try_at := self.next_try_at) is not None:
+                time.sleep(min(0.2, max(0.0, next_try_at - time.monotonic())))
         return self.pending == 0
 
 

@@ -1,6 +1,9 @@
 """The broker refuses a whole batch of records for its size: the acknowledged writer tries a record
 refused in a batch again alone, and only a record refused alone is given up on (`on_refused`)."""
 
+import logging
+from collections import Counter
+
 from confluent_kafka import KafkaError, KafkaException
 
 from streams.kafka_client import AckedWriter
@@ -38,7 +41,8 @@ class Written:
 
 def run(writer: AckedWriter, producer: ScriptedProducer, rounds: int = 10) -> None:
     for _ in range(rounds):
-        writer.outage.next_try_at = 0.0  # no backoff waits in a unit test
+        for outage in writer.outages.values():
+            outage.next_try_at = 0.0  # no backoff waits in a unit test
         writer.poll(0)
 
 
@@ -157,3 +161,45 @@ def test_records_for_a_topic_the_cluster_denies_are_held_and_written_once_it_all
     producer.allowed = True
     run(writer, producer, rounds=3)
     assert (writer.pending, writer.pending_bytes, sorted(acked)) == (0, 0, [b"first", b"second"])
+
+
+class OneTopicDenied:
+    """Records to `denied` fail in their delivery report (an ACL, a partition without its replicas); every other
+    topic is acknowledged."""
+
+    def __init__(self):
+        self.waiting, self.produced = [], Counter()
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.produced[topic] += 1
+        self.waiting.append((topic, on_delivery))
+
+    def poll(self, timeout=0):
+        waiting, self.waiting = self.waiting, []
+        for topic, on_delivery in waiting:
+            on_delivery(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED) if topic == "denied" else None, Written())
+        return len(waiting)
+
+    def flush(self, timeout=0):
+        self.poll()
+        return 0
+
+
+def test_a_failing_topic_keeps_its_backoff_while_another_topic_is_acknowledged(caplog):
+    """Given one topic whose records fail and another acknowledged at once, written to on every poll (a worker's
+    outcomes while a retry tier is denied),
+    When the writer is polled 200 times in a row,
+    Then the failing record is produced again no sooner than its backoff allows (once here: the loop takes less
+    than the first backoff) and one log line opens the episode (before: every acknowledgement of the other topic
+    ended the episode and reset the backoff, so the record went again on every poll and each time logged the
+    outage again, and its end: hundreds of produces and lines a second)."""
+    producer = OneTopicDenied()
+    writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    writer.write("denied", b"copy")
+    with caplog.at_level(logging.WARNING, logger="streams.backoff"):
+        for _ in range(200):
+            writer.write("outcomes", b"outcome")
+            writer.poll(0)
+    assert producer.produced["denied"] == 1 and producer.produced["outcomes"] == 200
+    assert [r.getMessage().split(" unavailable")[0] for r in caplog.records] == ["Kafka (test writes to denied)"]
+    assert writer.pending == 1

@@ -80,7 +80,8 @@ def _email(attempt: int) -> Pending:
 def _serve(writer: RecordWriter) -> None:
     """Serve the writer's delivery reports, a refused record tried again alone, with no backoff waits."""
     for _ in range(10):
-        writer.writer.outage.next_try_at = 0.0
+        for outage in writer.writer.outages.values():
+            outage.next_try_at = 0.0
         writer.writer.poll(0)
 
 
