@@ -201,18 +201,22 @@ class LaneWorker:
         ready, and Redis may be tried again after a failure, at most 0.2 s. While dispatch is held
         (yielding, no lag reading, the provider's adapter catching up, Redis's data lost) no queue's
         readiness counts: the wait is a step's whole 0.2 s (0.01 s for the adapter, which catches up
-        on this thread), not a busy loop for as long as the hold lasts."""
-        if self.dispatcher.in_flight or self.records.writer.pending or self.settler.pending:
+        on this thread), not a busy loop for as long as the hold lasts. Records and settlements that
+        wait out a backoff (the broker or Redis failing) end the wait when it is over, not before."""
+        writer, settler = self.records.writer, self.settler
+        if self.dispatcher.in_flight or writer.awaiting or (settler.pending and settler.outage.ready(time.monotonic())):
             return 0.001
-        if self._held:
-            return 0.2 if self.routes.primary.adapter.ready else 0.01
         now = time.monotonic()
+        backoffs = [t for t in (writer.next_try_at, settler.outage.next_try_at if settler.pending else None)
+                    if t is not None]
+        if self._held:
+            wait = 0.2 if self.routes.primary.adapter.ready else 0.01
+            return max(0.0, min([wait, *(t - now for t in backoffs)]))
         next_ready = self.queues.next_ready(now)
-        if next_ready is None:
-            return 0.2
-        if self.redis_outage.active:
+        if next_ready is not None and self.redis_outage.active:
             next_ready = max(next_ready, self.redis_outage.next_try_at)
-        return min(0.2, next_ready - now)
+        return max(0.0, min([0.2, *(t - now for t in backoffs),
+                               *((next_ready - now,) if next_ready is not None else ())]))
 
     def _returned(self) -> None:
         self._untracked = True

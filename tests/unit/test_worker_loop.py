@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import orjson
 import pytest
+from confluent_kafka import KafkaError
 
 from streams.dispatch import settle as settle_module
 from streams.dispatch.backlog import HORIZON_S, BacklogShare
@@ -2133,6 +2134,44 @@ class DownJobs(FakeJobs):
 
     def status_many(self, groups):
         raise StoreUnavailable("Redis down")
+
+
+class MarksFailing(FakeJobs):
+    """Redis down once the sends are claimed: their `delivered` marks cannot be written."""
+
+    def mark_delivered_many(self, requests):
+        raise StoreUnavailable("Redis down")
+
+
+class OutcomesTimingOut(FakeProducer):
+    """The broker away: every outcome record's delivery report says it timed out."""
+
+    def poll(self, timeout=0):
+        acks, self._acks = self._acks, []
+        for ack, written in acks:
+            ack(KafkaError(KafkaError._MSG_TIMED_OUT), written)
+        return len(acks)
+
+
+@pytest.mark.parametrize("waiting", ["marks", "outcomes"])
+def test_a_worker_whose_work_waits_out_a_backoff_waits_in_its_poll_instead_of_spinning(waiting):
+    """Given a worker whose delivered sends wait out a backoff: their marks (Redis down) or their outcome records
+    (the broker away, each produced again after the writer's backoff),
+    When it steps on,
+    Then each poll waits for the backoff (a new message would still end the wait at once) instead of a
+    millisecond (before: some 1,000 steps a second for as long as the outage lasted, a core the transactional
+    lane needed); the work is still there."""
+    sends, msgs = _messages(["acme"] * 3)
+    worker, consumer, producer, provider = _worker(
+        msgs, jobs=MarksFailing() if waiting == "marks" else None,
+        producer=OutcomesTimingOut() if waiting == "outcomes" else None)
+    waits: list[float] = []
+    poll = consumer.poll
+    consumer.poll = lambda timeout=0: (waits.append(timeout), poll(timeout))[1]
+    for _ in range(30):
+        worker.step()
+    assert len(provider.sent) == 3 and (worker.settler.pending or worker.records.writer.pending)
+    assert min(waits[-10:]) > 0.05, waits
 
 
 @pytest.mark.parametrize("hold", ["yield", "redis_down"])
