@@ -56,12 +56,16 @@ class BacklogShare:
         these are (the tenant, or a failing endpoint's queue), so the due times of what it parked before
         space this one out."""
         if queued < self.share(rate, per_request, burst):
+            if (ahead := self._parked.get(paced)) is not None and (not ahead or max(ahead) <= now):
+                del self._parked[paced]  # nothing of it ahead: not kept for every tenant ever paced
             return None
         parked = self._parked.setdefault(paced, deque())
         while parked and parked[0] <= now:
             parked.popleft()
         wait = self._turn(queued + len(parked) + 1, rate, burst)
         if wait < self.horizon_s:
+            if not parked:
+                del self._parked[paced]
             return None
         parked.append(now + wait)
         return wait

@@ -121,6 +121,7 @@ class Dispatcher:
         # the worker settles these without scanning every request in flight on every step.
         self.finished: deque[Future] = deque()
         self._limits: dict[tuple[str, str], tuple[float, Limit]] = {}  # (provider, tenant) -> (read at, limit)
+        self._limits_pruned_at = 1024
         self.rng = random.Random()
         self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
         self.in_flight_by_queue: Counter[str] = Counter()
@@ -511,6 +512,9 @@ class Dispatcher:
         if cached is None or now - cached[0] > LIMITS_TTL_S:
             cached = (now, self.gate.tenant_limit(route.name, tenant))
             self._limits[(route.name, tenant)] = cached
+            if len(self._limits) >= self._limits_pruned_at:  # every tenant ever served: drop those read long ago
+                self._limits = {k: v for k, v in self._limits.items() if now - v[0] <= LIMITS_TTL_S}
+                self._limits_pruned_at = max(1024, 2 * len(self._limits))
         return cached[1]
 
     def per_request(self, route: Route, tenant: str) -> int:

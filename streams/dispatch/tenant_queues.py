@@ -78,7 +78,13 @@ class TenantQueues:
         self.buffered_bytes += len(p.raw)
 
     def ready(self, now: float) -> list[str]:
-        """Queues with work whose holds have passed."""
+        """Queues with work whose holds have passed. An empty queue whose hold has passed is dropped here: a worker
+        meets every tenant (every endpoint) it ever served, and scanning all of them every step, and keeping them,
+        grew its step and its memory for as long as it ran (an empty queue still held, or whose bucket is still dry,
+        is kept: a receiver's Retry-After applies to the next delivery too)."""
+        gone = [k for k, q in self.queues.items() if not q.items and max(q.ready_at, q.dry_until) <= now]
+        for k in gone:
+            del self.queues[k]
         if now < self.global_ready_at:
             return []
         return [k for k, q in self.queues.items() if q.items and q.ready_at <= now]

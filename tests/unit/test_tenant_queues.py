@@ -1,0 +1,59 @@
+"""The worker's per-tenant (per-endpoint) queues: what a long-running worker keeps of the tenants it served."""
+
+from streams.dispatch.backlog import BacklogShare
+from streams.dispatch.tenant_queues import Pending, TenantQueues
+from streams.send import build_send, encode, validate_request
+from tests.harness import email_request
+
+
+def _pending(tenant: str, offset: int) -> Pending:
+    send = build_send(validate_request(email_request()), tenant)
+    return Pending("lane", 0, offset, encode(send), {}, send, 1)
+
+
+def test_the_queues_of_tenants_served_and_gone_are_dropped_and_a_held_one_is_kept():
+    """Given a worker that served one send each for 10,000 tenants (a webhook worker: one queue per endpoint), one
+    of whose queues is held 60 s (its receiver asked to wait),
+    When the next step asks which queues are ready,
+    Then only the held queue is left, with its hold (before: all 10,000 stayed, each step scanned them all, and
+    a worker's step and memory grew for as long as it ran)."""
+    queues = TenantQueues()
+    for i in range(10_000):
+        queues.add(_pending(f"tenant-{i}", i))
+        [key] = queues.ready(0.0)
+        queues.take(key, 1)
+    queues.hold("tenant-7", 60.0)
+    assert queues.ready(1.0) == [] and list(queues.queues) == ["tenant-7"]
+    assert (queues.buffered, queues.buffered_bytes) == (0, 0)
+    queues.add(_pending("tenant-7", 10_000))
+    assert queues.ready(30.0) == [] and queues.ready(61.0) == ["tenant-7"]
+
+
+def test_a_tenant_with_nothing_parked_ahead_is_not_kept_by_the_backlog_share():
+    """Given a tenant whose messages were parked, all of them due by now,
+    When its next message is within its share,
+    Then nothing of it is kept (before: an empty entry for every tenant ever paced)."""
+    share = BacklogShare(horizon_s=10.0)
+    assert share.park("acme", 200, 10.0, 1, now=0.0) is not None  # 200 queued at 10/s: parked
+    assert share.park("acme", 200, 10.0, 1, now=1000.0) is not None
+    assert share.park("acme", 5, 10.0, 1, now=3000.0) is None
+    assert "acme" not in share._parked
+
+
+def test_the_limits_read_for_tenants_served_long_ago_are_not_kept(monkeypatch):
+    """Given a worker that read the bucket limits of 3,000 tenants, then, past the limits' time to live, of 1,200
+    others,
+    When the limits it keeps are counted,
+    Then it keeps the 1,200 only (before: every tenant it ever served, for as long as it ran)."""
+    from streams.dispatch import requests as requests_module
+    from tests.unit.test_worker_loop import _messages, _worker
+
+    worker, *_ = _worker(_messages(["acme"])[1])
+    route, clock = worker.routes.primary, [1000.0]
+    monkeypatch.setattr(requests_module.time, "monotonic", lambda: clock[0])
+    for i in range(3000):
+        worker.dispatcher.tenant_limit(route, f"tenant-{i}")
+    clock[0] += requests_module.LIMITS_TTL_S + 1
+    for i in range(3000, 4200):
+        worker.dispatcher.tenant_limit(route, f"tenant-{i}")
+    assert {tenant for _, tenant in worker.dispatcher._limits} == {f"tenant-{i}" for i in range(3000, 4200)}
