@@ -42,6 +42,7 @@ from .ssrf import UnsafeUrl, UrlPolicy, wire_host
 EXCERPT_BYTES = 1024
 DRAIN_S = 1.0  # how long an answer's body is waited for (a 2xx's only so its connection can be reused)
 DNS_TTL_S = 30.0
+APPROVAL_KEPT_S = 300.0  # a host's approved addresses, kept well past any attempt that connects right after
 VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to read the operator log to its end
 DNS_TIMEOUT_S = 5.0
 UNSEAL_LOG_EVERY_S = 60.0
@@ -57,15 +58,22 @@ class PinnedResolver(aiohttp.abc.AbstractResolver):
     yet does not resolve."""
 
     def __init__(self) -> None:
-        self.approved: dict[str, list[str]] = {}
+        self.approved: dict[str, tuple[float, list[str]]] = {}  # host -> (when approved, addresses)
+        self._pruned_at = 1024
 
     def approve(self, host: str, addresses: list[str]) -> None:
-        """`host` as the client looks it up (`wire_host`)."""
-        self.approved[host] = addresses
+        """`host` as the client looks it up (`wire_host`), right before a request connects to it. Hosts approved
+        long ago are dropped once the table has doubled: a tenant could otherwise grow every worker's memory
+        without a bound by sending to new host names (wildcard DNS)."""
+        now = time.monotonic()
+        self.approved[host] = (now, addresses)
+        if len(self.approved) >= self._pruned_at:
+            self.approved = {h: a for h, a in self.approved.items() if now - a[0] <= APPROVAL_KEPT_S}
+            self._pruned_at = max(1024, 2 * len(self.approved))
 
     async def resolve(self, host: str, port: int = 0,
                       family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
-        addresses = self.approved.get(host)
+        addresses = self.approved.get(host, (0.0, []))[1]
         if not addresses:
             raise OSError(f"{host}: no address approved by the URL policy")
         return [{"hostname": host, "host": a, "port": port,
@@ -159,6 +167,7 @@ class WebhookDelivery:
         self.sealer = sealer  # opens the signing secrets stored sealed
         self._unseal_logged: dict[str, float] = {}  # endpoint -> when a secret that does not open was last logged
         self._dns: dict[str, tuple[float, list[str]]] = {}
+        self._dns_pruned_at = 1024
         self._looking_up: dict[str, asyncio.Future] = {}
         # Bringing the endpoint view up to the log's end, for deliveries to endpoints it does not know: one at a
         # time, on a thread of its own (it waits on the broker), shared by the deliveries waiting meanwhile.
@@ -321,7 +330,11 @@ class WebhookDelivery:
         # Only answers are cached: a failed lookup (one name server's bad second) is made again by the next
         # delivery, instead of failing every delivery to the host for DNS_TTL_S.
         if not done.cancelled() and done.exception() is None:
-            self._dns[host] = (time.monotonic(), done.result())
+            now = time.monotonic()
+            self._dns[host] = (now, done.result())
+            if len(self._dns) >= self._dns_pruned_at:  # answers past their time, of hosts no longer sent to
+                self._dns = {h: a for h, a in self._dns.items() if now - a[0] <= DNS_TTL_S}
+                self._dns_pruned_at = max(1024, 2 * len(self._dns))
 
     @property
     def ready(self) -> bool:

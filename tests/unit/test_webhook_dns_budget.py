@@ -33,7 +33,7 @@ class Lookups:
 
 def _delivery(loop, nameserver: LoopbackNameServer | None = None) -> WebhookDelivery:
     d = WebhookDelivery.__new__(WebhookDelivery)  # only its name lookups: no endpoint view, no sessions
-    d.loop, d.timeout_s, d._dns, d._looking_up = loop, 10.0, {}, {}
+    d.loop, d.timeout_s, d._dns, d._looking_up, d._dns_pruned_at = loop, 10.0, {}, {}, 1024
     d.names = aiodns.DNSResolver(nameservers=[nameserver.address] if nameserver else None, loop=loop,
                                  timeout=lookups.QUERY_TIMEOUT_S, tries=lookups.QUERY_TRIES)
     return d
@@ -173,3 +173,24 @@ def test_a_lookup_ends_within_its_time_whatever_the_resolver_would_wait():
                 await d.names.close()
 
         assert asyncio.run(scenario()) < 2.0
+
+
+def test_answers_for_hosts_no_longer_sent_to_are_not_kept(monkeypatch):
+    """Given a worker that looked up 3,000 hosts (a tenant sending to new names under its wildcard DNS), then, past
+    the answers' time to live, 1,200 others,
+    When its cached answers are counted,
+    Then only the 1,200 are kept (before: an answer for every host ever looked up, for as long as it ran)."""
+    clock = [1000.0]
+    monkeypatch.setattr(delivery.time, "monotonic", lambda: clock[0])
+
+    async def scenario() -> None:
+        monkeypatch.setattr(delivery, "addresses_of", Lookups())
+        d = _delivery(asyncio.get_running_loop())
+        for i in range(3000):
+            await d._resolve(f"r{i}.tenant.test")
+        clock[0] += delivery.DNS_TTL_S + 1
+        for i in range(3000, 4200):
+            await d._resolve(f"r{i}.tenant.test")
+        assert set(d._dns) == {f"r{i}.tenant.test" for i in range(3000, 4200)}
+
+    asyncio.run(scenario())

@@ -12,7 +12,8 @@ from streams.webhooks.ssrf import wire_host
 
 async def _hits_at(approved: dict[str, list[str]], url: str) -> int:
     resolver = PinnedResolver()
-    resolver.approved.update(approved)
+    for host, addresses in approved.items():
+        resolver.approve(host, addresses)
     connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
     async with aiohttp.ClientSession(connector=connector) as session, session.get(url) as resp:
         return resp.status
@@ -60,3 +61,24 @@ def test_an_internationalised_host_is_approved_under_the_name_the_client_looks_u
     [answer] = asyncio.run(resolver.resolve("xn--fa-hia.example", 443))
 
     assert answer["host"] == "127.0.0.1" and answer["port"] == 443
+
+
+def test_hosts_approved_long_ago_are_not_kept(monkeypatch):
+    """Given a worker that approved 3,000 hosts (a tenant sending to new names under its wildcard DNS), then, past
+    how long an approval is kept, 1,200 others,
+    When the approved hosts are counted,
+    Then only the 1,200 are kept (before: every host ever approved, for as long as the worker ran), and each
+    still resolves to its addresses."""
+    from streams.webhooks import delivery
+
+    clock = [1000.0]
+    monkeypatch.setattr(delivery.time, "monotonic", lambda: clock[0])
+    resolver = PinnedResolver()
+    for i in range(3000):
+        resolver.approve(f"r{i}.tenant.test", ["192.0.2.1"])
+    clock[0] += delivery.APPROVAL_KEPT_S + 1
+    for i in range(3000, 4200):
+        resolver.approve(f"r{i}.tenant.test", ["192.0.2.2"])
+    assert set(resolver.approved) == {f"r{i}.tenant.test" for i in range(3000, 4200)}
+    [answer] = asyncio.run(resolver.resolve("r4199.tenant.test", 443))
+    assert answer["host"] == "192.0.2.2"
