@@ -11,7 +11,7 @@ from redis import Redis
 
 from .config import Config
 from .errors import ConfigError, PublishError, StoreUnavailable
-from .lanes import CHANNELS, LANES
+from .lanes import CHANNELS, LANES, RETRY_TIERS
 from .names import TopicNames
 from .providers.registry import ProviderCredentials, ProviderSpec, adapter_class
 from .redis_client import connect
@@ -77,9 +77,16 @@ class Runtime:
         return connect(self.redis_url)
 
     def policies(self) -> dict[str, RetryPolicy]:
-        from .retry.policy import load_policies
+        """The retry policies, each checked against the retry tiers' retention (as topics/*.toml define them)."""
+        from .retry.policy import check_within_retention, load_policies
+        from .topology.spec import load_definitions
 
-        return load_policies(self.config.retry_policies_path)
+        policies = load_policies(self.config.retry_policies_path)
+        topics = load_definitions(namespace=self.namespace, profile=self.config.topic_profile)
+        for name in (self.names.retry(c, lane, tier) for c in CHANNELS for lane in LANES for tier in RETRY_TIERS):
+            if name in topics:
+                check_within_retention(policies, int(topics[name].config.get("retention.ms", "604800000")), name)
+        return policies
 
     def url_policy(self) -> UrlPolicy:
         from .webhooks.ssrf import UrlPolicy

@@ -187,6 +187,22 @@ def load_policies(path: str | Path | None = None) -> dict[str, RetryPolicy]:
     return parse_policies(*_read(path))
 
 
+RETENTION_ROOM_S = 24 * 3600  # what a policy's max age leaves of the retry tiers' retention: an outage's room
+
+
+def check_within_retention(policies: dict[str, RetryPolicy], retention_ms: int, topic: str) -> None:
+    """A copy may wait on a retry tier until its send's max age (a quota's reset, parked until it comes): a
+    tier that deletes it sooner loses it silently, no dead letter, its status `retrying` for good. ConfigError
+    for a policy whose max age leaves less than a day of `topic`'s retention (-1: kept for ever)."""
+    if retention_ms < 0:
+        return
+    for policy in policies.values():
+        if policy.max_age_s + RETENTION_ROOM_S > retention_ms / 1000:
+            raise ConfigError(f"retry policy {policy.name!r}: field 'max_age' ({policy.max_age_s / 3600:.0f} h) "
+                              f"leaves less than a day of {topic}'s retention ({retention_ms / 3_600_000:.0f} h): "
+                              "a copy parked until its max age could be deleted before it is released")
+
+
 def load_routing(path: str | Path | None = None) -> PolicyRouting:
     text, source = _read(path)
     return parse_routing(text, source, parse_policies(text, source))

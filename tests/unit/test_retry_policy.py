@@ -5,6 +5,7 @@ worker re-publishes the original message bytes (see tests/integration for that e
 
 from datetime import UTC, datetime
 from email.utils import format_datetime
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,23 @@ def test_a_quota_reset_within_the_max_age_is_never_pushed_past_it_by_the_spread(
     created = NOW - 58 * 60_000
     d = decide(policy, 1, created, ProviderResult("quota", 429, retry_after="3600"), NOW, jitter)
     assert isinstance(d, RetryAt) and NOW + 3_600_000 <= d.due_ms <= created + policy.max_age_s * 1000, d
+
+
+def test_a_policy_whose_max_age_outlives_the_retry_tiers_retention_is_refused_when_a_role_loads_it(tmp_path):
+    """Given a policies file whose `marketing` policy may wait 14 days (the retry tiers keep a copy 7 days), and the
+    packaged file,
+    When a role loads its policies (the worker, the API),
+    Then the first is refused naming the policy, its max age and the topic's retention (before: accepted, and a
+    copy parked on a monthly quota's Retry-After was deleted by retention before its release: lost, no dead
+    letter, its status `retrying` for good); the packaged policies load."""
+    from streams.config import Config
+    from streams.runtime import Runtime
+
+    packaged = Path(__file__).resolve().parents[2] / "streams" / "retry" / "policies.toml"
+    (tmp_path / "policies.toml").write_text(packaged.read_text().replace(
+        'max_attempts = 8\nmax_age = "2d"', 'max_attempts = 8\nmax_age = "14d"'))
+    env = {"KAFKA_BOOTSTRAP_SERVERS": "unused:9092", "REDIS_URL": "redis://unused:6379/0"}
+    with pytest.raises(ConfigError, match=r"retry policy 'marketing': field 'max_age' \(336 h\) leaves less than "
+                                          r"a day of notif\.\w+\.\w+\.retry\.\w+'s retention \(168 h\)"):
+        Runtime(Config.from_env({**env, "DUAL_RAIL_RETRY_POLICIES": str(tmp_path / "policies.toml")})).policies()
+    assert set(Runtime(Config.from_env(env)).policies()) >= {"otp", "transactional", "marketing", "webhook"}
