@@ -100,7 +100,7 @@ class MockState:
     tokens: float = 0.0
     updated: float = field(default_factory=time.monotonic)
     throttle_until: float = 0.0
-    idempotency: dict = field(default_factory=dict)   # (api_key, key) -> (expires, body_hash, status, body)
+    idempotency: dict = field(default_factory=dict)   # (account, key) -> (expires, body_hash, status, body)
     in_flight_keys: set = field(default_factory=set)
     deliveries: dict = field(default_factory=dict)    # send_id -> [receive unix times]
     tenants: dict = field(default_factory=dict)       # tenant -> counters
@@ -220,16 +220,19 @@ def build_app(config: MockConfig) -> Starlette:
         key = request.headers.get("idempotency-key")
         digest = hashlib.sha256(raw).hexdigest()
         now = time.time()
+        # Idempotency keys are the account's, as providers scope them (Stripe, Resend): with short-lived tokens,
+        # the client the token was issued to, so a request sent again after its token was refreshed is the same.
+        account = token_subject(api_key) if kind == "sms_b" else api_key
         if key:
-            seen = state.idempotency.get((api_key, key))
+            seen = state.idempotency.get((account, key))
             if seen and seen[0] > now:
                 if seen[1] != digest:
                     c["idempotency_conflicts"] += 1
                     return err(409, "invalid_idempotent_request",
                                   "Same idempotency key used with a different request payload.")
                 c["idempotent_replays"] += 1
-                return _json(seen[3], seen[2])
-            if (api_key, key) in state.in_flight_keys:
+                return _json(seen[3], 201 if kind == "sms_b" and seen[2] == 200 else seen[2])  # as it first answered
+            if (account, key) in state.in_flight_keys:
                 return err(409, "concurrent_idempotent_requests",
                               "Same idempotency key used while the original request is still in progress.")
         if state.rng.random() < config.fault_5xx_ratio:
@@ -241,11 +244,11 @@ def build_app(config: MockConfig) -> Starlette:
             c["rejected"] += 1
             return err(422, "validation_error", "Invalid JSON body.")
         if key:
-            state.in_flight_keys.add((api_key, key))
+            state.in_flight_keys.add((account, key))
         try:
             status, answer = accept(kind, body)
             if key and status == 200:
-                state.idempotency[(api_key, key)] = (now + IDEMPOTENCY_TTL_S, digest, status, answer)
+                state.idempotency[(account, key)] = (now + IDEMPOTENCY_TTL_S, digest, status, answer)
             if status == 200 and state.rng.random() < config.fault_502_after_accept_ratio:
                 c["faults_502_after_accept"] += 1
                 return err(502, "bad_gateway", "The upstream answer was lost.")
@@ -260,7 +263,11 @@ def build_app(config: MockConfig) -> Starlette:
             return _json(answer, 201 if kind == "sms_b" and status == 200 else status)
         finally:
             if key:
-                state.in_flight_keys.discard((api_key, key))
+                state.in_flight_keys.discard((account, key))
+
+    def token_subject(token: str) -> str:
+        """The client a good token was issued to."""
+        return str(jwt.decode(token, TOKEN_SECRET, algorithms=["HS256"], options={"verify_exp": False})["sub"])
 
     def token_refusal(token: str) -> str | None:
         """Why a bearer token is refused (None: it is good)."""
