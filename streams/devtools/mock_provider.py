@@ -13,8 +13,9 @@
 - SMS rules for fallback tests: `sms_no_id_ratio` answers 200 without a message id;
   destinations starting with one of `sms_unsupported_prefixes` get 400 `unsupported_destination`,
   with one of `sms_invalid_prefixes` 400 `invalid_recipient` (a business rule).
-- Idempotency keys kept 24 h per API key: same key and body -> the same response again (not a new
-  delivery); a different body -> 409 `invalid_idempotent_request`.
+- Idempotency keys kept 24 h per account (an API key; for tokens, the client they were issued to): same
+  key and body -> the same response again (not a new delivery); a different body -> 409
+  `invalid_idempotent_request`.
 - Faults: latency, a 5xx ratio, a ratio of timeouts *after* accepting (the message counts as
   delivered, the answer comes too late), a 401 ratio, and `hold_answers` (accept, then hold every
   answer until it is switched off; `held` in the stats counts them). `hold_answers_after` N does the
