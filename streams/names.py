@@ -167,6 +167,12 @@ class RedisKeys:
         listed, nor read past, under the owner's."""
         return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries:{tenant_id}"
 
+    def legacy_endpoint_deliveries(self, endpoint_id: str) -> str:
+        """An endpoint's deliveries of every tenant, as recorded before the per-tenant index (2026-12-05), and by
+        a recorder of that version during a rollout: still read (the tenant's own only) until its entries
+        expire, 30 days after the last such write."""
+        return f"{self.namespace}dr:{{{endpoint_id}}}:deliveries"
+
     def endpoint_backlog(self, endpoint_id: str) -> str:
         """An endpoint's undelivered deliveries by creation time (a sorted set): backlog shedding."""
         return f"{self.namespace}dr:{{{endpoint_id}}}:backlog"

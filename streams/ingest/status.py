@@ -153,29 +153,36 @@ class StatusStore:
         """A tenant's deliveries to an endpoint with when each was created, newest first (by time, then by id, both
         descending): created before `before_ms`, or listed after `after`, the (time, id) of the last one a caller
         read. Reading on by time alone would skip the rest of the millisecond a page ended in (a batch's events
-        share one), by position would shift as deliveries are added."""
-        key = self.keys.endpoint_deliveries(endpoint_id, tenant_id)
-        with store_errors("listing an endpoint's deliveries"):
+        share one), by position would shift as deliveries are added. The legacy index's entries (every tenant's)
+        are read alongside: the caller keeps the tenant's own."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in (self.keys.endpoint_deliveries(endpoint_id, tenant_id),
+                    self.keys.legacy_endpoint_deliveries(endpoint_id)):
             if after is None:
                 top = f"({before_ms}" if before_ms is not None else "+inf"
-                found = self.client.zrevrangebyscore(key, top, "-inf", start=0, num=limit, withscores=True)
+                pipe.zrevrangebyscore(key, top, "-inf", start=0, num=limit, withscores=True)
             else:
-                at_ms, last_id = after
-                pipe = self.client.pipeline(transaction=False)
-                pipe.zrevrangebyscore(key, at_ms, at_ms, withscores=True)  # that millisecond's, reverse byte order
-                pipe.zrevrangebyscore(key, f"({at_ms}", "-inf", start=0, num=limit, withscores=True)
-                same_ms, older = pipe.execute()
-                found = [(i, score) for i, score in same_ms if i < last_id.encode()] + older
-        return [(i.decode(), int(score)) for i, score in found[:limit]]
+                pipe.zrevrangebyscore(key, after[0], after[0], withscores=True)  # that millisecond's, reverse order
+                pipe.zrevrangebyscore(key, f"({after[0]}", "-inf", start=0, num=limit, withscores=True)
+        with store_errors("listing an endpoint's deliveries"):
+            answers = pipe.execute()
+        found = {(i.decode(), int(score)) for answer in answers for i, score in answer
+                 if after is None or score < after[0] or i < after[1].encode()}
+        return sorted(found, key=lambda d: (d[1], d[0].encode()), reverse=True)[:limit]
 
     def endpoint_deliveries_between(self, endpoint_id: str, tenant_id: str, since_ms: int, until_ms: int,
                                     limit: int) -> list[tuple[str, int]]:
         """A tenant's first `limit` deliveries to an endpoint created in [since_ms, until_ms), oldest first, with
-        when each was created (a busy endpoint lists millions in 30 days: one call never reads them all)."""
+        when each was created (a busy endpoint lists millions in 30 days: one call never reads them all). The
+        legacy index's entries (every tenant's) are read alongside: the caller keeps the tenant's own."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in (self.keys.endpoint_deliveries(endpoint_id, tenant_id),
+                    self.keys.legacy_endpoint_deliveries(endpoint_id)):
+            pipe.zrangebyscore(key, since_ms, f"({until_ms}", start=0, num=limit, withscores=True)
         with store_errors("listing an endpoint's deliveries"):
-            found = self.client.zrangebyscore(self.keys.endpoint_deliveries(endpoint_id, tenant_id), since_ms,
-                                              f"({until_ms}", start=0, num=limit, withscores=True)
-        return [(i.decode(), int(score)) for i, score in found]
+            answers = pipe.execute()
+        found = {(i.decode(), int(score)) for answer in answers for i, score in answer}
+        return sorted(found, key=lambda d: (d[1], d[0].encode()))[:limit]
 
     def claim_replay(self, send_id: str) -> bool:
         """True once per send: a bulk replay called twice replays each send once."""

@@ -78,7 +78,7 @@ class WebhooksClient:
         while True:
             page = self._call("GET", f"/v1/endpoints/{endpoint_id}/deliveries", params=params)
             yield from page["deliveries"]
-            if page["next_cursor"] is None:
+            if page.get("next_cursor") is None:  # an API of before cursors answers none: its one page
                 return
             params["cursor"] = page["next_cursor"]
 
