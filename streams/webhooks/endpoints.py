@@ -47,6 +47,7 @@ CHANGE_ATTEMPTS = 10
 # plus 5 s); the place of a create that died before finishing is free again after it.
 RESERVATION_MS = int((LOG_TIMEOUT_S + 15) * 1000)
 log = logging.getLogger("streams.endpoints")
+TAKE_BACK_READS_S = (0.0, 0.2, 0.8)  # when a failed change reads Redis again (each a wait before a read)
 
 
 def new_endpoint_id() -> str:
@@ -169,15 +170,21 @@ class EndpointStore:
 
     def _take_back(self, tenant: str, endpoint_id: str, before: bytes) -> None:
         """A change the log took and Redis did not answer: the workers follow the log, and the caller is told
-        nothing changed (it may try again), so the log gets what Redis holds, or, while Redis does not answer,
-        what it held when the change read it (before: the log kept the change, and the workers signed with a
-        secret the caller never saw, or skipped an endpoint Redis still showed active)."""
+        nothing changed (it may try again), so the log gets what Redis holds (before: the log kept the change, and
+        the workers signed with a secret the caller never saw, or skipped an endpoint Redis still showed active).
+        Redis is asked a few times over a second; while it does not answer, the log gets what it held when the
+        change read it: a Redis that failed the write is far likelier to have refused it than to have applied it
+        and then stopped answering (that case is mended by the caller's retry, which logs what Redis holds)."""
         if self.oplog is None:
             return
-        try:
-            now = self._raw(tenant, endpoint_id)
-        except StoreUnavailable:
-            now = before
+        now: bytes | None = before
+        for wait_s in TAKE_BACK_READS_S:
+            time.sleep(wait_s)  # a backoff between reads of a Redis that just failed, not a synchronisation
+            try:
+                now = self._raw(tenant, endpoint_id)
+                break
+            except StoreUnavailable:
+                continue
         try:
             self.oplog.put(f"endpoint/{endpoint_id}", orjson.loads(now) if now else None)
         except PublishError:

@@ -450,6 +450,36 @@ def test_a_change_whose_redis_write_fails_leaves_the_operator_log_with_what_redi
     assert key == f"endpoint/{created.id}" and rotated != as_stored and last == as_stored
 
 
+def test_a_change_whose_redis_write_fails_logs_what_redis_holds_once_it_answers_again(redis_client, namespace,
+                                                                                      monkeypatch):
+    """Given an endpoint, then a secret rotation whose operator-log write succeeds and whose Redis write fails, and a
+    Redis that answers again a moment later holding another change of the endpoint (made meanwhile elsewhere),
+    When the rotation is refused,
+    Then the operator log ends with what Redis holds, that other change (not the record the rotation read: the log
+    never ends on a record older than Redis's)."""
+    from streams.webhooks import endpoints as endpoints_module
+
+    keys = RedisKeys(namespace)
+    store = EndpointStore(redis_client, namespace, KeepingLog(), UrlPolicy(require_https=False,
+                                                                           allow=frozenset({"127.0.0.1"})),
+                          system_resolver)
+    created, _ = store.create("acme", "http://127.0.0.1:9/hooks/x", ["*"])
+    as_stored = orjson.loads(redis_client.hget(keys.endpoints("acme"), created.id))
+    changed_elsewhere = {**as_stored, "description": "changed meanwhile"}
+
+    def redis_back(wait_s: float) -> None:  # the backoff before the second read: Redis answers by then
+        if wait_s:
+            redis_client.delete(keys.endpoints("acme"))
+            redis_client.hset(keys.endpoints("acme"), created.id, orjson.dumps(changed_elsewhere))
+
+    monkeypatch.setattr(endpoints_module.time, "sleep", redis_back)
+    store.oplog = RecordingLog(redis_client, keys.endpoints("acme"))  # its write breaks the hash
+    with pytest.raises(StoreUnavailable):
+        store.rotate_secret("acme", created.id)
+    (_, rotated), (_, last) = store.oplog.writes
+    assert rotated["secrets"] != as_stored["secrets"] and last == changed_elsewhere
+
+
 def test_the_tenants_with_endpoints_are_read_from_redis(redis_client, namespace):
     """Given endpoints of tenants acme and beta written to Redis only (no operator log, so no view has them), a
     tenant with only a place reserved, a string key where a tenant's endpoints would be, and a tenant of another
