@@ -171,7 +171,8 @@ class TopicAdmin:
         shown = ", ".join(f"{t}[{p}]" for t, p in sorted(pending)[:10]) + (" ..." if len(pending) > 10 else "")
         raise StackError(f"partition reassignment not finished after {self.reassign_timeout_s:.0f} s ({len(pending)} "
                          f"partition(s): {shown}); it goes on in the cluster: run `streams topics apply` again to "
-                         "wait for it and apply the remaining changes")
+                         "wait for it and apply the remaining changes (endpoint-health does so for its changelog "
+                         "as it tries again)")
 
     def _wait_brokers_agree(self, changes: list[Change], specs: dict[str, TopicSpec],
                             timeout: float = TIMEOUT_S) -> None:
@@ -255,10 +256,12 @@ class TopicAdmin:
                                      "are needed; recreate it deliberately")
         # A topic created before its replication profile was set (a first start without it) would otherwise keep
         # one copy for good: the endpoint-health changelog is not in topics/*.toml, `topics apply` never sees it.
-        raised = {n: specs[n] for n, st in existing.items() if st.replication_factor < specs[n].replication_factor}
-        if raised:
-            self.apply([c for c in plan(raised, {n: existing[n] for n in raised})
-                        if c.kind in ("add_replicas", "set_config")], raised)
+        # Its configs are set on every call, not only with the raise: a call that raised the replicas and then
+        # failed before the configs sees 3 replicas the next time.
+        ours = {n: specs[n] for n in existing}
+        changes = [c for c in plan(ours, existing) if c.kind in ("add_replicas", "set_config")]
+        if changes:
+            self.apply(changes, ours)
         missing = [s for name, s in specs.items() if name not in existing]
         if missing:
             futures = self.admin.create_topics(

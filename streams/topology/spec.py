@@ -33,9 +33,10 @@ KNOWN_CONFIGS = frozenset({
     "delete.retention.ms", "compression.type", "message.timestamp.type", "min.cleanable.dirty.ratio",
 })
 # The integer configs and the least value the broker takes for each (-1: no limit).
-_INTEGER_AT_LEAST = {"retention.ms": -1, "retention.bytes": -1, "segment.ms": 1, "segment.bytes": 14,
+_INTEGER_AT_LEAST = {"retention.ms": -1, "retention.bytes": -1, "segment.ms": 1, "segment.bytes": 1024 * 1024,
                      "min.insync.replicas": 1, "max.message.bytes": 0, "min.compaction.lag.ms": 0,
                      "max.compaction.lag.ms": 1, "delete.retention.ms": 0}
+_INT32 = frozenset({"segment.bytes", "min.insync.replicas", "max.message.bytes"})  # the broker's INT configs
 _ONE_OF = {"compression.type": {"uncompressed", "zstd", "lz4", "snappy", "gzip", "producer"},
            "message.timestamp.type": {"CreateTime", "LogAppendTime"}}
 _FIELDS = {"name", "partitions", "replication_factor", "config", "description"}
@@ -119,8 +120,9 @@ def _check_config_values(config: dict[str, str], where: str) -> None:
     (`apply` creates topics before it alters configs: a value refused by the broker would leave a half-applied
     plan)."""
     for key, least in _INTEGER_AT_LEAST.items():
-        if key in config and (not re.fullmatch(r"-?[0-9]+", config[key]) or int(config[key]) < least):
-            raise _fail(where, f"field 'config.{key}' must be an integer >= {least}, got {config[key]!r}")
+        most = 2**31 - 1 if key in _INT32 else 2**63 - 1
+        if key in config and (not re.fullmatch(r"-?[0-9]+", config[key]) or not least <= int(config[key]) <= most):
+            raise _fail(where, f"field 'config.{key}' must be an integer from {least} to {most}, got {config[key]!r}")
     for key, allowed in _ONE_OF.items():
         if key in config and config[key] not in allowed:
             raise _fail(where, f"field 'config.{key}' must be one of {sorted(allowed)}, got {config[key]!r}")

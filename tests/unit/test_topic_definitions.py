@@ -38,7 +38,7 @@ def test_namespace_prefixes_every_name():
     ('name="a"\npartitions=0\nreplication_factor=1', "x.toml: topic 'a': field 'partitions' must be an integer >= 1, got 0"),
     ('name="a"\npartitions=1', "x.toml: topic 'a': field 'replication_factor' must be an integer >= 1, got None"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.msx"="1"}', "x.toml: topic 'a': field 'config.retention.msx' is not a known topic config"),
-    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="7d"}', "x.toml: topic 'a': field 'config.retention.ms' must be an integer >= -1, got '7d'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"="7d"}', "x.toml: topic 'a': field 'config.retention.ms' must be an integer from -1 to 9223372036854775807, got '7d'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"cleanup.policy"="compacted"}', "field 'config.cleanup.policy' must be one of"),
     ('name="notif.{region}"\npartitions=1\nreplication_factor=1', "x.toml: topic 'notif.{region}': field 'name': unknown placeholder {region}"),
     ('name="a"\npartitions=1\nreplication_factor=1\npartition=3', "x.toml: topic 'a': unknown field(s) ['partition']"),
@@ -50,11 +50,16 @@ def test_namespace_prefixes_every_name():
      "field 'config.retention.ms' must be an integer"),
     # Values the broker would refuse, once other topics of the plan were created already (before: accepted).
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"max.message.bytes"="lots"}',
-     "field 'config.max.message.bytes' must be an integer >= 0, got 'lots'"),
+     "field 'config.max.message.bytes' must be an integer from 0 to 2147483647, got 'lots'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"=-7}',
-     "field 'config.retention.ms' must be an integer >= -1, got '-7'"),
+     "field 'config.retention.ms' must be an integer from -1 to 9223372036854775807, got '-7'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"min.insync.replicas"=0}',
-     "field 'config.min.insync.replicas' must be an integer >= 1, got '0'"),
+     "field 'config.min.insync.replicas' must be an integer from 1 to 2147483647, got '0'"),
+    # Kafka 4's least segment (1 MiB), and an INT config past what the broker reads as one.
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"segment.bytes"=1000}',
+     "field 'config.segment.bytes' must be an integer from 1048576 to 2147483647, got '1000'"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"max.message.bytes"=3000000000}',
+     "field 'config.max.message.bytes' must be an integer from 0 to 2147483647, got '3000000000'"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"compression.type"="brotli"}',
      "field 'config.compression.type' must be one of"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"min.cleanable.dirty.ratio"="1.5"}',
@@ -113,3 +118,21 @@ def test_plan_creates_grows_reconciles_and_refuses_shrinking():
     }
     refused = next(c for c in plan(desired, actual) if c.kind == "refused")
     assert "cannot remove partitions" in refused.detail
+
+
+def test_a_roles_own_topic_gets_its_configs_also_when_its_replicas_were_raised_by_an_earlier_try():
+    """Given the endpoint-health changelog with 3 replicas already (an earlier start raised them, then failed
+    before setting its configs) and no min.insync.replicas,
+    When the role starts again (`create_missing` with the cluster profile's spec),
+    Then the configs are set, without another reassignment (before: only a call that raised the replicas set them,
+    so the changelog kept min.insync.replicas 1 for good)."""
+    from streams.topology.admin import TopicAdmin
+
+    admin = TopicAdmin.__new__(TopicAdmin)  # no cluster: its reads and writes are recorded
+    spec = TopicSpec("ns.endpoint-health-changelog", 6, 3, {"cleanup.policy": "compact", "min.insync.replicas": "2"})
+    applied: list = []
+    admin.state = lambda names: {spec.name: TopicState(6, 3, {"cleanup.policy": "compact"})}  # type: ignore[method-assign]
+    admin.apply = lambda changes, specs: applied.extend(changes)  # type: ignore[method-assign]
+    admin._wait_visible = admin._wait_brokers_agree = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    admin.create_missing({spec.name: spec})
+    assert [(c.kind, c.key, c.value) for c in applied] == [("set_config", "min.insync.replicas", "2")]
