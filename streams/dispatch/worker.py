@@ -28,6 +28,7 @@ from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.gate import Gate
 from ..kafka_client import commit_now, consume_ready, store_offsets
 from ..lag.yield_policy import YieldPolicy
+from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
@@ -338,8 +339,18 @@ class LaneWorker:
             return False
         if wait_s is None:
             return False
-        due_ms = int(time.time() * 1000 + wait_s * 1000)
-        self.records.spill(p, due_ms, tier_at_least(wait_s), self.settler.finisher(p.where))
+        now_ms = int(time.time() * 1000)
+        due_ms = now_ms + int(wait_s * 1000)
+        policy = self.settler.policies.get(p.send.policy)
+        deadline_ms = p.send.created_at_ms + policy.max_age_s * 1000 if policy is not None else due_ms
+        if due_ms > deadline_ms:
+            # Never parked past its max age: a tier keeps a copy only so long (its retention), and a send whose
+            # turn comes after it could not be sent then anyway. Parked until it, at most; one that comes back
+            # still behind its turn, its max age (all but) reached, ends as it would before an attempt.
+            if deadline_ms - now_ms < min(RETRY_TIERS.values()) * 1000:
+                return not self._end_expired([p])  # not ended (Redis down): kept
+            due_ms = deadline_ms
+        self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000), self.settler.finisher(p.where))
         return True
 
     def _burst_left(self, key: str, burst: int, now: float) -> int:

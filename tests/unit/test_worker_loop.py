@@ -434,6 +434,34 @@ def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
     assert consumer.stored[(TOPIC, 0)] == 65
 
 
+def test_a_tenant_parked_past_its_sends_max_age_is_due_back_by_its_max_age():
+    """Given a tenant throttled to 1 message an hour whose transactional sends (max age 2 h) fill its share,
+    When more arrive and are parked on a retry tier, their turns days away,
+    Then each is due back no later than its send's max age (before: due when its turn came, days later, on a
+    tier that keeps a copy 7 days: a long enough queue was deleted by retention before its release, with no
+    dead letter); those whose turn is past it are due at exactly their max age."""
+    sends, msgs = _messages(["slow"] * 12)
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(rates={"slow": 1 / 3600},
+                                                                       bursts={"slow": 1}))
+    worker.backlog = BacklogShare(horizon_s=5)
+    _run(worker)
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    max_age_ms = worker.settler.policies[sends[0].policy].max_age_s * 1000
+    created = {s.send_id.encode(): s.created_at_ms for s in sends}
+    assert parked and all(int(h["due_at_ms"]) <= created[h["send_id"]] + max_age_ms for h in parked)
+    assert max(int(h["due_at_ms"]) - created[h["send_id"]] for h in parked) == max_age_ms  # turns 3 h on: capped
+
+    # Back at its max age, still behind its turn: dead-lettered too_old, not parked again (and again).
+    last = max(parked, key=lambda h: int(h["due_at_ms"]))
+    [back] = [s for s in sends if s.send_id.encode() == last["send_id"]]
+    before = sum(len(records) for topic, records in producer.records.items() if ".retry." in topic)
+    old = back.model_copy(update={"created_at_ms": back.created_at_ms - max_age_ms})  # as when it comes back
+    consumer.pending.append(FakeMessage(0, 12, encode(old), list(last.items())))
+    _run(worker)
+    assert sum(len(records) for topic, records in producer.records.items() if ".retry." in topic) == before
+    assert [h["reason"] for _, h in producer.records[NAMES.dlq]] == [b"too_old"]
+
+
 def test_a_transactional_tenant_above_its_rate_holds_one_second_of_it_and_its_burst_only_until_it_waits():
     """The transactional lane's horizon is 1 s: marketing yields on that lane's committed lag, which counts the
     partition's whole inflow behind the first message a tenant holds. A burst within the tenant's bucket is kept
