@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import orjson
@@ -17,7 +18,7 @@ import redis
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
 from ..send import TENANT_ID_PATTERN
-from ..state.log import log_what_redis_holds
+from ..state.log import write_through_log
 from .token_bucket import Limit
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ MIN_RATE = 1 / 86_400  # one a day
 # A bucket refills from empty to full within ten years at most: the gate's figures in milliseconds (the bucket's
 # expiry, a wait) then stay far below what Redis reads as an integer (a burst of 2 billion at one a day would not).
 MAX_REFILL_S = 10 * 365 * 86_400
+MAX_LIMIT = 2**53  # the gate's Lua works in doubles: larger rates and bursts would not be held exactly
 _PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600, "d": 86_400,
         "day": 86_400}
 
@@ -77,10 +79,11 @@ def normal_rate(value: float) -> float:
 
 
 def _check_rate(what: str, rate: float, burst: int) -> None:
-    if not MIN_RATE <= rate:
-        raise ConfigError(f"{what} rate must be at least one a day ({MIN_RATE:.7f} a second; got {rate:g})")
-    if burst < 1:
-        raise ConfigError(f"{what} burst must be >= 1 (got burst={burst})")
+    if not MIN_RATE <= rate <= MAX_LIMIT:
+        raise ConfigError(f"{what} rate must be at least one a day ({MIN_RATE:.7f} a second) and at most "
+                          f"{MAX_LIMIT:,} a second (got {rate:g})")
+    if not 1 <= burst <= MAX_LIMIT:
+        raise ConfigError(f"{what} burst must be from 1 to {MAX_LIMIT:,} (got burst={burst})")
     largest = math.floor(MAX_REFILL_S * rate * (1 + 1e-12))  # a whole number of days' refill is allowed exactly
     if burst > largest:
         raise ConfigError(f"{what} burst {burst} at {rate:g} a second would take {burst / rate / 86_400:,.1f} days "
@@ -156,12 +159,17 @@ class LimitStore:
             if not writes:
                 return current
             record = dict(sorted({**current, **writes}.items()))
-            if self.oplog is not None:
-                self.oplog.put(f"limits/{provider}", record)
-            written = self._write(provider, current, writes)
-            self._log_what_redis_holds(provider, written, orjson.dumps(record) if written else False)
+            if self.oplog is None:
+                written = self._write(provider, current, writes)
+            else:
+                written = write_through_log(self.oplog, f"limits/{provider}", record, current or None,
+                                            partial(self._write, provider, current, writes),
+                                            lambda: self._logged_form(provider), deletes=False)
             if written:
-                return self.show(provider)
+                try:
+                    return self.show(provider)
+                except StoreUnavailable:  # made; only the look at it failed
+                    return record
         raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
                                "attempts)")
 
@@ -197,14 +205,6 @@ class LimitStore:
                                       f"(got {value}; 0 means {'the default' if name == 'concurrency' else 'none'})")
                 writes[name] = value
         return writes
-
-    def _log_what_redis_holds(self, provider: str, after_success: bool, logged: bytes | bool) -> None:
-        """A change that lost its compare-and-set logged a record Redis never held, and a concurrent one may
-        log an older record after ours: each ends by logging what Redis holds (a rebuild restores that), unless
-        it holds nothing (its data lost: the log keeps the limits for the rebuild)."""
-        if self.oplog is not None:
-            log_what_redis_holds(self.oplog, f"limits/{provider}", lambda: self._logged_form(provider), after_success,
-                                 logged=logged, deletes=False)
 
     def _logged_form(self, provider: str) -> bytes | None:
         """What Redis holds for `provider`, as its operator-log record (JSON), or None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -22,18 +23,18 @@ from typing import TYPE_CHECKING, Literal
 import orjson
 import redis
 
-from ..errors import ConfigError, SendValidationError, StoreUnavailable
+from ..errors import ConfigError, PublishError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, store_errors
 from ..send import check_tenant_id
-from ..state.log import log_what_redis_holds
+from ..state.log import write_through_log
 
 if TYPE_CHECKING:
     from ..state.log import OperatorLog
 
 LAST_USED_EVERY_S = 60  # last-used times are written at most this often per key
 CHANGE_ATTEMPTS = 10
-
+log = logging.getLogger("streams.api_keys")
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,16 @@ class ApiKeys:
         token = self.create(old.role, old.tenant, old.label)
         ends = int(time.time() * 1000) + overlap_s * 1000
         # Rotated before (by another operator meanwhile, too): its end may come sooner, never later.
-        changed = self._change(key_id, lambda doc: {**doc,
-                                                    "expires_at_ms": min(ends, doc.get("expires_at_ms") or ends)})
+        try:
+            changed = self._change(key_id, lambda doc: {**doc,
+                                                        "expires_at_ms": min(ends, doc.get("expires_at_ms") or ends)})
+        except (StoreUnavailable, PublishError):
+            try:  # the new key is never shown to anyone: it must not stay valid
+                self.revoke(_digest(token)[:12])
+            except (StoreUnavailable, PublishError) as exc:
+                log.warning("API key %s: its rotation failed, and the new key (never shown) could not be revoked "
+                            "(%s): revoke %s", key_id, exc, _digest(token)[:12])
+            raise
         assert changed is not None
         return token, changed
 
@@ -170,10 +179,7 @@ class ApiKeys:
                 return None
             digest, stored = found
             doc = update(orjson.loads(stored))
-            saved = self._save(digest, doc, stored)
-            if self.oplog is not None:  # the log ends with what Redis holds, whoever won
-                log_what_redis_holds(self.oplog, f"apikey/{digest}", partial(self._raw, digest), saved)
-            if saved:
+            if self._save(digest, doc, stored):
                 return self._info(digest, doc, None)
         raise StoreUnavailable(f"API key {key_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
@@ -182,16 +188,22 @@ class ApiKeys:
             return self.client.hget(self.key, digest)
 
     def _save(self, digest: str, doc: dict, expected: bytes | None = None) -> bool:
-        """Write the record (first to the operator log); with `expected`, only if the stored record is still
-        exactly that (False: it changed meanwhile)."""
+        """Write the record (first to the operator log, which then ends with what Redis holds, whoever won; a write
+        Redis refuses is taken back out of it); with `expected`, only if the stored record is still exactly that
+        (False: it changed meanwhile)."""
         doc = {**doc, "digest": digest}
-        if self.oplog is not None:
-            self.oplog.put(f"apikey/{digest}", doc)
-        with store_errors("storing the API key"):
-            if expected is None:
-                self.client.hset(self.key, digest, orjson.dumps(doc))
-                return True
-            return bool(self._set_if_unchanged(keys=[self.key], args=[digest, expected, orjson.dumps(doc)]))
+
+        def write() -> bool:
+            with store_errors("storing the API key"):
+                if expected is None:
+                    self.client.hset(self.key, digest, orjson.dumps(doc))
+                    return True
+                return bool(self._set_if_unchanged(keys=[self.key], args=[digest, expected, orjson.dumps(doc)]))
+
+        if self.oplog is None:
+            return write()
+        return write_through_log(self.oplog, f"apikey/{digest}", doc, orjson.loads(expected) if expected else None,
+                                 write, partial(self._raw, digest))
 
     @staticmethod
     def _info(digest: str, doc: dict, used: bytes | None) -> KeyInfo:

@@ -15,7 +15,7 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from .. import metrics
-from ..errors import PublishError, StackError
+from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
@@ -45,6 +45,37 @@ def log_what_redis_holds(oplog: OperatorLog, key: str, read: Callable[[], bytes 
                         "change's older record may be logged after ours)", key)
             return
         logged = raw
+
+
+def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict | None, write: Callable[[], bool],
+                      read: Callable[[], bytes | None], *, deletes: bool = True) -> bool:
+    """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
+    a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
+    (StoreUnavailable) takes the change back out of the log (`before`, what Redis held when it was read, is put
+    back: a rebuild of Redis from the log must not apply a change the operator was told failed; with `deletes`
+    False, a Redis that held nothing is taken for one that lost its data, and the log is left) and is raised.
+    After a write that succeeded, a look at Redis that fails is only logged: the change was made, and its record
+    is the log's (a concurrent change's older one may follow it)."""
+    oplog.put(key, record)
+    try:
+        written = write()
+    except StoreUnavailable:
+        if before is None and not deletes:
+            raise  # Redis held nothing (its data lost?): the log's earlier value, which a rebuild restores, stays
+        try:
+            oplog.put(key, before)
+        except PublishError:
+            log.warning("%s: refused by Redis, and the operator log could not be given its earlier value back (the "
+                        "next change of it mends that)", key)
+        raise
+    try:
+        log_what_redis_holds(oplog, key, read, written, logged=orjson.dumps(record) if written else False,
+                             deletes=deletes)
+    except StoreUnavailable as exc:
+        if not written:
+            raise
+        log.warning("%s: saved, but Redis could not be read again after it (%s)", key, exc)
+    return written
 
 
 def skip_unreadable(topic: str, offset: int, key: bytes | str, why: str = "") -> None:
