@@ -199,7 +199,7 @@ def keys(sub) -> None:
             raise ConfigError(f"API key {args.key_id} is no longer valid: create a new one")
         token, old = rotated
         print(token)
-        _audited(rt, f"apikey/{args.key_id}", public(before), {"old": public(old)})
+        _audited(rt, f"apikey/{args.key_id}", public(before), {"old": public(old), "new_id": key_id(token)})
         return 0
 
     p.set_defaults(func=run)

@@ -36,6 +36,7 @@ from ..errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, Sen
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
 from ..providers.outcome import redact
+from ..providers.registry import load_registry
 from ..send import (
     MAX_BATCH,
     MAX_SEND_BYTES,
@@ -131,6 +132,8 @@ class Ingest:
     guard: StateGuard | None = None
     webhooks: WebhookIngest | None = None
     senders: SenderDomains | SenderDomainStore = field(default_factory=SenderDomains)  # fixed, or the operator's
+    # The providers operators may set limits for (providers.toml's; the ingest quotas are known besides).
+    providers: frozenset[str] = field(default_factory=lambda: frozenset(load_registry().providers))
 
 
 IdempotencyKey = Annotated[str | None, Header(

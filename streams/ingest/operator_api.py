@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
-from ..gate.limits import MIN_RATE, LimitChange
+from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
@@ -36,6 +36,8 @@ from ..webhooks.api import EndpointView
 from ..webhooks.endpoints import EndpointViewBehind
 from ..webhooks.ingest import reactivated_in_part
 from .api_keys import Principal, public
+from .api_keys import key_id as id_of
+from .quotas import QUOTAS
 from .sender_store import SenderDomainStore
 from .senders import DOMAIN_PATTERN, MAX_DOMAINS
 from .web import documented, problem
@@ -45,7 +47,6 @@ log = logging.getLogger("streams.operator_api")
 TENANT_LIMIT = ("tenant", "tenant_rate", "tenant_burst")
 # How long a reactivation by endpoint id waits for this process's endpoint view to read one created a moment ago.
 ENDPOINT_VIEW_SYNC_S = 5.0
-MAX_LIMIT = 2**53  # the gate's Lua works in doubles: larger rates and bursts would not be held exactly
 
 
 class LimitUpdate(BaseModel):
@@ -205,13 +206,21 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               "its record; make the same change again to record it", {"Retry-After": "1"},
                               outcome="applied") from None
 
-    @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 503))
-    def get_limits(provider: str, _: Operator) -> dict:
-        return {"provider": provider, "limits": ingest.limits.show(provider)}
+    def known(provider: str) -> str:
+        """A provider of providers.toml or an ingest quota (a misspelt one would be accepted and govern nothing)."""
+        names = [*sorted(ingest.providers), *QUOTAS]
+        if provider not in names:
+            raise problem(404, "not_found", ["path", "provider"], f"no provider or quota {provider!r} "
+                                                                  f"(known: {', '.join(names)})")
+        return provider
 
-    @router.put("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 422, 503))
+    @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 503))
+    def get_limits(provider: str, _: Operator) -> dict:
+        return {"provider": provider, "limits": ingest.limits.show(known(provider))}
+
+    @router.put("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 422, 503))
     def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:
-        before = ingest.limits.show(provider)
+        before = ingest.limits.show(known(provider))
         try:
             after = ingest.limits.apply(provider, LimitChange(**body.model_dump()))
         except ConfigError as exc:
@@ -229,12 +238,12 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             token = ingest.keys.create(body.role, body.tenant, body.label)
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["body", "tenant"], str(exc)) from None
-        info = ingest.keys.resolve(token)
-        assert info is not None
-        # The key's tenant as stored (an operator key has none, whatever the body said).
-        audited(who, f"apikey/{info.key_id}", None, {"role": body.role, "tenant": info.tenant, "label": body.label},
+        # The key's id from the key itself (asking Redis again could fail after the key exists: it would be lost
+        # to its caller and unaudited); its tenant as stored (an operator key has none, whatever the body said).
+        tenant = body.tenant if body.role == "tenant" else None
+        audited(who, f"apikey/{id_of(token)}", None, {"role": body.role, "tenant": tenant, "label": body.label},
                 repeatable=False)
-        return {"id": info.key_id, "key": token, "role": body.role, "tenant": info.tenant,
+        return {"id": id_of(token), "key": token, "role": body.role, "tenant": tenant,
                 "note": "the key is shown once: store it now"}
 
     @router.post("/keys/{key_id}/revoke", response_model=KeyView, responses=documented(401, 403, 404, 503))
@@ -254,10 +263,9 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         if before is None or rotated is None:
             raise problem(404, "not_found", ["path", "key_id"], "no such key that is still valid")
         token, old = rotated
-        new = ingest.keys.resolve(token)
-        assert new is not None
-        audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": new.key_id}, repeatable=False)
-        return {"id": new.key_id, "key": token, "previous": public(old), "note": "the key is shown once: store it now"}
+        audited(who, f"apikey/{key_id}", public(before), {"old": public(old), "new_id": id_of(token)}, repeatable=False)
+        return {"id": id_of(token), "key": token, "previous": public(old),
+                "note": "the key is shown once: store it now"}
 
     @router.get("/dlq", response_model=DeadLetters, responses=documented(401, 403, 422, 503))
     def list_dead_letters(_: Operator, reason: str | None = None,

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from ..errors import BrokerUnavailable
 from ..kafka_client import client_config, durable_producer, put_acked
 from .log import skip_unreadable
 
@@ -58,6 +59,9 @@ class AuditLog:
                         skip_unreadable(self.topic, m.offset(), m.key() or b"")
                     elif entry["at_ms"] >= since_ms:
                         yield entry
+            if position < high:  # a partial trail would read as "no such change": said, not answered
+                raise BrokerUnavailable(f"the audit trail {self.topic} was read to offset {position} of {high} in 30 s "
+                                 "(its broker is slow or away); ask again")
         finally:
             c.close()
 

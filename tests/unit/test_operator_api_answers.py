@@ -1,0 +1,99 @@
+"""The operator API's answers where the state store fails after a change, or the change names nothing real."""
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from streams.errors import StoreUnavailable
+from streams.ingest.api import Ingest, create_app
+from streams.ingest.api_keys import KeyInfo, Principal, key_id
+from streams.ingest.senders import SenderDomains
+
+
+class OperatorKeys:
+    """An operator's key; keys it creates or rotates exist, but Redis cannot be asked about them afterwards."""
+
+    def __init__(self):
+        self.created: list[str] = []
+
+    def resolve(self, token: str) -> Principal:
+        if token in self.created:
+            raise StoreUnavailable("checking the API key: Redis unavailable (test)")
+        return Principal("operator", None, "op1")
+
+    def create(self, role, tenant=None, label=""):
+        self.created.append(f"dr_ten_new{len(self.created)}")
+        return self.created[-1]
+
+    def get(self, key_id):
+        return KeyInfo(key_id, "tenant", "acme", 1, None, None, None, "")
+
+    def rotate(self, key_id, overlap_s):
+        return self.create("tenant", "acme"), KeyInfo(key_id, "tenant", "acme", 1, 2, None, None, "")
+
+
+class Audit:
+    def __init__(self):
+        self.records: list[tuple] = []
+
+    def record(self, who, what, before, after):
+        self.records.append((what, after))
+
+
+class Limits:
+    def __init__(self):
+        self.applied: list[str] = []
+
+    def show(self, provider):
+        return {}
+
+    def apply(self, provider, change):
+        self.applied.append(provider)
+        return {"global_rate": 1}
+
+
+def _operator_api(keys, audit, limits) -> Ingest:
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: pytest.fail("nothing may be published"))
+    return Ingest(client=client, store=None, keys=keys, limits=limits, known_policies=frozenset(),  # type: ignore[arg-type]
+                  audit=audit, senders=SenderDomains())  # type: ignore[arg-type]
+
+
+def _call(ingest: Ingest, method: str, path: str, **request) -> httpx.Response:
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.request(method, path, headers={"Authorization": "Bearer dr_ope_x"}, **request)
+    return asyncio.run(call())
+
+
+def test_a_key_created_or_rotated_is_answered_and_audited_though_redis_cannot_be_asked_about_it_after():
+    """Given an operator, and a state store that fails as soon as the new keys exist,
+    When a key is created and another rotated,
+    Then both are answered 201 with the key and its id, from the key itself, and both are audited (before: the API
+    asked Redis for the new key's id, answered 503 "retry", and the key existed, valid, shown to nobody and
+    unaudited; a rotation's old key ran out meanwhile)."""
+    keys, audit = OperatorKeys(), Audit()
+    ingest = _operator_api(keys, audit, Limits())
+    made = _call(ingest, "POST", "/v1/admin/keys", json={"role": "tenant", "tenant": "acme"})
+    rotated = _call(ingest, "POST", "/v1/admin/keys/abc/rotate", json={"overlap_s": 0})
+    assert (made.status_code, rotated.status_code) == (201, 201), (made.text, rotated.text)
+    assert [made.json()["id"], rotated.json()["id"]] == [key_id(k) for k in keys.created]
+    assert [what for what, _ in audit.records] == [f"apikey/{key_id(keys.created[0])}", "apikey/abc"]
+    assert audit.records[1][1]["new_id"] == key_id(keys.created[1])
+
+
+@pytest.mark.parametrize("provider", ["Resend", "ingest-request"])
+def test_limits_for_a_provider_that_does_not_exist_are_refused_naming_the_known_ones(provider):
+    """Given an operator,
+    When limits are set or read for a misspelt provider or quota,
+    Then 404 names the known ones, and nothing is written or audited (before: 200 and an audit record for limits
+    that govern nothing, while the real provider stayed unlimited)."""
+    audit, limits = Audit(), Limits()
+    ingest = _operator_api(OperatorKeys(), audit, limits)
+    put = _call(ingest, "PUT", f"/v1/admin/limits/{provider}", json={"global_rate": 10, "global_burst": 10})
+    get = _call(ingest, "GET", f"/v1/admin/limits/{provider}")
+    assert (put.status_code, get.status_code) == (404, 404), put.text
+    assert "resend" in put.json()["errors"][0]["msg"] and (limits.applied, audit.records) == ([], [])
+    assert _call(ingest, "PUT", "/v1/admin/limits/resend", json={"global_rate": 10, "global_burst": 10}).status_code == 200

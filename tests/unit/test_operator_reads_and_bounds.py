@@ -1,0 +1,53 @@
+"""What operators read and write is whole or refused: the audit trail never answers part of itself as all of it,
+and a limit the gate could not hold exactly is refused by the CLI as by the API."""
+
+import pytest
+
+from streams.errors import BrokerUnavailable, ConfigError
+from streams.gate.limits import MAX_LIMIT, check_provider, check_tenant, parse_rate
+from streams.state import audit as audit_module
+
+
+class StalledConsumer:
+    """The audit partition holds 5 records, and its leader answers none of them (stalled after the watermarks)."""
+
+    def __init__(self, config):
+        pass
+
+    def get_watermark_offsets(self, tp, timeout=None, cached=False):
+        return 0, 5
+
+    def assign(self, partitions):
+        pass
+
+    def consume(self, num_messages=1, timeout=0):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_an_audit_trail_read_that_stalls_is_an_error_not_a_shorter_trail(monkeypatch):
+    """Given an audit trail of 5 records whose partition stops answering after its watermarks are read,
+    When it is read (the API's GET /v1/admin/audit, `streams audit`),
+    Then the read fails saying how far it got (before: it ended quietly after 30 s with what it had, none here,
+    which reads as "no change was made")."""
+    clock = iter(range(0, 10_000, 7))
+    monkeypatch.setattr(audit_module, "Consumer", StalledConsumer)
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: float(next(clock)))
+    trail = audit_module.AuditLog.__new__(audit_module.AuditLog)  # its reader only: no producer
+    trail.bootstrap, trail.topic = "unused:9092", "notif.audit"
+    with pytest.raises(BrokerUnavailable, match=r"read to offset 0 of 5"):
+        list(trail.read())
+
+
+@pytest.mark.parametrize("rate, burst", [(10, MAX_LIMIT + 1), (parse_rate("1e301"), 10)])
+def test_a_limit_past_what_the_gate_holds_exactly_is_refused_by_the_shared_check(rate, burst):
+    """Given a burst past 2**53, or a rate of 1e301 a second (the gate's Lua works in doubles),
+    When the CLI's (and the API's) check looks at it,
+    Then it is refused naming the bound (before: the CLI accepted the first, and the second ended in an
+    OverflowError traceback)."""
+    with pytest.raises(ConfigError, match="at most|from 1 to"):
+        check_provider(rate, burst, 0)
+    with pytest.raises(ConfigError, match="at most|from 1 to"):
+        check_tenant("acme", rate, burst)
