@@ -53,7 +53,8 @@ def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict |
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
     (StoreUnavailable) takes the change back out of the log (`before`, what Redis held when it was read, is put
     back: a rebuild of Redis from the log must not apply a change the operator was told failed; with `deletes`
-    False, a Redis that held nothing is taken for one that lost its data, and the log is left) and is raised.
+    False, a Redis that held nothing is taken for one that lost its data, and the record stays: a tombstone would
+    remove what a rebuild restores) and is raised.
     After a write that succeeded, a look at Redis that fails is only logged: the change was made, and its record
     is the log's (a concurrent change's older one may follow it)."""
     oplog.put(key, record)
@@ -61,7 +62,7 @@ def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict |
         written = write()
     except StoreUnavailable:
         if before is None and not deletes:
-            raise  # Redis held nothing (its data lost?): the log's earlier value, which a rebuild restores, stays
+            raise  # Redis held nothing (its data lost?): a tombstone would take what a rebuild restores with it
         try:
             oplog.put(key, before)
         except PublishError:
