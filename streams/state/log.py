@@ -47,27 +47,41 @@ def log_what_redis_holds(oplog: OperatorLog, key: str, read: Callable[[], bytes 
         logged = raw
 
 
+def take_back(oplog: OperatorLog, key: str, before: dict | None, read: Callable[[], bytes | None],
+              deletes: bool = True) -> None:
+    """A change the log took and Redis failed to write (StoreUnavailable): the log must not keep it, for a rebuild
+    of Redis from the log would apply a change the operator was told failed. The log gets what Redis holds, asked
+    once (a Redis that answered nothing may have applied the write before its answer was lost, and a concurrent
+    change may have landed meanwhile); while Redis does not answer, `before`, what it held when the change read it
+    (a Redis failing a write far more often refused it than applied it; a caller's retry mends the rest). With
+    `deletes` False, Redis holding nothing is taken for its data lost, and the record stays: a tombstone would
+    remove what a rebuild restores. Never raises: the caller raises the write's error."""
+    try:
+        held = read()
+        value = orjson.loads(held) if held else None
+    except StoreUnavailable:
+        value = before
+    if value is None and not deletes:
+        return
+    try:
+        oplog.put(key, value)
+    except PublishError:
+        log.warning("%s: refused by Redis, and the operator log could not be given what Redis holds (the next "
+                    "change of it mends that)", key)
+
+
 def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict | None, write: Callable[[], bool],
                       read: Callable[[], bytes | None], *, deletes: bool = True) -> bool:
     """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
-    (StoreUnavailable) takes the change back out of the log (`before`, what Redis held when it was read, is put
-    back: a rebuild of Redis from the log must not apply a change the operator was told failed; with `deletes`
-    False, a Redis that held nothing is taken for one that lost its data, and the record stays: a tombstone would
-    remove what a rebuild restores) and is raised.
-    After a write that succeeded, a look at Redis that fails is only logged: the change was made, and its record
-    is the log's (a concurrent change's older one may follow it)."""
+    (StoreUnavailable) is taken back out of the log (`take_back`) and raised. After a write that succeeded, a look
+    at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
+    older one may follow it)."""
     oplog.put(key, record)
     try:
         written = write()
     except StoreUnavailable:
-        if before is None and not deletes:
-            raise  # Redis held nothing (its data lost?): a tombstone would take what a rebuild restores with it
-        try:
-            oplog.put(key, before)
-        except PublishError:
-            log.warning("%s: refused by Redis, and the operator log could not be given its earlier value back (the "
-                        "next change of it mends that)", key)
+        take_back(oplog, key, before, read, deletes)
         raise
     try:
         log_what_redis_holds(oplog, key, read, written, logged=orjson.dumps(record) if written else False,

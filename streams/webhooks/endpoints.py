@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -28,7 +29,7 @@ from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..send import EVENT_TYPE_PATTERN
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
-from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable
+from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable, take_back
 from .lookups import answered
 from .model import STATES, Endpoint, Health, Secret, with_health
 from .sealing import Sealer, seal
@@ -47,7 +48,6 @@ CHANGE_ATTEMPTS = 10
 # plus 5 s); the place of a create that died before finishing is free again after it.
 RESERVATION_MS = int((LOG_TIMEOUT_S + 15) * 1000)
 log = logging.getLogger("streams.endpoints")
-TAKE_BACK_READS_S = (0.0, 0.2, 0.8)  # when a failed change reads Redis again (each a wait before a read)
 
 
 def new_endpoint_id() -> str:
@@ -153,7 +153,9 @@ class EndpointStore:
             try:
                 saved = changed == current or self._save(changed, raw)
             except StoreUnavailable:
-                self._take_back(tenant, endpoint_id, raw)
+                if self.oplog is not None:  # the workers follow the log: it must not keep what Redis refused
+                    take_back(self.oplog, f"endpoint/{endpoint_id}", orjson.loads(raw),
+                              partial(self._raw, tenant, endpoint_id))
                 raise
             if saved:
                 self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
@@ -167,29 +169,6 @@ class EndpointStore:
         if self.oplog is not None:
             log_what_redis_holds(self.oplog, f"endpoint/{endpoint_id}", lambda: self._raw(tenant, endpoint_id),
                                  after_success)
-
-    def _take_back(self, tenant: str, endpoint_id: str, before: bytes) -> None:
-        """A change the log took and Redis did not answer: the workers follow the log, and the caller is told
-        nothing changed (it may try again), so the log gets what Redis holds (before: the log kept the change, and
-        the workers signed with a secret the caller never saw, or skipped an endpoint Redis still showed active).
-        Redis is asked a few times over a second; while it does not answer, the log gets what it held when the
-        change read it: a Redis that failed the write is far likelier to have refused it than to have applied it
-        and then stopped answering (that case is mended by the caller's retry, which logs what Redis holds)."""
-        if self.oplog is None:
-            return
-        now: bytes | None = before
-        for wait_s in TAKE_BACK_READS_S:
-            time.sleep(wait_s)  # a backoff between reads of a Redis that just failed, not a synchronisation
-            try:
-                now = self._raw(tenant, endpoint_id)
-                break
-            except StoreUnavailable:
-                continue
-        try:
-            self.oplog.put(f"endpoint/{endpoint_id}", orjson.loads(now) if now else None)
-        except PublishError:
-            log.error("endpoint %s: a change the operator log took failed in Redis, and the log could not be "
-                      "written back (the workers follow the log until the endpoint's next change)", endpoint_id)
 
     def _raw(self, tenant: str, endpoint_id: str) -> bytes | None:
         with store_errors("reading an endpoint"):

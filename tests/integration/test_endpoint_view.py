@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
+import redis
 from confluent_kafka import Producer
 
 from streams.errors import ConfigError, StoreUnavailable
@@ -450,15 +451,13 @@ def test_a_change_whose_redis_write_fails_leaves_the_operator_log_with_what_redi
     assert key == f"endpoint/{created.id}" and rotated != as_stored and last == as_stored
 
 
-def test_a_change_whose_redis_write_fails_logs_what_redis_holds_once_it_answers_again(redis_client, namespace,
-                                                                                      monkeypatch):
-    """Given an endpoint, then a secret rotation whose operator-log write succeeds and whose Redis write fails, and a
-    Redis that answers again a moment later holding another change of the endpoint (made meanwhile elsewhere),
+def test_a_change_whose_redis_write_fails_logs_what_redis_holds_when_redis_answers_a_read(redis_client, namespace,
+                                                                                          monkeypatch):
+    """Given an endpoint, then a secret rotation whose operator-log write succeeds and whose Redis write fails,
+    while Redis, answering reads, holds another change of the endpoint made meanwhile elsewhere,
     When the rotation is refused,
     Then the operator log ends with what Redis holds, that other change (not the record the rotation read: the log
     never ends on a record older than Redis's)."""
-    from streams.webhooks import endpoints as endpoints_module
-
     keys = RedisKeys(namespace)
     store = EndpointStore(redis_client, namespace, KeepingLog(), UrlPolicy(require_https=False,
                                                                            allow=frozenset({"127.0.0.1"})),
@@ -467,13 +466,12 @@ def test_a_change_whose_redis_write_fails_logs_what_redis_holds_once_it_answers_
     as_stored = orjson.loads(redis_client.hget(keys.endpoints("acme"), created.id))
     changed_elsewhere = {**as_stored, "description": "changed meanwhile"}
 
-    def redis_back(wait_s: float) -> None:  # the backoff before the second read: Redis answers by then
-        if wait_s:
-            redis_client.delete(keys.endpoints("acme"))
-            redis_client.hset(keys.endpoints("acme"), created.id, orjson.dumps(changed_elsewhere))
+    def concurrent_change_then_refused(**_):
+        redis_client.hset(keys.endpoints("acme"), created.id, orjson.dumps(changed_elsewhere))
+        raise redis.ConnectionError("Connection reset by peer (test)")
 
-    monkeypatch.setattr(endpoints_module.time, "sleep", redis_back)
-    store.oplog = RecordingLog(redis_client, keys.endpoints("acme"))  # its write breaks the hash
+    monkeypatch.setattr(store, "_set_if_unchanged", concurrent_change_then_refused)
+    store.oplog = KeepingLog()
     with pytest.raises(StoreUnavailable):
         store.rotate_secret("acme", created.id)
     (_, rotated), (_, last) = store.oplog.writes

@@ -31,3 +31,21 @@ def test_a_refused_first_write_is_taken_back_unless_redis_held_nothing_for_a_sto
     with pytest.raises(StoreUnavailable):
         write_through_log(log, "k", {"v": 1}, None, refused, lambda: None, deletes=deletes)  # type: ignore[arg-type]
     assert log.puts == [("k", {"v": 1}), *taken_back]
+
+
+def test_a_write_whose_answer_was_lost_is_taken_back_to_what_redis_holds_not_to_what_it_held():
+    """Given a revocation whose compare-and-set ran in Redis and whose answer was then lost (a timeout), and
+    Redis answering a read right after,
+    When it is taken back,
+    Then the log ends with what Redis holds, the revocation (before: the record read before it, the key unrevoked
+    in the log while Redis had it revoked: a rebuild of Redis from the log made it valid again)."""
+    log, redis = Log(), {"k": b'{"revoked_at_ms": null}'}
+
+    def applied_then_lost() -> bool:
+        redis["k"] = b'{"revoked_at_ms": 5}'
+        raise StoreUnavailable("Redis unavailable (timeout, test)")
+
+    with pytest.raises(StoreUnavailable):
+        write_through_log(log, "k", {"revoked_at_ms": 5}, {"revoked_at_ms": None}, applied_then_lost,
+                          lambda: redis["k"])  # type: ignore[arg-type]
+    assert log.puts[-1] == ("k", {"revoked_at_ms": 5})
