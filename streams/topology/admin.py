@@ -258,7 +258,9 @@ class TopicAdmin:
         # one copy for good: the endpoint-health changelog is not in topics/*.toml, `topics apply` never sees it.
         # Its configs are set on every call, not only with the raise: a call that raised the replicas and then
         # failed before the configs sees 3 replicas the next time.
-        ours = {n: specs[n] for n in existing}
+        # A topic of more replicas than the spec (a copy started with a lower profile) is left as it is: its
+        # configs (min.insync.replicas) go with its replicas.
+        ours = {n: specs[n] for n, st in existing.items() if st.replication_factor <= specs[n].replication_factor}
         changes = [c for c in plan(ours, existing) if c.kind in ("add_replicas", "set_config")]
         if changes:
             self.apply(changes, ours)

@@ -41,11 +41,11 @@ def test_an_audit_trail_read_that_stalls_is_an_error_not_a_shorter_trail(monkeyp
         list(trail.read())
 
 
-@pytest.mark.parametrize("rate, burst", [(10, MAX_LIMIT + 1), (parse_rate("1e301"), 10)])
+@pytest.mark.parametrize("rate, burst", [(1e8, MAX_LIMIT + 1), (1e16, 10), (parse_rate("1e301"), 10)])
 def test_a_limit_past_what_the_gate_holds_exactly_is_refused_by_the_shared_check(rate, burst):
-    """Given a burst past 2**53, or a rate of 1e301 a second (the gate's Lua works in doubles),
+    """Given a burst past 2**53, a rate past it, or a rate of 1e301 a second (the gate's Lua works in doubles),
     When the CLI's (and the API's) check looks at it,
-    Then it is refused naming the bound (before: the CLI accepted the first, and the second ended in an
+    Then it is refused naming the bound (before: the CLI accepted the first two, and the third ended in an
     OverflowError traceback)."""
     with pytest.raises(ConfigError, match="at most|from 1 to"):
         check_provider(rate, burst, 0)

@@ -136,3 +136,20 @@ def test_a_roles_own_topic_gets_its_configs_also_when_its_replicas_were_raised_b
     admin._wait_visible = admin._wait_brokers_agree = lambda *args, **kwargs: None  # type: ignore[method-assign]
     admin.create_missing({spec.name: spec})
     assert [(c.kind, c.key, c.value) for c in applied] == [("set_config", "min.insync.replicas", "2")]
+
+
+def test_a_roles_own_topic_of_more_replicas_than_its_spec_is_left_as_it_is():
+    """Given the changelog with 3 replicas and min.insync.replicas 2,
+    When a copy started without the cluster profile (its spec: 1 replica, min.insync.replicas 1) starts,
+    Then nothing is changed (not min.insync.replicas lowered to 1: writes acknowledged by one replica only)."""
+    from streams.topology.admin import TopicAdmin
+
+    admin = TopicAdmin.__new__(TopicAdmin)
+    spec = TopicSpec("ns.endpoint-health-changelog", 6, 1, {"cleanup.policy": "compact", "min.insync.replicas": "1"})
+    applied: list = []
+    admin.state = lambda names: {spec.name: TopicState(6, 3, {"cleanup.policy": "compact",  # type: ignore[method-assign]
+                                                              "min.insync.replicas": "2"})}
+    admin.apply = lambda changes, specs: applied.extend(changes)  # type: ignore[method-assign]
+    admin._wait_visible = admin._wait_brokers_agree = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    admin.create_missing({spec.name: spec})
+    assert applied == []
