@@ -38,6 +38,9 @@ ACCEPTANCE_DEPENDS_ON = {
                           "and the fuzzer does not guess the one host the tests allow",
     "PUT /v1/admin/limits/{provider}": "a global rate or burst alone needs the provider's stored limits, and "
                                        "`reserve` must stay below the stored global burst",
+    "GET /v1/endpoints/{endpoint_id}/deliveries": "a cursor is opaque: only one a page's `next_cursor` gave is one "
+                                                  "(another is refused 422 naming it), and it is given without "
+                                                  "`before_ms`",
 }
 
 
