@@ -23,6 +23,7 @@ from ..gate.gate import Admission, Gate, Unused
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
 from ..retry.policy import RetryPolicy, expired
+from ..stamped import StampedTable
 from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
 from .routes import Route, Routes
 from .stages import wall_ms
@@ -120,8 +121,8 @@ class Dispatcher:
         # Requests that finished, in the order they did (appended by the thread that completed them):
         # the worker settles these without scanning every request in flight on every step.
         self.finished: deque[Future] = deque()
-        self._limits: dict[tuple[str, str], tuple[float, Limit]] = {}  # (provider, tenant) -> (read at, limit)
-        self._limits_pruned_at = 1024
+        # (provider, tenant) -> (read at, limit); those read long ago dropped: every tenant ever served
+        self._limits: StampedTable[tuple[str, str], Limit] = StampedTable(LIMITS_TTL_S)
         self.rng = random.Random()
         self.per_queue: int | None = None  # requests in flight per queue (per webhook endpoint); None: one per step
         self.in_flight_by_queue: Counter[str] = Counter()
@@ -511,10 +512,7 @@ class Dispatcher:
         now = time.monotonic()
         if cached is None or now - cached[0] > LIMITS_TTL_S:
             cached = (now, self.gate.tenant_limit(route.name, tenant))
-            self._limits[(route.name, tenant)] = cached
-            if len(self._limits) >= self._limits_pruned_at:  # every tenant ever served: drop those read long ago
-                self._limits = {k: v for k, v in self._limits.items() if now - v[0] <= LIMITS_TTL_S}
-                self._limits_pruned_at = max(1024, 2 * len(self._limits))
+            self._limits.put((route.name, tenant), cached[1], now)
         return cached[1]
 
     def per_request(self, route: Route, tenant: str) -> int:

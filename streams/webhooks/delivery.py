@@ -32,6 +32,7 @@ import orjson
 from .. import metrics
 from ..providers.connections import KEEPALIVE_S
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
+from ..stamped import StampedTable
 from .endpoints import EndpointDirectory
 from .lookups import LookupFailed, addresses_of, name_resolver
 from .model import Endpoint
@@ -58,18 +59,13 @@ class PinnedResolver(aiohttp.abc.AbstractResolver):
     yet does not resolve."""
 
     def __init__(self) -> None:
-        self.approved: dict[str, tuple[float, list[str]]] = {}  # host -> (when approved, addresses)
-        self._pruned_at = 1024
+        self.approved: StampedTable[str, list[str]] = StampedTable(APPROVAL_KEPT_S)  # host -> (when, addresses)
 
     def approve(self, host: str, addresses: list[str]) -> None:
         """`host` as the client looks it up (`wire_host`), right before a request connects to it. Hosts approved
         long ago are dropped once the table has doubled: a tenant could otherwise grow every worker's memory
         without a bound by sending to new host names (wildcard DNS)."""
-        now = time.monotonic()
-        self.approved[host] = (now, addresses)
-        if len(self.approved) >= self._pruned_at:
-            self.approved = {h: a for h, a in self.approved.items() if now - a[0] <= APPROVAL_KEPT_S}
-            self._pruned_at = max(1024, 2 * len(self.approved))
+        self.approved.put(host, addresses, time.monotonic())
 
     async def resolve(self, host: str, port: int = 0,
                       family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
@@ -166,8 +162,7 @@ class WebhookDelivery:
         self.directory, self.policy, self.timeout_s = directory, policy, timeout_s
         self.sealer = sealer  # opens the signing secrets stored sealed
         self._unseal_logged: dict[str, float] = {}  # endpoint -> when a secret that does not open was last logged
-        self._dns: dict[str, tuple[float, list[str]]] = {}
-        self._dns_pruned_at = 1024
+        self._dns: StampedTable[str, list[str]] = StampedTable(DNS_TTL_S)  # answers of hosts no longer sent to dropped
         self._looking_up: dict[str, asyncio.Future] = {}
         # Bringing the endpoint view up to the log's end, for deliveries to endpoints it does not know: one at a
         # time, on a thread of its own (it waits on the broker), shared by the deliveries waiting meanwhile.
@@ -330,11 +325,7 @@ class WebhookDelivery:
         # Only answers are cached: a failed lookup (one name server's bad second) is made again by the next
         # delivery, instead of failing every delivery to the host for DNS_TTL_S.
         if not done.cancelled() and done.exception() is None:
-            now = time.monotonic()
-            self._dns[host] = (now, done.result())
-            if len(self._dns) >= self._dns_pruned_at:  # answers past their time, of hosts no longer sent to
-                self._dns = {h: a for h, a in self._dns.items() if now - a[0] <= DNS_TTL_S}
-                self._dns_pruned_at = max(1024, 2 * len(self._dns))
+            self._dns.put(host, done.result(), time.monotonic())
 
     @property
     def ready(self) -> bool:

@@ -10,6 +10,7 @@ import aiodns
 import aiohttp
 import pytest
 
+from streams.stamped import StampedTable
 from streams.webhooks import delivery, lookups
 from streams.webhooks.delivery import WebhookDelivery, post_delivery
 from tests.nameserver import LoopbackNameServer
@@ -33,7 +34,7 @@ class Lookups:
 
 def _delivery(loop, nameserver: LoopbackNameServer | None = None) -> WebhookDelivery:
     d = WebhookDelivery.__new__(WebhookDelivery)  # only its name lookups: no endpoint view, no sessions
-    d.loop, d.timeout_s, d._dns, d._looking_up, d._dns_pruned_at = loop, 10.0, {}, {}, 1024
+    d.loop, d.timeout_s, d._dns, d._looking_up = loop, 10.0, StampedTable(delivery.DNS_TTL_S), {}
     d.names = aiodns.DNSResolver(nameservers=[nameserver.address] if nameserver else None, loop=loop,
                                  timeout=lookups.QUERY_TIMEOUT_S, tries=lookups.QUERY_TRIES)
     return d
