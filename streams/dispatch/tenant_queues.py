@@ -82,12 +82,16 @@ class TenantQueues:
         meets every tenant (every endpoint) it ever served, and scanning all of them every step, and keeping them,
         grew its step and its memory for as long as it ran (an empty queue still held, or whose bucket is still dry,
         is kept: a receiver's Retry-After applies to the next delivery too)."""
-        gone = [k for k, q in self.queues.items() if not q.items and max(q.ready_at, q.dry_until) <= now]
+        ready, gone = [], []
+        for k, q in self.queues.items():  # one pass a step: this runs with every dispatch
+            if q.items:
+                if q.ready_at <= now:
+                    ready.append(k)
+            elif max(q.ready_at, q.dry_until) <= now:
+                gone.append(k)
         for k in gone:
             del self.queues[k]
-        if now < self.global_ready_at:
-            return []
-        return [k for k, q in self.queues.items() if q.items and q.ready_at <= now]
+        return ready if now >= self.global_ready_at else []
 
     def next_ready(self, now: float) -> float | None:
         """When the next queue with work becomes ready (None: no work at all)."""
