@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import orjson
 import redis
 
-from ..errors import ConfigError, PublishError, SendValidationError, StoreUnavailable
+from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..send import check_tenant_id
-from ..state.log import log_what_redis_holds
+from ..state.log import log_what_redis_holds, write_through_log
 from .senders import SenderDomains
 
 if TYPE_CHECKING:
@@ -50,20 +50,15 @@ class SenderDomainStore:
                 self.client.hset(self.key, tenant, orjson.dumps(cleaned))
             return cleaned
         before = self._logged_form(tenant)
-        self.oplog.put(f"senders/{tenant}", {"domains": cleaned})
-        try:
+
+        def write() -> bool:
             with store_errors("saving sender domains"):
                 self.client.hset(self.key, tenant, orjson.dumps(cleaned))
-        except StoreUnavailable:
-            # Refused, so the log must not keep it either (a Redis rebuild would apply it): put back what
-            # Redis held. Should that write fail too, removing the tenant's entry clears the log.
-            try:
-                self.oplog.put(f"senders/{tenant}", None if before is None else orjson.loads(before))
-            except PublishError:
-                log.warning("senders/%s: refused, but the operator log could not be given its earlier value back "
-                            "(`streams senders remove` or a new `set` for this tenant clears it)", tenant)
-            raise
-        self._log_what_redis_holds(tenant)
+            return True
+
+        write_through_log(self.oplog, f"senders/{tenant}", {"domains": cleaned},
+                          None if before is None else orjson.loads(before), write, lambda: self._logged_form(tenant),
+                          conditional=False)
         return cleaned
 
     def remove(self, tenant: str) -> bool:

@@ -71,21 +71,23 @@ def take_back(oplog: OperatorLog, key: str, before: dict | None, read: Callable[
 
 
 def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict | None, write: Callable[[], bool],
-                      read: Callable[[], bytes | None], *, deletes: bool = True) -> bool:
+                      read: Callable[[], bytes | None], *, deletes: bool = True, conditional: bool = True) -> bool:
     """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
     (StoreUnavailable) is taken back out of the log (`take_back`) and raised. After a write that succeeded, a look
     at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
-    older one may follow it)."""
+    older one may follow it). `conditional=False`: `write()` overwrites whatever Redis holds, so a concurrent
+    change may have logged its record after ours and still lost to our write: what Redis holds is logged even
+    when it is our own record."""
     oplog.put(key, record)
     try:
         written = write()
     except StoreUnavailable:
         take_back(oplog, key, before, read, deletes)
         raise
+    ours = orjson.dumps(record) if written and conditional else False
     try:
-        log_what_redis_holds(oplog, key, read, written, logged=orjson.dumps(record) if written else False,
-                             deletes=deletes)
+        log_what_redis_holds(oplog, key, read, written, logged=ours, deletes=deletes)
     except StoreUnavailable as exc:
         if not written:
             raise

@@ -4,6 +4,7 @@ operators' changes, and check that the log never keeps what Redis does not hold.
 
 import orjson
 import pytest
+import redis
 
 from streams.errors import StoreUnavailable
 from streams.ingest.sender_store import SenderDomainStore
@@ -82,3 +83,28 @@ def test_a_change_whose_look_back_at_redis_fails_is_still_a_change_made(stack, r
     assert store.remove("acme") is True
     assert redis_client.hget(RedisKeys(namespace).sender_domains, "acme") is None
     assert logged(stack, oplog_topic, "acme") is None
+
+
+
+def test_a_change_redis_applied_but_whose_answer_was_lost_stays_in_the_operator_log(stack, redis_client, namespace,
+                                                                                      oplog_topic):
+    """Given acme's sender domains set to acme.test,
+    When a change to other.test reaches Redis but the connection drops before Redis's answer,
+    Then the change is answered as failed (the store is unavailable) and the log holds what Redis holds,
+    other.test (before, the log was given back acme.test, the value read before the change: a Redis rebuild from
+    the log then silently reverted a change Redis had in force)."""
+    SenderDomainStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic)).set("acme", ["acme.test"])
+
+    class AnswerLost:
+        def __getattr__(self, name):
+            return getattr(redis_client, name)
+
+        def hset(self, *args):
+            redis_client.hset(*args)
+            raise redis.ConnectionError("connection reset by peer (test)")
+
+    store = SenderDomainStore(AnswerLost(), namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    with pytest.raises(StoreUnavailable, match="saving sender domains"):
+        store.set("acme", ["other.test"])
+    assert orjson.loads(redis_client.hget(RedisKeys(namespace).sender_domains, "acme")) == ["other.test"]
+    assert logged(stack, oplog_topic, "acme") == {"domains": ["other.test"]}
