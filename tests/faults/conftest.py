@@ -128,4 +128,4 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     procs = getattr(item, "funcargs", {}).get("fault_processes")
     if report.when == "call" and report.failed and procs is not None:
-        report.sections.append(("project process logs", procs.logs()))
+        report.sections.append(("project process logs", procs.logs(tail=8000)))

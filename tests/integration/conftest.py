@@ -146,7 +146,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     procs = getattr(item, "funcargs", {}).get("processes")
     if report.when == "call" and report.failed and procs is not None:
-        report.sections.append(("project process logs", procs.logs()))
+        report.sections.append(("project process logs", procs.logs(tail=8000)))
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from confluent_kafka.admin import AdminClient
 
 from streams.health.rules import DEGRADE_AFTER
 from streams.ingest.status import StatusStore
+from streams.lag.reader import LagReader
 from tests.harness import (
     committed_lag,
     final_delivery,
@@ -300,7 +301,11 @@ def test_state_moves_with_its_endpoints_when_copies_join_and_die(rig, stack, nam
     rig.kill("endpoint-health")
     rig.publish(4)
     rig.wait_failed("moving", 9)
-    rig.wait_applied(4, rig.health_ports[1])
+    try:
+        rig.wait_applied(4, rig.health_ports[1])
+    except AssertionError as exc:  # did the attempts reach the topic, and did the group read past them?
+        positions = LagReader(stack.bootstrap).positions(names.endpoint_health_app, names.webhook_attempts)
+        raise AssertionError(f"{exc}; attempts partition -> (committed, end): {positions}") from None
     assert rig.state(ep) == "active"
     rig.publish(1)
     rig.wait_state(ep, "degraded", timeout=60)
