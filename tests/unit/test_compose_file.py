@@ -43,3 +43,15 @@ def test_every_provider_gets_its_limits_with_commands_the_parser_takes():
     providers = {spec.name for channel in CHANNELS for spec in load_registry().for_channel(channel)}
     assert {a.provider for a in limits if a.global_rate is not None} == providers
     assert {a.provider for a in limits if a.tenant == "*" and a.rate is not None} == providers
+
+
+def test_prometheus_scrapes_every_service_that_serves_metrics():
+    """Given the compose file and the Prometheus configuration it mounts,
+    When the services that serve /metrics (`--metrics-port`) are set against the scrape targets,
+    Then every one is scraped at its port (before: the SMS lanes and webhook marketing, added to the fleet later,
+    were not, so their workers and retriers showed nothing on the dashboard and raised no alert)."""
+    config = yaml.safe_load((COMPOSE.parent / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    serving = {f"{name}:{s['command'][s['command'].index('--metrics-port') + 1]}"
+               for name, s in services().items() if "--metrics-port" in (s.get("command") or [])}
+    assert serving and serving <= targets, sorted(serving - targets)
