@@ -127,6 +127,15 @@ def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
     return _parse(environ, name, None, float, "a number")
 
 
+def _log_level(environ: Mapping[str, str]) -> str:
+    """LOG_LEVEL, in any case (`debug` is `DEBUG`)."""
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    value = environ.get("LOG_LEVEL") or "INFO"
+    if value.upper() not in levels:
+        raise ConfigError(f"environment variable LOG_LEVEL={value!r} is not valid: expected one of {', '.join(levels)}")
+    return value.upper()
+
+
 def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     value = environ.get(name) or default
     if value not in choices:
@@ -356,7 +365,7 @@ class Config:
             alerts_from=_sender(e, "ALERTS_FROM", "Dual-rail webhooks <alerts@dual-rail.dev>"),
             sender_domains=_sender_domains(e),
             stage_log_path=e.get("DUAL_RAIL_STAGE_LOG") or None,
-            log_level=e.get("LOG_LEVEL") or "INFO",
+            log_level=_log_level(e),
             log_format=_choice(e, "LOG_FORMAT", "text", ("text", "json")),
             metrics_addr=e.get("METRICS_ADDR") or "127.0.0.1",
         )

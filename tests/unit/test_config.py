@@ -78,3 +78,15 @@ def test_a_password_in_a_refused_provider_base_url_never_reaches_the_error(bad):
     with pytest.raises(ConfigError) as refused:
         Config.from_env({"RESEND_BASE_URL": bad})
     assert "s3cret" not in str(refused.value) and "//***@" in str(refused.value)
+
+
+def test_log_level_is_taken_in_any_case_and_a_wrong_one_is_refused_naming_the_variable():
+    """Given LOG_LEVEL unset, `debug`, `Warning`, then `bogus`,
+    When the settings are read,
+    Then the level is INFO, DEBUG, WARNING, and `bogus` is refused naming the variable and the levels (before,
+    any value was taken, and the process then died in the logging setup with a traceback, `Unknown level`)."""
+    assert Config.from_env({}).log_level == "INFO"
+    assert Config.from_env({"LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    assert Config.from_env({"LOG_LEVEL": "Warning"}).log_level == "WARNING"
+    with pytest.raises(ConfigError, match="LOG_LEVEL='bogus' is not valid: expected one of DEBUG, INFO"):
+        Config.from_env({"LOG_LEVEL": "bogus"})
