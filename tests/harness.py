@@ -18,14 +18,24 @@ __all__ = ["free_port", "local_client", "wait_until", "MockProvider", "email_req
            "read_topic", "metric"]
 
 
+# What a look at a process or the broker may meet for a moment on a loaded machine (a /metrics request timing out,
+# the group coordinator moving): the condition is asked again, not the wait ended.
+TRANSIENT = (httpx.TransportError, KafkaException, ConnectionError, TimeoutError)
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll an observable condition until it holds (bounded); fail naming what was awaited."""
+    """Poll an observable condition until it holds (bounded); fail naming what was awaited (and the last
+    transient error met while asking, if the last ask met one)."""
     deadline = time.monotonic() + timeout
-    last = None
+    last: object = None
     while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
+        try:
+            last = predicate()
+        except TRANSIENT as exc:
+            last = exc
+        else:
+            if last:
+                return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 

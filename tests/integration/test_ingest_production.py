@@ -276,25 +276,26 @@ def test_the_sdk_publishes_an_idempotent_batch_under_the_same_ids(send_client, c
 
 
 def test_quotas_refuse_a_tenant_over_its_rate_and_no_one_else(api, limits, stack, names):
-    """Given an operator's transactional ingest quota of 5 sends per second (burst 5) per tenant,
+    """Given an operator's transactional ingest quota of one send every 2 s (burst 5) per tenant (slow enough that
+    the 3 sends' tokens cannot come back while the first batch is answered, however slow the machine),
     When tenant a posts 5 sends, then 3 more at once, and tenant b posts 3,
     Then a's first 5 are accepted, the 3 more get 429 with Retry-After (nothing published), b's 3 are accepted; a
     batch larger than the burst can never pass and gets 422; after Retry-After, a is accepted again."""
     limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
-    limits.set_tenant("ingest-transactional", "*", 5, 5)
+    limits.set_tenant("ingest-transactional", "*", 0.5, 5)
     topic = names.lane("email", "transactional")
     assert api.post("/v1/sends/batch", json={"sends": [email_request()] * 5}, headers=api.keys["a"]).status_code == 202
     over = api.post("/v1/sends/batch", json={"sends": [email_request()] * 3}, headers=api.keys["a"])
     assert over.status_code == 429 and over.json()["error"] == "quota_exceeded"
     wait_s = int(over.headers["retry-after"])
-    assert 1 <= wait_s <= 2
+    assert 5 <= wait_s <= 6  # 3 tokens at 0.5 a second
     assert api.post("/v1/sends/batch", json={"sends": [email_request()] * 3}, headers=api.keys["b"]).status_code == 202
     never = api.post("/v1/sends/batch", json={"sends": [email_request()] * 6}, headers=api.keys["b"])
     assert never.status_code == 422 and never.json()["error"] == "quota_burst_exceeded"
     assert count_records(stack.bootstrap, topic) == 8
     retried = wait_until(lambda: (r := api.post("/v1/sends/batch", json={"sends": [email_request()] * 3},
                                                 headers=api.keys["a"])).status_code == 202 and r,
-                         10, "tenant a to be admitted again", interval=wait_s)
+                         wait_s + 10, "tenant a to be admitted again", interval=wait_s)
     assert retried.json()["accepted"] == 3
 
 

@@ -41,7 +41,7 @@ def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
     When 300 transactional emails pile up with no transactional worker, and a second marketing worker joins and then
     leaves while the lane is paused,
     Then marketing yields and stays paused through the rebalance (every partition of both workers paused, all 6 back on
-    the first worker and still paused), its deliveries stop within 2 s of the lag crossing the threshold, and once a
+    the first worker and still paused), its deliveries stop within 3 s of the lag crossing the threshold, and once a
     transactional worker drains the backlog marketing resumes: all 300 transactional emails and the whole blast are
     delivered exactly once."""
     _setup(channel_topics, limits, mock_provider, processes)
@@ -70,9 +70,9 @@ def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
     wait_until(lambda: metric(p1, "dispatch_worker_assigned_partitions") == 6, 30, "worker 1 to take all back")
     assert metric(p1, "dispatch_worker_paused_partitions") == 6
 
-    # Then marketing deliveries stopped within 2 s of the crossing and none happened while paused
+    # Then marketing deliveries stopped within 3 s of the crossing and none happened while paused
     during = _marketing_times(mock_provider, blast)
-    assert during and during[-1] <= crossed_s + 2.0, f"last marketing delivery {during[-1] - crossed_s:.2f} s after"
+    assert during and during[-1] <= crossed_s + 3.0, f"last marketing delivery {during[-1] - crossed_s:.2f} s after"
     assert len(during) < BLAST
 
     # When the transactional lane recovers, marketing resumes and finishes

@@ -125,13 +125,13 @@ def test_a_tenant_limited_to_30_a_minute_gets_one_send_every_two_seconds(redis_c
     assert gate.acquire("resend", "acme", 1).allowed
     denied = gate.acquire("resend", "acme", 1)
     assert (denied.allowed, denied.short) == (False, "tenant")
-    assert 1.9 <= denied.wait_s <= 2.0
+    assert 1.5 <= denied.wait_s <= 2.0  # less by the time between the two calls (a loaded machine: up to 0.5 s)
 
     seconds, micros = redis_client.time()
     emptied_ms = seconds * 1000 + micros // 1000 - 1000
     redis_client.hset(RedisKeys(namespace).tenant_bucket("resend", "acme"), mapping={"mt": 0, "ts": emptied_ms})
     denied = gate.acquire("resend", "acme", 1)
-    assert not denied.allowed and 0.9 <= denied.wait_s <= 1.0
+    assert not denied.allowed and 0.5 <= denied.wait_s <= 1.0
 
 
 def test_a_rate_below_one_a_second_comes_back_when_redis_is_rebuilt_from_the_operator_log(
