@@ -27,7 +27,7 @@ from .outcome import (
     classify,
     error_name,
     message_ids,
-    redact,
+    provider_excerpt,
     safe_error_name,
     token_outcome,
 )
@@ -168,11 +168,11 @@ class HttpProvider:
                 outcome = token_outcome(exc.status, exc.error)
                 name = {"auth": "token_refused", "throttled": "token_throttled"}.get(outcome, "token_unavailable")
                 result = ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
-                                        error_body=redact(str(exc)), latency_s=time.monotonic() - started)
+                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started)
                 break
             except ProviderAuthError as exc:  # unreachable, or an answer without a usable token
-                result = ProviderResult("unavailable", error_name="token_unavailable", error_body=redact(str(exc)),
-                                        latency_s=time.monotonic() - started)
+                result = ProviderResult("unavailable", error_name="token_unavailable",
+                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started)
                 break
             result = self._post(path, body, token, idempotency_key, started)
             first_copy_unknown = first_copy_unknown or result.first_copy_unknown
@@ -232,13 +232,13 @@ class HttpProvider:
             if not ids or not all(ids):
                 # A 2xx that names no message did not take it (the channel's next provider may).
                 return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
-                                      error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
+                                      error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
         name = safe_error_name(self.parse_error(resp.content))
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name,
-                              error_body=redact(resp.text, secrets=(bearer,)), latency_s=latency)
+                              error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

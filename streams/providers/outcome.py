@@ -58,6 +58,54 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
     return _PHONE_RE.sub("+***", text)[:limit]
 
 
+
+# What a provider's error answer may echo of a request that no address or key pattern recognises: a recipient's
+# name before its address, a quoted subject or text, a code in it, a credential written as `name=value`.
+_NAMED_ADDRESS_RE = re.compile(r"[^\s,:;<>\"'`=][^,:;<>\"'`=]*<[^<>@]*@[^<>]*>")
+_QUOTED_RE = re.compile(r"\"[^\"]*\"|'[^']*'|`[^`]*`|<[^<>]*>")
+_IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_./\[\]-]{1,40}")
+_CREDENTIAL_RE = re.compile(r"\b(password|passwd|secret|token|api[_-]?key|authorization|auth)(\s*[=:]\s*)"
+                            r"(\S+(?:\s+[A-Za-z0-9._~+/=-]{8,})?)", re.IGNORECASE)
+_DIGITS_RE = re.compile(r"\d{4,}")
+EXCERPT_FIELDS = ("name", "code", "type", "error", "error_code", "reason", "field", "param", "message", "detail",
+                  "description", "title")
+
+
+def provider_excerpt(body: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
+    """What of an email or SMS provider's error answer may reach a log line or a retry / dead-letter header: its
+    error fields (a JSON object's name, code, message..., nested one level, as `key: value`; other text as it
+    is), `redact`ed, then without what an echo of the request brings and no pattern recognises. A quoted or
+    bracketed span stays only when it is an identifier (a field name: `to`); a name before an address, a
+    credential written as `name=value` and every run of 4 digits or more (a code, an order number) go."""
+    text = _error_fields(body) if body[:1] in ("{", "[") else body
+    text = redact(text, limit * 2, secrets)
+    text = _NAMED_ADDRESS_RE.sub("<…>", text)
+    text = _QUOTED_RE.sub(lambda m: m.group(0) if _IDENTIFIER_RE.fullmatch(m.group(0)[1:-1]) else
+                          m.group(0)[0] + "…" + m.group(0)[-1], text)
+    text = _CREDENTIAL_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+    return _DIGITS_RE.sub("***", text).strip()[:limit]
+
+
+def _error_fields(body: str) -> str:
+    """A JSON error answer's error fields as `key: value; ...` (nested objects one level down); the body itself
+    when it is not JSON."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "(an error answer that reads as JSON but is not)"  # its quotes cannot be told from the text's
+    if isinstance(doc, list) and doc:
+        doc = doc[0]
+    if not isinstance(doc, dict):
+        return body if not isinstance(doc, str) else doc
+    parts = []
+    for scope in (doc, *(v for v in doc.values() if isinstance(v, dict))):
+        for key in EXCERPT_FIELDS:
+            value = scope.get(key)
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                parts.append(f"{key}: {value}")
+    return "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class ProviderResult:
     outcome: Outcome

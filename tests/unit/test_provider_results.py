@@ -1,12 +1,13 @@
 """Provider answers map to outcomes the retry policy understands; error bodies are redacted."""
 
+import re
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from streams.providers.outcome import Outbound, redact
+from streams.providers.outcome import Outbound, provider_excerpt, redact
 from streams.providers.registry import load_registry
 from streams.providers.resend import ResendEmail
 
@@ -171,3 +172,39 @@ def test_a_2xx_naming_a_null_message_id_is_not_a_delivery(body):
     the provider message id "None")."""
     result = _provider(lambda req: httpx.Response(200, json=body)).post("/emails", b"{}", "re_k", "k")
     assert (result.outcome, result.error_name) == ("rejected", "no_message_id")
+
+
+@pytest.mark.parametrize("body, kept, gone", [
+    ('Invalid to: John Smith <john@example.com>; subject "Your login code is 483920"',
+     ["Invalid to:", "subject"], ["John", "Smith", "login code", "483920"]),
+    ('Authorization: Token abcdefghijklmnop12345; password=hunter2xyz; api_key=AKIAIOSFODNN7EXAMPLE',
+     ["Authorization"], ["abcdefghijklmnop", "hunter2", "AKIAIOSFODNN7"]),
+    ('{"statusCode": 422, "name": "validation_error", "message": "Invalid `to` field: it must be an email address"}',
+     ["validation_error", "Invalid `to` field"], []),
+    ('{"error": {"code": "invalid_recipient", "message": "Recipient \\"Jane Roe\\" <jane@example.com> is invalid"}}',
+     ["invalid_recipient", "Recipient", "is invalid"], ["Jane", "Roe", "jane"]),
+    ('{"message": "bad", "echo": {"to": "Jane Roe", "text": "Order 77812 ships today"}}', ["bad"], ["Jane", "Order"]),
+    ('{"message": "unterminated', ["not"], ["unterminated"]),
+])
+def test_a_providers_error_answer_keeps_its_error_not_what_it_echoes_of_the_request(body, kept, gone):
+    """Given email/SMS provider error answers echoing a recipient's name, a quoted subject with a code, credentials
+    written as name=value, or a whole request,
+    When the adapter keeps their excerpt (for the worker's log line and the retry and dead-letter headers),
+    Then the error's name and message stay, and none of what they echo does (before, only addresses, phone numbers
+    and key shapes were taken out: a name, a subject, a code or `password=...` reached the log and the DLQ)."""
+    excerpt = provider_excerpt(body)
+    for text in kept:
+        assert text in excerpt, excerpt
+    for text in gone:
+        assert text not in excerpt, excerpt
+
+
+def test_the_adapter_keeps_a_providers_error_without_the_recipient_it_echoes():
+    """Given a provider answering 422 with the recipient's name and the message's subject in its error,
+    When the adapter reads the answer,
+    Then its excerpt (logged, and put in retry and dead-letter headers) keeps the error, not the name or subject."""
+    body = {"statusCode": 422, "name": "validation_error",
+            "message": 'Invalid `to`: Jane Roe <jane@example.com> for "Your code is 483920"'}
+    result = _provider(lambda req: httpx.Response(422, json=body)).post("/emails", b"{}", "re_k", "k")
+    assert "Invalid `to`" in result.error_body
+    assert not re.search(r"Jane|Roe|483920|Your code", result.error_body), result.error_body
