@@ -211,7 +211,7 @@ class StackConfig:
 
     home: Path
     kafka_bootstrap: str | None
-    redis_url: str | None
+    redis_url: str | None = field(repr=False)  # may hold a password
     kafka_port: int = DEFAULT_KAFKA_PORT
     redis_port: int = DEFAULT_REDIS_PORT
 
@@ -250,12 +250,13 @@ def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEn
 
 
 _URL_USERINFO = re.compile(r"//.*@")
+_URL_QUERY = re.compile(r"([?#]).*")
 
 
 def _masked(url: str) -> str:
     """A URL as an error may show it: whatever comes before an `@` (a user and password, a token as the user,
-    a password holding `@` or `/`) masked, whether the URL parses or not."""
-    return _URL_USERINFO.sub("//***@", url)
+    a password holding `@` or `/`) masked, and its query and fragment (`?api_key=...`), whether it parses or not."""
+    return _URL_QUERY.sub(r"\1***", _URL_USERINFO.sub("//***@", url))
 
 
 def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
@@ -283,7 +284,7 @@ class ProviderEndpoint:
     """A provider's base URL and API keys per tenant (`*` is the default)."""
 
     base_url: str | None
-    api_keys: dict[str, str] = field(default_factory=dict)
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:

@@ -80,6 +80,17 @@ def test_a_password_in_a_refused_provider_base_url_never_reaches_the_error(bad):
     assert "s3cret" not in str(refused.value) and "//***@" in str(refused.value)
 
 
+def test_a_token_in_a_refused_provider_base_urls_query_never_reaches_the_error():
+    """Given a provider base URL carrying its API key in the query (`?api_key=...`),
+    When the settings refuse it (a base URL names no query),
+    Then the error names the variable and the URL with its query masked (before, the key was printed whole, to the
+    role's log)."""
+    with pytest.raises(ConfigError) as refused:
+        Config.from_env({"RESEND_BASE_URL": "https://api.example.com/?api_key=re_live_SECRET123#anchor9"})
+    assert "SECRET123" not in str(refused.value) and "anchor9" not in str(refused.value)
+    assert "RESEND_BASE_URL='https://api.example.com/?***'" in str(refused.value)
+
+
 def test_log_level_is_taken_in_any_case_and_a_wrong_one_is_refused_naming_the_variable():
     """Given LOG_LEVEL unset, `debug`, `Warning`, then `bogus`,
     When the settings are read,
@@ -90,3 +101,17 @@ def test_log_level_is_taken_in_any_case_and_a_wrong_one_is_refused_naming_the_va
     assert Config.from_env({"LOG_LEVEL": "Warning"}).log_level == "WARNING"
     with pytest.raises(ConfigError, match="LOG_LEVEL='bogus' is not valid: expected one of DEBUG, INFO"):
         Config.from_env({"LOG_LEVEL": "bogus"})
+
+
+def test_printing_the_settings_or_a_token_shows_no_secret():
+    """Given settings with a Redis password and provider keys, an OAuth client secret and a fetched token,
+    When they are printed as Python shows objects (`repr`: a debug log line, a traceback tool's locals),
+    Then none of the secrets is shown (before, every one was)."""
+    from streams.providers.tokens import Token
+
+    config = Config.from_env({"REDIS_URL": "redis://:hunter2pw@redis.example:6379/0",
+                              "RESEND_API_KEYS": '{"*": "re_live_abc123"}',
+                              "SMS_B_CREDENTIALS": '{"client_id": "c1", "client_secret": "cs_SECRET9"}'})
+    shown = repr(config) + repr(Token("eyJhbGciOi.token.sig", 1.0, 0.5))
+    for secret in ("hunter2pw", "re_live_abc123", "cs_SECRET9", "eyJhbGciOi"):
+        assert secret not in shown
