@@ -57,7 +57,7 @@ class Claim:
     send_ids: tuple[str, ...]
     owner: str
     path: str
-    body: bytes
+    body: bytes = field(repr=False)  # the provider request: recipients, subject, text
     provider: str = ""  # "" : the channel's first provider
     attempts: dict[str, int] = field(default_factory=dict)  # sends above their first attempt: send id -> attempt
 
@@ -66,7 +66,7 @@ class Claim:
 class StoredRequest:
     key: str
     path: str
-    body: bytes
+    body: bytes = field(repr=False)  # the provider request: recipients, subject, text
     tenant: str
     send_ids: tuple[str, ...]
     provider: str = ""  # the provider it went to: a recovered request goes to the same one

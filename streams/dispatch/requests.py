@@ -61,7 +61,7 @@ class Job:
 
     key: str
     path: str
-    body: bytes
+    body: bytes = field(repr=False)  # the provider request: recipients, subject, text
     tenant: str
     send_ids: tuple[str, ...]
     members: list[Pending]

@@ -25,9 +25,9 @@ class Pending:
     topic: str
     partition: int
     offset: int
-    raw: bytes                 # the event's bytes, re-published unchanged to retry tiers and the DLQ
+    raw: bytes = field(repr=False)  # the event's bytes, re-published unchanged to retry tiers and the DLQ
     headers: dict[str, bytes]
-    send: Send
+    send: Send = field(repr=False)  # its payload holds the recipient and the message
     attempt: int
     provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
     consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)

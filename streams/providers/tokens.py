@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import jwt
@@ -32,7 +32,7 @@ MARGIN_SHARE = 0.2      # ... or a fifth of the lifetime, whichever is shorter (
 
 @dataclass(frozen=True)
 class Token:
-    value: str
+    value: str = field(repr=False)
     expires_at: float   # monotonic clock
     refresh_at: float
 
