@@ -10,6 +10,7 @@ call runs on one node; pipelines are split by node and the replies put back in o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -101,16 +102,32 @@ def is_cluster_url(url: str) -> bool:
     return any(k == "cluster" and v.lower() in _TRUE for k, v in parse_qsl(parts.query))
 
 
+_HOSTS = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*(?:[/?]|\Z)")
+
+
 def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
     """A cluster URL as redis-py takes it: a `redis://` URL of the first node (credentials, database
     0 and options kept, `cluster` dropped), and every startup node (host, port)."""
     scheme, rest = url.split("://", 1)
     scheme = CLUSTER_SCHEMES.get(scheme, scheme)
-    netloc, sep, tail = rest.partition("/")
-    if "?" in netloc:  # no path: the query follows the hosts directly
-        netloc, _, query = netloc.partition("?")
+    # The credentials end at the `@` the hosts follow (a password may hold `/`, `@` or `?`; an option in the query
+    # may hold `@`): nothing of them is ever taken for a host, nor named by an error.
+    userinfo, at = "", ""
+    for i in reversed([i for i, c in enumerate(rest) if c == "@"]):
+        if _HOSTS.match(rest, i + 1):
+            userinfo, at, rest = rest[:i], "@", rest[i + 1:]
+            break
+    else:
+        # No host:port list follows any `@`: the last one ends the credentials, unless it is in the query.
+        if "@" in rest and not ("?" in rest and rest.index("?") < rest.rindex("@") and _HOSTS.match(rest)):
+            userinfo, at, rest = rest.rpartition("@")
+    hosts, sep, tail = rest.partition("/")
+    if "?" in hosts:  # no path: the query follows the hosts directly
+        hosts, _, query = hosts.partition("?")
         tail, sep = f"?{query}", "/"
-    userinfo, at, hosts = netloc.rpartition("@")
+    # As a URL's userinfo, the characters that would end it are percent-encoded (redis-py decodes them).
+    for char, code in (("/", "%2F"), ("?", "%3F"), ("#", "%23"), ("@", "%40")):
+        userinfo = userinfo.replace(char, code)
     nodes = []
     for entry in hosts.split(","):
         host, _, port = entry.strip().rpartition(":")
