@@ -7,7 +7,7 @@ import time
 
 from tests.harness import email_request, report_outcome, wait_until
 
-TAKEOVER_BOUND_S = 20  # a lease tied to liveness: 10 s, plus the new worker's start; the old lease was 30 s
+TAKEOVER_BOUND_S = 25  # a lease tied to liveness: 10 s, plus the new worker's start; the old lease was 30 s
 
 
 def test_a_killed_workers_requests_are_taken_over_within_seconds(
@@ -16,7 +16,7 @@ def test_a_killed_workers_requests_are_taken_over_within_seconds(
     30 s) whose provider has accepted its requests and holds the answers,
     When the worker is killed with kill -9 and a new worker starts,
     Then the new worker re-sends the abandoned requests under their own keys (answered from the provider's
-    store) within 20 s of the kill, and each send is delivered exactly once."""
+    store) within 25 s of the kill, and each send is delivered exactly once."""
     fault_topics("email", lane_partitions=1)
     fault_processes.env["PROVIDER_TIMEOUT_S"] = "10"
     mock_provider.reset(rate=100)
@@ -34,8 +34,9 @@ def test_a_killed_workers_requests_are_taken_over_within_seconds(
     killed_at = time.monotonic()
     mock_provider.configure(hold_answers=False)
     fault_processes.worker("email", "marketing")
-    wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= 3, TAKEOVER_BOUND_S,
-               "the abandoned requests to be taken over and re-sent", interval=0.2)
+    wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= 3,  # the bound counts from the kill
+               TAKEOVER_BOUND_S - (time.monotonic() - killed_at), "the abandoned requests to be taken over and re-sent",
+               interval=0.2)
     taken_over_s = time.monotonic() - killed_at
 
     stats = mock_provider.stats(deliveries=True)
