@@ -106,6 +106,11 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     except MalformedEvent as exc:
         raise ReplayRefused(f"send {send_id} cannot be replayed: its event is not a valid send "
                             f"({exc.reason}: {exc.detail})") from None
+    if original.send_id != send_id or original.tenant_id != status.get("tenant_id"):
+        # The record at the position its status names is another send's (a topic deleted and created again
+        # reuses offsets): sending it would deliver someone else's message, perhaps another tenant's.
+        raise ReplayRefused(f"send {send_id} cannot be replayed: the record where its payload was kept is now "
+                            "another send's (was the topic recreated?); nothing is sent")
     new = original.model_copy(update={"send_id": new_send_id(now_ms), "created_at_ms": now_ms, "replay_of": send_id})
     give_back = admit(new) if admit is not None else None
     try:

@@ -158,6 +158,28 @@ def test_a_replay_grown_past_the_send_limit_is_refused_for_good(stack, names, ch
         replay(stack.bootstrap, names, store, send_client, send.send_id)
 
 
+
+def test_a_replay_whose_kept_record_is_now_another_tenants_send_is_refused(stack, names, channel_topics, send_client,
+                                                                         redis_client, namespace):
+    """Given shop's delivered send whose status names the lane position where its payload is kept, and that
+    position now holding another tenant's send (a topic deleted and created again reuses offsets),
+    When shop replays its send,
+    Then the replay is refused, saying the record is another send's, and nothing is published (before, the other
+    tenant's message was sent again, as shop's replay)."""
+    channel_topics("email")
+    other = build_send(validate_request(email_request(subject="Private to acme")), "acme")
+    [written] = send_client.publish_sends([other])
+    store = StatusStore(redis_client, namespace)
+    shops = build_send(validate_request(email_request()), "shop")
+    store.record_outcome({"send_id": shops.send_id, "status": "delivered", "tenant_id": "shop",
+                          "completed_at_ms": int(time.time() * 1000),
+                          "origin": {"topic": written.topic, "partition": written.partition,
+                                     "offset": written.offset}})
+    before = count_records(stack.bootstrap, written.topic)
+    with pytest.raises(ReplayRefused, match="the record where its payload was kept is now another send's"):
+        replay(stack.bootstrap, names, store, send_client, shops.send_id, tenant="shop")
+    assert count_records(stack.bootstrap, written.topic) == before
+
 def _dead_letter(send_client, store, reason: str, status: str = "dead_lettered") -> str:
     """A published email send recorded as `status` (its lane record is where a replay finds its payload)."""
     send = build_send(validate_request(email_request()), "shop")
