@@ -18,7 +18,7 @@ Outcome = Literal["delivered", "throttled", "quota", "rejected", "unavailable", 
 QUOTA_429 = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
 _EMAIL_RE = re.compile(r"[^\s\"'<>@,;:]+@[^\s\"'<>@,;:]+")
 _ENCODED_EMAIL_RE = re.compile(r"(?:[\w.+-]|%(?!40)[0-9A-Fa-f]{2})+%40(?:[\w.-]|%(?!40)[0-9A-Fa-f]{2})+")
-_LAST_WORD_RE = re.compile(r"\S+\Z")
+_UP_TO_LAST_SPACE_RE = re.compile(r".*\s", re.DOTALL)
 CUT_WORD_MAX = 256  # a word the excerpt's cut goes through is left out when at most this long (a key, a token)
 _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
 _BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
@@ -47,8 +47,14 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
         # word the cut went through when it is short enough to be a secret cut short, which could slip past its
         # pattern (a longer run, compact JSON, is kept: its end lies past what the excerpt shows).
         head = text[:2 * limit]
-        last_word = _LAST_WORD_RE.search(head) if not text[2 * limit].isspace() else None
-        text = head[:last_word.start()] if last_word and len(last_word.group()) <= CUT_WORD_MAX else head
+        if not text[2 * limit].isspace():
+            # Where the last word starts (one greedy match: linear, where searching for the word is quadratic
+            # on a long unbroken run).
+            space = _UP_TO_LAST_SPACE_RE.match(head)
+            start = space.end() if space else 0
+            text = head[:start] if len(head) - start <= CUT_WORD_MAX else head
+        else:
+            text = head
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} ***", text)
     text = _JWT_RE.sub("***", text)
     text = _RESEND_KEY_RE.sub("re_***", text)
@@ -61,49 +67,65 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
 
 # What a provider's error answer may echo of a request that no address or key pattern recognises: a recipient's
 # name before its address, a quoted subject or text, a code in it, a credential written as `name=value`.
-_NAMED_ADDRESS_RE = re.compile(r"[^\s,:;<>\"'`=][^,:;<>\"'`=]*<[^<>@]*@[^<>]*>")
-_QUOTED_RE = re.compile(r"\"[^\"]*\"|'[^']*'|`[^`]*`|<[^<>]*>")
+_NAMED_ADDRESS_RE = re.compile(r"(?:\b[A-Z][\w'-]*[ \t]+){1,3}(?=<[^<>@]*@[^<>]*>)")
+# Quoted or bracketed spans; one left open runs to the end of the text. An apostrophe inside a word (`recipient's`,
+# `can't`) opens nothing.
+_QUOTED_RE = re.compile(r"\"[^\"]*(?:\"|\Z)|(?<![A-Za-z])'[^']*(?:'(?![A-Za-z])|\Z)|`[^`]*(?:`|\Z)|<[^<>]*(?:>|\Z)")
 _IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_./\[\]-]{1,40}")
-_CREDENTIAL_RE = re.compile(r"\b(password|passwd|secret|token|api[_-]?key|authorization|auth)(\s*[=:]\s*)"
-                            r"(\S+(?:\s+[A-Za-z0-9._~+/=-]{8,})?)", re.IGNORECASE)
-_DIGITS_RE = re.compile(r"\d{4,}")
+_CREDENTIAL_RE = re.compile(
+    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-])*(?:password|passwd|pwd|pass|secret|token|api[_-]?key|authorization|auth))"
+    r"([\"']?\s*[=:]\s*)(\"[^\"]*\"?|'[^']*'?|[A-Za-z]+[ \t]+[A-Za-z0-9._~+/=-]{8,}|\S+)", re.IGNORECASE)
+_DIGITS_RE = re.compile(r"(?<![A-Za-z0-9_])\d{4,}")
 EXCERPT_FIELDS = ("name", "code", "type", "error", "error_code", "reason", "field", "param", "message", "detail",
                   "description", "title")
+JSON_READ_MAX = 65_536  # a longer answer is read as text (cut first): parsing and walking it would hold the GIL
 
 
 def provider_excerpt(body: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
     """What of an email or SMS provider's error answer may reach a log line or a retry / dead-letter header: its
-    error fields (a JSON object's name, code, message..., nested one level, as `key: value`; other text as it
-    is), `redact`ed, then without what an echo of the request brings and no pattern recognises. A quoted or
-    bracketed span stays only when it is an identifier (a field name: `to`); a name before an address, a
-    credential written as `name=value` and every run of 4 digits or more (a code, an order number) go."""
-    text = _error_fields(body) if body[:1] in ("{", "[") else body
+    error fields (a JSON object's name, code, message..., also in nested objects and lists one level down, as
+    `key: value`; other text as it is), `redact`ed, then without what an echo of the request brings and no
+    pattern recognises. A quoted or bracketed span stays only when it is an identifier (a field name: `to`); a
+    capitalised name before an address, a credential written as `name=value` and every run of 4 digits or more
+    (a code, an order number; not one inside an identifier such as `req_12345`) go. Spans are masked before the
+    cut, so one the cut would close is masked too."""
+    text = body.lstrip(" \t\r\n\ufeff")
+    if text[:1] in ("{", "[") and len(text) <= JSON_READ_MAX:
+        text = _error_fields(text)
     text = redact(text, limit * 2, secrets)
-    text = _NAMED_ADDRESS_RE.sub("<…>", text)
-    text = _QUOTED_RE.sub(lambda m: m.group(0) if _IDENTIFIER_RE.fullmatch(m.group(0)[1:-1]) else
-                          m.group(0)[0] + "…" + m.group(0)[-1], text)
     text = _CREDENTIAL_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+    text = _NAMED_ADDRESS_RE.sub("", text)
+    text = _QUOTED_RE.sub(_span, text)
     return _DIGITS_RE.sub("***", text).strip()[:limit]
 
 
+def _span(m: re.Match[str]) -> str:
+    span = m.group(0)
+    opening, closing = span[0], {"<": ">"}.get(span[0], span[0])
+    inner, closed = (span[1:-1], closing) if len(span) > 1 and span[-1] == closing else (span[1:], "")
+    return span if closed and _IDENTIFIER_RE.fullmatch(inner) else f"{opening}…{closed}"
+
+
 def _error_fields(body: str) -> str:
-    """A JSON error answer's error fields as `key: value; ...` (nested objects one level down); the body itself
-    when it is not JSON."""
+    """A JSON error answer's error fields as `key: value; ...` (in nested objects, and the first objects of
+    lists, one level down), else the names of its keys; the body itself when it is not JSON."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return "(an error answer that reads as JSON but is not)"  # its quotes cannot be told from the text's
-    if isinstance(doc, list) and doc:
-        doc = doc[0]
+        return body
+    if isinstance(doc, list):
+        doc = next((d for d in doc[:3] if isinstance(d, dict)), None)
     if not isinstance(doc, dict):
-        return body if not isinstance(doc, str) else doc
-    parts = []
-    for scope in (doc, *(v for v in doc.values() if isinstance(v, dict))):
-        for key in EXCERPT_FIELDS:
-            value = scope.get(key)
-            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                parts.append(f"{key}: {value}")
-    return "; ".join(parts)
+        return "(a JSON answer that is not an object)"
+    scopes = [doc]
+    for value in doc.values():
+        if isinstance(value, dict):
+            scopes.append(value)
+        elif isinstance(value, list):
+            scopes.extend(d for d in value[:3] if isinstance(d, dict))
+    parts = [f"{key}: {value}" for scope in scopes for key in EXCERPT_FIELDS
+             if isinstance(value := scope.get(key), (str, int, float)) and not isinstance(value, bool)]
+    return "; ".join(parts) if parts else f"(a JSON answer without error fields; its keys: {', '.join(list(doc)[:10])})"
 
 
 @dataclass(frozen=True)
