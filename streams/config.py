@@ -59,6 +59,7 @@ was expected. The variables and their defaults:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -128,12 +129,13 @@ def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
 
 
 def _log_level(environ: Mapping[str, str]) -> str:
-    """LOG_LEVEL, in any case (`debug` is `DEBUG`)."""
-    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    """LOG_LEVEL: a name `logging` knows (`WARN`, `NOTSET` too), in any case (`debug` is `DEBUG`)."""
+    levels = logging.getLevelNamesMapping()
     value = environ.get("LOG_LEVEL") or "INFO"
-    if value.upper() not in levels:
-        raise ConfigError(f"environment variable LOG_LEVEL={value!r} is not valid: expected one of {', '.join(levels)}")
-    return value.upper()
+    if value.strip().upper() not in levels:
+        raise ConfigError(f"environment variable LOG_LEVEL={value!r} is not valid: expected one of "
+                          f"{', '.join(sorted(levels, key=levels.__getitem__))}")
+    return value.strip().upper()
 
 
 def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -283,7 +285,7 @@ def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
 class ProviderEndpoint:
     """A provider's base URL and API keys per tenant (`*` is the default)."""
 
-    base_url: str | None
+    base_url: str | None = field(repr=False)  # may carry a user and password
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
 
 

@@ -92,14 +92,15 @@ def test_a_token_in_a_refused_provider_base_urls_query_never_reaches_the_error()
 
 
 def test_log_level_is_taken_in_any_case_and_a_wrong_one_is_refused_naming_the_variable():
-    """Given LOG_LEVEL unset, `debug`, `Warning`, then `bogus`,
+    """Given LOG_LEVEL unset, `debug`, `Warning`, ` warn` (a name logging also knows), then `bogus`,
     When the settings are read,
-    Then the level is INFO, DEBUG, WARNING, and `bogus` is refused naming the variable and the levels (before,
+    Then the level is INFO, DEBUG, WARNING, WARN, and `bogus` is refused naming the variable and the levels (before,
     any value was taken, and the process then died in the logging setup with a traceback, `Unknown level`)."""
     assert Config.from_env({}).log_level == "INFO"
     assert Config.from_env({"LOG_LEVEL": "debug"}).log_level == "DEBUG"
     assert Config.from_env({"LOG_LEVEL": "Warning"}).log_level == "WARNING"
-    with pytest.raises(ConfigError, match="LOG_LEVEL='bogus' is not valid: expected one of DEBUG, INFO"):
+    assert Config.from_env({"LOG_LEVEL": " warn"}).log_level == "WARN"
+    with pytest.raises(ConfigError, match="LOG_LEVEL='bogus' is not valid: expected one of NOTSET, DEBUG, INFO"):
         Config.from_env({"LOG_LEVEL": "bogus"})
 
 
@@ -110,8 +111,9 @@ def test_printing_the_settings_or_a_token_shows_no_secret():
     from streams.providers.tokens import Token
 
     config = Config.from_env({"REDIS_URL": "redis://:hunter2pw@redis.example:6379/0",
+                              "RESEND_BASE_URL": "https://user:baseS3cret@api.resend.com",
                               "RESEND_API_KEYS": '{"*": "re_live_abc123"}',
                               "SMS_B_CREDENTIALS": '{"client_id": "c1", "client_secret": "cs_SECRET9"}'})
     shown = repr(config) + repr(Token("eyJhbGciOi.token.sig", 1.0, 0.5))
-    for secret in ("hunter2pw", "re_live_abc123", "cs_SECRET9", "eyJhbGciOi"):
+    for secret in ("hunter2pw", "baseS3cret", "re_live_abc123", "cs_SECRET9", "eyJhbGciOi"):
         assert secret not in shown
