@@ -103,6 +103,7 @@ def is_cluster_url(url: str) -> bool:
 
 
 _HOSTS = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*(?:[/?]|\Z)")
+_HOSTS_THEN_MORE = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*[/?]")
 
 
 def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -113,13 +114,13 @@ def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
     # The credentials end at the `@` the hosts follow (a password may hold `/`, `@` or `?`; an option in the query
     # may hold `@`): nothing of them is ever taken for a host, nor named by an error.
     userinfo, at = "", ""
-    for i in reversed([i for i, c in enumerate(rest) if c == "@"]):
-        if _HOSTS.match(rest, i + 1):
-            userinfo, at, rest = rest[:i], "@", rest[i + 1:]
-            break
-    else:
-        # No host:port list follows any `@`: the last one ends the credentials, unless it is in the query.
-        if "@" in rest and not ("?" in rest and rest.index("?") < rest.rindex("@") and _HOSTS.match(rest)):
+    in_path_or_query = _HOSTS_THEN_MORE.match(rest)  # hosts first: any `@` after them is in the path or query
+    if "@" in rest and not (in_path_or_query and rest.index("@") > in_path_or_query.end()):
+        for i in reversed([i for i, c in enumerate(rest) if c == "@"]):
+            if _HOSTS.match(rest, i + 1):
+                userinfo, at, rest = rest[:i], "@", rest[i + 1:]
+                break
+        else:  # no host:port list follows any `@`: the last one ends the credentials
             userinfo, at, rest = rest.rpartition("@")
     hosts, sep, tail = rest.partition("/")
     if "?" in hosts:  # no path: the query follows the hosts directly

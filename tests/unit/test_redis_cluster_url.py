@@ -16,10 +16,12 @@ from streams.redis_client import cluster_startup
     ("redis+cluster://u:p@ss@h1:7000", "redis://u:p%40ss@h1:7000", [("h1", 7000)]),
     ("redis+cluster://h1:7000?client_name=ops@example", "redis://h1:7000/?client_name=ops%40example",
      [("h1", 7000)]),
+    ("redis+cluster://h1:7000/0?client_name=a@b:1", "redis://h1:7000/0?client_name=a%40b%3A1", [("h1", 7000)]),
     ("redis+cluster://h1:7000,h2:7001?cluster=1&x=2", "redis://h1:7000/?x=2", [("h1", 7000), ("h2", 7001)]),
+    ("redis+cluster://u:pw@[::1]:7000,h2:7001", "redis://u:pw@[::1]:7000", [("::1", 7000), ("h2", 7001)]),
 ])
 def test_a_password_holding_url_delimiters_stays_the_password(url, first, nodes):
-    """Given cluster URLs whose password holds `/` or `@`, or whose query holds `@`,
+    """Given cluster URLs whose password holds `/` or `@`, or whose query holds `@` (even before a host:port),
     When the URL is read,
     Then the nodes are the hosts, and the first node's URL gives redis-py the password as written (before, a `/`
     in the password cut the URL there: the start of the password was taken for a host)."""
