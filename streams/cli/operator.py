@@ -77,7 +77,9 @@ def _rate(text: str) -> float:
 
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
-    p.add_argument("action", choices=["set", "show"])
+    p.add_argument("action", choices=["set", "show", "clear-cooldown"],
+                   help="clear-cooldown: end the provider-wide hold a 429 set (its Retry-After, up to a day: a quota "
+                        "429's reset), once the provider takes requests again, e.g. its quota was raised")
     p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook), "
                                                      "or an ingest quota (ingest-requests, ingest-transactional, "
                                                      "ingest-marketing)")
@@ -102,6 +104,8 @@ def limits(sub) -> None:
         known = [*rt.config.registry.providers, *QUOTAS]
         if args.provider not in known:
             raise ConfigError(f"no provider or quota {args.provider!r} (known: {', '.join(known)})")
+        if args.action == "clear-cooldown":
+            return _clear_cool_down(rt, args.provider)
         store = rt.limit_store()
         before = store.show(args.provider)
         shown = before if args.action != "set" else store.apply(args.provider, LimitChange(
@@ -109,11 +113,32 @@ def limits(sub) -> None:
             args.pause_ms))
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
+        if args.provider in rt.config.registry.providers and (left := _gate(rt).cool_down_left(args.provider)):
+            print(f"{args.provider} cool_down_left_s = {left:.1f}  (a 429's hold on every worker; "
+                  "`streams limits clear-cooldown` ends it)")
         if args.action == "set":
             _audited(rt, f"limits/{args.provider}", before, shown)
         return 0
 
     p.set_defaults(func=run)
+
+
+def _gate(rt: Runtime):
+    from ..gate.gate import RedisGate
+
+    return RedisGate(rt.redis(), rt.namespace)
+
+
+def _clear_cool_down(rt: Runtime, provider: str) -> int:
+    """End a provider's cool-down; workers holding on it ask the gate again within seconds."""
+    if provider not in rt.config.registry.providers:
+        raise ConfigError(f"{provider!r} is an ingest quota: it has no cool-down (providers: "
+                          f"{', '.join(rt.config.registry.providers)})")
+    left = _gate(rt).clear_cool_down(provider)
+    print(f"{provider}: cool-down ended ({left:.1f} s were left)" if left else f"{provider}: no cool-down")
+    if left:
+        _audited(rt, f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0})
+    return 0
 
 
 def senders(sub) -> None:

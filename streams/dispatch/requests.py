@@ -39,6 +39,9 @@ ROUND_MAX = 256  # requests per dispatch round (each round: three Redis round tr
 # Workers leave a shared 429 cool-down up to 20% of it after it ends (at most 1 s), not all at once; a share
 # of a long cool-down (a Retry-After of an hour) would idle every worker for minutes past its end.
 COOL_DOWN_JITTER, COOL_DOWN_JITTER_MAX_S = 0.2, 1.0
+# A worker held by a long cool-down asks the gate again within this: an operator who ended it (`streams limits
+# clear-cooldown`, once a quota was raised) is heard within seconds, not at the end of the provider's Retry-After.
+COOL_DOWN_RECHECK_S = 10.0
 # A queue denied by a bucket asks the gate again within this, however long the bucket's own wait (a day at a rate
 # of one a day): a limit an operator raises meanwhile reaches what the worker holds within LIMITS_TTL_S of this.
 BUCKET_HOLD_MAX_S = 60.0
@@ -319,7 +322,9 @@ class Dispatcher:
         metrics.GATE_DENIALS.labels(draw.route.name, self.lane, admission.short).inc()
         metrics.GATE_WAIT.labels(draw.route.name, self.lane).observe(admission.wait_s)
         wait_s = admission.wait_s
-        if admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
+        if admission.short == "cooldown" and wait_s > COOL_DOWN_RECHECK_S:
+            wait_s = COOL_DOWN_RECHECK_S
+        elif admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
             wait_s += min(COOL_DOWN_JITTER * wait_s, COOL_DOWN_JITTER_MAX_S) * self.rng.random()
         else:
             wait_s = min(wait_s, BUCKET_HOLD_MAX_S)

@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError
 from streams.dispatch import settle as settle_module
 from streams.dispatch.backlog import HORIZON_S, BacklogShare
 from streams.dispatch.idempotency import RECORD_GONE, StoredRequest, idempotency_key
-from streams.dispatch.requests import Job
+from streams.dispatch.requests import COOL_DOWN_RECHECK_S, Job
 from streams.dispatch.routes import Route, Routes
 from streams.dispatch.settle import provider_ids
 from streams.dispatch.tenant_queues import Pending
@@ -581,25 +581,38 @@ def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_left_to_
 
 
 class CoolingGate(FakeGate):
-    """The provider's account cools down (a 429 with Retry-After: 3600 seen by another worker)."""
+    """The provider's account cools down (a 429 with Retry-After seen by another worker: an hour by default)."""
+
+    def __init__(self, seconds: float = 3600.0):
+        super().__init__()
+        self.seconds = seconds
 
     def acquire(self, provider, tenant, messages, reserve=False):
-        return Admission(False, 3600.0, "cooldown")
+        return Admission(False, self.seconds, "cooldown")
 
 
-def test_a_long_cool_down_ends_at_most_a_second_late():
-    """Workers leave a shared cool-down at jittered moments, not all at once; the jitter was a fifth of the
-    whole wait, so an hour's cool-down idled every worker up to 12 minutes past its end, every tenant with it."""
+def _cool_down_holds(seconds: float) -> list[float]:
+    """How long a worker held its dispatch on each of 20 denials by a cool-down of `seconds`."""
     sends, msgs = _messages(["acme"] * 3)
-    worker, *_ = _worker(msgs, gate=CoolingGate())
+    worker, *_ = _worker(msgs, gate=CoolingGate(seconds))
     worker.step()  # takes the sends in; the gate answers with the cool-down
-    ends = []
+    holds = []
     for _ in range(20):
         worker.queues.hold_all(0.0)
         before = time.monotonic()
         worker.dispatcher.dispatch()
-        ends.append(worker.queues.global_ready_at - before)
-    assert all(3600.0 <= end <= 3601.1 for end in ends) and len(set(ends)) > 1
+        holds.append(worker.queues.global_ready_at - before)
+    return holds
+
+
+def test_a_cool_down_ends_at_most_a_second_late_and_a_long_one_is_asked_again_every_few_seconds():
+    """Workers leave a shared cool-down at jittered moments, not all at once (the jitter was once a fifth of the
+    whole wait: an hour's cool-down idled every worker up to 12 minutes past its end). A long one (a quota 429's
+    Retry-After of an hour) is asked again every COOL_DOWN_RECHECK_S: an operator who ended it (`streams limits
+    clear-cooldown`, the quota raised) is heard within seconds (before, every worker held for the whole hour)."""
+    short = _cool_down_holds(5.0)
+    assert all(5.0 <= hold <= 6.1 for hold in short) and len(set(short)) > 1
+    assert COOL_DOWN_RECHECK_S <= 10 and all(hold <= 10.1 for hold in _cool_down_holds(3600.0))
 
 
 class OneBrokenBucketGate(FakeGate):

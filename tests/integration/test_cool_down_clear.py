@@ -1,0 +1,51 @@
+"""A provider-wide cool-down (a 429's Retry-After, up to a day for a quota) holds every worker; an operator whose
+provider takes requests again (its quota was raised) ends it from the CLI, and the workers send within seconds."""
+
+import subprocess
+import sys
+import time
+
+from streams.gate.gate import RedisGate
+from streams.state.audit import AuditLog
+from tests.harness import email_request, free_port, metric, wait_until
+
+
+def _cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_an_operator_ends_a_long_cool_down_and_the_workers_send_within_seconds(
+        stack, names, channel_topics, limits, processes, send_client, mock_provider, redis_client, namespace,
+        dispatch_env):
+    """Given a transactional email worker held by an hour's cool-down of resend (a quota 429 another worker saw),
+    When an operator sees it (`streams limits show`) and ends it (`streams limits clear-cooldown`),
+    Then the held send reaches the provider within 20 s of the command, and the change is on the audit trail
+    (before, nothing could end it: every worker held for the whole hour, asking nothing in between)."""
+    channel_topics("email")
+    started_ms = int(time.time() * 1000)
+    mock_provider.reset(rate=50)
+    limits.set_provider("resend", 50, 50)
+    limits.set_tenant("resend", "*", 1000, 100)
+    RedisGate(redis_client, namespace).cool_down("resend", 3600)
+    port = free_port()
+    processes.worker("email", "transactional", "--metrics-port", str(port))
+    [send_id] = send_client.publish_batch("shop", [email_request()])
+    wait_until(lambda: (metric(port, "dispatch_gate_denials_total", provider="resend", lane="transactional",
+                               bucket="cooldown") or 0) >= 1, 30, "the worker to be held by the cool-down")
+
+    shown = _cli(dispatch_env, "limits", "show", "--provider", "resend")
+    assert shown.returncode == 0, shown.stderr
+    [left] = [float(line.split("=")[1].split()[0]) for line in shown.stdout.splitlines() if "cool_down_left_s" in line]
+    assert 3000 < left <= 3600
+    cleared = _cli(dispatch_env, "limits", "clear-cooldown", "--provider", "resend")
+    assert cleared.returncode == 0 and "resend: cool-down ended" in cleared.stdout, cleared.stdout + cleared.stderr
+    ended = time.monotonic()
+    wait_until(lambda: send_id in mock_provider.stats(deliveries=True)["deliveries"], 20,
+               "the held send to reach the provider", interval=0.2)
+    print(f"sent {time.monotonic() - ended:.1f} s after the cool-down was ended")
+
+    [entry] = [e for e in AuditLog(stack.bootstrap, names.audit).read(started_ms) if e["what"] == "cooldown/resend"]
+    assert entry["before"]["cool_down_left_s"] > 3000 and entry["after"] == {"cool_down_left_s": 0}
+    again = _cli(dispatch_env, "limits", "clear-cooldown", "--provider", "resend")
+    assert again.returncode == 0 and "resend: no cool-down" in again.stdout
