@@ -97,8 +97,8 @@ STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "R
                                    "keeps what it held), by topic", ["topic"])
 AUDIT_RECORDS_UNCONFIRMED = Counter("dispatch_audit_records_unconfirmed_total", "Operator changes applied through "
                                     "the API whose audit record the broker did not confirm (missing from the trail, "
-                                    "or written unconfirmed), by kind (limits, apikey, replay, endpoint, senders)",
-                                    ["kind"])
+                                    "or written unconfirmed), by kind (limits, apikey, replay, endpoint, senders, "
+                                    "cooldown)", ["kind"])
 # ---- webhook endpoint health (the endpoint-health app, except skipped deliveries)
 ENDPOINTS_BY_STATE = Gauge("webhook_endpoints", "Webhook endpoints by state, as this endpoint-health copy sees "
                            "the whole fleet (every copy reports all endpoints: aggregate with max)", ["state"])

@@ -113,7 +113,7 @@ def limits(sub) -> None:
             args.pause_ms))
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
-        if args.provider in rt.config.registry.providers and (left := _gate(rt).cool_down_left(args.provider)):
+        if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
             print(f"{args.provider} cool_down_left_s = {left:.1f}  (a 429's hold on every worker; "
                   "`streams limits clear-cooldown` ends it)")
         if args.action == "set":
@@ -123,18 +123,12 @@ def limits(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _gate(rt: Runtime):
-    from ..gate.gate import RedisGate
-
-    return RedisGate(rt.redis(), rt.namespace)
-
-
 def _clear_cool_down(rt: Runtime, provider: str) -> int:
     """End a provider's cool-down; workers holding on it ask the gate again within seconds."""
     if provider not in rt.config.registry.providers:
         raise ConfigError(f"{provider!r} is an ingest quota: it has no cool-down (providers: "
                           f"{', '.join(rt.config.registry.providers)})")
-    left = _gate(rt).clear_cool_down(provider)
+    left = rt.limit_store().clear_cool_down(provider)
     print(f"{provider}: cool-down ended ({left:.1f} s were left)" if left else f"{provider}: no cool-down")
     if left:
         _audited(rt, f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0})

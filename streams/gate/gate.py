@@ -152,25 +152,6 @@ class RedisGate:
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
 
-    def cool_down_left(self, provider: str) -> float:
-        """Seconds left of `provider`'s cool-down (0: none), by Redis's clock: the key outlives the moment it holds
-        by a second (cooldown.lua)."""
-        try:
-            ttl_ms = self.client.pttl(self.keys.cool(provider))
-        except redis.RedisError as exc:
-            raise GateUnavailable(f"cannot read the provider cool-down ({exc})") from None
-        return max(0.0, (ttl_ms - 1000) / 1000)
-
-    def clear_cool_down(self, provider: str) -> float:
-        """End `provider`'s cool-down now (an operator's decision: its quota was raised); returns the seconds it
-        had left. Workers holding on it ask the gate again within COOL_DOWN_RECHECK_S."""
-        left = self.cool_down_left(provider)
-        try:
-            self.client.delete(self.keys.cool(provider))
-        except redis.RedisError as exc:
-            raise GateUnavailable(f"cannot end the provider cool-down ({exc})") from None
-        return left
-
     def tenant_limit(self, provider: str, tenant: str) -> Limit:
         return LimitStore(self.client, self.namespace).tenant(provider, tenant)
 

@@ -151,6 +151,25 @@ class LimitStore:
         self.oplog = oplog
         self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
 
+    def cool_down_left(self, provider: str) -> float:
+        """Seconds left of `provider`'s cool-down (0: none), by Redis's clock: the key outlives the moment it holds
+        by a second (cooldown.lua)."""
+        try:
+            ttl_ms = self.client.pttl(self.keys.cool(provider))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"cannot read the provider cool-down ({exc})") from None
+        return max(0.0, (ttl_ms - 1000) / 1000)
+
+    def clear_cool_down(self, provider: str) -> float:
+        """End `provider`'s cool-down now (an operator's decision: its quota was raised); returns the seconds it
+        had left. Workers holding on it ask the gate again within seconds (COOL_DOWN_RECHECK_S)."""
+        left = self.cool_down_left(provider)
+        try:
+            self.client.delete(self.keys.cool(provider))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"cannot end the provider cool-down ({exc})") from None
+        return left
+
     def apply(self, provider: str, change: LimitChange) -> dict[str, float]:
         """Validate a change against the current limits, write it, and return the new limits."""
         for _ in range(CHANGE_ATTEMPTS):

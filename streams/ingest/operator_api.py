@@ -119,6 +119,12 @@ class Limits(BaseModel):
                                                "tenant_burst:<tenant>, concurrency, pause_ms (those set)")
 
 
+class CoolDown(BaseModel):
+    provider: str
+    left_s: float = Field(description="seconds left of the provider-wide hold a 429 set (0: none); on DELETE, what "
+                                      "was left when it was ended")
+
+
 class KeyView(BaseModel):
     """An API key as operators see it (never the key itself)."""
 
@@ -227,6 +233,27 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             raise problem(422, "invalid_request", ["body"], str(exc)) from None
         audited(who, f"limits/{provider}", before, after)
         return {"provider": provider, "limits": after}
+
+    def a_provider(provider: str) -> str:
+        """A provider of providers.toml (an ingest quota has no cool-down)."""
+        if provider not in ingest.providers:
+            raise problem(404, "not_found", ["path", "provider"], f"no provider {provider!r} (known: "
+                                                                  f"{', '.join(sorted(ingest.providers))})")
+        return provider
+
+    @router.get("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))
+    def get_cool_down(provider: str, _: Operator) -> dict:
+        return {"provider": provider, "left_s": ingest.limits.cool_down_left(a_provider(provider))}
+
+    @router.delete("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))
+    def end_cool_down(provider: str, who: Operator) -> dict:
+        """End the provider-wide hold a 429 set (a quota's Retry-After: up to a day), once the provider takes
+        requests again (its quota was raised); workers send again within 10 s."""
+        left = ingest.limits.clear_cool_down(a_provider(provider))
+        if left:
+            audited(who, f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0},
+                    repeatable=False)  # ended again, it finds none: nothing more to record
+        return {"provider": provider, "left_s": left}
 
     @router.get("/keys", response_model=Keys, responses=documented(401, 403, 503))
     def list_keys(_: Operator, tenant: str | None = None) -> dict:

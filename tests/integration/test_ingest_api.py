@@ -129,6 +129,24 @@ def test_an_operator_sets_a_tenant_rate_below_one_a_second_and_a_rate_of_zero_is
     assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["tenant_rate:slow"] == 0.5
 
 
+
+def test_an_operator_reads_and_ends_a_providers_cool_down(api, redis_client, namespace):
+    """Given an hour's cool-down of resend (a quota 429 a worker saw),
+    When a tenant asks to end it, the operator reads it, ends it, and ends it again, and asks for an ingest quota's,
+    Then the tenant gets 403; the operator reads what is left (about an hour), ending it answers what was left, a
+    second ending and a new read find none, and a quota (which has no cool-down) is 404."""
+    from streams.gate.gate import RedisGate
+
+    RedisGate(redis_client, namespace).cool_down("resend", 3600)
+    assert api.delete("/v1/admin/limits/resend/cooldown", headers=api.tenant_a).status_code == 403
+    assert 3000 < api.get("/v1/admin/limits/resend/cooldown", headers=api.operator).json()["left_s"] <= 3600
+    ended = api.delete("/v1/admin/limits/resend/cooldown", headers=api.operator)
+    assert ended.status_code == 200 and 3000 < ended.json()["left_s"] <= 3600, ended.text
+    assert api.delete("/v1/admin/limits/resend/cooldown", headers=api.operator).json() == {"provider": "resend",
+                                                                                          "left_s": 0.0}
+    assert api.get("/v1/admin/limits/resend/cooldown", headers=api.operator).json()["left_s"] == 0.0
+    assert api.get("/v1/admin/limits/ingest-requests/cooldown", headers=api.operator).status_code == 404
+
 def test_openapi_schema_describes_the_endpoints(api):
     """Given the running ingest API,
     When its /openapi.json is fetched,
