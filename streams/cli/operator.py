@@ -128,6 +128,9 @@ def _clear_cool_down(rt: Runtime, provider: str) -> int:
     if provider not in rt.config.registry.providers:
         raise ConfigError(f"{provider!r} is an ingest quota: it has no cool-down (providers: "
                           f"{', '.join(rt.config.registry.providers)})")
+    if not rt.config.registry.providers[provider].shared_limit:
+        raise ConfigError(f"{provider!r} has no provider-wide cool-down: each of its 429s holds only what it "
+                          "answered for (a webhook endpoint), in the worker or on a retry tier")
     left = rt.limit_store().clear_cool_down(provider)
     print(f"{provider}: cool-down ended ({left:.1f} s were left)" if left else f"{provider}: no cool-down")
     if left:

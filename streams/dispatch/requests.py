@@ -323,7 +323,8 @@ class Dispatcher:
         metrics.GATE_WAIT.labels(draw.route.name, self.lane).observe(admission.wait_s)
         wait_s = admission.wait_s
         if admission.short == "cooldown" and wait_s > COOL_DOWN_RECHECK_S:
-            wait_s = COOL_DOWN_RECHECK_S
+            # Asked again before the last COOL_DOWN_RECHECK_S, which is then left at a jittered moment, as below.
+            wait_s = min(COOL_DOWN_RECHECK_S, wait_s - COOL_DOWN_RECHECK_S)
         elif admission.short == "cooldown":  # everyone sees the same cool-down: end it at a jittered moment
             wait_s += min(COOL_DOWN_JITTER * wait_s, COOL_DOWN_JITTER_MAX_S) * self.rng.random()
         else:

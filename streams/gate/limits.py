@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -162,13 +163,13 @@ class LimitStore:
 
     def clear_cool_down(self, provider: str) -> float:
         """End `provider`'s cool-down now (an operator's decision: its quota was raised); returns the seconds it
-        had left. Workers holding on it ask the gate again within seconds (COOL_DOWN_RECHECK_S)."""
-        left = self.cool_down_left(provider)
+        had left, of the very value removed (GETDEL: a 429 landing meanwhile is either ended with it, and named,
+        or set after it, and stays). Workers holding on it ask the gate again within seconds (COOL_DOWN_RECHECK_S)."""
         try:
-            self.client.delete(self.keys.cool(provider))
+            until = self.client.getdel(self.keys.cool(provider))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot end the provider cool-down ({exc})") from None
-        return left
+        return max(0.0, int(until or 0) / 1000 - time.time())
 
     def apply(self, provider: str, change: LimitChange) -> dict[str, float]:
         """Validate a change against the current limits, write it, and return the new limits."""

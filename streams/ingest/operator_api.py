@@ -1,6 +1,7 @@
 """The operator API (operator keys only; a tenant key gets 403 on every route):
 
     GET/PUT /v1/admin/limits/{provider}          dispatch limits, pacing, and ingest quotas (ingest-*)
+    GET/DELETE /v1/admin/limits/{p}/cooldown     what is left of a provider's 429 cool-down / ending it
     GET/POST /v1/admin/keys                      list keys (never the keys themselves) / create one
     POST /v1/admin/keys/{id}/revoke              refused from now on, by every API process
     POST /v1/admin/keys/{id}/rotate              a new key; the old one stays valid for `overlap_s`
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
 from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange
+from ..providers.registry import load_registry
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
@@ -194,6 +196,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     router = APIRouter(prefix="/v1/admin", tags=["operators"])
     Operator = Annotated[Principal, Depends(operator)]  # noqa: N806 - a type alias
     client, store = ingest.client, ingest.store
+    registry = load_registry()
 
     def audited(who: Principal, what: str, before: object, after: object, repeatable: bool = True) -> None:
         """Record a change, applied already, on the audit trail. When the broker does not confirm the record,
@@ -235,10 +238,13 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         return {"provider": provider, "limits": after}
 
     def a_provider(provider: str) -> str:
-        """A provider of providers.toml (an ingest quota has no cool-down)."""
-        if provider not in ingest.providers:
-            raise problem(404, "not_found", ["path", "provider"], f"no provider {provider!r} (known: "
-                                                                  f"{', '.join(sorted(ingest.providers))})")
+        """A provider of providers.toml with a provider-wide cool-down (not an ingest quota; not the webhook
+        provider, whose 429s hold only the endpoint that answered)."""
+        shared = sorted(p for p in ingest.providers
+                        if (spec := registry.providers.get(p)) is not None and spec.shared_limit)
+        if provider not in shared:
+            raise problem(404, "not_found", ["path", "provider"], f"no provider-wide cool-down for {provider!r} "
+                                                                  f"(providers that have one: {', '.join(shared)})")
         return provider
 
     @router.get("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))

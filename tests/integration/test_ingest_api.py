@@ -134,7 +134,8 @@ def test_an_operator_reads_and_ends_a_providers_cool_down(api, redis_client, nam
     """Given an hour's cool-down of resend (a quota 429 a worker saw),
     When a tenant asks to end it, the operator reads it, ends it, and ends it again, and asks for an ingest quota's,
     Then the tenant gets 403; the operator reads what is left (about an hour), ending it answers what was left, a
-    second ending and a new read find none, and a quota (which has no cool-down) is 404."""
+    second ending and a new read find none, and a quota or the webhook provider (whose 429s hold only the endpoint
+    that answered) is 404."""
     from streams.gate.gate import RedisGate
 
     RedisGate(redis_client, namespace).cool_down("resend", 3600)
@@ -146,6 +147,7 @@ def test_an_operator_reads_and_ends_a_providers_cool_down(api, redis_client, nam
                                                                                           "left_s": 0.0}
     assert api.get("/v1/admin/limits/resend/cooldown", headers=api.operator).json()["left_s"] == 0.0
     assert api.get("/v1/admin/limits/ingest-requests/cooldown", headers=api.operator).status_code == 404
+    assert api.delete("/v1/admin/limits/webhook/cooldown", headers=api.operator).status_code == 404  # per endpoint
 
 def test_openapi_schema_describes_the_endpoints(api):
     """Given the running ingest API,
