@@ -143,6 +143,12 @@ class RedisKeys:
     def cool(self, provider: str) -> str:
         return f"{self.namespace}dr:{{{provider}}}:cool"
 
+    def own_account_cool(self, provider: str, tenant: str) -> str:
+        """What the gate reads as the cool-down of a tenant whose requests go out under its own account at the
+        provider: never set (that account's 429s hold only the tenant's queue), so the shared account's
+        cool-down never holds it."""
+        return f"{self.namespace}dr:{{{provider}}}:cool:own:{tenant}"
+
     # ---- processed_jobs (one claim touches its lease, its request record and each send's key)
     def processed(self, tenant: str, send_id: str) -> str:
         return f"{self.namespace}dr:{{t:{tenant}}}:processed:{send_id}"

@@ -226,7 +226,9 @@ class Runtime:
                                                     "message.timeout.ms": c.delivery_timeout_ms})
         client = self.redis()
         webhook = channel == "webhook"
-        gate = RedisGate(client, c.namespace)
+        credentials = {spec.name: self.credentials(spec) for spec in c.registry.for_channel(channel)}
+        gate = RedisGate(client, c.namespace, own_account=lambda provider, tenant: (
+            (keys := credentials.get(provider)) is not None and keys.has_own_key(tenant)))
         worker = LaneWorker(cfg, consumer, producer, self.routes(channel, concurrency, gate),
                             gate, ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s, epoch_required=True,
                                                 claim_ttl_ms=RECORD_TTL_MS if webhook else CLAIM_TTL_MS),

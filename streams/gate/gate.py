@@ -9,7 +9,7 @@ slot. Redis unreachable means closed: no admission, no provider call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -53,9 +53,12 @@ class Gate(Protocol):
 class RedisGate:
     """`acquire` admits one provider request (cost 1) carrying `messages` messages (tenant cost)."""
 
-    def __init__(self, client: redis.Redis, namespace: str = ""):
+    def __init__(self, client: redis.Redis, namespace: str = "",
+                 own_account: Callable[[str, str], bool] | None = None):
         self.client = client
         self.namespace = namespace
+        # (provider, tenant) -> the tenant's requests go out under an account of its own at the provider
+        self.own_account = own_account
         self.keys = RedisKeys(namespace)
         self._acquire = client.register_script(load_script(__package__, "gate.lua"))
         self._cool = client.register_script(load_script(__package__, "cooldown.lua"))
@@ -130,7 +133,9 @@ class RedisGate:
 
     def _keys(self, provider: str, tenant: str) -> list[str]:
         k = self.keys
-        return [k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant), k.cool(provider)]
+        own = self.own_account is not None and self.own_account(provider, tenant)
+        cool = k.own_account_cool(provider, tenant) if own else k.cool(provider)
+        return [k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant), cool]
 
     def _admission(self, reply: list, provider: str, tenant: str, messages: int) -> Admission:
         status, value, short = reply

@@ -49,3 +49,27 @@ def test_an_operator_ends_a_long_cool_down_and_the_workers_send_within_seconds(
     assert entry["before"]["cool_down_left_s"] > 3000 and entry["after"] == {"cool_down_left_s": 0}
     again = _cli(dispatch_env, "limits", "clear-cooldown", "--provider", "resend")
     assert again.returncode == 0 and "resend: no cool-down" in again.stdout
+
+
+def test_a_tenant_with_its_own_provider_account_is_not_held_by_the_shared_accounts_cool_down(
+        channel_topics, limits, processes, send_client, mock_provider, redis_client, namespace):
+    """Given a transactional email worker whose tenant `own` sends under a Resend key (an account) of its own, and an
+    hour's cool-down of the shared account (a 429 another tenant's request met),
+    When `own` and `shared` each publish a send,
+    Then `own`'s reaches the provider while `shared`'s is held by the cool-down (before, the gate held every tenant
+    on the shared account's cool-down, although the README says a tenant's own account is held alone on its 429s)."""
+    channel_topics("email")
+    mock_provider.reset(rate=50)
+    limits.set_provider("resend", 50, 50)
+    limits.set_tenant("resend", "*", 1000, 100)
+    RedisGate(redis_client, namespace).cool_down("resend", 3600)
+    port = free_port()
+    processes.worker("email", "transactional", "--metrics-port", str(port),
+                     env={"RESEND_API_KEYS": '{"*": "re_test_default", "own": "re_test_own_account"}'})
+    [shared] = send_client.publish_batch("shared", [email_request()])
+    [own] = send_client.publish_batch("own", [email_request()])
+    wait_until(lambda: own in mock_provider.stats(deliveries=True)["deliveries"], 30,
+               "the own-account tenant's send to reach the provider", interval=0.2)
+    wait_until(lambda: (metric(port, "dispatch_gate_denials_total", provider="resend", lane="transactional",
+                               bucket="cooldown") or 0) >= 1, 30, "the shared tenant to be held by the cool-down")
+    assert shared not in mock_provider.stats(deliveries=True)["deliveries"]
