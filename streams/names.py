@@ -149,6 +149,11 @@ class RedisKeys:
         cool-down never holds it."""
         return f"{self.namespace}dr:{{{provider}}}:cool:own:{tenant}"
 
+    def own_account_global(self, provider: str, tenant: str) -> str:
+        """The global bucket of a tenant whose requests go out under its own account at the provider: that
+        account's requests never spend the shared account's tokens (the tenant's bucket is its account's limit)."""
+        return f"{self.namespace}dr:{{{provider}}}:global:own:{tenant}"
+
     # ---- processed_jobs (one claim touches its lease, its request record and each send's key)
     def processed(self, tenant: str, send_id: str) -> str:
         return f"{self.namespace}dr:{{t:{tenant}}}:processed:{send_id}"

@@ -133,9 +133,11 @@ class RedisGate:
 
     def _keys(self, provider: str, tenant: str) -> list[str]:
         k = self.keys
-        own = self.own_account is not None and self.own_account(provider, tenant)
-        cool = k.own_account_cool(provider, tenant) if own else k.cool(provider)
-        return [k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant), cool]
+        if self.own_account is not None and self.own_account(provider, tenant):
+            # Its own account at the provider: neither the shared account's tokens nor its cool-down are its.
+            return [k.limits(provider), k.own_account_global(provider, tenant), k.tenant_bucket(provider, tenant),
+                    k.own_account_cool(provider, tenant)]
+        return [k.limits(provider), k.global_bucket(provider), k.tenant_bucket(provider, tenant), k.cool(provider)]
 
     def _admission(self, reply: list, provider: str, tenant: str, messages: int) -> Admission:
         status, value, short = reply

@@ -121,6 +121,25 @@ def test_cooldown_is_shared_by_every_gate(gate, redis_client, namespace):
     assert other_worker.acquire("resend", "big", 1).short == "cooldown"
 
 
+
+def test_a_tenant_with_its_own_provider_account_spends_neither_the_shared_tokens_nor_its_cool_down(
+        gate, redis_client, namespace):
+    """Given resend's shared account with 10 tokens (burst 10) spent to the last by tenant big, and in a cool-down,
+    and tenant own, whose requests go out under a Resend account of its own,
+    When own asks for requests,
+    Then own is admitted, though the shared bucket is empty and cooling down, while big is held by the cool-down
+    (before, every tenant spent the shared account's tokens and waited on its cool-downs); and own's requests left
+    the shared bucket as it was."""
+    own_gate = RedisGate(redis_client, namespace, own_account=lambda provider, tenant: tenant == "own")
+    for _ in range(10):
+        assert own_gate.acquire("resend", "big", 1).allowed
+    shared = Keys(namespace).global_bucket("resend")
+    spent = redis_client.hget(shared, "mt")
+    own_gate.cool_down("resend", 60)
+    assert own_gate.acquire("resend", "big", 1).short == "cooldown"
+    assert all(own_gate.acquire("resend", "own", 1).allowed for _ in range(5))
+    assert redis_client.hget(shared, "mt") == spent
+
 def test_misconfiguration_and_outage_fail_closed(gate, redis_client, namespace):
     """Given rate limits configured for "resend" only, and a second gate pointing at a Redis that is not reachable,
     When a tenant asks for more messages than its burst of 2, a request is made for the unconfigured provider "sms",
