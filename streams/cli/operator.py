@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..errors import AuditUnconfirmed, ConfigError, PublishError
+from ..gate.limits import cool_down_ended
 from ..runtime import Runtime
 
 if TYPE_CHECKING:
@@ -125,16 +126,13 @@ def limits(sub) -> None:
 
 def _clear_cool_down(rt: Runtime, provider: str) -> int:
     """End a provider's cool-down; workers holding on it ask the gate again within seconds."""
-    if provider not in rt.config.registry.providers:
-        raise ConfigError(f"{provider!r} is an ingest quota: it has no cool-down (providers: "
-                          f"{', '.join(rt.config.registry.providers)})")
-    if not rt.config.registry.providers[provider].shared_limit:
-        raise ConfigError(f"{provider!r} has no provider-wide cool-down: each of its 429s holds only what it "
-                          "answered for (a webhook endpoint), in the worker or on a retry tier")
+    if provider not in (names := rt.config.registry.with_cool_down()):
+        raise ConfigError(f"no provider-wide cool-down for {provider!r} (providers that have one: {', '.join(names)}; "
+                          "an ingest quota has none, and a webhook endpoint's 429 holds only that endpoint)")
     left = rt.limit_store().clear_cool_down(provider)
     print(f"{provider}: cool-down ended ({left:.1f} s were left)" if left else f"{provider}: no cool-down")
     if left:
-        _audited(rt, f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0})
+        _audited(rt, *cool_down_ended(provider, left))
     return 0
 
 

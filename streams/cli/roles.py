@@ -74,7 +74,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
                                 quotas=IngestQuotas(RedisGate(r, rt.namespace)),
                                 idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
                                 guard=rt.state_guard("api", r), webhooks=webhooks,
-                                senders=rt.sender_store(r), providers=frozenset(rt.config.registry.providers)),
+                                senders=rt.sender_store(r), registry=rt.config.registry),
                          bulk_socket=bulk.socket_path if bulk else None)
         if bulk is not None:
             bulk.wait_ready()

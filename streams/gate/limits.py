@@ -137,6 +137,11 @@ def _number(field: str, held: bytes) -> float:
         return float(held)
 
 
+def cool_down_ended(provider: str, left: float) -> tuple[str, dict, dict]:
+    """The audit record (what, before, after) of an operator ending `provider`'s cool-down with `left` s left."""
+    return f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0}
+
+
 class LimitStore:
     """`oplog` (the operator log) makes changes durable beyond Redis: every change is written there,
     acknowledged, before Redis. The processes' stores always have one; a store without one (tests

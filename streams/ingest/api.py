@@ -36,7 +36,7 @@ from ..errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, Sen
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
 from ..providers.outcome import redact
-from ..providers.registry import load_registry
+from ..providers.registry import Registry, load_registry
 from ..send import (
     MAX_BATCH,
     MAX_SEND_BYTES,
@@ -132,8 +132,8 @@ class Ingest:
     guard: StateGuard | None = None
     webhooks: WebhookIngest | None = None
     senders: SenderDomains | SenderDomainStore = field(default_factory=SenderDomains)  # fixed, or the operator's
-    # The providers operators may set limits for (providers.toml's; the ingest quotas are known besides).
-    providers: frozenset[str] = field(default_factory=lambda: frozenset(load_registry().providers))
+    # The providers operators may set limits for and end cool-downs of (the ingest quotas are known besides).
+    registry: Registry = field(default_factory=load_registry)
 
 
 IdempotencyKey = Annotated[str | None, Header(

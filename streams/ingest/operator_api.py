@@ -29,8 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from .. import metrics
 from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
-from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange
-from ..providers.registry import load_registry
+from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange, cool_down_ended
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
@@ -196,7 +195,6 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     router = APIRouter(prefix="/v1/admin", tags=["operators"])
     Operator = Annotated[Principal, Depends(operator)]  # noqa: N806 - a type alias
     client, store = ingest.client, ingest.store
-    registry = load_registry()
 
     def audited(who: Principal, what: str, before: object, after: object, repeatable: bool = True) -> None:
         """Record a change, applied already, on the audit trail. When the broker does not confirm the record,
@@ -215,13 +213,15 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               "its record; make the same change again to record it", {"Retry-After": "1"},
                               outcome="applied") from None
 
+    def one_of(names: list[str], provider: str, missing: str) -> str:
+        if provider not in names:
+            raise problem(404, "not_found", ["path", "provider"], missing)
+        return provider
+
     def known(provider: str) -> str:
         """A provider of providers.toml or an ingest quota (a misspelt one would be accepted and govern nothing)."""
-        names = [*sorted(ingest.providers), *QUOTAS]
-        if provider not in names:
-            raise problem(404, "not_found", ["path", "provider"], f"no provider or quota {provider!r} "
-                                                                  f"(known: {', '.join(names)})")
-        return provider
+        names = [*sorted(ingest.registry.providers), *QUOTAS]
+        return one_of(names, provider, f"no provider or quota {provider!r} (known: {', '.join(names)})")
 
     @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 503))
     def get_limits(provider: str, _: Operator) -> dict:
@@ -238,14 +238,10 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         return {"provider": provider, "limits": after}
 
     def a_provider(provider: str) -> str:
-        """A provider of providers.toml with a provider-wide cool-down (not an ingest quota; not the webhook
-        provider, whose 429s hold only the endpoint that answered)."""
-        shared = sorted(p for p in ingest.providers
-                        if (spec := registry.providers.get(p)) is not None and spec.shared_limit)
-        if provider not in shared:
-            raise problem(404, "not_found", ["path", "provider"], f"no provider-wide cool-down for {provider!r} "
-                                                                  f"(providers that have one: {', '.join(shared)})")
-        return provider
+        """A provider with a provider-wide cool-down (not an ingest quota, not the webhook provider)."""
+        names = ingest.registry.with_cool_down()
+        return one_of(names, provider, f"no provider-wide cool-down for {provider!r} "
+                                       f"(providers that have one: {', '.join(names)})")
 
     @router.get("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))
     def get_cool_down(provider: str, _: Operator) -> dict:
@@ -257,8 +253,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         requests again (its quota was raised); workers send again within 10 s."""
         left = ingest.limits.clear_cool_down(a_provider(provider))
         if left:
-            audited(who, f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0},
-                    repeatable=False)  # ended again, it finds none: nothing more to record
+            # Not repeatable: ended again, it finds none, and there is nothing more to record.
+            audited(who, *cool_down_ended(provider, left), repeatable=False)
         return {"provider": provider, "left_s": left}
 
     @router.get("/keys", response_model=Keys, responses=documented(401, 403, 503))

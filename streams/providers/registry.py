@@ -59,6 +59,11 @@ class Registry:
     def primary(self, channel: str) -> ProviderSpec:
         return self.for_channel(channel)[0]
 
+    def with_cool_down(self) -> list[str]:
+        """The providers a 429 holds as a whole (shared_limit): those an operator may end a cool-down of. Not
+        the webhook provider, whose 429s hold only the endpoint that answered."""
+        return sorted(name for name, spec in self.providers.items() if spec.shared_limit)
+
 
 def _path(where: str, value: Any) -> tuple[str, str]:
     method, _, path = str(value).partition(" ")

@@ -10,6 +10,7 @@ from streams.errors import StoreUnavailable
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import KeyInfo, Principal, key_id
 from streams.ingest.senders import SenderDomains
+from streams.providers.registry import DEFAULT_FILE, parse_registry
 
 
 class OperatorKeys:
@@ -97,3 +98,37 @@ def test_limits_for_a_provider_that_does_not_exist_are_refused_naming_the_known_
     assert (put.status_code, get.status_code) == (404, 404), put.text
     assert "resend" in put.json()["errors"][0]["msg"] and (limits.applied, audit.records) == ([], [])
     assert _call(ingest, "PUT", "/v1/admin/limits/resend", json={"global_rate": 10, "global_burst": 10}).status_code == 200
+
+
+class CoolDowns(Limits):
+    def __init__(self):
+        super().__init__()
+        self.ended: list[str] = []
+
+    def clear_cool_down(self, provider):
+        self.ended.append(provider)
+        return 30.0
+
+
+def test_the_operator_api_knows_the_providers_of_the_configured_provider_file():
+    """Given an API started with a provider file of its own (DUAL_RAIL_PROVIDERS), naming an email provider the
+    packaged file does not have,
+    When an operator sets that provider's limits and ends its cool-down, then asks the same of the webhook provider
+    and of an ingest quota,
+    Then the configured provider's are done and audited, and the cool-down of the others is refused 404 naming the
+    providers that have one (before: the cool-down routes read the packaged file, and refused the configured
+    provider)."""
+    text = DEFAULT_FILE.read_text().replace('"resend"', '"postmark"')
+    audit, limits = Audit(), CoolDowns()
+    ingest = _operator_api(OperatorKeys(), audit, limits)
+    ingest.registry = parse_registry(text, "own-providers.toml")
+    put = _call(ingest, "PUT", "/v1/admin/limits/postmark", json={"global_rate": 10, "global_burst": 10})
+    ended = _call(ingest, "DELETE", "/v1/admin/limits/postmark/cooldown")
+    assert (put.status_code, ended.status_code) == (200, 200), (put.text, ended.text)
+    assert (limits.applied, limits.ended) == (["postmark"], ["postmark"])
+    assert [what for what, _ in audit.records] == ["limits/postmark", "cooldown/postmark"]
+    for other in ("webhook", "ingest-request", "resend"):
+        refused = _call(ingest, "DELETE", f"/v1/admin/limits/{other}/cooldown")
+        assert refused.status_code == 404, refused.text
+        assert "(providers that have one: postmark, sms, sms-b)" in refused.json()["errors"][0]["msg"]
+    assert limits.ended == ["postmark"]

@@ -1,10 +1,14 @@
 """What operators read and write is whole or refused: the audit trail never answers part of itself as all of it,
 and a limit the gate could not hold exactly is refused by the CLI as by the API."""
 
+from types import SimpleNamespace
+
 import pytest
 
+from streams.cli.operator import _clear_cool_down
 from streams.errors import BrokerUnavailable, ConfigError
 from streams.gate.limits import MAX_LIMIT, check_provider, check_tenant, parse_rate
+from streams.providers.registry import load_registry
 from streams.state import audit as audit_module
 
 
@@ -51,3 +55,16 @@ def test_a_limit_past_what_the_gate_holds_exactly_is_refused_by_the_shared_check
         check_provider(rate, burst, 0)
     with pytest.raises(ConfigError, match="at most|from 1 to"):
         check_tenant("acme", rate, burst)
+
+
+@pytest.mark.parametrize("provider", ["webhook", "ingest-request", "Resend"])
+def test_the_cli_ends_no_cool_down_of_what_has_none_and_names_what_has_one(provider):
+    """Given the packaged providers,
+    When an operator asks the CLI to end the cool-down of the webhook provider (its 429s hold one endpoint), of an
+    ingest quota, or of a misspelt provider,
+    Then it is refused naming the providers that have one, and Redis is not asked (the same rule as the API's)."""
+    rt = SimpleNamespace(config=SimpleNamespace(registry=load_registry()),
+                         limit_store=lambda: pytest.fail("nothing may be ended"))
+    with pytest.raises(ConfigError, match=rf"no provider-wide cool-down for '{provider}' "
+                                          r"\(providers that have one: resend, sms, sms-b;"):
+        _clear_cool_down(rt, provider)  # type: ignore[arg-type]
