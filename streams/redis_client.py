@@ -102,8 +102,7 @@ def is_cluster_url(url: str) -> bool:
     return any(k == "cluster" and v.lower() in _TRUE for k, v in parse_qsl(parts.query))
 
 
-_HOSTS = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*(?:[/?]|\Z)")
-_HOSTS_THEN_MORE = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*[/?]")
+_HOSTS = re.compile(r"[^,/?@]+:\d+(,[^,/?@]+:\d+)*(?:[/?]|\Z)")  # a host:port list, then a path, a query or the end
 
 
 def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -114,8 +113,8 @@ def cluster_startup(url: str) -> tuple[str, list[tuple[str, int]]]:
     # The credentials end at the `@` the hosts follow (a password may hold `/`, `@` or `?`; an option in the query
     # may hold `@`): nothing of them is ever taken for a host, nor named by an error.
     userinfo, at = "", ""
-    in_path_or_query = _HOSTS_THEN_MORE.match(rest)  # hosts first: any `@` after them is in the path or query
-    if "@" in rest and not (in_path_or_query and rest.index("@") > in_path_or_query.end()):
+    hosts_first = _HOSTS.match(rest)  # then any `@` is after them, in the path or query (none can be in a host)
+    if "@" in rest and not (hosts_first and rest.index("@") > hosts_first.end()):
         for i in reversed([i for i, c in enumerate(rest) if c == "@"]):
             if _HOSTS.match(rest, i + 1):
                 userinfo, at, rest = rest[:i], "@", rest[i + 1:]

@@ -45,17 +45,16 @@ class SenderDomainStore:
             except SendValidationError as exc:
                 raise ConfigError(f"tenant: {exc}") from None
         cleaned = sorted(SenderDomains.parse({tenant: domains}, "domains").by_tenant[tenant])
-        if self.oplog is None:
-            with store_errors("saving sender domains"):
-                self.client.hset(self.key, tenant, orjson.dumps(cleaned))
-            return cleaned
-        before = self._logged_form(tenant)
 
         def write() -> bool:
             with store_errors("saving sender domains"):
                 self.client.hset(self.key, tenant, orjson.dumps(cleaned))
             return True
 
+        if self.oplog is None:
+            write()
+            return cleaned
+        before = self._logged_form(tenant)
         write_through_log(self.oplog, f"senders/{tenant}", {"domains": cleaned},
                           None if before is None else orjson.loads(before), write, lambda: self._logged_form(tenant),
                           conditional=False)
