@@ -331,7 +331,8 @@ class Dispatcher:
             wait_s = min(wait_s, BUCKET_HOLD_MAX_S)
         now = time.monotonic()
         until = now + wait_s
-        tenant_only = admission.short == "tenant"
+        # A tenant sending under its own provider account has buckets of its own: none of them holds anyone else.
+        tenant_only = admission.short == "tenant" or draw.route.credentials.has_own_key(draw.tenant)
         self._requeue(draw.key, draw.items, hold_until=until if tenant_only else None)
         if tenant_only:
             self.queues.queues[draw.key].dry_until = now + admission.wait_s

@@ -1871,6 +1871,38 @@ def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_
         assert worker.queues.buffered == 1  # acme's, held until its Retry-After
 
 
+class OwnAccountDry(FakeGate):
+    """acme sends under its own provider account, whose global bucket is dry (the gate answers `global`)."""
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant == "acme":
+            return Admission(False, 30.0, "global")
+        return super().acquire(provider, tenant, messages, reserve)
+
+
+@pytest.mark.parametrize("keys, everyone_held", [({"*": "re_shared", "acme": "re_acme_own"}, False),
+                                                 ({"*": "re_shared"}, True)],
+                         ids=["acme's own account", "one shared account"])
+def test_a_dry_bucket_of_a_tenants_own_account_holds_that_tenant_only(keys, everyone_held):
+    """Given acme's email denied by the gate for 30 s on a global bucket: its own account's, or the one everyone
+    shares,
+    When globex's email arrives next,
+    Then on its own account only acme is held and globex's email goes out at once; on the shared bucket every
+    queue waits, as before (before the fix: acme's own account held every tenant of the worker for 30 s)."""
+    spec = load_registry().primary("email")
+    sends, msgs = _messages(["acme", "globex"])
+    provider = FakeProvider(DELIVERED)
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs[:1]),
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials(keys))]), OwnAccountDry(),
+                        FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=5)
+    worker.consumer.pending.append(msgs[1])
+    _run(worker, steps=5)
+    assert provider.sent == ([] if everyone_held else [sends[1].send_id.encode()])
+    assert worker.queues.buffered == (2 if everyone_held else 1)
+
+
 class DeadLettersNeverAcknowledged(FakeProducer):
     """A producer whose DLQ writes all fail after leaving (the DLQ unwritable: an ACL, no replicas in sync)."""
 
