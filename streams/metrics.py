@@ -27,6 +27,10 @@ FALLBACKS = Counter("dispatch_provider_fallbacks_total", "Sends handed to the ch
 PROVIDER_429 = Counter("dispatch_provider_429_total", "Provider 429 answers by kind", ["provider", "kind"])
 END_TO_END = Histogram("dispatch_end_to_end_seconds", "Accepted at ingest -> accepted by the provider",
                        ["channel", "lane"], buckets=_LATENCY)
+COOL_DOWN_UNTIL = Gauge("dispatch_provider_cool_down_until_timestamp_seconds", "Unix time at which the "
+                        "provider-wide cool-down (a 429's Retry-After, which holds every worker) ends, as this "
+                        "process last learned it (from a 429 it got, or the gate); 0 once the gate admits again",
+                        ["provider"])
 GATE_DENIALS = Counter("dispatch_gate_denials_total", "Gate denials by the bucket that was short",
                        ["provider", "lane", "bucket"])
 GATE_WAIT = Histogram("dispatch_gate_wait_seconds", "Waits the gate asked for", ["provider", "lane"],

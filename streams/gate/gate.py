@@ -9,12 +9,14 @@ slot. Redis unreachable means closed: no admission, no provider call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import redis
 
+from .. import metrics
 from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, GateUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
@@ -63,6 +65,8 @@ class RedisGate:
         self._acquire = client.register_script(load_script(__package__, "gate.lua"))
         self._cool = client.register_script(load_script(__package__, "cooldown.lua"))
         self._refund = client.register_script(load_script(__package__, "refund.lua"))
+        # provider -> when its cool-down ends, as this process last learned it (exported for the alert)
+        self._cooling: dict[str, float] = {}
 
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False) -> Admission:
         try:
@@ -143,8 +147,13 @@ class RedisGate:
         status, value, short = reply
         short = short.decode() if isinstance(short, bytes) else short
         if status == 1:
+            if provider in self._cooling:  # the cool-down is over (or an operator ended it)
+                del self._cooling[provider]
+                metrics.COOL_DOWN_UNTIL.labels(provider).set(0)
             return Admission(True)
         if status == 0:
+            if short == "cooldown":
+                self._cooling_until(provider, time.time() + value / 1000.0, extend_only=False)
             return Admission(False, value / 1000.0, short)
         if status == -1:
             raise CostExceedsBurst(f"{provider}: a cost of {messages if short == 'tenant' else 1} exceeds "
@@ -158,6 +167,14 @@ class RedisGate:
             self._cool(keys=[self.keys.cool(provider)], args=[max(1, int(seconds * 1000))])
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
+        self._cooling_until(provider, time.time() + seconds, extend_only=True)
+
+    def _cooling_until(self, provider: str, until: float, extend_only: bool) -> None:
+        """The gate's answer is Redis's word (it may be shorter: an operator ended it); a 429 only extends."""
+        if extend_only:
+            until = max(until, self._cooling.get(provider, 0.0))
+        self._cooling[provider] = until
+        metrics.COOL_DOWN_UNTIL.labels(provider).set(until)
 
     def tenant_limit(self, provider: str, tenant: str) -> Limit:
         return LimitStore(self.client, self.namespace).tenant(provider, tenant)

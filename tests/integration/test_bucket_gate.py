@@ -122,6 +122,29 @@ def test_cooldown_is_shared_by_every_gate(gate, redis_client, namespace):
 
 
 
+def test_every_worker_exports_the_cool_down_it_is_held_by_until_the_gate_admits_again(gate, redis_client, namespace):
+    """Given one worker's gate that got a quota 429 asking for an hour, and another worker's gate,
+    When the other asks for a request, then an operator ends the cool-down and it asks again,
+    Then both export the hour's end as `dispatch_provider_cool_down_until_timestamp_seconds` (what the
+    ProviderCoolingDown alert reads) while it holds, and the other exports 0 once admitted."""
+    from prometheus_client import REGISTRY
+
+    from streams.gate.limits import LimitStore
+
+    def exported() -> float | None:
+        return REGISTRY.get_sample_value("dispatch_provider_cool_down_until_timestamp_seconds",
+                                         {"provider": "resend"})
+
+    gate.cool_down("resend", 3600)
+    assert 3590 < exported() - time.time() <= 3600
+    other_worker = RedisGate(redis_client, namespace)
+    other_worker.acquire("resend", "big", 1)  # held by it: its own view, read from Redis
+    assert 3590 < exported() - time.time() <= 3600
+    LimitStore(redis_client, namespace).clear_cool_down("resend")
+    assert other_worker.acquire("resend", "big", 1).allowed
+    assert exported() == 0
+
+
 def test_a_tenant_with_its_own_provider_account_spends_neither_the_shared_tokens_nor_its_cool_down(
         gate, redis_client, namespace):
     """Given resend's shared account with 10 tokens (burst 10) spent to the last by tenant big, and in a cool-down,

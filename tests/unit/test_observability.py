@@ -76,3 +76,16 @@ def test_dashboard_shows_what_operators_watch():
                      "dispatch_dead_letters_total", "webhook_endpoints", "webhook_endpoint_alerts_total",
                      "webhook_deliveries_skipped_total", "webhook_endpoint_consecutive_failures_bucket"):
         assert required in used
+
+
+def test_the_dashboard_shows_every_metric_an_alert_reads_and_seconds_as_seconds():
+    """An operator paged by an alert finds what it read on the dashboard; a panel of a `_seconds` gauge is
+    labelled in seconds (before: the retry tiers' overdue seconds were shown as a plain number)."""
+    on_dashboard = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    read_by_alerts = set().union(*(metric_names(e) for e in alert_exprs()))
+    assert read_by_alerts <= on_dashboard, f"alerts read, the dashboard lacks: {sorted(read_by_alerts - on_dashboard)}"
+    for panel in json.loads((DEPLOY / "grafana/dashboards/dispatch.json").read_text())["panels"]:
+        exprs = [t["expr"] for t in panel.get("targets", [])]
+        if exprs and all(e.startswith(("max by", "clamp_min(max by")) and "_seconds" in e for e in exprs):
+            assert panel["fieldConfig"]["defaults"]["unit"] == "s", panel["title"]
+
