@@ -318,6 +318,11 @@ class AckedWriter:
             for record in again:
                 self._produce(record)
         metrics.PRODUCE_PENDING.labels(self.label).set(self.pending)
+        metrics.PRODUCE_FAILING.labels(self.label).set(self.failing_s(time.monotonic()))
+
+    def failing_s(self, now: float) -> float:
+        """How long the longest episode of records the broker did not acknowledge has lasted (0: none)."""
+        return max((now - o.since for o in self.outages.values() if o.since is not None), default=0.0)
 
     def outage(self, topic: str) -> Outage:
         if topic not in self.outages:

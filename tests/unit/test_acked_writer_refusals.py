@@ -203,3 +203,31 @@ def test_a_failing_topic_keeps_its_backoff_while_another_topic_is_acknowledged(c
     assert producer.produced["denied"] == 1 and producer.produced["outcomes"] == 200
     assert [r.getMessage().split(" unavailable")[0] for r in caplog.records] == ["Kafka (test writes to denied)"]
     assert writer.pending == 1
+
+
+def test_the_writer_exports_how_long_the_broker_has_acknowledged_nothing_of_a_failing_topic(monkeypatch):
+    """Given a writer whose records to a topic the cluster denies fail,
+    When 3 minutes pass with the failing record produced again, and then the topic is allowed,
+    Then `dispatch_produce_failing_seconds` says 180 s (what RecordsUnacknowledged reads), and 0 once that
+    topic's record is acknowledged."""
+    from prometheus_client import REGISTRY
+
+    from streams import kafka_client
+
+    now = [1000.0]
+    monkeypatch.setattr(kafka_client.time, "monotonic", lambda: now[0])
+    producer = DenyingProducer()
+    writer = AckedWriter(producer, "failing-test")  # type: ignore[arg-type]
+
+    def exported() -> float | None:
+        return REGISTRY.get_sample_value("dispatch_produce_failing_seconds", {"writer": "failing-test"})
+
+    writer.write("notif.email.marketing.retry.5m", b"copy")
+    run(writer, producer, rounds=1)
+    assert exported() == 0.0  # failed at 1000 s, measured at once
+    now[0] += 180
+    run(writer, producer, rounds=2)
+    assert exported() == 180.0
+    producer.allowed = True
+    run(writer, producer, rounds=2)
+    assert (writer.pending, exported()) == (0, 0.0)
