@@ -45,6 +45,8 @@ COOL_DOWN_RECHECK_S = 10.0
 # A queue denied by a bucket asks the gate again within this, however long the bucket's own wait (a day at a rate
 # of one a day): a limit an operator raises meanwhile reaches what the worker holds within LIMITS_TTL_S of this.
 BUCKET_HOLD_MAX_S = 60.0
+# A tenant without limits or a provider key waits this long between looks (an operator sets them meanwhile).
+MISCONFIGURED_HOLD_S = 30.0
 
 
 @dataclass
@@ -104,11 +106,14 @@ class Dispatcher:
                  policies: dict[str, RetryPolicy], on_expired: Callable[[Pending], None],
                  on_unbuildable: Callable[[Pending, str], None], on_unknown: Callable[[Pending], None],
                  on_state_lost: Callable[[], None] = lambda: None,
-                 on_stale: Callable[[Pending], None] | None = None):
+                 on_stale: Callable[[Pending], None] | None = None,
+                 hold_long: Callable[[str, float, str], None] | None = None):
         self.routes, self.lane, self.worker_id = routes, lane, worker_id
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
         self.queues, self.jobs, self.gate = queues, jobs, gate
+        # Holds one queue for long, parking what it holds off the partition meanwhile (Settler.hold_long)
+        self.hold_long = hold_long or (lambda key, wait, reason: queues.hold(key, time.monotonic() + wait))
         self.on_duplicate = on_duplicate
         self.on_stale = on_stale or on_duplicate  # a copy for an attempt already made and failed
         self.outage = redis_outage
@@ -224,8 +229,11 @@ class Dispatcher:
                 break  # passes repeat while any queue still gave a request: one per queue per pass (fair)
 
     def _hold_misconfigured(self, key: str, exc: Exception) -> None:
-        log.error("%s; holding tenant %s", exc, self.queues.head_tenant(key))
-        self.queues.hold(key, time.monotonic() + 5.0)
+        """A tenant without limits or without a provider key until an operator sets them: its queue waits,
+        parked off the partition (which moves on for every other tenant), and what outlives its max age
+        while it waits is dead-lettered `too_old` as it comes back."""
+        log.error("%s; holding tenant %s for %.0f s", exc, self.queues.head_tenant(key), MISCONFIGURED_HOLD_S)
+        self.hold_long(key, MISCONFIGURED_HOLD_S, "misconfigured")
 
     def _run_round(self, draws: list[Draw]) -> None:
         now_ms = int(time.time() * 1000)
@@ -234,8 +242,8 @@ class Dispatcher:
             try:
                 draw.route.credentials.for_tenant(draw.tenant)  # no API key: before anything is claimed
             except ConfigError as exc:
-                self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
-                log.error("%s; holding tenant %s", exc, draw.tenant)
+                self._requeue(draw.key, draw.items)
+                self._hold_misconfigured(draw.key, exc)
                 continue
             draw.items, duplicates = unique_sends(draw.items)
             for p in duplicates:

@@ -96,8 +96,9 @@ class Settler:
         # claim is kept, else ""), marked `tried:<n>` (or, kept, the next attempt noted on the request) together
         # by `flush_marks`, then finished (kept while Redis fails).
         self.to_mark_tried: list[tuple[str, str, int, Offset, str]] = []
-        # Endpoint queues held by a long Retry-After: queue -> (monotonic end, wall-clock end in ms)
-        self.long_holds: dict[str, tuple[float, int]] = {}
+        # Queues held for long (an endpoint's Retry-After, a tenant's refused key, a tenant without limits):
+        # queue -> (monotonic end, wall-clock end in ms, the retry_reason of what is spilled)
+        self.long_holds: dict[str, tuple[float, int, str]] = {}
         self.rng = random.Random()
         self._end_to_end = metrics.END_TO_END.labels(*label)  # observed per delivered message
 
@@ -262,15 +263,23 @@ class Settler:
 
     def _hold_queue(self, queue: str, wait: float, now_ms: int, asked: bool) -> None:
         """A 429 from a limit of one queue's own (a webhook endpoint's, a tenant's account at a provider)
-        holds that queue until Retry-After. A wait longer than the
-        worker waits in process is not spent in memory: `spill_long_holds` moves what is queued for
-        the endpoint, and what arrives for it meanwhile, to the retry tier due when it asked (so its
-        partition's offset moves on, and each message's age is checked again when it comes back)."""
+        holds that queue until Retry-After (a long wait: `hold_long`)."""
+        if wait > IN_PROCESS_BACKOFF_MAX_S:
+            self.hold_long(queue, wait, "endpoint_retry_after", now_ms)
+        else:
+            self.queues.hold(queue, time.monotonic() + wait)
+            if asked:  # the receiver's latest word: a short Retry-After it gave ends a long one
+                self.long_holds.pop(queue, None)
+
+    def hold_long(self, queue: str, wait: float, reason: str, now_ms: int | None = None) -> None:
+        """Hold one queue for `wait` s. What it holds and what arrives for it meanwhile is not kept in memory
+        past IN_PROCESS_BACKOFF_MAX_S: `spill_long_holds` parks it on the retry tier due when the hold ends,
+        so that its partition's offset moves on (a held message would pin it, and the lane's lag, for every
+        tenant), and each message's age is checked again when it comes back."""
         self.queues.hold(queue, time.monotonic() + wait)
         if wait > IN_PROCESS_BACKOFF_MAX_S:
-            self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000))
-        elif asked:  # the receiver's latest word: a short Retry-After it gave ends a long one
-            self.long_holds.pop(queue, None)
+            now_ms = now_ms or int(time.time() * 1000)
+            self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000), reason)
 
     def spill_long_holds(self, end_expired: Callable[[list[Pending]], list[Pending]]) -> None:
         """`end_expired` ends, by its send's state, what is due after its max age (it could never be
@@ -279,7 +288,7 @@ class Settler:
         if not self.long_holds:
             return
         now, now_ms = time.monotonic(), int(time.time() * 1000)
-        for queue, (until, due_ms) in list(self.long_holds.items()):
+        for queue, (until, due_ms, reason) in list(self.long_holds.items()):
             if until - now <= IN_PROCESS_BACKOFF_MAX_S:  # the rest of the wait is spent in memory
                 del self.long_holds[queue]
                 continue
@@ -290,7 +299,7 @@ class Settler:
                 for p in taken:
                     if id(p) not in ended:
                         self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000),
-                                           self.finisher(p.where), reason="endpoint_retry_after")
+                                           self.finisher(p.where), reason=reason)
 
     def _unauthorised(self, route: Route, job: Job, result: ProviderResult, now_ms: int) -> None:
         """The provider refused us even with a fresh token (or our key): retrying down the tiers
@@ -307,6 +316,8 @@ class Settler:
             for q in self.queues.queues.values():
                 if q.items and self.routes.of(q.items[0].provider) is route:
                     q.ready_at = max(q.ready_at, until)
+        else:  # the tenant's own key: its queue alone, parked off the partition while it lasts
+            self.hold_long(job.queue, self.auth_hold_s, "auth_refused", now_ms)
 
     def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
                   on_ack: OnAck | None = None, held: bool = False) -> None:

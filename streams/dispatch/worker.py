@@ -109,7 +109,7 @@ class LaneWorker:
                                      self.redis_outage, policies, self.settler.dead_letter_too_old,
                                      self.settler.dead_letter_unbuildable, self.settler.dead_letter_unknown_outcome,
                                      on_state_lost=guard.recheck if guard is not None else lambda: None,
-                                     on_stale=self._finish_stale)
+                                     on_stale=self._finish_stale, hold_long=self.settler.hold_long)
         self._redis_down = metrics.DEPENDENCY_DOWN.labels(f"worker.{config.channel}.{config.lane}", "redis")
         self.guard = guard
         self.backlog = backlog

@@ -23,7 +23,7 @@ from streams.dispatch.routes import Route, Routes
 from streams.dispatch.settle import provider_ids
 from streams.dispatch.tenant_queues import Pending
 from streams.dispatch.worker import LaneWorker, WorkerConfig
-from streams.errors import BucketUnreadable, GateUnavailable, StoreUnavailable
+from streams.errors import BucketUnreadable, ConfigError, GateUnavailable, StoreUnavailable
 from streams.gate.gate import Admission, Unused
 from streams.gate.limits import Pacing
 from streams.gate.token_bucket import Limit
@@ -1901,6 +1901,59 @@ def test_a_dry_bucket_of_a_tenants_own_account_holds_that_tenant_only(keys, ever
     _run(worker, steps=5)
     assert provider.sent == ([] if everyone_held else [sends[1].send_id.encode()])
     assert worker.queues.buffered == (2 if everyone_held else 1)
+
+
+class KeyRefusedFor(FakeProvider):
+    """The provider refuses one key (a tenant's own, revoked) and takes every other."""
+
+    def __init__(self, refused: str):
+        super().__init__(DELIVERED)
+        self.refused = refused
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        return ProviderResult("auth", 401, error_name="invalid_api_key") if api_key == self.refused else DELIVERED
+
+
+class NoLimitFor(FakeGate):
+    """No rate limit is set for one tenant, nor a default ('*')."""
+
+    def __init__(self, tenant: str):
+        super().__init__()
+        self.tenant = tenant
+
+    def tenant_limit(self, provider, tenant):
+        if tenant == self.tenant:
+            raise ConfigError(f"no limit for tenant {tenant!r} at provider {provider!r} and no default ('*')")
+        return super().tenant_limit(provider, tenant)
+
+
+@pytest.mark.parametrize("case", ["its own key refused", "no limit for it"])
+def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenant(case):
+    """Given acme's email first on a partition, then 150 of globex's, and acme's sends held for long: the provider
+    refuses acme's own key (401 after a fresh one), or no operator set a limit acme falls under,
+    When the worker runs,
+    Then globex's 150 are sent, acme's send is parked on a retry tier (not an attempt) due when the hold ends, and
+    the partition's offset moves past all 151 (before: acme's message stayed in memory, held again and again, and
+    pinned the offset: the lane's lag, which makes marketing yield, grew with every other tenant's traffic; a
+    tenant without limits was held that way for good, never reaching its max age)."""
+    sends, msgs = _messages(["acme"] + ["globex"] * 150)
+    spec = load_registry().primary("email")
+    keys = {"*": "re_shared", "acme": "re_acme_own"}
+    provider = KeyRefusedFor("re_acme_own") if case == "its own key refused" else FakeProvider(DELIVERED)
+    gate = FakeGate() if case == "its own key refused" else NoLimitFor("acme")
+    producer = FakeProducer()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        producer, Routes([Route(spec, provider, ProviderCredentials(keys))]), gate, FakeJobs(),
+                        load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=60)
+    assert {s.send_id.encode() for s in sends[1:]} <= set(provider.sent)
+    parked = [h for t, records in producer.records.items() if ".retry." in t for _, h in records]
+    reason = b"auth_refused" if case == "its own key refused" else b"misconfigured"
+    assert [(h["send_id"], h["retry_reason"], h["attempt"]) for h in parked] == [
+        (sends[0].send_id.encode(), reason, b"1")]  # its first attempt: refused, it is not one
+    assert worker.queues.buffered == 0 and worker.consumer.stored[(TOPIC, 0)] == 151
 
 
 class DeadLettersNeverAcknowledged(FakeProducer):
