@@ -229,9 +229,15 @@ class HttpProvider:
                 # Accepted, probably, but we cannot tell which messages: ask again under the same key.
                 log.warning("provider %s answered %s on %s with an unreadable body", self.name, resp.status_code, path)
                 return ProviderResult("unknown", resp.status_code, error_name="unreadable_body", latency_s=latency)
-            if not ids or not all(ids):
+            if not any(ids):
                 # A 2xx that names no message did not take it (the channel's next provider may).
                 return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
+                                      error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
+            if not all(ids):
+                # Some of the batch's messages named, some not: taken in part, and which is not said. Not a
+                # rejection (a replay or the next provider would send the named ones twice): asked again under
+                # its key, it ends dead-lettered unknown_outcome, for an operator to check.
+                return ProviderResult("unknown", resp.status_code, error_name="message_id_missing",
                                       error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
