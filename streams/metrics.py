@@ -5,6 +5,10 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# A send may reach its provider hours late (a marketing lane yielding, retry tiers up to 12 h) and as late as
+# its max age (2 days): past the last bucket, a percentile would read as that bucket.
+_END_TO_END = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 12 * 3600,
+               2 * 86_400)
 
 SENDS = Counter("dispatch_sends_total", "Sends reaching a terminal or retry outcome",
                 ["channel", "lane", "outcome"])
@@ -26,7 +30,7 @@ FALLBACKS = Counter("dispatch_provider_fallbacks_total", "Sends handed to the ch
                     "provider that rejected them and why", ["channel", "from_provider", "to_provider", "reason"])
 PROVIDER_429 = Counter("dispatch_provider_429_total", "Provider 429 answers by kind", ["provider", "kind"])
 END_TO_END = Histogram("dispatch_end_to_end_seconds", "Accepted at ingest -> accepted by the provider",
-                       ["channel", "lane"], buckets=_LATENCY)
+                       ["channel", "lane"], buckets=_END_TO_END)
 COOL_DOWN_UNTIL = Gauge("dispatch_provider_cool_down_until_timestamp_seconds", "Unix time at which the "
                         "provider-wide cool-down (a 429's Retry-After, which holds every worker) ends, as this "
                         "process last learned it (from a 429 it got, or the gate); 0 once the gate admits again",

@@ -89,3 +89,15 @@ def test_the_dashboard_shows_every_metric_an_alert_reads_and_seconds_as_seconds(
         if exprs and all(e.startswith(("max by", "clamp_min(max by")) and "_seconds" in e for e in exprs):
             assert panel["fieldConfig"]["defaults"]["unit"] == "s", panel["title"]
 
+
+
+def test_end_to_end_latency_is_measured_up_to_the_longest_max_age():
+    """A send may reach its provider as late as its policy's max age (2 days for marketing and webhooks, through
+    retry tiers of up to 12 h): the latency histogram has buckets up to there, so the dashboard's p99 says hours
+    when sends are hours late (before: the last bucket was 300 s, and every later send read as 5 minutes)."""
+    from streams.retry.policy import RETRY_TIERS, load_policies
+
+    registered = metrics.END_TO_END.labels("email", "marketing")
+    finite = [b for b in registered._upper_bounds if b != float("inf")]
+    longest = max(max(p.max_age_s for p in load_policies().values()), max(RETRY_TIERS.values()))
+    assert finite[-1] >= longest
