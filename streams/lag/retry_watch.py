@@ -64,14 +64,20 @@ class RetryTierWatch:
         topic = self.names.retry(channel, lane, tier)
         try:
             positions = reader.positions(self.names.retry_group(channel, lane), topic)
-        except Exception as exc:  # noqa: BLE001 - one missing tier must not stop the others
+            waiting = sum(max(0, high - pos) for pos, high in positions.values())
+            overdue = self._overdue(peeker, topic, positions) if waiting else 0.0
+        except Exception as exc:  # noqa: BLE001 - one missing tier must not stop the others, nor the watch
             if topic not in self._failing:
                 log.warning("retry tier %s unavailable: %s", topic, exc)
                 self._failing.add(topic)
+            # Not measured: no figure rather than the last one (which could keep paging, or hide a stuck tier).
+            for gauge in (metrics.RETRY_TIER_WAITING, metrics.RETRY_TIER_OVERDUE):
+                try:
+                    gauge.remove(channel, lane, tier)
+                except KeyError:  # never measured
+                    pass
             return
         self._failing.discard(topic)
-        waiting = sum(max(0, high - pos) for pos, high in positions.values())
-        overdue = self._overdue(peeker, topic, positions) if waiting else 0.0
         metrics.RETRY_TIER_WAITING.labels(channel, lane, tier).set(waiting)
         metrics.RETRY_TIER_OVERDUE.labels(channel, lane, tier).set(overdue)
 

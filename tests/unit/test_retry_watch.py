@@ -46,3 +46,52 @@ def test_the_head_past_its_due_time_is_overdue():
     now = int(time.time() * 1000)
     overdue = _overdue({0: [now - 90_000, now - 200_000], 1: [now + 1_000]}, {0: (0, 2), 1: (0, 1)})
     assert 89 <= overdue <= 92
+
+
+class Positions:
+    """The retry group's positions on a tier: read once, then the read fails (the broker, a deleted topic)."""
+
+    def __init__(self, error: Exception):
+        self.error, self.reads = error, 0
+
+    def positions(self, group, topic):
+        self.reads += 1
+        if self.reads > 1:
+            raise self.error
+        return {0: (0, 1)}
+
+
+class FailingPeeker(Peeker):
+    def consume(self, num_messages=1, timeout=0):
+        from confluent_kafka import KafkaError, KafkaException
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+
+def _exported(name: str) -> float | None:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value(name, {"channel": "sms", "lane": "marketing", "tier": "1h"})
+
+
+def test_a_tier_that_can_no_longer_be_read_exports_no_figure_rather_than_its_last_one():
+    """Given the 1 h tier measured once (a copy 10 minutes overdue), then its read failing,
+    When the watch measures it again,
+    Then its waiting and overdue gauges are gone rather than frozen (before: 600 s overdue stayed exported, and
+    RetryTierStuck kept paging, or a stuck tier went unseen, for as long as the read failed)."""
+    now = int(time.time() * 1000)
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
+    reader = Positions(RuntimeError("unknown topic"))
+    watch._measure(reader, Peeker({0: [now - 600_000]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert 599 <= _exported("dispatch_retry_tier_overdue_seconds") <= 602
+    watch._measure(reader, Peeker({0: [now - 600_000]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert (_exported("dispatch_retry_tier_overdue_seconds"), _exported("dispatch_retry_tier_waiting_messages")) \
+        == (None, None)
+
+
+def test_a_broker_error_while_peeking_leaves_the_watch_running():
+    """Given a tier with a copy waiting, and the broker failing while the watch reads its head,
+    When the watch measures it,
+    Then the error ends that measurement only (before: it left the watch's thread, which stopped for good with
+    every tier's last figures exported)."""
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
+    watch._measure(Positions(RuntimeError("unused")), FailingPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert _exported("dispatch_retry_tier_overdue_seconds") is None
