@@ -105,6 +105,11 @@ class ProcessedJobs:
         k = self.keys
         return [k.lease(tenant, key), k.request(tenant, key)] + [k.processed(tenant, s) for s in send_ids]
 
+    def ping(self) -> None:
+        """Whether Redis answers (StoreUnavailable if not)."""
+        with store_errors("asking Redis whether it answers"):
+            self.client.ping()
+
     def status(self, tenant: str, send_ids: list[str]) -> list[str | None]:
         """Per send: None (free), 'delivered', 'inflight:<key>', 'reconcile' or 'tried:<n>'."""
         with store_errors("reading processed_jobs"):

@@ -91,6 +91,7 @@ class LaneWorker:
         self.cfg = config
         self.topic, self.group = config.topic, config.group
         self.consumer, self.producer, self.routes = consumer, producer, routes
+        self.jobs = jobs
         self.policies = policies
         self.queues = TenantQueues(queue_key, owned=lambda partition: partition in self.pauses.assigned)
         self.tracker = OffsetTracker()
@@ -160,6 +161,8 @@ class LaneWorker:
                       or not self._state_intact())
         if not self._held:
             self.dispatcher.dispatch()
+        else:
+            self._probe_redis()
         self.records.writer.poll(0)
         self.settler.flush_marks()
         self._redis_down.set(1 if self.redis_outage.active else 0)
@@ -182,6 +185,19 @@ class LaneWorker:
         """`Dispatcher.end_expired`, only while Redis's data is intact: with it lost, every send would read as
         never tried (a delivered one dead-lettered `too_old`); they are all kept, as by a Redis outage."""
         return self.dispatcher.end_expired(items) if self._state_intact() else items
+
+    def _probe_redis(self) -> None:
+        """A held worker (yielding, say) asks Redis nothing: an outage it met would stay reported
+        (`dispatch_dependency_down`) for as long as the hold lasts. It asks once per back-off instead."""
+        now = time.monotonic()
+        if not (self.redis_outage.active and self.redis_outage.ready(now)):
+            return
+        try:
+            self.jobs.ping()
+        except StoreUnavailable as exc:
+            self.redis_outage.failed(now, exc)
+        else:
+            self.redis_outage.recovered(now)
 
     def _state_intact(self) -> bool:
         if self.guard is None:

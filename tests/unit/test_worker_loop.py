@@ -147,6 +147,7 @@ class FakeJobs:
     def __init__(self, delivered=()):
         self.state = {s: "delivered" for s in delivered}
 
+    def ping(self): pass
     def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
     def status_many(self, groups): return [self.status(t, ids) for t, ids in groups]
     def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant,
@@ -519,6 +520,8 @@ def test_while_redis_is_down_intake_asks_for_a_tenants_limit_once_per_back_off_n
     gate = DownGate()
     worker, *_ = _worker(msgs, gate=gate)
     worker.backlog = BacklogShare()
+    # A back-off no intake outlasts (the first is 0.125-0.25 s: a slow machine took in 500 messages in more)
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 60.0
     worker.step()
     assert worker.queues.buffered == 500  # kept, as before: nothing to plan with
     assert gate.limit_reads == 1
@@ -2300,6 +2303,48 @@ def test_a_worker_whose_work_waits_out_a_backoff_waits_in_its_poll_instead_of_sp
         worker.step()
     assert len(provider.sent) == 3 and (worker.settler.pending or worker.records.writer.pending)
     assert min(waits[-10:]) > 0.05, waits
+
+
+class RedisComingBack(FakeJobs):
+    """processed_jobs whose Redis refuses everything while `down`."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = True
+
+    def ping(self):
+        if self.down:
+            raise StoreUnavailable("Redis down")
+
+    def status_many(self, groups):
+        self.ping()
+        return super().status_many(groups)
+
+
+def test_a_yielding_worker_reports_redis_back_once_it_answers():
+    """Given a marketing worker that met Redis down while dispatching, then began to yield to the transactional lane
+    (whose lag the outage had raised),
+    When Redis answers again while it still yields,
+    Then `dispatch_dependency_down{dependency="redis"}` goes back to 0 within a back-off (before: only dispatching
+    cleared it, so DispatchHoldingForDependency kept paging for Redis until the transactional lane drained)."""
+    from prometheus_client import REGISTRY
+
+    def down() -> float | None:
+        return REGISTRY.get_sample_value("dispatch_dependency_down",
+                                         {"role": "worker.email.marketing", "dependency": "redis"})
+
+    sends, msgs = _messages(["acme"] * 3)
+    jobs = RedisComingBack()
+    worker, consumer, _, provider = _worker(msgs, lane="marketing", jobs=jobs)
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0  # no waiting between attempts in a unit test
+    for _ in range(3):
+        worker.step()
+    assert down() == 1 and provider.sent == []
+    worker.pauses.reasons.add("yield")  # as following a high transactional lag sets it
+    jobs.down = False
+    for _ in range(3):
+        worker.step()
+    assert down() == 0 and provider.sent == []  # still yielding: nothing sent
 
 
 @pytest.mark.parametrize("hold", ["yield", "redis_down"])
