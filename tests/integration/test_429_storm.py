@@ -58,6 +58,7 @@ def test_twenty_second_429_storm_loses_nothing_and_duplicates_nothing(
                                                    names.lane("email", lane)) == 0, 30, f"{lane} committed")
     stats = mock_provider.stats()
     assert stats["duplicate_deliveries"] == 0
+    assert stats["idempotent_replays"] == 0  # a 429 took nothing: nothing was sent twice, answered from the store
     assert read_all(stack.bootstrap, names.dlq, timeout_s=5) == []  # nothing dead-lettered, nothing dropped
     assert stats["throttled"] >= 1  # the storm happened
     # The shared cool-down: only requests already in flight saw a 429 (plus the cool-down's

@@ -36,10 +36,20 @@ def test_duplicate_job_produces_one_send(stack, names, channel_topics, limits, p
     wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "transactional"), topic) == 0,
                30, "every message to be committed")
 
-    # Then the provider received each send once, and all four messages were consumed
+    # And a fourth copy, published once the send was delivered (another request, another round)
+    wait_until(lambda: send.send_id in mock_provider.stats(deliveries=True)["deliveries"], 30, "the send's delivery")
+    producer.produce(topic, key=b"acme", value=encode(send))
+    producer.flush(10)
+    wait_until(lambda: committed_lag(stack.bootstrap, names.group("email", "transactional"), topic) == 0,
+               30, "the fourth copy to be committed")
+
+    # Then the provider received each send once, and all five messages were consumed; and no request went twice:
+    # the mock answers a key it knows from its store without counting a delivery, so a copy that skipped the
+    # worker's claim would show only here
     stats = mock_provider.stats(deliveries=True)
     assert len(stats["deliveries"][send.send_id]) == 1
     assert len(stats["deliveries"][other.send_id]) == 1
+    assert stats["idempotent_replays"] == 0
     assert stats["duplicate_deliveries"] == 0
 
 

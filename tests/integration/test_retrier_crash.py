@@ -47,3 +47,4 @@ def test_retrier_killed_before_commit_then_restarted(stack, names, create_topics
                "the worker to process every copy")
     stats = mock_provider.stats()
     assert stats["distinct_sends"] == N and stats["duplicate_deliveries"] == 0
+    assert stats["idempotent_replays"] == 0  # no copy was sent again (the mock answers those from its store)
