@@ -619,7 +619,7 @@ class Dispatcher:
                 # so it is charged a full burst instead of never being admitted.
                 burst = self.gate.tenant_limit(route.name, stored.tenant).burst
                 admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
-        except BucketUnreadable as exc:  # this tenant's alone: held, not the whole round
+        except (BucketUnreadable, ConfigError) as exc:  # this tenant's alone (its buckets, its limits): held
             log.error("%s; holding request %s", exc, request_key)
             admission = Admission(False)
         if not admission.allowed:

@@ -632,15 +632,26 @@ class OneBrokenBucketGate(FakeGate):
         return [BucketUnreadable("unreadable") if r[1] == "broken" else self.acquire(*r) for r in requests]
 
 
-def test_a_tenant_whose_buckets_cannot_be_read_is_held_alone_also_when_its_request_is_re_sent():
+class OneUnlimitedTenantGate(FakeGate):
+    """Tenant "broken" has no limit left (removed after its request was claimed), and no default ('*')."""
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant == "broken":
+            raise ConfigError(f"no rate limits configured for provider {provider!r} (or tenant 'broken')")
+        return super().acquire(provider, tenant, messages, reserve)
+
+
+@pytest.mark.parametrize("gate", [OneBrokenBucketGate, OneUnlimitedTenantGate], ids=["unreadable", "no limit"])
+def test_a_tenant_whose_buckets_cannot_be_read_is_held_alone_also_when_its_request_is_re_sent(gate):
     """Tenant "broken"'s request met an unknown outcome and is taken over for a re-send, which asks the gate
-    alone; its buckets cannot be read. Before, that error failed the whole dispatch round like a Redis outage
-    (every tenant back to its queue, the outage back-off, round after round); now "broken" is held and "acme"
-    is sent."""
+    alone; its buckets cannot be read, or it has no limit any more. Before, the first error failed the whole
+    dispatch round like a Redis outage (every tenant back to its queue, the outage back-off, round after round),
+    and the second left the worker's step (the worker stopped, and again after every restart); now "broken" is
+    held and "acme" is sent."""
     sends, msgs = _messages(["broken", "acme"])
     jobs = RecordingJobs()
     jobs.claim([sends[0].send_id], f"send-{sends[0].send_id}", "dead-worker", "/emails", b"the body", "broken", "")
-    worker, consumer, producer, provider = _worker(msgs, gate=OneBrokenBucketGate(), jobs=jobs)
+    worker, consumer, producer, provider = _worker(msgs, gate=gate(), jobs=jobs)
     _run(worker, steps=5)
     assert [body for body in provider.sent if b"the body" in body] == []
     assert len(provider.sent) == 1 and sends[1].send_id.encode() in provider.sent[0]
