@@ -115,7 +115,7 @@ def limits(sub) -> None:
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
         if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
-            print(f"{args.provider} cool_down_left_s = {left:.1f}  (a 429's hold on every worker; "
+            print(f"{args.provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "
                   "`streams limits clear-cooldown` ends it)")
         if args.action == "set":
             _audited(rt, f"limits/{args.provider}", before, shown)
@@ -124,13 +124,18 @@ def limits(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _seconds(left: float) -> str:
+    """A cool-down's seconds left, never shown as 0.0 while some is left."""
+    return f"{left:.1f}" if left >= 0.1 else f"{left:.3f}"
+
+
 def _clear_cool_down(rt: Runtime, provider: str) -> int:
     """End a provider's cool-down; workers holding on it ask the gate again within seconds."""
     if provider not in (names := rt.config.registry.with_cool_down()):
         raise ConfigError(f"no provider-wide cool-down for {provider!r} (providers that have one: {', '.join(names)}; "
                           "an ingest quota has none, and a webhook endpoint's 429 holds only that endpoint)")
     left = rt.limit_store().clear_cool_down(provider)
-    print(f"{provider}: cool-down ended ({left:.1f} s were left)" if left else f"{provider}: no cool-down")
+    print(f"{provider}: cool-down ended ({_seconds(left)} s were left)" if left else f"{provider}: no cool-down")
     if left:
         _audited(rt, *cool_down_ended(provider, left))
     return 0

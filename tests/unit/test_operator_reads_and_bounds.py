@@ -68,3 +68,16 @@ def test_the_cli_ends_no_cool_down_of_what_has_none_and_names_what_has_one(provi
     with pytest.raises(ConfigError, match=rf"no provider-wide cool-down for '{provider}' "
                                           r"\(providers that have one: resend, sms, sms-b;"):
         _clear_cool_down(rt, provider)  # type: ignore[arg-type]
+
+
+def test_a_cool_down_ended_with_milliseconds_left_is_not_said_to_have_had_none(capsys):
+    """Given resend's cool-down with 30 ms left,
+    When an operator ends it,
+    Then the CLI says 0.030 s were left (before: "0.0 s were left", which reads as no cool-down at all)."""
+    audited = []
+    rt = SimpleNamespace(config=SimpleNamespace(registry=load_registry()),
+                         limit_store=lambda: SimpleNamespace(clear_cool_down=lambda provider: 0.03),
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record)))
+    assert _clear_cool_down(rt, "resend") == 0  # type: ignore[arg-type]
+    assert "resend: cool-down ended (0.030 s were left)" in capsys.readouterr().out
+    assert [what for _, what, _, _ in audited] == ["cooldown/resend"]
