@@ -91,7 +91,7 @@ class LaneWorker:
         self.cfg = config
         self.topic, self.group = config.topic, config.group
         self.consumer, self.producer, self.routes = consumer, producer, routes
-        self.jobs = jobs
+        self.jobs, self.gate = jobs, gate
         self.policies = policies
         self.queues = TenantQueues(queue_key, owned=lambda partition: partition in self.pauses.assigned)
         self.tracker = OffsetTracker()
@@ -157,6 +157,7 @@ class LaneWorker:
         # reading yet (monitor or direct), a yielding lane does not run blind. With Redis's data
         # lost, nothing is dispatched until an operator recovers it.
         self._poll_adapters()
+        self.gate.refresh_cool_downs()
         self._held = (self.pauses.yielding or self.pauses.without_reading or not self.routes.primary.adapter.ready
                       or not self._state_intact())
         if not self._held:

@@ -17,13 +17,14 @@ from typing import NamedTuple, Protocol
 import redis
 
 from .. import metrics
-from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, GateUnavailable
+from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, GateUnavailable, StoreUnavailable
 from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore, Pacing
 from .token_bucket import Limit
 
 log = logging.getLogger(__name__)
+COOL_DOWN_REFRESH_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Gate(Protocol):
     def refund_many(self, admitted: Iterable[tuple[str, str, int] | Unused]) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
     def pacing(self, provider: str) -> Pacing: ...
+    def refresh_cool_downs(self) -> None: ...
 
 
 class RedisGate:
@@ -67,6 +69,7 @@ class RedisGate:
         self._refund = client.register_script(load_script(__package__, "refund.lua"))
         # provider -> when its cool-down ends, as this process last learned it (exported for the alert)
         self._cooling: dict[str, float] = {}
+        self._next_cool_read = 0.0
 
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool = False) -> Admission:
         try:
@@ -146,13 +149,13 @@ class RedisGate:
     def _admission(self, reply: list, provider: str, tenant: str, messages: int) -> Admission:
         status, value, short = reply
         short = short.decode() if isinstance(short, bytes) else short
+        shared = self.own_account is None or not self.own_account(provider, tenant)  # it read the shared cool-down
         if status == 1:
-            if provider in self._cooling:  # the cool-down is over (or an operator ended it)
-                del self._cooling[provider]
-                metrics.COOL_DOWN_UNTIL.labels(provider).set(0)
+            if provider in self._cooling and shared:  # the cool-down is over (or an operator ended it)
+                self._cool_down_over(provider)
             return Admission(True)
         if status == 0:
-            if short == "cooldown":
+            if short == "cooldown" and shared:
                 self._cooling_until(provider, time.time() + value / 1000.0, extend_only=False)
             return Admission(False, value / 1000.0, short)
         if status == -1:
@@ -168,6 +171,28 @@ class RedisGate:
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
         self._cooling_until(provider, time.time() + seconds, extend_only=True)
+
+    def refresh_cool_downs(self) -> None:
+        """While this process knows of a cool-down, it asks Redis again within COOL_DOWN_REFRESH_S, work or not:
+        an operator may have ended it (the exported end would otherwise stay, and page, until the old end)."""
+        now = time.monotonic()
+        if not self._cooling or now < self._next_cool_read:
+            return
+        self._next_cool_read = now + COOL_DOWN_REFRESH_S
+        store = LimitStore(self.client, self.namespace)
+        for provider in list(self._cooling):
+            try:
+                left = store.cool_down_left(provider)
+            except StoreUnavailable:
+                return  # asked again next time; the gate's own calls meet the outage meanwhile
+            if left:
+                self._cooling_until(provider, time.time() + left, extend_only=False)
+            else:
+                self._cool_down_over(provider)
+
+    def _cool_down_over(self, provider: str) -> None:
+        del self._cooling[provider]
+        metrics.COOL_DOWN_UNTIL.labels(provider).set(0)
 
     def _cooling_until(self, provider: str, until: float, extend_only: bool) -> None:
         """The gate's answer is Redis's word (it may be shorter: an operator ended it); a 429 only extends."""

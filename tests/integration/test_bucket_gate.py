@@ -145,6 +145,36 @@ def test_every_worker_exports_the_cool_down_it_is_held_by_until_the_gate_admits_
     assert exported() == 0
 
 
+def test_the_exported_cool_down_is_the_shared_accounts_and_follows_an_operator_without_any_request(
+        gate, redis_client, namespace, limits):
+    """Given a worker's gate that learned of resend's hour-long cool-down, serving also a tenant with a provider
+    account of its own,
+    When that tenant is admitted (its account is not cooling down), then an operator ends the cool-down while the
+    worker sends nothing to resend,
+    Then the exported end stays the shared account's hour through the own-account admission (before: it went to
+    0, and the ProviderCoolingDown alert could never hold for a minute), and goes to 0 at the gate's next look at
+    Redis, with no request (before: it stayed until the hour's end, and paged)."""
+    from prometheus_client import REGISTRY
+
+    from streams.gate import gate as gate_module
+    from streams.gate.limits import LimitStore
+
+    def exported() -> float | None:
+        return REGISTRY.get_sample_value("dispatch_provider_cool_down_until_timestamp_seconds",
+                                         {"provider": "resend"})
+
+    worker = RedisGate(redis_client, namespace, own_account=lambda provider, tenant: tenant == "own")
+    worker.cool_down("resend", 3600)
+    assert worker.acquire("resend", "own", 1).allowed
+    assert 3590 < exported() - time.time() <= 3600
+    worker.refresh_cool_downs()  # asks Redis: the hour is there; the next look is COOL_DOWN_REFRESH_S away
+    LimitStore(redis_client, namespace).clear_cool_down("resend")
+    assert 3590 < exported() - time.time() <= 3600
+    worker._next_cool_read -= gate_module.COOL_DOWN_REFRESH_S  # the refresh interval has passed
+    worker.refresh_cool_downs()
+    assert exported() == 0
+
+
 def test_a_tenant_with_its_own_provider_account_spends_neither_the_shared_tokens_nor_its_cool_down(
         gate, redis_client, namespace):
     """Given resend's shared account with 10 tokens (burst 10) spent to the last by tenant big, and in a cool-down,

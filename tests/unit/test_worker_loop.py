@@ -137,6 +137,7 @@ class FakeGate:
             self.spent[(provider, tenant, "requests")] -= requests
 
     def cool_down(self, provider, seconds): pass
+    def refresh_cool_downs(self): pass
     def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), self.bursts.get(tenant, 100))
     def pacing(self, provider): return Pacing()
 
