@@ -237,6 +237,8 @@ class AckedWriter:
         self._refused_in_a_batch: list[_Record] = []
         self.unacknowledged = 0
         self.pending_bytes = 0  # what the records of `pending` weigh (values, keys, headers)
+        # Records that failed at least once and are not settled yet (by id) -> their first failure (monotonic)
+        self._failing_since: dict[int, float] = {}
 
     def write(self, topic: str, value: bytes | None, key: bytes | None = None,
               headers: Iterable[tuple[str, bytes]] | None = None, on_ack: Callable[[], object] | None = None,
@@ -249,11 +251,15 @@ class AckedWriter:
 
     def _settled(self, record: _Record) -> None:
         self.pending_bytes -= record.size
+        if self._failing_since:
+            self._failing_since.pop(id(record), None)
 
     def _produce(self, record: _Record) -> None:
         def on_failed(err: KafkaError) -> None:
             metrics.PRODUCE_RETRIES.labels(self.label).inc()
-            self.outage(record.topic).failed(time.monotonic(), err)
+            now = time.monotonic()
+            self._failing_since.setdefault(id(record), now)
+            self.outage(record.topic).failed(now, err)
             record.alone = False  # produced again with others: a size refusal then says nothing of it alone
             self._failed.append(record)
 
@@ -321,8 +327,10 @@ class AckedWriter:
         metrics.PRODUCE_FAILING.labels(self.label).set(self.failing_s(time.monotonic()))
 
     def failing_s(self, now: float) -> float:
-        """How long the longest episode of records the broker did not acknowledge has lasted (0: none)."""
-        return max((now - o.since for o in self.outages.values() if o.since is not None), default=0.0)
+        """How long ago the oldest record still unacknowledged first failed (0: none). Per record, not per
+        topic: one partition the broker cannot write (below its min.insync.replicas) fails on while the
+        topic's other partitions acknowledge."""
+        return now - min(self._failing_since.values(), default=now)
 
     def outage(self, topic: str) -> Outage:
         if topic not in self.outages:

@@ -82,9 +82,8 @@ PRODUCE_RETRIES = Counter("dispatch_produce_retries_total", "Records produced ag
                           "acknowledge them", ["writer"])
 PRODUCE_PENDING = Gauge("dispatch_produce_pending_records", "Records a writer holds until the broker acknowledges "
                         "them", ["writer"])
-PRODUCE_FAILING = Gauge("dispatch_produce_failing_seconds", "How long a writer has been producing records again "
-                        "that the broker did not acknowledge, with none of that topic acknowledged since (its longest "
-                        "episode; 0: none)", ["writer"])
+PRODUCE_FAILING = Gauge("dispatch_produce_failing_seconds", "How long ago the oldest record a writer still "
+                        "produces again first failed (the broker did not acknowledge it; 0: none)", ["writer"])
 DEPENDENCY_DOWN = Gauge("dispatch_dependency_down", "1 while a role holds its work because a dependency fails",
                         ["role", "dependency"])
 REDIS_STATE_LOST = Gauge("dispatch_redis_state_lost", "1 while Redis has lost its data and dispatch holds until "

@@ -231,3 +231,43 @@ def test_the_writer_exports_how_long_the_broker_has_acknowledged_nothing_of_a_fa
     producer.allowed = True
     run(writer, producer, rounds=2)
     assert (writer.pending, exported()) == (0, 0.0)
+
+
+class OnePartitionDown(OneTopicDenied):
+    """Records keyed b"stuck" go to a partition below its min.insync.replicas and fail; the topic's others are
+    acknowledged."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.produced[topic] += 1
+        self.waiting.append((key, on_delivery))
+
+    def poll(self, timeout=0):
+        waiting, self.waiting = self.waiting, []
+        for key, on_delivery in waiting:
+            on_delivery(KafkaError(KafkaError.NOT_ENOUGH_REPLICAS) if key == b"stuck" else None, Written())
+        return len(waiting)
+
+
+def test_one_partition_that_cannot_be_written_shows_while_the_topics_others_acknowledge(monkeypatch):
+    """Given an outcome whose partition the broker cannot write, and the topic's other partitions acknowledging
+    a record every poll,
+    When 5 minutes pass,
+    Then `dispatch_produce_failing_seconds` says 270 s, since its first failure (before the fix it measured the topic's episode, which
+    every acknowledgement of another partition ended: 0, and RecordsUnacknowledged stayed silent while the
+    record, and the offsets behind it, waited)."""
+    from prometheus_client import REGISTRY
+
+    from streams import kafka_client
+
+    now = [1000.0]
+    monkeypatch.setattr(kafka_client.time, "monotonic", lambda: now[0])
+    producer = OnePartitionDown()
+    writer = AckedWriter(producer, "partition-test")  # type: ignore[arg-type]
+    writer.write("notif.outcomes", b"stuck outcome", key=b"stuck")
+    for _ in range(10):
+        writer.write("notif.outcomes", b"another", key=b"fine")
+        now[0] += 30
+        run(writer, producer, rounds=1)
+    assert writer.pending == 1
+    # its first failure came with the first poll, 30 s in
+    assert REGISTRY.get_sample_value("dispatch_produce_failing_seconds", {"writer": "partition-test"}) == 270.0
