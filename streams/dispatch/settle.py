@@ -37,6 +37,7 @@ from ..retry.policy import (
     cool_down_s,
     decide,
     expired,
+    growing_hold,
     parse_retry_after,
     tier_at_least,
     wait_in_process,
@@ -96,6 +97,8 @@ class Settler:
         # claim is kept, else ""), marked `tried:<n>` (or, kept, the next attempt noted on the request) together
         # by `flush_marks`, then finished (kept while Redis fails).
         self.to_mark_tried: list[tuple[str, str, int, Offset, str]] = []
+        # Queue -> refusals of its tenant's own provider key in a row (its holds grow with them)
+        self.auth_refusals: dict[str, int] = {}
         # Queues held for long (an endpoint's Retry-After, a tenant's refused key, a tenant without limits):
         # queue -> (monotonic end, wall-clock end in ms, the retry_reason of what is spilled)
         self.long_holds: dict[str, tuple[float, int, str]] = {}
@@ -161,6 +164,8 @@ class Settler:
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
         now_ms = now_ms or int(time.time() * 1000)
+        if self.auth_refusals and result.outcome != "auth":
+            self.auth_refusals.pop(job.queue, None)  # its key is taken again
         if result.outcome == "delivered" and result.message_ids and len(result.message_ids) != len(job.send_ids):
             # A 2xx naming more or fewer messages than the request held (a batch partly refused, as a permissive
             # batch mode answers): which were taken is not said, so none is called delivered. Asked again under
@@ -272,14 +277,17 @@ class Settler:
                 self.long_holds.pop(queue, None)
 
     def hold_long(self, queue: str, wait: float, reason: str, now_ms: int | None = None) -> None:
-        """Hold one queue for `wait` s. What it holds and what arrives for it meanwhile is not kept in memory
-        past IN_PROCESS_BACKOFF_MAX_S: `spill_long_holds` parks it on the retry tier due when the hold ends,
-        so that its partition's offset moves on (a held message would pin it, and the lane's lag, for every
-        tenant), and each message's age is checked again when it comes back."""
-        self.queues.hold(queue, time.monotonic() + wait)
+        """Hold one queue for `wait` s (a longer hold it is under stays). What it holds and what arrives for it
+        meanwhile is not kept in memory past IN_PROCESS_BACKOFF_MAX_S: `spill_long_holds` parks it on the retry
+        tier due when the hold ends, so that its partition's offset moves on (a held message would pin it, and
+        the lane's lag, for every tenant), and each message's age is checked again when it comes back."""
+        until = time.monotonic() + wait
+        if (held := self.long_holds.get(queue)) is not None and held[0] >= until:
+            return
+        self.queues.hold(queue, until)
         if wait > IN_PROCESS_BACKOFF_MAX_S:
             now_ms = now_ms or int(time.time() * 1000)
-            self.long_holds[queue] = (time.monotonic() + wait, now_ms + int(wait * 1000), reason)
+            self.long_holds[queue] = (until, now_ms + int(wait * 1000), reason)
 
     def spill_long_holds(self, end_expired: Callable[[list[Pending]], list[Pending]]) -> None:
         """`end_expired` ends, by its send's state, what is due after its max age (it could never be
@@ -310,14 +318,20 @@ class Settler:
         evidence(log, logging.ERROR, "provider_auth_failed", provider=route.name, tenant=job.tenant,
                  status=result.status, error=result.error_name, hold_s=self.auth_hold_s,
                  action="check the provider credentials (alert ProviderAuthFailing)")
-        until = time.monotonic() + self.auth_hold_s
-        self.queues.put_back(job.queue, list(job.members), hold_until=until)
-        if route.spec.auth == "token":
+        if route.spec.auth == "token" or not route.credentials.has_own_key(job.tenant):
+            # One account for everyone (a token, the shared key): every queue of the provider waits, in memory
+            # (parking them all would only send every message round the retry tiers until it is cured).
+            until = time.monotonic() + self.auth_hold_s
+            self.queues.put_back(job.queue, list(job.members), hold_until=until)
             for q in self.queues.queues.values():
                 if q.items and self.routes.of(q.items[0].provider) is route:
                     q.ready_at = max(q.ready_at, until)
-        else:  # the tenant's own key: its queue alone, parked off the partition while it lasts
-            self.hold_long(job.queue, self.auth_hold_s, "auth_refused", now_ms)
+            return
+        # The tenant's own key: its queue alone, parked off the partition while it lasts, for longer each time
+        # (until a request of the queue is answered otherwise), so a key left refused costs little.
+        refusals = self.auth_refusals[job.queue] = self.auth_refusals.get(job.queue, 0) + 1
+        self.queues.put_back(job.queue, list(job.members))
+        self.hold_long(job.queue, growing_hold(self.auth_hold_s, refusals), "auth_refused", now_ms)
 
     def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
                   on_ack: OnAck | None = None, held: bool = False) -> None:

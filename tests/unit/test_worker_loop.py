@@ -1971,6 +1971,84 @@ def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenan
     assert worker.queues.buffered == 0 and worker.consumer.stored[(TOPIC, 0)] == 151
 
 
+def test_the_shared_key_refused_holds_every_tenant_in_memory_and_parks_nothing():
+    """Given 20 tenants sending under the one key everyone shares, which the provider refuses (revoked),
+    When the worker runs,
+    Then every queue waits in memory for PROVIDER_AUTH_HOLD_S, as with a token: nothing is parked on a retry tier
+    (parking would send every message of the lane round the tiers every 30 s until the key is cured), and only the
+    first requests met the refusal."""
+    tenants = [f"t{i}" for i in range(20)]
+    sends, msgs = _messages(tenants * 5)
+    spec = load_registry().primary("email")
+    provider = KeyRefusedFor("re_shared")
+    producer = FakeProducer()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        producer, Routes([Route(spec, provider, ProviderCredentials({"*": "re_shared"}))]),
+                        FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=30)
+    assert [t for t in producer.records if ".retry." in t] == []
+    assert worker.queues.buffered == 100 and len(provider.sent) <= 20
+
+
+def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
+    """Given acme's own provider key refused, and its send parked for the hold,
+    When the parked copy comes back and is refused again, twice,
+    Then it is held 30 s, then 60 s, then 120 s (each time parked until then), so a key left refused costs a
+    request and a parked copy per doubling hold, not every 30 s; a request of acme's answered otherwise resets it."""
+    sends, msgs = _messages(["acme"])
+    spec = load_registry().primary("email")
+    provider = KeyRefusedFor("re_acme_own")
+    producer = FakeProducer()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        producer, Routes([Route(spec, provider, ProviderCredentials(
+                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    holds = []
+    for _ in range(3):
+        _run(worker, steps=5)
+        (value, headers), = [r for t, records in producer.records.items() if ".retry." in t for r in records[-1:]]
+        holds.append(round((int(headers["due_at_ms"]) - int(time.time() * 1000)) / 1000))
+        producer.records.clear()
+        worker.settler.long_holds.clear()  # the hold has passed: the copy comes back, as the retrier releases it
+        worker.queues.queues["acme"].ready_at = 0.0
+        worker.consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
+    assert holds == [30, 60, 120] and len(provider.sent) == 3
+    provider.refused = None  # the tenant's key is cured: the copy back is sent, and acme's holds start over
+    _run(worker, steps=5)
+    assert len(provider.sent) == 4 and worker.settler.auth_refusals == {} and worker.queues.buffered == 0
+
+
+def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
+    """Given acme with no limit it falls under,
+    When its parked copy comes back twice to the same answer, then its limit is set,
+    Then it is held 30 s, 60 s, then 120 s (parked each time), and sent once its limit is there."""
+    sends, msgs = _messages(["acme"])
+    gate = NoLimitFor("acme")
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
+    holds = []
+    for _ in range(3):
+        _run(worker, steps=5)
+        (value, headers), = [r for t, records in producer.records.items() if ".retry." in t for r in records[-1:]]
+        holds.append(round((int(headers["due_at_ms"]) - int(time.time() * 1000)) / 1000))
+        producer.records.clear()
+        worker.settler.long_holds.clear()  # the hold has passed: the copy comes back, as the retrier releases it
+        worker.queues.queues["acme"].ready_at = 0.0
+        worker.dispatcher._limits.clear()  # its limit is read again
+        consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
+    assert holds == [30, 60, 120] and provider.sent == []
+    gate.tenant = None  # an operator sets acme's limit
+    _run(worker, steps=5)
+    assert len(provider.sent) == 1 and worker.dispatcher._misconfigured == {}
+
+
+def test_a_growing_hold_doubles_up_to_a_quarter_of_an_hour():
+    from streams.retry.policy import growing_hold
+
+    assert [growing_hold(30, n) for n in (1, 2, 3, 5, 6, 60)] == [30, 60, 120, 480, 900, 900]
+    assert growing_hold(1200, 3) == 1200  # a first hold past the cap is not shortened
+
+
 class DeadLettersNeverAcknowledged(FakeProducer):
     """A producer whose DLQ writes all fail after leaving (the DLQ unwritable: an ACL, no replicas in sync)."""
 
