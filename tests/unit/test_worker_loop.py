@@ -1991,6 +1991,22 @@ def test_the_shared_key_refused_holds_every_tenant_in_memory_and_parks_nothing()
     assert worker.queues.buffered == 100 and len(provider.sent) <= 20
 
 
+def _holds_of_a_parked_copy_brought_back(worker, producer, queue: str, times: int) -> list[int]:
+    """Run the worker until `queue`'s send is parked, note for how long (s), and bring the copy back as the
+    retrier would once the hold has passed; `times` times."""
+    holds = []
+    for _ in range(times):
+        _run(worker, steps=5)
+        (value, headers), = [r for t, records in producer.records.items() if ".retry." in t for r in records[-1:]]
+        holds.append(round((int(headers["due_at_ms"]) - int(time.time() * 1000)) / 1000))
+        producer.records.clear()
+        worker.settler.long_holds.clear()
+        worker.queues.queues[queue].ready_at = 0.0
+        worker.dispatcher._limits.clear()  # its limit is read again
+        worker.consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
+    return holds
+
+
 def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
     """Given acme's own provider key refused, and its send parked for the hold,
     When the parked copy comes back and is refused again, twice,
@@ -2004,16 +2020,8 @@ def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
                         producer, Routes([Route(spec, provider, ProviderCredentials(
                             {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
     worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
-    holds = []
-    for _ in range(3):
-        _run(worker, steps=5)
-        (value, headers), = [r for t, records in producer.records.items() if ".retry." in t for r in records[-1:]]
-        holds.append(round((int(headers["due_at_ms"]) - int(time.time() * 1000)) / 1000))
-        producer.records.clear()
-        worker.settler.long_holds.clear()  # the hold has passed: the copy comes back, as the retrier releases it
-        worker.queues.queues["acme"].ready_at = 0.0
-        worker.consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
-    assert holds == [30, 60, 120] and len(provider.sent) == 3
+    assert _holds_of_a_parked_copy_brought_back(worker, producer, "acme", times=3) == [30, 60, 120]
+    assert len(provider.sent) == 3
     provider.refused = None  # the tenant's key is cured: the copy back is sent, and acme's holds start over
     _run(worker, steps=5)
     assert len(provider.sent) == 4 and worker.settler.auth_refusals == {} and worker.queues.buffered == 0
@@ -2026,17 +2034,8 @@ def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
     sends, msgs = _messages(["acme"])
     gate = NoLimitFor("acme")
     worker, consumer, producer, provider = _worker(msgs, gate=gate)
-    holds = []
-    for _ in range(3):
-        _run(worker, steps=5)
-        (value, headers), = [r for t, records in producer.records.items() if ".retry." in t for r in records[-1:]]
-        holds.append(round((int(headers["due_at_ms"]) - int(time.time() * 1000)) / 1000))
-        producer.records.clear()
-        worker.settler.long_holds.clear()  # the hold has passed: the copy comes back, as the retrier releases it
-        worker.queues.queues["acme"].ready_at = 0.0
-        worker.dispatcher._limits.clear()  # its limit is read again
-        consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
-    assert holds == [30, 60, 120] and provider.sent == []
+    assert _holds_of_a_parked_copy_brought_back(worker, producer, "acme", times=3) == [30, 60, 120]
+    assert provider.sent == []
     gate.tenant = None  # an operator sets acme's limit
     _run(worker, steps=5)
     assert len(provider.sent) == 1 and worker.dispatcher._misconfigured == {}
