@@ -22,8 +22,9 @@ from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError,
 from ..gate.gate import Admission, Gate, Unused
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
-from ..retry.policy import RetryPolicy, expired, growing_hold
+from ..retry.policy import RetryPolicy, expired
 from ..stamped import StampedTable
+from .growing_holds import GrowingHolds
 from .idempotency import RECORD_GONE, REFRESH_EVERY_S, Claim, ProcessedJobs, StoredRequest, idempotency_key
 from .routes import Route, Routes
 from .stages import wall_ms
@@ -112,7 +113,7 @@ class Dispatcher:
         self.reserve = lane == "marketing"  # marketing may not take the transactional reserve
         self.concurrency = concurrency
         self.queues, self.jobs, self.gate = queues, jobs, gate
-        self._misconfigured: dict[str, int] = {}  # queue -> holds in a row for a missing limit or provider key
+        self._misconfigured = GrowingHolds()  # queues without a limit or provider key for their tenant
         # Holds one queue for long, parking what it holds off the partition meanwhile (Settler.hold_long)
         self.hold_long = hold_long or (lambda key, wait, reason: queues.hold(key, time.monotonic() + wait))
         self.on_duplicate = on_duplicate
@@ -233,8 +234,7 @@ class Dispatcher:
         """A tenant without limits or without a provider key until an operator sets them: its queue waits,
         parked off the partition (which moves on for every other tenant), longer each time, and what outlives
         its max age while it waits is dead-lettered `too_old` as it comes back."""
-        times = self._misconfigured[key] = self._misconfigured.get(key, 0) + 1
-        wait = growing_hold(MISCONFIGURED_HOLD_S, times)
+        wait = self._misconfigured.hold_for(key, MISCONFIGURED_HOLD_S, time.monotonic())
         log.error("%s; holding tenant %s for %.0f s", exc, self.queues.head_tenant(key), wait)
         self.hold_long(key, wait, "misconfigured")
 
@@ -248,8 +248,7 @@ class Dispatcher:
                 self._requeue(draw.key, draw.items)
                 self._hold_misconfigured(draw.key, exc)
                 continue
-            if self._misconfigured:
-                self._misconfigured.pop(draw.key, None)  # its limits and key are there now
+            self._misconfigured.clear(draw.key)  # its limits and key are there now
             draw.items, duplicates = unique_sends(draw.items)
             for p in duplicates:
                 self._end(p, "duplicate")

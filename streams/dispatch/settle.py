@@ -37,11 +37,11 @@ from ..retry.policy import (
     cool_down_s,
     decide,
     expired,
-    growing_hold,
     parse_retry_after,
     tier_at_least,
     wait_in_process,
 )
+from .growing_holds import GrowingHolds
 from .idempotency import ProcessedJobs
 from .records import OnAck, RecordWriter, after_all, attempt_info
 from .requests import Job
@@ -97,8 +97,7 @@ class Settler:
         # claim is kept, else ""), marked `tried:<n>` (or, kept, the next attempt noted on the request) together
         # by `flush_marks`, then finished (kept while Redis fails).
         self.to_mark_tried: list[tuple[str, str, int, Offset, str]] = []
-        # Queue -> refusals of its tenant's own provider key in a row (its holds grow with them)
-        self.auth_refusals: dict[str, int] = {}
+        self.auth_refusals = GrowingHolds()  # queues whose tenant's own provider key is refused
         # Queues held for long (an endpoint's Retry-After, a tenant's refused key, a tenant without limits):
         # queue -> (monotonic end, wall-clock end in ms, the retry_reason of what is spilled)
         self.long_holds: dict[str, tuple[float, int, str]] = {}
@@ -164,8 +163,8 @@ class Settler:
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
         now_ms = now_ms or int(time.time() * 1000)
-        if self.auth_refusals and result.outcome != "auth":
-            self.auth_refusals.pop(job.queue, None)  # its key is taken again
+        if result.outcome != "auth":
+            self.auth_refusals.clear(job.queue)  # its key is taken again
         if result.outcome == "delivered" and result.message_ids and len(result.message_ids) != len(job.send_ids):
             # A 2xx naming more or fewer messages than the request held (a batch partly refused, as a permissive
             # batch mode answers): which were taken is not said, so none is called delivered. Asked again under
@@ -311,27 +310,29 @@ class Settler:
 
     def _unauthorised(self, route: Route, job: Job, result: ProviderResult, now_ms: int) -> None:
         """The provider refused us even with a fresh token (or our key): retrying down the tiers
-        would only use up attempts. Hold the provider (token: one account for everyone) or the
-        tenant's queue (a key per tenant), page someone, and try again after `auth_hold_s`; the sends'
+        would only use up attempts. Hold the provider (token, or the key everyone shares: one account for
+        everyone) or the tenant's queue (its own key), page someone, and try again after the hold; the sends'
         age is still checked before every attempt, so they are never sent too late."""
         metrics.PROVIDER_AUTH_FAILURES.labels(route.name).inc()
+        shared = route.spec.auth == "token" or not route.credentials.has_own_key(job.tenant)
+        hold_s = self.auth_hold_s if shared else self.auth_refusals.hold_for(job.queue, self.auth_hold_s,
+                                                                             time.monotonic())
         evidence(log, logging.ERROR, "provider_auth_failed", provider=route.name, tenant=job.tenant,
-                 status=result.status, error=result.error_name, hold_s=self.auth_hold_s,
+                 status=result.status, error=result.error_name, hold_s=round(hold_s, 1),
                  action="check the provider credentials (alert ProviderAuthFailing)")
-        if route.spec.auth == "token" or not route.credentials.has_own_key(job.tenant):
-            # One account for everyone (a token, the shared key): every queue of the provider waits, in memory
-            # (parking them all would only send every message round the retry tiers until it is cured).
-            until = time.monotonic() + self.auth_hold_s
+        if shared:
+            # Every queue of the provider sent under that account waits, in memory (parking them all would only
+            # send every message round the retry tiers until it is cured); tenants with keys of their own go on.
+            until = time.monotonic() + hold_s
             self.queues.put_back(job.queue, list(job.members), hold_until=until)
             for q in self.queues.queues.values():
-                if q.items and self.routes.of(q.items[0].provider) is route:
+                if q.items and self.routes.of(q.items[0].provider) is route and (
+                        route.spec.auth == "token" or not route.credentials.has_own_key(q.items[0].send.tenant_id)):
                     q.ready_at = max(q.ready_at, until)
             return
-        # The tenant's own key: its queue alone, parked off the partition while it lasts, for longer each time
-        # (until a request of the queue is answered otherwise), so a key left refused costs little.
-        refusals = self.auth_refusals[job.queue] = self.auth_refusals.get(job.queue, 0) + 1
+        # The tenant's own key: its queue alone, parked off the partition while it lasts (longer each time).
         self.queues.put_back(job.queue, list(job.members))
-        self.hold_long(job.queue, growing_hold(self.auth_hold_s, refusals), "auth_refused", now_ms)
+        self.hold_long(job.queue, hold_s, "auth_refused", now_ms)
 
     def _announce(self, p: Pending, result: ProviderResult, now_ms: int, dropped: str = "",
                   on_ack: OnAck | None = None, held: bool = False) -> None:

@@ -39,9 +39,6 @@ _DELAY_SECONDS = re.compile(r"[0-9]+")  # RFC 9110 delay-seconds
 # A 429 asking for at most this long is waited out in the worker (behind the shared cool-down)
 # instead of travelling through a retry tier; longer waits go to the tiers.
 IN_PROCESS_BACKOFF_MAX_S = 5.0
-# A queue held again and again for a reason of its own (its tenant's key refused, no limits set) waits twice as
-# long each time, up to this: its messages are parked on a retry tier meanwhile, not sent round them every 30 s.
-LONG_HOLD_MAX_S = 900.0
 PACKAGED = "streams/retry/policies.toml"
 
 
@@ -312,8 +309,3 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     reason = {"throttled": "rate_limited", "quota": "quota_exceeded", "unknown": "unknown_outcome",
               "auth": "auth_failed"}.get(outcome, "provider_unavailable")
     return RetryAt(tier, due_ms, reason)
-
-
-def growing_hold(first_s: float, times: int) -> float:
-    """The hold of a queue held for the same reason `times` times in a row: doubling, at most LONG_HOLD_MAX_S."""
-    return min(first_s * 2 ** min(times - 1, 16), max(first_s, LONG_HOLD_MAX_S))

@@ -2003,6 +2003,8 @@ def _holds_of_a_parked_copy_brought_back(worker, producer, queue: str, times: in
         worker.settler.long_holds.clear()
         worker.queues.queues[queue].ready_at = 0.0
         worker.dispatcher._limits.clear()  # its limit is read again
+        for table in (worker.settler.auth_refusals, worker.dispatcher._misconfigured):  # the hold has ended
+            table._held = {q: (n, time.monotonic()) for q, (n, _) in table._held.items()}
         worker.consumer.pending.append(FakeMessage(0, len(holds), value, list(headers.items())))
     return holds
 
@@ -2024,7 +2026,7 @@ def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
     assert len(provider.sent) == 3
     provider.refused = None  # the tenant's key is cured: the copy back is sent, and acme's holds start over
     _run(worker, steps=5)
-    assert len(provider.sent) == 4 and worker.settler.auth_refusals == {} and worker.queues.buffered == 0
+    assert len(provider.sent) == 4 and len(worker.settler.auth_refusals) == 0 and worker.queues.buffered == 0
 
 
 def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
@@ -2038,14 +2040,76 @@ def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
     assert provider.sent == []
     gate.tenant = None  # an operator sets acme's limit
     _run(worker, steps=5)
-    assert len(provider.sent) == 1 and worker.dispatcher._misconfigured == {}
+    assert len(provider.sent) == 1 and len(worker.dispatcher._misconfigured) == 0
 
 
-def test_a_growing_hold_doubles_up_to_a_quarter_of_an_hour():
-    from streams.retry.policy import growing_hold
+def test_a_growing_hold_doubles_up_to_a_quarter_of_an_hour_and_is_forgotten_long_after():
+    """Holds in a row double, up to 15 minutes; met again while its hold runs, a queue's reason is the same
+    incident (the hold left); long after its last hold ended, it starts over, and queues met long ago are dropped."""
+    from streams.dispatch.growing_holds import GrowingHolds, growing_hold
 
     assert [growing_hold(30, n) for n in (1, 2, 3, 5, 6, 60)] == [30, 60, 120, 480, 900, 900]
     assert growing_hold(1200, 3) == 1200  # a first hold past the cap is not shortened
+    holds = GrowingHolds()
+    assert holds.hold_for("acme", 30, now=0) == 30
+    assert holds.hold_for("acme", 30, now=10) == 20  # the other requests of the round: the same incident
+    assert holds.hold_for("acme", 30, now=30) == 60
+    assert holds.hold_for("gone", 30, now=30) == 30
+    assert holds.hold_for("acme", 30, now=90 + 1801) == 30  # long after: starts over; "gone" is dropped
+    assert len(holds) == 1
+
+
+def test_the_first_refusal_of_a_tenants_own_key_holds_it_30_s_however_many_requests_met_it():
+    """Given 10 of acme's sends under its own key, refused, 8 requests in flight at once (the worker's concurrency),
+    When all 8 are refused,
+    Then acme is held 30 s, once (before: each refusal counted as one more in a row: a first hold of 15 minutes,
+    and its OTPs dead-lettered `too_old` for a key that failed for a moment)."""
+    sends, msgs = _messages(["acme"] * 10)
+    spec = replace(load_registry().primary("email"), batch_lanes=frozenset())
+    provider = KeyRefusedFor("re_acme_own")
+    producer = FakeProducer()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        producer, Routes([Route(spec, provider, ProviderCredentials(
+                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=5)
+    parked = [h for t, records in producer.records.items() if ".retry." in t for _, h in records]
+    dues = {round((int(h["due_at_ms"]) - int(time.time() * 1000)) / 1000) for h in parked}
+    assert len(provider.sent) >= 2 and len(parked) == 10 and dues <= {29, 30}
+
+
+def test_the_shared_key_refused_holds_no_tenant_sending_under_a_key_of_its_own():
+    """Given globex under the shared key, which the provider refuses, and acme's 40 sends under its own key,
+    When the worker runs,
+    Then all of acme's are sent (before: every refusal of the shared key held acme's queue too, 30 s at a time)."""
+    sends, msgs = _messages(["globex"] * 10 + ["acme"] * 40)
+    spec = replace(load_registry().primary("email"), batch_lanes=frozenset())
+    provider = KeyRefusedFor("re_shared")
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials(
+                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=60)
+    assert {s.send_id.encode() for s in sends[10:]} <= set(provider.sent)
+
+
+class RefreshCounting(FakeGate):
+    def __init__(self):
+        super().__init__()
+        self.refreshes = 0
+
+    def refresh_cool_downs(self):
+        self.refreshes += 1
+
+
+def test_a_worker_with_nothing_to_send_still_lets_its_gate_look_at_the_cool_downs_it_knows():
+    """What clears the exported cool-down of an idle worker once an operator ended it (ProviderCoolingDown) is the
+    gate's own look at Redis: the worker gives it the chance on every step, sends or not."""
+    gate = RefreshCounting()
+    worker, *_ = _worker([], gate=gate)
+    for _ in range(3):
+        worker.step()
+    assert gate.refreshes == 3
 
 
 class DeadLettersNeverAcknowledged(FakeProducer):
