@@ -55,6 +55,8 @@ AUTH_HOLD_S = 30.0
 # health for this long (a burst it rate-limits); past it, each such answer counts, and one that never stops
 # asking degrades the endpoint instead of holding its deliveries, and its partition's offset, in the worker.
 HELD_UNCOUNTED_MS = 60_000
+# Answers that say the provider took our key (a timeout, a 5xx or a 429 may come before it looks at the key)
+KEY_ACCEPTED = frozenset({"delivered", "rejected", "skipped", "gone"})
 
 
 def providers_tried(p: Pending, route: Route) -> list[str]:
@@ -163,7 +165,7 @@ class Settler:
     def settle(self, job: Job, result: ProviderResult, now_ms: int | None = None) -> None:
         """Settle one finished request; on a Redis error keep it for `retry`."""
         now_ms = now_ms or int(time.time() * 1000)
-        if result.outcome != "auth":
+        if result.outcome in KEY_ACCEPTED:
             self.auth_refusals.clear(job.queue)  # its key is taken again
         if result.outcome == "delivered" and result.message_ids and len(result.message_ids) != len(job.send_ids):
             # A 2xx naming more or fewer messages than the request held (a batch partly refused, as a permissive
@@ -270,6 +272,8 @@ class Settler:
         holds that queue until Retry-After (a long wait: `hold_long`)."""
         if wait > IN_PROCESS_BACKOFF_MAX_S:
             self.hold_long(queue, wait, "endpoint_retry_after", now_ms)
+        elif (held := self.long_holds.get(queue)) is not None and held[2] != "endpoint_retry_after":
+            pass  # held for a reason of the queue's own (its key refused): a 429 meanwhile does not end that
         else:
             self.queues.hold(queue, time.monotonic() + wait)
             if asked:  # the receiver's latest word: a short Retry-After it gave ends a long one

@@ -2029,6 +2029,29 @@ def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
     assert len(provider.sent) == 4 and len(worker.settler.auth_refusals) == 0 and worker.queues.buffered == 0
 
 
+def test_a_short_429_or_a_timeout_meanwhile_neither_ends_nor_resets_a_refused_keys_hold():
+    """Given acme's own key refused (its queue held 30 s, parked), and another of acme's requests of the same round
+    answered 429 with Retry-After 1 s, or timing out,
+    When that answer is settled,
+    Then acme's hold still runs its 30 s (before: the 429 cut it to 1 s), and its next refusal holds it 60 s (before:
+    any answer but a refusal reset the count, so the doubling started over)."""
+    for answer in (ProviderResult("throttled", 429, retry_after="1", error_name="rate_limit_exceeded"),
+                   ProviderResult("unknown", error_name="ReadTimeout")):
+        sends, msgs = _messages(["acme"])
+        worker, *_ = _worker(msgs)
+        settler = worker.settler
+        settler.routes.primary.credentials = ProviderCredentials({"*": "re_shared", "acme": "re_acme_own"})
+        refused = ProviderResult("auth", 401, error_name="invalid_api_key")
+        settler._unauthorised(settler.routes.primary, Job("k1", "/emails", b"", "acme", (), [], "acme", "resend"),
+                              refused, int(time.time() * 1000))
+        settler._hold_queue("acme", 1.0, int(time.time() * 1000), asked=True)
+        settler.settle(Job("k2", "/emails", b"", "acme", (), [], "acme", "resend"), answer)
+        assert worker.queues.queues["acme"].ready_at - time.monotonic() > 25
+        assert settler.long_holds["acme"][2] == "auth_refused"
+        settler.auth_refusals._held = {q: (n, time.monotonic()) for q, (n, _) in settler.auth_refusals._held.items()}
+        assert settler.auth_refusals.hold_for("acme", 30, time.monotonic()) == 60
+
+
 def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
     """Given acme with no limit it falls under,
     When its parked copy comes back twice to the same answer, then its limit is set,
