@@ -318,7 +318,11 @@ class Settler:
         everyone) or the tenant's queue (its own key), page someone, and try again after the hold; the sends'
         age is still checked before every attempt, so they are never sent too late."""
         metrics.PROVIDER_AUTH_FAILURES.labels(route.name).inc()
-        shared = route.spec.auth == "token" or not route.credentials.has_own_key(job.tenant)
+
+        def shared_account(tenant: str) -> bool:  # sent under the token or key every tenant shares
+            return route.spec.auth == "token" or not route.credentials.has_own_key(tenant)
+
+        shared = shared_account(job.tenant)
         hold_s = self.auth_hold_s if shared else self.auth_refusals.hold_for(job.queue, self.auth_hold_s,
                                                                              time.monotonic())
         evidence(log, logging.ERROR, "provider_auth_failed", provider=route.name, tenant=job.tenant,
@@ -330,8 +334,8 @@ class Settler:
             until = time.monotonic() + hold_s
             self.queues.put_back(job.queue, list(job.members), hold_until=until)
             for q in self.queues.queues.values():
-                if q.items and self.routes.of(q.items[0].provider) is route and (
-                        route.spec.auth == "token" or not route.credentials.has_own_key(q.items[0].send.tenant_id)):
+                head = q.items[0] if q.items else None
+                if head is not None and self.routes.of(head.provider) is route and shared_account(head.send.tenant_id):
                     q.ready_at = max(q.ready_at, until)
             return
         # The tenant's own key: its queue alone, parked off the partition while it lasts (longer each time).

@@ -138,9 +138,12 @@ class RedisGate:
             raise GateUnavailable(f"bucket gate unavailable ({failed[0]}); {len(failed)} of {len(unused)} "
                                   "admissions not given back")
 
+    def _own(self, provider: str, tenant: str) -> bool:
+        return self.own_account is not None and self.own_account(provider, tenant)
+
     def _keys(self, provider: str, tenant: str) -> list[str]:
         k = self.keys
-        if self.own_account is not None and self.own_account(provider, tenant):
+        if self._own(provider, tenant):
             # Its own account at the provider: neither the shared account's tokens nor its cool-down are its.
             return [k.limits(provider), k.own_account_global(provider, tenant), k.tenant_bucket(provider, tenant),
                     k.own_account_cool(provider, tenant)]
@@ -149,7 +152,7 @@ class RedisGate:
     def _admission(self, reply: list, provider: str, tenant: str, messages: int) -> Admission:
         status, value, short = reply
         short = short.decode() if isinstance(short, bytes) else short
-        shared = self.own_account is None or not self.own_account(provider, tenant)  # it read the shared cool-down
+        shared = not self._own(provider, tenant)  # it read the shared cool-down
         if status == 1:
             if provider in self._cooling and shared:  # the cool-down is over (or an operator ended it)
                 self._cool_down_over(provider)

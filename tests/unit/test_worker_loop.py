@@ -1991,6 +1991,19 @@ def test_the_shared_key_refused_holds_every_tenant_in_memory_and_parks_nothing()
     assert worker.queues.buffered == 100 and len(provider.sent) <= 20
 
 
+def _own_key_worker(msgs, refused: str, batches: bool = True):
+    """An email worker where acme sends under a key of its own ("re_acme_own") and everyone else under "re_shared";
+    the provider refuses the key `refused`. `batches=False`: one message a request on every lane."""
+    spec = load_registry().primary("email")
+    spec = spec if batches else replace(spec, batch_lanes=frozenset())
+    provider, producer = KeyRefusedFor(refused), FakeProducer()
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
+                        producer, Routes([Route(spec, provider, ProviderCredentials(
+                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    return worker, producer, provider
+
+
 def _holds_of_a_parked_copy_brought_back(worker, producer, queue: str, times: int) -> list[int]:
     """Run the worker until `queue`'s send is parked, note for how long (s), and bring the copy back as the
     retrier would once the hold has passed; `times` times."""
@@ -2015,13 +2028,7 @@ def test_a_tenants_own_key_refused_again_and_again_is_held_longer_each_time():
     Then it is held 30 s, then 60 s, then 120 s (each time parked until then), so a key left refused costs a
     request and a parked copy per doubling hold, not every 30 s; a request of acme's answered otherwise resets it."""
     sends, msgs = _messages(["acme"])
-    spec = load_registry().primary("email")
-    provider = KeyRefusedFor("re_acme_own")
-    producer = FakeProducer()
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
-                        producer, Routes([Route(spec, provider, ProviderCredentials(
-                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    worker, producer, provider = _own_key_worker(msgs, refused="re_acme_own")
     assert _holds_of_a_parked_copy_brought_back(worker, producer, "acme", times=3) == [30, 60, 120]
     assert len(provider.sent) == 3
     provider.refused = None  # the tenant's key is cured: the copy back is sent, and acme's holds start over
@@ -2088,13 +2095,7 @@ def test_the_first_refusal_of_a_tenants_own_key_holds_it_30_s_however_many_reque
     Then acme is held 30 s, once (before: each refusal counted as one more in a row: a first hold of 15 minutes,
     and its OTPs dead-lettered `too_old` for a key that failed for a moment)."""
     sends, msgs = _messages(["acme"] * 10)
-    spec = replace(load_registry().primary("email"), batch_lanes=frozenset())
-    provider = KeyRefusedFor("re_acme_own")
-    producer = FakeProducer()
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
-                        producer, Routes([Route(spec, provider, ProviderCredentials(
-                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    worker, producer, provider = _own_key_worker(msgs, refused="re_acme_own", batches=False)
     _run(worker, steps=5)
     parked = [h for t, records in producer.records.items() if ".retry." in t for _, h in records]
     dues = {round((int(h["due_at_ms"]) - int(time.time() * 1000)) / 1000) for h in parked}
@@ -2106,12 +2107,7 @@ def test_the_shared_key_refused_holds_no_tenant_sending_under_a_key_of_its_own()
     When the worker runs,
     Then all of acme's are sent (before: every refusal of the shared key held acme's queue too, 30 s at a time)."""
     sends, msgs = _messages(["globex"] * 10 + ["acme"] * 40)
-    spec = replace(load_registry().primary("email"), batch_lanes=frozenset())
-    provider = KeyRefusedFor("re_shared")
-    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
-                        FakeProducer(), Routes([Route(spec, provider, ProviderCredentials(
-                            {"*": "re_shared", "acme": "re_acme_own"}))]), FakeGate(), FakeJobs(), load_policies())
-    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    worker, _, provider = _own_key_worker(msgs, refused="re_shared", batches=False)
     _run(worker, steps=60)
     assert {s.send_id.encode() for s in sends[10:]} <= set(provider.sent)
 
