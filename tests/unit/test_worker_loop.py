@@ -2073,6 +2073,22 @@ def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
     assert len(provider.sent) == 1 and len(worker.dispatcher._misconfigured) == 0
 
 
+def test_a_tenant_without_a_provider_key_keeps_its_order_when_its_requests_of_a_round_go_back():
+    """Given 250 of acme's emails and no provider key acme falls under (only globex has one), its burst covering
+    three requests of one round,
+    When the worker runs,
+    Then acme's sends are parked on a retry tier in the order they were published (before: the round's three
+    requests went back to the queue's front one after the other, so they were parked last request first)."""
+    sends, msgs = _messages(["acme"] * 250)
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(bursts={"acme": 1000}))
+    worker.routes.primary.credentials = ProviderCredentials({"globex": "re_globex"})
+    _run(worker, steps=10)
+    parked = [h for t, records in producer.records.items() if ".retry." in t for _, h in records]
+    assert [h["retry_reason"] for h in parked] == [b"misconfigured"] * 250
+    assert [h["send_id"] for h in parked] == [s.send_id.encode() for s in sends]
+    assert provider.sent == []
+
+
 def test_a_growing_hold_doubles_up_to_a_quarter_of_an_hour_and_is_forgotten_long_after():
     """Holds in a row double, up to 15 minutes; met again while its hold runs, a queue's reason is the same
     incident (the hold left); long after its last hold ended, it starts over, and queues met long ago are dropped."""
