@@ -257,8 +257,8 @@ class Dispatcher:
         for draw in reversed(draws):  # back to the front, in the order they were taken
             if draw.key in keyless:
                 self._requeue(draw.key, draw.items)
-        for key, exc in keyless.items():
-            self._hold_misconfigured(key, exc)
+        for key, refusal in keyless.items():
+            self._hold_misconfigured(key, refusal)
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
         fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s, now_ms)]
         admitted = self._admit_round(fresh)
