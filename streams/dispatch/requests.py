@@ -207,6 +207,9 @@ class Dispatcher:
                 if route.room(now) - by_route[route.name] <= 0:
                     continue  # the provider's pacing: enough in flight, or its pause is not over
                 tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
+                if now < route.shared_account_held_until and route.shares_account(tenant):
+                    q.ready_at = route.shared_account_held_until  # the account it sends under was refused
+                    continue
                 if self._tenant_full(tenant, drawn_of_tenant[tenant]):
                     continue  # this tenant's endpoints hold their share of the worker's requests
                 try:

@@ -34,6 +34,11 @@ class Route:
     slots: int | None = None    # the worker's own requests in flight at most (its --concurrency); None: no bound
     in_flight: int = 0
     next_wave_at: float = 0.0   # monotonic: no new request before this (the pause after a wave)
+    shared_account_held_until: float = 0.0  # monotonic: the account every tenant shares was refused until then
+
+    def shares_account(self, tenant: str) -> bool:
+        """Whether this tenant's requests go under the token or key every tenant shares (not a key of its own)."""
+        return self.spec.auth == "token" or not self.credentials.has_own_key(tenant)
 
     @property
     def name(self) -> str:

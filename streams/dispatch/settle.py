@@ -318,11 +318,7 @@ class Settler:
         everyone) or the tenant's queue (its own key), page someone, and try again after the hold; the sends'
         age is still checked before every attempt, so they are never sent too late."""
         metrics.PROVIDER_AUTH_FAILURES.labels(route.name).inc()
-
-        def shared_account(tenant: str) -> bool:  # sent under the token or key every tenant shares
-            return route.spec.auth == "token" or not route.credentials.has_own_key(tenant)
-
-        shared = shared_account(job.tenant)
+        shared = route.shares_account(job.tenant)
         hold_s = self.auth_hold_s if shared else self.auth_refusals.hold_for(job.queue, self.auth_hold_s,
                                                                              time.monotonic())
         evidence(log, logging.ERROR, "provider_auth_failed", provider=route.name, tenant=job.tenant,
@@ -330,13 +326,11 @@ class Settler:
                  action="check the provider credentials (alert ProviderAuthFailing)")
         if shared:
             # Every queue of the provider sent under that account waits, in memory (parking them all would only
-            # send every message round the retry tiers until it is cured); tenants with keys of their own go on.
+            # send every message round the retry tiers until it is cured), those empty now or new meanwhile too
+            # (dispatch reads the route's hold); tenants with keys of their own go on.
             until = time.monotonic() + hold_s
+            route.shared_account_held_until = max(route.shared_account_held_until, until)
             self.queues.put_back(job.queue, list(job.members), hold_until=until)
-            for q in self.queues.queues.values():
-                head = q.items[0] if q.items else None
-                if head is not None and self.routes.of(head.provider) is route and shared_account(head.send.tenant_id):
-                    q.ready_at = max(q.ready_at, until)
             return
         # The tenant's own key: its queue alone, parked off the partition while it lasts (longer each time).
         self.queues.put_back(job.queue, list(job.members))

@@ -1991,6 +1991,30 @@ def test_the_shared_key_refused_holds_every_tenant_in_memory_and_parks_nothing()
     assert worker.queues.buffered == 100 and len(provider.sent) <= 20
 
 
+def test_the_shared_key_refused_holds_the_tenants_whose_sends_arrive_afterwards_too():
+    """Given the key every tenant shares refused on globex's request (its queue then held),
+    When sends of initech (whose queue was empty at the refusal, sending under the same key) and of acme (a key of
+    its own) arrive meanwhile,
+    Then initech's wait for the hold's end (before: its new queue went out, met the refusal again and held everyone
+    anew), acme's is sent; once the hold has passed and the key is cured, initech's is sent too."""
+    sends, msgs = _messages(["globex"])
+    worker, producer, provider = _own_key_worker(msgs, refused="re_shared")
+    _run(worker, steps=5)
+    assert len(provider.sent) == 1
+    later = [build_send(validate_request(email_request()), t) for t in ("initech", "acme")]
+    worker.consumer.pending.extend(FakeMessage(0, 1 + i, encode(s)) for i, s in enumerate(later))
+    _run(worker, steps=5)
+    sent_ids = [s.send_id for s in [*sends, *later] if any(s.send_id.encode() in body for body in provider.sent)]
+    assert sent_ids == [sends[0].send_id, later[1].send_id]
+    assert worker.queues.size("initech") == 1 and worker.queues.size("globex") == 1
+    provider.refused = None  # the shared key is cured, and the hold has passed
+    worker.dispatcher.routes.primary.shared_account_held_until = 0.0
+    for q in worker.queues.queues.values():
+        q.ready_at = 0.0
+    _run(worker, steps=5)
+    assert worker.queues.buffered == 0 and len(provider.sent) == 4
+
+
 def _own_key_worker(msgs, refused: str, batches: bool = True):
     """An email worker where acme sends under a key of its own ("re_acme_own") and everyone else under "re_shared";
     the provider refuses the key `refused`. `batches=False`: one message a request on every lane."""
