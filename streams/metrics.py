@@ -102,6 +102,9 @@ RETRY_TIER_WAITING = Gauge("dispatch_retry_tier_waiting_messages", "Retry messag
 RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past its due time the lowest unreleased "
                            "retry message of a partition is (the most overdue of the tier's partitions), as the lag "
                            "monitor measures it", ["channel", "lane", "tier"])
+RETRY_TIER_UNREADABLE = Gauge("dispatch_retry_tier_unreadable_seconds", "How long the lag monitor has been unable "
+                              "to read a retry tier (its overdue and waiting figures are then not exported; 0: read)",
+                              ["channel", "lane", "tier"])
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])

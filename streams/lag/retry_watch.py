@@ -8,7 +8,8 @@ partition's committed position: the lowest one its retrier has not released (eve
 The messages after it say nothing: a retrier releases by due time (each copy's delay has its own
 jitter, and a long tier's copies fall due out of order by hours), so they may be released already while
 the committed offset waits for the head. It runs on a thread of its own, every few seconds, so the
-transactional lag keeps its 500 ms rhythm.
+transactional lag keeps its 500 ms rhythm. A tier it cannot read exports for how long instead
+(`dispatch_retry_tier_unreadable_seconds`, alert RetryTierUnwatched): a stuck tier would not show.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class RetryTierWatch:
         self.every_s = every_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
-        self._failing: set[str] = set()
+        self._failing_since: dict[str, float] = {}  # topic: when its read first failed (monotonic)
 
     def start(self) -> None:
         self._thread.start()
@@ -67,17 +68,20 @@ class RetryTierWatch:
             waiting = sum(max(0, high - pos) for pos, high in positions.values())
             overdue = self._overdue(peeker, topic, positions) if waiting else 0.0
         except Exception as exc:  # noqa: BLE001 - one missing tier must not stop the others, nor the watch
-            if topic not in self._failing:
+            if topic not in self._failing_since:
                 log.warning("retry tier %s unavailable: %s", topic, exc)
-                self._failing.add(topic)
-            # Not measured: no figure rather than the last one (which could keep paging, or hide a stuck tier).
+            since = self._failing_since.setdefault(topic, time.monotonic())
+            # Not measured: no figure rather than the last one (which could keep paging, or hide a stuck tier),
+            # and how long it has not been, so that a tier no one can see into is not silent either.
             for gauge in (metrics.RETRY_TIER_WAITING, metrics.RETRY_TIER_OVERDUE):
                 try:
                     gauge.remove(channel, lane, tier)
                 except KeyError:  # never measured
                     pass
+            metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(time.monotonic() - since)
             return
-        self._failing.discard(topic)
+        self._failing_since.pop(topic, None)
+        metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(0)
         metrics.RETRY_TIER_WAITING.labels(channel, lane, tier).set(waiting)
         metrics.RETRY_TIER_OVERDUE.labels(channel, lane, tier).set(overdue)
 

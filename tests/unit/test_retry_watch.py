@@ -95,3 +95,35 @@ def test_a_broker_error_while_peeking_leaves_the_watch_running():
     watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
     watch._measure(Positions(RuntimeError("unused")), FailingPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
     assert _exported("dispatch_retry_tier_overdue_seconds") is None
+
+
+class Flaky(Positions):
+    """Read once, fails `failures` times, then reads again."""
+
+    def __init__(self, failures: int):
+        super().__init__(RuntimeError("Unknown topic or partition"))
+        self.failures = failures
+
+    def positions(self, group, topic):
+        self.reads += 1
+        if 1 < self.reads <= 1 + self.failures:
+            raise self.error
+        return {0: (0, 1)}
+
+
+def test_a_tier_that_cannot_be_read_says_for_how_long_until_it_is_read_again():
+    """Given the 1 h tier measured, then its read failing for ten minutes, then read again,
+    When the watch measures it each time,
+    Then it exports for how long it has not been read (RetryTierUnwatched's input: before, a tier no one could read
+    exported nothing, and RetryTierStuck simply stayed quiet), counted from the first failure, and 0 once read."""
+    now = int(time.time() * 1000)
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
+    reader = Flaky(failures=2)
+    measured = []
+    for step in range(4):
+        if step == 2:  # ten minutes after the first failure
+            watch._failing_since = {t: since - 600 for t, since in watch._failing_since.items()}
+        watch._measure(reader, Peeker({0: [now]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+        measured.append(_exported("dispatch_retry_tier_unreadable_seconds"))
+    assert measured[0] == 0.0 and measured[1] < 1 and 600 <= measured[2] < 602 and measured[3] == 0.0
+    assert _exported("dispatch_retry_tier_waiting_messages") == 1
