@@ -76,7 +76,9 @@ def test_the_lag_monitor_sees_a_tier_whose_due_messages_are_not_released(stack, 
     """Given a retry message due in 1 s on the SMS transactional 10 s tier and no retrier running,
     When the lag monitor watches the tiers (every second here),
     Then it reports one message waiting on that tier, going overdue (the RetryTierStuck alert's input), and
-    once a retrier starts and releases it, nothing waits and nothing is overdue."""
+    once a retrier starts and releases it, nothing waits and nothing is overdue; the email tiers, whose topics this
+    namespace does not have, say for how long they have not been read (RetryTierUnwatched's input) and export no
+    overdue figure, while the SMS tier reads 0 there."""
     channel_topics("sms")
     port = free_port()
     processes.start("lag-monitor", "lag-monitor", "--metrics-port", str(port), "--retry-watch-every", "1",
@@ -92,6 +94,11 @@ def test_the_lag_monitor_sees_a_tier_whose_due_messages_are_not_released(stack, 
 
     wait_until(lambda: tier("dispatch_retry_tier_waiting_messages") == 1
                and (tier("dispatch_retry_tier_overdue_seconds") or 0) > 2, 30, "the tier to show an overdue message")
+    assert tier("dispatch_retry_tier_unreadable_seconds") == 0
+    email_tier = {"channel": "email", "lane": "transactional", "tier": "10s"}
+    wait_until(lambda: (metric(port, "dispatch_retry_tier_unreadable_seconds", **email_tier) or 0) >= 1, 30,
+               "the email tier, missing, to say for how long it has not been read")
+    assert metric(port, "dispatch_retry_tier_overdue_seconds", **email_tier) is None
     processes.retrier("sms", "transactional")
     wait_until(lambda: tier("dispatch_retry_tier_waiting_messages") == 0
                and tier("dispatch_retry_tier_overdue_seconds") == 0, 30, "the tier to be clear")
