@@ -28,6 +28,7 @@ from typing import Literal
 
 import orjson
 import redis
+from redis.cluster import RedisCluster
 
 from ..errors import StateLost, StoreUnavailable
 from ..names import RedisKeys
@@ -106,9 +107,13 @@ class ProcessedJobs:
         return [k.lease(tenant, key), k.request(tenant, key)] + [k.processed(tenant, s) for s in send_ids]
 
     def ping(self) -> None:
-        """Whether Redis answers (StoreUnavailable if not)."""
+        """Whether Redis answers (StoreUnavailable if not): on a Redis Cluster, every master (a PING goes to
+        one node, which could answer while the master holding some tenants' keys is down)."""
         with store_errors("asking Redis whether it answers"):
-            self.client.ping()
+            if is_cluster(self.client):
+                self.client.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                self.client.ping()
 
     def status(self, tenant: str, send_ids: list[str]) -> list[str | None]:
         """Per send: None (free), 'delivered', 'inflight:<key>', 'reconcile' or 'tried:<n>'."""

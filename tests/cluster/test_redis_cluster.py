@@ -354,7 +354,7 @@ def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healt
     When that master is killed with SIGKILL, the cluster is waited on past its node timeout, and the master is
     started again,
     Then at once the gate fails closed (GateUnavailable) and processed_jobs raises StoreUnavailable for that master's
-    provider and tenant, while the other provider is still admitted; once the node timeout has passed the whole
+    provider and tenant, and to a held worker's probe (which asks every master), while the other provider is still admitted; once the node timeout has passed the whole
     cluster refuses (cluster down: every provider fails closed); and after the restart both providers are admitted
     again and the claim is still there (nothing to re-send)."""
     rc = healthy_redis_cluster
@@ -382,6 +382,8 @@ def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healt
             gate.acquire(victim_provider, tenant, 1)
         with pytest.raises(StoreUnavailable):
             jobs.status(tenant, [f"{tenant}-1"])
+        with pytest.raises(StoreUnavailable):  # a held worker's probe asks every master, not one node
+            jobs.ping()
         assert gate.acquire(other_provider, tenant, 1).allowed
 
         def refused() -> bool:
