@@ -128,6 +128,34 @@ def test_a_tenant_key_the_provider_calls_invalid_holds_that_tenant_instead_of_de
     assert "provider_auth_failed" in processes.logs()
 
 
+def test_the_shared_key_refused_holds_tenants_that_send_afterwards_and_not_those_with_their_own_key(
+        stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given the Resend key every tenant shares refused (403 invalid_api_key) on shop's receipt,
+    When, during the hold that follows, tenant later (sharing that key) and then acme (a key of its own) send,
+    Then acme's is delivered while later's is not even tried (before: later's queue, empty at the refusal, sent its
+    request into the refusal and held everyone anew); once the key works again shop's and later's are delivered,
+    each once, and nothing is dead-lettered."""
+    channel_topics("email")
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    mock_provider.configure(revoked_api_keys="re_test_default")
+    port = free_port()
+    processes.start("worker-email", "worker", "--channel", "email", "--lane", "transactional", "--metrics-port",
+                    str(port), ready="consuming", env={"PROVIDER_AUTH_HOLD_S": "8", "RESEND_API_KEYS":
+                                                       '{"*": "re_test_default", "acme": "re_acme_own_key"}'})
+    first = send_client.publish("shop", email_request())
+    wait_until(lambda: mock_provider.stats()["api_keys_refused_403"] >= 1, 30, "the shared key to be refused")
+    later = send_client.publish("later", email_request())
+    own = send_client.publish("acme", email_request())
+    wait_until(lambda: own in mock_provider.stats(deliveries=True)["deliveries"], 30, "acme's receipt, its own key")
+    assert mock_provider.stats()["api_keys_refused_403"] == 1
+    mock_provider.configure(revoked_api_keys="")
+    wait_until(lambda: {first, later} <= set(mock_provider.stats(deliveries=True)["deliveries"]), 30,
+               "the held receipts once the key works")
+    assert mock_provider.stats()["duplicate_deliveries"] == 0
+    assert read_all(stack.bootstrap, names.dlq, timeout_s=2) == []
+
+
 def test_pacing_changes_take_effect_without_a_restart(stack, names, sms_lane, processes, send_client, limits,
                                                       mock_provider):
     """Given an SMS worker sending a 600-send blast at its bucket's 60 requests a second,
