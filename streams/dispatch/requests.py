@@ -244,12 +244,12 @@ class Dispatcher:
     def _run_round(self, draws: list[Draw]) -> None:
         now_ms = int(time.time() * 1000)
         live: list[Draw] = []
-        keyless: dict[str, ConfigError] = {}
+        keyless: list[tuple[Draw, ConfigError]] = []
         for draw in draws:
             try:
                 draw.route.credentials.for_tenant(draw.tenant)  # no API key: before anything is claimed
             except ConfigError as exc:
-                keyless[draw.key] = exc
+                keyless.append((draw, exc))
                 continue
             self._misconfigured.clear(draw.key)  # its limits and key are there now
             draw.items, duplicates = unique_sends(draw.items)
@@ -257,10 +257,9 @@ class Dispatcher:
                 self._end(p, "duplicate")
             if draw.items:
                 live.append(draw)
-        for draw in reversed(draws):  # back to the front, in the order they were taken
-            if draw.key in keyless:
-                self._requeue(draw.key, draw.items)
-        for key, refusal in keyless.items():
+        for draw, _ in reversed(keyless):  # back to the front, in the order they were taken
+            self._requeue(draw.key, draw.items)
+        for key, refusal in {draw.key: refusal for draw, refusal in keyless}.items():  # one hold a queue
             self._hold_misconfigured(key, refusal)
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
         fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s, now_ms)]

@@ -2113,6 +2113,22 @@ def test_a_tenant_without_a_provider_key_keeps_its_order_when_its_requests_of_a_
     assert provider.sent == []
 
 
+def test_in_one_queue_for_everyone_a_tenant_without_a_provider_key_puts_back_only_its_own_request():
+    """Given the FIFO baseline (one queue for every tenant): acme's email (no provider key it falls under), then
+    globex's (a key of its own), drawn in one round,
+    When the worker runs,
+    Then globex's is sent once and never parked, and only acme's is parked (before: the round put back every
+    request of the queue acme's came from, globex's too, which was then sent and parked as well)."""
+    sends, msgs = _messages(["acme", "globex"])
+    worker, consumer, producer, provider = _worker(msgs, gate=FakeGate(bursts={"acme": 1000}))
+    worker.queues.queue_key = lambda send: "all"
+    worker.routes.primary.credentials = ProviderCredentials({"globex": "re_globex"})
+    _run(worker, steps=10)
+    parked = [h["send_id"] for t, records in producer.records.items() if ".retry." in t for _, h in records]
+    assert parked == [sends[0].send_id.encode()]
+    assert len(provider.sent) == 1 and sends[1].send_id.encode() in provider.sent[0]
+
+
 def test_a_growing_hold_doubles_up_to_a_quarter_of_an_hour_and_is_forgotten_long_after():
     """Holds in a row double, up to 15 minutes; met again while its hold runs, a queue's reason is the same
     incident (the hold left); long after its last hold ended, it starts over, and queues met long ago are dropped."""
