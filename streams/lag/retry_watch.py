@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from .. import metrics
 from ..errors import StackError
@@ -93,10 +93,15 @@ class RetryTierWatch:
         now_ms = time.time() * 1000
         worst = 0.0
         deadline = time.monotonic() + 2.0
+        refused: list[KafkaError] = []
         try:
             while ends and time.monotonic() < deadline:
                 for m in peeker.consume(num_messages=500, timeout=0.1):
-                    if m.error() or m.partition() not in ends:
+                    if m.error():
+                        if m.error().code() != KafkaError._PARTITION_EOF:
+                            refused.append(m.error())  # e.g. not authorised to read the topic
+                        continue
+                    if m.partition() not in ends:
                         continue
                     try:
                         due = dict(m.headers() or []).get("due_at_ms")
@@ -109,4 +114,6 @@ class RetryTierWatch:
             pass
         finally:
             peeker.unassign()
+        if ends and refused:  # heads not reached, and the broker refused: not "not overdue", but unreadable
+            raise StackError(f"cannot read the lowest unreleased message of {topic}: {refused[0].str()}")
         return max(0.0, worst)

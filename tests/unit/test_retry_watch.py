@@ -127,3 +127,25 @@ def test_a_tier_that_cannot_be_read_says_for_how_long_until_it_is_read_again():
         measured.append(_exported("dispatch_retry_tier_unreadable_seconds"))
     assert measured[0] == 0.0 and measured[1] < 1 and 600 <= measured[2] < 602 and measured[3] == 0.0
     assert _exported("dispatch_retry_tier_waiting_messages") == 1
+
+
+class RefusingPeeker(Peeker):
+    """The broker answers the head's fetch with an error event (the monitor may describe the group, not read)."""
+
+    def consume(self, num_messages=1, timeout=0):
+        from confluent_kafka import KafkaError
+        self.assigned = []
+        return [SimpleNamespace(error=lambda: KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), partition=lambda: 0)]
+
+
+def test_a_tier_whose_waiting_head_cannot_be_fetched_counts_as_unreadable_not_as_on_time():
+    """Given the 1 h tier with a copy waiting, whose committed offsets the monitor reads but whose messages the
+    broker refuses to it (no Read on the topic),
+    When the watch measures it,
+    Then it exports no overdue figure and says the tier is unread (before: the refusals were skipped, the head
+    never reached, and the tier was exported 0 s overdue: neither RetryTierStuck nor RetryTierUnwatched could
+    fire)."""
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
+    watch._measure(Positions(RuntimeError("unused")), RefusingPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert _exported("dispatch_retry_tier_overdue_seconds") is None
+    assert _exported("dispatch_retry_tier_unreadable_seconds") is not None
