@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, TopicPartition
 
 from .. import metrics
 from ..backoff import Outage
@@ -88,10 +88,13 @@ class Held:
 LATEST_DUE_MS = 7 * 24 * 3600 * 1000
 
 
-def due_time(headers: dict[str, bytes], where: str, now_ms: float) -> int:
+def due_time(headers: dict[str, bytes], where: str, now_ms: float, written_ms: float | None = None) -> int:
     """The due time of a retry copy; a copy without one is due now (the worker decided to retry:
     retry now rather than drop). One due later than the lanes keep payloads (not written by a worker)
-    is held for the longest tier, not for ever: it would pin its partition's committed offset."""
+    is held for the longest tier from when it was written (`written_ms`, the record's timestamp; now
+    when it has none, or one ahead of this clock), not for ever: it would pin its partition's committed
+    offset. Counted from its writing, the same copy read again (a restart, a rebalance) is due at the
+    same time, not 12 h after each read."""
     try:
         due = int(headers["due_at_ms"])
     except (KeyError, ValueError):
@@ -100,7 +103,8 @@ def due_time(headers: dict[str, bytes], where: str, now_ms: float) -> int:
     if due > now_ms + LATEST_DUE_MS:
         log.warning("retry message %s is due later than the lanes keep payloads; holding it for the longest tier",
                     where)
-        return int(now_ms + max(RETRY_TIERS.values()) * 1000)
+        since = min(written_ms, now_ms) if written_ms and written_ms > 0 else now_ms
+        return int(since + max(RETRY_TIERS.values()) * 1000)
     return due
 
 
@@ -183,8 +187,9 @@ class Retrier:
         except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8: due now
             log.warning("retry message %s has headers that cannot be read; re-publishing it without them", where)
             headers = {}
-        held = Held(due_time(headers, where, self.clock() * 1000), msg.offset(), msg.topic(), msg.partition(),
-                    msg.key(), msg.value(), headers)
+        kind, written_ms = msg.timestamp()
+        due = due_time(headers, where, self.clock() * 1000, None if kind == TIMESTAMP_NOT_AVAILABLE else written_ms)
+        held = Held(due, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), headers)
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         heapq.heappush(self.heap, held)
         self.held_bytes += held.size

@@ -62,6 +62,7 @@ class _Message:
     def headers(self): return []
     def key(self): return None
     def value(self): return b"{}"
+    def timestamp(self): return (0, 0)  # TIMESTAMP_NOT_AVAILABLE
 
 
 def test_a_message_of_a_partition_revoked_after_the_poll_returned_it_is_not_held():

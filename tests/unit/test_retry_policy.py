@@ -247,6 +247,23 @@ def test_a_retry_copy_due_later_than_the_lanes_keep_payloads_is_held_for_the_lon
     assert due_time({"due_at_ms": str(in_three_days).encode()}, "t[0]@1", now_ms) == in_three_days
 
 
+def test_a_copy_due_too_far_ahead_read_again_later_keeps_the_due_time_of_its_first_read():
+    """Given a copy due 30 days ahead (not written by a worker), written an hour before it is first read,
+    When it is read again 6 h later (a retrier restarted, or its partition moved),
+    Then it is due at the same moment, 12 h after it was written (before: 12 h after each read, so a retrier
+    restarted or rebalanced more often than every 12 h never released it, its partition's offset stayed pinned,
+    and retention deleted it after 7 days with no dead letter); a record timestamp ahead of the clock counts
+    from now."""
+    from streams.retry.retrier import due_time
+
+    written_ms = 1_800_000_000_000.0
+    far = str(int(written_ms + 30 * 24 * 3600 * 1000)).encode()
+    first = due_time({"due_at_ms": far}, "t[0]@1", written_ms + 3_600_000, written_ms)
+    again = due_time({"due_at_ms": far}, "t[0]@1", written_ms + 6 * 3_600_000, written_ms)
+    assert first == again == written_ms + 12 * 3600 * 1000
+    assert due_time({"due_at_ms": far}, "t[0]@1", written_ms, written_ms + 3_600_000) == written_ms + 12 * 3600 * 1000
+
+
 @pytest.mark.parametrize("jitter", [0.0, 0.5, 0.999])
 def test_a_quota_reset_within_the_max_age_is_never_pushed_past_it_by_the_spread(jitter):
     """A send 58 minutes into the transactional policy's 2 hours, answered a quota 429 resetting in an hour: due at
