@@ -92,7 +92,8 @@ RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier hol
                    "released that the lane has not acknowledged yet",
                    ["channel", "lane", "tier"])
 RETRY_OVERDUE = Gauge("dispatch_retry_overdue_seconds", "How long past its due time the most overdue held retry "
-                      "message is (a working retrier keeps this near 0)", ["channel", "lane", "tier"])
+                      "message is, counted from when this retrier read it if it was due before (a working retrier "
+                      "keeps this near 0)", ["channel", "lane", "tier"])
 SPILLED = Counter("dispatch_spilled_total", "Messages of a tenant over its share of a worker's buffer, parked on a "
                   "retry tier until their turn (not an attempt)", ["channel", "lane"])
 BACKPRESSURE_PAUSES = Counter("dispatch_backpressure_pauses_total", "Times a worker paused every partition because "

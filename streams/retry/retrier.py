@@ -77,6 +77,7 @@ class Held:
     key: bytes | None = field(compare=False)
     value: bytes | None = field(compare=False)
     headers: dict[str, bytes] = field(compare=False)
+    read_ms: float = field(default=0.0, compare=False)  # when this retrier read it (overdue counts from then at most)
 
     @property
     def size(self) -> int:
@@ -188,8 +189,9 @@ class Retrier:
             log.warning("retry message %s has headers that cannot be read; re-publishing it without them", where)
             headers = {}
         kind, written_ms = msg.timestamp()
-        due = due_time(headers, where, self.clock() * 1000, None if kind == TIMESTAMP_NOT_AVAILABLE else written_ms)
-        held = Held(due, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), headers)
+        now_ms = self.clock() * 1000
+        due = due_time(headers, where, now_ms, None if kind == TIMESTAMP_NOT_AVAILABLE else written_ms)
+        held = Held(due, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), headers, now_ms)
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
         heapq.heappush(self.heap, held)
         self.held_bytes += held.size
@@ -292,7 +294,8 @@ class Retrier:
             tier = self._tier_of.get(h.topic)
             if tier is not None:
                 count, overdue = by_tier[tier]
-                by_tier[tier] = (count + 1, max(overdue, (now_ms - h.due_ms) / 1000))
+                # Due before it was read (due now for want of a due time, or read late): overdue from its reading.
+                by_tier[tier] = (count + 1, max(overdue, (now_ms - max(h.due_ms, h.read_ms)) / 1000))
         for tier, (count, overdue) in by_tier.items():
             metrics.RETRY_HELD.labels(self.cfg.channel, self.cfg.lane, tier).set(count)
             metrics.RETRY_OVERDUE.labels(self.cfg.channel, self.cfg.lane, tier).set(max(0.0, overdue))

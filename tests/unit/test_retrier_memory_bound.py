@@ -169,3 +169,23 @@ def test_released_copies_the_lane_has_not_acknowledged_are_shown_held_and_overdu
     r._metrics()
     assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 0
     assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 0
+
+
+def test_a_copy_without_a_due_time_is_overdue_from_its_reading_not_since_1970():
+    """Given a retry copy with no usable due time (due now: released at once) that the lane has not acknowledged,
+    When the retrier reports its tiers a minute later,
+    Then the tier shows it a minute overdue (before: about 1.8e9 s, counted from a due time of 0)."""
+    now = [1_800_000_000_000]
+    r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1"), clock=lambda: now[0] / 1000)
+    r.consumer.close()
+    r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
+    r.writer = AckedWriter(AcknowledgingProducer(acknowledging=False), "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    r._hold(_Message(tier, 0, 5))  # no headers: due now
+    r._release_due()
+    now[0] += 60_000
+    r._metrics()
+    labels = {"channel": "email", "lane": "marketing", "tier": "10s"}
+    assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 1
+    assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 60
