@@ -407,6 +407,15 @@ def encode(send: Send) -> bytes:
     return orjson.dumps(send.model_dump(mode="json"))
 
 
+def peek_send_id(value: bytes | None) -> bytes:
+    """The send id of an event that may not decode as a send (b"" when it names none): for its dead letter."""
+    try:
+        doc = orjson.loads(value or b"")
+    except orjson.JSONDecodeError:
+        return b""
+    return str(doc.get("send_id", "")).encode() if isinstance(doc, dict) else b""
+
+
 def decode(value: bytes | None) -> Send:
     """Parse an event from a lane topic; raises MalformedEvent(reason) when it cannot be used."""
     if not value:

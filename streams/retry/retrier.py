@@ -40,7 +40,7 @@ from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 from ..outcomes import outcome_event
-from ..send import decode
+from ..send import decode, peek_send_id
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, far_partitions
 
@@ -185,9 +185,10 @@ class Retrier:
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
         try:
             headers = {k: v or b"" for k, v in (msg.headers() or [])}
-        except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8: due now
-            log.warning("retry message %s has headers that cannot be read; re-publishing it without them", where)
-            headers = {}
+        except (UnicodeDecodeError, ValueError, TypeError):  # a header name that is not UTF-8
+            self.tracker.add(msg.topic(), msg.partition(), msg.offset())
+            self._dead_letter_unreadable(msg, where)
+            return
         kind, written_ms = msg.timestamp()
         now_ms = self.clock() * 1000
         due = due_time(headers, where, now_ms, None if kind == TIMESTAMP_NOT_AVAILABLE else written_ms)
@@ -217,6 +218,34 @@ class Retrier:
     def _acknowledged(self, where: tuple[str, int, int]) -> None:
         self.released.pop(where, None)
         self.tracker.finish(*where)
+
+    def _dead_letter_unreadable(self, msg: Any, where: str) -> None:
+        """A copy whose headers cannot be read (no worker writes one): re-published without them, its send's
+        attempt and chain would be lost (the lane worker would take it for a stale first attempt and end it
+        unseen). It is dead-lettered `malformed` with its payload, as a lane worker does such a message."""
+        log.error("retry message %s has headers that cannot be read (a name that is not UTF-8): dead-lettered "
+                  "`malformed`", where)
+        origin = (msg.topic(), msg.partition(), msg.offset())
+        send_id = peek_send_id(msg.value())
+        headers = {"send_id": send_id, "reason": b"malformed", "detail": b"a header name is not UTF-8",
+                   "channel": self.cfg.channel.encode(), "lane": self.cfg.lane.encode(),
+                   "origin_topic": msg.topic().encode(), "origin_partition": str(msg.partition()).encode(),
+                   "origin_offset": str(msg.offset()).encode(), "group": self.cfg.group.encode(),
+                   "dead_lettered_at_ms": str(int(self.clock() * 1000)).encode()}
+        without_payload = {**headers, "reason": b"too_large", "reason_detail": b"malformed",
+                           "payload_omitted": b"too_large"}
+
+        def refused(err: KafkaError) -> None:  # too large for the DLQ: the origin headers say where it still is
+            metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
+            self.writer.write(self.cfg.names.dlq, None, send_id or None, without_payload.items(),
+                              on_ack=lambda: self.tracker.finish(*origin))
+
+        def written() -> None:
+            metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "malformed").inc()
+            self.tracker.finish(*origin)
+
+        self.writer.write(self.cfg.names.dlq, msg.value(), send_id or None, headers.items(), on_ack=written,
+                          on_refused=refused)
 
     def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
         """The lane refused the copy for its size (the header added here took a record written straight to

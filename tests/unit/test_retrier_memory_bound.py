@@ -189,3 +189,40 @@ def test_a_copy_without_a_due_time_is_overdue_from_its_reading_not_since_1970():
     labels = {"channel": "email", "lane": "marketing", "tier": "10s"}
     assert REGISTRY.get_sample_value("dispatch_retry_held_messages", labels) == 1
     assert REGISTRY.get_sample_value("dispatch_retry_overdue_seconds", labels) == 60
+
+
+class RecordingProducer(AcknowledgingProducer):
+    """Acknowledges every record at the next poll, and keeps (topic, value, headers) of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list = []
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        self.records.append((topic, value, dict(headers or [])))
+        super().produce(topic, value, key, headers, on_delivery)
+
+
+class _UnreadableHeaders(_Message):
+    def headers(self):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+def test_a_copy_whose_headers_cannot_be_read_is_dead_lettered_not_sent_on_without_them():
+    """Given a retry record whose header names are not UTF-8 (no worker writes one),
+    When the retrier reads it,
+    Then it is dead-lettered `malformed` with its payload and where it was, and its offset moves on once that is
+    acknowledged (before: it was re-published to the lane without headers, where the worker took it for a stale
+    first attempt and ended it with no dead letter, its send's chain lost unseen)."""
+    r = _retrier(1_800_000_000_000)
+    producer = RecordingProducer()
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    r._hold(_UnreadableHeaders(tier, 0, 9))
+    r._release_due()
+    r.writer.poll(0)
+    [(topic, value, headers)] = producer.records
+    assert topic == r.cfg.names.dlq and value == b"{}" and r.heap == []
+    assert (headers["reason"], headers["origin_topic"], headers["origin_offset"]) == (b"malformed", tier.encode(), b"9")
+    assert r.tracker.committable() == {(tier, 0): 10}
