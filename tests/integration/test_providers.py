@@ -97,6 +97,21 @@ def test_a_401_that_a_fresh_token_does_not_cure_holds_and_alerts_instead_of_usin
     assert "provider_auth_failed" in processes.logs()
 
 
+def _email_worker_with_a_key_refused(channel_topics, limits, processes, mock_provider, refused: str,
+                                     hold_s: int) -> int:
+    """A transactional email worker where acme sends under a Resend key of its own ("re_acme_own_key") and every
+    other tenant under the shared one ("re_test_default"); the provider refuses `refused`. Its metrics port."""
+    channel_topics("email")
+    limits.set_provider("resend", 100, 100)
+    limits.set_tenant("resend", "*", 100, 100)
+    mock_provider.configure(revoked_api_keys=refused)
+    port = free_port()
+    processes.start("worker-email", "worker", "--channel", "email", "--lane", "transactional", "--metrics-port",
+                    str(port), ready="consuming", env={"PROVIDER_AUTH_HOLD_S": str(hold_s), "RESEND_API_KEYS":
+                                                       '{"*": "re_test_default", "acme": "re_acme_own_key"}'})
+    return port
+
+
 def test_a_tenant_key_the_provider_calls_invalid_holds_that_tenant_instead_of_dead_lettering(
         stack, names, channel_topics, limits, processes, send_client, mock_provider):
     """Given tenant acme sending email under its own Resend key, which the provider answers 403 invalid_api_key
@@ -105,14 +120,8 @@ def test_a_tenant_key_the_provider_calls_invalid_holds_that_tenant_instead_of_de
     Then shop's is delivered; acme's is held: counted in dispatch_provider_auth_failures_total (the
     ProviderAuthFailing alert), neither dead-lettered nor put on a retry tier (before: a 403 was `rejected`, and
     the receipt was dead-lettered `permanent_error` at once); once the key works again it is delivered, once."""
-    channel_topics("email")
-    limits.set_provider("resend", 100, 100)
-    limits.set_tenant("resend", "*", 100, 100)
-    mock_provider.configure(revoked_api_keys="re_acme_own_key")
-    port = free_port()
-    processes.start("worker-email", "worker", "--channel", "email", "--lane", "transactional", "--metrics-port",
-                    str(port), ready="consuming", env={"PROVIDER_AUTH_HOLD_S": "2", "RESEND_API_KEYS":
-                                                       '{"*": "re_test_default", "acme": "re_acme_own_key"}'})
+    port = _email_worker_with_a_key_refused(channel_topics, limits, processes, mock_provider, "re_acme_own_key",
+                                            hold_s=2)
     held = send_client.publish("acme", email_request())
     other = send_client.publish("shop", email_request())
     wait_until(lambda: other in mock_provider.stats(deliveries=True)["deliveries"], 30, "shop's receipt")
@@ -135,14 +144,7 @@ def test_the_shared_key_refused_holds_tenants_that_send_afterwards_and_not_those
     Then acme's is delivered while later's is not even tried (before: later's queue, empty at the refusal, sent its
     request into the refusal and held everyone anew); once the key works again shop's and later's are delivered,
     each once, and nothing is dead-lettered."""
-    channel_topics("email")
-    limits.set_provider("resend", 100, 100)
-    limits.set_tenant("resend", "*", 100, 100)
-    mock_provider.configure(revoked_api_keys="re_test_default")
-    port = free_port()
-    processes.start("worker-email", "worker", "--channel", "email", "--lane", "transactional", "--metrics-port",
-                    str(port), ready="consuming", env={"PROVIDER_AUTH_HOLD_S": "8", "RESEND_API_KEYS":
-                                                       '{"*": "re_test_default", "acme": "re_acme_own_key"}'})
+    _email_worker_with_a_key_refused(channel_topics, limits, processes, mock_provider, "re_test_default", hold_s=8)
     first = send_client.publish("shop", email_request())
     wait_until(lambda: mock_provider.stats()["api_keys_refused_403"] >= 1, 30, "the shared key to be refused")
     later = send_client.publish("later", email_request())
