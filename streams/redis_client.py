@@ -95,6 +95,15 @@ def is_cluster(client: redis.Redis | RedisCluster) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def ping_every_master(client: redis.Redis | RedisCluster) -> None:
+    """PING Redis; on a Redis Cluster every master (a plain PING goes to one node, which could answer while the
+    master holding some tenants' keys is down). Raises redis-py's errors."""
+    if is_cluster(client):
+        client.ping(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        client.ping()
+
+
 def is_cluster_url(url: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme in CLUSTER_SCHEMES:

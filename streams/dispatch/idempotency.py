@@ -28,11 +28,10 @@ from typing import Literal
 
 import orjson
 import redis
-from redis.cluster import RedisCluster
 
 from ..errors import StateLost, StoreUnavailable
 from ..names import RedisKeys
-from ..redis_client import is_cluster, load_script, store_errors
+from ..redis_client import is_cluster, load_script, ping_every_master, store_errors
 
 DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
 LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
@@ -110,10 +109,7 @@ class ProcessedJobs:
         """Whether Redis answers (StoreUnavailable if not): on a Redis Cluster, every master (a PING goes to
         one node, which could answer while the master holding some tenants' keys is down)."""
         with store_errors("asking Redis whether it answers"):
-            if is_cluster(self.client):
-                self.client.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                self.client.ping()
+            ping_every_master(self.client)
 
     def status(self, tenant: str, send_ids: list[str]) -> list[str | None]:
         """Per send: None (free), 'delivered', 'inflight:<key>', 'reconcile' or 'tried:<n>'."""

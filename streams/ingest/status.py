@@ -17,7 +17,7 @@ from ..errors import PublishError, StackError, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
 from ..outcomes import ACCEPTED, events_of, unusable, webhook_fields
-from ..redis_client import load_script, store_errors
+from ..redis_client import load_script, ping_every_master, store_errors
 
 if TYPE_CHECKING:
     from ..state.guard import StateGuard
@@ -212,6 +212,11 @@ class StatusStore:
         with store_errors("recording a replay"):
             self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
 
+    def ping(self) -> None:
+        """Whether Redis answers (StoreUnavailable if not), every master of a Redis Cluster."""
+        with store_errors("asking Redis whether it answers"):
+            ping_every_master(self.client)
+
     def get(self, send_id: str) -> dict | None:
         with store_errors("reading a send's status"):
             raw = self.client.hgetall(self.keys.send_status(send_id))
@@ -261,9 +266,23 @@ class OutcomeRecorder:
         self._check_state()
         msgs = consume_ready(self.consumer, 500, 0.2)
         self.backlog.extend(m for m in msgs if not m.error())
-        if self.backlog and self.outage.ready(time.monotonic()):
-            self._record()
+        if self.outage.ready(time.monotonic()):
+            if self.backlog:
+                self._record()
+            elif self.outage.active:
+                self._probe()
         self._down.set(1 if self.outage.active else 0)
+
+    def _probe(self) -> None:
+        """Held with nothing left to record (a rebalance took the partitions of what was kept, or the state check
+        failed on a quiet topic): nothing would ever resume the partitions, nor clear the outage, but this."""
+        try:
+            self.store.ping()
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            return
+        self.outage.recovered(time.monotonic())
+        self.consumer.resume(self.consumer.assignment())
 
     def _check_state(self) -> None:
         """Rebuild operator state by itself if Redis lost its data (statuses keep being recorded)."""
