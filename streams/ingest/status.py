@@ -73,7 +73,7 @@ class StatusStore:
         with store_errors("recording accepted sends"):
             pipe.execute()
 
-    def _accept(self, pipe, send_id: str, fields: dict, created_at_ms: int) -> None:
+    def _accept(self, pipe, send_id: str, fields: dict, created_at_ms: int, ttl_s: int = STATUS_TTL_S) -> None:
         key = self.keys.send_status(send_id)
         if "endpoint_id" in fields:
             index = self.keys.endpoint_deliveries(str(fields["endpoint_id"]), str(fields["tenant_id"]))
@@ -82,12 +82,13 @@ class StatusStore:
         pipe.hset(key, mapping=fields)
         pipe.hsetnx(key, "status", ACCEPTED)
         pipe.hsetnx(key, "attempts", 0)
-        pipe.expire(key, STATUS_TTL_S)
+        pipe.expire(key, ttl_s)
 
-    def record_outcome(self, event: dict) -> None:
+    def record_outcome(self, event: dict, ttl_s: int = STATUS_TTL_S) -> None:
         """Apply an outcome event (at least once: applying one twice changes nothing). A final status
         is never replaced by an intermediate one that arrives late. Raises UnusableOutcome, before
-        writing anything, for an event with a field of the wrong type."""
+        writing anything, for an event with a field of the wrong type. The send's status and attempts
+        are kept `ttl_s` from now (less than 30 days for an old event applied again by a recovery)."""
         problem = unusable(event)
         if problem:
             raise UnusableOutcome(problem)
@@ -96,7 +97,7 @@ class StatusStore:
             fields = {k: event[k] for k in ("tenant_id", "channel", "lane", "accepted_at_ms", "replay_of")
                       if event.get(k)}
             pipe = self.client.pipeline(transaction=False)
-            self._accept(pipe, send_id, fields, event.get("created_at_ms") or 0)
+            self._accept(pipe, send_id, fields, event.get("created_at_ms") or 0, ttl_s)
             self._note_replay(pipe, event)
             with store_errors("recording an accepted send"):
                 pipe.execute()
@@ -124,7 +125,7 @@ class StatusStore:
             pipe = self.client.pipeline(transaction=False)
             if attempt is not None:
                 pipe.hset(attempts_key, str(event["attempt"].get("n")), attempt)
-                pipe.expire(attempts_key, STATUS_TTL_S)
+                pipe.expire(attempts_key, ttl_s)
             if event.get("endpoint_id"):  # a webhook delivery: listed under its endpoint, 30 days
                 index = self.keys.endpoint_deliveries(event["endpoint_id"], event["tenant_id"])
                 created = int(event.get("created_at_ms") or event.get("completed_at_ms") or 0)
@@ -134,7 +135,7 @@ class StatusStore:
                 fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
                 if event["status"].encode() in FINAL:  # no longer part of the endpoint's backlog
                     pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
-            self._record_status(keys=[key], args=[event["status"], STATUS_TTL_S,
+            self._record_status(keys=[key], args=[event["status"], ttl_s,
                                                   *(x for kv in fields.items() for x in kv)], client=pipe)
             self._note_replay(pipe, event)
             pipe.execute()

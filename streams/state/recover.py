@@ -35,7 +35,7 @@ from confluent_kafka import Consumer, Message, TopicPartition
 
 from ..dispatch.idempotency import DELIVERED_TTL_S, ProcessedJobs
 from ..errors import StackError, StoreUnavailable
-from ..ingest.status import StatusStore, UnusableOutcome, skip_outcome
+from ..ingest.status import STATUS_TTL_S, StatusStore, UnusableOutcome, skip_outcome
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import events_of, unidentified
@@ -157,8 +157,13 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             marked = f" (its {mark} mark is rebuilt)"
         if isinstance(event.get("replay_of"), str) and event["replay_of"]:
             replays.setdefault(event["replay_of"], (event["send_id"], event["tenant_id"]))
+        # A status is kept 30 days from its send's last event, as when it was first recorded: not 30 more days
+        # from the recovery for every status rebuilt at once (Redis sized for 30 days would hold up to twice that).
+        status_left_s = STATUS_TTL_S - (now_ms - completed) / 1000
+        if status_left_s <= 0:
+            return
         try:
-            store.record_outcome(event)
+            store.record_outcome(event, ttl_s=max(1, int(status_left_s)))
         except UnusableOutcome as exc:  # the outcome recorder skips it too
             skip(msg, f"{exc}{marked}")
         else:

@@ -269,3 +269,31 @@ def test_a_recover_run_that_stops_half_way_leaves_no_markers_behind(
         recover(stack.bootstrap, redis_client, names, keys, oplog)
     assert redis_client.get(keys.epoch) is None
     assert redis_client.keys(f"{namespace}dr:recovering*") == []
+
+
+def test_recover_keeps_each_status_30_days_from_its_sends_last_event_not_from_the_recovery(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client):
+    """Given notif.outcomes holding a send delivered 29 days ago (with its attempt), one delivered now, and one
+    delivered 31 days ago (its segment not deleted yet),
+    When `streams state recover` runs after Redis lost its data,
+    Then the first's status and attempts are kept about one more day, the second's 30 days, and the third's are not
+    rebuilt (before: every rebuilt status was kept 30 days from the recovery, so for a month Redis, sized for 30 days
+    of statuses, held up to twice as many, and GET /v1/sends showed sends older than its documented 30 days)."""
+    channel_topics("email")
+    now_ms = int(time.time() * 1000)
+    day_ms = 24 * 3600 * 1000
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for send_id, completed in (("s-29d", now_ms - 29 * day_ms), ("s-now", now_ms), ("s-31d", now_ms - 31 * day_ms)):
+        event = {**_delivered(send_id, completed), "attempt": {"n": 1, "outcome": "delivered"}}
+        producer.produce(names.outcomes, orjson.dumps(event), key=send_id.encode(), partition=0)
+    assert producer.flush(10) == 0
+    keys = RedisKeys(namespace)
+
+    recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
+
+    def days_left(key: str) -> float:
+        return redis_client.ttl(key) / 86400
+
+    assert 0.9 < days_left(keys.send_status("s-29d")) <= 1.0 and 0.9 < days_left(keys.send_attempts("s-29d")) <= 1.0
+    assert 29.9 < days_left(keys.send_status("s-now")) <= 30.0
+    assert not redis_client.exists(keys.send_status("s-31d"))
