@@ -461,6 +461,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         accepted, sends, skipped, origins, charged = await run_in_threadpool(prepare, tenant_id, requests, batch,
                                                                              key, claim)
         records = client.records(sends) + skipped_records(client.names, skipped)  # each checked by `prepare`
+        deliveries = [s for s in sends if s.channel == "webhook"]
+        if webhooks is not None and deliveries:
+            await run_in_threadpool(webhooks.enqueued, deliveries)  # before they can be delivered: see `enqueued`
         fair = tenant_batches.setdefault(tenant_id, asyncio.Semaphore(TENANT_BATCHES)) if len(records) > 1 else None
         try:
             # A tenant's batches queue for their turn before taking one of the process's in-flight
@@ -476,6 +479,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             if charged and published_nothing(exc):
                 # Refused whole: the request is charged nothing (its retry would be charged again).
                 await run_in_threadpool(give_back, tenant_id, key, claim, sends)
+            if webhooks is not None and deliveries and published_nothing(exc):
+                await run_in_threadpool(webhooks.withdrawn, deliveries)
             if isinstance(exc, RecordTooLarge):
                 i = origins[exc.index]
                 raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
@@ -527,8 +532,6 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             log.warning("published %d sends, but recording them failed (%s); their statuses follow from their "
                         "outcomes as they are dispatched (or, skipped, as the outcome recorder reads them)",
                         len(sends) + len(skipped), exc)
-        if webhooks is not None:
-            webhooks.enqueued([s for s in sends if s.channel == "webhook"])  # a failure is logged there
 
     async def canonical(request: Request) -> object:
         """The body as the events read JSON (what an Idempotency-Key's body is compared on)."""

@@ -10,8 +10,10 @@ attempt). A count alone would shed a healthy endpoint draining a burst; an age a
 straggler.
 
 The backlog is a Redis sorted set per endpoint (delivery id -> creation time): ingest adds each
-delivery it enqueues, the outcome recorder removes it when it finishes (delivered, dropped,
-skipped). An entry whose outcome never came is forgotten after 3 days, longer than any delivery
+delivery it enqueues before publishing it (after, the outcome recorder could remove a delivery
+delivered meanwhile before it was added, leaving it counted for days) and takes it out again if the
+broker refuses the publish whole; the outcome recorder removes it when it finishes (delivered,
+dropped, skipped). An entry whose outcome never came is forgotten after 3 days, longer than any delivery
 lives (the webhook policy's max_age is 2 days).
 """
 
@@ -51,5 +53,13 @@ class EndpointBacklog:
             pipe.zadd(key, {d.send_id: d.created_at_ms})
             pipe.zremrangebyscore(key, 0, now_ms - FORGET_AFTER_MS)
             pipe.pexpire(key, FORGET_AFTER_MS)
+        with store_errors("recording endpoint backlogs"):
+            pipe.execute()
+
+    def withdrawn(self, deliveries: list[Send]) -> None:
+        """Deliveries counted, then not published after all."""
+        pipe = self.client.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.zrem(self.keys.endpoint_backlog(d.payload["endpoint_id"]), d.send_id)
         with store_errors("recording endpoint backlogs"):
             pipe.execute()

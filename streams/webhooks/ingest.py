@@ -95,12 +95,26 @@ class WebhookIngest:
         return enqueue, skipped
 
     def enqueued(self, deliveries: list[Send]) -> None:
-        """Count them in their endpoints' backlogs. They are published already: a Redis failure here
-        only leaves the backlog short (shedding starts later), so it is logged, not raised."""
+        """Count them in their endpoints' backlogs, before they are published (a delivery published first
+        could be delivered, and removed by the outcome recorder, before it was counted: then it stayed
+        counted for days). A Redis failure here only leaves the backlog short (shedding starts later), so
+        it is logged, not raised."""
+        if not deliveries:
+            return
         try:
             self.backlog.enqueued(deliveries, int(time.time() * 1000))
         except StoreUnavailable as exc:
             log.warning("endpoint backlogs not updated for %d deliveries: %s", len(deliveries), exc)
+
+    def withdrawn(self, deliveries: list[Send]) -> None:
+        """Counted, then refused whole by the broker: out of the backlogs again (best effort, as above)."""
+        if not deliveries:
+            return
+        try:
+            self.backlog.withdrawn(deliveries)
+        except StoreUnavailable as exc:
+            log.warning("endpoint backlogs keep %d deliveries that were not published (forgotten after 3 days): %s",
+                        len(deliveries), exc)
 
     # A reactivation is two steps: `set_active`, then `reset_health`. When the second fails, the first stands (a
     # 410's disable is lifted; an endpoint whose health is degraded stays so until the health app reads a reset):
