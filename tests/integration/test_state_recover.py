@@ -139,8 +139,8 @@ def test_recover_does_not_end_the_hold_when_redis_loses_its_data_again_meanwhile
     keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
     record, lost = StatusStore.record_outcome, []
 
-    def losing_data_once(store, event):
-        record(store, event)
+    def losing_data_once(store, event, **how):
+        record(store, event, **how)
         if not lost:
             lost.append(redis_client.delete(*redis_client.keys(f"{namespace}*")))
 
@@ -174,8 +174,8 @@ def test_two_recover_runs_at_once_both_end_without_a_false_alarm(
     keys, oplog = _one_delivered_event(stack, names, namespace, oplog_topic)
     record, runs = StatusStore.record_outcome, []
 
-    def a_second_run_alongside(store, event):
-        record(store, event)
+    def a_second_run_alongside(store, event, **how):
+        record(store, event, **how)
         if not runs:
             runs.append("second")
             runs.append(recover(stack.bootstrap, redis_client, names, keys, oplog))
@@ -261,7 +261,7 @@ def test_a_recover_run_that_stops_half_way_leaves_no_markers_behind(
     channel_topics("email")
     keys, oplog = _one_delivered_event(stack, names, namespace, oplog_topic)
 
-    def interrupted(store, event):
+    def interrupted(store, event, **how):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(StatusStore, "record_outcome", interrupted)
