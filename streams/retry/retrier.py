@@ -219,6 +219,13 @@ class Retrier:
         self.released.pop(where, None)
         self.tracker.finish(*where)
 
+    def _letter_headers(self, origin: tuple[str, int, int], now_ms: int) -> dict[str, bytes]:
+        """What every dead letter of this retrier says of where it comes from: its lane, the retry record, when."""
+        topic, partition, offset = origin
+        return {"channel": self.cfg.channel.encode(), "lane": self.cfg.lane.encode(), "origin_topic": topic.encode(),
+                "origin_partition": str(partition).encode(), "origin_offset": str(offset).encode(),
+                "group": self.cfg.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()}
+
     def _dead_letter_unreadable(self, msg: Any, where: str) -> None:
         """A copy whose headers cannot be read (no worker writes one): re-published without them, its send's
         attempt and chain would be lost (the lane worker would take it for a stale first attempt and end it
@@ -228,10 +235,7 @@ class Retrier:
         origin = (msg.topic(), msg.partition(), msg.offset())
         send_id = peek_send_id(msg.value())
         headers = {"send_id": send_id, "reason": b"malformed", "detail": b"a header name is not UTF-8",
-                   "channel": self.cfg.channel.encode(), "lane": self.cfg.lane.encode(),
-                   "origin_topic": msg.topic().encode(), "origin_partition": str(msg.partition()).encode(),
-                   "origin_offset": str(msg.offset()).encode(), "group": self.cfg.group.encode(),
-                   "dead_lettered_at_ms": str(int(self.clock() * 1000)).encode()}
+                   **self._letter_headers(origin, int(self.clock() * 1000))}
         without_payload = {**headers, "reason": b"too_large", "reason_detail": b"malformed",
                            "payload_omitted": b"too_large"}
 
@@ -256,11 +260,8 @@ class Retrier:
         self.released.pop(where, None)
         headers = {k: v[:1000] for k, v in held.headers.items() if k in OWN_DLQ_HEADERS}
         headers.update({"reason": b"too_large", "reason_detail": b"lane_copy_too_large",
-                        "attempts": str(attempts_made(held)).encode(),
-                        "payload_omitted": b"too_large", "channel": self.cfg.channel.encode(),
-                        "lane": self.cfg.lane.encode(), "origin_topic": held.topic.encode(),
-                        "origin_partition": str(held.partition).encode(), "origin_offset": str(held.offset).encode(),
-                        "group": self.cfg.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()})
+                        "attempts": str(attempts_made(held)).encode(), "payload_omitted": b"too_large",
+                        **self._letter_headers(where, now_ms)})
         metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
         self.writer.write(self.cfg.names.dlq, None, held.headers.get("send_id") or None, headers.items(),
                           on_written=lambda partition, offset: self._dead_lettered(held, now_ms, partition, offset))

@@ -99,8 +99,6 @@ class WebhookIngest:
         could be delivered, and removed by the outcome recorder, before it was counted: then it stayed
         counted for days). A Redis failure here only leaves the backlog short (shedding starts later), so
         it is logged, not raised."""
-        if not deliveries:
-            return
         try:
             self.backlog.enqueued(deliveries, int(time.time() * 1000))
         except StoreUnavailable as exc:
@@ -108,8 +106,6 @@ class WebhookIngest:
 
     def withdrawn(self, deliveries: list[Send]) -> None:
         """Counted, then refused whole by the broker: out of the backlogs again (best effort, as above)."""
-        if not deliveries:
-            return
         try:
             self.backlog.withdrawn(deliveries)
         except StoreUnavailable as exc:
