@@ -66,6 +66,8 @@ PAUSED_PARTITIONS = Gauge("dispatch_worker_paused_partitions", "Assigned partiti
 ASSIGNED_PARTITIONS = Gauge("dispatch_worker_assigned_partitions", "Partitions assigned to a worker",
                             ["channel", "lane"])
 INGESTED = Counter("dispatch_ingest_sends_total", "Sends accepted by the ingest API", ["channel", "lane"])
+INGEST_ACCEPTED_REQUESTS = Counter("dispatch_ingest_accepted_requests_total", "Requests whose sends the ingest API "
+                                   "published (a batch counts once), to compare with the requests it refused")
 INGEST_TRANSACTION_SECONDS = Histogram("dispatch_ingest_transaction_seconds", "Time to publish a multi-record "
                                        "request in one producer transaction", buckets=_LATENCY)
 INGEST_IN_FLIGHT = Gauge("dispatch_ingest_in_flight_requests", "Ingest requests being published right now")

@@ -488,6 +488,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             raise
         # Any other PublishError: answered 503 by `_broker`, without the broker's error text.
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])
+        metrics.INGEST_ACCEPTED_REQUESTS.inc()
         for s in sends:
             metrics.INGESTED.labels(s.channel, s.lane).inc()
         for _, reason in skipped:

@@ -180,9 +180,11 @@ def test_status_follows_the_outcome(api, processes, limits, mock_provider):
 def test_api_serves_metrics(api):
     """Given the ingest API,
     When one authenticated transactional email and one send without a key are posted,
-    Then /metrics/ counts 1 ingested send on the email transactional lane and a rejection with status 401."""
+    Then /metrics/ counts 1 ingested send on the email transactional lane, 1 accepted request and a rejection with
+    status 401."""
     api.post("/v1/sends", json=email_request(), headers=api.tenant_a)
     api.post("/v1/sends", json=email_request())  # 401
     text = api.get("/metrics/").text
     assert 'dispatch_ingest_sends_total{channel="email",lane="transactional"} 1.0' in text
+    assert "dispatch_ingest_accepted_requests_total 1.0" in text
     assert 'dispatch_ingest_rejected_total{status="401"}' in text
