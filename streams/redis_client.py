@@ -18,8 +18,10 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.exceptions import NoScriptError, RedisClusterException
+from redis.exceptions import AskError, MovedError, NoScriptError, RedisClusterException, TryAgainError
+from redis.retry import Retry
 
 from .errors import StoreUnavailable
 
@@ -172,12 +174,20 @@ class ClusterClient(RedisCluster):
       cannot load scripts on the nodes first), so a pipelined script is sent as EVAL with its
       source (Redis caches it); outside pipelines, EVALSHA with EVAL as the fallback on NOSCRIPT
       (a failed-over or restarted node has an empty script cache);
-    - MGET works in pipelines (redis-py refuses it there; the project's MGETs have one hash tag).
+    - MGET works in pipelines (redis-py refuses it there; the project's MGETs have one hash tag);
+    - a call whose connection fails or whose reply does not come in time is not sent again (redis-py
+      would, 10 times over, for a pipeline's every command on that node, the answered ones too): it may
+      have run, and a bucket debit, a refund or a claim run twice is a wrong count or a claim found
+      busy. The caller fails closed and tries again later, as with a single Redis (whose connections do
+      not retry either); the slot map is read again first. Redirections (MOVED, ASK, TRYAGAIN: the
+      node did not run the command) are followed as before. So a master that stops answering costs a
+      call one socket timeout (5 s), not ten.
     """
 
     pipeline_class: type[ClusterClientPipeline]  # set below the pipeline's class
 
     def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("retry", Retry(NoBackoff(), 0))  # a call is sent once (above)
         super().__init__(*args, **kwargs)
         self.scripts: dict[str, str | bytes] = {}  # sha1 -> source, for EVAL
 
@@ -240,10 +250,33 @@ class ClusterClientPipeline(ClusterPipeline):
         return self.execute_command("MGET", *names, *args)
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
+        stack = sorted(self._execution_strategy.command_queue, key=lambda c: c.position)
         try:
-            return super().execute(raise_on_error)
+            if not stack:
+                return []
+            replies = self.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
         except RedisClusterException as exc:
             raise ClusterUnavailable(f"Redis Cluster: {exc}") from exc
+        finally:
+            self.reset()
+        unanswered = False
+        for i, command in enumerate(stack):
+            if isinstance(replies[i], (MovedError, AskError, TryAgainError)):  # not run there: run it where it is
+                try:
+                    replies[i] = self.parent_execute_command(*command.args, **command.options)
+                except redis.RedisError as exc:
+                    replies[i] = exc
+            unanswered |= isinstance(replies[i], (redis.ConnectionError, redis.TimeoutError))
+        if unanswered:  # as redis-py does after a single command's: a failed-over master's slots move
+            try:
+                self.nodes_manager.initialize()
+            except (RedisClusterException, redis.RedisError):
+                pass  # no node answers: the caller holds, and the next call reads the map again
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
 
 
 ClusterClient.pipeline_class = ClusterClientPipeline

@@ -4,9 +4,11 @@ single Redis, and a master that goes down fails closed until it is back, its dat
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -400,6 +402,53 @@ def test_a_master_that_goes_down_fails_closed_and_comes_back_with_its_data(healt
     assert gate.acquire(victim_provider, tenant, 1).allowed
     assert gate.acquire(other_provider, tenant, 1).allowed
     assert jobs.status(tenant, [f"{tenant}-1"]) == ["inflight:send-1"]
+
+
+def test_a_master_that_stops_answering_fails_a_call_in_one_timeout_and_runs_it_once(healthy_redis_cluster):
+    """Given a provider whose keys live on one master, and three tenants with 100 tokens each (refilling a token in
+    100 s),
+    When that master stops answering (SIGSTOP, as a host cut off) while the gate debits 30 tokens: of one tenant
+    in a call of its own, of the second in a round of two (one pipeline, as dispatch asks), and the master answers
+    again 6 s after each stop (SIGCONT),
+    Then each call fails closed within one socket timeout and a slot-map read (under 12 s; redis-py's ten retries
+    took 55 s a call), and no debit ran twice: each tenant has 70 tokens or more left (100 if the master dropped the
+    call with its closed connection, 70 if it ran it once; a second run of the script would leave 40)."""
+    rc = healthy_redis_cluster
+    client = connect(rc.url)
+    ns = f"s{uuid.uuid4().hex[:8]}."
+    provider = pick_names(client, lambda p: f"{ns}dr:{{{p}}}:limits", [f"prov{i}" for i in range(40)])[0]
+    victim = client.get_node_from_key(f"{ns}dr:{{{provider}}}:limits")
+    limits = LimitStore(client, ns)
+    limits.set_provider(provider, 1000, 1000)
+    limits.set_tenant(provider, "*", 0.01, 100)
+    gate = RedisGate(client, ns)
+    pid = rc.procs[victim.port - rc.base_port + 1].pid()
+
+    def stalled(call) -> float:
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(6.0, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        started = time.monotonic()
+        try:
+            call()
+        finally:
+            elapsed = time.monotonic() - started
+            resume.join()
+        return elapsed
+
+    def single() -> None:
+        with pytest.raises(GateUnavailable, match="failing closed"):
+            gate.acquire(provider, "alone", 30)
+
+    def round_of_two() -> None:
+        with pytest.raises(GateUnavailable, match="failing closed"):
+            gate.acquire_many([(provider, "first", 30, False), (provider, "second", 30, False)])
+
+    assert stalled(single) < 12.0
+    assert stalled(round_of_two) < 12.0
+    rc.wait_ok()
+    for tenant in ("alone", "first", "second"):
+        assert gate.acquire(provider, tenant, 70).allowed, f"{tenant}'s debit ran twice"
 
 
 def test_a_master_that_loses_its_data_holds_dispatch_though_the_epoch_lives_on_another(healthy_redis_cluster, stack,
