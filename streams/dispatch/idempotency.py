@@ -143,7 +143,7 @@ class ProcessedJobs:
         if lost_in:
             lost = f"Redis lost the data of tenant {lost_in[0]}'s slot (no epoch marker there)"
             try:
-                self._release_many([c for c, r in zip(claims, replies, strict=True) if r == []])
+                self.release_unsent([c for c, r in zip(claims, replies, strict=True) if r == []])
             except StoreUnavailable as exc:
                 raise StateLost(f"{lost}; claims made in other slots could not all be released") from exc
             raise StateLost(f"{lost}; nothing was claimed there")
@@ -153,13 +153,17 @@ class ProcessedJobs:
         marker = self.keys.tenant_epoch_marker(c.tenant) if self._cluster else self.keys.epoch
         return self._request_keys(c.tenant, c.key, c.send_ids) + [marker]
 
-    def _release_many(self, claims: list[Claim]) -> None:
+    def release_unsent(self, claims: list[Claim]) -> None:
+        """Claims whose request was never sent (one whose claim's answer was lost may not have been made at
+        all): each send back to what it was before, free or, on its attempt n+1, `tried:<n>` (release.lua;
+        another worker's claim under the same key is left alone)."""
         if not claims:
             return
         pipe = self.client.pipeline(transaction=False)
         for c in claims:
-            self._release(keys=self._request_keys(c.tenant, c.key, c.send_ids), args=[f"inflight:{c.key}", c.owner],
-                          client=pipe)
+            earlier = orjson.dumps([c.attempts.get(s, 1) - 1 for s in c.send_ids]).decode() if c.attempts else ""
+            self._release(keys=self._request_keys(c.tenant, c.key, c.send_ids),
+                          args=[f"inflight:{c.key}", c.owner, earlier, self.claim_ttl_ms], client=pipe)
         with store_errors("releasing claims"):
             pipe.execute()
 

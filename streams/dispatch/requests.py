@@ -146,6 +146,7 @@ class Dispatcher:
         self.queue_caps: dict[str, int] = {}
         self.attempt_s: dict[str, float] = {}  # a capped queue's recent attempt time, smoothed (seconds)
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
+        self._unsent_claims: list[Claim] = []  # made, or maybe made (the answer was lost), and never sent
         self._next_refresh = 0.0
 
     def dispatch(self) -> None:
@@ -154,6 +155,13 @@ class Dispatcher:
         in one, and claims in one, instead of three round trips per request."""
         if not self.outage.ready(time.monotonic()):
             return
+        if self._unsent_claims:  # before any round reads those sends again
+            try:
+                self.jobs.release_unsent(self._unsent_claims)
+            except StoreUnavailable as exc:
+                self.outage.failed(time.monotonic(), exc)
+                return
+            self._unsent_claims = []
         self.routes.refresh_pacing()
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
@@ -402,7 +410,14 @@ class Dispatcher:
         draws = built
         if not draws:
             return sent
-        answers = self.jobs.claim_many(claims)
+        try:
+            answers = self.jobs.claim_many(claims)
+        except StoreUnavailable:
+            # The answer may be lost after the claims were made: released before the next round, as never sent.
+            # Left claimed, their sends would read as another request in flight, wait out its lease, and be
+            # taken over as possibly sent (no fallback provider; reconciliation at one without idempotency keys).
+            self._unsent_claims.extend(claims)
+            raise
         stamp = wall_ms()
         for draw, claim, busy in zip(draws, claims, answers, strict=True):
             if not busy:

@@ -254,7 +254,7 @@ def test_a_claim_that_finds_no_epoch_writes_nothing_so_no_failed_release_can_lea
         if claims:
             raise StoreUnavailable("releasing claims: connection refused")
 
-    monkeypatch.setattr(jobs, "_release_many", release_fails)
+    monkeypatch.setattr(jobs, "release_unsent", release_fails)
     with pytest.raises(StateLost):
         jobs.claim_many([Claim("acme", "send-s1", ("s1",), "worker-a", "/emails", b"one"),
                          Claim("acme", "batch-x", ("s2", "s3"), "worker-a", "/emails/batch", b"two")])
@@ -325,6 +325,23 @@ def test_a_release_keeps_the_mark_of_the_attempt_before(redis_client, namespace)
     assert jobs.claim(["s1", "s2"], "batch-x", "w", "/emails/batch", b"b", "acme") == []
     jobs.release("acme", ["s1", "s2"], "batch-x", "w", earlier={"s1": 1, "s2": 0})
     assert jobs.status("acme", ["s1", "s2"]) == ["tried:1", None]
+
+
+def test_claims_never_sent_go_back_to_what_they_were_and_leave_another_workers_claim_alone(redis_client, namespace):
+    """Given s1 marked tried:2, claimed with s2 (its first attempt) in batch K for s1's attempt 3 by worker A, and
+    batch L claimed by worker B,
+    When A releases the claims it never sent (K, and L as if its own claim of L had been made: a claim whose
+    answer was lost is released without knowing whether it was),
+    Then s1 is tried:2 again and s2 free, K's lease and record are gone, and B's claim of L stands."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    keys = RedisKeys(namespace)
+    jobs.mark_tried_many([("acme", "s1", 2)])
+    k = Claim("acme", idempotency_key(["s1", "s2"]), ("s1", "s2"), "worker-a", "/emails/batch", b"k", "", {"s1": 3})
+    l_of_b = Claim("acme", idempotency_key(["s3"]), ("s3",), "worker-b", "/emails", b"l")
+    assert jobs.claim_many([k, l_of_b]) == [[], []]
+    jobs.release_unsent([k, Claim("acme", l_of_b.key, ("s3",), "worker-a", "/emails", b"l")])
+    assert jobs.status("acme", ["s1", "s2", "s3"]) == ["tried:2", None, f"inflight:{l_of_b.key}"]
+    assert not redis_client.exists(keys.lease("acme", k.key), keys.request("acme", k.key))
 
 
 def test_a_request_remembers_the_attempt_it_carries_each_send_on(redis_client, namespace):

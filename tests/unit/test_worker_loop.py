@@ -175,6 +175,11 @@ class FakeJobs:
             else:
                 self.state.pop(s, None)
 
+    def release_unsent(self, claims):
+        for c in claims:
+            if all(self.state.get(s) == f"inflight:{c.key}" for s in c.send_ids):
+                self.release(c.tenant, c.send_ids, c.key, c.owner, {s: n - 1 for s, n in c.attempts.items()})
+
     def mark_tried_many(self, tried):
         for _, s, n in tried:
             state = self.state.get(s)
@@ -381,6 +386,38 @@ def test_redis_failing_mid_dispatch_holds_the_work_and_resumes(methods):
         assert len(provider.sent) == 3 and len(producer.records[NAMES.outcomes]) == 3
     else:
         assert len(producer.records[NAMES.dlq]) == 3
+
+
+class LostClaimAnswerJobs(FakeJobs):
+    """processed_jobs whose first claim is made but whose answer is lost (Redis's reply timed out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = 1
+
+    def claim_many(self, claims):
+        answers = super().claim_many(claims)
+        if self.lost:
+            self.lost -= 1
+            raise StoreUnavailable("claiming sends: Timeout reading from socket (test)")
+        return answers
+
+
+def test_a_claim_whose_answer_was_lost_is_released_and_sent_as_new_not_as_maybe_sent():
+    """Given a provider without idempotency keys, and Redis whose answer to a round's claim is lost after the
+    claims were made,
+    When the worker holds and dispatches again,
+    Then it releases those claims first (it never sent them) and sends each send once, as a fresh request: none
+    is left waiting on its own lease, taken over as possibly sent or sent to reconciliation."""
+    sends, msgs = _messages(["acme", "globex"])
+    jobs = LostClaimAnswerJobs()
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False)
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0  # no waiting between attempts in a unit test
+    _run(worker, steps=100)
+    assert jobs.lost == 0
+    assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
+    assert {jobs.state[s.send_id] for s in sends} == {"delivered"}
+    assert NAMES.dlq not in producer.records and consumer.stored[(TOPIC, 0)] == 2
 
 
 @pytest.mark.parametrize("answer, then", [
