@@ -319,6 +319,11 @@ class EndpointStore:
         """Disabled because `url` answered 410 Gone, unless the endpoint has another URL by now (the tenant
         moved it while that delivery was on its way: the answer speaks for the old URL only)."""
         reason = "the receiver answered 410 Gone"
+        current = self.get(tenant, endpoint_id)
+        if current is None or current.url != url or current.state == "disabled":
+            # Nothing to change: answered from one Redis read, without the log write a change ends with (the
+            # worker asks on its poll thread, once for each of the endpoint's deliveries that were in flight).
+            return current
         return self._change(tenant, endpoint_id, lambda ep: replace(ep, state="disabled", state_reason=reason)
                             if ep.url == url else ep)
 

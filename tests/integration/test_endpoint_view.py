@@ -312,6 +312,22 @@ def test_a_410_disables_the_url_that_answered_it_only(redis_client, namespace):
     assert store.get("acme", ep.id).state == "disabled"
 
 
+def test_the_410s_of_deliveries_in_flight_together_disable_the_endpoint_once(redis_client, namespace):
+    """Given an endpoint with several deliveries in flight whose receiver starts answering 410 Gone,
+    When the worker (on its poll thread) asks to disable it for each 410 in turn,
+    Then the first disables it, with its operator-log write; the others find it disabled in one Redis read and
+    write nothing (before, each wrote the log again and waited for the broker's acknowledgement)."""
+    policy = UrlPolicy(require_https=False, allow=frozenset({"127.0.0.1"}))
+    log = OrderedLog()
+    store = EndpointStore(redis_client, namespace, log, policy, system_resolver)
+    ep, _ = store.create("acme", "http://127.0.0.1:9/hooks/gone", ["*"])
+    assert store.disable_gone("acme", ep.id, ep.url).state == "disabled"
+    written = len(log.puts)
+    for _ in range(5):
+        assert store.disable_gone("acme", ep.id, ep.url).state == "disabled"
+    assert len(log.puts) == written and log.last(f"endpoint/{ep.id}")["state"] == "disabled"
+
+
 def test_reseal_moves_every_secret_under_the_first_key(redis_client, namespace):
     """Given an endpoint created before keys were set (its secret in the clear) and one sealed under key `old`,
     When the operator lists a new key first (`new,old`) and re-seals the tenant,
