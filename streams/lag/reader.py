@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from ..errors import StackError
 from ..kafka_client import client_config
@@ -26,6 +26,7 @@ from .yield_policy import LagReading
 
 TIMEOUT_S = 5.0
 PARTITIONS_TTL_S = 60.0
+PEEK_S = 1.0  # how long a read waits for the waiting messages' heads (their timestamps give the lag's age)
 log = logging.getLogger("streams.lag")
 
 
@@ -35,7 +36,7 @@ class LagReader:
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
             "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-            "fetch.wait.max.ms": 10}))
+            "fetch.wait.max.ms": 10, "enable.partition.eof": True}))
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
     def _consumer(self, group: str) -> Consumer:
@@ -92,17 +93,30 @@ class LagReader:
         return LagReading(lag, lag_s, now_ms, source)
 
     def _oldest_timestamp(self, heads: list[TopicPartition]) -> int | None:
-        """Timestamp of the oldest message among the partitions' first unconsumed ones."""
+        """Timestamp of the oldest message among the partitions' first unconsumed ones. A partition whose end
+        is reached without a message (only a transaction's marker was left, or an open transaction's records
+        no worker can read yet) has none. StackError when no head could be fetched in time: the age is then
+        unknown, not 0 (which would let marketing run while OTPs wait)."""
         if not heads:
             return None
         self.peeker.assign(heads)
         found: dict[int, int] = {}
-        deadline = time.monotonic() + 1.0
-        while len(found) < len(heads) and time.monotonic() < deadline:
-            for m in self.peeker.consume(num_messages=len(heads) * 4, timeout=0.1):
-                if not m.error() and m.partition() not in found:
-                    found[m.partition()] = m.timestamp()[1]
-        self.peeker.unassign()
+        ended: set[int] = set()
+        deadline = time.monotonic() + PEEK_S
+        try:
+            while len(found) + len(ended) < len(heads) and time.monotonic() < deadline:
+                for m in self.peeker.consume(num_messages=len(heads) * 4, timeout=0.1):
+                    if m.partition() in found:
+                        continue
+                    if not m.error():
+                        found[m.partition()] = m.timestamp()[1]
+                    elif m.error().code() == KafkaError._PARTITION_EOF:
+                        ended.add(m.partition())
+        finally:
+            self.peeker.unassign()
+        if not found and len(ended) < len(heads):
+            raise StackError(f"cannot read the age of the lag: no waiting message of {heads[0].topic} could be "
+                             f"fetched within {PEEK_S:g} s")
         return min(found.values()) if found else None
 
     def close(self) -> None:

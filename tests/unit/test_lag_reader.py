@@ -4,6 +4,10 @@ nobody foresaw, and partitions added to the transactional lane at run time."""
 import time
 from types import SimpleNamespace
 
+import pytest
+from confluent_kafka import KafkaError
+
+from streams.errors import StackError
 from streams.lag import reader
 from streams.lag.reader import BackgroundLagRead, LagReader
 from streams.lag.yield_policy import LagReading
@@ -81,3 +85,57 @@ def test_a_failed_relisting_keeps_the_partitions_known(monkeypatch):
     assert lister.partitions("lane") == [0, 1] and len(asked) == 2
     monkeypatch.setattr(reader, "PARTITIONS_TTL_S", 60.0)
     assert lister.partitions("lane") == [0, 1] and len(asked) == 2
+
+
+class Event:
+    """What a peeking consumer returns: a message of a partition, or the end of it (PARTITION_EOF)."""
+
+    def __init__(self, partition: int, ts_ms: int | None = None):
+        self._partition, self._ts = partition, ts_ms
+
+    def partition(self):
+        return self._partition
+
+    def error(self):
+        return None if self._ts is not None else KafkaError(KafkaError._PARTITION_EOF)
+
+    def timestamp(self):
+        return (1, self._ts)
+
+
+def _reader_peeking(events: list[Event]) -> LagReader:
+    """A reader of a lane of two partitions, each with 5 messages waiting, whose peeks return `events` once."""
+    lag = LagReader("127.0.0.1:9")
+    lag.peeker.close()
+    batches = [events]
+    lag.peeker = SimpleNamespace(assign=lambda heads: None, unassign=lambda: None, close=lambda: None,
+                                 consume=lambda num_messages, timeout: batches.pop() if batches else [])
+    lag.positions = lambda group, topic: {0: (0, 5), 1: (3, 8)}
+    return lag
+
+
+def test_a_lag_whose_waiting_messages_cannot_be_fetched_has_no_age_rather_than_none():
+    """Given a transactional lane with messages waiting, none of which can be fetched within the read's second
+    (a slow leader),
+    When the lag is read,
+    Then the read fails (the monitor publishes no reading for the lane, which goes stale, and marketing yields
+    when nothing fresher comes), instead of a reading of age 0 s that lets marketing run while OTPs wait."""
+    with pytest.raises(StackError, match="age of the lag"):
+        _reader_peeking([]).read("group", "lane")
+
+
+def test_a_lag_whose_heads_are_only_transaction_markers_reads_at_once_with_age_0():
+    """Given a lane whose partitions' waiting offsets are transaction markers (never returned as messages),
+    When the lag is read,
+    Then the ends of the partitions answer at once (age 0, the markers still counted in the messages), without
+    waiting out the read's second."""
+    started = time.monotonic()
+    reading = _reader_peeking([Event(0), Event(1)]).read("group", "lane")
+    assert (reading.lag_messages, reading.lag_seconds) == (10, 0.0)
+    assert time.monotonic() - started < 0.5
+
+
+def test_the_age_of_the_lag_is_its_oldest_waiting_message():
+    now_ms = int(time.time() * 1000)
+    reading = _reader_peeking([Event(1, now_ms - 4_000), Event(0)]).read("group", "lane")
+    assert 3.9 <= reading.lag_seconds < 5.0
