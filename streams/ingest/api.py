@@ -530,9 +530,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             for event, _ in outcomes:
                 store.record_outcome(event)
         except StoreUnavailable as exc:
-            log.warning("published %d sends, but recording them failed (%s); their statuses follow from their "
-                        "outcomes as they are dispatched (or, skipped, as the outcome recorder reads them)",
-                        len(sends) + len(skipped), exc)
+            # Their `accepted` status goes through notif.outcomes instead, as the SDK's does (not waited for): the
+            # outcome recorder writes it, and `streams state recover` finds it. Without it a send answered 202
+            # would read as unknown until its first outcome, hours away for a marketing send that waits.
+            client.publisher.publish_unwaited(client.accepted_records(sends))
+            log.warning("published %d sends, but recording them failed (%s); their `accepted` statuses go through "
+                        "notif.outcomes to the outcome recorder", len(sends) + len(skipped), exc)
 
     async def canonical(request: Request) -> object:
         """The body as the events read JSON (what an Idempotency-Key's body is compared on)."""

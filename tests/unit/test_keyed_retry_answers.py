@@ -6,12 +6,14 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
+import orjson
 import pytest
 
 from streams.errors import PublishError, StoreUnavailable
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import Principal
 from streams.ingest.idempotency import Claimed
+from streams.ingest.publisher import Written
 from streams.ingest.sdk import SendClient
 from streams.names import TopicNames
 from tests.harness import email_request
@@ -105,3 +107,48 @@ def test_a_keyed_request_whose_key_cannot_be_checked_says_the_outcome_is_unknown
     assert "state store is unavailable" in r.text and "same Idempotency-Key" in r.text
     assert idempotency.ended == []
 
+
+
+class Acknowledging:
+    """A broker that acknowledges every publish, and keeps what was published without waiting."""
+
+    def __init__(self):
+        self.unwaited: list = []
+
+    async def publish_async(self, records):
+        return [Written(r.topic, 0, i) for i, r in enumerate(records)]
+
+    def publish_unwaited(self, records):
+        self.unwaited += records
+
+
+class StatusesDown:
+    def accepted(self, sends):
+        raise StoreUnavailable("recording statuses: Redis unavailable (test)")
+
+
+def test_a_send_published_whose_status_cannot_be_written_gets_it_through_the_outcomes_topic():
+    """Given a broker that acknowledges a send, and a state store that then fails to record its `accepted` status
+    (Redis gone for a moment, a Redis Cluster master failing over),
+    When the send is posted,
+    Then it is answered 202 and its `accepted` event goes to notif.outcomes, from which the outcome recorder writes
+    the status (before: nothing did, and the send read as unknown until its first outcome)."""
+    client = SendClient("127.0.0.1:1", TopicNames("t."))
+    client.publisher.close()
+    broker = Acknowledging()
+    client.publisher = broker  # type: ignore[assignment]
+    ingest = Ingest(client=client, store=StatusesDown(), keys=Keys(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), idempotency=None)
+    transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+            return await http.post("/v1/sends", json=email_request(), headers={"Authorization": "Bearer dr_ten_x"})
+
+    r = asyncio.run(call())
+    assert r.status_code == 202, r.text
+    [record] = broker.unwaited
+    [event] = orjson.loads(record.value)["events"]
+    assert record.topic == "t.notif.outcomes" and record.key == r.json()["send_id"].encode()
+    assert (event["send_id"], event["status"], event["channel"], event["lane"]) == (
+        r.json()["send_id"], "accepted", "email", "transactional")
