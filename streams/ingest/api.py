@@ -593,6 +593,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             await asyncio.shield(ending)
             if freeing and state.maybe_published_before and isinstance(exc, (PublishError, StoreUnavailable)):
                 raise EarlierAttemptMayBePublished.after(exc) from exc
+            if state.maybe_published_before and isinstance(exc, StarletteHTTPException) and isinstance(exc.detail,
+                                                                                                      dict):
+                # Refused now (a quota, a policy or a sender domain changed since), and still never "not
+                # published": the refusal says so, or the client would drop a request that may be delivered.
+                exc.detail = {**exc.detail, "outcome": "unknown", "errors": [*exc.detail.get("errors", []), {
+                    "loc": ["header", "Idempotency-Key"], "msg": "this attempt published nothing, but an earlier "
+                    "attempt under this Idempotency-Key may have been published: its sends may be delivered"}]}
             raise
         lease.cancel()
         try:

@@ -3,7 +3,8 @@ size limit, OPTIONS answered for every path, and authentication.
 
 Every error is `{"error": <code>, "errors": [{"loc": [...], "msg": ...}]}` (ErrorBody), whatever
 answered it: validation, authentication, a missing resource, a quota, the broker. Two fields are added
-only where an answer needs them: `outcome` (a 503 that may not mean "nothing was changed") and
+only where an answer needs them: `outcome` (a 503 that may not mean "nothing was changed", or a keyed retry's
+refusal when an earlier attempt under its key may have been published) and
 `replayed` (a bulk replay that stopped part way).
 """
 
@@ -49,7 +50,8 @@ class ErrorBody(BaseModel):
     errors: list[ErrorDetail]
     # Absent unless said: never null in an answer, so the OpenAPI offers neither null nor a default.
     outcome: Literal["unknown", "applied"] | SkipJsonSchema[None] = Field(None, description=(
-        "only on a 503 that may not mean \"nothing was changed\": `unknown`, the request may have taken "
+        "only on a 503 that may not mean \"nothing was changed\", or on a refusal (413, 422, 429) of a retry whose "
+        "earlier attempt under its Idempotency-Key may have been published: `unknown`, the request may have taken "
         "effect (retry it with the same Idempotency-Key, or look the named id up first); `applied`, the "
         "change was made but is not yet on the audit trail"), json_schema_extra=_no_default)
     replayed: list[ReplayedDelivery] | SkipJsonSchema[None] = Field(None, description=(

@@ -109,6 +109,35 @@ def test_a_keyed_request_whose_key_cannot_be_checked_says_the_outcome_is_unknown
 
 
 
+@pytest.mark.parametrize("taken_over", [True, False])
+def test_a_retry_refused_now_says_whether_an_earlier_attempt_may_have_been_published(taken_over):
+    """Given a request under a key whose earlier attempt's outcome was unknown (taken over), or a first use,
+    When it is refused now for what it holds (here: a retry policy no longer defined, 422),
+    Then the retry's refusal carries `"outcome": "unknown"` and says an earlier attempt under the key may have been
+    published (before: a plain 422, which reads as final, and the client dropped a request that may be
+    delivered); a first use's refusal says nothing of the kind."""
+    client = SendClient("127.0.0.1:1", TopicNames("t."))
+    client.publisher.close()
+    client.publisher = Refusing(PublishError("never reached (test)"))  # type: ignore[assignment]
+    ingest = Ingest(client=client, store=SimpleNamespace(), keys=Keys(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset({"default"}), idempotency=Idempotency(taken_over))  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+            return await http.post("/v1/sends", json={**email_request(), "policy": "removed"}, headers={
+                "Authorization": "Bearer dr_ten_x", "Idempotency-Key": "order-7"})
+
+    r = asyncio.run(call())
+    assert r.status_code == 422, r.text
+    if taken_over:
+        assert r.json()["outcome"] == "unknown"
+        assert r.json()["errors"][0]["loc"] == ["body", "policy"]
+        assert "an earlier attempt under this Idempotency-Key may have been published" in r.text
+    else:
+        assert "outcome" not in r.json() and "earlier attempt" not in r.text
+
+
 class Acknowledging:
     """A broker that acknowledges every publish, and keeps what was published without waiting."""
 
