@@ -131,15 +131,17 @@ class BodyLimit:
     """Refuse bodies over `limit` bytes with 413, declared or chunked, before the app sees them: the
     body is read up to the limit here (never more), then handed on."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, on_refused=lambda status: None):
         self.app = app
         self.limit = limit
+        self.on_refused = on_refused  # counts what is answered here, before the app (and its counting) sees it
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            self.on_refused(413)
             return await too_large(self.limit)(scope, receive, send)
         chunks, seen, more = [], 0, True
         while more:
@@ -149,6 +151,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.limit:
+                self.on_refused(413)
                 return await too_large(self.limit)(scope, receive, send)
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -157,6 +160,7 @@ class BodyLimit:
             try:  # Python's parser takes an unpaired surrogate ("\ud800"), which no store or event can hold
                 orjson.loads(body)
             except orjson.JSONDecodeError as exc:
+                self.on_refused(400)
                 return await JSONResponse({"error": "invalid_request", "errors": [
                     {"loc": ["body"], "msg": f"JSON decode error: {exc}"}]}, status_code=400)(scope, receive, send)
         delivered = False

@@ -140,3 +140,25 @@ def test_a_body_that_is_not_json_is_answered_401_to_a_caller_without_a_valid_key
         for key in (None, "dr_nobody", "dr_ten_x")]
     assert [(r.status_code, r.json()["error"]) for r in answers] == [
         (401, "unauthorized"), (401, "unauthorized"), (400, "invalid_request")], [r.text for r in answers]
+
+
+def _rejected(status: int) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("dispatch_ingest_rejected_total", {"status": str(status)}) or 0.0
+
+
+def test_bodies_refused_before_the_app_reads_them_are_counted_as_refusals():
+    """Given the ingest API,
+    When a body over the size limit (413) and a body holding an unpaired surrogate, which no event can carry
+    (400), are posted (both answered before the app sees them),
+    Then each is counted in dispatch_ingest_rejected_total under its status, as every other refusal is (before:
+    neither was, so the dashboard and alerts missed them)."""
+    ingest = publishing_nothing()
+    before = _rejected(413), _rejected(400)
+    too_big = asyncio.run(post_to(ingest, "/v1/sends", content=b"x" * (6 * 1024 * 1024),
+                                  headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
+    surrogate = asyncio.run(post_to(ingest, "/v1/sends", content=b'{"channel": "\\ud800"}',
+                                    headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
+    assert (too_big.status_code, surrogate.status_code) == (413, 400)
+    assert (_rejected(413), _rejected(400)) == (before[0] + 1, before[1] + 1)
