@@ -67,8 +67,11 @@ class Written:
 
 
 class RecordTooLarge(PublishError):
-    def __init__(self, index: int, size: int, limit: int, topic: str):
-        super().__init__(f"record {index} is {size} bytes; {topic} accepts at most {limit}")
+    """`limit` None: the broker refused the record as too large, its topic's limit lowered since it was read."""
+
+    def __init__(self, index: int, size: int, limit: int | None, topic: str):
+        super().__init__(f"record {index} is {size} bytes; {topic} " + (
+            f"accepts at most {limit}" if limit is not None else "refused it as too large"))
         self.index, self.size, self.limit, self.topic = index, size, limit, topic
 
 
@@ -88,6 +91,9 @@ class TopicSizes:
 
     def known(self, topic: str) -> bool:
         return topic in self.sizes
+
+    def forget(self, topic: str) -> None:
+        self.sizes.pop(topic, None)
 
     def limit(self, topic: str) -> int:
         cached = self.sizes.get(topic)
@@ -213,6 +219,9 @@ class Publisher:
                 if err is not None and may_be_written(err):
                     done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send; it may have "
                                                              f"been written: {err.str()}"))
+                elif err is not None and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    self.sizes.forget(r.topic)  # its limit was lowered since it was read: read it again
+                    done.set_exception(RecordTooLarge(0, r.size, None, r.topic))
                 elif err is not None:
                     done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
                 else:

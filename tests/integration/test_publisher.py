@@ -40,3 +40,41 @@ def test_nothing_to_publish_asks_nothing_of_the_broker():
         assert asyncio.run(publisher.publish_async([])) == []
     finally:
         publisher.close()
+
+
+def test_a_send_the_broker_refuses_as_too_large_is_named_too_large_and_the_limit_read_again(stack, create_topics,
+                                                                                             namespace):
+    """Given the ingest publisher, which knows a topic's size limit (read, cached for a minute), and an operator who
+    then lowers the topic's max.message.bytes,
+    When a send over the new limit (under the cached one) is published,
+    Then it fails as too large (RecordTooLarge: the API answers 413 naming the send, for good; before, a plain
+    PublishError, answered 503 "retry after a moment", which no retry could pass), and the cached limit is dropped
+    so the next send is checked against the new one before it is produced."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    from streams.ingest.publisher import RecordTooLarge
+    from tests.harness import wait_until
+
+    topic = f"{namespace}publisher-sizes"
+    create_topics({topic: 1})
+    publisher = Publisher(stack.bootstrap, timeout_s=5)
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    try:
+        publisher.publish([Record(topic, b"first", b"v")])  # the topic's size limit is known from here on
+        change = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+            ConfigEntry("max.message.bytes", "1000", incremental_operation=AlterConfigOpType.SET)])
+        for f in admin.incremental_alter_configs([change]).values():
+            f.result()
+
+        def lowered() -> bool:
+            [described] = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
+            return described.result()["max.message.bytes"].value == "1000"
+
+        wait_until(lowered, 30, "the broker to apply the lower limit")
+        with pytest.raises(RecordTooLarge, match="refused it as too large") as refused:
+            publisher.publish([Record(topic, b"big", b"x" * 5000)])
+        assert refused.value.index == 0 and refused.value.limit is None
+        with pytest.raises(RecordTooLarge, match="accepts at most 1000"):  # checked before producing now
+            publisher.publish([Record(topic, b"big", b"x" * 5000)])
+    finally:
+        publisher.close()
