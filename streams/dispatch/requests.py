@@ -153,15 +153,8 @@ class Dispatcher:
         """Start requests for ready queues, in random order (no tenant is always first in line), in
         rounds: every request of a round reads processed_jobs in one Redis round trip, asks the gate
         in one, and claims in one, instead of three round trips per request."""
-        if not self.outage.ready(time.monotonic()):
+        if not self.outage.ready(time.monotonic()) or not self.release_unsent_claims():
             return
-        if self._unsent_claims:  # before any round reads those sends again
-            try:
-                self.jobs.release_unsent(self._unsent_claims)
-            except StoreUnavailable as exc:
-                self.outage.failed(time.monotonic(), exc)
-                return
-            self._unsent_claims = []
         self.routes.refresh_pacing()
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
@@ -187,6 +180,24 @@ class Dispatcher:
                 route.wave_started(now)  # pacing: the next wave to this provider waits its pause
             ready = [k for k in ready if self.per_queue is not None and self._room(k)]
         self.outage.recovered(time.monotonic())
+
+    def release_unsent_claims(self) -> bool:
+        """Release the claims this worker made, or may have made (their answer was lost), and never sent; False
+        while Redis fails (the worker holds). Run before anything reads those sends again: a round, the end of
+        an expired message, a held worker's look at Redis. Left claimed, they would read as another request in
+        flight, wait out its lease, and be taken over as possibly sent (no fallback provider; reconciliation at
+        a provider without idempotency keys)."""
+        if not self._unsent_claims:
+            return True
+        if not self.outage.ready(time.monotonic()):
+            return False  # asked again once the back-off allows, not on every step
+        try:
+            self.jobs.release_unsent(self._unsent_claims)
+        except StoreUnavailable as exc:
+            self.outage.failed(time.monotonic(), exc)
+            return False
+        self._unsent_claims = []
+        return True
 
     def _draw(self, ready: list[str], draws: list[Draw]) -> None:
         """Requests from the ready queues, one per queue per pass (so tenants take turns), in as many
@@ -413,13 +424,10 @@ class Dispatcher:
         try:
             answers = self.jobs.claim_many(claims)
         except StoreUnavailable:
-            # The answer may be lost after the claims were made: released before the next round, as never sent.
-            # Left claimed, their sends would read as another request in flight, wait out its lease, and be
-            # taken over as possibly sent (no fallback provider; reconciliation at one without idempotency keys).
-            self._unsent_claims.extend(claims)
+            self._unsent_claims.extend(claims)  # the answer may be lost after the claims were made
             raise
         stamp = wall_ms()
-        for draw, claim, busy in zip(draws, claims, answers, strict=True):
+        for n, (draw, claim, busy) in enumerate(zip(draws, claims, answers, strict=True)):
             if not busy:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
                                             tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
@@ -430,7 +438,12 @@ class Dispatcher:
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
             rest = [p for i, p in enumerate(draw.items) if i not in taken]
             if rest:
-                sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
+                try:
+                    sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
+                except StoreUnavailable:  # the round's later claims, made, are never started now
+                    self._unsent_claims.extend(c for c, b in zip(claims[n + 1:], answers[n + 1:], strict=True)
+                                               if not b)
+                    raise
         return sent
 
     def _claim_of(self, route: Route, tenant: str, items: list[Pending]) -> Claim:
@@ -598,7 +611,11 @@ class Dispatcher:
         number of messages started."""
         for _ in range(CLAIM_RACE_ROUNDS):
             claim = self._claim_of(route, tenant, fresh)
-            busy = set(self.jobs.claim_many([claim])[0])
+            try:
+                busy = set(self.jobs.claim_many([claim])[0])
+            except StoreUnavailable:
+                self._unsent_claims.append(claim)  # the answer may be lost after the claim was made
+                raise
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
                                        fresh, key, claim.provider))
@@ -693,4 +710,7 @@ class Dispatcher:
 
     def close(self) -> None:
         """The providers own the requests' threads or event loop."""
+        if not self.release_unsent_claims():
+            log.warning("%d claim(s) never sent could not be released: their sends are taken over once their "
+                        "leases lapse", len(self._unsent_claims))
         self.routes.close()

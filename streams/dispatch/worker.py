@@ -149,6 +149,7 @@ class LaneWorker:
             self._intake(msg)
         self._trim()
         self._collect()
+        self.dispatcher.release_unsent_claims()  # before an expired message, or anything else, reads their sends
         self.settler.spill_long_holds(self._end_expired)
         self.dispatcher.refresh_leases()
         self.settler.retry()

@@ -33,7 +33,7 @@ from streams.providers.outcome import ProviderResult, classify, redact
 from streams.providers.registry import ProviderCredentials, load_registry
 from streams.retry.policy import load_policies
 from streams.send import build_send, encode, validate_request
-from tests.harness import email_request, sms_request, webhook_event
+from tests.harness import email_request, sms_request, wait_until, webhook_event
 
 NAMES = TopicNames("u.")
 TOPIC = NAMES.lane("email", "transactional")
@@ -418,6 +418,60 @@ def test_a_claim_whose_answer_was_lost_is_released_and_sent_as_new_not_as_maybe_
     assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
     assert {jobs.state[s.send_id] for s in sends} == {"delivered"}
     assert NAMES.dlq not in producer.records and consumer.stored[(TOPIC, 0)] == 2
+
+
+def test_a_lost_claim_is_released_also_by_a_held_worker_before_anything_reads_its_sends():
+    """Given a claim round whose answer Redis lost, after which the worker is held (its provider not ready; a
+    yielding marketing lane is held the same way),
+    When the worker steps on while held,
+    Then the claims are released all the same (their sends free again), not left to lapse and be taken over as
+    possibly sent by whoever meets them."""
+    sends, msgs = _messages(["acme", "globex"])
+    jobs = LostClaimAnswerJobs()
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False)
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
+    for _ in range(5):
+        worker.step()
+        if jobs.lost == 0:
+            break
+    assert jobs.lost == 0 and any(v.startswith("inflight:") for v in jobs.state.values())
+    provider.ready = False
+    worker.step()
+    assert not any(v.startswith("inflight:") for v in jobs.state.values()) and provider.sent == []
+
+
+class RacedThenLostJobs(FakeJobs):
+    """processed_jobs where a racing worker claims one send of a batch between the batch's state read and its
+    claim, and the claim of the rest (made again without it) is made but its answer lost."""
+
+    def __init__(self, raced: str):
+        super().__init__()
+        self.raced, self.lost = raced, 1
+
+    def claim_many(self, claims):
+        if any(self.raced in c.send_ids and len(c.send_ids) > 1 for c in claims):
+            self.state[self.raced] = "inflight:another-workers-request"
+        answers = super().claim_many(claims)
+        if self.lost and len(claims) == 1 and self.raced not in claims[0].send_ids:
+            self.lost -= 1
+            raise StoreUnavailable("claiming sends: Timeout reading from socket (test)")
+        return answers
+
+
+def test_the_claim_of_a_batch_made_again_without_a_raced_send_is_released_when_its_answer_is_lost():
+    """Given a marketing batch of two sends, one of which a racing worker holds, and Redis whose answer to the
+    claim of the other (made again without the raced one) is lost after it was made,
+    When the worker goes on,
+    Then that claim is released and its send delivered once, as a fresh request (before: it was left claimed by
+    this worker, and taken over as possibly sent once its lease lapsed)."""
+    sends, msgs = _messages(["acme", "acme"])
+    jobs = RacedThenLostJobs(raced=sends[0].send_id)
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False, lane="marketing")
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
+    wait_until(lambda: worker.step() or provider.sent, 10, "the send not raced to be sent")  # the raced one holds 0.5 s
+    _run(worker, steps=10)  # its answer settled
+    assert jobs.lost == 0
+    assert provider.sent == [sends[1].send_id.encode()] and jobs.state[sends[1].send_id] == "delivered"
 
 
 @pytest.mark.parametrize("answer, then", [
