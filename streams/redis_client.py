@@ -62,9 +62,9 @@ class ScriptPipeline(redis.client.Pipeline):
     that is empty only after Redis restarted. Here a command that meets NOSCRIPT gets its script
     loaded and is sent again, alone, after the others (the project's script pipelines hold only
     scripts, independent of each other). What NOSCRIPT refused never ran, so this resends nothing
-    that ran. (A connection lost mid-pipeline is another matter: redis-py's own retry sends the
-    whole pipeline again, as it always did; the claim, gate and mark scripts tolerate that, at the
-    cost of a request held until its own lease lapses.)"""
+    that ran. (A connection lost mid-pipeline sends nothing again: the connections do not retry. The
+    caller fails closed, as after any answer lost; a worker releases the claims of a round whose
+    answer was lost before its next round.)"""
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         if self.transaction or self.explicit_transaction or self.watching:
@@ -181,7 +181,8 @@ class ClusterClient(RedisCluster):
       busy. The caller fails closed and tries again later, as with a single Redis (whose connections do
       not retry either); the slot map is read again first. Redirections (MOVED, ASK, TRYAGAIN: the
       node did not run the command) are followed as before. So a master that stops answering costs a
-      call one socket timeout (5 s), not ten.
+      call one socket timeout (5 s; a second one when the slot map is then asked of that master first),
+      not ten.
     """
 
     pipeline_class: type[ClusterClientPipeline]  # set below the pipeline's class
@@ -266,6 +267,8 @@ class ClusterClientPipeline(ClusterPipeline):
                     replies[i] = self.parent_execute_command(*command.args, **command.options)
                 except redis.RedisError as exc:
                     replies[i] = exc
+                except RedisClusterException as exc:  # no node serves the slot: a RedisError like any other
+                    replies[i] = ClusterUnavailable(f"Redis Cluster: {exc}")
             unanswered |= isinstance(replies[i], (redis.ConnectionError, redis.TimeoutError))
         if unanswered:  # as redis-py does after a single command's: a failed-over master's slots move
             try:

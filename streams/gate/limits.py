@@ -19,6 +19,7 @@ import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
+from ..redis_client import is_cluster
 from ..send import TENANT_ID_PATTERN
 from ..state.log import write_through_log
 from .token_bucket import Limit
@@ -254,10 +255,12 @@ class LimitStore:
                 patterns.append((pattern, rate, writes[f"tenant_burst:{tenant}"]))
         own_limits = {k.tenant_bucket(provider, f.split(":", 1)[1]).encode() for f in limits
                       if f.startswith("tenant_rate:") and f != "tenant_rate:*"}  # not the default's to stretch
-        try:
+        try:  # on a Redis Cluster, every bucket of the provider is on the master of its `{provider}` slot
+            where = ({"target_nodes": self.client.get_node_from_key(k.limits(provider))}
+                     if is_cluster(self.client) else {})
             for pattern, rate, burst in patterns:
                 need_ms = int(min(math.ceil(burst * 1000 / rate), 1e15)) + 60_000
-                keys = [key for key in self.client.scan_iter(match=pattern, count=1000)
+                keys = [key for key in self.client.scan_iter(match=pattern, count=1000, **where)
                         if not (pattern.endswith(":tenant:*") and key in own_limits)]
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:

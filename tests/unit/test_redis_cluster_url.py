@@ -39,3 +39,33 @@ def test_a_wrong_host_is_named_without_the_password(url):
     with pytest.raises(StoreUnavailable, match="is not host:port") as refused:
         cluster_startup(url)
     assert "s3cr" not in str(refused.value)
+
+
+def test_a_redirected_command_whose_slot_no_node_serves_fails_as_a_redis_error_in_its_place():
+    """Given a cluster pipeline of two commands, the second answered MOVED (its slot moved), and a cluster where no
+    node serves that slot when the command is run where it moved (SlotNotCoveredError, outside redis-py's
+    RedisError tree),
+    When the pipeline is run without raising,
+    Then the first reply stands and the second is a RedisError (ClusterUnavailable), which every caller handles by
+    failing closed (before: the cluster error escaped and ended the worker's loop)."""
+    from types import SimpleNamespace
+
+    import redis
+    from redis.exceptions import MovedError, SlotNotCoveredError
+
+    from streams.redis_client import ClusterClientPipeline, ClusterUnavailable
+
+    pipe = object.__new__(ClusterClientPipeline)
+    commands = [SimpleNamespace(position=0, args=("GET", "a"), options={}),
+                SimpleNamespace(position=1, args=("GET", "b"), options={})]
+    pipe._execution_strategy = SimpleNamespace(command_queue=commands, reset=lambda: None)
+    pipe.reset = lambda: None
+    pipe.send_cluster_commands = lambda stack, raise_on_error, allow_redirections: [b"1", MovedError("3999 h:1")]
+
+    def moved_nowhere(*args, **options):
+        raise SlotNotCoveredError("no node serves slot 3999")
+
+    pipe.parent_execute_command = moved_nowhere
+    replies = pipe.execute(raise_on_error=False)
+    assert replies[0] == b"1"
+    assert isinstance(replies[1], ClusterUnavailable) and isinstance(replies[1], redis.RedisError)
