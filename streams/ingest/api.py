@@ -483,10 +483,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 await run_in_threadpool(webhooks.withdrawn, deliveries)
             if isinstance(exc, RecordTooLarge):
                 i = origins[exc.index]
-                limit = (f"accepts at most {exc.limit}" if exc.limit is not None
-                         else "refused it as too large (its limit was lowered)")
                 raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
-                              f"{exc.size} bytes as published; {exc.topic} {limit}") from None
+                              f"{exc.size} bytes as published; {exc.topic} accepts at most {exc.limit}") from None
             raise
         # Any other PublishError: answered 503 by `_broker`, without the broker's error text.
         await run_in_threadpool(after_publish, sends, skipped, written[len(sends):])

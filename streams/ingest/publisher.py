@@ -67,11 +67,8 @@ class Written:
 
 
 class RecordTooLarge(PublishError):
-    """`limit` None: the broker refused the record as too large, its topic's limit lowered since it was read."""
-
-    def __init__(self, index: int, size: int, limit: int | None, topic: str):
-        super().__init__(f"record {index} is {size} bytes; {topic} " + (
-            f"accepts at most {limit}" if limit is not None else "refused it as too large"))
+    def __init__(self, index: int, size: int, limit: int, topic: str):
+        super().__init__(f"record {index} is {size} bytes; {topic} accepts at most {limit}")
         self.index, self.size, self.limit, self.topic = index, size, limit, topic
 
 
@@ -220,8 +217,10 @@ class Publisher:
                     done.set_exception(PublishOutcomeUnknown(f"{r.topic} did not acknowledge the send; it may have "
                                                              f"been written: {err.str()}"))
                 elif err is not None and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    self.sizes.forget(r.topic)  # its limit was lowered since it was read: read it again
-                    done.set_exception(RecordTooLarge(0, r.size, None, r.topic))
+                    # The topic's limit was lowered since it was read. The broker refuses the producer's whole
+                    # batch, small sends with the large one: a retry is checked against the limit read again.
+                    self.sizes.forget(r.topic)
+                    done.set_exception(PublishError(f"{r.topic} refused the send's batch as too large: {err.str()}"))
                 elif err is not None:
                     done.set_exception(PublishError(f"{r.topic} did not acknowledge the send: {err.str()}"))
                 else:

@@ -95,8 +95,8 @@ class LagReader:
     def _oldest_timestamp(self, heads: list[TopicPartition]) -> int | None:
         """Timestamp of the oldest message among the partitions' first unconsumed ones. A partition whose end
         is reached without a message (only a transaction's marker was left, or an open transaction's records
-        no worker can read yet) has none. StackError when no head could be fetched in time: the age is then
-        unknown, not 0 (which would let marketing run while OTPs wait)."""
+        no worker can read yet) has none. StackError when a head could not be fetched in time: the age is then
+        unknown, not 0 or a younger partition's (which would let marketing run while OTPs wait)."""
         if not heads:
             return None
         self.peeker.assign(heads)
@@ -114,9 +114,9 @@ class LagReader:
                         ended.add(m.partition())
         finally:
             self.peeker.unassign()
-        if not found and len(ended) < len(heads):
-            raise StackError(f"cannot read the age of the lag: no waiting message of {heads[0].topic} could be "
-                             f"fetched within {PEEK_S:g} s")
+        if len(found) + len(ended) < len(heads):  # a partition not read could hold the oldest message
+            raise StackError(f"cannot read the age of the lag: the waiting messages of {len(heads) - len(found)} "
+                             f"partition(s) of {heads[0].topic} could not be fetched within {PEEK_S:g} s")
         return min(found.values()) if found else None
 
     def close(self) -> None:

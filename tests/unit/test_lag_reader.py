@@ -139,3 +139,13 @@ def test_the_age_of_the_lag_is_its_oldest_waiting_message():
     now_ms = int(time.time() * 1000)
     reading = _reader_peeking([Event(1, now_ms - 4_000), Event(0)]).read("group", "lane")
     assert 3.9 <= reading.lag_seconds < 5.0
+
+
+def test_a_lag_one_of_whose_partitions_cannot_be_read_has_no_age_rather_than_the_others():
+    """Given a lane of two partitions with messages waiting, one read (4 s old) and the other's head not fetched
+    within the read's second (its leader slow or moving; its waiting OTPs could be minutes old),
+    When the lag is read,
+    Then the read fails rather than publish the read partition's 4 s as the lane's age."""
+    now_ms = int(time.time() * 1000)
+    with pytest.raises(StackError, match="1 partition"):
+        _reader_peeking([Event(0, now_ms - 4_000)]).read("group", "lane")
