@@ -19,7 +19,6 @@ import redis
 
 from ..errors import ConfigError, StoreUnavailable
 from ..names import RedisKeys
-from ..redis_client import is_cluster
 from ..send import TENANT_ID_PATTERN
 from ..state.log import write_through_log
 from .token_bucket import Limit
@@ -195,7 +194,7 @@ class LimitStore:
                                             partial(self._write, provider, current, writes),
                                             lambda: self._logged_form(provider), deletes=False)
             if written:
-                self._stretch_buckets(provider, writes, record)
+                self._stretch_buckets(provider, writes)
                 try:
                     return self.show(provider)
                 except StoreUnavailable:  # made; only the look at it failed
@@ -236,36 +235,29 @@ class LimitStore:
                 writes[name] = value
         return writes
 
-    def _stretch_buckets(self, provider: str, writes: dict[str, float], limits: dict[str, float]) -> None:
+    def _stretch_buckets(self, provider: str, writes: dict[str, float]) -> None:
         """A bucket expires when it would be full again at the rate of its last admission (gate.lua): a rate
         lowered or a burst raised since makes that too early, and an idle bucket would come back full (a tenant's
-        daily quota drained and lowered tenfold: full again after a day, not ten). Each bucket the change governs
-        is made to live at least as long as a refill from empty takes now (PEXPIRE GT: never shortened). Best
-        effort once the limits are written: a bucket denied later is kept long enough by the gate itself."""
-        patterns: list[tuple[str, float, float]] = []  # (key pattern, rate, burst)
-        k, tag = self.keys, _glob_escape
+        daily quota drained and lowered tenfold: full again after a day, not ten). The provider's global bucket
+        and a named tenant's bucket are made to live at least as long as a refill from empty takes now (PEXPIRE
+        GT: never shortened). The buckets a default ('*') change governs, and tenants' own-account global buckets,
+        are not: finding them would scan the keyspace. Best effort once the limits are written: a bucket denied
+        later is kept long enough by the gate itself."""
+        k = self.keys
+        stretched: list[tuple[str, float, float]] = []  # (bucket, rate, burst)
         if "global_rate" in writes:
-            rate, burst = writes["global_rate"], writes["global_burst"]
-            patterns += [(tag(k.global_bucket(provider)), rate, burst),
-                         (tag(k.own_account_global(provider, "")) + "*", rate, burst)]
+            stretched.append((k.global_bucket(provider), writes["global_rate"], writes["global_burst"]))
         for field, rate in writes.items():
-            if field.startswith("tenant_rate:"):
-                tenant = field.split(":", 1)[1]
-                pattern = tag(k.tenant_bucket(provider, "")) + ("*" if tenant == "*" else tag(tenant))
-                patterns.append((pattern, rate, writes[f"tenant_burst:{tenant}"]))
-        own_limits = {k.tenant_bucket(provider, f.split(":", 1)[1]).encode() for f in limits
-                      if f.startswith("tenant_rate:") and f != "tenant_rate:*"}  # not the default's to stretch
-        try:  # on a Redis Cluster, every bucket of the provider is on the master of its `{provider}` slot
-            where = ({"target_nodes": self.client.get_node_from_key(k.limits(provider))}
-                     if is_cluster(self.client) else {})
-            for pattern, rate, burst in patterns:
-                need_ms = int(min(math.ceil(burst * 1000 / rate), 1e15)) + 60_000
-                keys = [key for key in self.client.scan_iter(match=pattern, count=1000, **where)
-                        if not (pattern.endswith(":tenant:*") and key in own_limits)]
-                pipe = self.client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.pexpire(key, need_ms, gt=True)
-                pipe.execute()
+            tenant = field.split(":", 1)[1] if field.startswith("tenant_rate:") else "*"
+            if tenant != "*":
+                stretched.append((k.tenant_bucket(provider, tenant), rate, writes[f"tenant_burst:{tenant}"]))
+        if not stretched:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for bucket, rate, burst in stretched:
+            pipe.pexpire(bucket, int(min(math.ceil(burst * 1000 / rate), 1e15)) + 60_000, gt=True)
+        try:
+            pipe.execute()
         except redis.RedisError as exc:
             log.warning("the limits of %r are written, but the expiry of its buckets could not be lengthened to "
                         "match (%s): an idle bucket may come back full early", provider, exc)
@@ -310,8 +302,3 @@ class LimitStore:
                                                args=[orjson.dumps({k: str(v) for k, v in held.items()}), *pairs]))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot write the limits of {provider!r} ({exc})") from None
-
-
-def _glob_escape(text: str) -> str:
-    """`text` matched as it is by a SCAN pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
