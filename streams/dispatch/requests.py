@@ -146,6 +146,7 @@ class Dispatcher:
         self.queue_caps: dict[str, int] = {}
         self.attempt_s: dict[str, float] = {}  # a capped queue's recent attempt time, smoothed (seconds)
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
+        self._claimed: dict[str, Claim] = {}  # asked for in the current round, not yet started (by request key)
         self._unsent_claims: list[Claim] = []  # made, or maybe made (the answer was lost), and never sent
         self._next_refresh = 0.0
 
@@ -169,6 +170,9 @@ class Dispatcher:
                 for draw in reversed(draws):  # back to the front, in the order they were taken
                     self.queues.put_back(draw.key, [p for p in draw.items if id(p) in self._open])
                 self._open = {}
+                # Claims asked for and not started are never sent now; with the answer lost, they may be made.
+                self._unsent_claims += self._claimed.values()
+                self._claimed = {}
                 if isinstance(exc, StateLost):
                     self.on_state_lost()  # Redis answers, but empty: the state guard decides what holds
                 else:
@@ -421,13 +425,9 @@ class Dispatcher:
         draws = built
         if not draws:
             return sent
-        try:
-            answers = self.jobs.claim_many(claims)
-        except StoreUnavailable:
-            self._unsent_claims.extend(claims)  # the answer may be lost after the claims were made
-            raise
+        answers = self._claim_many(claims)
         stamp = wall_ms()
-        for n, (draw, claim, busy) in enumerate(zip(draws, claims, answers, strict=True)):
+        for draw, claim, busy in zip(draws, claims, answers, strict=True):
             if not busy:
                 self._start(draw.route, Job(claim.key, claim.path, claim.body, draw.tenant,
                                             tuple(sorted(claim.send_ids)), draw.items, draw.key, claim.provider,
@@ -438,13 +438,19 @@ class Dispatcher:
             self._requeue(draw.key, [draw.items[i] for i in sorted(taken)], hold_until=time.monotonic() + 0.5)
             rest = [p for i, p in enumerate(draw.items) if i not in taken]
             if rest:
-                try:
-                    sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
-                except StoreUnavailable:  # the round's later claims, made, are never started now
-                    self._unsent_claims.extend(c for c, b in zip(claims[n + 1:], answers[n + 1:], strict=True)
-                                               if not b)
-                    raise
+                sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
         return sent
+
+    def _claim_many(self, claims: list[Claim]) -> list[list[int]]:
+        """`jobs.claim_many`, each claim noted until its request starts (a busy one made nothing: all or none). Of
+        two claims of one request key in a round (a send read twice), the first is noted: the second is busy."""
+        for c in claims:
+            self._claimed.setdefault(c.key, c)
+        answers = self.jobs.claim_many(claims)
+        for c, busy in zip(claims, answers, strict=True):
+            if busy and self._claimed.get(c.key) is c:
+                del self._claimed[c.key]
+        return answers
 
     def _claim_of(self, route: Route, tenant: str, items: list[Pending]) -> Claim:
         """The request for these messages at this provider: its key (the provider's name appended for
@@ -595,6 +601,7 @@ class Dispatcher:
 
     def _start(self, route: Route, job: Job) -> None:
         api_key = route.credentials.for_tenant(job.tenant)
+        self._claimed.pop(job.key, None)
         for p in job.members:
             self._open.pop(id(p), None)
         job.stamps["sent"] = wall_ms()
@@ -611,11 +618,7 @@ class Dispatcher:
         number of messages started."""
         for _ in range(CLAIM_RACE_ROUNDS):
             claim = self._claim_of(route, tenant, fresh)
-            try:
-                busy = set(self.jobs.claim_many([claim])[0])
-            except StoreUnavailable:
-                self._unsent_claims.append(claim)  # the answer may be lost after the claim was made
-                raise
+            busy = set(self._claim_many([claim])[0])
             if not busy:
                 self._start(route, Job(claim.key, claim.path, claim.body, tenant, tuple(sorted(claim.send_ids)),
                                        fresh, key, claim.provider))

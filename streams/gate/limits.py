@@ -248,8 +248,8 @@ class LimitStore:
         if "global_rate" in writes:
             stretched.append((k.global_bucket(provider), writes["global_rate"], writes["global_burst"]))
         for field, rate in writes.items():
-            tenant = field.split(":", 1)[1] if field.startswith("tenant_rate:") else "*"
-            if tenant != "*":
+            tenant = field.removeprefix("tenant_rate:")
+            if tenant != field and tenant != "*":
                 stretched.append((k.tenant_bucket(provider, tenant), rate, writes[f"tenant_burst:{tenant}"]))
         if not stretched:
             return

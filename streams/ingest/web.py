@@ -141,8 +141,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            self.on_refused(413)
-            return await too_large(self.limit)(scope, receive, send)
+            return await self._refuse(too_large(self.limit), scope, receive, send)
         chunks, seen, more = [], 0, True
         while more:
             message = await receive()
@@ -151,8 +150,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.limit:
-                self.on_refused(413)
-                return await too_large(self.limit)(scope, receive, send)
+                return await self._refuse(too_large(self.limit), scope, receive, send)
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
@@ -160,9 +158,8 @@ class BodyLimit:
             try:  # Python's parser takes an unpaired surrogate ("\ud800"), which no store or event can hold
                 orjson.loads(body)
             except orjson.JSONDecodeError as exc:
-                self.on_refused(400)
-                return await JSONResponse({"error": "invalid_request", "errors": [
-                    {"loc": ["body"], "msg": f"JSON decode error: {exc}"}]}, status_code=400)(scope, receive, send)
+                return await self._refuse(JSONResponse({"error": "invalid_request", "errors": [
+                    {"loc": ["body"], "msg": f"JSON decode error: {exc}"}]}, status_code=400), scope, receive, send)
         delivered = False
 
         async def replay():
@@ -173,6 +170,10 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+    async def _refuse(self, answer: JSONResponse, scope, receive, send):
+        self.on_refused(answer.status_code)
+        return await answer(scope, receive, send)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
