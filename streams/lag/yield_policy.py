@@ -99,6 +99,11 @@ class Governor:
         if r is None or self.stale(now_ms):
             return self.paused
         p = self.policy
+        if now_ms < self.changed_at:
+            # This host's clock stepped back past the last change: the time since is unknown. The dwell starts
+            # again from now (at most one more dwell), instead of lasting the size of the step (an hour's step:
+            # marketing paused for an hour).
+            self.changed_at = now_ms
         over = r.lag_messages >= p.pause_above or (p.pause_above_seconds and r.lag_seconds >= p.pause_above_seconds)
         if not self.paused and over:
             self._set(True, now_ms)

@@ -102,6 +102,19 @@ def test_a_clock_stepped_back_does_not_freeze_the_decision_on_the_last_reading()
     assert g.decide(corrected) is True and g.reading.lag_messages == 5_000
 
 
+def test_a_clock_stepped_back_while_marketing_yields_delays_its_resume_by_one_dwell_not_by_the_step():
+    """Given marketing paused by a lag of 5,000 at a moment T,
+    When this host's clock is stepped back an hour (NTP) and the lag falls to 0 in readings stamped by that clock,
+    Then marketing resumes one dwell (2 s) after the step, not an hour later (before: the time since the pause
+    read as negative until the clock caught up with T, and marketing sent nothing for the hour)."""
+    g = Governor(P)
+    paused_at = 1_800_000_000_000
+    assert at(g, 5_000, paused_at) is True
+    stepped = paused_at - 3_600_000
+    assert at(g, 0, stepped) is True                  # the dwell starts again from the step
+    assert at(g, 0, stepped + 2_100) is False         # and ends one dwell later
+
+
 def test_thresholds_must_leave_a_gap():
     with pytest.raises(ValueError, match="must be below"):
         YieldPolicy(pause_above=10, resume_below=10)
