@@ -257,9 +257,11 @@ class Publisher:
         try:
             producer.begin_transaction()
             for i, r in enumerate(records):
-                def on_delivery(err: KafkaError | None, msg, i: int = i) -> None:
+                def on_delivery(err: KafkaError | None, msg, i: int = i, topic: str = r.topic) -> None:
                     if err is not None:
                         failures.append(err.str())
+                        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:  # as for a single send (`_single`)
+                            self.sizes.forget(topic)
                     else:
                         written[i] = Written(msg.topic(), msg.partition(), msg.offset())
 

@@ -42,10 +42,13 @@ def test_nothing_to_publish_asks_nothing_of_the_broker():
         publisher.close()
 
 
-def test_a_send_the_broker_refuses_as_too_large_is_refused_by_size_on_its_retry(stack, create_topics, namespace):
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_a_send_the_broker_refuses_as_too_large_is_refused_by_size_on_its_retry(stack, create_topics, namespace,
+                                                                              batch):
     """Given the ingest publisher, which knows a topic's size limit (read, cached for a minute), and an operator who
     then lowers the topic's max.message.bytes,
-    When a send over the new limit (under the cached one) is published, and then again,
+    When a send over the new limit (under the cached one) is published, alone or in a batch (one transaction), and
+    then again,
     Then the first attempt fails unpublished (a 503: the broker refuses the producer's whole batch, which may hold
     other, small sends) and the cached limit is dropped, so the retry is checked against the new one before it is
     produced and refused as too large (RecordTooLarge: the API answers 413 naming the send; before, every retry was
@@ -72,10 +75,12 @@ def test_a_send_the_broker_refuses_as_too_large_is_refused_by_size_on_its_retry(
             return described.result()["max.message.bytes"].value == "1000"
 
         wait_until(lowered, 30, "the broker to apply the lower limit")
-        with pytest.raises(PublishError, match="refused the send's batch as too large") as refused:
-            publisher.publish([Record(topic, b"big", b"x" * 5000)])
+        records = [Record(topic, b"small", b"v")] * batch + [Record(topic, b"big", b"x" * 5000)]
+        refusal = "the batch was not published" if batch else "refused the send's batch as too large"
+        with pytest.raises(PublishError, match=refusal) as refused:
+            publisher.publish(records)
         assert not isinstance(refused.value, RecordTooLarge)
         with pytest.raises(RecordTooLarge, match="accepts at most 1000"):  # checked before producing now
-            publisher.publish([Record(topic, b"big", b"x" * 5000)])
+            publisher.publish(records)
     finally:
         publisher.close()
