@@ -255,7 +255,9 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
     from ..ingest.status import StatusStore
     from ..retry.replay import replay, replay_dead_letter
 
-    store, client = StatusStore(rt.redis(), rt.namespace), rt.send_client(known_policies=frozenset(rt.policies()))
+    r = rt.redis()
+    store = StatusStore(r, rt.namespace, holds_data=rt.state_guard("cli", r).check)
+    client = rt.send_client(known_policies=frozenset(rt.policies()))
     if dead_letter:
         done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked)
         if done.send is None:

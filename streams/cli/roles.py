@@ -63,7 +63,9 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
             bulk = BulkProcess(bulk_nice, log_format, rt.config.ingest_instance)
             bulk.start()
         r = rt.redis()
-        client, store = rt.send_client(router=router, txn_instance=bulk_instance), StatusStore(r, rt.namespace)
+        guard = rt.state_guard("api", r)
+        client = rt.send_client(router=router, txn_instance=bulk_instance)
+        store = StatusStore(r, rt.namespace, holds_data=lambda: guard.check(force=True))
         if bulk_instance is not None:
             _fence_predecessor(client.publisher)
         webhooks = rt.webhook_ingest(r, client, store)
@@ -73,7 +75,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         app = create_app(Ingest(client, store, rt.api_keys(r), rt.limit_store(r), frozenset(rt.policies()),
                                 quotas=IngestQuotas(RedisGate(r, rt.namespace)),
                                 idempotency=IngestIdempotency(r, rt.namespace), audit=rt.audit_log(),
-                                guard=rt.state_guard("api", r), webhooks=webhooks,
+                                guard=guard, webhooks=webhooks,
                                 senders=rt.sender_store(r), registry=rt.config.registry),
                          bulk_socket=bulk.socket_path if bulk else None)
         if bulk is not None:

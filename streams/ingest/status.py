@@ -13,7 +13,7 @@ import redis
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import PublishError, StackError, StoreUnavailable
+from ..errors import PublishError, StackError, StateLost, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
 from ..outcomes import ACCEPTED, events_of, unusable, webhook_fields
@@ -46,9 +46,11 @@ def skip_outcome(msg, why: str, logger: logging.Logger = log) -> None:
 class StatusStore:
     """Status, attempt history and where a send's payload can be found, kept 30 days."""
 
-    def __init__(self, client: redis.Redis, namespace: str = ""):
+    def __init__(self, client: redis.Redis, namespace: str = "", holds_data: Callable[[], bool] | None = None):
+        """`holds_data` (a state guard's check): replays are claimed only while it says Redis holds its data."""
         self.client = client
         self.keys = RedisKeys(namespace)
+        self.holds_data = holds_data
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
         # A send's replay mark, only while it has a status of the replay's tenant (one step: its status may expire
         # in between), where it has only a replay's claim ("pending": the replay that claimed it is published, and
@@ -186,9 +188,23 @@ class StatusStore:
         return sorted(found, key=lambda d: (d[1], d[0].encode()))[:limit]
 
     def claim_replay(self, send_id: str) -> bool:
-        """True once per send: a bulk replay called twice replays each send once."""
+        """True once per send: a bulk replay called twice replays each send once. Never while Redis has lost its
+        data: `streams state recover` rebuilds statuses (a dead letter reads dead-lettered again) before the marks
+        of the replays made before the loss, and a claim in between would replay a replayed send again."""
+        self._require_data()
         with store_errors("claiming a replay"):
             return bool(self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", "pending"))
+
+    def _require_data(self) -> None:
+        if self.holds_data is None:
+            return
+        try:
+            intact = self.holds_data()
+        except StackError as exc:  # the operator log is unreadable: whether data was lost is unknown
+            raise StoreUnavailable(f"cannot tell whether Redis holds its data ({exc}); no replay is claimed") from None
+        if not intact:
+            raise StateLost("Redis has lost its data and `streams state recover` has not finished: the marks of "
+                            "replays made before the loss may not be back yet, so no replay is claimed until then")
 
     def release_replay(self, send_id: str) -> None:
         """Its replay published nothing: a later bulk replay may replay it (only the claim's holder calls this)."""

@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from streams.ingest.status import StatusStore
+from streams.send import new_send_id
 from tests.harness import (
     answers,
     committed_lag,
@@ -33,7 +35,7 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
     When Redis shuts down without saving and comes back empty,
     Then the limits and the API key are back in Redis without anyone acting, the API accepts the old key,
     the worker reports the loss (dispatch_redis_state_lost = 1) and sends nothing while it holds, even after
-    it is killed and restarted; and when an operator runs `streams state recover`, dispatch resumes and every
+    it is killed and restarted, and the API replays no dead letter (503); and when an operator runs `streams state recover`, dispatch resumes and every
     send is delivered exactly once."""
     fault_topics("email")
     mock_provider.reset(rate=50, latency_ms=20)
@@ -42,6 +44,7 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
     limits.set_tenant("resend", "*", 100_000, 50)
     before = limits.show("resend")
     api_key = fault_runtime.api_keys().create("tenant", "blaster")
+    operator_key = fault_runtime.api_keys().create("operator", None)
     port, api_port = free_port(), free_port()
     fault_processes.worker("email", "marketing", "--metrics-port", str(port))
     fault_processes.start("outcome-recorder", "outcome-recorder", ready="outcome recorder consuming")
@@ -62,6 +65,15 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
     wait_until(lambda: limits.show("resend") == before, 30, "the limits to come back from the operator log")
     accepted = wait_until(lambda: _post(api), 30, "the API to accept the old key")
     ids.append(accepted.json()["send_id"])
+    # A dead letter whose status `state recover` would rebuild before its replay mark: no replay is claimed
+    # while the data is lost (one asked in between would replay a send replayed before the loss again).
+    dead_letter = {"send_id": new_send_id(), "tenant_id": "blaster", "channel": "email", "lane": "marketing",
+                   "status": "dead_lettered", "reason": "retries_exhausted", "completed_at_ms": int(time.time() * 1e3)}
+    StatusStore(fault_runtime.redis(), fault_runtime.namespace).record_outcome(dead_letter)
+    operator = local_client(base_url=f"http://127.0.0.1:{api_port}", timeout=10,
+                            headers={"Authorization": f"Bearer {operator_key}"})
+    refused = operator.post(f"/v1/admin/dlq/{dead_letter['send_id']}/replay")
+    assert refused.status_code == 503, refused.text
     held_at = mock_provider.stats()["messages_delivered"]
     # A worker restarted during the hold reads uncommitted work again: it must hold too.
     fault_processes.procs[0][1].send_signal(signal.SIGKILL)

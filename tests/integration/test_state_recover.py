@@ -12,13 +12,13 @@ from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 import streams.state.recover as recover_module
-from streams.errors import StackError
+from streams.errors import StackError, StateLost
 from streams.ingest.status import StatusStore
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
 from streams.retry.replay import replay_dead_letter
 from streams.send import build_send, validate_request
-from streams.state.guard import log_epoch
+from streams.state.guard import StateGuard, log_epoch
 from streams.state.log import OperatorLog
 from streams.state.recover import recover
 from tests.harness import count_records, email_request
@@ -217,17 +217,21 @@ def test_recover_rebuilds_the_mark_of_an_event_with_a_bad_optional_field_and_say
     assert any("'provider_message_id'" in s and re.search(at + "1:", s) for s in skips), skips
 
 
-def test_a_dead_letter_replayed_before_the_loss_is_not_replayed_again_after_recover(
-        stack, channel_topics, oplog_topic, names, namespace, redis_client, send_client):
+def test_a_dead_letter_replayed_before_the_loss_is_not_replayed_again_during_or_after_recover(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, send_client, monkeypatch):
     """Given an email send dead-lettered (its outcome on notif.outcomes, as a worker writes it) and replayed once
     (`streams dlq replay`: a new send, not yet dispatched),
     When Redis loses this deployment's data, `streams state recover` runs, and the dead letter is replayed again
     (an operator, or a client retrying after the outage's 503),
     Then the second call answers the first replay's send id and publishes nothing: the replay's `accepted` event,
     published right after the replay, tells recover that the send was replayed. Before, recover rebuilt the
-    dead letter's status without that mark, and the second call published a second replay (sent twice)."""
+    dead letter's status without that mark, and the second call published a second replay (sent twice).
+    And a replay asked while recover runs, after it rebuilt the dead letter's status and before the replay marks,
+    is refused (the state guard says Redis lost its data) and publishes nothing (before: published, sent twice)."""
     channel_topics("email")
-    store = StatusStore(redis_client, namespace)
+    guard = StateGuard(redis_client, RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic), "api")
+    assert guard.check()  # the deployment's epoch, in Redis and the operator log
+    store = StatusStore(redis_client, namespace, holds_data=lambda: guard.check(force=True))  # as the API's
     send = build_send(validate_request(email_request()), "shop")
     [written] = send_client.publish_sends([send])
     dead = {"send_id": send.send_id, "status": "dead_lettered", "tenant_id": "shop", "channel": "email",
@@ -242,10 +246,19 @@ def test_a_dead_letter_replayed_before_the_loss_is_not_replayed_again_after_reco
 
     lost = list(redis_client.scan_iter(f"{namespace}*"))
     assert lost and redis_client.delete(*lost) == len(lost)
+    restore_replays = StatusStore.restore_replays
+
+    def replayed_meanwhile(recovering: StatusStore, replays):
+        assert store.get(send.send_id)["status"] == "dead_lettered"  # rebuilt; its replay mark not yet
+        with pytest.raises(StateLost):
+            replay_dead_letter(stack.bootstrap, names, store, send_client, send.send_id)
+        return restore_replays(recovering, replays)
+
+    monkeypatch.setattr(StatusStore, "restore_replays", replayed_meanwhile)
     result = recover(stack.bootstrap, redis_client, names, RedisKeys(namespace), OperatorLog(stack.bootstrap,
                                                                                             oplog_topic))
     assert (result.statuses, result.replay_marks) == (2, 1)
-    assert store.get(send.send_id)["status"] == "dead_lettered"
+    assert count_records(stack.bootstrap, lane) == 2
 
     again = replay_dead_letter(stack.bootstrap, names, store, send_client, send.send_id)
     assert (again.send, again.send_id) == (None, first.send_id)
