@@ -159,7 +159,7 @@ class Dispatcher:
         self.routes.refresh_pacing()
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
-        while ready and len(self.in_flight) < self.concurrency and time.monotonic() >= self.queues.global_ready_at:
+        while ready and len(self.in_flight) < self.concurrency:
             draws: list[Draw] = []
             try:
                 self._draw(ready, draws)  # reads a tenant's limits from Redis once they are 10 s old
@@ -379,12 +379,10 @@ class Dispatcher:
         if tenant_only:
             self.queues.queues[draw.key].dry_until = now + admission.wait_s
             return
-        if draw.route is self.routes.primary:
-            self.queues.hold_all(until)
-        else:  # a fallback provider's bucket: hold its queues only, not the first provider's traffic
-            for q in self.queues.queues.values():
-                if q.items and q.items[0].provider == draw.route.name:
-                    q.ready_at = max(q.ready_at, until)
+        # The account every tenant shares (its global bucket, its cool-down): the queues sent under it through this
+        # provider wait (`_draw` reads the hold), not those of tenants with accounts of their own, nor another
+        # provider's (a fallback's, or the first provider's when a fallback's bucket is dry).
+        draw.route.shared_account_held_until = max(draw.route.shared_account_held_until, until)
 
     def _claim_round(self, draws: list[Draw]) -> None:
         """Claim every admitted request with its exact body (one round trip) and start it; a request

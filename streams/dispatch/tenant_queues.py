@@ -62,7 +62,6 @@ class TenantQueues:
         self.queue_key = queue_key
         self.owned = owned
         self.queues: dict[str, TenantQueue] = {}
-        self.global_ready_at = 0.0
         self.buffered = 0
         self.buffered_bytes = 0  # what the queued messages' events weigh (held twice: bytes and decoded)
 
@@ -91,14 +90,14 @@ class TenantQueues:
                 gone.append(k)
         for k in gone:
             del self.queues[k]
-        return ready if now >= self.global_ready_at else []
+        return ready
 
     def next_ready(self, now: float) -> float | None:
         """When the next queue with work becomes ready (None: no work at all)."""
         waits = [q.ready_at for q in self.queues.values() if q.items]
         if not waits:
             return None
-        return max(min(waits), self.global_ready_at, now)
+        return max(min(waits), now)
 
     def size(self, key: str) -> int:
         q = self.queues.get(key)
@@ -144,9 +143,6 @@ class TenantQueues:
 
     def hold(self, key: str, until: float) -> None:
         self.queues.setdefault(key, TenantQueue()).ready_at = until
-
-    def hold_all(self, until: float) -> None:
-        self.global_ready_at = until
 
     def splice(self, key: str, send_ids: Iterable[str]) -> list[Pending]:
         """Remove and return the queued messages of these sends (they settle with a recovered request)."""

@@ -691,12 +691,12 @@ def _cool_down_holds(seconds: float) -> list[float]:
     sends, msgs = _messages(["acme"] * 3)
     worker, *_ = _worker(msgs, gate=CoolingGate(seconds))
     worker.step()  # takes the sends in; the gate answers with the cool-down
-    holds = []
+    holds, route = [], worker.dispatcher.routes.primary
     for _ in range(20):
-        worker.queues.hold_all(0.0)
+        route.shared_account_held_until = 0.0
         before = time.monotonic()
         worker.dispatcher.dispatch()
-        holds.append(worker.queues.global_ready_at - before)
+        holds.append(route.shared_account_held_until - before)
     return holds
 
 
@@ -2007,6 +2007,42 @@ def test_a_dry_bucket_of_a_tenants_own_account_holds_that_tenant_only(keys, ever
     _run(worker, steps=5)
     assert provider.sent == ([] if everyone_held else [sends[1].send_id.encode()])
     assert worker.queues.buffered == (2 if everyone_held else 1)
+
+
+class SharedAccountDenied(FakeGate):
+    """The account everyone shares is denied (a cool-down of an hour after a quota 429, or its global bucket dry);
+    acme's own account is not (the gate reads acme's own cool-down key and buckets, and admits it)."""
+
+    def __init__(self, short: str):
+        super().__init__()
+        self.short = short
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant != "acme":
+            return Admission(False, 3600.0 if self.short == "cooldown" else 30.0, self.short)
+        return super().acquire(provider, tenant, messages, reserve)
+
+
+@pytest.mark.parametrize("short", ["cooldown", "global"])
+def test_a_denial_of_the_shared_account_does_not_hold_a_tenant_with_its_own_account(short):
+    """Given email sent under the shared key for globex and under a key of acme's own, and globex's email denied by
+    the gate on the shared account (its cool-down, or its global bucket),
+    When acme's OTP arrives next,
+    Then it goes out at once, and globex's stays held (before: the shared account's denial held every queue of the
+    worker, acme's too: up to 10 s a round all through an hour's cool-down, up to 60 s on a dry bucket)."""
+    spec = load_registry().primary("email")
+    sends, msgs = _messages(["globex", "acme"])
+    provider = FakeProvider(DELIVERED)
+    keys = ProviderCredentials({"*": "re_shared", "acme": "re_acme_own"})
+    worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs[:1]),
+                        FakeProducer(), Routes([Route(spec, provider, keys)]), SharedAccountDenied(short), FakeJobs(),
+                        load_policies())
+    worker.consumer.subscribe([TOPIC], on_assign=worker._on_assign)
+    _run(worker, steps=5)
+    worker.consumer.pending.append(msgs[1])
+    _run(worker, steps=5)
+    assert provider.sent == [sends[1].send_id.encode()]
+    assert worker.queues.buffered == 1  # globex's, held
 
 
 class KeyRefusedFor(FakeProvider):
