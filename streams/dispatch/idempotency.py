@@ -38,6 +38,10 @@ LEASE_S = 10.0                      # a claim's lease lapses this long after its
 REFRESH_EVERY_S = 2.0               # how often a live holder refreshes the leases of its requests
 RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
 CLAIM_TTL_MS = DELIVERED_TTL_S * 1000  # a claim outlives its record: see take_over
+# A `tried:<n>` mark keeps every copy of a send's earlier attempts stale for as long as one can be read (a lane
+# keeps payloads 7 days; a retry copy parked near its send's max age comes back up to 2 days later), whatever
+# the claims live: a webhook delivery skipped for good, whose mark lapsed, was sent by its copy read again.
+TRIED_TTL_MS = DELIVERED_TTL_S * 1000
 RECORD_GONE: Literal["gone"] = "gone"
 
 
@@ -163,7 +167,7 @@ class ProcessedJobs:
         for c in claims:
             earlier = orjson.dumps([c.attempts.get(s, 1) - 1 for s in c.send_ids]).decode() if c.attempts else ""
             self._release(keys=self._request_keys(c.tenant, c.key, c.send_ids),
-                          args=[f"inflight:{c.key}", c.owner, earlier, self.claim_ttl_ms], client=pipe)
+                          args=[f"inflight:{c.key}", c.owner, earlier, TRIED_TTL_MS], client=pipe)
         with store_errors("releasing claims"):
             pipe.execute()
 
@@ -222,7 +226,7 @@ class ProcessedJobs:
         pipe = self.client.pipeline(transaction=False)
         for tenant, attempts in by_tenant.items():
             self._mark_tried(keys=[self.keys.processed(tenant, s) for s in attempts],
-                             args=[*attempts.values(), self.claim_ttl_ms], client=pipe)
+                             args=[*attempts.values(), TRIED_TTL_MS], client=pipe)
         with store_errors("marking failed attempts"):
             pipe.execute()
 
@@ -263,7 +267,7 @@ class ProcessedJobs:
         attempts = orjson.dumps([(earlier or {}).get(s, 0) for s in send_ids]).decode() if earlier else ""
         with store_errors("releasing a claim"):
             self._release(keys=self._request_keys(tenant, key, send_ids),
-                          args=[f"inflight:{key}", owner, attempts, self.claim_ttl_ms])
+                          args=[f"inflight:{key}", owner, attempts, TRIED_TTL_MS])
 
     def refresh(self, leases: list[tuple[str, str]], owner: str) -> None:
         """Extend the leases (tenant, request key) this holder still owns: it is alive and sending."""

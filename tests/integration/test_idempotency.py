@@ -290,10 +290,29 @@ def test_a_webhook_workers_claims_expire_with_their_request_and_a_providers_outl
 
 
 
+def test_a_webhook_deliverys_tried_mark_outlives_every_copy_of_it_not_its_claims_day(redis_client, namespace):
+    """Given a webhook lane's processed jobs (claims kept a day: receivers deduplicate by webhook-id),
+    When a delivery's attempt fails and is marked tried (by the release of its request, and once its retry copy is
+    acknowledged), or is skipped for good (a disabled endpoint: tried before its next attempt),
+    Then its mark lives longer than the webhook policy's max age, so a copy read again up to then (a retrier
+    restarted re-releases what waited behind a copy parked near its max age) is stale, not sent (before: the mark
+    lapsed after a day, and a copy read again on the second day was delivered: a skipped event sent after all)."""
+    from streams.retry.policy import load_policies
+
+    jobs = ProcessedJobs(redis_client, namespace, claim_ttl_ms=idempotency.RECORD_TTL_MS)  # as a webhook lane's
+    key = idempotency_key(["d1"])
+    assert jobs.claim(["d1"], key, "worker-a", "/hooks", b"body", "acme") == []
+    jobs.release("acme", ["d1"], key, "worker-a", earlier={"d1": 1})
+    jobs.mark_tried_many([("acme", "d2", 4)])
+    max_age_ms = load_policies()["webhook"].max_age_s * 1000
+    for delivery in ("d1", "d2"):
+        assert redis_client.pttl(RedisKeys(namespace).processed("acme", delivery)) > max_age_ms
+
+
 def test_a_failed_attempt_is_marked_once_its_copy_is_durable_and_never_over_a_later_state(redis_client, namespace):
     """Given a batch of two sends claimed by worker A and released after a definite failure,
     When A marks them tried (s1 on its attempt 1, s2 on its attempt 3) once their retry copies are acknowledged,
-    Then each is `tried:<its attempt>` (kept as long as a claim) and free to claim: the next attempt's request
+    Then each is `tried:<its attempt>` (kept 7 days) and free to claim: the next attempt's request
     claims both; a mark never lowers an attempt, nor replaces a claim (a later attempt's, or one kept after an
     unknown outcome) or a delivered send."""
     jobs = ProcessedJobs(redis_client, namespace)
