@@ -649,8 +649,9 @@ class Dispatcher:
         if not route.spec.idempotent:
             # Its sender stopped before the answer, at a provider without idempotency keys: it may have
             # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
-            members = self._with_queued_copies(group, queue, stored)
-            self._reconcile(tenant, request_key, stored.send_ids, members)
+            self.jobs.mark_reconcile(tenant, stored.send_ids, request_key)  # first: Redis failing here loses nothing
+            for p in self._with_queued_copies(group, queue, stored):  # (what this takes out of the queue is ended)
+                self._end(p, "unknown_outcome")
             log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
                         "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
                         route.name)

@@ -915,6 +915,35 @@ def _orphaned_request(attempt: int = 1):
     return send, jobs, key
 
 
+def test_redis_failing_as_a_request_is_left_to_reconciliation_loses_no_queued_copy_of_its_sends():
+    """Given a send whose request's sender died (its outcome unknown) at a provider without idempotency keys, and its
+    lane message and retry copy both read again by the next worker, which has room for one request,
+    When the lane message meets the request, which is left to reconciliation, and Redis fails as the sends are
+    marked so (then answers again),
+    Then both messages end, and the partition's offset moves past them (before: the retry copy, taken out of the
+    queue to end with the request, was in neither the queue nor a request after the failure: its offset was never
+    finished and the partition's committed offset stayed behind it until a restart)."""
+    send, jobs, key = _orphaned_request()
+    failures = [StoreUnavailable("Redis timed out (test)")]
+    mark_reconcile = jobs.mark_reconcile
+
+    def failing_once(tenant, send_ids, request_key):
+        if failures:
+            raise failures.pop()
+        mark_reconcile(tenant, send_ids, request_key)
+
+    jobs.mark_reconcile = failing_once
+    lane_message = FakeMessage(0, 0, encode(send))
+    retry_copy = FakeMessage(0, 1, encode(send), [("attempt", b"2")])
+    worker, consumer, producer, provider = _worker([lane_message, retry_copy], jobs=jobs, idempotent=False,
+                                                   answer=ProviderResult("unavailable", 503))
+    worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
+    worker.dispatcher.concurrency = 1
+    _run(worker, steps=100)
+    assert not failures and provider.sent == []
+    assert consumer.stored.get((TOPIC, 0)) == 2 and worker.queues.buffered == 0
+
+
 def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     """Given a send whose request's sender died (its outcome unknown), and whose lane message (attempt 1) and retry
     copy (attempt 2) are both read again by the next worker, which has room for one request,
