@@ -133,16 +133,29 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
                                    f"{type(exc).__name__}); look it up (`streams sends show {new.send_id}`) before "
                                    "replaying again", new.send_id) from exc
     try:
-        # Its `accepted` event: the durable record that `send_id` was replayed, from which `streams state recover`
+        _record_published(store, client, new)
+    except KeyboardInterrupt as exc:  # published: as unconfirmed, so that a caller keeps its replay claim
+        raise ReplayOutcomeUnknown(f"the replay of {send_id} is published as {new.send_id} (interrupted while it was "
+                                   f"recorded); look it up (`streams sends show {new.send_id}`) before replaying "
+                                   "again", new.send_id) from exc
+    return new
+
+
+def _record_published(store: StatusStore, client: SendClient, new: Send) -> None:
+    """A published replay's `accepted` event and status; what fails is logged (the replay is out: the answer
+    names it, and a caller must not free its claim)."""
+    try:
+        # Its `accepted` event: the durable record that `replay_of` was replayed, from which `streams state recover`
         # rebuilds the mark that stops a second replay after a Redis data loss (so are the replay's later outcomes).
         client.publisher.publish(client.accepted_records([new]))
-    except Exception as exc:  # noqa: BLE001 - published: the answer names it (a caller must not free its claim)
-        log.warning("the replay %s of %s is published, but its accepted event was not: %s", new.send_id, send_id, exc)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("the replay %s of %s is published, but its accepted event was not: %s", new.send_id,
+                    new.replay_of, exc)
     try:
         store.accepted([new])  # after the broker has it: no status for a send that was never published
-    except Exception as exc:  # noqa: BLE001 - published: its status follows from its outcomes as it is dispatched
-        log.warning("the replay %s of %s is published, but its status was not recorded: %s", new.send_id, send_id, exc)
-    return new
+    except Exception as exc:  # noqa: BLE001 - its status follows from its outcomes as it is dispatched
+        log.warning("the replay %s of %s is published, but its status was not recorded: %s", new.send_id,
+                    new.replay_of, exc)
 
 
 @dataclass(frozen=True)

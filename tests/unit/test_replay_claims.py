@@ -1,0 +1,72 @@
+"""A dead letter's replay is claimed once: whatever stops the call after the replay is published keeps the claim."""
+
+import pytest
+
+from streams.errors import ReplayOutcomeUnknown
+from streams.retry import replay as replay_module
+from streams.send import build_send, encode, validate_request
+from tests.harness import sms_request
+
+
+class OneDeadLetter:
+    """A status store holding one dead-lettered send, its replay claim kept as StatusStore keeps it."""
+
+    def __init__(self, send):
+        self.doc = {"status": "dead_lettered", "tenant_id": send.tenant_id, "accepted_at_ms": send.created_at_ms,
+                    "reason": "retries_exhausted", "attempt_history": []}
+
+    def get(self, send_id):
+        return dict(self.doc)
+
+    def claim_replay(self, send_id):
+        if "replayed_as" in self.doc:
+            return False
+        self.doc["replayed_as"] = "pending"
+        return True
+
+    def release_replay(self, send_id):
+        self.doc.pop("replayed_as", None)
+
+    def mark_replayed(self, send_id, replay_id):
+        self.doc["replayed_as"] = replay_id
+
+    def accepted(self, sends):
+        pass
+
+
+class Client:
+    """Publishes sends; its `accepted` events' publish is interrupted (an operator's Ctrl-C while it waits)."""
+
+    def __init__(self):
+        self.published = []
+        self.interrupted = True
+        self.publisher = self
+
+    def publish_sends(self, sends):
+        self.published.extend(sends)
+
+    def accepted_records(self, sends):
+        return [b"accepted"]
+
+    def publish(self, records):
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_after_a_dead_letters_replay_is_published_keeps_it_claimed(monkeypatch):
+    """Given a dead letter, and an operator who presses Ctrl-C while `streams dlq replay` waits for the replay's
+    `accepted` event to be acknowledged (the replay itself is on the lane already),
+    When the command ends, and the operator runs it again,
+    Then the first run names the replay's send id as unconfirmed, and the second publishes nothing (before: the
+    interruption freed the claim, and the second run published a second replay: delivered twice)."""
+    send = build_send(validate_request(sms_request()), "acme")
+    monkeypatch.setattr(replay_module, "_payload", lambda *args: encode(send))
+    store, client = OneDeadLetter(send), Client()
+    with pytest.raises(ReplayOutcomeUnknown) as interrupted:
+        replay_module.replay_dead_letter("unused:9092", None, store, client, send.send_id)
+    [replayed] = client.published
+    assert interrupted.value.replay_id == replayed.send_id and store.doc["replayed_as"] == "pending"
+    with pytest.raises(replay_module.ReplayRefused, match="left unconfirmed"):
+        replay_module.replay_dead_letter("unused:9092", None, store, client, send.send_id)
+    assert client.published == [replayed]
