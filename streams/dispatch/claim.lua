@@ -10,6 +10,7 @@
 -- restarted empty, a shard failed over to an empty replica), so a delivered send would look free here.
 -- ARGV[12] the attempt of each send above its first, JSON {send id: attempt} ('' when all are first attempts): a
 -- copy of one of them for an earlier attempt, meeting this request later, is stale (see note_attempts.lua).
+-- ARGV[13] the digest of the key the request goes under ('' : none): a recovered request is re-sent under it only.
 -- Returns {} when claimed, -1 when the marker is missing, else the 0-based positions of the sends that
 -- are not free (free: no key, or `tried:<n>`).
 local last = #KEYS - 1
@@ -26,6 +27,7 @@ redis.call('DEL', KEYS[2])  -- a new claim starts a new record (never an older o
 redis.call('HSET', KEYS[2], 'path', ARGV[5], 'body', ARGV[6], 'tenant', ARGV[7], 'ids', ARGV[8], 'provider', ARGV[9],
            'owner', ARGV[2])
 if ARGV[12] and ARGV[12] ~= '' then redis.call('HSET', KEYS[2], 'attempts', ARGV[12]) end
+if ARGV[13] and ARGV[13] ~= '' then redis.call('HSET', KEYS[2], 'account', ARGV[13]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {}

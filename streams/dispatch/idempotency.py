@@ -64,6 +64,7 @@ class Claim:
     body: bytes = field(repr=False)  # the provider request: recipients, subject, text
     provider: str = ""  # "" : the channel's first provider
     attempts: dict[str, int] = field(default_factory=dict)  # sends above their first attempt: send id -> attempt
+    account: str = ""  # the digest of the key it goes under (ProviderCredentials.account)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class StoredRequest:
     provider: str = ""  # the provider it went to: a recovered request goes to the same one
     # Each send's live attempt (above its first): a copy for an earlier one is stale (claim.lua, note_attempts.lua).
     attempts: dict[str, int] = field(default_factory=dict)
+    account: str = ""  # the digest of the key it went under ("" : not recorded, by an older version)
 
 
 NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
@@ -174,7 +176,7 @@ class ProcessedJobs:
     def _claim_args(self, c: Claim) -> list:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
                 orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0",
-                orjson.dumps(c.attempts) if c.attempts else ""]
+                orjson.dumps(c.attempts) if c.attempts else "", c.account]
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:
@@ -199,7 +201,8 @@ class ProcessedJobs:
         ids = tuple(orjson.loads(rec[b"ids"]))
         attempts = orjson.loads(rec[b"attempts"]) if rec.get(b"attempts") else {}
         return StoredRequest(key, rec[b"path"].decode(), rec[b"body"], rec[b"tenant"].decode(), ids,
-                             rec.get(b"provider", b"").decode(), {str(s): int(n) for s, n in attempts.items()})
+                             rec.get(b"provider", b"").decode(), {str(s): int(n) for s, n in attempts.items()},
+                             rec.get(b"account", b"").decode())
 
     def mark_delivered(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str) -> None:
         """Every send of the request `delivered`, and its lease and record gone, in one call."""

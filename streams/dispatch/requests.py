@@ -459,7 +459,7 @@ class Dispatcher:
                                           for p in items], batch=self.lane in route.spec.batch_lanes)
         provider = "" if route is self.routes.primary else route.name
         return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider,
-                     {p.send.send_id: p.attempt for p in items if p.attempt > 1})
+                     {p.send.send_id: p.attempt for p in items if p.attempt > 1}, route.credentials.account(tenant))
 
     def _buildable_claim(self, d: Draw, held: list[tuple[Draw, str]]) -> Claim | None:
         """The claim of this draw's request; None when there is nothing to send now. A send whose payload
@@ -646,15 +646,19 @@ class Dispatcher:
         if not group:
             return True  # only copies of attempts the request carries on already: ended as stale
         route = self.routes.of(stored.provider)
-        if not route.spec.idempotent:
-            # Its sender stopped before the answer, at a provider without idempotency keys: it may have
-            # been delivered, and a re-send could deliver it twice. Reconciliation, as for an unknown answer.
+        rekeyed = bool(stored.account) and stored.account != route.credentials.account(stored.tenant)
+        if not route.spec.idempotent or rekeyed:
+            # It may have been delivered, and a re-send could deliver it twice: at a provider without idempotency
+            # keys, or under another key than it went under (the tenant moved to an account of its own, a key
+            # rotated: the provider keeps idempotency keys per account, or per key). Reconciliation, as for an
+            # unknown answer.
             self.jobs.mark_reconcile(tenant, stored.send_ids, request_key)  # first: Redis failing here loses nothing
             for p in self._with_queued_copies(group, queue, stored):  # (what this takes out of the queue is ended)
                 self._end(p, "unknown_outcome")
-            log.warning("request %s (%d sends) to %s has no known outcome and %s does not honour idempotency keys: "
-                        "left to reconciliation, not sent again", request_key, len(stored.send_ids), route.name,
-                        route.name)
+            why = (f"the key {stored.tenant}'s requests go under changed since it was sent" if rekeyed
+                   else f"{route.name} does not honour idempotency keys")
+            log.warning("request %s (%d sends) to %s has no known outcome and %s: left to reconciliation, not sent "
+                        "again", request_key, len(stored.send_ids), route.name, why)
             return True
         try:
             try:

@@ -7,6 +7,7 @@ The worker, the runtime, the configuration and the CLI all read this table.
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -175,6 +176,12 @@ class ProviderCredentials:
         limits are its own, not everyone's."""
         own = self.keys.get(tenant)
         return tenant != "*" and own is not None and own != self.keys.get("*")
+
+    def account(self, tenant: str) -> str:
+        """Which key the tenant's requests go under, as a digest ("" for none): a request left with an unknown
+        outcome is sent again only under the same key (idempotency keys are kept per account, or per key)."""
+        key = self.keys.get(tenant) or self.keys.get("*")
+        return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
     def for_tenant(self, tenant: str) -> str:
         key = self.keys.get(tenant) or self.keys.get("*")

@@ -108,9 +108,10 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
     b = ProcessedJobs(redis_client, namespace, lease_s=60)   # B's lasts the test
     ids = ["s1", "s2", "s3"]
     key = idempotency_key(ids)
-    assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    assert a.claim_many([Claim("acme", key, tuple(ids), "worker-a", "/emails/batch", b"the body",
+                               account="the-keys-digest")]) == [[]]
     taken = wait_until(lambda: b.take_over("acme", key, "worker-b", ids), 10, "A's lease to lapse", interval=0.05)
-    assert taken.body == b"the body"
+    assert (taken.body, taken.account) == (b"the body", "the-keys-digest")  # re-sent under that key only
 
     a.release("acme", ids, key, "worker-a")
     a.keep_unknown("acme", key, "worker-a")

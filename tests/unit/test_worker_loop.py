@@ -152,12 +152,12 @@ class FakeJobs:
     def status(self, tenant, send_ids): return [self.state.get(s) for s in send_ids]
     def status_many(self, groups): return [self.status(t, ids) for t, ids in groups]
     def claim_many(self, claims): return [self.claim(list(c.send_ids), c.key, c.owner, c.path, c.body, c.tenant,
-                                                     c.provider, c.attempts) for c in claims]
+                                                     c.provider, c.attempts, c.account) for c in claims]
     def mark_delivered_many(self, requests):
         for tenant, ids, key in requests:
             self.mark_delivered(tenant, ids, key)
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None, account=""):
         busy = [i for i, s in enumerate(send_ids) if not self.state.get(s, "tried:").startswith("tried:")]
         if not busy:
             self.state.update({s: f"inflight:{key}" for s in send_ids})
@@ -819,11 +819,11 @@ class RecordingJobs(FakeJobs):
         super().__init__()
         self.records: dict[str, StoredRequest] = {}
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None, account=""):
         busy = super().claim(send_ids, key, owner, path, body, tenant, provider)
         if not busy:
             self.records[key] = StoredRequest(key, path, body, tenant, tuple(sorted(send_ids)), provider,
-                                              dict(attempts or {}))
+                                              dict(attempts or {}), account)
         return busy
 
     def take_over(self, tenant, key, owner, send_ids=()): return self.records.get(key)
@@ -942,6 +942,46 @@ def test_redis_failing_as_a_request_is_left_to_reconciliation_loses_no_queued_co
     _run(worker, steps=100)
     assert not failures and provider.sent == []
     assert consumer.stored.get((TOPIC, 0)) == 2 and worker.queues.buffered == 0
+
+
+class IdempotentPerKey(FakeProvider):
+    """Keeps idempotency keys per API key (per account); the first request is accepted and its answer lost."""
+
+    def __init__(self):
+        super().__init__(DELIVERED)
+        self.accepted: dict[tuple[str, str], bytes] = {}
+        self.answer_lost = True
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.accepted.setdefault((api_key, idempotency_key), body)
+        if self.answer_lost:
+            self.answer_lost = False
+            return ProviderResult("unknown", 502, error_name="bad_gateway")
+        return DELIVERED
+
+    def deliveries(self) -> Counter:
+        return Counter(self.accepted.values())
+
+
+def test_a_request_with_an_unknown_outcome_is_not_sent_again_under_another_key_than_it_went_under():
+    """Given acme's email sent under the shared key and answered 502 (accepted, its answer lost: kept claimed),
+    When the operator moves acme to an account of its own (a key of its own; workers restart with it) and the
+    send's retry copy comes back,
+    Then the request is not sent again under the new key: its sends go to reconciliation (dead-lettered
+    unknown_outcome) and the provider delivered the email once (before: re-sent under its idempotency key to an
+    account that never saw that key, and delivered a second time)."""
+    sends, msgs = _messages(["acme"])
+    provider = IdempotentPerKey()
+    worker, consumer, producer, _ = _worker(msgs, jobs=RecordingJobs(), provider=provider)
+    _run(worker)
+    [retry_topic] = [t for t in producer.records if ".retry." in t]
+    worker.routes.primary.credentials = ProviderCredentials({"*": "re_key", "acme": "re_acme_own"})
+    value, headers = producer.records[retry_topic][0]
+    consumer.pending.append(FakeMessage(0, 1, value, list(headers.items())))
+    _run(worker)
+    assert provider.deliveries() == {sends[0].send_id.encode(): 1}
+    (_, dead), = producer.records[NAMES.dlq]
+    assert dead["reason"] == b"unknown_outcome"
 
 
 def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
@@ -1772,10 +1812,10 @@ class RacingJobs(FakeJobs):
         super().__init__()
         self.racers = [s.send_id for s in sends[:2]]
 
-    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None):
+    def claim(self, send_ids, key, owner, path, body, tenant, provider="", attempts=None, account=""):
         for s in self.racers:
             self.state.setdefault(s, "inflight:another-workers-request")
-        return super().claim(send_ids, key, owner, path, body, tenant, provider, attempts)
+        return super().claim(send_ids, key, owner, path, body, tenant, provider, attempts, account)
 
 
 @pytest.mark.parametrize("case, sent, charged", [
