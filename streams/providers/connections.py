@@ -38,16 +38,36 @@ def post(pooled: httpx.Client, fresh: httpx.Client, path: str, content: bytes, h
          seconds_left: Callable[[], float], again: Callable[[], bool]) -> httpx.Response:
     """POST through `pooled`. A request that met a connection the provider closed while it sat idle is sent
     once more through `fresh` when `again()` says so (it is asked only then, so it may log and record the
-    second copy); `seconds_left()` bounds each of its reads and writes (its connect: CONNECT_S at most).
+    second copy); `seconds_left()` bounds each of its reads and writes (its connect: CONNECT_S at most), and the
+    whole answer.
     Any other failure is raised as it came."""
     trace = _Trace()
     try:
-        return pooled.post(path, content=content, headers=headers, extensions={"trace": trace})
+        return _read_within(pooled.send(pooled.build_request("POST", path, content=content, headers=headers,
+                                                             extensions={"trace": trace}), stream=True), seconds_left)
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
         if not trace.closed_while_idle():
             raise  # a new connection, or one that answered: another is no different
         left = seconds_left()
         if left <= 0 or not again():
             raise
-        return fresh.post(path, content=content, headers=headers,
-                          timeout=httpx.Timeout(left, connect=min(left, CONNECT_S)))
+        return _read_within(fresh.send(fresh.build_request("POST", path, content=content, headers=headers, timeout=(
+            httpx.Timeout(left, connect=min(left, CONNECT_S)))), stream=True), seconds_left)
+
+
+def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> httpx.Response:
+    """`resp` with its whole body, read before `seconds_left()` runs out. The client's timeout bounds each read,
+    not the whole: a body that arrives a byte at a time, never silent for a whole timeout, held the request (its
+    worker slot, its lease kept alive, its partition's commit) for as long as the sender went on."""
+    if resp.is_stream_consumed:  # read whole already (a transport answering from memory)
+        return resp
+    chunks: list[bytes] = []
+    try:
+        for chunk in resp.iter_raw():
+            chunks.append(chunk)
+            if seconds_left() <= 0:
+                raise httpx.ReadTimeout("the answer's body was still arriving when the request's time ran out",
+                                        request=resp.request)
+    finally:
+        resp.close()
+    return httpx.Response(resp.status_code, headers=resp.headers, content=b"".join(chunks), request=resp.request)
