@@ -15,7 +15,7 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from .. import metrics
-from ..errors import PublishError, StackError, StoreUnavailable
+from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
@@ -70,7 +70,7 @@ def take_back(oplog: OperatorLog, key: str, before: dict | None, read: Callable[
                     "change of it mends that)", key)
 
 
-def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict | None, write: Callable[[], bool],
+def write_through_log(oplog: OperatorLog, key: str, record: dict | None, before: dict | None, write: Callable[[], bool],
                       read: Callable[[], bytes | None], *, deletes: bool = True, conditional: bool = True) -> bool:
     """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
@@ -78,8 +78,13 @@ def write_through_log(oplog: OperatorLog, key: str, record: dict, before: dict |
     at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
     older one may follow it). `conditional=False`: `write()` overwrites whatever Redis holds, so a concurrent
     change may have logged its record after ours and still lost to our write: what Redis holds is logged even
-    when it is our own record."""
-    oplog.put(key, record)
+    when it is our own record. A log write left unconfirmed (it may still be written) is taken back too: the change
+    is not made, and a rebuild must not make it."""
+    try:
+        oplog.put(key, record)
+    except PublishOutcomeUnknown:
+        take_back(oplog, key, before, read, deletes)
+        raise
     try:
         written = write()
     except StoreUnavailable:

@@ -23,13 +23,13 @@ import orjson
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
+from ..errors import ConfigError, PublishOutcomeUnknown, StackError, StoreUnavailable
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys
 from ..redis_client import SET_FIELD_IF_UNCHANGED, load_script, store_errors
 from ..send import EVENT_TYPE_PATTERN
 from ..state.log import TIMEOUT_S as LOG_TIMEOUT_S
-from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable, take_back
+from ..state.log import OperatorLog, log_what_redis_holds, skip_unreadable, take_back, write_through_log
 from .lookups import answered
 from .model import STATES, Endpoint, Health, Secret, with_health
 from .sealing import Sealer, seal
@@ -126,41 +126,35 @@ class EndpointStore:
             addresses = None
         return answered(host, addresses)
 
-    def _save(self, ep: Endpoint, expected: bytes | None = None) -> bool:
-        """The operator log first, then Redis; with `expected`, only if the stored record is still exactly
-        that (False: someone changed it meanwhile)."""
-        if self.oplog is not None:
-            self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
-        with store_errors("saving an endpoint"):
-            if expected is None:
-                self.client.hset(self.keys.endpoints(ep.tenant), ep.id, orjson.dumps(ep.to_doc()))
-                return True
-            return bool(self._set_if_unchanged(keys=[self.keys.endpoints(ep.tenant)],
-                                               args=[ep.id, expected, orjson.dumps(ep.to_doc())]))
+    def _save(self, ep: Endpoint, expected: bytes) -> bool:
+        """The operator log first, then Redis, only if the stored record is still exactly `expected` (False:
+        someone changed it meanwhile); then the log ends with what Redis holds (`write_through_log`: a write Redis
+        refused is taken back out of the log, and a look after a write that succeeded failing fails nothing)."""
+        def write() -> bool:
+            with store_errors("saving an endpoint"):
+                return bool(self._set_if_unchanged(keys=[self.keys.endpoints(ep.tenant)],
+                                                   args=[ep.id, expected, orjson.dumps(ep.to_doc())]))
+
+        if self.oplog is None:
+            return write()
+        return write_through_log(self.oplog, f"endpoint/{ep.id}", ep.to_doc(), orjson.loads(expected), write,
+                                 partial(self._raw, ep.tenant, ep.id))
 
     def _change(self, tenant: str, endpoint_id: str, change: Callable[[Endpoint], Endpoint]) -> Endpoint | None:
         """Read, change and write back an endpoint, compare-and-set: a change written meanwhile by another
         request or process (the tenant's PATCH, a rotation, the worker disabling it after a 410) is read
         again and kept, never overwritten with the older record. None: no such endpoint."""
         for _ in range(CHANGE_ATTEMPTS):
-            with store_errors("reading an endpoint"):
-                raw = self.client.hget(self.keys.endpoints(tenant), endpoint_id)
+            raw = self._raw(tenant, endpoint_id)
             if raw is None:
                 return None
             current = Endpoint.from_doc(orjson.loads(raw))
             changed = change(current)
-            # Nothing to write is a success too: the log still gets what Redis holds (it may lag it).
-            try:
-                saved = changed == current or self._save(changed, raw)
-            except StoreUnavailable:
-                if self.oplog is not None:  # the workers follow the log: it must not keep what Redis refused
-                    take_back(self.oplog, f"endpoint/{endpoint_id}", orjson.loads(raw),
-                              partial(self._raw, tenant, endpoint_id))
-                raise
-            if saved:
+            if changed == current:  # nothing to write is a success too: the log still gets what Redis holds
                 self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
                 return changed
-            self._log_what_redis_holds(tenant, endpoint_id)
+            if self._save(changed, raw):
+                return changed
         raise StoreUnavailable(f"endpoint {endpoint_id} kept changing under this change ({CHANGE_ATTEMPTS} attempts)")
 
     def _log_what_redis_holds(self, tenant: str, endpoint_id: str, after_success: bool = False) -> None:
@@ -177,26 +171,24 @@ class EndpointStore:
     def _save_new(self, ep: Endpoint, reservations: str) -> None:
         """The operator log first, then Redis, which gives back the endpoint's reserved place in the
         same step. A Redis write that fails takes the endpoint back out of the log."""
-        if self.oplog is not None:
-            self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
         try:
+            if self.oplog is not None:
+                self.oplog.put(f"endpoint/{ep.id}", ep.to_doc())
             with store_errors("saving an endpoint"):
                 self._save_reserved(keys=[self.keys.endpoints(ep.tenant), reservations],
                                     args=[ep.id, orjson.dumps(ep.to_doc())])
-        except StoreUnavailable:
+        except (StoreUnavailable, PublishOutcomeUnknown):  # (a log write refused outright holds nothing)
+            # The caller is told the create failed (its secret is never shown): the endpoint must exist nowhere.
+            # Redis may have saved it before its answer was lost: it is removed, then the log gets what Redis holds.
+            try:
+                with store_errors("removing a failed create"):
+                    self.client.hdel(self.keys.endpoints(ep.tenant), ep.id)
+            except StoreUnavailable as exc:
+                log.warning("endpoint %s of tenant %s: its create failed, and Redis, which may have saved it, could "
+                            "not be asked to remove it (%s)", ep.id, ep.tenant, exc)
             if self.oplog is not None:
-                self._forget(ep)
+                take_back(self.oplog, f"endpoint/{ep.id}", None, partial(self._raw, ep.tenant, ep.id))
             raise
-
-    def _forget(self, ep: Endpoint) -> None:
-        """A create that failed after the operator log took it: the workers follow the log, so the
-        endpoint is taken back out of it (the caller was told the create failed, and may try again)."""
-        assert self.oplog is not None
-        try:
-            self.oplog.put(f"endpoint/{ep.id}", None)
-        except PublishError:
-            log.error("endpoint %s of tenant %s: its create failed, and it could not be taken back out of the "
-                      "operator log, which the workers follow: they may deliver to it", ep.id, ep.tenant)
 
     def create(self, tenant: str, url: str, event_types: list[str], description: str = "",
                enabled: bool = True, resolve: Resolver | None = None) -> tuple[Endpoint, str]:
@@ -264,14 +256,19 @@ class EndpointStore:
         return self._change(tenant, endpoint_id, lambda ep: replace(ep, **changes))
 
     def delete(self, tenant: str, endpoint_id: str) -> bool:
-        if self.get(tenant, endpoint_id) is None:
+        raw = self._raw(tenant, endpoint_id)
+        if raw is None:
             return False
-        if self.oplog is not None:
-            self.oplog.put(f"endpoint/{endpoint_id}", None)
-        with store_errors("deleting an endpoint"):
-            self.client.hdel(self.keys.endpoints(tenant), endpoint_id)
-        self._log_what_redis_holds(tenant, endpoint_id, after_success=True)
-        return True
+
+        def write() -> bool:
+            with store_errors("deleting an endpoint"):
+                self.client.hdel(self.keys.endpoints(tenant), endpoint_id)
+            return True
+
+        if self.oplog is None:
+            return write()
+        return write_through_log(self.oplog, f"endpoint/{endpoint_id}", None, orjson.loads(raw), write,
+                                 partial(self._raw, tenant, endpoint_id), conditional=False)
 
     def rotate_secret(self, tenant: str, endpoint_id: str, now_ms: int | None = None) -> str | None:
         """A new current secret; the previous one stays valid 24 h (both sign meanwhile). At most

@@ -219,7 +219,7 @@ def test_a_change_landing_in_the_middle_of_another_is_kept(redis_client, namespa
     now = other.get("acme", ep.id)
     if meanwhile == "disabled":
         assert (now.description, now.state) == ("billing events", "disabled") and updated == now
-        assert log.last(f"endpoint/{ep.id}") == orjson.loads(orjson.dumps(now.to_doc()))
+        assert orjson.loads(orjson.dumps(log.last(f"endpoint/{ep.id}"))) == orjson.loads(orjson.dumps(now.to_doc()))
     else:
         assert now is None and updated is None
         assert log.last(f"endpoint/{ep.id}") is None
