@@ -51,6 +51,14 @@ def _started(status: dict) -> int:
     return int(status.get("accepted_at_ms") or status.get("completed_at_ms") or 0)
 
 
+def _kept_since(status: dict) -> int:
+    """When the newest copy of the send's payload was written: a dead letter's when it was dead-lettered (the DLQ
+    keeps it PAYLOAD_DAYS from then, days after the send was accepted), else when it was accepted (its lane's)."""
+    if status.get("status") in DEAD_LETTERED and status.get("completed_at_ms"):
+        return int(status["completed_at_ms"])
+    return _started(status)
+
+
 def _payload(bootstrap: str, names: TopicNames, send_id: str, status: dict) -> bytes:
     """The send's original event bytes: its dead letter's, else the delivered lane message's."""
     if status["status"] in ("dead_lettered", "dropped"):
@@ -98,7 +106,7 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     replay, nothing published) and returns what gives its charge back should the broker refuse it."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
-    if now_ms - _started(status) > PAYLOAD_MS:
+    if now_ms - _kept_since(status) > PAYLOAD_MS:
         raise ReplayRefused(f"the payload of send {send_id} has expired: payloads are kept {PAYLOAD_DAYS} days "
                             f"(sent {_when(_started(status))}); nothing is left to send")
     try:

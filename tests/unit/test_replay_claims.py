@@ -1,4 +1,7 @@
-"""A dead letter's replay is claimed once: whatever stops the call after the replay is published keeps the claim."""
+"""A dead letter's replay: claimed once (whatever stops the call after the replay is published keeps the claim), and
+allowed while the dead-letter topic keeps its payload."""
+
+import time
 
 import pytest
 
@@ -70,3 +73,19 @@ def test_ctrl_c_after_a_dead_letters_replay_is_published_keeps_it_claimed(monkey
     with pytest.raises(replay_module.ReplayRefused, match="left unconfirmed"):
         replay_module.replay_dead_letter("unused:9092", None, store, client, send.send_id)
     assert client.published == [replayed]
+
+
+def test_a_dead_letter_is_replayable_while_the_dead_letter_topic_keeps_its_payload(monkeypatch):
+    """Given a marketing send accepted 7.5 days ago and dead-lettered 5.5 days ago (too old: its 2-day max age), whose
+    dead letter, kept 7 days from when it was written, still holds the payload,
+    When an operator replays it,
+    Then it is replayed (before: refused as "the payload has expired, nothing is left to send", counted from when
+    the send was accepted)."""
+    day_ms, now = 24 * 3600 * 1000, int(time.time() * 1000)
+    send = build_send(validate_request(sms_request("marketing")), "acme", now_ms=now - int(7.5 * day_ms))
+    monkeypatch.setattr(replay_module, "_payload", lambda *args: encode(send))  # found in the dead letter
+    store, client = OneDeadLetter(send), Client()
+    client.interrupted = False
+    store.doc.update(completed_at_ms=now - int(5.5 * day_ms), reason="too_old")
+    done = replay_module.replay_dead_letter("unused:9092", None, store, client, send.send_id, now_ms=now)
+    assert done.send is not None and client.published == [done.send]
