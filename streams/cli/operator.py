@@ -294,9 +294,7 @@ def dlq(sub) -> None:
             listing = tools.latest(rt.bootstrap, rt.names.dlq, args.limit, args.reason)
             shown = listing.latest
             for r in shown:
-                print(f"{r.send_id:<38} {r.reason:<18} attempts={r.headers.get('attempts', '-'):<3} "
-                      f"tenant={r.headers.get('tenant', '-')} lane={r.headers.get('channel', '?')}."
-                      f"{r.headers.get('lane', '?')}")
+                print(tools.summary_line(r))
             print(f"{len(shown)} of {listing.total} dead letters")
             return 0
         if not args.send_id:

@@ -423,7 +423,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 def _letter(record: dead_letters.DeadLetterRecord) -> dict:
     """A dead letter as operators see it: its headers (reason, attempts, origin, errors), redacted, never its
     payload."""
-    return {"send_id": record.send_id, "reason": record.reason, "partition": record.partition,
-            "offset": record.offset, "dead_lettered_at_ms": record.timestamp_ms,
+    return {"send_id": dead_letters.shown_send_id(record.send_id), "reason": record.reason,
+            "partition": record.partition, "offset": record.offset, "dead_lettered_at_ms": record.timestamp_ms,
             "headers": dead_letters.redacted_headers(record)}
 

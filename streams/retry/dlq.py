@@ -194,21 +194,33 @@ _NUMBER_RE = re.compile(r"\d{1,19}")
 _SEND_ID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
+def shown_send_id(value: str) -> str:
+    """A dead letter's send id as logs and operators are shown it: redacted unless it has a send id's shape (a
+    record written to a lane directly that never became a send carries its producer's `send_id` header, or key)."""
+    return value if _SEND_ID_RE.fullmatch(value) else redact(value, 300)
+
+
 def redacted_headers(record: DeadLetterRecord) -> dict[str, str]:
     """A dead letter's headers as operators are shown them, every name kept, each value redacted (an error excerpt,
     or a header the producer set on its record, may quote a recipient or a credential) but dispatch's own numbers
     and the send id, when they have that shape."""
     def shown(name: str, value: str) -> str:
-        if (name in _NUMBER_HEADERS and _NUMBER_RE.fullmatch(value)) or (
-                name == "send_id" and _SEND_ID_RE.fullmatch(value)):
+        if name in _NUMBER_HEADERS and _NUMBER_RE.fullmatch(value):
             return value
-        return redact(value, 300)
+        return shown_send_id(value) if name == "send_id" else redact(value, 300)
     return {k: shown(k, v) for k, v in record.headers.items()}
+
+
+def summary_line(record: DeadLetterRecord) -> str:
+    """One dead letter in a list (`streams dlq list`), redacted as `describe` is."""
+    h = redacted_headers(record)
+    return (f"{shown_send_id(record.send_id):<38} {h.get('reason', ''):<18} attempts={h.get('attempts', '-'):<3} "
+            f"tenant={h.get('tenant', '-')} lane={h.get('channel', '?')}.{h.get('lane', '?')}")
 
 
 def describe(record: DeadLetterRecord) -> str:
     """A human summary without personal data (payload values redacted)."""
-    lines = [f"send_id      {record.send_id}", f"reason       {record.reason}",
+    lines = [f"send_id      {shown_send_id(record.send_id)}", f"reason       {redact(record.reason, 100)}",
              f"dlq position {record.partition}/{record.offset} at {record.timestamp_ms}"]
     headers = redacted_headers(record)
     for k in sorted(headers):

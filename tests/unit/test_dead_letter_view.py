@@ -1,7 +1,7 @@
 """What operators are shown of a dead letter (the operator API, `streams dlq show`) keeps personal data out."""
 
 from streams.ingest.operator_api import _letter
-from streams.retry.dlq import DeadLetterRecord, describe
+from streams.retry.dlq import DeadLetterRecord, describe, summary_line
 
 
 def test_a_dead_letters_headers_are_shown_to_operators_redacted():
@@ -27,3 +27,15 @@ def test_a_dead_letters_headers_are_shown_to_operators_redacted():
     assert set(headers) == set(record.headers)
     assert {k: headers[k] for k in ("send_id", "attempts", "origin_offset", "dead_lettered_at_ms")} == {
         "send_id": send_id, "attempts": "3", "origin_offset": "123456789", "dead_lettered_at_ms": "1700000000000"}
+
+
+def test_the_send_id_a_producer_gave_a_record_that_never_became_a_send_is_shown_redacted():
+    """Given a record written to a lane directly, never a send, dead-lettered with its producer's own `send_id` header
+    (an address) and `tenant` header (a phone number), as dispatch keeps them,
+    When an operator looks at it through the admin API, `streams dlq show` or `streams dlq list`,
+    Then neither is shown as written (before: the send id, and the list's tenant, were shown as written, beside
+    the headers view that redacted them)."""
+    record = DeadLetterRecord(0, 7, "jane.doe@example.test", b"{}", {
+        "send_id": "jane.doe@example.test", "tenant": "+1 555 0100 777", "reason": "malformed"}, 1)
+    for shown in (str(_letter(record)), describe(record), summary_line(record)):
+        assert "jane.doe@example.test" not in shown and "0100 777" not in shown
