@@ -68,6 +68,13 @@ def key_id(token: str) -> str:
     return _digest(token)[:12]
 
 
+def _grants_less(doc: dict, before: dict) -> bool:
+    """`doc` revokes the key, or ends it sooner, than `before` did."""
+    never = float("inf")
+    return ((bool(doc.get("revoked_at_ms")) and not before.get("revoked_at_ms"))
+            or (doc.get("expires_at_ms") or never) < (before.get("expires_at_ms") or never))
+
+
 class ApiKeys:
     """Keys are written to the operator log (`oplog`, acknowledged) before Redis, so they outlive
     a loss of Redis data; see LimitStore for stores without one."""
@@ -202,8 +209,13 @@ class ApiKeys:
 
         if self.oplog is None:
             return write()
-        return write_through_log(self.oplog, f"apikey/{digest}", doc, orjson.loads(expected) if expected else None,
-                                 write, partial(self._raw, digest))
+        before = orjson.loads(expected) if expected else None
+        if before is not None and _grants_less(doc, before):
+            # Taken back while Redis cannot say what it holds (its answer lost, then a look at it failed), the log
+            # keeps the revocation or earlier end: a rebuild of Redis from it may then end a key that Redis still
+            # held valid (the operator was told to retry), never bring back one Redis held revoked.
+            before = doc
+        return write_through_log(self.oplog, f"apikey/{digest}", doc, before, write, partial(self._raw, digest))
 
     @staticmethod
     def _info(digest: str, doc: dict, used: bytes | None) -> KeyInfo:
