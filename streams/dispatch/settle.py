@@ -239,6 +239,15 @@ class Settler:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
+        if result.outcome == "rejected" and len(job.members) > 1 and not (kept or resent):
+            # A batch refused whole (a provider in strict batch mode refuses every message for one it will not
+            # take; a 413 for the request's size) says nothing of each message: each is sent again alone, at once
+            # and without using up an attempt (none was taken), and is refused, or sent, on its own.
+            for p in job.members:
+                p.alone = True
+            self.queues.put_back(job.queue, list(job.members))
+            metrics.SENDS.labels(*self.label, "batch_refused_split").inc(len(job.members))
+            return
         if result.outcome == "auth":
             self._unauthorised(route, job, result, now_ms)
             return

@@ -32,6 +32,7 @@ class Pending:
     provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
     consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)
     held_since_ms: int = 0     # its first short 429 of this attempt, waited out in the worker (0: none)
+    alone: bool = False        # its batch was refused whole: sent in a request of its own
 
     @property
     def where(self) -> Offset:
@@ -110,11 +111,14 @@ class TenantQueues:
         return self.queues[key].items[0].provider
 
     def take(self, key: str, n: int) -> list[Pending]:
-        """Up to n messages from the head of a queue, all of one tenant (one API key per request)."""
+        """Up to n messages from the head of a queue, all of one tenant (one API key per request); a message to
+        be sent alone in a request of its own."""
         q = self.queues[key]
         tenant = q.items[0].send.tenant_id
         taken: list[Pending] = []
         while q.items and len(taken) < n and q.items[0].send.tenant_id == tenant:
+            if taken and (taken[0].alone or q.items[0].alone):
+                break
             taken.append(q.items.popleft())
         self._removed(taken)
         return taken

@@ -2078,6 +2078,39 @@ def test_a_dry_bucket_of_a_tenants_own_account_holds_that_tenant_only(keys, ever
     assert worker.queues.buffered == (2 if everyone_held else 1)
 
 
+class StrictBatches(FakeProvider):
+    """Refuses a batch whole when it holds the one email it will not take (strict batch mode: an unverified sender
+    domain, say), or, with status 413, any batch (its size); alone, every other email is accepted."""
+
+    def __init__(self, refused: str, status: int):
+        super().__init__(DELIVERED)
+        self.refused, self.status = refused.encode(), status
+
+    def post(self, path, body, api_key, idempotency_key):
+        self.sent.append(body)
+        if (body.count(b"|") > 0 and self.status == 413) or self.refused in body:
+            return ProviderResult(classify(self.status, "validation_error"), self.status,
+                                  error_name="validation_error")
+        return DELIVERED
+
+
+@pytest.mark.parametrize("status", [422, 413])
+def test_a_batch_refused_whole_is_sent_again_one_send_a_request(status):
+    """Given three marketing emails of one tenant, one of which the provider refuses,
+    When they go out in one batch and the provider refuses the batch whole (422 in strict batch mode, or 413 for
+    the request's size),
+    Then each is sent again alone, at once: the two good ones are delivered and only the refused one is
+    dead-lettered permanent_error (before: all three were dead-lettered, never sent)."""
+    sends = [build_send(validate_request(email_request("marketing")), "acme") for _ in range(3)]
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    provider = StrictBatches(sends[0].send_id if status == 422 else "none", status)
+    worker, consumer, producer, _ = _worker(msgs, lane="marketing", provider=provider)
+    _run(worker)
+    dead = {h["send_id"] for _, h in producer.records.get(NAMES.dlq, [])}
+    assert dead == ({sends[0].send_id.encode()} if status == 422 else set())
+    assert len(provider.sent) == 4 and consumer.stored[(TOPIC, 0)] == 3
+
+
 class SharedAccountDenied(FakeGate):
     """The account everyone shares is denied (a cool-down of an hour after a quota 429, or its global bucket dry);
     acme's own account is not (the gate reads acme's own cool-down key and buckets, and admits it)."""
