@@ -35,10 +35,11 @@ def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provi
 
 
 def accepted_events(sends: list[Send], now_ms: int) -> list[dict]:
-    """Sends the broker has now, their status until their first outcome."""
+    """Sends the broker has now, their status until their first outcome (a webhook delivery's names its endpoint:
+    it is listed there, and found, while it waits its turn)."""
     return [{"send_id": s.send_id, "tenant_id": s.tenant_id, "channel": s.channel, "lane": s.lane,
-             "status": ACCEPTED, "created_at_ms": s.created_at_ms, "accepted_at_ms": now_ms, "replay_of": s.replay_of}
-            for s in sends]
+             "status": ACCEPTED, "created_at_ms": s.created_at_ms, "accepted_at_ms": now_ms, "replay_of": s.replay_of,
+             **webhook_fields(s)} for s in sends]
 
 
 def webhook_fields(s: Send) -> dict:

@@ -96,8 +96,8 @@ class StatusStore:
             raise UnusableOutcome(problem)
         send_id = event["send_id"]
         if event["status"] == ACCEPTED:  # the SDK's: as `accepted` above, never over a status already there
-            fields = {k: event[k] for k in ("tenant_id", "channel", "lane", "accepted_at_ms", "replay_of")
-                      if event.get(k)}
+            fields = {k: event[k] for k in ("tenant_id", "channel", "lane", "accepted_at_ms", "replay_of",
+                                            "endpoint_id", "event_id", "event_type") if event.get(k)}
             pipe = self.client.pipeline(transaction=False)
             self._accept(pipe, send_id, fields, event.get("created_at_ms") or 0, ttl_s)
             self._note_replay(pipe, event)

@@ -58,3 +58,27 @@ def test_an_outcome_arriving_late_never_replaces_a_final_status_but_delivered_re
     store.record_outcome(_event(first, 2, "s-late"))
     store.record_outcome(_event(late, 1, "s-late"))
     assert store.get("s-late")["status"] == ends
+
+
+def test_a_webhook_deliverys_accepted_event_lists_it_under_its_endpoint(redis_client, namespace):
+    """Given a webhook delivery whose `accepted` status went through notif.outcomes (ingest's fallback when Redis
+    failed right after the publish; a replay's accepted event),
+    When the outcome recorder applies that event,
+    Then the delivery names its endpoint and is listed under it while it waits its turn (before: the event named
+    no endpoint: GET /v1/deliveries/{id} answered 404 and the endpoint's list left it out until its first
+    outcome, hours away for a delivery parked behind a slow receiver)."""
+    from streams.outcomes import accepted_events
+    from streams.send import SendRequest
+    from streams.webhooks.fanout import fan_out
+    from streams.webhooks.model import Endpoint
+
+    request = SendRequest(channel="webhook", category="transactional", template_id="t", template_version="1",
+                          payload={"event_type": "invoice.paid", "occurredAt": "2026-01-01T00:00:00Z", "data": {}})
+    event_id, [delivery] = fan_out(request, "acme", [Endpoint("ep_1", "acme", "https://hooks.example/x", ("*",))])
+    store = StatusStore(redis_client, namespace)
+    [accepted] = accepted_events([delivery], delivery.created_at_ms)
+    store.record_outcome(accepted)
+    status = store.get(delivery.send_id)
+    assert (status["status"], status["endpoint_id"], status["event_id"]) == ("accepted", "ep_1", event_id)
+    assert store.endpoint_deliveries_between("ep_1", "acme", 0, delivery.created_at_ms + 1, 10) == [
+        (delivery.send_id, delivery.created_at_ms)]
