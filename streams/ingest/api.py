@@ -519,10 +519,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         dispatched, so its outcome goes to notif.outcomes first, whether or not Redis answers: the
         outcome recorder records its status (and lists it under its endpoint) from there."""
         outcomes = outcome_records(client.names, skipped, skipped_written, int(time.time() * 1000)) if skipped else []
+        unpublished = []  # skipped deliveries' outcomes the broker did not take: the state store's to record
         if outcomes:
             try:
                 client.publisher.publish([r for _, r in outcomes])
             except PublishError as exc:
+                unpublished = [r for _, r in outcomes]
                 log.warning("%d skipped deliveries' outcomes were not published (%s); their statuses are "
                             "recorded in the state store only", len(outcomes), exc)
         try:
@@ -533,8 +535,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             # Their `accepted` status goes through notif.outcomes instead, as the SDK's does (not waited for): the
             # outcome recorder writes it, and `streams state recover` finds it. Without it a send answered 202
             # would read as unknown until its first outcome, hours away for a marketing send that waits.
-            client.publisher.publish_unwaited(client.accepted_records(sends))
-            log.warning("published %d sends, but recording them failed (%s); their `accepted` statuses go through "
+            # A skipped delivery's outcome, not published above, is tried again the same way: else nothing would
+            # record the delivery the 202 named (it is never dispatched).
+            client.publisher.publish_unwaited(client.accepted_records(sends) + unpublished)
+            log.warning("published %d sends, but recording them failed (%s); their statuses go through "
                         "notif.outcomes to the outcome recorder", len(sends) + len(skipped), exc)
 
     async def canonical(request: Request) -> object:
