@@ -11,6 +11,7 @@ production mode only https is accepted.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -67,6 +68,11 @@ class UrlPolicy:
             raise UnsafeUrl(NOT_HTTP)
         if host in self.allow:
             return
+        if not _is_ip(host) and _NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
+            # An IPv4 address in another form (`127.1`, `0177.0.0.1`, `2130706433`, `0x7f.1`): name resolvers read
+            # these variously, and the delivery client refuses them at every attempt; refused here, said so.
+            raise UnsafeUrl(f"the host {host!r} is an IPv4 address in a short, octal or hex form: write it as four "
+                            "decimal numbers (a.b.c.d)")
         # The reasons name the kind of address, never the address a name resolved to nor the
         # resolver's error: a tenant reads them, and must not map our internal names with them.
         try:
@@ -78,6 +84,9 @@ class UrlPolicy:
         for address in addresses:
             if address not in self.allow and _forbidden(address):
                 raise UnsafeUrl(f"the host {host!r} resolves to a {_forbidden(address)} address")
+
+
+_NUMERIC_LABEL = re.compile(r"0[xX][0-9a-fA-F]*|[0-9]+")  # a host ending in one is an IPv4 address (WHATWG URL)
 
 
 def _is_ip(host: str) -> bool:

@@ -48,6 +48,11 @@ def resolve(host):
     ("https://198.18.0.1/x", "private"),
     ("https://user:pw@hooks.example.com/x", "credentials"),
     ("ftp://hooks.example.com/x", "not an http"),
+    # IPv4 in other forms: resolvers read them variously (177.0.0.1 for one), the delivery client refuses them all
+    ("https://0177.0.0.1/x", "octal or hex form"),
+    ("https://127.1/x", "octal or hex form"),
+    ("https://2130706433/x", "octal or hex form"),
+    ("https://0x7f.0.0.1/x", "octal or hex form"),
 ])
 def test_unsafe_urls_are_refused_with_the_reason(url, why):
     with pytest.raises(UnsafeUrl, match=why):
