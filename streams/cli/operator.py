@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from ..errors import AuditUnconfirmed, ConfigError, PublishError
+from ..errors import AuditUnconfirmed, ConfigError, PublishError, ReplayOutcomeUnknown
 from ..gate.limits import cool_down_ended
 from ..runtime import Runtime
 
@@ -258,14 +258,22 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
     r = rt.redis()
     store = StatusStore(r, rt.namespace, holds_data=rt.state_guard("cli", r).check)
     client = rt.send_client(known_policies=frozenset(rt.policies()))
-    if dead_letter:
-        done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked)
-        if done.send is None:
-            print(f"{send_id} was replayed already as {done.send_id} (replay_of={send_id}); nothing was published")
-            return 0
-        new = done.send
-    else:
-        new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
+    try:
+        if dead_letter:
+            done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked)
+            if done.send is None:
+                print(f"{send_id} was replayed already as {done.send_id} (replay_of={send_id}); nothing was published")
+                return 0
+            new = done.send
+        else:
+            new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
+    except ReplayOutcomeUnknown as exc:  # it may be out: on the audit trail as such (best effort), then said
+        try:
+            _audited(rt, f"replay/{send_id}", None, {"outcome": "unknown",
+                                                     "intended": {"send_id": exc.replay_id, "replay_of": send_id}})
+        except AuditUnconfirmed as unconfirmed:
+            print(f"warning: {unconfirmed}", file=sys.stderr)
+        raise
     print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
           f"{rt.names.lane(new.channel, new.lane)}")
     _audited(rt, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})

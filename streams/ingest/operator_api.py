@@ -28,7 +28,14 @@ from fastapi import Path as FastApiPath
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from .. import metrics
-from ..errors import ConfigError, PublishError, PublishOutcomeUnknown, ReplayRefused
+from ..errors import (
+    ConfigError,
+    PublishError,
+    PublishOutcomeUnknown,
+    ReplayOutcomeUnknown,
+    ReplayRefused,
+    StoreUnavailable,
+)
 from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange, cool_down_ended
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
@@ -213,6 +220,18 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               "its record; make the same change again to record it", {"Retry-After": "1"},
                               outcome="applied") from None
 
+    def audited_maybe(who: Principal, what: str, before: object, intended: object) -> None:
+        """A change that cannot be repeated whose store or broker did not answer: it may have been applied, and made
+        again it finds nothing to do and records nothing. On the audit trail as such, best effort (the caller is
+        answered 503 for the failure itself)."""
+        if ingest.audit is None:
+            return
+        try:
+            ingest.audit.record(f"key:{who.key_id}", what, before, {"outcome": "unknown", "intended": intended})
+        except PublishError as exc:
+            metrics.AUDIT_RECORDS_UNCONFIRMED.labels(what.split("/", 1)[0]).inc()
+            log.error("%s may have been applied, and the audit trail did not confirm its record: %s", what, exc)
+
     def one_of(names: list[str], provider: str, missing: str) -> str:
         if provider not in names:
             raise problem(404, "not_found", ["path", "provider"], missing)
@@ -251,7 +270,11 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     def end_cool_down(provider: str, who: Operator) -> dict:
         """End the provider-wide hold a 429 set (a quota's Retry-After: up to a day), once the provider takes
         requests again (its quota was raised); workers send again within 10 s."""
-        left = ingest.limits.clear_cool_down(a_provider(provider))
+        try:
+            left = ingest.limits.clear_cool_down(a_provider(provider))
+        except StoreUnavailable:
+            audited_maybe(who, f"cooldown/{provider}", None, {"cool_down_left_s": 0})
+            raise
         if left:
             # Not repeatable: ended again, it finds none, and there is nothing more to record.
             audited(who, *cool_down_ended(provider, left), repeatable=False)
@@ -325,6 +348,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             code = 404 if str(exc).startswith("no send") else 409
             raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
         except PublishError as exc:  # unknown: the message names the new send id, to look up before replaying
+            if isinstance(exc, ReplayOutcomeUnknown):
+                audited_maybe(who, f"replay/{send_id}", None, {"send_id": exc.replay_id, "replay_of": send_id})
             raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"},
                           outcome="unknown" if isinstance(exc, PublishOutcomeUnknown) else None) from None
         if done.send is None:
@@ -406,7 +431,12 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               who: Operator) -> dict:
         store = sender_store()
         before = store.stored().get(tenant)
-        if not store.remove(tenant):
+        try:
+            removed = store.remove(tenant)
+        except StoreUnavailable:
+            audited_maybe(who, f"senders/{tenant}", before, None)
+            raise
+        if not removed:
             raise problem(404, "not_found", ["path", "tenant"], "no sender domains set by an operator for this tenant")
         # Not repeatable: the same DELETE again finds nothing, is answered 404 and records nothing.
         audited(who, f"senders/{tenant}", before, None, repeatable=False)

@@ -9,6 +9,7 @@ import pytest
 from streams.errors import StoreUnavailable
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import KeyInfo, Principal, key_id
+from streams.ingest.sender_store import SenderDomainStore
 from streams.ingest.senders import SenderDomains
 from streams.providers.registry import DEFAULT_FILE, parse_registry
 
@@ -132,3 +133,40 @@ def test_the_operator_api_knows_the_providers_of_the_configured_provider_file():
         assert refused.status_code == 404, refused.text
         assert "(providers that have one: postmark, sms, sms-b)" in refused.json()["errors"][0]["msg"]
     assert limits.ended == ["postmark"]
+
+
+class AnswersLost(CoolDowns):
+    """Ends the cool-down, and its answer is lost (a timeout after Redis ran it)."""
+
+    def clear_cool_down(self, provider):
+        super().clear_cool_down(provider)
+        raise StoreUnavailable("ending a cool-down: Timeout reading from socket (test)")
+
+
+class SendersAnswerLost(SenderDomainStore):
+    """Holds acme's sender domains; their removal runs, and its answer is lost."""
+
+    def __init__(self):
+        pass  # no Redis: what it holds is below
+
+    def stored(self):
+        return {"acme": ["acme.test"]}
+
+    def remove(self, tenant):
+        raise StoreUnavailable("removing sender domains: Timeout reading from socket (test)")
+
+
+def test_a_change_that_cannot_be_made_again_whose_answer_was_lost_is_on_the_audit_trail_as_maybe_applied():
+    """Given a Redis that runs an operator's change and loses its answer: ending a provider's cool-down, removing a
+    tenant's sender domains,
+    When the operator makes the change (answered 503) and, told to retry, finds nothing left to change,
+    Then the audit trail has the change, as maybe applied (before: nothing: the sender-domain removal, which
+    widened acme's senders back to the defaults, was on no record at all)."""
+    audit, limits = Audit(), AnswersLost()
+    ingest = _operator_api(OperatorKeys(), audit, limits)
+    ingest.senders = SendersAnswerLost()  # type: ignore[assignment]
+    ended = _call(ingest, "DELETE", "/v1/admin/limits/resend/cooldown")
+    removed = _call(ingest, "DELETE", "/v1/admin/senders/acme")
+    assert (ended.status_code, removed.status_code) == (503, 503)
+    assert audit.records == [("cooldown/resend", {"outcome": "unknown", "intended": {"cool_down_left_s": 0}}),
+                             ("senders/acme", {"outcome": "unknown", "intended": None})]
