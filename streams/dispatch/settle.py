@@ -239,10 +239,11 @@ class Settler:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
-        if result.outcome == "rejected" and len(job.members) > 1 and not (kept or resent):
-            # A batch refused whole (a provider in strict batch mode refuses every message for one it will not
-            # take; a 413 for the request's size) says nothing of each message: each is sent again alone, at once
-            # and without using up an attempt (none was taken), and is refused, or sent, on its own.
+        if result.status == 413 and len(job.members) > 1 and not (kept or resent):
+            # A batch refused for its size says nothing of each message: each is sent again alone, at once and
+            # without using up an attempt (none was taken). Only then: split on any 4xx, a blast whose every
+            # message is refused (an unverified sender domain) would cost a request per message of the budget
+            # every tenant shares, to the same end.
             for p in job.members:
                 p.alone = True
             self.queues.put_back(job.queue, list(job.members))

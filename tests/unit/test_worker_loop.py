@@ -2094,21 +2094,22 @@ class StrictBatches(FakeProvider):
         return DELIVERED
 
 
-@pytest.mark.parametrize("status", [422, 413])
-def test_a_batch_refused_whole_is_sent_again_one_send_a_request(status):
-    """Given three marketing emails of one tenant, one of which the provider refuses,
-    When they go out in one batch and the provider refuses the batch whole (422 in strict batch mode, or 413 for
-    the request's size),
-    Then each is sent again alone, at once: the two good ones are delivered and only the refused one is
-    dead-lettered permanent_error (before: all three were dead-lettered, never sent)."""
+@pytest.mark.parametrize("status", [413, 422])
+def test_a_batch_refused_for_its_size_is_sent_again_one_send_a_request(status):
+    """Given three marketing emails of one tenant,
+    When they go out in one batch and the provider refuses the batch whole for its size (413),
+    Then each is sent again alone, at once, and delivered (before: all three were dead-lettered permanent_error,
+    never sent); a batch refused for what one message holds (422 in strict batch mode) is dead-lettered whole, as
+    before, in one request: split, a blast whose every message is refused would spend a request per message of
+    the budget every tenant shares."""
     sends = [build_send(validate_request(email_request("marketing")), "acme") for _ in range(3)]
     msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
     provider = StrictBatches(sends[0].send_id if status == 422 else "none", status)
     worker, consumer, producer, _ = _worker(msgs, lane="marketing", provider=provider)
     _run(worker)
     dead = {h["send_id"] for _, h in producer.records.get(NAMES.dlq, [])}
-    assert dead == ({sends[0].send_id.encode()} if status == 422 else set())
-    assert len(provider.sent) == 4 and consumer.stored[(TOPIC, 0)] == 3
+    assert dead == (set() if status == 413 else {s.send_id.encode() for s in sends})
+    assert len(provider.sent) == (4 if status == 413 else 1) and consumer.stored[(TOPIC, 0)] == 3
 
 
 class SharedAccountDenied(FakeGate):
