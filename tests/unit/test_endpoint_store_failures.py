@@ -113,3 +113,25 @@ def test_a_create_answered_as_failed_leaves_the_endpoint_nowhere(failure):
         _store(r, log).create("acme", "https://hooks.example/x", ["*"])
     [key] = {k for k, _ in log.records}
     assert r.held == {} and log.last(key) is None
+
+
+def test_a_delete_whose_answer_redis_lost_leaves_its_tombstone_in_the_log_while_redis_cannot_be_read():
+    """Given an endpoint, and Redis that deletes it and loses the answer, then fails the look after it,
+    When the tenant deletes it (503), and deletes it again (404: nothing left),
+    Then the log ends with the tombstone (before: with the endpoint, which a rebuild of Redis from the log after a
+    later data loss brought back, and events were fanned out to a URL the tenant had deleted)."""
+
+    class DeletesThenStalls(Redis):
+        def hdel(self, key, field):
+            self.held.pop(field, None)
+            self.failing.add("hget")
+            raise redis.TimeoutError("Timeout reading from socket (test)")
+
+    r = DeletesThenStalls({"ep_1": orjson.dumps(ENDPOINT.to_doc())})
+    log = Log()
+    store = _store(r, log)
+    with pytest.raises(StoreUnavailable):
+        store.delete("acme", "ep_1")
+    r.reads, r.failing = 0, set()
+    assert store.delete("acme", "ep_1") is False
+    assert r.held == {} and log.last("endpoint/ep_1") is None
