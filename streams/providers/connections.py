@@ -61,11 +61,16 @@ def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> htt
     worker slot, its lease kept alive, its partition's commit) for as long as the sender went on."""
     if resp.is_stream_consumed:  # read whole already (a transport answering from memory)
         return resp
+    declared = resp.headers.get("content-length", "")
+    length = int(declared) if declared.isdigit() else None
     chunks: list[bytes] = []
+    received = 0
     try:
         for chunk in resp.iter_raw():
             chunks.append(chunk)
-            if seconds_left() <= 0:
+            received += len(chunk)
+            # An answer whose whole body is in (its declared length) is used, however late it came.
+            if seconds_left() <= 0 and (length is None or received < length):
                 raise httpx.ReadTimeout("the answer's body was still arriving when the request's time ran out",
                                         request=resp.request)
     finally:

@@ -53,3 +53,42 @@ def test_a_provider_answer_dripping_past_the_timeout_ends_the_request_as_an_unkn
         server.server_close()
     assert (result.outcome, result.error_name) == ("unknown", "timeout")
     assert took < 5  # of 12
+
+
+class Prompt(socketserver.StreamRequestHandler):
+    """Answers 200 with its whole body at once."""
+
+    def handle(self) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            line = self.rfile.readline()
+            if not line:
+                return
+            head += line
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        self.rfile.read(length)
+        body = b'{"id": "m1"}'
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+
+
+def test_a_whole_answer_arriving_after_the_requests_time_ran_out_is_used():
+    """Given a provider that answers 200 with its whole body, read when the request's time has already run out (a
+    token fetch before it took the budget),
+    When the answer is read,
+    Then it is used: delivered (not thrown away as a timeout, which would send the message round a retry tier)."""
+    from streams.providers import connections
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Prompt)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    provider = ResendEmail(RESEND, f"http://127.0.0.1:{server.server_address[1]}", timeout_s=1.0, concurrency=1)
+    try:
+        answer = connections.post(provider.client, provider.fresh, "/emails", b"{}", {"Idempotency-Key": "send-x"},
+                                  lambda: -1.0, lambda: False)
+    finally:
+        provider.close()
+        server.shutdown()
+        server.server_close()
+    assert (answer.status_code, answer.content) == (200, b'{"id": "m1"}')
