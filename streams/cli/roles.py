@@ -65,7 +65,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         r = rt.redis()
         guard = rt.state_guard("api", r)
         client = rt.send_client(router=router, txn_instance=bulk_instance)
-        store = StatusStore(r, rt.namespace, holds_data=lambda: guard.check(force=True))
+        store = StatusStore(r, rt.namespace, holds_data=guard.check)  # read at most every few seconds
         if bulk_instance is not None:
             _fence_predecessor(client.publisher)
         webhooks = rt.webhook_ingest(r, client, store)
