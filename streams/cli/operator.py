@@ -267,13 +267,14 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
             new = done.send
         else:
             new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
-    except ReplayOutcomeUnknown as exc:  # it may be out: on the audit trail as such (best effort), then said
+    except ReplayOutcomeUnknown as exc:  # it may be out: said first (its send id), then on the audit trail as such
+        print(f"error: {exc}", file=sys.stderr)
         try:
             _audited(rt, f"replay/{send_id}", None, {"outcome": "unknown",
                                                      "intended": {"send_id": exc.replay_id, "replay_of": send_id}})
         except AuditUnconfirmed as unconfirmed:
             print(f"warning: {unconfirmed}", file=sys.stderr)
-        raise
+        return 1
     print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
           f"{rt.names.lane(new.channel, new.lane)}")
     _audited(rt, f"replay/{send_id}", None, {"send_id": new.send_id, "replay_of": send_id})
