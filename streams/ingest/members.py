@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..send import MAX_RECIPIENTS, check_address
-from ..state.log import OperatorLog
+from ..state.log import OperatorLog, write_through_log
 
 
 def check_members(emails: list[str]) -> tuple[str, ...]:
@@ -37,11 +37,25 @@ class MemberStore:
     def set(self, tenant: str, emails: list[str]) -> tuple[str, ...]:
         members = check_members(emails)
         doc = {"tenant": tenant, "emails": list(members)}
-        if self.oplog is not None:
-            self.oplog.put(f"members/{tenant}", doc)
-        with store_errors("saving the project members"):
-            self.client.set(self.keys.members(tenant), orjson.dumps(doc))
+
+        def write() -> bool:
+            with store_errors("saving the project members"):
+                self.client.set(self.keys.members(tenant), orjson.dumps(doc))
+            return True
+
+        if self.oplog is None:
+            write()
+            return members
+        # The workers' alerts follow the log: a list Redis refused is taken back out of it (`write_through_log`),
+        # or alerts would go to addresses the operator was told were not added.
+        before = self._raw(tenant)
+        write_through_log(self.oplog, f"members/{tenant}", doc, None if before is None else orjson.loads(before),
+                          write, lambda: self._raw(tenant), conditional=False)
         return members
+
+    def _raw(self, tenant: str) -> bytes | None:
+        with store_errors("reading the project members"):
+            return self.client.get(self.keys.members(tenant))
 
     def get(self, tenant: str) -> tuple[str, ...]:
         with store_errors("reading the project members"):

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import orjson
 import redis
 
-from ..errors import ConfigError, SendValidationError, StoreUnavailable
+from ..errors import ConfigError, SendValidationError
 from ..names import RedisKeys
 from ..redis_client import store_errors
 from ..send import check_tenant_id
-from ..state.log import log_what_redis_holds, write_through_log
+from ..state.log import write_through_log
 from .senders import SenderDomains
 
 if TYPE_CHECKING:
@@ -63,25 +63,23 @@ class SenderDomainStore:
     def remove(self, tenant: str) -> bool:
         """The operator's entry gone (the setting's applies again); False: Redis held none. The removal is
         written to the operator log either way: a change whose Redis write failed after its log write left
-        its entry there, which a Redis rebuild would otherwise bring back."""
-        if self.oplog is not None:
-            self.oplog.put(f"senders/{tenant}", None)
-        with store_errors("removing sender domains"):
-            removed = bool(self.client.hdel(self.key, tenant))
-        self._log_what_redis_holds(tenant)
-        return removed
+        its entry there, which a Redis rebuild would otherwise bring back. A removal Redis refuses is taken back
+        out of the log (`write_through_log`): kept there, a rebuild of Redis would apply it."""
+        removed = False
 
-    def _log_what_redis_holds(self, tenant: str) -> None:
-        """Two concurrent changes may reach the log and Redis in opposite orders: each ends by logging what
-        Redis holds (`log_what_redis_holds`), so the log's last word is Redis's, which a rebuild restores."""
+        def write() -> bool:
+            nonlocal removed
+            with store_errors("removing sender domains"):
+                removed = bool(self.client.hdel(self.key, tenant))
+            return True
+
         if self.oplog is None:
-            return
-        try:
-            log_what_redis_holds(self.oplog, f"senders/{tenant}", lambda: self._logged_form(tenant),
-                                 after_success=True)
-        except StoreUnavailable as exc:  # the change is applied and logged; only the look after it failed
-            log.warning("senders/%s: saved, but Redis could not be read again after it (%s); a concurrent "
-                        "change's record may be the operator log's last word", tenant, exc)
+            write()
+            return removed
+        before = self._logged_form(tenant)
+        write_through_log(self.oplog, f"senders/{tenant}", None, None if before is None else orjson.loads(before),
+                          write, lambda: self._logged_form(tenant), conditional=False)
+        return removed
 
     def _logged_form(self, tenant: str) -> bytes | None:
         """What Redis holds for `tenant`, as its operator-log record (JSON), or None."""

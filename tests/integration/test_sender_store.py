@@ -75,11 +75,14 @@ def test_a_change_whose_look_back_at_redis_fails_is_still_a_change_made(stack, r
     audit entry, and the same DELETE again found nothing: the removal was never audited)."""
     store = SenderDomainStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
     store.set("acme", ["acme.test"])
+    looks = [store._logged_form]  # the look before the change answers; the one after it fails
 
-    def unreachable(tenant):
+    def unreachable_after_the_change(tenant):
+        if looks:
+            return looks.pop()(tenant)
         raise StoreUnavailable("reading sender domains: Redis unavailable (test)")
 
-    monkeypatch.setattr(store, "_logged_form", unreachable)
+    monkeypatch.setattr(store, "_logged_form", unreachable_after_the_change)
     assert store.remove("acme") is True
     assert redis_client.hget(RedisKeys(namespace).sender_domains, "acme") is None
     assert logged(stack, oplog_topic, "acme") is None
