@@ -2,7 +2,8 @@
 
 Messages wait in one queue per tenant, so a tenant whose bucket is empty waits alone while other
 tenants sharing its partitions keep moving (no head-of-line blocking). A queue is *ready* when
-its own hold has passed and the provider-wide hold has too. The FIFO baseline of the benchmarks
+its own hold has passed (a hold of the provider account a queue sends under is the dispatcher's, per
+route). The FIFO baseline of the benchmarks
 puts every message in one queue (an injected `queue_key`), which is exactly the naive design.
 """
 
@@ -32,7 +33,7 @@ class Pending:
     provider: str = ""         # a fallback copy names the provider it goes to ("": the channel's first)
     consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)
     held_since_ms: int = 0     # its first short 429 of this attempt, waited out in the worker (0: none)
-    alone: bool = False        # its batch was refused whole: sent in a request of its own
+    alone: bool = False        # its batch was refused for its size: sent in a request of its own
 
     @property
     def where(self) -> Offset:

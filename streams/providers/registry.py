@@ -170,6 +170,7 @@ class ProviderCredentials:
 
     def __init__(self, keys: dict[str, str]):
         self.keys = dict(keys)
+        self._accounts: dict[str, str] = {}  # tenant: `account(tenant)` (asked for every claim)
 
     def has_own_key(self, tenant: str) -> bool:
         """The tenant's requests go out under a key (an account at the provider) of its own: that account's
@@ -180,8 +181,11 @@ class ProviderCredentials:
     def account(self, tenant: str) -> str:
         """Which key the tenant's requests go under, as a digest ("" for none): a request left with an unknown
         outcome is sent again only under the same key (idempotency keys are kept per account, or per key)."""
+        if (known := self._accounts.get(tenant)) is not None:
+            return known
         key = self.keys.get(tenant) or self.keys.get("*")
-        return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+        digest = self._accounts[tenant] = hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+        return digest
 
     def for_tenant(self, tenant: str) -> str:
         key = self.keys.get(tenant) or self.keys.get("*")
