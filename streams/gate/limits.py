@@ -187,12 +187,10 @@ class LimitStore:
             if not writes:
                 return current
             record = dict(sorted({**current, **writes}.items()))
-            if self.oplog is None:
-                written = self._write(provider, current, writes)
-            else:
-                written = write_through_log(self.oplog, f"limits/{provider}", record, current or None,
-                                            partial(self._write, provider, current, writes),
-                                            lambda: self._logged_form(provider), deletes=False)
+            written = write_through_log(self.oplog, f"limits/{provider}", record,
+                                        partial(self._write, provider, current, writes),
+                                        lambda: self._logged_form(provider), kept_if_unknown=current or None,
+                                        deletes=False)
             if written:
                 self._stretch_buckets(provider, writes)
                 try:

@@ -207,15 +207,13 @@ class ApiKeys:
                     return True
                 return bool(self._set_if_unchanged(keys=[self.key], args=[digest, expected, orjson.dumps(doc)]))
 
-        if self.oplog is None:
-            return write()
         before = orjson.loads(expected) if expected else None
-        if before is not None and _grants_less(doc, before):
-            # Taken back while Redis cannot say what it holds (its answer lost, then a look at it failed), the log
-            # keeps the revocation or earlier end: a rebuild of Redis from it may then end a key that Redis still
-            # held valid (the operator was told to retry), never bring back one Redis held revoked.
-            before = doc
-        return write_through_log(self.oplog, f"apikey/{digest}", doc, before, write, partial(self._raw, digest))
+        # Taken back while Redis cannot say what it holds (its answer lost, then a look at it failed), the log keeps
+        # a revocation or earlier end: a rebuild of Redis from it may then end a key that Redis still held valid
+        # (the operator was told to retry), never bring back one Redis held revoked.
+        kept = doc if before is not None and _grants_less(doc, before) else before
+        return write_through_log(self.oplog, f"apikey/{digest}", doc, write, partial(self._raw, digest),
+                                 kept_if_unknown=kept)
 
     @staticmethod
     def _info(digest: str, doc: dict, used: bytes | None) -> KeyInfo:

@@ -43,14 +43,9 @@ class MemberStore:
                 self.client.set(self.keys.members(tenant), orjson.dumps(doc))
             return True
 
-        if self.oplog is None:
-            write()
-            return members
         # The workers' alerts follow the log: a list Redis refused is taken back out of it (`write_through_log`),
         # or alerts would go to addresses the operator was told were not added.
-        before = self._raw(tenant)
-        write_through_log(self.oplog, f"members/{tenant}", doc, None if before is None else orjson.loads(before),
-                          write, lambda: self._raw(tenant), conditional=False)
+        write_through_log(self.oplog, f"members/{tenant}", doc, write, lambda: self._raw(tenant), conditional=False)
         return members
 
     def _raw(self, tenant: str) -> bytes | None:

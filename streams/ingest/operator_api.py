@@ -203,34 +203,34 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     Operator = Annotated[Principal, Depends(operator)]  # noqa: N806 - a type alias
     client, store = ingest.client, ingest.store
 
+    def recorded(who: Principal, what: str, before: object, after: object, applied: str) -> bool:
+        """On the audit trail; False when the broker did not confirm the record (counted, and logged as `what`
+        `applied`, "was applied" or "may have been applied")."""
+        if ingest.audit is None:
+            return True
+        try:
+            ingest.audit.record(f"key:{who.key_id}", what, before, after)
+            return True
+        except PublishError as exc:
+            metrics.AUDIT_RECORDS_UNCONFIRMED.labels(what.split("/", 1)[0]).inc()
+            log.error("%s %s, but the audit trail did not confirm its record: %s", what, applied, exc)
+            return False
+
     def audited(who: Principal, what: str, before: object, after: object, repeatable: bool = True) -> None:
         """Record a change, applied already, on the audit trail. When the broker does not confirm the record,
         the change stays applied, and is counted and logged: a repeatable change (applied again it changes
         nothing more, and is recorded) is answered 503 `"outcome": "applied"`; one that cannot be repeated
         (a new key, a rotation, a replay: again would be another) is answered as done."""
-        if ingest.audit is None:
-            return
-        try:
-            ingest.audit.record(f"key:{who.key_id}", what, before, after)
-        except PublishError as exc:
-            metrics.AUDIT_RECORDS_UNCONFIRMED.labels(what.split("/", 1)[0]).inc()
-            log.error("%s was applied, but the audit trail did not confirm its record: %s", what, exc)
-            if repeatable:
-                raise problem(503, "unavailable", [], "the change was applied, but the audit trail did not confirm "
-                              "its record; make the same change again to record it", {"Retry-After": "1"},
-                              outcome="applied") from None
+        if not recorded(who, what, before, after, "was applied") and repeatable:
+            raise problem(503, "unavailable", [], "the change was applied, but the audit trail did not confirm "
+                          "its record; make the same change again to record it", {"Retry-After": "1"},
+                          outcome="applied")
 
     def audited_maybe(who: Principal, what: str, before: object, intended: object) -> None:
         """A change that cannot be repeated whose store or broker did not answer: it may have been applied, and made
         again it finds nothing to do and records nothing. On the audit trail as such, best effort (the caller is
         answered 503 for the failure itself)."""
-        if ingest.audit is None:
-            return
-        try:
-            ingest.audit.record(f"key:{who.key_id}", what, before, {"outcome": "unknown", "intended": intended})
-        except PublishError as exc:
-            metrics.AUDIT_RECORDS_UNCONFIRMED.labels(what.split("/", 1)[0]).inc()
-            log.error("%s may have been applied, and the audit trail did not confirm its record: %s", what, exc)
+        recorded(who, what, before, {"outcome": "unknown", "intended": intended}, "may have been applied")
 
     def one_of(names: list[str], provider: str, missing: str) -> str:
         if provider not in names:

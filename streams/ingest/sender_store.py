@@ -51,13 +51,8 @@ class SenderDomainStore:
                 self.client.hset(self.key, tenant, orjson.dumps(cleaned))
             return True
 
-        if self.oplog is None:
-            write()
-            return cleaned
-        before = self._logged_form(tenant)
-        write_through_log(self.oplog, f"senders/{tenant}", {"domains": cleaned},
-                          None if before is None else orjson.loads(before), write, lambda: self._logged_form(tenant),
-                          conditional=False)
+        write_through_log(self.oplog, f"senders/{tenant}", {"domains": cleaned}, write,
+                          lambda: self._logged_form(tenant), conditional=False)
         return cleaned
 
     def remove(self, tenant: str) -> bool:
@@ -73,12 +68,8 @@ class SenderDomainStore:
                 removed = bool(self.client.hdel(self.key, tenant))
             return True
 
-        if self.oplog is None:
-            write()
-            return removed
-        before = self._logged_form(tenant)
-        write_through_log(self.oplog, f"senders/{tenant}", None, None if before is None else orjson.loads(before),
-                          write, lambda: self._logged_form(tenant), conditional=False)
+        write_through_log(self.oplog, f"senders/{tenant}", None, write, lambda: self._logged_form(tenant),
+                          conditional=False)
         return removed
 
     def _logged_form(self, tenant: str) -> bytes | None:

@@ -6,6 +6,7 @@ cache that can be rebuilt from it. Keys: `limits/<provider>`, `apikey/<sha256 of
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import uuid
@@ -47,20 +48,21 @@ def log_what_redis_holds(oplog: OperatorLog, key: str, read: Callable[[], bytes 
         logged = raw
 
 
-def take_back(oplog: OperatorLog, key: str, before: dict | None, read: Callable[[], bytes | None],
+def take_back(oplog: OperatorLog, key: str, kept_if_unknown: dict | None, read: Callable[[], bytes | None],
               deletes: bool = True) -> None:
     """A change the log took and Redis failed to write (StoreUnavailable): the log must not keep it, for a rebuild
     of Redis from the log would apply a change the operator was told failed. The log gets what Redis holds, asked
     once (a Redis that answered nothing may have applied the write before its answer was lost, and a concurrent
-    change may have landed meanwhile); while Redis does not answer, `before`, what it held when the change read it
-    (a Redis failing a write far more often refused it than applied it; a caller's retry mends the rest). With
+    change may have landed meanwhile); while Redis does not answer, `kept_if_unknown`, usually what it held when the
+    change read it (a Redis failing a write far more often refused it than applied it; a caller's retry mends the
+    rest). With
     `deletes` False, Redis holding nothing is taken for its data lost, and the record stays: a tombstone would
     remove what a rebuild restores. Never raises: the caller raises the write's error."""
     try:
         held = read()
         value = orjson.loads(held) if held else None
     except StoreUnavailable:
-        value = before
+        value = kept_if_unknown
     if value is None and not deletes:
         return
     try:
@@ -70,25 +72,39 @@ def take_back(oplog: OperatorLog, key: str, before: dict | None, read: Callable[
                     "change of it mends that)", key)
 
 
-def write_through_log(oplog: OperatorLog, key: str, record: dict | None, before: dict | None, write: Callable[[], bool],
-                      read: Callable[[], bytes | None], *, deletes: bool = True, conditional: bool = True) -> bool:
+class _HeldBefore(enum.Enum):
+    READ = "what Redis holds before the change, read first"
+
+
+HELD_BEFORE = _HeldBefore.READ
+
+
+def write_through_log(oplog: OperatorLog | None, key: str, record: dict | None, write: Callable[[], bool],
+                      read: Callable[[], bytes | None], *, kept_if_unknown: dict | None | _HeldBefore = HELD_BEFORE,
+                      deletes: bool = True, conditional: bool = True) -> bool:
     """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
-    (StoreUnavailable) is taken back out of the log (`take_back`) and raised. After a write that succeeded, a look
-    at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
+    (StoreUnavailable) is taken back out of the log (`take_back`, which logs `kept_if_unknown` while Redis cannot
+    say what it holds: by default what `read()` gave before the change) and raised. After a write that succeeded, a
+    look at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
     older one may follow it). `conditional=False`: `write()` overwrites whatever Redis holds, so a concurrent
     change may have logged its record after ours and still lost to our write: what Redis holds is logged even
     when it is our own record. A log write left unconfirmed (it may still be written) is taken back too: the change
-    is not made, and a rebuild must not make it."""
+    is not made, and a rebuild must not make it. Without a log (`oplog` None), just `write()`."""
+    if oplog is None:
+        return write()
+    if kept_if_unknown is HELD_BEFORE:
+        held = read()
+        kept_if_unknown = orjson.loads(held) if held else None
     try:
         oplog.put(key, record)
     except PublishOutcomeUnknown:
-        take_back(oplog, key, before, read, deletes)
+        take_back(oplog, key, kept_if_unknown, read, deletes)
         raise
     try:
         written = write()
     except StoreUnavailable:
-        take_back(oplog, key, before, read, deletes)
+        take_back(oplog, key, kept_if_unknown, read, deletes)
         raise
     ours = orjson.dumps(record) if written and conditional else False
     try:

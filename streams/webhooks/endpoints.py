@@ -135,10 +135,8 @@ class EndpointStore:
                 return bool(self._set_if_unchanged(keys=[self.keys.endpoints(ep.tenant)],
                                                    args=[ep.id, expected, orjson.dumps(ep.to_doc())]))
 
-        if self.oplog is None:
-            return write()
-        return write_through_log(self.oplog, f"endpoint/{ep.id}", ep.to_doc(), orjson.loads(expected), write,
-                                 partial(self._raw, ep.tenant, ep.id))
+        return write_through_log(self.oplog, f"endpoint/{ep.id}", ep.to_doc(), write,
+                                 partial(self._raw, ep.tenant, ep.id), kept_if_unknown=orjson.loads(expected))
 
     def _change(self, tenant: str, endpoint_id: str, change: Callable[[Endpoint], Endpoint]) -> Endpoint | None:
         """Read, change and write back an endpoint, compare-and-set: a change written meanwhile by another
@@ -264,13 +262,11 @@ class EndpointStore:
                 self.client.hdel(self.keys.endpoints(tenant), endpoint_id)
             return True
 
-        if self.oplog is None:
-            return write()
-        # Taken back while Redis cannot say whether it deleted it, the log keeps the tombstone (`before` None): the
-        # tenant, answered 503, deletes it again and finds nothing (404, nothing logged), and a log keeping the
-        # endpoint would bring it back, delivered to, at the next rebuild of Redis.
-        return write_through_log(self.oplog, f"endpoint/{endpoint_id}", None, None, write,
-                                 partial(self._raw, tenant, endpoint_id), conditional=False)
+        # Taken back while Redis cannot say whether it deleted it, the log keeps the tombstone: the tenant, answered
+        # 503, deletes it again and finds nothing (404, nothing logged), and a log keeping the endpoint would bring
+        # it back, delivered to, at the next rebuild of Redis.
+        return write_through_log(self.oplog, f"endpoint/{endpoint_id}", None, write,
+                                 partial(self._raw, tenant, endpoint_id), kept_if_unknown=None, conditional=False)
 
     def rotate_secret(self, tenant: str, endpoint_id: str, now_ms: int | None = None) -> str | None:
         """A new current secret; the previous one stays valid 24 h (both sign meanwhile). At most

@@ -29,7 +29,7 @@ def test_a_refused_first_write_is_taken_back_unless_redis_held_nothing_for_a_sto
     at least what the operator asked for)."""
     log = Log()
     with pytest.raises(StoreUnavailable):
-        write_through_log(log, "k", {"v": 1}, None, refused, lambda: None, deletes=deletes)  # type: ignore[arg-type]
+        write_through_log(log, "k", {"v": 1}, refused, lambda: None, deletes=deletes)  # type: ignore[arg-type]
     assert log.puts == [("k", {"v": 1}), *taken_back]
 
 
@@ -46,6 +46,6 @@ def test_a_write_whose_answer_was_lost_is_taken_back_to_what_redis_holds_not_to_
         raise StoreUnavailable("Redis unavailable (timeout, test)")
 
     with pytest.raises(StoreUnavailable):
-        write_through_log(log, "k", {"revoked_at_ms": 5}, {"revoked_at_ms": None}, applied_then_lost,
-                          lambda: redis["k"])  # type: ignore[arg-type]
+        write_through_log(log, "k", {"revoked_at_ms": 5}, applied_then_lost, lambda: redis["k"],  # type: ignore[arg-type]
+                          kept_if_unknown={"revoked_at_ms": None})
     assert log.puts[-1] == ("k", {"revoked_at_ms": 5})
