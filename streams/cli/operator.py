@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..errors import AuditUnconfirmed, ConfigError, PublishError, ReplayOutcomeUnknown
+from ..errors import AuditUnconfirmed, ConfigError, PublishError, ReplayOutcomeUnknown, StoreUnavailable
 from ..gate.limits import cool_down_ended
 from ..runtime import Runtime
 
@@ -25,6 +26,15 @@ def _audited(rt: Runtime, what: str, before: object, after: object) -> None:
     except PublishError as exc:
         raise AuditUnconfirmed(f"{what} was applied, but the audit trail did not confirm its record ({exc}); "
                                "it may be missing from `streams audit`") from None
+
+
+def _audited_maybe(rt: Runtime, what: str, before: object, intended: object) -> None:
+    """A change whose store or broker did not answer, its error printed already: it may have been applied, and is on
+    the audit trail as such, best effort (a record the broker does not confirm is only warned of)."""
+    try:
+        _audited(rt, what, before, {"outcome": "unknown", "intended": intended})
+    except AuditUnconfirmed as unconfirmed:
+        print(f"warning: {unconfirmed}", file=sys.stderr)
 
 
 def topics(sub) -> None:
@@ -108,17 +118,25 @@ def limits(sub) -> None:
         if args.action == "clear-cooldown":
             return _clear_cool_down(rt, args.provider)
         store = rt.limit_store()
-        before = store.show(args.provider)
-        shown = before if args.action != "set" else store.apply(args.provider, LimitChange(
-            args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate, args.burst, args.concurrency,
-            args.pause_ms))
+        if args.action != "set":
+            shown = store.show(args.provider)
+        else:
+            change = LimitChange(args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate,
+                                 args.burst, args.concurrency, args.pause_ms)
+            try:
+                before, shown = store.apply(args.provider, change)
+            except StoreUnavailable as exc:  # Redis may have applied it before its answer was lost
+                print(f"error: {exc}", file=sys.stderr)
+                _audited_maybe(rt, f"limits/{args.provider}", None,
+                               {k: v for k, v in asdict(change).items() if v is not None})
+                return 1
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
+        if args.action == "set":  # recorded before the cool-down is read: a failure of that read fails nothing made
+            _audited(rt, f"limits/{args.provider}", before, shown)
         if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
             print(f"{args.provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "
                   "`streams limits clear-cooldown` ends it)")
-        if args.action == "set":
-            _audited(rt, f"limits/{args.provider}", before, shown)
         return 0
 
     p.set_defaults(func=run)
@@ -134,7 +152,12 @@ def _clear_cool_down(rt: Runtime, provider: str) -> int:
     if provider not in (names := rt.config.registry.with_cool_down()):
         raise ConfigError(f"no provider-wide cool-down for {provider!r} (providers that have one: {', '.join(names)}; "
                           "an ingest quota has none, and a webhook endpoint's 429 holds only that endpoint)")
-    left = rt.limit_store().clear_cool_down(provider)
+    try:
+        left = rt.limit_store().clear_cool_down(provider)
+    except StoreUnavailable as exc:  # Redis may have ended it before its answer was lost
+        print(f"error: {exc}", file=sys.stderr)
+        _audited_maybe(rt, f"cooldown/{provider}", None, {"cool_down_left_s": 0})
+        return 1
     print(f"{provider}: cool-down ended ({_seconds(left)} s were left)" if left else f"{provider}: no cool-down")
     if left:
         _audited(rt, *cool_down_ended(provider, left))
@@ -269,11 +292,7 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
             new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
     except ReplayOutcomeUnknown as exc:  # it may be out: said first (its send id), then on the audit trail as such
         print(f"error: {exc}", file=sys.stderr)
-        try:
-            _audited(rt, f"replay/{send_id}", None, {"outcome": "unknown",
-                                                     "intended": {"send_id": exc.replay_id, "replay_of": send_id}})
-        except AuditUnconfirmed as unconfirmed:
-            print(f"warning: {unconfirmed}", file=sys.stderr)
+        _audited_maybe(rt, f"replay/{send_id}", None, {"send_id": exc.replay_id, "replay_of": send_id})
         return 1
     print(f"replayed {send_id} as a new send {new.send_id} (replay_of={send_id}) to "
           f"{rt.names.lane(new.channel, new.lane)}")

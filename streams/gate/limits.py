@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import orjson
 import redis
@@ -128,6 +127,13 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
 
+# The cool-down's time to live (ms; -2: none), and the key removed, in one step.
+_END_COOL_DOWN = """
+local ttl = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return ttl
+"""
+
 
 def _number(field: str, held: bytes) -> float:
     """A limit field as Redis holds it: an integer; a rate may be a fraction (redis-py writes a float as its
@@ -138,6 +144,11 @@ def _number(field: str, held: bytes) -> float:
         if "rate" not in field:
             raise
         return float(held)
+
+
+class AppliedLimits(NamedTuple):
+    before: dict[str, float]
+    after: dict[str, float]
 
 
 def cool_down_ended(provider: str, left: float) -> tuple[str, dict, dict]:
@@ -159,6 +170,7 @@ class LimitStore:
         self.keys = RedisKeys(namespace)
         self.oplog = oplog
         self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
+        self._end_cool_down = client.register_script(_END_COOL_DOWN)
 
     def cool_down_left(self, provider: str) -> float:
         """Seconds left of `provider`'s cool-down (0: none), by Redis's clock: the key outlives the moment it holds
@@ -171,21 +183,23 @@ class LimitStore:
 
     def clear_cool_down(self, provider: str) -> float:
         """End `provider`'s cool-down now (an operator's decision: its quota was raised); returns the seconds it
-        had left, of the very value removed (GETDEL: a 429 landing meanwhile is either ended with it, and named,
-        or set after it, and stays). Workers holding on it ask the gate again within seconds (COOL_DOWN_RECHECK_S)."""
+        had left, of the very key removed, by Redis's clock as `cool_down_left` (one script: a 429 landing meanwhile
+        is either ended with it, and named, or set after it, and stays). Workers holding on it ask the gate again
+        within seconds (COOL_DOWN_RECHECK_S)."""
         try:
-            until = self.client.getdel(self.keys.cool(provider))
+            ttl_ms = self._end_cool_down(keys=[self.keys.cool(provider)])
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot end the provider cool-down ({exc})") from None
-        return max(0.0, int(until or 0) / 1000 - time.time())
+        return max(0.0, (int(ttl_ms) - 1000) / 1000)
 
-    def apply(self, provider: str, change: LimitChange) -> dict[str, float]:
-        """Validate a change against the current limits, write it, and return the new limits."""
+    def apply(self, provider: str, change: LimitChange) -> AppliedLimits:
+        """Validate a change against the current limits and write it: the limits it replaced (those its
+        compare-and-set held, not an earlier read: a concurrent change is not this one's) and the new ones."""
         for _ in range(CHANGE_ATTEMPTS):
             current = self.show(provider)
             writes = self._checked(provider, change, current)
             if not writes:
-                return current
+                return AppliedLimits(current, current)
             record = dict(sorted({**current, **writes}.items()))
             written = write_through_log(self.oplog, f"limits/{provider}", record,
                                         partial(self._write, provider, current, writes),
@@ -194,9 +208,9 @@ class LimitStore:
             if written:
                 self._stretch_buckets(provider, writes)
                 try:
-                    return self.show(provider)
+                    return AppliedLimits(current, self.show(provider))
                 except StoreUnavailable:  # made; only the look at it failed
-                    return record
+                    return AppliedLimits(current, record)
         raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
                                "attempts)")
 

@@ -248,11 +248,16 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 
     @router.put("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 422, 503))
     def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:
-        before = ingest.limits.show(known(provider))
+        change = LimitChange(**body.model_dump())
         try:
-            after = ingest.limits.apply(provider, LimitChange(**body.model_dump()))
+            before, after = ingest.limits.apply(known(provider), change)
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["body"], str(exc)) from None
+        except StoreUnavailable:
+            # Redis may have applied it before its answer was lost (the operator log then holds it): a retry would
+            # record the new limits as what they replaced.
+            audited_maybe(who, f"limits/{provider}", None, body.model_dump(exclude_none=True))
+            raise
         audited(who, f"limits/{provider}", before, after)
         return {"provider": provider, "limits": after}
 

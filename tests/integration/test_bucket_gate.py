@@ -221,3 +221,19 @@ def test_a_bucket_redis_holds_in_a_broken_shape_fails_only_its_own_request(gate,
     assert isinstance(answers[1], BucketUnreadable) and "'broken'" in str(answers[1])
     with pytest.raises(BucketUnreadable):  # asked alone (a request re-sent after an unknown outcome), the same
         gate.acquire("resend", "broken", 1)
+
+
+def test_an_ended_cool_down_is_told_by_redis_clock_not_by_the_hosts(redis_client, namespace):
+    """Given resend's cool-down with 3 s left by Redis's clock, its moment written when Redis's clock was 5 s behind
+    this host's,
+    When an operator ends it,
+    Then it was ended with about 3 s left, as `cool_down_left` read it just before (before: the moment was compared
+    with the host's clock: "no cool-down", 0 s left, and the ending was on no audit record)."""
+    from streams.gate.limits import LimitStore
+
+    store = LimitStore(redis_client, namespace)
+    redis_moment_ms = int(time.time() * 1000) - 5000 + 3000
+    redis_client.set(Keys(namespace).cool("resend"), redis_moment_ms, px=3000 + 1000)  # as cooldown.lua sets it
+    assert 2.5 < store.cool_down_left("resend") <= 3
+    assert 2.5 < store.clear_cool_down("resend") <= 3
+    assert store.cool_down_left("resend") == 0 and store.clear_cool_down("resend") == 0

@@ -93,8 +93,8 @@ def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unen
     with pytest.raises(ConfigError, match="'ingest-transactional' has no global limit"):
         store.apply("ingest-transactional", LimitChange(tenant="*", tenant_rate=1, tenant_burst=1))
     assert store.show("ingest-transactional") == {}
-    done = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
-                                                           tenant_rate=1, tenant_burst=1))
+    _, done = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
+                                                              tenant_rate=1, tenant_burst=1))
     assert (done["global_rate"], done["tenant_rate:*"]) == (10_000, 1)
 
 

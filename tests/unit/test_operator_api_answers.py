@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from streams.errors import StoreUnavailable
+from streams.gate.limits import AppliedLimits
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import KeyInfo, Principal, key_id
 from streams.ingest.sender_store import SenderDomainStore
@@ -39,9 +40,11 @@ class OperatorKeys:
 class Audit:
     def __init__(self):
         self.records: list[tuple] = []
+        self.befores: list = []
 
     def record(self, who, what, before, after):
         self.records.append((what, after))
+        self.befores.append(before)
 
 
 class Limits:
@@ -53,7 +56,7 @@ class Limits:
 
     def apply(self, provider, change):
         self.applied.append(provider)
-        return {"global_rate": 1}
+        return AppliedLimits({}, {"global_rate": 1})
 
 
 def _operator_api(keys, audit, limits) -> Ingest:
@@ -170,3 +173,48 @@ def test_a_change_that_cannot_be_made_again_whose_answer_was_lost_is_on_the_audi
     assert (ended.status_code, removed.status_code) == (503, 503)
     assert audit.records == [("cooldown/resend", {"outcome": "unknown", "intended": {"cool_down_left_s": 0}}),
                              ("senders/acme", {"outcome": "unknown", "intended": None})]
+
+
+class ChangedMeanwhile(Limits):
+    """Another operator raised the global rate from 10 to 20 between a read of the limits and this change's
+    compare-and-set, which held the 20."""
+
+    def show(self, provider):
+        return {"global_rate": 10}
+
+    def apply(self, provider, change):
+        super().apply(provider, change)
+        return AppliedLimits({"global_rate": 20}, {"global_rate": 20, "reserve": 5})
+
+
+def test_a_limits_change_is_audited_against_the_limits_its_write_replaced_not_an_earlier_read():
+    """Given an operator's change of the reserve, and another operator's change of the global rate landing between
+    a read of the limits and this change's write,
+    When the change is made,
+    Then its audit record's before is what its write replaced (global rate 20) (before: the API's earlier read, so
+    the record also showed the rate going from 10 to 20, the other operator's change, as this one's)."""
+    audit = Audit()
+    put = _call(_operator_api(OperatorKeys(), audit, ChangedMeanwhile()), "PUT", "/v1/admin/limits/resend",
+                json={"reserve": 5})
+    assert put.status_code == 200, put.text
+    assert audit.records == [("limits/resend", {"global_rate": 20, "reserve": 5})]
+    assert audit.befores == [{"global_rate": 20}]
+
+
+class LimitsAnswerLost(Limits):
+    def apply(self, provider, change):
+        super().apply(provider, change)
+        raise StoreUnavailable("cannot write the limits of 'resend': Timeout reading from socket (test)")
+
+
+def test_a_limits_change_whose_answer_was_lost_is_on_the_audit_trail_as_maybe_applied():
+    """Given a Redis that runs a limits change and loses its answer (the operator log then holds the new limits),
+    When the operator makes it (answered 503),
+    Then the audit trail has it as maybe applied, with what was asked (before: nothing; a retry, finding the new
+    limits in place, recorded them as what they replaced, and without a retry the change was on no record)."""
+    audit = Audit()
+    put = _call(_operator_api(OperatorKeys(), audit, LimitsAnswerLost()), "PUT", "/v1/admin/limits/resend",
+                json={"global_rate": 5, "global_burst": 10})
+    assert put.status_code == 503, put.text
+    assert audit.records == [("limits/resend", {"outcome": "unknown",
+                                                "intended": {"global_rate": 5.0, "global_burst": 10}})]

@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from streams.cli import main
+from streams.cli import operator as operator_cli
 from streams.cli.operator import _clear_cool_down
-from streams.errors import BrokerUnavailable, ConfigError
-from streams.gate.limits import MAX_LIMIT, check_provider, check_tenant, parse_rate
+from streams.errors import BrokerUnavailable, ConfigError, StoreUnavailable
+from streams.gate.limits import MAX_LIMIT, AppliedLimits, check_provider, check_tenant, parse_rate
 from streams.providers.registry import load_registry
 from streams.state import audit as audit_module
 
@@ -81,3 +83,41 @@ def test_a_cool_down_ended_with_milliseconds_left_is_not_said_to_have_had_none(c
     assert _clear_cool_down(rt, "resend") == 0  # type: ignore[arg-type]
     assert "resend: cool-down ended (0.030 s were left)" in capsys.readouterr().out
     assert [what for _, what, _, _ in audited] == ["cooldown/resend"]
+
+
+class LimitsThenRedisFails:
+    """Applies a change (another operator's rate change of 10 to 15 landed before it), then Redis fails: the change's
+    answer is lost (`lost`), or the cool-down read after it fails."""
+
+    def __init__(self, lost: bool):
+        self.lost = lost
+
+    def apply(self, provider, change):
+        if self.lost:
+            raise StoreUnavailable("cannot write the limits of 'resend' (Timeout reading from socket, test)")
+        return AppliedLimits({"global_rate": 15.0}, {"global_rate": 20.0})
+
+    def cool_down_left(self, provider):
+        raise StoreUnavailable("cannot read the provider cool-down (test)")
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["cool-down-unreadable", "answer-lost"])
+def test_a_limits_change_the_cli_made_is_on_the_audit_trail_though_redis_fails_after_it(lost, monkeypatch, capsys):
+    """Given Redis failing right after an operator's limits change ran in it (the cool-down read after it failing,
+    or the change's own answer lost),
+    When the CLI makes the change,
+    Then the audit trail has it, against the limits its write replaced, or as maybe applied with what was asked,
+    and the command exits 1 saying why (before: the change was live, printed, and on no record at all)."""
+    audited = []
+    rt = SimpleNamespace(config=SimpleNamespace(registry=load_registry()),
+                         limit_store=lambda: LimitsThenRedisFails(lost),
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record[1:])))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["limits", "set", "--provider", "resend", "--global-rate", "20"]) == 1
+    printed = capsys.readouterr()
+    if lost:
+        assert audited == [("limits/resend", None, {"outcome": "unknown", "intended": {"global_rate": 20.0}})]
+        assert "Timeout reading from socket" in printed.err
+    else:
+        assert audited == [("limits/resend", {"global_rate": 15.0}, {"global_rate": 20.0})]
+        assert "resend global_rate = 20.0" in printed.out and "cannot read the provider cool-down" in printed.err
