@@ -293,17 +293,19 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     # provider asked, at least the shortest tier.
     scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))
     tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
-    if outcome == "quota":
-        # Due when the quota resets (the tier is only the topic that holds it: the retrier releases by the due
-        # time), spread over a little after it, or at the schedule's next tier when that is later.
+    deadline_ms = created_ms + policy.max_age_s * 1000
+    delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
+    if outcome == "quota" or (outcome == "throttled" and now_ms + delay_ms > deadline_ms):
+        # Due when the provider asked (a quota's reset; or a throttled ask whose tier, its ask rounded up, would
+        # come past the send's max age: a 429 never ends a send whose ask fits). The tier is only the topic that
+        # holds it (the retrier releases by the due time); spread over a little after the ask, or at the
+        # schedule's next tier when that is later.
         delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
-        # The spread never pushes past the send's max age a reset that falls within it.
-        room_s = max(0.0, (created_ms + policy.max_age_s * 1000 - now_ms) / 1000 - at_least)
+        # The spread never pushes past the send's max age an ask that falls within it.
+        room_s = max(0.0, (deadline_ms - now_ms) / 1000 - at_least)
         at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S, room_s)
-    else:
-        delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
-    if due_ms - created_ms > policy.max_age_s * 1000:
+    if due_ms > deadline_ms:
         return DeadLetter("unknown_outcome" if may_be_delivered else "quota_exceeded" if outcome == "quota"
                           else "too_old")
     reason = {"throttled": "rate_limited", "quota": "quota_exceeded", "unknown": "unknown_outcome",

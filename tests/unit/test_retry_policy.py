@@ -274,6 +274,20 @@ def test_a_quota_reset_within_the_max_age_is_never_pushed_past_it_by_the_spread(
     assert isinstance(d, RetryAt) and NOW + 3_600_000 <= d.due_ms <= created + policy.max_age_s * 1000, d
 
 
+@pytest.mark.parametrize("jitter", [0.0, 0.5, 0.999])
+@pytest.mark.parametrize("policy, asked_s", [("otp", 301), ("transactional", 3700)])
+def test_a_throttled_ask_that_fits_the_max_age_is_waited_though_its_tier_would_not(policy, asked_s, jitter):
+    """A new send answered a throttled 429 asking for 301 s (an OTP: 10 min max age) or 3,700 s (transactional: 2 h),
+    whose tier (the ask rounded up: 15 min, 3 h) would come past its max age: due after the ask, within the max
+    age, whatever the jitter (before: dead-lettered `too_old` at once, though the provider's ask fitted)."""
+    chosen = POLICIES[policy]
+    d = decide(chosen, 1, NOW, ProviderResult("throttled", 429, retry_after=str(asked_s)), NOW, jitter)
+    assert isinstance(d, RetryAt) and NOW + asked_s * 1000 <= d.due_ms <= NOW + chosen.max_age_s * 1000, d
+    assert d.reason == "rate_limited"
+    late = decide(chosen, 1, NOW, ProviderResult("throttled", 429, retry_after=str(chosen.max_age_s + 1)), NOW, jitter)
+    assert late == DeadLetter("too_old")
+
+
 def test_a_policy_whose_max_age_outlives_the_retry_tiers_retention_is_refused_when_a_role_loads_it(tmp_path):
     """Given a policies file whose `marketing` policy may wait 14 days (the retry tiers keep a copy 7 days), and the
     packaged file,
