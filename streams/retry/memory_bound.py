@@ -5,14 +5,14 @@ messages or `max_held_bytes`) it must stop reading something, and what it stops 
 what is due soon: one tenant's backlog parked for hours on the long tiers must not stop another
 tenant's 10 s retries. So past the bound it pauses only the partitions that hold a message due
 later than NEAR_MS from now (they free memory only then); partitions whose held messages are all due
-sooner keep flowing, as they release what they read within minutes. Past twice the bound (the near
-tiers alone filled it) every partition is paused, as a plain bound would. At or below half the
-bound everything is read again.
+sooner keep flowing, as they release what they read within minutes. Only when the messages due soon
+alone reach twice the bound is every partition paused, as a plain bound would (messages due late past
+it pause only their own partitions: a long tier's backlog read at full speed after a restart never
+stops the short tiers). At or below half the bound everything is read again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 Partition = tuple[str, int]
@@ -22,9 +22,19 @@ Partition = tuple[str, int]
 NEAR_MS = 18 * 60 * 1000
 
 
-def far_partitions(held: Iterable[tuple[Partition, int]], now_ms: float) -> set[Partition]:
-    """The partitions holding a message (partition, due ms) due later than NEAR_MS from now."""
-    return {partition for partition, due_ms in held if due_ms > now_ms + NEAR_MS}
+@dataclass
+class PartitionLoad:
+    """The messages of one partition held, their bytes, and the latest due time among them (a partition's
+    messages leave in due order, so that one is held while any of them is)."""
+
+    count: int = 0
+    size: int = 0
+    latest_due_ms: float = 0.0
+
+
+def far_loads(loads: dict[Partition, PartitionLoad], now_ms: float) -> dict[Partition, PartitionLoad]:
+    """The partitions holding a message due later than NEAR_MS from now, with what each holds."""
+    return {partition: load for partition, load in loads.items() if load.latest_due_ms > now_ms + NEAR_MS}
 
 
 @dataclass(frozen=True)
@@ -32,19 +42,20 @@ class MemoryBound:
     max_held: int
     max_bytes: int
 
-    def full(self, count: int, size: int) -> bool:
-        """Past twice the bound: nothing more may be read."""
-        return count >= 2 * self.max_held or size >= 2 * self.max_bytes
+    def full(self, count: int, size: int, far: dict[Partition, PartitionLoad]) -> bool:
+        """Of `count` messages of `size` bytes held, those due soon (outside `far`) hold twice the bound: nothing
+        more may be read."""
+        near_count = count - sum(load.count for load in far.values())
+        return near_count >= 2 * self.max_held or size - sum(load.size for load in far.values()) >= 2 * self.max_bytes
 
     def paused(self, count: int, size: int, assigned: set[Partition], paused: set[Partition],
-               far: Callable[[], set[Partition]]) -> set[Partition]:
-        """The partitions to pause, holding `count` messages of `size` bytes with `paused` paused
-        now; `far()` names the partitions holding a message due later than NEAR_MS (asked only
-        when needed: it reads everything held)."""
-        if self.full(count, size):
+               far: dict[Partition, PartitionLoad]) -> set[Partition]:
+        """The partitions to pause, holding `count` messages of `size` bytes with `paused` paused now; `far`:
+        the partitions holding a message due later than NEAR_MS, with what each holds."""
+        if self.full(count, size, far):
             return set(assigned)
         if count <= self.max_held // 2 and size <= self.max_bytes // 2:
             return set()
         if not paused and count < self.max_held and size < self.max_bytes:
             return set()  # not reached yet
-        return far() & assigned  # reached, and until half is released: only what is due late waits
+        return set(far) & assigned  # reached, and until half is released: only what is due late waits

@@ -15,8 +15,8 @@ excess parked for hours) that can be many: already past due, they are released a
 the lane worker's idempotency makes each a duplicate it skips (`stale` or `duplicate`), never a
 second send. Memory is bounded (`memory_bound.py`): past `max_held` messages
 or `max_held_bytes` the retrier pauses the partitions holding messages due late, so the short tiers
-keep flowing; past twice that, every partition; each until half is released. A copy the broker did
-not acknowledge is produced again until it is.
+keep flowing; when messages due soon alone hold twice that, every partition; each until half is released.
+A copy the broker did not acknowledge is produced again until it is.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..offsets import OffsetTracker
 from ..outcomes import outcome_event
 from ..send import decode, peek_send_id
 from .dlq import OWN_DLQ_HEADERS
-from .memory_bound import MemoryBound, Partition, far_partitions
+from .memory_bound import MemoryBound, Partition, PartitionLoad, far_loads
 
 log = logging.getLogger("streams.retrier")
 MAX_POLL_WAIT_S = 0.5
@@ -133,7 +133,7 @@ class Retrier:
         self.assigned: set[tuple[str, int]] = set()
         self.paused: set[Partition] = set()
         self.bound = MemoryBound(cfg.max_held, cfg.max_held_bytes)
-        self._far: tuple[float, set[Partition]] = (0.0, set())  # (asked at, monotonic), cached for a second
+        self.loads: dict[Partition, PartitionLoad] = {}  # what the heap holds, partition by partition
         self.consume_outage = Outage("Kafka (retrier consume)")
         # A poll returned messages not held yet: offsets stored meanwhile (a revoke served in the consume that
         # follows the poll, the exit after that consume raised) stop at what is tracked (`store_offsets`).
@@ -194,14 +194,24 @@ class Retrier:
         due = due_time(headers, where, now_ms, None if kind == TIMESTAMP_NOT_AVAILABLE else written_ms)
         held = Held(due, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), headers, now_ms)
         self.tracker.add(msg.topic(), msg.partition(), msg.offset())
+        self._keep(held)
+
+    def _keep(self, held: Held) -> None:
         heapq.heappush(self.heap, held)
         self.held_bytes += held.size
+        load = self.loads.setdefault((held.topic, held.partition), PartitionLoad())
+        load.count, load.size = load.count + 1, load.size + held.size
+        load.latest_due_ms = max(load.latest_due_ms, held.due_ms)
 
     def _release_due(self) -> None:
         now_ms = self.clock() * 1000
         while self.heap and self.heap[0].due_ms <= now_ms:
             held = heapq.heappop(self.heap)
             self.held_bytes -= held.size
+            load = self.loads[(held.topic, held.partition)]
+            load.count, load.size = load.count - 1, load.size - held.size
+            if not load.count:
+                del self.loads[(held.topic, held.partition)]
             if (held.topic, held.partition) not in self.assigned:
                 continue  # revoked meanwhile: its new owner reads it again
             self._republish(held, int(now_ms))
@@ -290,7 +300,7 @@ class Retrier:
         return len(self.heap) + self.writer.pending, self.held_bytes + self.writer.pending_bytes
 
     def _bound_memory(self) -> None:
-        wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far_partitions)
+        wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far())
         if wanted == self.paused:
             return
         if wanted - self.paused:
@@ -301,13 +311,8 @@ class Retrier:
             self.consumer.resume([TopicPartition(t, p) for t, p in (self.paused - wanted) & self.assigned])
         self.paused = wanted
 
-    def _far_partitions(self) -> set[Partition]:
-        """Partitions holding a message due late (reads all that is held: at most once a second)."""
-        asked_at, far = self._far
-        if time.monotonic() - asked_at >= 1.0:
-            far = far_partitions((((h.topic, h.partition), h.due_ms) for h in self.heap), self.clock() * 1000)
-            self._far = (time.monotonic(), far)
-        return far
+    def _far(self) -> dict[Partition, PartitionLoad]:
+        return far_loads(self.loads, self.clock() * 1000)
 
     def _returned(self) -> None:
         self._untracked = True
@@ -335,7 +340,7 @@ class Retrier:
         # Set each new partition's state explicitly: librdkafka may keep a pause flag from before.
         self.assigned |= {(p.topic, p.partition) for p in partitions}
         if partitions:  # a new partition holds nothing here yet: it is read unless nothing more may be
-            full = self.bound.full(*self._held())
+            full = self.bound.full(*self._held(), self._far())
             if full:
                 self.paused |= {(p.topic, p.partition) for p in partitions}
             (consumer.pause if full else consumer.resume)(partitions)
@@ -354,6 +359,7 @@ class Retrier:
         self.paused -= gone
         for tp in gone:
             self.tracker.forget(*tp)
+            self.loads.pop(tp, None)
         self.released = {w: h for w, h in self.released.items() if w[:2] not in gone}  # its new owner's now
         kept = [h for h in self.heap if (h.topic, h.partition) not in gone]
         if len(kept) != len(self.heap):

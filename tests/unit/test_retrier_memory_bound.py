@@ -42,8 +42,7 @@ def test_released_copies_the_lane_has_not_acknowledged_count_against_the_byte_bo
     r = _retrier(now)
     hour_tier, ten_s_tier = r.cfg.topics[4], r.cfg.topics[0]
     r.assigned = {(hour_tier, 0), (ten_s_tier, 0)}
-    late = Held(now + 3_600_000, 1, hour_tier, 0, None, b"x" * 100, {})
-    r.heap, r.held_bytes = [late], late.size
+    r._keep(Held(now + 3_600_000, 1, hour_tier, 0, None, b"x" * 100, {}))
     for offset in range(15):
         r._republish(Held(now, offset, ten_s_tier, 0, None, b"y" * 10_000, {}), now)
     assert r.writer.pending == 15
@@ -226,3 +225,27 @@ def test_a_copy_whose_headers_cannot_be_read_is_dead_lettered_not_sent_on_withou
     assert topic == r.cfg.names.dlq and value == b"{}" and r.heap == []
     assert (headers["reason"], headers["origin_topic"], headers["origin_offset"]) == (b"malformed", tier.encode(), b"9")
     assert r.tracker.committable() == {(tier, 0): 10}
+
+
+def test_a_long_tiers_backlog_read_at_full_speed_never_pauses_the_short_tiers():
+    """Given a retrier bounded to 1,000 messages, reading after a restart four partitions of the 12h tier, each
+    handing it a batch of 500 copies due in 12 hours within one second,
+    When it bounds its memory after each batch,
+    Then each 12h partition is paused once it holds such copies past the bound, and the 10 s tier's partition is
+    never paused (before: the partitions holding late copies were looked up at most once a second, the last two
+    batches were read, and 2,000 held paused every partition, the 10 s tier for up to 12 hours); it is paused
+    once copies due soon alone hold twice the bound."""
+    now = 1_000_000_000_000
+    r = _retrier(now)
+    ten_s, twelve_h = r.cfg.topics[0], r.cfg.topics[-1]
+    r.assigned = {(ten_s, 0), *((twelve_h, p) for p in range(4))}
+    for p in range(4):
+        for offset in range(500):
+            r._keep(Held(now + 12 * 3_600_000, offset, twelve_h, p, None, b"x", {}))
+        r._bound_memory()
+        assert (ten_s, 0) not in r.consumer.paused
+    assert r.consumer.paused == {(twelve_h, p) for p in range(4)}
+    for offset in range(2_000):
+        r._keep(Held(now + 10_000, offset, ten_s, 0, None, b"y", {}))
+    r._bound_memory()
+    assert (ten_s, 0) in r.consumer.paused

@@ -1,14 +1,14 @@
 """Which retry partitions the retrier stops reading while it holds too much (pure)."""
 
-from streams.retry.memory_bound import NEAR_MS, MemoryBound, far_partitions
+from streams.retry.memory_bound import NEAR_MS, MemoryBound, PartitionLoad, far_loads
 
 SHORT, LONG, OTHER = ("retry.10s", 0), ("retry.12h", 0), ("retry.1h", 3)
 ASSIGNED = {SHORT, LONG, OTHER}
 BOUND = MemoryBound(max_held=100, max_bytes=10_000)
 
 
-def _far(*partitions):
-    return lambda: set(partitions)
+def _far(*partitions, count=1):
+    return {partition: PartitionLoad(count, count * 10, 0) for partition in partitions}
 
 
 def test_below_the_bound_nothing_is_paused():
@@ -26,8 +26,14 @@ def test_until_half_is_released_what_is_due_late_stays_paused_and_the_rest_is_re
 
 
 def test_past_twice_the_bound_every_partition_is_paused_then_the_short_tiers_come_back_first():
-    assert BOUND.paused(200, 0, ASSIGNED, {LONG}, _far(LONG)) == ASSIGNED
+    assert BOUND.paused(200, 0, ASSIGNED, {LONG}, {}) == ASSIGNED
     assert BOUND.paused(150, 0, ASSIGNED, ASSIGNED, _far(LONG)) == {LONG}
+
+
+def test_messages_due_late_past_twice_the_bound_pause_only_their_own_partitions():
+    assert BOUND.paused(300, 0, ASSIGNED, {LONG}, _far(LONG, count=150)) == {LONG}
+    assert BOUND.paused(300, 0, ASSIGNED, {LONG}, _far(LONG, count=100)) == ASSIGNED  # 200 due soon
+    assert BOUND.paused(1, 30_000, ASSIGNED, {LONG}, _far(LONG, count=1)) == ASSIGNED  # bytes due soon
 
 
 def test_a_partition_no_longer_assigned_is_not_paused():
@@ -36,5 +42,6 @@ def test_a_partition_no_longer_assigned_is_not_paused():
 
 def test_due_late_means_later_than_the_near_tiers_can_be_due():
     now = 1_000_000
-    held = [(SHORT, now + 15 * 60 * 1000 * 1.2), (LONG, now + NEAR_MS + 1), (OTHER, now - 5)]
-    assert far_partitions(held, now) == {LONG}
+    loads = {SHORT: PartitionLoad(1, 1, now + 15 * 60 * 1000 * 1.2), LONG: PartitionLoad(1, 1, now + NEAR_MS + 1),
+             OTHER: PartitionLoad(1, 1, now - 5)}
+    assert set(far_loads(loads, now)) == {LONG}
