@@ -407,13 +407,24 @@ def encode(send: Send) -> bytes:
     return orjson.dumps(send.model_dump(mode="json"))
 
 
+# Send ids are UUIDs (36 characters); a longer one read from a record dispatch did not write is none.
+MAX_SEND_ID_BYTES = 64
+
+
+def plausible_send_id(raw: bytes | None) -> bytes:
+    """`raw`, a send id read from a record that may not be a send's (a header), when it can be one (b"" when
+    not): it keys and heads a dead letter, which a megabyte's "id" would make one the broker refuses for ever."""
+    return raw if raw and len(raw) <= MAX_SEND_ID_BYTES else b""
+
+
 def peek_send_id(value: bytes | None) -> bytes:
-    """The send id of an event that may not decode as a send (b"" when it names none): for its dead letter."""
+    """The send id of an event that may not decode as a send (b"" when it names none, or none that can be one):
+    for its dead letter."""
     try:
         doc = orjson.loads(value or b"")
     except orjson.JSONDecodeError:
         return b""
-    return str(doc.get("send_id", "")).encode() if isinstance(doc, dict) else b""
+    return plausible_send_id(str(doc.get("send_id", "")).encode()) if isinstance(doc, dict) else b""
 
 
 def decode(value: bytes | None) -> Send:

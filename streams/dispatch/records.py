@@ -30,7 +30,7 @@ from ..outcomes import OUTCOMES_PER_RECORD, outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
 from ..retry.dlq import OWN_DLQ_HEADERS, shown_send_id
 from ..retry.policy import RetryAt
-from ..send import Send, peek_send_id
+from ..send import Send, peek_send_id, plausible_send_id
 from .tenant_queues import Pending
 
 log = logging.getLogger("streams.records")
@@ -249,7 +249,7 @@ class RecordWriter:
 
     def dead_letter_raw(self, msg, headers: dict[str, bytes], reason: str, detail: str, on_ack: OnAck) -> None:
         """An event that never became a send: dead-letter it with the reason; the partition moves on."""
-        send_id = headers.get("send_id") or peek_send_id(msg.value())
+        send_id = plausible_send_id(headers.get("send_id")) or peek_send_id(msg.value())
         evidence(log, logging.WARNING, "dead_lettered", send_id=shown_send_id(send_id.decode(errors="replace")),
                  reason=reason, origin=f"{msg.topic()}[{msg.partition()}]@{msg.offset()}", detail=redact(detail, 200))
         dlq_headers = {**headers, "send_id": send_id, "reason": reason.encode(),

@@ -40,7 +40,7 @@ from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 from ..outcomes import outcome_event
-from ..send import decode, peek_send_id
+from ..send import decode, peek_send_id, plausible_send_id
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, PartitionLoad, far_loads
 
@@ -239,26 +239,29 @@ class Retrier:
     def _dead_letter_unreadable(self, msg: Any, where: str) -> None:
         """A copy whose headers cannot be read (no worker writes one): re-published without them, its send's
         attempt and chain would be lost (the lane worker would take it for a stale first attempt and end it
-        unseen). It is dead-lettered `malformed` with its payload, as a lane worker does such a message."""
+        unseen). It is dead-lettered `malformed` with its payload, as a lane worker does such a message, and a
+        send's outcome says so (its status would stay `retrying`, and a replay refuse it as in progress)."""
         log.error("retry message %s has headers that cannot be read (a name that is not UTF-8): dead-lettered "
                   "`malformed`", where)
-        origin = (msg.topic(), msg.partition(), msg.offset())
+        held = Held(0, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), {})
+        now_ms = int(self.clock() * 1000)
         send_id = peek_send_id(msg.value())
         headers = {"send_id": send_id, "reason": b"malformed", "detail": b"a header name is not UTF-8",
-                   **self._letter_headers(origin, int(self.clock() * 1000))}
+                   **self._letter_headers((held.topic, held.partition, held.offset), now_ms)}
         without_payload = {**headers, "reason": b"too_large", "reason_detail": b"malformed",
                            "payload_omitted": b"too_large"}
 
         def refused(err: KafkaError) -> None:  # too large for the DLQ: the origin headers say where it still is
             metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
             self.writer.write(self.cfg.names.dlq, None, send_id or None, without_payload.items(),
-                              on_ack=lambda: self.tracker.finish(*origin))
+                              on_written=lambda partition, offset: self._dead_lettered(held, now_ms, partition,
+                                                                                      offset, "too_large"))
 
-        def written() -> None:
+        def written(partition: int, offset: int) -> None:
             metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "malformed").inc()
-            self.tracker.finish(*origin)
+            self._dead_lettered(held, now_ms, partition, offset, "malformed")
 
-        self.writer.write(self.cfg.names.dlq, msg.value(), send_id or None, headers.items(), on_ack=written,
+        self.writer.write(self.cfg.names.dlq, msg.value(), send_id or None, headers.items(), on_written=written,
                           on_refused=refused)
 
     def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
@@ -273,10 +276,11 @@ class Retrier:
                         "attempts": str(attempts_made(held)).encode(), "payload_omitted": b"too_large",
                         **self._letter_headers(where, now_ms)})
         metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
-        self.writer.write(self.cfg.names.dlq, None, held.headers.get("send_id") or None, headers.items(),
-                          on_written=lambda partition, offset: self._dead_lettered(held, now_ms, partition, offset))
+        self.writer.write(self.cfg.names.dlq, None, plausible_send_id(held.headers.get("send_id")) or None,
+                          headers.items(), on_written=lambda partition, offset: self._dead_lettered(
+                              held, now_ms, partition, offset, "too_large"))
 
-    def _dead_lettered(self, held: Held, now_ms: int, partition: int, offset: int) -> None:
+    def _dead_lettered(self, held: Held, now_ms: int, partition: int, offset: int, reason: str) -> None:
         """The send's outcome, as a worker writes one for its dead letters: its status store then shows it
         dead-lettered (and where the letter is), so it can be replayed. The retry record is finished once
         that is acknowledged too."""
@@ -287,7 +291,7 @@ class Retrier:
             self.tracker.finish(*where)  # not a send: nothing has a status to change
             return
         event = {**outcome_event(send, "dropped" if send.channel == "webhook" else "dead_lettered", attempts_made(held),
-                                 now_ms, "", reason="too_large"),
+                                 now_ms, "", reason=reason),
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}
         metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()

@@ -3,7 +3,8 @@ are still in its process (payload and all), so a lane topic that does not acknow
 without its replicas) cannot make it read on without bound. No broker: the consumer records pauses and the
 producer never acknowledges."""
 
-from confluent_kafka import TopicPartition
+import orjson
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import REGISTRY
 
 from streams.kafka_client import AckedWriter
@@ -249,3 +250,67 @@ def test_a_long_tiers_backlog_read_at_full_speed_never_pauses_the_short_tiers():
         r._keep(Held(now + 10_000, offset, ten_s, 0, None, b"y", {}))
     r._bound_memory()
     assert (ten_s, 0) in r.consumer.paused
+
+
+class SizeLimitedProducer(RecordingProducer):
+    """Refuses, before it leaves the process, a record over 1 MiB (as librdkafka does past message.max.bytes)."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in dict(headers or []).items())
+        if size > 1024 * 1024:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        super().produce(topic, value, key, headers, on_delivery)
+
+
+def test_a_copy_with_unreadable_headers_and_a_huge_send_id_is_dead_lettered_without_it_and_moves_on():
+    """Given a retry record with header names that are not UTF-8 and a payload naming a 600 kB "send id",
+    When the retrier reads it, with a producer refusing records over 1 MiB,
+    Then it is dead-lettered with its payload, unkeyed and with no send id, and its offset moves on (before: the
+    id keyed and headed the letter, 1.8 MB, then 1.2 MB without the payload: refused, the retrier raised, and
+    restarted on the same offset for ever, every tier of the lane stopped)."""
+    r = _retrier(1_800_000_000_000)
+    producer = SizeLimitedProducer()
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    payload = orjson.dumps({"send_id": "x" * 600_000})
+
+    class Huge(_UnreadableHeaders):
+        def value(self):
+            return payload
+
+    r._hold(Huge(tier, 0, 3))
+    r.writer.poll(0)
+    [(topic, value, headers)] = producer.records
+    assert (topic, value, headers["send_id"], headers["reason"]) == (r.cfg.names.dlq, payload, b"", b"malformed")
+    assert r.tracker.committable() == {(tier, 0): 4}
+
+
+def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
+    """Given a retry record of a real send whose header names are not UTF-8,
+    When the retrier dead-letters it,
+    Then the send's outcome says dead-lettered `malformed`, where the letter is, and the offset moves on once that
+    is acknowledged (before: no outcome: its status stayed `retrying`, and a replay refused it as in progress)."""
+    from streams.send import build_send, encode, validate_request
+    from tests.harness import email_request
+
+    send = build_send(validate_request(email_request()), "acme")
+    r = _retrier(1_800_000_000_000)
+    producer = RecordingProducer()
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+
+    class OfASend(_UnreadableHeaders):
+        def value(self):
+            return encode(send)
+
+    r._hold(OfASend(tier, 0, 11))
+    r.writer.poll(0)
+    r.writer.poll(0)
+    [(dlq, _, headers), (outcomes, event, _)] = producer.records
+    assert (dlq, outcomes, headers["send_id"]) == (r.cfg.names.dlq, r.cfg.names.outcomes, send.send_id.encode())
+    event = orjson.loads(event)
+    assert (event["send_id"], event["status"], event["reason"]) == (send.send_id, "dead_lettered", "malformed")
+    assert event["dlq"] == {"partition": 0, "offset": 0}
+    assert r.tracker.committable() == {(tier, 0): 12}
