@@ -21,6 +21,9 @@ from typing import NamedTuple
 # A kept-alive connection is not reused after this long idle: uvicorn closes idle connections after
 # 5 s, and a request written into one it is closing would look Interrupted (published or not?).
 IDLE_REUSE_S = 2.0
+# Kept-alive connections kept at most: a burst of batches opens one each, and steady traffic after it reuses
+# only the newest, so the rest would stay open (file descriptors the API process needs) until they are reused.
+MAX_IDLE = 16
 
 
 class Unreachable(Exception):
@@ -65,7 +68,7 @@ class UnixHttp:
         except BaseException:  # cancelled: the connection is in an unknown state
             writer.close()
             raise
-        if keep_alive:
+        if keep_alive and len(self._idle) < MAX_IDLE:
             self._idle.append((time.monotonic(), reader, writer))
         else:
             writer.close()
@@ -76,12 +79,18 @@ class UnixHttp:
             self._idle.pop()[2].close()
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The newest kept-alive connection still fit for reuse (every other unfit one is closed), else a new one."""
         now = time.monotonic()
-        while self._idle:
-            since, reader, writer = self._idle.pop()
+        fit = []
+        for since, reader, writer in self._idle:
             if now - since < IDLE_REUSE_S and not reader.at_eof() and not writer.is_closing():
-                return reader, writer
-            writer.close()
+                fit.append((since, reader, writer))
+            else:
+                writer.close()
+        self._idle = fit
+        if self._idle:
+            _, reader, writer = self._idle.pop()
+            return reader, writer
         try:
             return await asyncio.open_unix_connection(self.socket_path)
         except OSError as exc:

@@ -159,3 +159,28 @@ def test_a_batch_meeting_no_bulk_process_says_whether_an_earlier_attempt_may_hav
     else:
         assert "outcome" not in r.json() and "nothing was published" in r.text
 
+
+
+def test_after_a_burst_the_connections_kept_are_bounded_and_those_sat_idle_are_closed(tmp_path, monkeypatch):
+    """Given 40 batches forwarded at once (a connection each), then, past IDLE_REUSE_S, one more,
+    Then at most MAX_IDLE connections are kept after the burst, and the one after it closes every connection that
+    sat idle and keeps one (before: all 40 were kept, and steady traffic reusing the newest never closed the
+    others: file descriptors held until the next peak, then more)."""
+    clock = [1000.0]
+    monkeypatch.setattr(unix_http.time, "monotonic", lambda: clock[0])
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    async def scenario():
+        server, listener, client = await serving(tmp_path, [answer] * 41)
+        async with listener:
+            await asyncio.gather(*(client.request("POST", "/v1/sends/batch", [], [b"{}"], 5) for _ in range(40)))
+            kept_after_burst = len(client._idle)
+            clock[0] += unix_http.IDLE_REUSE_S + 1
+            await client.request("POST", "/v1/sends/batch", [], [b"{}"], 5)
+            kept_after = len(client._idle)
+            await client.close()
+            await asyncio.gather(*server.handlers)  # each ends on the client's close
+        return server, kept_after_burst, kept_after
+
+    server, kept_after_burst, kept_after = asyncio.run(scenario())
+    assert server.connections == 41 and kept_after_burst == unix_http.MAX_IDLE and kept_after == 1
