@@ -338,6 +338,8 @@ def flatten_errors(errors: Sequence[Any], prefix: tuple = ()) -> list[dict]:
         nested = (e.get("ctx") or {}).get("error")
         if isinstance(nested, PayloadError):
             out.extend({"loc": (*prefix, *e["loc"], *x["loc"]), "msg": x["msg"]} for x in nested.errors)
+        elif e.get("type") == "json_invalid" and nested:  # "JSON decode error", then what the parser met
+            out.append({"loc": (*prefix, *e["loc"]), "msg": f"{e['msg']}: {nested}"})
         else:
             out.append({"loc": (*prefix, *e["loc"]), "msg": e["msg"]})
     return out

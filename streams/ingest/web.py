@@ -154,12 +154,9 @@ class BodyLimit:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if _SURROGATE_ESCAPE.search(body) and b"json" in dict(scope.get("headers") or []).get(b"content-type", b"json"):
-            try:  # Python's parser takes an unpaired surrogate ("\ud800"), which no store or event can hold
-                orjson.loads(body)
-            except orjson.JSONDecodeError as exc:
-                return await self._refuse(JSONResponse({"error": "invalid_request", "errors": [
-                    {"loc": ["body"], "msg": f"JSON decode error: {exc}"}]}, status_code=400), scope, receive, send)
+        if b"json" in dict(scope.get("headers") or []).get(b"content-type", b"json") and (why := _unholdable(body)):
+            return await self._refuse(JSONResponse({"error": "invalid_request", "errors": [
+                {"loc": ["body"], "msg": why}]}, status_code=400), scope, receive, send)
         delivered = False
 
         async def replay():
@@ -177,6 +174,22 @@ class BodyLimit:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _unholdable(body: bytes) -> str | None:
+    """Why a JSON body no store or event can hold is refused, saying where (None: it can be held): bytes that are
+    not UTF-8 (an encoded surrogate among them), or an unpaired surrogate escape ("\\ud800"), which Python's
+    parser takes."""
+    try:
+        body.decode()
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason})"
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return f"JSON decode error: {exc}"
+    return None
 
 
 def too_large(limit: int) -> JSONResponse:

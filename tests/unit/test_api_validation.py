@@ -162,3 +162,33 @@ def test_bodies_refused_before_the_app_reads_them_are_counted_as_refusals():
                                     headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
     assert (too_big.status_code, surrogate.status_code) == (413, 400)
     assert (_rejected(413), _rejected(400)) == (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"\xff", "the body is not UTF-8: byte 0xff at offset "),
+    (b"\xed\xa0\x80", "the body is not UTF-8: byte 0xed at offset "),  # an encoded surrogate
+])
+def test_a_body_that_is_not_utf8_is_refused_saying_where(raw, says):
+    """Given a batch whose second send's subject holds a byte that is not UTF-8, or an encoded surrogate,
+    When it is posted,
+    Then it is refused 400 naming the byte and its offset in the body (before: "could not be read as JSON (nested
+    too deeply for the parser?)", or orjson's "line 1 column 1 (char 0)": neither said what nor where)."""
+    first = b'{"sends": [{"channel": "email"}, {"payload": {"subject": "'
+    body = first + raw + b'"}}]}'
+    answer = asyncio.run(post_to(publishing_nothing(), "/v1/sends/batch", content=body,
+                                 headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["errors"] == [{"loc": ["body"], "msg": answer.json()["errors"][0]["msg"]}]
+    assert answer.json()["errors"][0]["msg"].startswith(f"{says}{len(first)} ")
+
+
+def test_a_body_that_is_not_json_is_refused_saying_what_the_parser_met_and_where():
+    """Given a send whose JSON breaks off after a comma,
+    When it is posted,
+    Then the 400 says what the parser met as well as where (before: "JSON decode error" and an offset alone)."""
+    answer = asyncio.run(post_to(publishing_nothing(), "/v1/sends", content=b'{"channel": "email",}',
+                                 headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
+    assert answer.status_code == 400, answer.text
+    [error] = answer.json()["errors"]
+    assert error["loc"] == ["body", 20] and error["msg"].startswith("JSON decode error: "), error
+    assert len(error["msg"]) > len("JSON decode error: ")
