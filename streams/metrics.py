@@ -123,7 +123,7 @@ CONSECUTIVE_FAILURES = Histogram("webhook_endpoint_consecutive_failures", "An en
                                  buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 50))
 DEGRADATIONS = Counter("webhook_endpoint_degradations_total", "Endpoints that became degraded (10 consecutive "
                        "failures)")
-HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails by kind (dropped, stopped) and "
+HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails by kind (dropped, gone, stopped) and "
                         "result (sent; suppressed by the 24 h window; no_members; over_budget: the tenant's alerts of "
                         "that kind an hour)", ["kind", "result"])
 HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "

@@ -5,8 +5,8 @@ listed: without a bound, a tenant with many endpoints that fail on purpose (and 
 could make that sender mail its list without end. Each copy of the endpoint-health app sends at most
 ALERTS_PER_TENANT_PER_HOUR alerts of each kind per tenant in any hour; the rest are counted and
 logged, not sent (the endpoints' state still changes, and shows in the API). Each kind has its own
-count, so a burst of `dropped` alerts never uses up the room of a `stopped` one (an endpoint
-disabled, which the tenant must hear about).
+count, so a burst of `dropped` alerts never uses up the room of a `stopped` or a `gone` one (an
+endpoint disabled, which the tenant must hear about).
 """
 
 from __future__ import annotations

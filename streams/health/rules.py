@@ -9,9 +9,11 @@ the events themselves, so replaying them decides the same way (and names the sam
 - Two alerts, to the members of the endpoint's project: "Webhook event dropped" (a delivery was given
   up on, saying why: it used up its 9 attempts, a 410, its max age) and "Webhook delivery stopped" (the
   endpoint just became degraded).
-- At most one alert per endpoint per 24 h, with one deliberate exception: "stopped" is always sent,
-  even after a "dropped" in the window; after a "stopped", "dropped" alerts are silenced for the
-  rest of the window.
+- At most one alert per endpoint per 24 h, with two deliberate exceptions: "stopped" is always sent,
+  even after a "dropped" in the window, and so is a delivery dropped on a 410 (the endpoint is disabled
+  by it: "gone", once an incident); after a "stopped", "dropped" alerts are silenced for the rest of the
+  window. A window that starts more than 5 minutes after an event (a worker's clock ahead) is no window
+  for it.
 - Reactivation puts the count back to zero and clears the alert state, so a second incident the
   same day gets its own alert.
 """
@@ -30,6 +32,7 @@ OURS = frozenset({"secret_unreadable", "gone_before_url_change",  # the latter: 
                   "endpoint_view_behind",  # the worker's view of the endpoints could not catch up
                   "endpoint_of_another_tenant"})  # an event naming it, written past ingest: never sent
 ALERT_WINDOW_MS = 24 * 3600 * 1000
+MAX_SKEW_MS = 5 * 60 * 1000  # the workers' clocks, which time the events, may disagree by this much
 ALERT_IDS = uuid.UUID("6f1d2c8e-8c3b-4a52-9d2e-5b7f4e1a0c91")  # namespace of alert send ids
 
 
@@ -43,6 +46,7 @@ class Health:
     incident: int = 0                # bumped by every reactivation: a new incident, new alerts
     window_start_ms: int | None = None  # when the alert that opened the current 24 h window went out
     stopped_sent: bool = False       # a "stopped" went out in the current window
+    gone_sent: bool = False          # a "gone" (a delivery dropped on a 410) went out in this incident
     applied_upto: int = -1           # offset of the last event applied (replays skip what is done)
     since_ms: int = 0                # when the state last changed
 
@@ -56,7 +60,7 @@ class Health:
 
 @dataclass(frozen=True)
 class Alert:
-    kind: str          # "dropped" | "stopped"
+    kind: str          # "dropped" | "gone" (dropped on a 410, which disabled the endpoint) | "stopped"
     send_id: str       # stable per (endpoint, incident, window): a replay never sends it twice
     at_ms: int
     reason: str = ""   # a "dropped": why the delivery was given up (its dead letter's reason)
@@ -77,7 +81,9 @@ def alert_id(endpoint_id: str, incident: int, kind: str, window_start_ms: int) -
 
 
 def window_open(h: Health, now_ms: int) -> bool:
-    return h.window_start_ms is not None and now_ms - h.window_start_ms < ALERT_WINDOW_MS
+    """An alert window is open at `now_ms`: one that starts well after it (its alert timed by a clock ahead, a
+    year ahead say) is none, or it would silence every alert until then."""
+    return h.window_start_ms is not None and -MAX_SKEW_MS <= now_ms - h.window_start_ms < ALERT_WINDOW_MS
 
 
 def reactivation_event(endpoint_id: str, tenant: str, now_ms: int) -> dict:
@@ -114,7 +120,7 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
     now = int(event.get("at_ms") or 0)
     if event.get("kind") == "reactivated":
         reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
-                              incident=h.incident + 1, since_ms=now)
+                              gone_sent=False, incident=h.incident + 1, since_ms=now)
         # Published even when this table says active already: the state topic, which the workers and ingest
         # follow, may still say degraded (a changelog recreated or behind it), and a reactivation repairs that.
         return Outcome(reactivated, state_changed=True)
@@ -124,12 +130,19 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
     alerts: list[Alert] = []
     suppressed: list[str] = []
     if event.get("dropped"):
-        if window_open(h, now):
+        dropped = event["dropped"]  # why it was given up (events written before the reason was: True)
+        reason = dropped if isinstance(dropped, str) else "retries_exhausted"
+        if reason == "endpoint_gone" and not h.gone_sent:
+            # The endpoint is disabled by it, and nothing more is sent: always said, whatever the window (and
+            # within its own hourly budget), as a "stopped" is. It opens a window when none is open.
+            window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
+            h = replace(h, window_start_ms=window, gone_sent=True)
+            alerts.append(Alert("gone", alert_id(h.endpoint_id, h.incident, "gone", window), now, reason,
+                                int(event.get("n") or 0)))
+        elif window_open(h, now):
             suppressed.append("dropped")  # one alert per window; after a "stopped", silence
         else:
             h = replace(h, window_start_ms=now, stopped_sent=False)
-            dropped = event["dropped"]  # why it was given up (events written before the reason was: True)
-            reason = dropped if isinstance(dropped, str) else "retries_exhausted"
             alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now, reason,
                                 int(event.get("n") or 0)))
     if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:

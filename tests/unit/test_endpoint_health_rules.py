@@ -243,3 +243,31 @@ def test_a_dropped_alert_says_why_the_delivery_was_given_up(reason, attempt, say
     text = alert_email(alert.kind, "ep_1", "https://hooks.acme.test/x", "acme", f.h.last_error, ["m@acme.test"],
                        "alerts@platform.test", alert.reason, alert.attempts)["text"]
     assert says in text and never not in text
+
+
+def test_a_delivery_dropped_on_a_410_is_said_whatever_the_window_once_an_incident():
+    """Given an endpoint whose delivery was dropped (attempts used up, an alert opening the 24 h window) at 09:00,
+    When at 12:00 its receiver answers 410, which disables it, and another 410 follows,
+    Then the 410 is mailed (kind `gone`), once (before: suppressed by the window, the tenant's last word being
+    that events were still being sent, and the endpoint disabled unsaid); after a reactivation, a 410 is mailed
+    again."""
+    f = Feed()
+    f.fail(9 * HOUR, dropped=True)
+    for at in (12 * HOUR, 12 * HOUR + 1):
+        f.push({"kind": "attempt", "outcome": "gone", "status_code": 410, "dropped": "endpoint_gone"}, at)
+    assert [kind for kind, _ in f.alerts] == ["dropped", "gone"] and f.suppressed == ["dropped"]
+    f.push(reactivation_event("ep_1", "acme", 13 * HOUR), 13 * HOUR)
+    f.push({"kind": "attempt", "outcome": "gone", "status_code": 410, "dropped": "endpoint_gone"}, 14 * HOUR)
+    assert [kind for kind, _ in f.alerts] == ["dropped", "gone", "gone"] and len(set(f.alerts)) == 3
+
+
+def test_a_window_timed_by_a_clock_far_ahead_does_not_silence_later_drops():
+    """Given an endpoint whose first dropped delivery was timed by a worker whose clock was a year ahead,
+    When deliveries are dropped two and ten days later by workers with right clocks,
+    Then each opens its own window and is mailed (before: now minus a window starting a year ahead was negative,
+    always "open": every drop was suppressed until a reactivation)."""
+    f = Feed()
+    f.fail(365 * 24 * HOUR, dropped=True)
+    f.fail(2 * 24 * HOUR, dropped=True)
+    f.fail(10 * 24 * HOUR, dropped=True)
+    assert [kind for kind, _ in f.alerts] == ["dropped"] * 3 and f.suppressed == []
