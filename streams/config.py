@@ -60,6 +60,7 @@ was expected. The variables and their defaults:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -97,6 +98,24 @@ def _parse(environ: Mapping[str, str], name: str, default: T, parse: Callable[[s
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     return _parse(environ, name, default, int, "an integer")
+
+
+def _int_in(environ: Mapping[str, str], name: str, default: int, low: int, high: int | None = None,
+            why: str = "") -> int:
+    value = _int(environ, name, default)
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"environment variable {name}={value} must be {bounds}{why}")
+    return value
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float, may_be_zero: bool = False) -> float:
+    """A duration: a finite number above 0 (or 0 too)."""
+    value = _float(environ, name, default)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero):
+        raise ConfigError(f"environment variable {name}={value} must be a number of seconds "
+                          f"{'from 0' if may_be_zero else 'above 0'}")
+    return value
 
 
 def _nice(environ: Mapping[str, str], name: str) -> int:
@@ -251,14 +270,20 @@ def _endpoints(registry: Registry, e: Mapping[str, str]) -> dict[str, ProviderEn
     return out
 
 
-_URL_USERINFO = re.compile(r"//.*@")
+_URL_USERINFO = re.compile(r".*@")
+_URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/+")
 _URL_QUERY = re.compile(r"([?#]).*")
 
 
 def _masked(url: str) -> str:
-    """A URL as an error may show it: whatever comes before an `@` (a user and password, a token as the user,
-    a password holding `@` or `/`) masked, and its query and fragment (`?api_key=...`), whether it parses or not."""
-    return _URL_QUERY.sub(r"\1***", _URL_USERINFO.sub("//***@", url))
+    """A URL as an error may show it: whatever comes before its last `@` but a scheme (a user and password, a
+    token as the user, a password holding `@` or `/`), masked, and its query and fragment (`?api_key=...`),
+    whether it parses or not (a scheme with one slash, or none, included)."""
+    def userinfo(match: re.Match) -> str:
+        scheme = _URL_SCHEME.match(match.group(0))
+        return (scheme.group(0) if scheme else "") + "***@"
+
+    return _URL_QUERY.sub(r"\1***", _URL_USERINFO.sub(userinfo, url, count=1))
 
 
 def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
@@ -287,6 +312,18 @@ class ProviderEndpoint:
 
     base_url: str | None = field(repr=False)  # may carry a user and password
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,100}")
+
+
+def _namespace(e: Mapping[str, str]) -> str:
+    """The prefix of every topic name: what a topic name may hold (letters, digits, `.`, `_`, `-`)."""
+    value = e.get("DUAL_RAIL_TOPIC_NAMESPACE", "")
+    if not _NAMESPACE.fullmatch(value):
+        raise ConfigError(f"environment variable DUAL_RAIL_TOPIC_NAMESPACE={value[:120]!r} must be at most 100 "
+                          "letters, digits, '.', '_' or '-' (it prefixes every topic name)")
+    return value
 
 
 def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
@@ -337,29 +374,29 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         e = os.environ if environ is None else environ
-        timeout = _float(e, "PROVIDER_TIMEOUT_S", 10.0)
-        if timeout <= 0:
-            raise ConfigError(f"environment variable PROVIDER_TIMEOUT_S={timeout} must be above 0")
         return cls(
             stack=StackConfig.from_env(e),
-            namespace=e.get("DUAL_RAIL_TOPIC_NAMESPACE", ""),
+            namespace=_namespace(e),
             topic_profile=_topic_profile(e),
             providers_path=e.get("DUAL_RAIL_PROVIDERS") or None,
             providers=_endpoints(load_registry(e.get("DUAL_RAIL_PROVIDERS") or None), e),
-            provider_timeout_s=timeout,
-            provider_auth_hold_s=_float(e, "PROVIDER_AUTH_HOLD_S", 30.0),
+            provider_timeout_s=_seconds(e, "PROVIDER_TIMEOUT_S", 10.0),
+            provider_auth_hold_s=_seconds(e, "PROVIDER_AUTH_HOLD_S", 30.0, may_be_zero=True),
             retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
-            retry_time_scale=_float(e, "DUAL_RAIL_RETRY_TIME_SCALE", 1.0),
+            retry_time_scale=_seconds(e, "DUAL_RAIL_RETRY_TIME_SCALE", 1.0),
             yield_policy=_yield_policy(e),
-            commit_interval_ms=_int(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000),
-            delivery_timeout_ms=_int(e, "KAFKA_DELIVERY_TIMEOUT_MS", 60_000),
+            # 0 would turn the consumers' commits off (librdkafka), and the lag, read from committed offsets, would
+            # only grow: marketing paused for good.
+            commit_interval_ms=_int_in(e, "DUAL_RAIL_COMMIT_INTERVAL_MS", 1000, 1,
+                                       why=" (ms: 0 turns commits off, and the lanes' lag is read from them)"),
+            delivery_timeout_ms=_int_in(e, "KAFKA_DELIVERY_TIMEOUT_MS", 60_000, 1000, why=" (ms)"),
             webhook_require_https=_choice(e, "WEBHOOK_REQUIRE_HTTPS", "1", ("0", "1")) == "1",
             webhook_allow_hosts=frozenset(h.strip() for h in (e.get("WEBHOOK_ALLOW_HOSTS") or "").split(",")
                                           if h.strip()),
-            webhook_timeout_s=_float(e, "WEBHOOK_TIMEOUT_S", 10.0),
-            webhook_endpoint_concurrency=_int(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20),
-            webhook_backlog_max_count=_int(e, "WEBHOOK_BACKLOG_MAX_COUNT", 10_000),
-            webhook_backlog_max_age_s=_float(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0),
+            webhook_timeout_s=_seconds(e, "WEBHOOK_TIMEOUT_S", 10.0),
+            webhook_endpoint_concurrency=_int_in(e, "WEBHOOK_ENDPOINT_CONCURRENCY", 20, 1),
+            webhook_backlog_max_count=_int_in(e, "WEBHOOK_BACKLOG_MAX_COUNT", 10_000, 1),
+            webhook_backlog_max_age_s=_seconds(e, "WEBHOOK_BACKLOG_MAX_AGE_S", 21_600.0, may_be_zero=True),
             webhook_secret_keys=_secret_keys(e),
             marketing_nice=_nice(e, "DUAL_RAIL_MARKETING_NICE"),
             ingest_bulk_nice=_bulk_nice(e),

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..config import Config
 from ..cpu_priority import lower_own_priority
+from ..lag.monitor import MAX_INTERVAL_S
 from ..lanes import CHANNELS, LANES, RETRY_TIERS
 from ..runtime import Runtime
 
@@ -115,6 +118,31 @@ def _fence_predecessor(publisher) -> None:
         threading.Thread(target=until_done, name="fence-predecessor", daemon=True).start()
 
 
+def _count(text: str) -> int:
+    """An argument that counts something there must be one of at least (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _seconds(most: float | None = None) -> Callable[[str], float]:
+    """An argument that is a number of seconds above 0 (and at most `most`); argparse names the option."""
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value <= 0 or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{text} must be a number of seconds above 0"
+                                             + (f" and at most {most:g}" if most is not None else ""))
+        return value
+    return seconds
+
+
 def _metrics_port(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
 
@@ -130,7 +158,7 @@ def worker(sub) -> None:
     p = sub.add_parser("worker", help="a lane worker (run many copies)")
     p.add_argument("--channel", required=True, choices=CHANNELS)
     p.add_argument("--lane", required=True, choices=LANES)
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--concurrency", type=_count, default=None,
                    help="provider requests in flight (default: transactional, the provider's `concurrency` "
                         "in providers.toml; marketing 8; webhooks 1024, whose receivers are slow)")
     _metrics_port(p)
@@ -168,8 +196,9 @@ def retrier(sub) -> None:
 
 def lag_monitor(sub) -> None:
     p = sub.add_parser("lag-monitor", help="publish transactional lag to notif.lag and /metrics")
-    p.add_argument("--interval", type=float, default=0.25, help="seconds between readings (<= 0.5)")
-    p.add_argument("--retry-watch-every", type=float, default=5.0,
+    p.add_argument("--interval", type=_seconds(most=MAX_INTERVAL_S), default=0.25,
+                   help=f"seconds between readings (<= {MAX_INTERVAL_S:g})")
+    p.add_argument("--retry-watch-every", type=_seconds(), default=5.0,
                    help="seconds between measurements of the retry tiers")
     _metrics_port(p)
 

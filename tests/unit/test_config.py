@@ -1,5 +1,7 @@
 """Settings read from the environment: defaults, and errors that name the variable."""
 
+import re
+
 import pytest
 
 from streams.config import Config
@@ -71,13 +73,16 @@ def test_a_provider_base_url_with_a_path_is_refused_at_start_naming_the_provider
 
 @pytest.mark.parametrize("bad", ["https://user:s3cret@api.example.com/v1", "ftp://user:s3cret@api.example.com",
                                  "https://user:s3cret@api.example.com:port", "https://u:s3cret@x@api.example.com/v1",
-                                 "https://u:s3/cret@api.example.com/v1", "https://s3cret@api.example.com/v1"])
+                                 "https://u:s3/cret@api.example.com/v1", "https://s3cret@api.example.com/v1",
+                                 "https:/user:s3cret@api.example.com", "user:s3cret@api.example.com",
+                                 "https:\\\\user:s3cret@api.example.com"])
 def test_a_password_in_a_refused_provider_base_url_never_reaches_the_error(bad):
     """The refusal names the URL, and for a path the URL to give instead: both with what comes before the `@`
-    masked (a password, one holding `@` or `/`, a token given as the user)."""
+    masked (a password, one holding `@` or `/`, a token given as the user), a scheme with one slash or none
+    included (before: those printed the password)."""
     with pytest.raises(ConfigError) as refused:
         Config.from_env({"RESEND_BASE_URL": bad})
-    assert "s3cret" not in str(refused.value) and "//***@" in str(refused.value)
+    assert "s3cret" not in str(refused.value) and "***@" in str(refused.value)
 
 
 def test_a_token_in_a_refused_provider_base_urls_query_never_reaches_the_error():
@@ -117,3 +122,44 @@ def test_printing_the_settings_or_a_token_shows_no_secret():
     shown = repr(config) + repr(Token("eyJhbGciOi.token.sig", 1.0, 0.5))
     for secret in ("hunter2pw", "baseS3cret", "re_live_abc123", "cs_SECRET9", "eyJhbGciOi"):
         assert secret not in shown
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("DUAL_RAIL_COMMIT_INTERVAL_MS", "0", "must be at least 1 (ms: 0 turns commits off"),
+    ("KAFKA_DELIVERY_TIMEOUT_MS", "0", "must be at least 1000"),
+    ("PROVIDER_TIMEOUT_S", "nan", "must be a number of seconds above 0"),
+    ("PROVIDER_TIMEOUT_S", "0", "must be a number of seconds above 0"),
+    ("PROVIDER_AUTH_HOLD_S", "-1", "must be a number of seconds from 0"),
+    ("WEBHOOK_TIMEOUT_S", "nan", "must be a number of seconds above 0"),
+    ("WEBHOOK_ENDPOINT_CONCURRENCY", "0", "must be at least 1"),
+    ("WEBHOOK_BACKLOG_MAX_COUNT", "-5", "must be at least 1"),
+    ("WEBHOOK_BACKLOG_MAX_AGE_S", "inf", "must be a number of seconds from 0"),
+    ("DUAL_RAIL_RETRY_TIME_SCALE", "0", "must be a number of seconds above 0"),
+    ("DUAL_RAIL_TOPIC_NAMESPACE", "a b/", "must be at most 100 letters, digits"),
+])
+def test_a_setting_that_cannot_work_is_refused_at_start_naming_the_variable(name, value, says):
+    """Given a setting that cannot work (a commit interval of 0, which librdkafka takes as no commits at all: the
+    transactional lag, read from commits, only grew and marketing stayed paused for good; a timeout that is not a
+    number; a concurrency of 0; a topic prefix no topic name may hold),
+    When a role reads its settings,
+    Then it is refused naming the variable and what it must be (before: each was accepted)."""
+    with pytest.raises(ConfigError, match=rf"environment variable {name}=.* {re.escape(says)}"):
+        Config.from_env({name: value})
+    assert Config.from_env({"WEBHOOK_BACKLOG_MAX_AGE_S": "0", "PROVIDER_AUTH_HOLD_S": "0"}).provider_auth_hold_s == 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["worker", "--channel", "email", "--lane", "marketing", "--concurrency", "0"],
+     "argument --concurrency: 0 must be at least 1"),
+    (["lag-monitor", "--interval", "2"], "argument --interval: 2 must be a number of seconds above 0 and at most 0.5"),
+    (["lag-monitor", "--retry-watch-every", "nan"], "argument --retry-watch-every: nan must be a number of seconds"),
+])
+def test_a_role_argument_that_cannot_work_is_refused_naming_the_option(argv, says, capsys):
+    """Given a worker asked for 0 requests in flight (it would consume and never send), a lag monitor asked to read
+    every 2 s (a traceback before) or to watch the retry tiers every NaN seconds (a busy loop),
+    Then the command is refused naming the option and what it must be."""
+    from streams.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert says in capsys.readouterr().err
