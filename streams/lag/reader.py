@@ -81,16 +81,18 @@ class LagReader:
         return out
 
     def read(self, group: str, topic: str, source: str = "monitor") -> LagReading:
+        # Stamped when the read began: offsets read over seconds of a slow broker are no fresher than the first
+        # of them, and a reading stamped at its end would be trusted for its whole stale age past that.
+        started_ms = int(time.time() * 1000)
         try:
             positions = self.positions(group, topic)
-            now_ms = int(time.time() * 1000)
             lag = sum(max(0, high - pos) for pos, high in positions.values())
             heads = [TopicPartition(topic, p, pos) for p, (pos, high) in positions.items() if high > pos]
             oldest_ts = self._oldest_timestamp(heads)
         except KafkaException as exc:
             raise StackError(f"cannot read the lag of {group} on {topic}: {exc}") from None
-        lag_s = max(0.0, (now_ms - oldest_ts) / 1000) if oldest_ts else 0.0
-        return LagReading(lag, lag_s, now_ms, source)
+        lag_s = max(0.0, (time.time() * 1000 - oldest_ts) / 1000) if oldest_ts else 0.0
+        return LagReading(lag, lag_s, started_ms, source)
 
     def _oldest_timestamp(self, heads: list[TopicPartition]) -> int | None:
         """Timestamp of the oldest message among the partitions' first unconsumed ones. A partition whose end

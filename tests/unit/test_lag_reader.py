@@ -149,3 +149,23 @@ def test_a_lag_one_of_whose_partitions_cannot_be_read_has_no_age_rather_than_the
     now_ms = int(time.time() * 1000)
     with pytest.raises(StackError, match="1 partition"):
         _reader_peeking([Event(0, now_ms - 4_000)]).read("group", "lane")
+
+
+def test_a_reading_is_as_old_as_its_first_look_at_the_broker(monkeypatch):
+    """Given a broker slow enough that reading the lane's offsets takes 6 s (a metadata refresh, the commits, a
+    watermark call per partition),
+    When the lag is read,
+    Then the reading is stamped when the read began (before: when it ended, so offsets 6 s old passed as fresh
+    and marketing acted on them for the whole stale age after that)."""
+    clock = [1_800_000_000.0]
+    monkeypatch.setattr(reader, "time", SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
+    lister = LagReader("127.0.0.1:9")
+    lister.peeker.close()
+
+    def slow_positions(group, topic):
+        clock[0] += 6.0
+        return {0: (10, 10), 1: (4, 4)}
+
+    lister.positions = slow_positions  # type: ignore[method-assign]
+    reading = lister.read("group", "lane")
+    assert (reading.lag_messages, reading.ts_ms) == (0, 1_800_000_000_000)
