@@ -39,6 +39,11 @@ _INTEGER_AT_LEAST = {"retention.ms": -1, "retention.bytes": -1, "segment.ms": 1,
 _INT32 = frozenset({"segment.bytes", "min.insync.replicas", "max.message.bytes"})  # the broker's INT configs
 _ONE_OF = {"compression.type": {"uncompressed", "zstd", "lz4", "snappy", "gzip", "producer"},
            "message.timestamp.type": {"CreateTime", "LogAppendTime"}}
+# Retention that deletes what it holds at once (0; a byte bound under a segment): refused, whatever a reader meant.
+_RETENTION_AT_LEAST = {"retention.ms": 3_600_000, "retention.bytes": 1024 * 1024}
+# Read from partition 0 alone (the lag readings, the operator log, the endpoint states, the audit trail): records
+# keyed to another partition would never be read.
+SINGLE_PARTITION = frozenset({"notif.lag", "notif.operator", "notif.endpoint.state", "notif.audit"})
 _FIELDS = {"name", "partitions", "replication_factor", "config", "description"}
 _CLEANUP = {"delete", "compact", "compact,delete", "delete,compact"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -123,6 +128,10 @@ def _check_config_values(config: dict[str, str], where: str) -> None:
         most = 2**31 - 1 if key in _INT32 else 2**63 - 1
         if key in config and (not re.fullmatch(r"-?[0-9]+", config[key]) or not least <= int(config[key]) <= most):
             raise _fail(where, f"field 'config.{key}' must be an integer from {least} to {most}, got {config[key]!r}")
+    for key, least in _RETENTION_AT_LEAST.items():
+        if key in config and int(config[key]) != -1 and int(config[key]) < least:
+            raise _fail(where, f"field 'config.{key}' must be -1 (no limit) or at least {least}, got {config[key]}: "
+                               "the broker would delete what the topic holds at once")
     for key, allowed in _ONE_OF.items():
         if key in config and config[key] not in allowed:
             raise _fail(where, f"field 'config.{key}' must be one of {sorted(allowed)}, got {config[key]!r}")
@@ -170,6 +179,9 @@ def parse_definitions(path: Path, text: str, namespace: str = "") -> list[TopicS
             raise _fail(where, f"field 'config.cleanup.policy' must be one of {sorted(_CLEANUP)}, got {policy!r}")
         _check_config_values(config, where)
         for name in _expand(raw_name, where):
+            if name in SINGLE_PARTITION and partitions != 1:
+                raise _fail(where, f"field 'partitions' must be 1, got {partitions}: {name} is read from its "
+                                   "partition 0 alone")
             full = namespace + name
             if not _NAME.fullmatch(full) or len(full) > 249:
                 raise _fail(where, f"field 'name' expands to an invalid Kafka topic name {full!r}")
@@ -283,12 +295,19 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
                 "throws away copies of every partition, and with them the writes a broker failure would "
                 "otherwise keep; this tool only raises a replication factor (check the topic profile: "
                 "`--profile` / DUAL_RAIL_TOPIC_PROFILE)"))
+        if spec.config.get("cleanup.policy") != state.overrides.get("cleanup.policy"):
+            changes.append(Change(
+                name, "refused",
+                f"cleanup.policy {state.overrides.get('cleanup.policy', '(default)')} -> "
+                f"{spec.config.get('cleanup.policy', '(default)')}: compaction keeps one record per key (a lane's "
+                "sends share their tenant's key), and a compacted log left to deletion loses the state it holds; "
+                "change it by hand, deliberately, if it is meant"))
         for key, value in sorted(spec.config.items()):
-            if state.overrides.get(key) != value:
+            if key != "cleanup.policy" and state.overrides.get(key) != value:
                 changes.append(Change(name, "set_config",
                                       f"{key}: {state.overrides.get(key, '(default)')} -> {value}",
                                       key=key, value=value))
-        for key in sorted(set(state.overrides) - set(spec.config)):
+        for key in sorted(set(state.overrides) - set(spec.config) - {"cleanup.policy"}):
             changes.append(Change(name, "delete_config",
                                   f"{key}: {state.overrides[key]} -> (default)", key=key))
     return changes

@@ -64,6 +64,14 @@ def test_namespace_prefixes_every_name():
      "field 'config.compression.type' must be one of"),
     ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"min.cleanable.dirty.ratio"="1.5"}',
      "field 'config.min.cleanable.dirty.ratio' must be a number from 0 to 1, got '1.5'"),
+    # Retention that deletes at once (0 is read as "forever" by some), and topics read from partition 0 alone.
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.ms"=0}',
+     "field 'config.retention.ms' must be -1 (no limit) or at least 3600000, got 0"),
+    ('name="a"\npartitions=1\nreplication_factor=1\nconfig={"retention.bytes"=1000}',
+     "field 'config.retention.bytes' must be -1 (no limit) or at least 1048576, got 1000"),
+    ('name="notif.operator"\npartitions=3\nreplication_factor=1',
+     "x.toml: topic 'notif.operator': field 'partitions' must be 1, got 3: notif.operator is read from its partition 0"),
+    ('name="notif.lag"\npartitions=2\nreplication_factor=1', "field 'partitions' must be 1, got 2"),
 ])
 def test_invalid_definition_names_file_topic_and_field(body, expected):
     with pytest.raises(ConfigError) as err:
@@ -153,3 +161,17 @@ def test_a_roles_own_topic_of_more_replicas_than_its_spec_is_left_as_it_is():
     admin._wait_visible = admin._wait_brokers_agree = lambda *args, **kwargs: None  # type: ignore[method-assign]
     admin.create_missing({spec.name: spec})
     assert applied == []
+
+
+@pytest.mark.parametrize("have, want", [("delete", "compact"), ("compact", "delete"), ("delete", None)])
+def test_a_cleanup_policy_change_of_a_live_topic_is_refused_and_the_rest_of_its_configs_planned(have, want):
+    """Given a lane topic the definitions would turn compacted (one send a tenant kept), a compacted state log they
+    would turn to deletion (its state aged out), or one whose policy they would drop,
+    When the plan is made,
+    Then the policy change is refused, saying why, and the topic's other configs are planned as ever (before: an
+    ordinary set_config, which `apply` made)."""
+    desired = {"t": TopicSpec("t", 1, 1, {"retention.ms": "7200000", **({"cleanup.policy": want} if want else {})})}
+    actual = {"t": TopicState(1, 1, {"cleanup.policy": have, "retention.ms": "3600000"})}
+    changes = plan(desired, actual)
+    assert [(c.kind, c.key) for c in changes] == [("refused", ""), ("set_config", "retention.ms")]
+    assert f"cleanup.policy {have} -> {want or '(default)'}: compaction keeps one record per key" in changes[0].detail
