@@ -5,8 +5,9 @@ sending) only needs the next few seconds of its work in memory. Holding more hur
 worker's buffer fills (and it pauses every partition), and the tenant's unfinished messages pin the
 committed offset, so the lane's lag counts work held back by that tenant's own limit (which makes every
 tenant's marketing yield and pages on-call). So a tenant may hold what its bucket lets go within
-`horizon_s` (at least one request's worth, at most `max_share`); a message past that, whose turn is at
-least `horizon_s` away, is parked on a retry tier, due back about when its turn would have come, which
+`horizon_s` (at least one request's worth, at most `max_share`; nothing while its bucket lets none go
+within it: a limit of a few a minute); a message past that, whose turn is at least `horizon_s` away, is
+parked on a retry tier, due back about when its turn would have come, which
 lets the partition's committed offset move on. A fast tenant whose turn is near is never parked (that
 would only churn the tier); the worker's overall buffer bound still holds its memory.
 
@@ -24,7 +25,6 @@ offset commit leaves anyway.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 HORIZON_S = {"transactional": 1.0, "marketing": 10.0}
@@ -34,12 +34,15 @@ HORIZON_S = {"transactional": 1.0, "marketing": 10.0}
 class BacklogShare:
     horizon_s: float = 10.0
     max_share: int = 5_000
-    _parked: dict[str, deque[float]] = field(default_factory=dict)  # what is paced -> due times still ahead
+    _last_due: dict[str, float] = field(default_factory=dict)  # what is paced -> the last parked one's due time
 
     def share(self, rate: float, per_request: int, burst: int = 0) -> int:
         """Messages a tenant may hold in the worker's buffer. `burst`: what its bucket may still let go at once
-        (0 while the tenant waits on its bucket)."""
-        return max(per_request, min(self.max_share, burst + int(rate * self.horizon_s)))
+        (0 while the tenant waits on its bucket). A tenant whose bucket lets none go within the horizon holds none:
+        held, its one message would pin the partition's committed offset while its turn comes (a limit of 5 a
+        minute: 12 s, the partition's whole inflow counted as lag meanwhile)."""
+        lets_go = burst + int(rate * self.horizon_s)
+        return max(per_request, min(self.max_share, lets_go)) if lets_go else 0
 
     def excess(self, queued: int, rate: float, per_request: int, burst: int = 0) -> int:
         """How many of `queued` messages lie past the tenant's share and might be parked (0 when within it, or
@@ -50,24 +53,24 @@ class BacklogShare:
         return queued - share
 
     def park(self, paced: str, queued: int, rate: float, per_request: int, now: float,
-             burst: int = 0) -> float | None:
+             burst: int = 0, latest_s: float | None = None) -> float | None:
         """Seconds until a message arriving now is due back, when it should be parked; None when it
         should be queued (the tenant is within its share, or its turn is near anyway). `paced`: whose turns
-        these are (the tenant, or a failing endpoint's queue), so the due times of what it parked before
-        space this one out."""
+        these are (the tenant, or a failing endpoint's queue), so what it parked before spaces this one out
+        (one due time kept for it: the last). `latest_s`: the most it will be parked (its max age): the next
+        one is spaced out from when it comes back, not from a turn it will never take."""
+        last = self._last_due.get(paced)
+        if last is not None and last <= now:
+            del self._last_due[paced]  # nothing of it ahead: not kept for every tenant ever paced
+            last = None
         if queued < self.share(rate, per_request, burst):
-            if (ahead := self._parked.get(paced)) is not None and (not ahead or max(ahead) <= now):
-                del self._parked[paced]  # nothing of it ahead: not kept for every tenant ever paced
             return None
-        parked = self._parked.setdefault(paced, deque())
-        while parked and parked[0] <= now:
-            parked.popleft()
-        wait = self._turn(queued + len(parked) + 1, rate, burst)
+        wait = self._turn(queued + 1, rate, burst)
+        if last is not None:
+            wait = max(wait, last - now + 1 / max(rate, 1e-6))  # behind what it parked before
         if wait < self.horizon_s:
-            if not parked:
-                del self._parked[paced]
             return None
-        parked.append(now + wait)
+        self._last_due[paced] = now + (wait if latest_s is None else min(wait, latest_s))
         return wait
 
     @staticmethod

@@ -346,10 +346,14 @@ class LaneWorker:
         key = self.queues.key_of(p)
         queued = self.queues.size(key)
         route = self.routes.of(p.provider)
+        now_ms = int(time.time() * 1000)
+        policy = self.settler.policies.get(p.send.policy)
+        deadline_ms = p.send.created_at_ms + policy.max_age_s * 1000 if policy is not None else None
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
             paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
-            wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst)
+            wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst,
+                                       None if deadline_ms is None else max(0.0, (deadline_ms - now_ms) / 1000))
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
             return False
@@ -357,10 +361,8 @@ class LaneWorker:
             return False
         if wait_s is None:
             return False
-        now_ms = int(time.time() * 1000)
         due_ms = now_ms + int(wait_s * 1000)
-        policy = self.settler.policies.get(p.send.policy)
-        deadline_ms = p.send.created_at_ms + policy.max_age_s * 1000 if policy is not None else due_ms
+        deadline_ms = due_ms if deadline_ms is None else deadline_ms
         if due_ms > deadline_ms:
             # Never parked past its max age: a tier keeps a copy only so long (its retention), and a send whose
             # turn comes after it could not be sent then anyway. Parked until it, at most; one that comes back

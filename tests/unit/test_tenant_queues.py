@@ -37,7 +37,7 @@ def test_a_tenant_with_nothing_parked_ahead_is_not_kept_by_the_backlog_share():
     assert share.park("acme", 200, 10.0, 1, now=0.0) is not None  # 200 queued at 10/s: parked
     assert share.park("acme", 200, 10.0, 1, now=1000.0) is not None
     assert share.park("acme", 5, 10.0, 1, now=3000.0) is None
-    assert "acme" not in share._parked
+    assert "acme" not in share._last_due
 
 
 def test_the_limits_read_for_tenants_served_long_ago_are_not_kept(monkeypatch):

@@ -576,6 +576,34 @@ def test_a_transactional_tenant_above_its_rate_holds_one_second_of_it_and_its_bu
     assert worker.queues.size("pumper") == max(held, 5)  # nothing more kept while it waits: 1 s of its rate
 
 
+class DryBucketGate(FakeGate):
+    """Denies `dry` tenants as a dry bucket does: their next token 12 s away."""
+
+    def acquire(self, provider, tenant, messages, reserve=False):
+        if tenant in self.short_tenants:
+            return Admission(False, 12.0, "tenant")
+        return super().acquire(provider, tenant, messages, reserve)
+
+
+def test_a_transactional_tenant_limited_to_a_few_a_minute_does_not_pin_the_partitions_offset():
+    """Given a transactional tenant limited to 5 a minute whose bucket is dry (its next token 12 s away), one OTP of
+    it, then 300 of other tenants on the same partition,
+    When the worker runs,
+    Then the others are sent, the tenant's OTP is parked for its turn (due in about 12 s), and the partition's
+    offset moves past all 301 (before: the OTP was held as the tenant's one request, its offset pinned 12 s, the
+    partition's whole inflow counted as transactional lag meanwhile: marketing yielded for every tenant)."""
+    gate = DryBucketGate(short_tenants={"slow"}, rates={"slow": 5 / 60}, bursts={"slow": 5})
+    sends, msgs = _messages(["slow"] + [f"t{i % 30}" for i in range(300)])
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
+    worker.backlog, worker.trim_every_s = BacklogShare(HORIZON_S["transactional"]), 0.0
+    before_ms = time.time() * 1000
+    _run(worker)
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    assert [h["send_id"] for h in parked] == [sends[0].send_id.encode()]
+    assert before_ms + 11_000 <= int(parked[0]["due_at_ms"]) <= time.time() * 1000 + 12_000
+    assert len(provider.sent) == 300 and consumer.stored[(TOPIC, 0)] == 301
+
+
 def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
     gate = FakeGate(rates={"acme": 1}, bursts={"acme": 20})
     sends, msgs = _messages(["acme"] * 20)
