@@ -9,6 +9,7 @@ the fresh sends with the exact request body, and hand the HTTP call to the threa
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter, deque
@@ -149,6 +150,9 @@ class Dispatcher:
         self._claimed: dict[str, Claim] = {}  # asked for in the current round, not yet started (by request key)
         self._unsent_claims: list[Claim] = []  # made, or maybe made (the answer was lost), and never sent
         self._next_refresh = 0.0
+        # The earliest end of a provider's pause between waves that held a ready queue at the last dispatch (0:
+        # none): a worker with nothing else to do waits for it rather than spin.
+        self.paced_until = 0.0
 
     def dispatch(self) -> None:
         """Start requests for ready queues, in random order (no tenant is always first in line), in
@@ -157,6 +161,7 @@ class Dispatcher:
         if not self.outage.ready(time.monotonic()) or not self.release_unsent_claims():
             return
         self.routes.refresh_pacing()
+        self.paced_until = 0.0
         ready = self.queues.ready(time.monotonic())
         self.rng.shuffle(ready)
         while ready and len(self.in_flight) < self.concurrency:
@@ -164,7 +169,7 @@ class Dispatcher:
             try:
                 self._draw(ready, draws)  # reads a tenant's limits from Redis once they are 10 s old
                 if not draws:
-                    break
+                    break  # (`paced_until`, when a provider's pause between waves held a ready queue)
                 self._run_round(draws)
             except StoreUnavailable as exc:
                 for draw in reversed(draws):  # back to the front, in the order they were taken
@@ -228,6 +233,8 @@ class Dispatcher:
                     continue  # this endpoint has its share of requests in flight
                 route = self.routes.of(self.queues.head_provider(key))
                 if route.room(now) - by_route[route.name] <= 0:
+                    if now < route.next_wave_at:
+                        self.paced_until = min(self.paced_until or math.inf, route.next_wave_at)
                     continue  # the provider's pacing: enough in flight, or its pause is not over
                 tenant = self.queues.head_tenant(key)  # the queue key, except in the FIFO baseline
                 if now < route.shared_account_held_until and route.shares_account(tenant):

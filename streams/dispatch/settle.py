@@ -313,6 +313,10 @@ class Settler:
             if until - now <= IN_PROCESS_BACKOFF_MAX_S:  # the rest of the wait is spent in memory
                 del self.long_holds[queue]
                 continue
+            # Never due before the hold ends: a settlement retried after a Redis outage timed its due time from the
+            # answer, long ago, and a wall clock may have stepped ahead; a copy due already would come straight
+            # back, be spilled again, and go round the tier until the hold ended.
+            due_ms = max(due_ms, now_ms + int((until - now) * 1000))
             while self.queues.size(queue):
                 taken = self.queues.take(queue, self.queues.size(queue))
                 too_old = [p for p in taken if expired(self.policies[p.send.policy], p.send.created_at_ms, due_ms)]

@@ -9,7 +9,7 @@ puts every message in one queue (an injected `queue_key`), which is exactly the 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -66,6 +66,9 @@ class TenantQueues:
         self.queues: dict[str, TenantQueue] = {}
         self.buffered = 0
         self.buffered_bytes = 0  # what the queued messages' events weigh (held twice: bytes and decoded)
+        # Queued messages by the bucket they are sent under (tenant, provider), over all the tenant's queues (a
+        # webhook tenant has one an endpoint): what its share of the buffer is measured against.
+        self.of_bucket: Counter[tuple[str, str]] = Counter()
 
     def key_of(self, p: Pending) -> str:
         """A message's queue: its tenant's (its endpoint's), apart for a fallback provider's messages
@@ -77,6 +80,7 @@ class TenantQueues:
         self.queues.setdefault(self.key_of(p), TenantQueue()).items.append(p)
         self.buffered += 1
         self.buffered_bytes += len(p.raw)
+        self.of_bucket[(p.send.tenant_id, p.provider)] += 1
 
     def ready(self, now: float) -> list[str]:
         """Queues with work whose holds have passed. An empty queue whose hold has passed is dropped here: a worker
@@ -143,6 +147,7 @@ class TenantQueues:
         q.items.extendleft(reversed(items))
         self.buffered += len(items)
         self.buffered_bytes += sum(len(p.raw) for p in items)
+        self.of_bucket.update((p.send.tenant_id, p.provider) for p in items)
         if hold_until is not None:
             q.ready_at = hold_until
 
@@ -170,6 +175,11 @@ class TenantQueues:
     def _removed(self, items: list[Pending]) -> None:
         self.buffered -= len(items)
         self.buffered_bytes -= sum(len(p.raw) for p in items)
+        for p in items:
+            bucket = (p.send.tenant_id, p.provider)
+            self.of_bucket[bucket] -= 1
+            if not self.of_bucket[bucket]:
+                del self.of_bucket[bucket]  # not kept for every tenant ever served
 
 
 def unique_sends(items: list[Pending]) -> tuple[list[Pending], list[Pending]]:

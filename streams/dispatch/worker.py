@@ -232,6 +232,8 @@ class LaneWorker:
             wait = 0.2 if self.routes.primary.adapter.ready else 0.01
             return max(0.0, min([wait, *(t - now for t in backoffs)]))
         next_ready = self.queues.next_ready(now)
+        if next_ready is not None and next_ready <= now and self.dispatcher.paced_until > now:
+            next_ready = self.dispatcher.paced_until  # what is ready waits on its provider's pause between waves
         if next_ready is not None and self.redis_outage.active:
             next_ready = max(next_ready, self.redis_outage.next_try_at)
         return max(0.0, min([0.2, *(t - now for t in backoffs),
@@ -344,7 +346,6 @@ class LaneWorker:
             return False  # no limit to plan with: kept (backpressure bounds memory; `_trim` parks it later)
         tenant = p.send.tenant_id
         key = self.queues.key_of(p)
-        queued = self.queues.size(key)
         route = self.routes.of(p.provider)
         now_ms = int(time.time() * 1000)
         policy = self.settler.policies.get(p.send.policy)
@@ -352,6 +353,7 @@ class LaneWorker:
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
             paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
+            queued = self._queued(key, paced, tenant, p.provider)
             wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst,
                                        None if deadline_ms is None else max(0.0, (deadline_ms - now_ms) / 1000))
         except StoreUnavailable as exc:
@@ -372,6 +374,12 @@ class LaneWorker:
             due_ms = deadline_ms
         self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000), self.settler.finisher(p.where))
         return True
+
+    def _queued(self, key: str, paced: str, tenant: str, provider: str) -> int:
+        """What a tenant's share of the buffer is measured against: all it holds for this provider, over every
+        queue of it (a webhook tenant's endpoints: each holding a whole share, thirty of them filled the buffer and
+        paused every partition); a queue paced apart (a failing endpoint's), what that queue holds."""
+        return self.queues.size(key) if paced == key else self.queues.of_bucket[(tenant, provider)]
 
     def _burst_left(self, key: str, burst: int, now: float) -> int:
         """What the tenant's bucket may let go at once: its burst, or nothing while its queue waits on a hold or its
@@ -394,8 +402,10 @@ class LaneWorker:
             try:
                 limit = self.dispatcher.tenant_limit(route, tenant)
                 per_request = self.dispatcher.per_request(route, tenant)
-                _, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
-                past_share = self.backlog.excess(self.queues.size(key), rate, per_request, burst)
+                paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate,
+                                                           self._burst_left(key, limit.burst, now))
+                queued = self._queued(key, paced, tenant, self.queues.head_provider(key))
+                past_share = self.backlog.excess(queued, rate, per_request, burst)
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return

@@ -57,3 +57,22 @@ def test_the_limits_read_for_tenants_served_long_ago_are_not_kept(monkeypatch):
     for i in range(3000, 4200):
         worker.dispatcher.tenant_limit(route, f"tenant-{i}")
     assert {tenant for _, tenant in worker.dispatcher._limits} == {f"tenant-{i}" for i in range(3000, 4200)}
+
+
+def test_what_a_tenant_holds_is_counted_over_its_queues_and_forgotten_once_it_holds_nothing():
+    """Given a tenant's messages over two queues, taken, put back, spliced and dropped with a revoked partition,
+    Then the count its share of the buffer is measured against follows each change, over both queues, and nothing
+    is kept for it once it holds nothing."""
+    queues = TenantQueues(queue_key=lambda send: f"{send.tenant_id}-{send.correlation_id}")
+    a = [_pending("acme", i) for i in range(4)]
+    for i, p in enumerate(a):
+        p.send = p.send.model_copy(update={"correlation_id": str(i % 2)})
+        queues.add(p)
+    assert queues.of_bucket[("acme", "")] == 4 and len(queues.queues) == 2
+    taken = queues.take("acme-0", 2)
+    assert queues.of_bucket[("acme", "")] == 2
+    queues.put_back("acme-0", taken)
+    assert queues.of_bucket[("acme", "")] == 4
+    assert len(queues.splice("acme-1", [a[1].send.send_id])) == 1 and queues.of_bucket[("acme", "")] == 3
+    queues.forget({("lane", 0)})
+    assert queues.of_bucket == {} and queues.buffered == 0

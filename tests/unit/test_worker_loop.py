@@ -604,6 +604,33 @@ def test_a_transactional_tenant_limited_to_a_few_a_minute_does_not_pin_the_parti
     assert len(provider.sent) == 300 and consumer.stored[(TOPIC, 0)] == 301
 
 
+def test_a_webhook_tenants_endpoints_share_one_tenants_share_of_the_buffer():
+    """Given a webhook tenant at 10 deliveries a second (a burst of 10) fanning 100 events out to each of its 30
+    endpoints, whose bucket is dry,
+    When the worker takes the 3,000 deliveries in,
+    Then it holds about one share of the tenant's (its burst and 10 s of its rate: 110) and parks the rest (before:
+    each endpoint's queue was measured against the whole share: all 3,000 held, the buffer filled, and every
+    partition paused for every tenant until this one's own rate had worked through them)."""
+    from streams.dispatch.tenant_queues import by_endpoint
+
+    sends = []
+    for n in range(3000):
+        request = webhook_event()
+        request["payload"] = {**request["payload"], "event_id": f"ev_{n // 30}", "endpoint_id": f"ep_{n % 30}"}
+        sends.append(build_send(validate_request(request), "acme"))
+    msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
+    gate = FakeGate(short_tenants={"acme"}, rates={"acme": 10}, bursts={"acme": 10})
+    worker, consumer, producer, provider = _worker(msgs, gate=gate, channel="webhook", lane_channel="webhook",
+                                                   lane="marketing")
+    worker.queues.queue_key = by_endpoint
+    worker.backlog = BacklogShare(horizon_s=10)
+    while consumer.pending:
+        worker.step()
+    parked = [h for topic, records in producer.records.items() if ".retry." in topic for _, h in records]
+    assert 100 <= worker.queues.buffered <= 110 and len(parked) == 3000 - worker.queues.buffered
+    assert len(worker.queues.queues) > 1  # held over several endpoints' queues
+
+
 def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
     gate = FakeGate(rates={"acme": 1}, bursts={"acme": 20})
     sends, msgs = _messages(["acme"] * 20)
@@ -1196,6 +1223,36 @@ def test_a_receivers_long_retry_after_moves_its_queued_deliveries_off_the_worker
         assert {h["tier"] for h in parked} == {b"15m"}  # the shortest tier that covers 10 min
     else:
         assert not parked and len(too_old) == 3  # the first by its own decision, then the two queued
+
+
+def test_a_long_hold_settled_late_spills_its_queue_due_when_the_hold_ends_not_before():
+    """Given a queue held 10 minutes by an answer settled a minute late (the settlement retried after a Redis
+    outage keeps the answer's time),
+    When the worker moves what the queue holds off to the retry tier,
+    Then each copy is due when the hold ends (before: 10 minutes from the answer, a minute early: a copy due
+    before its hold ends comes straight back, is spilled again, and goes round the tier until the hold ends)."""
+    sends, msgs = _messages(["acme"])
+    worker, consumer, producer, provider = _worker(msgs)
+    now_ms = int(time.time() * 1000)
+    worker.settler.hold_long("acme", 600, "endpoint_retry_after", now_ms=now_ms - 60_000)
+    _run(worker)
+    [(_, headers)] = [r for topic, records in producer.records.items() if ".retry." in topic for r in records]
+    assert int(headers["due_at_ms"]) >= now_ms + 599_000 and provider.sent == []
+
+
+def test_a_pacing_pause_between_waves_is_waited_out_not_spun_on():
+    """Given a provider paced to one request at a time with a second's pause between waves, and five sends queued,
+    When the first request has been answered,
+    Then the worker waits for the pause's end (its idle wait is not 0; before: it spun, polling and scanning every
+    queue, about 20,000 times a second until the pause ended)."""
+    sends, msgs = _messages(["acme"] * 5)
+    worker, consumer, producer, provider = _worker(msgs)
+    route = worker.routes.primary
+    route.pacing = Pacing(concurrency=1, pause_ms=1000)
+    for _ in range(5):
+        worker.step()
+    assert len(provider.sent) == 1 and not worker.dispatcher.in_flight
+    assert worker._idle_timeout() > 0.1
 
 
 class JobsGoingDown(FakeJobs):
