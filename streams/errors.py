@@ -93,6 +93,11 @@ class StoreUnavailable(DispatchError):
     the caller holds the work and tries again later."""
 
 
+class StoreWriteUnknown(StoreUnavailable):
+    """A write Redis did not answer: made (its answer lost) or not, nobody can say (an operator change through
+    the operator log: `write_through_log`)."""
+
+
 class StateLost(StoreUnavailable):
     """Redis answered but holds no epoch: its data was lost (restarted empty, flushed, failed over to
     an empty replica). Nothing may be claimed until the state guard has looked."""

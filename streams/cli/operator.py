@@ -7,7 +7,14 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..errors import AuditUnconfirmed, ConfigError, PublishError, ReplayOutcomeUnknown, StoreUnavailable
+from ..errors import (
+    AuditUnconfirmed,
+    ConfigError,
+    PublishError,
+    ReplayOutcomeUnknown,
+    StoreUnavailable,
+    StoreWriteUnknown,
+)
 from ..gate.limits import cool_down_ended
 from ..runtime import Runtime
 
@@ -125,7 +132,7 @@ def limits(sub) -> None:
                                  args.burst, args.concurrency, args.pause_ms)
             try:
                 before, shown = store.apply(args.provider, change)
-            except StoreUnavailable as exc:  # Redis may have applied it before its answer was lost
+            except StoreWriteUnknown as exc:  # Redis may have applied it before its answer was lost
                 print(f"error: {exc}", file=sys.stderr)
                 _audited_maybe(rt, f"limits/{args.provider}", None,
                                {k: v for k, v in asdict(change).items() if v is not None})

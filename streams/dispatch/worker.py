@@ -233,7 +233,9 @@ class LaneWorker:
             return max(0.0, min([wait, *(t - now for t in backoffs)]))
         next_ready = self.queues.next_ready(now)
         if next_ready is not None and next_ready <= now and self.dispatcher.paced_until > now:
-            next_ready = self.dispatcher.paced_until  # what is ready waits on its provider's pause between waves
+            # What is ready waits on its provider's pause between waves; a queue held until sooner is asked then.
+            next_ready = min([self.dispatcher.paced_until, *(q.ready_at for q in self.queues.queues.values()
+                                                             if q.items and q.ready_at > now)])
         if next_ready is not None and self.redis_outage.active:
             next_ready = max(next_ready, self.redis_outage.next_try_at)
         return max(0.0, min([0.2, *(t - now for t in backoffs),
@@ -354,6 +356,9 @@ class LaneWorker:
             limit = self.dispatcher.tenant_limit(route, tenant)
             paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
             queued = self._queued(key, paced, tenant, p.provider)
+            held_s = self._held_for(key, now)
+            if not queued and not held_s:
+                return False  # it asks the gate (a limit raised meanwhile applies; `_trim` parks it once denied)
             wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst,
                                        None if deadline_ms is None else max(0.0, (deadline_ms - now_ms) / 1000))
         except StoreUnavailable as exc:
@@ -363,7 +368,7 @@ class LaneWorker:
             return False
         if wait_s is None:
             return False
-        due_ms = now_ms + int(wait_s * 1000)
+        due_ms = now_ms + int(max(wait_s, held_s) * 1000)  # back in turn, and not before its queue's hold ends
         deadline_ms = due_ms if deadline_ms is None else deadline_ms
         if due_ms > deadline_ms:
             # Never parked past its max age: a tier keeps a copy only so long (its retention), and a send whose
@@ -380,6 +385,11 @@ class LaneWorker:
         queue of it (a webhook tenant's endpoints: each holding a whole share, thirty of them filled the buffer and
         paused every partition); a queue paced apart (a failing endpoint's), what that queue holds."""
         return self.queues.size(key) if paced == key else self.queues.of_bucket[(tenant, provider)]
+
+    def _held_for(self, key: str, now: float) -> float:
+        """Seconds left of the hold a queue is under (0: none)."""
+        q = self.queues.queues.get(key)
+        return max(0.0, q.ready_at - now) if q is not None else 0.0
 
     def _burst_left(self, key: str, burst: int, now: float) -> int:
         """What the tenant's bucket may let go at once: its burst, or nothing while its queue waits on a hold or its
@@ -406,6 +416,8 @@ class LaneWorker:
                                                            self._burst_left(key, limit.burst, now))
                 queued = self._queued(key, paced, tenant, self.queues.head_provider(key))
                 past_share = self.backlog.excess(queued, rate, per_request, burst)
+                if not self._held_for(key, now):
+                    past_share = min(past_share, self.queues.size(key) - 1)  # its head asks the gate again
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return

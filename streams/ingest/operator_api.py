@@ -35,6 +35,7 @@ from ..errors import (
     ReplayOutcomeUnknown,
     ReplayRefused,
     StoreUnavailable,
+    StoreWriteUnknown,
 )
 from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange, cool_down_ended
 from ..retry import dlq as dead_letters
@@ -253,7 +254,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             before, after = ingest.limits.apply(known(provider), change)
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["body"], str(exc)) from None
-        except StoreUnavailable:
+        except StoreWriteUnknown:
             # Redis may have applied it before its answer was lost (the operator log then holds it): a retry would
             # record the new limits as what they replaced.
             audited_maybe(who, f"limits/{provider}", None, body.model_dump(exclude_none=True))

@@ -5,10 +5,11 @@ messages or `max_held_bytes`) it must stop reading something, and what it stops 
 what is due soon: one tenant's backlog parked for hours on the long tiers must not stop another
 tenant's 10 s retries. So past the bound it pauses only the partitions that hold a message due
 later than NEAR_MS from now (they free memory only then); partitions whose held messages are all due
-sooner keep flowing, as they release what they read within minutes. Only when the messages due soon
-alone reach twice the bound is every partition paused, as a plain bound would (messages due late past
-it pause only their own partitions: a long tier's backlog read at full speed after a restart never
-stops the short tiers). At or below half the bound everything is read again.
+sooner keep flowing, as they release what they read within minutes. At twice the bound every
+partition is paused, as a plain bound would, counting messages due late up to the bound only: those
+past it (what their partitions handed over in the step that reached the bound) pause only their own
+partitions, so a long tier's backlog read at full speed after a restart never stops the short tiers.
+At or below half the bound everything is read again.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ class MemoryBound:
     max_bytes: int
 
     def full(self, count: int, size: int, far: dict[Partition, PartitionLoad]) -> bool:
-        """Of `count` messages of `size` bytes held, those due soon (outside `far`) hold twice the bound: nothing
-        more may be read."""
-        near_count = count - sum(load.count for load in far.values())
-        return near_count >= 2 * self.max_held or size - sum(load.size for load in far.values()) >= 2 * self.max_bytes
+        """`count` messages of `size` bytes held, those of `far` counted up to the bound only, reach twice the
+        bound: nothing more may be read."""
+        far_count, far_size = sum(load.count for load in far.values()), sum(load.size for load in far.values())
+        return (count - far_count + min(far_count, self.max_held) >= 2 * self.max_held
+                or size - far_size + min(far_size, self.max_bytes) >= 2 * self.max_bytes)
 
     def paused(self, count: int, size: int, assigned: set[Partition], paused: set[Partition],
                far: dict[Partition, PartitionLoad]) -> set[Partition]:

@@ -296,11 +296,12 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     deadline_ms = created_ms + policy.max_age_s * 1000
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     if outcome == "quota" or (outcome == "throttled" and now_ms + delay_ms > deadline_ms):
-        # Due when the provider asked (a quota's reset; or a throttled ask whose tier, its ask rounded up, would
-        # come past the send's max age: a 429 never ends a send whose ask fits). The tier is only the topic that
-        # holds it (the retrier releases by the due time); spread over a little after the ask, or at the
-        # schedule's next tier when that is later.
-        delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
+        # Due when the provider asked (a quota's reset; or a throttled ask whose tier, its ask or its schedule's
+        # next rounded up, would come past the send's max age: a 429 never ends a send whose ask fits). The tier
+        # is only the topic that holds it (the retrier releases by the due time); spread over a little after the
+        # ask, or, for a quota, at the schedule's next tier when that is later.
+        delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale
+                       ) if outcome == "quota" else 0
         # The spread never pushes past the send's max age an ask that falls within it.
         room_s = max(0.0, (deadline_ms - now_ms) / 1000 - at_least)
         at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S, room_s)

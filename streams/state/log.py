@@ -16,7 +16,7 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from .. import metrics
-from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable
+from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable, StoreWriteUnknown
 from ..kafka_client import client_config, durable_producer, put_acked
 
 TIMEOUT_S = 10.0
@@ -85,7 +85,8 @@ def write_through_log(oplog: OperatorLog | None, key: str, record: dict | None, 
     """One operator change: the log first, then Redis (`write()`: True written, False lost its compare-and-set to
     a concurrent change), then the log ends with what Redis holds (`log_what_redis_holds`). A write Redis refused
     (StoreUnavailable) is taken back out of the log (`take_back`, which logs `kept_if_unknown` while Redis cannot
-    say what it holds: by default what `read()` gave before the change) and raised. After a write that succeeded, a
+    say what it holds: by default what `read()` gave before the change) and raised as StoreWriteUnknown (it may have
+    been made: an answer lost). After a write that succeeded, a
     look at Redis that fails is only logged: the change was made, and its record is the log's (a concurrent change's
     older one may follow it). `conditional=False`: `write()` overwrites whatever Redis holds, so a concurrent
     change may have logged its record after ours and still lost to our write: what Redis holds is logged even
@@ -103,9 +104,9 @@ def write_through_log(oplog: OperatorLog | None, key: str, record: dict | None, 
         raise
     try:
         written = write()
-    except StoreUnavailable:
+    except StoreUnavailable as exc:
         take_back(oplog, key, kept_if_unknown, read, deletes)
-        raise
+        raise StoreWriteUnknown(str(exc)) from None
     ours = orjson.dumps(record) if written and conditional else False
     try:
         log_what_redis_holds(oplog, key, read, written, logged=ours, deletes=deletes)

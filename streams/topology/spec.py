@@ -295,7 +295,10 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
                 "throws away copies of every partition, and with them the writes a broker failure would "
                 "otherwise keep; this tool only raises a replication factor (check the topic profile: "
                 "`--profile` / DUAL_RAIL_TOPIC_PROFILE)"))
-        if spec.config.get("cleanup.policy") != state.overrides.get("cleanup.policy"):
+        # The broker's default policy is delete: an override saying so, or none, is the same policy.
+        refused = {"cleanup.policy"} if (spec.config.get("cleanup.policy", "delete")
+                                         != state.overrides.get("cleanup.policy", "delete")) else set()
+        if refused:
             changes.append(Change(
                 name, "refused",
                 f"cleanup.policy {state.overrides.get('cleanup.policy', '(default)')} -> "
@@ -303,11 +306,11 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
                 "sends share their tenant's key), and a compacted log left to deletion loses the state it holds; "
                 "change it by hand, deliberately, if it is meant"))
         for key, value in sorted(spec.config.items()):
-            if key != "cleanup.policy" and state.overrides.get(key) != value:
+            if key not in refused and state.overrides.get(key) != value:
                 changes.append(Change(name, "set_config",
                                       f"{key}: {state.overrides.get(key, '(default)')} -> {value}",
                                       key=key, value=value))
-        for key in sorted(set(state.overrides) - set(spec.config) - {"cleanup.policy"}):
+        for key in sorted(set(state.overrides) - set(spec.config) - refused):
             changes.append(Change(name, "delete_config",
                                   f"{key}: {state.overrides[key]} -> (default)", key=key))
     return changes

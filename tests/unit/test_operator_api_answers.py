@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from streams.errors import StoreUnavailable
+from streams.errors import StoreUnavailable, StoreWriteUnknown
 from streams.gate.limits import AppliedLimits
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import KeyInfo, Principal, key_id
@@ -204,7 +204,12 @@ def test_a_limits_change_is_audited_against_the_limits_its_write_replaced_not_an
 class LimitsAnswerLost(Limits):
     def apply(self, provider, change):
         super().apply(provider, change)
-        raise StoreUnavailable("cannot write the limits of 'resend': Timeout reading from socket (test)")
+        raise StoreWriteUnknown("cannot write the limits of 'resend': Timeout reading from socket (test)")
+
+
+class LimitsUnreadable(Limits):
+    def apply(self, provider, change):
+        raise StoreUnavailable("cannot read the limits of 'resend': Connection refused (test)")
 
 
 def test_a_limits_change_whose_answer_was_lost_is_on_the_audit_trail_as_maybe_applied():
@@ -218,3 +223,6 @@ def test_a_limits_change_whose_answer_was_lost_is_on_the_audit_trail_as_maybe_ap
     assert put.status_code == 503, put.text
     assert audit.records == [("limits/resend", {"outcome": "unknown",
                                                 "intended": {"global_rate": 5.0, "global_burst": 10}})]
+    unread = _call(_operator_api(OperatorKeys(), audit, LimitsUnreadable()), "PUT", "/v1/admin/limits/resend",
+                   json={"global_rate": 5, "global_burst": 10})
+    assert unread.status_code == 503 and len(audit.records) == 1  # nothing was written: nothing to record

@@ -8,7 +8,7 @@ import pytest
 from streams.cli import main
 from streams.cli import operator as operator_cli
 from streams.cli.operator import _clear_cool_down
-from streams.errors import BrokerUnavailable, ConfigError, StoreUnavailable
+from streams.errors import BrokerUnavailable, ConfigError, StoreUnavailable, StoreWriteUnknown
 from streams.gate.limits import MAX_LIMIT, AppliedLimits, check_provider, check_tenant, parse_rate
 from streams.providers.registry import load_registry
 from streams.state import audit as audit_module
@@ -94,7 +94,7 @@ class LimitsThenRedisFails:
 
     def apply(self, provider, change):
         if self.lost:
-            raise StoreUnavailable("cannot write the limits of 'resend' (Timeout reading from socket, test)")
+            raise StoreWriteUnknown("cannot write the limits of 'resend' (Timeout reading from socket, test)")
         return AppliedLimits({"global_rate": 15.0}, {"global_rate": 20.0})
 
     def cool_down_left(self, provider):

@@ -30,9 +30,9 @@ def test_past_twice_the_bound_every_partition_is_paused_then_the_short_tiers_com
     assert BOUND.paused(150, 0, ASSIGNED, ASSIGNED, _far(LONG)) == {LONG}
 
 
-def test_messages_due_late_past_twice_the_bound_pause_only_their_own_partitions():
-    assert BOUND.paused(300, 0, ASSIGNED, {LONG}, _far(LONG, count=150)) == {LONG}
-    assert BOUND.paused(300, 0, ASSIGNED, {LONG}, _far(LONG, count=100)) == ASSIGNED  # 200 due soon
+def test_messages_due_late_count_up_to_the_bound_only():
+    assert BOUND.paused(250, 0, ASSIGNED, {LONG}, _far(LONG, count=200)) == {LONG}  # 50 due soon + 100
+    assert BOUND.paused(300, 0, ASSIGNED, {LONG}, _far(LONG, count=200)) == ASSIGNED  # 100 due soon + 100
     assert BOUND.paused(1, 30_000, ASSIGNED, {LONG}, _far(LONG, count=1)) == ASSIGNED  # bytes due soon
 
 

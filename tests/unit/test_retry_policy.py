@@ -288,6 +288,16 @@ def test_a_throttled_ask_that_fits_the_max_age_is_waited_though_its_tier_would_n
     assert late == DeadLetter("too_old")
 
 
+def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_would_not():
+    """An OTP at its third attempt, 5.5 minutes old (4.5 left), answered a throttled 429 asking for 30 s, whose
+    schedule's next tier would come past its max age: due after the ask, within the max age (before: dead-lettered
+    `too_old`)."""
+    created = NOW - 330_000
+    for jitter in (0.0, 0.5, 0.999):
+        d = decide(OTP, 3, created, ProviderResult("throttled", 429, retry_after="30"), NOW, jitter)
+        assert isinstance(d, RetryAt) and NOW + 30_000 <= d.due_ms <= created + OTP.max_age_s * 1000, d
+
+
 def test_a_policy_whose_max_age_outlives_the_retry_tiers_retention_is_refused_when_a_role_loads_it(tmp_path):
     """Given a policies file whose `marketing` policy may wait 14 days (the retry tiers keep a copy 7 days), and the
     packaged file,

@@ -163,7 +163,7 @@ def test_a_roles_own_topic_of_more_replicas_than_its_spec_is_left_as_it_is():
     assert applied == []
 
 
-@pytest.mark.parametrize("have, want", [("delete", "compact"), ("compact", "delete"), ("delete", None)])
+@pytest.mark.parametrize("have, want", [("delete", "compact"), ("compact", "delete"), ("compact", None)])
 def test_a_cleanup_policy_change_of_a_live_topic_is_refused_and_the_rest_of_its_configs_planned(have, want):
     """Given a lane topic the definitions would turn compacted (one send a tenant kept), a compacted state log they
     would turn to deletion (its state aged out), or one whose policy they would drop,
@@ -175,3 +175,11 @@ def test_a_cleanup_policy_change_of_a_live_topic_is_refused_and_the_rest_of_its_
     changes = plan(desired, actual)
     assert [(c.kind, c.key) for c in changes] == [("refused", ""), ("set_config", "retention.ms")]
     assert f"cleanup.policy {have} -> {want or '(default)'}: compaction keeps one record per key" in changes[0].detail
+
+
+def test_a_topic_without_a_cleanup_policy_override_matches_a_definition_saying_delete():
+    """Given a topic made without config overrides (by hand, by other tooling: the broker's default, delete),
+    When its definition says `cleanup.policy = "delete"`,
+    Then the plan sets it as any config, and refuses nothing (the policy does not change)."""
+    changes = plan({"t": TopicSpec("t", 1, 1, {"cleanup.policy": "delete"})}, {"t": TopicState(1, 1, {})})
+    assert [(c.kind, c.key) for c in changes] == [("set_config", "cleanup.policy")]

@@ -631,6 +631,33 @@ def test_a_webhook_tenants_endpoints_share_one_tenants_share_of_the_buffer():
     assert len(worker.queues.queues) > 1  # held over several endpoints' queues
 
 
+def test_a_tenant_that_holds_nothing_still_asks_the_gate_once_its_hold_passes_and_waits_out_a_long_one():
+    """Given a transactional tenant at 1 every 2 s denied for an hour (its queue held a minute, its bucket said
+    dry for the hour), whose message was parked,
+    When an operator raises its limit, the minute passes and an OTP of it arrives,
+    Then that OTP asks the gate and is sent (before: a tenant holding nothing parked everything until the hour's
+    end, its OTPs dead-lettered `too_old`); and under a long hold (a 10-minute Retry-After) an arriving OTP is
+    parked until the hold ends, not due in 2 s to come straight back and go round the tier."""
+    gate = FakeGate(short_tenants={"slow"}, rates={"slow": 0.5}, bursts={"slow": 1})
+    sends, msgs = _messages(["slow"] * 3)
+    worker, consumer, producer, provider = _worker(msgs[:1], gate=gate)
+    worker.backlog, worker.trim_every_s = BacklogShare(HORIZON_S["transactional"]), 0.0
+    _run(worker)
+    retried = lambda: [h for t, records in producer.records.items() if ".retry." in t for _, h in records]  # noqa: E731
+    assert len(retried()) == 1 and provider.sent == []  # asked, denied, then parked
+    gate.short_tenants.clear()
+    worker.queues.queues["slow"].ready_at = time.monotonic() - 1  # the minute passed; the bucket "dry" an hour
+    consumer.pending.append(msgs[1])
+    _run(worker)
+    assert provider.sent == [sends[1].send_id.encode()]
+
+    now_ms = int(time.time() * 1000)
+    worker.settler.hold_long("slow", 600, "endpoint_retry_after")
+    consumer.pending.append(msgs[2])
+    _run(worker)
+    assert int(retried()[-1]["due_at_ms"]) >= now_ms + 599_000 and len(provider.sent) == 1
+
+
 def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
     gate = FakeGate(rates={"acme": 1}, bursts={"acme": 20})
     sends, msgs = _messages(["acme"] * 20)
