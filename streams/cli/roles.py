@@ -119,7 +119,7 @@ def _fence_predecessor(publisher) -> None:
 
 
 def _count(text: str) -> int:
-    """An argument that counts something there must be one of at least (argparse names the option)."""
+    """An argument counting something: a whole number, at least 1 (argparse names the option)."""
     try:
         value = int(text)
     except ValueError:

@@ -7,9 +7,9 @@ committed offset, so the lane's lag counts work held back by that tenant's own l
 tenant's marketing yield and pages on-call). So a tenant may hold what its bucket lets go within
 `horizon_s` (at least one request's worth, at most `max_share`; nothing while its bucket lets none go
 within it: under one a second on the transactional lane, while its bucket is dry; the worker still keeps
-one message of a queue not held, which asks the gate); a message past that, whose turn is at least `horizon_s` away, is
-parked on a retry tier, due back about when its turn would have come, which
-lets the partition's committed offset move on. A fast tenant whose turn is near is never parked (that
+one message of a queue not held, which asks the gate); a message past that, whose turn is at least
+`horizon_s` away, is parked on a retry tier, due back about when its turn would have come, which lets
+the partition's committed offset move on. A fast tenant whose turn is near is never parked (that
 would only churn the tier); the worker's overall buffer bound still holds its memory.
 
 Where queues are webhook endpoints, an endpoint whose requests fail drains more slowly than its tenant's
