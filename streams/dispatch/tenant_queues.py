@@ -98,9 +98,10 @@ class TenantQueues:
             del self.queues[k]
         return ready
 
-    def next_ready(self, now: float) -> float | None:
-        """When the next queue with work becomes ready (None: no work at all)."""
-        waits = [q.ready_at for q in self.queues.values() if q.items]
+    def next_ready(self, now: float, paced_until: float = 0.0) -> float | None:
+        """When the next queue with work becomes ready (None: no work at all). `paced_until`: the end of the
+        provider's pause between waves, which a queue ready now waits for; a queue held until sooner is asked then."""
+        waits = [q.ready_at if q.ready_at > now else paced_until for q in self.queues.values() if q.items]
         if not waits:
             return None
         return max(min(waits), now)

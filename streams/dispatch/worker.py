@@ -231,11 +231,7 @@ class LaneWorker:
         if self._held:
             wait = 0.2 if self.routes.primary.adapter.ready else 0.01
             return max(0.0, min([wait, *(t - now for t in backoffs)]))
-        next_ready = self.queues.next_ready(now)
-        if next_ready is not None and next_ready <= now and self.dispatcher.paced_until > now:
-            # What is ready waits on its provider's pause between waves; a queue held until sooner is asked then.
-            next_ready = min([self.dispatcher.paced_until, *(q.ready_at for q in self.queues.queues.values()
-                                                             if q.items and q.ready_at > now)])
+        next_ready = self.queues.next_ready(now, self.dispatcher.paced_until)
         if next_ready is not None and self.redis_outage.active:
             next_ready = max(next_ready, self.redis_outage.next_try_at)
         return max(0.0, min([0.2, *(t - now for t in backoffs),
@@ -349,18 +345,12 @@ class LaneWorker:
         tenant = p.send.tenant_id
         key = self.queues.key_of(p)
         route = self.routes.of(p.provider)
-        now_ms = int(time.time() * 1000)
-        policy = self.settler.policies.get(p.send.policy)
-        deadline_ms = p.send.created_at_ms + policy.max_age_s * 1000 if policy is not None else None
         try:
             limit = self.dispatcher.tenant_limit(route, tenant)
             paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate, self._burst_left(key, limit.burst, now))
-            queued = self._queued(key, paced, tenant, p.provider)
             held_s = self._held_for(key, now)
-            if not queued and not held_s:
-                return False  # it asks the gate (a limit raised meanwhile applies; `_trim` parks it once denied)
-            wait_s = self.backlog.park(paced, queued, rate, self.dispatcher.per_request(route, tenant), now, burst,
-                                       None if deadline_ms is None else max(0.0, (deadline_ms - now_ms) / 1000))
+            wait_s = self.backlog.park(paced, self._queued(key, paced, tenant, p.provider), rate,
+                                       self.dispatcher.per_request(route, tenant), now, burst, held=held_s > 0)
         except StoreUnavailable as exc:
             self.redis_outage.failed(now, exc)
             return False
@@ -368,15 +358,17 @@ class LaneWorker:
             return False
         if wait_s is None:
             return False
+        now_ms = int(time.time() * 1000)
         due_ms = now_ms + int(max(wait_s, held_s) * 1000)  # back in turn, and not before its queue's hold ends
-        deadline_ms = due_ms if deadline_ms is None else deadline_ms
-        if due_ms > deadline_ms:
+        policy = self.settler.policies.get(p.send.policy)
+        if policy is not None and due_ms > (deadline_ms := p.send.created_at_ms + policy.max_age_s * 1000):
             # Never parked past its max age: a tier keeps a copy only so long (its retention), and a send whose
             # turn comes after it could not be sent then anyway. Parked until it, at most; one that comes back
             # still behind its turn, its max age (all but) reached, ends as it would before an attempt.
             if deadline_ms - now_ms < min(RETRY_TIERS.values()) * 1000:
                 return not self._end_expired([p])  # not ended (Redis down): kept
             due_ms = deadline_ms
+        self.backlog.parked(paced, now + (due_ms - now_ms) / 1000)
         self.records.spill(p, due_ms, tier_at_least((due_ms - now_ms) / 1000), self.settler.finisher(p.where))
         return True
 
@@ -414,10 +406,9 @@ class LaneWorker:
                 per_request = self.dispatcher.per_request(route, tenant)
                 paced, rate, burst = self.dispatcher.drain(key, tenant, limit.rate,
                                                            self._burst_left(key, limit.burst, now))
-                queued = self._queued(key, paced, tenant, self.queues.head_provider(key))
-                past_share = self.backlog.excess(queued, rate, per_request, burst)
-                if not self._held_for(key, now):
-                    past_share = min(past_share, self.queues.size(key) - 1)  # its head asks the gate again
+                past_share = self.backlog.excess(self._queued(key, paced, tenant, self.queues.head_provider(key)),
+                                                 self.queues.size(key), rate, per_request, burst,
+                                                 held=self._held_for(key, now) > 0)
             except StoreUnavailable as exc:
                 self.redis_outage.failed(now, exc)
                 return
