@@ -109,10 +109,14 @@ def _int_in(environ: Mapping[str, str], name: str, default: int, low: int, high:
     return value
 
 
+def is_duration(seconds: float, may_be_zero: bool = False) -> bool:
+    """Whether a number of seconds is one the settings and role options take: finite, above 0 (or 0 too)."""
+    return math.isfinite(seconds) and (seconds > 0 or (may_be_zero and seconds == 0))
+
+
 def _seconds(environ: Mapping[str, str], name: str, default: float, may_be_zero: bool = False) -> float:
-    """A duration: a finite number above 0 (or 0 too)."""
     value = _float(environ, name, default)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero):
+    if not is_duration(value, may_be_zero):
         raise ConfigError(f"environment variable {name}={value} must be a number of seconds "
                           f"{'from 0' if may_be_zero else 'above 0'}")
     return value

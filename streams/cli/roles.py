@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Any
 
 from .. import metrics
 from ..backoff import Outage
-from ..config import Config
+from ..config import Config, is_duration
 from ..cpu_priority import lower_own_priority
 from ..lag.monitor import MAX_INTERVAL_S
 from ..lanes import CHANNELS, LANES, RETRY_TIERS
@@ -136,7 +135,7 @@ def _seconds(most: float | None = None) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not math.isfinite(value) or value <= 0 or (most is not None and value > most):
+        if not is_duration(value) or (most is not None and value > most):
             raise argparse.ArgumentTypeError(f"{text} must be a number of seconds above 0"
                                              + (f" and at most {most:g}" if most is not None else ""))
         return value

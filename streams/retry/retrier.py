@@ -129,11 +129,10 @@ class Retrier:
         self.heap: list[Held] = []
         # Released to the lane, not acknowledged yet: still held as far as operators are concerned (the metrics).
         self.released: dict[tuple[str, int, int], Held] = {}
-        self.held_bytes = 0
         self.assigned: set[tuple[str, int]] = set()
         self.paused: set[Partition] = set()
         self.bound = MemoryBound(cfg.max_held, cfg.max_held_bytes)
-        self.loads: dict[Partition, PartitionLoad] = {}  # what the heap holds, partition by partition
+        self.loads: dict[Partition, PartitionLoad] = {}  # what the heap holds (messages, bytes), partition by partition
         self.consume_outage = Outage("Kafka (retrier consume)")
         # A poll returned messages not held yet: offsets stored meanwhile (a revoke served in the consume that
         # follows the poll, the exit after that consume raised) stop at what is tracked (`store_offsets`).
@@ -198,7 +197,6 @@ class Retrier:
 
     def _keep(self, held: Held) -> None:
         heapq.heappush(self.heap, held)
-        self.held_bytes += held.size
         load = self.loads.setdefault((held.topic, held.partition), PartitionLoad())
         load.count, load.size = load.count + 1, load.size + held.size
         load.latest_due_ms = max(load.latest_due_ms, held.due_ms)
@@ -207,7 +205,6 @@ class Retrier:
         now_ms = self.clock() * 1000
         while self.heap and self.heap[0].due_ms <= now_ms:
             held = heapq.heappop(self.heap)
-            self.held_bytes -= held.size
             load = self.loads[(held.topic, held.partition)]
             load.count, load.size = load.count - 1, load.size - held.size
             if not load.count:
@@ -301,7 +298,8 @@ class Retrier:
     def _held(self) -> tuple[int, int]:
         """Messages held and their bytes. Released copies the lane has not acknowledged yet are held too
         (in the writer, payload and all)."""
-        return len(self.heap) + self.writer.pending, self.held_bytes + self.writer.pending_bytes
+        held_bytes = sum(load.size for load in self.loads.values())
+        return len(self.heap) + self.writer.pending, held_bytes + self.writer.pending_bytes
 
     def _bound_memory(self) -> None:
         wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far())
@@ -369,4 +367,3 @@ class Retrier:
         if len(kept) != len(self.heap):
             self.heap = kept
             heapq.heapify(self.heap)
-            self.held_bytes = sum(h.size for h in self.heap)
