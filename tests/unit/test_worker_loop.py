@@ -658,6 +658,26 @@ def test_a_tenant_that_holds_nothing_still_asks_the_gate_once_its_hold_passes_an
     assert int(retried()[-1]["due_at_ms"]) >= now_ms + 599_000 and len(provider.sent) == 1
 
 
+def test_what_arrives_under_a_long_hold_is_parked_in_turns_from_the_holds_end():
+    """Given a transactional tenant at 1 every 2 s under a 10-minute hold (a Retry-After),
+    When three OTPs of it arrive,
+    Then they are parked due at the hold's end and then one turn (2 s) apart (before: all three due at the hold's
+    end, two of them back only to be parked again)."""
+    gate = FakeGate(rates={"slow": 0.5}, bursts={"slow": 1})
+    sends, msgs = _messages(["slow"] * 3)
+    worker, consumer, producer, provider = _worker([], gate=gate)
+    worker.backlog = BacklogShare(HORIZON_S["transactional"])
+    _run(worker)
+    now_ms = int(time.time() * 1000)
+    worker.settler.hold_long("slow", 600, "endpoint_retry_after")
+    consumer.pending.extend(msgs)
+    _run(worker)
+    dues = sorted(int(h["due_at_ms"]) for t, records in producer.records.items() if ".retry." in t for _, h in records)
+    assert len(dues) == 3 and provider.sent == []
+    assert dues[0] >= now_ms + 599_000
+    assert all(later - earlier >= 1_900 for earlier, later in itertools.pairwise(dues)), dues
+
+
 def test_a_transactional_tenants_burst_within_its_bucket_is_never_parked():
     gate = FakeGate(rates={"acme": 1}, bursts={"acme": 20})
     sends, msgs = _messages(["acme"] * 20)
