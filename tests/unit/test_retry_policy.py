@@ -298,6 +298,18 @@ def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_woul
         assert isinstance(d, RetryAt) and NOW + 30_000 <= d.due_ms <= created + OTP.max_age_s * 1000, d
 
 
+@pytest.mark.parametrize("retry_after", [None, "0", "soon"])
+def test_a_throttled_429_without_a_usable_ask_near_the_max_age_waits_the_default_cool_down(retry_after):
+    """An OTP 9.5 minutes old (30 s left) answered a throttled 429 with no usable Retry-After: due a cool-down (1 s)
+    from now at least, as the provider is held off (before: due at once, straight back at the busy provider); one
+    with half a second left is `too_old`."""
+    answer = ProviderResult("throttled", 429, retry_after=retry_after)
+    for jitter in (0.0, 0.999):
+        d = decide(OTP, 1, NOW - 570_000, answer, NOW, jitter)
+        assert isinstance(d, RetryAt) and NOW + 1_000 <= d.due_ms <= NOW + 30_000, d
+    assert decide(OTP, 1, NOW - 599_500, answer, NOW, 0.0) == DeadLetter("too_old")
+
+
 def test_a_policy_whose_max_age_outlives_the_retry_tiers_retention_is_refused_when_a_role_loads_it(tmp_path):
     """Given a policies file whose `marketing` policy may wait 14 days (the retry tiers keep a copy 7 days), and the
     packaged file,
