@@ -16,6 +16,7 @@ import httpx
 
 KEEPALIVE_S = 4.0  # below the 5 s after which common servers (uvicorn, Node) close an idle connection
 CONNECT_S = 3.0
+MAX_ANSWER_BYTES = 1 << 20  # what of an answer's body is kept: a provider's answers are a few kB
 
 
 class _Trace:
@@ -58,7 +59,10 @@ def post(pooled: httpx.Client, fresh: httpx.Client, path: str, content: bytes, h
 def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> httpx.Response:
     """`resp` with its whole body, read before `seconds_left()` runs out. The client's timeout bounds each read,
     not the whole: a body that arrives a byte at a time, never silent for a whole timeout, held the request (its
-    worker slot, its lease kept alive, its partition's commit) for as long as the sender went on."""
+    worker slot, its lease kept alive, its partition's commit) for as long as the sender went on. A body longer
+    than MAX_ANSWER_BYTES is cut there (the rest is not read): held whole, hundreds of MB from a misbehaving
+    provider or proxy, 32 requests at once, ran the worker out of memory. A cut answer says so (its extension
+    `cut`): what it named is unknown, and an error is classed by its status."""
     if resp.is_stream_consumed:  # read whole already (a transport answering from memory)
         return resp
     declared = resp.headers.get("content-length", "")
@@ -69,6 +73,11 @@ def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> htt
         for chunk in resp.iter_raw():
             chunks.append(chunk)
             received += len(chunk)
+            if received > MAX_ANSWER_BYTES:
+                # Cut, as the bytes came (a compressed body's prefix is not decoded: it could hold gigabytes).
+                headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() != "content-encoding"]
+                return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks)[:MAX_ANSWER_BYTES],
+                                      request=resp.request, extensions={"cut": True})
             # An answer whose whole body is in (its declared length) is used, however late it came.
             if seconds_left() <= 0 and (length is None or received < length):
                 raise httpx.ReadTimeout("the answer's body was still arriving when the request's time ran out",

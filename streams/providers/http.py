@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Protocol
 
 import httpx
-import orjson
 
 from ..errors import ForbiddenProviderPath, ProviderAuthError
 from . import connections
@@ -120,10 +119,13 @@ class HttpProvider:
         # Limits go to the transport: httpx.Client ignores its own when given one.
         pooled = httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=max(concurrency, 4),
                               keepalive_expiry=KEEPALIVE_S)
-        self.client = httpx.Client(base_url=base_url, timeout=timeout,
+        # Answers uncompressed: what is read of one is bounded (`connections.MAX_ANSWER_BYTES`), and a compressed
+        # body within it could still decode to gigabytes.
+        plain = {"Accept-Encoding": "identity"}
+        self.client = httpx.Client(base_url=base_url, timeout=timeout, headers=plain,
                                    transport=AllowlistTransport(set(spec.allowed), limits=pooled))
         # For the second try of a request whose pooled connection the provider had closed: never a pooled one.
-        self.fresh = httpx.Client(base_url=base_url, timeout=timeout, transport=AllowlistTransport(
+        self.fresh = httpx.Client(base_url=base_url, timeout=timeout, headers=plain, transport=AllowlistTransport(
             set(spec.allowed), limits=httpx.Limits(max_connections=max(concurrency, 4), max_keepalive_connections=0)))
         self.tokens: TokenSource | None = None
         if spec.auth == "token":
@@ -215,41 +217,52 @@ class HttpProvider:
         try:
             resp = self._send(path, body, {"Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
                                            "Idempotency-Key": idempotency_key}, started, sent_again)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            # Never reached the provider: safe to retry.
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError) as exc:
+            # Never reached the provider (or refused before a byte left: a header it could not carry): safe to retry.
             return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started)
         except httpx.TransportError as exc:
             # Sent, and the answer was lost: the provider may have accepted it.
             return ProviderResult("unknown", error_name=error_class(exc), latency_s=time.monotonic() - started)
         latency = time.monotonic() - started
+        if resp.is_success and resp.extensions.get("cut"):
+            # Accepted, probably; what it named is past what is read (`connections.MAX_ANSWER_BYTES`).
+            log.warning("provider %s answered %s on %s with a body too large to read", self.name, resp.status_code,
+                        path)
+            return ProviderResult("unknown", resp.status_code, error_name="answer_too_large", latency_s=latency)
         if resp.is_success:
             try:
                 ids = self.parse_ids(resp.content)
-            except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
+            except (ValueError, AttributeError, TypeError, KeyError):  # not JSON (cut?), or no id we can keep
                 # Accepted, probably, but we cannot tell which messages: ask again under the same key.
                 log.warning("provider %s answered %s on %s with an unreadable body", self.name, resp.status_code, path)
                 return ProviderResult("unknown", resp.status_code, error_name="unreadable_body", latency_s=latency)
             if not any(ids):
                 # A 2xx that names no message did not take it (the channel's next provider may).
                 return ProviderResult("rejected", resp.status_code, error_name="no_message_id",
-                                      error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
+                                      error_body=provider_excerpt(_text(resp), secrets=(bearer,)), latency_s=latency)
             if not all(ids):
                 # Some of the batch's messages named, some not: taken in part, and which is not said. Not a
                 # rejection (a replay or the next provider would send the named ones twice): asked again under
                 # its key, it ends dead-lettered unknown_outcome, for an operator to check.
                 return ProviderResult("unknown", resp.status_code, error_name="message_id_missing",
-                                      error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
+                                      error_body=provider_excerpt(_text(resp), secrets=(bearer,)), latency_s=latency)
             return ProviderResult("delivered", resp.status_code, ids, latency_s=latency)
         # The worker logs one line per failed attempt, with this status and redacted excerpt.
         name = safe_error_name(self.parse_error(resp.content))
         return ProviderResult(classify(resp.status_code, name), resp.status_code,
                               retry_after=resp.headers.get("retry-after"), error_name=name,
-                              error_body=provider_excerpt(resp.text, secrets=(bearer,)), latency_s=latency)
+                              error_body=provider_excerpt(_text(resp), secrets=(bearer,)), latency_s=latency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.client.close()
         self.fresh.close()
+
+
+def _text(resp: httpx.Response) -> str:
+    """An answer's body as text for its excerpt, whatever charset it claims (`resp.text` raises on one the body
+    does not match, which lost the answer's status: a 429's cool-down, a 4xx's rejection)."""
+    return resp.content.decode("utf-8", "replace")
 
 
 def _with_first_copy_unknown(result: ProviderResult) -> ProviderResult:

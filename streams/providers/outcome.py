@@ -78,6 +78,7 @@ _CREDENTIAL_RE = re.compile(
 _DIGITS_RE = re.compile(r"(?<![A-Za-z0-9_])\d{4,}")
 EXCERPT_FIELDS = ("name", "code", "type", "error", "error_code", "reason", "field", "param", "message", "detail",
                   "description", "title")
+MAX_MESSAGE_ID_CHARS = 256  # a provider's message id (Resend's: a UUID, 36)
 JSON_READ_MAX = 65_536  # a longer answer is read as text (cut first): parsing and walking it would hold the GIL
 
 
@@ -236,10 +237,20 @@ def message_ids(body: bytes) -> tuple[str, ...]:
     """Message ids from a 2xx body: `{"id": ...}` or `{"data": [{"id": ...}, ...]}`."""
     doc = orjson.loads(body)
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-        return tuple(_id(d.get("id")) for d in doc["data"])
-    return (_id(doc.get("id")),) if isinstance(doc, dict) else ()
+        return tuple(message_id(d.get("id")) for d in doc["data"])
+    return (message_id(doc.get("id")),) if isinstance(doc, dict) else ()
 
 
-def _id(value: object) -> str:
-    """A message id as text; "" for none (missing, null): a null id names no message."""
-    return "" if value is None else str(value)
+def message_id(value: object) -> str:
+    """A message id as text; "" for none (missing, null): a null id names no message. Anything but a string or
+    an integer (`false`, an object), or one longer than MAX_MESSAGE_ID_CHARS, is no id to keep: raised (the answer
+    is unreadable). Kept, a 1.6 MB id made the outcome record too large for the broker: the worker stopped, and
+    the provider answered the same to the request sent again at each restart."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise TypeError(f"a message id is a string or an integer, not {type(value).__name__}")
+    text = str(value)
+    if len(text) > MAX_MESSAGE_ID_CHARS:
+        raise ValueError(f"a message id of {len(text)} characters (at most {MAX_MESSAGE_ID_CHARS})")
+    return text

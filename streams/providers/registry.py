@@ -8,6 +8,7 @@ The worker, the runtime, the configuration and the CLI all read this table.
 from __future__ import annotations
 
 import hashlib
+import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -165,10 +166,18 @@ def adapter_class(spec: ProviderSpec) -> type:
         raise ConfigError(f"provider {spec.name!r}: field 'adapter': cannot load {spec.adapter} ({exc})") from None
 
 
+HEADER_SAFE_RE = re.compile(r"[\x21-\x7e]+")  # what a bearer credential may hold: visible ASCII
+
+
 class ProviderCredentials:
     """API keys per tenant (`*` is the default). One key per tenant keeps their requests apart."""
 
     def __init__(self, keys: dict[str, str]):
+        for tenant, key in keys.items():
+            if not HEADER_SAFE_RE.fullmatch(key):  # the key itself never printed
+                raise ConfigError(f"the provider API key of tenant {tenant!r} holds a character an HTTP header cannot "
+                                  "carry (a space, a line break, a non-ASCII letter): every request under it would "
+                                  "fail before it is sent")
         self.keys = dict(keys)
         self._accounts: dict[str, str] = {}  # tenant: `account(tenant)` (asked for every claim)
 

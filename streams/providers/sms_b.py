@@ -11,7 +11,7 @@ from __future__ import annotations
 import orjson
 
 from .http import HttpProvider
-from .outcome import Outbound
+from .outcome import Outbound, message_id
 
 
 class SmsGatewayB(HttpProvider):
@@ -25,7 +25,7 @@ class SmsGatewayB(HttpProvider):
 
     def parse_ids(self, body: bytes) -> tuple[str, ...]:
         doc = orjson.loads(body)
-        return (str((doc.get("message") or {}).get("sid") or ""),)
+        return (message_id((doc.get("message") or {}).get("sid")),)
 
     def parse_error(self, body: bytes) -> str:
         try:

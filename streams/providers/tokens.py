@@ -24,6 +24,7 @@ import orjson
 from .. import metrics
 from ..errors import ProviderAuthError
 from . import connections
+from .registry import HEADER_SAFE_RE
 
 log = logging.getLogger("streams.providers")
 MARGIN_S = 5.0          # refresh this long before the stated expiry ...
@@ -147,6 +148,9 @@ class TokenSource:
             value = str(doc["access_token"])
         except (orjson.JSONDecodeError, KeyError, TypeError):
             raise ProviderAuthError(f"token endpoint of {self.provider} answered without an access_token") from None
+        if not HEADER_SAFE_RE.fullmatch(value):
+            raise ProviderAuthError(f"token endpoint of {self.provider} answered an access_token an HTTP header "
+                                    "cannot carry (a space, a line break, a non-ASCII letter)")
         lifetime = expiry_s(value, doc.get("expires_in"), time.time())
         if lifetime <= 0:
             raise ProviderAuthError(f"token endpoint of {self.provider} issued an expired token")

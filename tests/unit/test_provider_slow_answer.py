@@ -1,6 +1,7 @@
 """A provider request's timeout bounds the whole answer, not only each read: a body that arrives a byte at a time
 (a stuck upstream behind a proxy) ends the request as an unknown outcome when its time is up; an answer whose whole
-body is in is used, however late."""
+body is in is used, however late. And answers and credentials of odd shapes: an endless body, a charset the body is
+not in, a message id too long to keep, a key or token an HTTP header cannot carry."""
 
 import contextlib
 import socketserver
@@ -8,9 +9,15 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
+import pytest
+
+from streams.errors import ConfigError, ProviderAuthError
 from streams.providers import connections
-from streams.providers.registry import load_registry
+from streams.providers.outcome import message_ids
+from streams.providers.registry import ProviderCredentials, load_registry
 from streams.providers.resend import ResendEmail
+from streams.providers.tokens import TokenSource
 
 RESEND = load_registry().providers["resend"]
 DRIP_S = 0.3  # between two bytes of the body: never silent for a whole timeout
@@ -84,3 +91,110 @@ def test_a_whole_answer_arriving_after_the_requests_time_ran_out_is_used():
         answer = connections.post(provider.client, provider.fresh, "/emails", b"{}", {"Idempotency-Key": "send-x"},
                                   lambda: -1.0, lambda: False)
     assert (answer.status_code, answer.content) == (200, b'{"id": "m1"}')
+
+
+class Endless(Answering):
+    """Answers `status` with a body that never ends (a declared 10 GiB of spaces after `body`), as fast as the
+    client reads it."""
+
+    status = b"200 OK"
+
+    def handle(self) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            line = self.rfile.readline()
+            if not line:
+                return
+            head += line
+        self.wfile.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % (self.status, 10 << 30) + self.body)
+        spaces = b" " * 65_536
+        try:
+            while True:
+                self.wfile.write(spaces)
+        except OSError:
+            return  # the client stopped reading
+
+
+class EndlessUnavailable(Endless):
+    status = b"503 Service Unavailable"
+    body = b'{"name": "overloaded"}'
+
+
+def test_an_endless_answer_is_cut_and_read_by_its_status_not_held_until_the_timeout():
+    """Given a provider (or a proxy before it) whose answer's body never ends, arriving as fast as it is read,
+    When an email is sent to it,
+    Then the body is cut at a MiB: a 2xx is an unknown outcome, its answer too large (asked again under its key), and
+    a 503 is read by its status and error name (before: every byte was held until the request's time ran out, gigabytes at
+    loopback speed, 32 requests at once; and the 503 became a timeout, an unknown outcome)."""
+    with provider_answering(Endless) as provider:
+        result = provider.post("/emails", b"{}", "re_key", "send-x")
+    assert (result.outcome, result.error_name) == ("unknown", "answer_too_large")
+    with provider_answering(EndlessUnavailable) as provider:
+        result = provider.post("/emails", b"{}", "re_key", "send-x")
+    assert (result.status, result.error_name) == (503, "overloaded")
+
+
+class ThrottledInUtf32(Answering):
+    """A 429 whose Content-Type claims a charset its (UTF-8) body is not in."""
+
+    def handle(self) -> None:
+        while self.rfile.readline() not in (b"\r\n", b""):
+            pass
+        body = b'{"name": "rate_limit_exceeded", "message": "slow down"}'
+        self.wfile.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-32\r\n"
+                         b"Retry-After: 7\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_a_429_whose_charset_does_not_match_its_body_is_still_a_429():
+    """Given a provider answering 429 (Retry-After 7) with a body its Content-Type says is UTF-32 and is not,
+    When an email is sent,
+    Then the answer is a throttle with its ask (before: decoding the excerpt raised, the answer lost as an unknown
+    outcome: no cool-down, the request asked again)."""
+    with provider_answering(ThrottledInUtf32) as provider:
+        result = provider.post("/emails", b"{}", "re_key", "send-x")
+    assert (result.outcome, result.status, result.retry_after) == ("throttled", 429, "7")
+    assert "slow down" in result.error_body
+
+
+class LongId(Answering):
+    body = b'{"id": "' + b"m" * 300 + b'"}'
+
+
+def test_an_answer_naming_a_message_id_too_long_to_keep_is_unreadable():
+    """Given a provider answering 200 with a message id of 300 characters (or 1.6 million),
+    When an email is sent,
+    Then its outcome is unknown, its body unreadable (asked again under its key; dead-lettered `unknown_outcome` in
+    the end, for an operator), not delivered with an id that made its outcome record too large for the broker
+    (the worker stopped, and read the same send again at every restart)."""
+    with provider_answering(LongId) as provider:
+        result = provider.post("/emails", b"{}", "re_key", "send-x")
+    assert (result.outcome, result.error_name) == ("unknown", "unreadable_body")
+    assert message_ids(b'{"id": "' + b"m" * 256 + b'"}') == ("m" * 256,)
+    for unusable in (b'{"id": false}', b'{"id": {}}', b'{"data": [{"id": "m1"}, {"id": [1]}]}'):
+        with pytest.raises((TypeError, ValueError)):
+            message_ids(unusable)
+
+
+def test_a_key_an_http_header_cannot_carry_is_refused_at_start_and_never_counted_as_sent():
+    """Given a tenant's API key with a trailing space (a paste), or a line break,
+    Then the credentials are refused when a role starts, naming the tenant and not the key; and a request whose
+    header could not be written (a token so issued) never reached the provider: unavailable, retried (before: an
+    unknown outcome, dead-lettered `unknown_outcome` at the end as if it might have been delivered)."""
+    for bad in ("re_abc ", "re_abc\nX-Injected: 1", "re_abcé"):
+        with pytest.raises(ConfigError, match="'acme'") as refused:
+            ProviderCredentials({"*": "re_default", "acme": bad})
+        assert bad not in str(refused.value)
+    with provider_answering(Answering) as provider:
+        result = provider.post("/emails", b"{}", "re_abc\n", "send-x")
+    assert result.outcome == "unavailable"
+
+
+def test_a_token_an_http_header_cannot_carry_is_no_token():
+    """A token endpoint issuing an access token with a line break: refused as no usable token (the send endpoint is
+    never called with it), its value not in the error."""
+    answer = httpx.Response(200, json={"access_token": "t0k3n\r\nX-Injected: 1", "expires_in": 300})
+    client = httpx.Client(base_url="http://provider.test", transport=httpx.MockTransport(lambda request: answer))
+    with client, pytest.raises(ProviderAuthError, match="cannot carry") as refused:
+        TokenSource("sms-b", client, "/oauth/token", "id", "secret").get()
+    assert "t0k3n" not in str(refused.value)
