@@ -35,13 +35,14 @@ import redis
 from redis.crc import key_slot
 
 from .. import metrics
-from ..errors import StoreUnavailable
+from ..errors import DispatchError, PublishError, StackError, StoreUnavailable
 from ..names import HASH_SLOTS, RedisKeys
 from ..redis_client import is_cluster, store_errors
 from .log import OperatorLog
 
 log = logging.getLogger("streams.state")
 CHECK_EVERY_S = 5.0
+UNFINISHED_AGAIN_S = 0.5  # a check that could not finish is tried again this soon
 # Markers the 5 s look reads besides each master's first: every slot is read once in 128 looks (about
 # 11 minutes). Measured on a 3-master local cluster: such a look takes 6.5-7 ms of the caller's thread
 # (2.3-2.9 ms without the sweep), once every 5 s.
@@ -181,13 +182,29 @@ class StateGuard:
         self._markers_due = True  # read every hash slot's marker at the next check
         self._next_check = 0.0
         self._sweep_from = 0  # the slots the next look sweeps start here
+        self._unfinished: DispatchError | None = None  # why the last check could not finish
 
     def check(self, force: bool = False) -> bool:
-        """True while Redis holds its data (at most one Redis read every CHECK_EVERY_S)."""
+        """True while Redis holds its data (at most one Redis read every CHECK_EVERY_S). A check that could not
+        finish (Redis or the operator log failing) is raised, and raised again (its class, its message) until one
+        finishes, tried again after UNFINISHED_AGAIN_S: the guard never says Redis holds its data when it could
+        not tell (an answer kept from before let an operator's replay be claimed while Redis, come back empty, was
+        being recovered: a send replayed twice)."""
         now = time.monotonic()
         if not force and now < self._next_check:
+            if self._unfinished is not None:
+                raise type(self._unfinished)(*self._unfinished.args)
             return not self.lost
         self._next_check = now + CHECK_EVERY_S
+        try:
+            intact = self._look()
+        except (StoreUnavailable, StackError, PublishError) as exc:
+            self._next_check, self._unfinished = now + UNFINISHED_AGAIN_S, exc
+            raise
+        self._unfinished = None
+        return intact
+
+    def _look(self) -> bool:
         with store_errors("reading the Redis epoch"):
             present = self.client.get(self.keys.epoch)
         if present is not None and not self.lost and self._verified and not self._markers_due:
@@ -268,11 +285,14 @@ class StateGuard:
         return True
 
     def _hold(self, why: str, snapshot: dict[str, dict]) -> None:
-        written = restore(self.client, self.keys, snapshot)  # at every look: only slots not yet restored
-        if not self.lost:
-            log.error("%s: Redis has lost its data (%s): restored %d operator entries from the operator log; "
-                      "dispatch holds until an operator runs `streams state recover`", self.role, why, written)
+        if not self.lost:  # said before the restore, which may fail: the loss is known whatever it does
+            log.error("%s: Redis has lost its data (%s): dispatch holds until an operator runs `streams state "
+                      "recover`", self.role, why)
         self.lost = True
+        metrics.REDIS_STATE_LOST.set(1)
+        written = restore(self.client, self.keys, snapshot)  # at every look: only slots not yet restored
+        if written:
+            log.warning("%s: restored %d operator entries from the operator log", self.role, written)
 
     def _first_epoch(self) -> None:
         """A new deployment: the first role to start writes the epoch (one wins in Redis), its

@@ -2,8 +2,15 @@
 the log once, only where Redis lacks it, so changes made after it came back (an endpoint deleted, a key revoked)
 stay made whatever another role's guard read of the log before them."""
 
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from streams.errors import StackError, StateLost, StoreUnavailable
 from streams.ingest.api_keys import ApiKeys
+from streams.ingest.status import StatusStore
 from streams.names import HASH_SLOTS, RedisKeys
+from streams.send import new_send_id
 from streams.state.guard import StateGuard, restore
 from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
@@ -57,3 +64,65 @@ def test_an_endpoint_deleted_and_a_key_revoked_after_the_restore_stay_so_through
     redis_client.delete(*(keys.restored_marker(slot) for slot in range(HASH_SLOTS)))  # as if never restored
     restore(redis_client, keys, before)
     assert api_keys.resolve(token) is None  # what Redis holds is never written over
+
+
+class StallingLog:
+    """The operator log, its reads timing out while `stalled` (as while `streams state recover` loads the broker)."""
+
+    def __init__(self, oplog: OperatorLog):
+        self.oplog, self.stalled = oplog, False
+
+    def snapshot(self) -> dict:
+        if self.stalled:
+            raise StackError("the operator log did not answer within 10 s")
+        return self.oplog.snapshot()
+
+    def put(self, key: str, value: dict | None) -> None:
+        self.oplog.put(key, value)
+
+
+class PipelinesRefused:
+    """A Redis client whose reads go through and whose pipelines (the restore's writes) are refused."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def pipeline(self, *args, **kwargs):
+        raise redis.ConnectionError("Redis refused the connection")
+
+
+def test_a_guard_that_cannot_finish_its_check_never_says_redis_holds_its_data(
+        stack, oplog_topic, namespace, redis_client):
+    """Given an API's guard that has checked Redis (intact), and Redis then losing its data,
+    When the guard's next check cannot read the operator log (it stalls), and it is asked again at once,
+    Then it says it cannot tell, both times, and a replay is not claimed (before: the failed check's answer was
+    kept for 5 s as "intact", and a replay claimed meanwhile, while recovery rebuilt statuses ahead of replay
+    marks, replayed a send twice); and a guard that sees the loss but whose restore of the operator state fails
+    reports the loss all the same (before: `dispatch_redis_state_lost` stayed 0 and the alert never fired while
+    the restore kept failing)."""
+    keys = RedisKeys(namespace)
+    log = StallingLog(OperatorLog(stack.bootstrap, oplog_topic))
+    guard = StateGuard(redis_client, keys, log, "api")
+    assert guard.check()
+    replays = StatusStore(redis_client, namespace, holds_data=guard.check)
+
+    redis_client.delete(keys.epoch)  # what the guard reads of a loss
+    log.stalled = True
+    with pytest.raises(StackError):
+        guard.check(force=True)
+    with pytest.raises(StackError):
+        guard.check()
+    with pytest.raises(StoreUnavailable, match="no replay is claimed"):
+        replays.claim_replay(new_send_id())
+
+    log.stalled = False
+    worker_guard = StateGuard(PipelinesRefused(redis_client), keys, log, "worker")
+    with pytest.raises(StoreUnavailable):
+        worker_guard.check(force=True)
+    assert worker_guard.lost and REGISTRY.get_sample_value("dispatch_redis_state_lost") == 1
+    assert not guard.check(force=True)  # the log readable again: the loss is seen
+    with pytest.raises(StateLost):
+        replays.claim_replay(new_send_id())
