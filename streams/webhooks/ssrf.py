@@ -63,6 +63,8 @@ class UrlPolicy:
             raise UnsafeUrl("webhook URLs must use https")
         if parts.username or parts.password:
             raise UnsafeUrl("webhook URLs may not carry credentials")
+        if parts.port == 0:
+            raise UnsafeUrl("webhook URLs may not use port 0 (no server listens there: every delivery would fail)")
         host = wire_host(url)
         if not host:
             raise UnsafeUrl(NOT_HTTP)

@@ -30,6 +30,15 @@ def test_our_verifier_accepts_the_published_example_and_refuses_tampering():
         verify({"webhook-id": SPEC_ID}, SPEC_BODY, SPEC_SECRET, now=SPEC_TS)
 
 
+@pytest.mark.parametrize("timestamp", ["1" + "0" * 400, "+1674087231", "1_674_087_231", "１６７４０８７２３１", " 1674087231"])
+def test_a_timestamp_that_is_not_plain_digits_is_an_invalid_signature_not_a_crash(timestamp):
+    """A forged delivery whose webhook-timestamp is 401 digits raised OverflowError (a receiver catching
+    InvalidSignature to answer 401 answered 500); signs, underscores and non-ASCII digits were read as a time."""
+    h = {"webhook-id": SPEC_ID, "webhook-timestamp": timestamp, "webhook-signature": SPEC_SIGNATURE}
+    with pytest.raises(InvalidSignature, match="not a Unix time"):
+        verify(h, SPEC_BODY, SPEC_SECRET, now=SPEC_TS)
+
+
 def test_the_reference_library_verifies_what_we_sign_with_either_secret_during_a_rotation():
     old, new = new_secret(), new_secret()
     body, ts = b'{"type":"invoice.paid","data":{"id":7}}', int(time.time())
