@@ -84,7 +84,9 @@ class StatusStore:
         pipe.hset(key, mapping=fields)
         pipe.hsetnx(key, "status", ACCEPTED)
         pipe.hsetnx(key, "attempts", 0)
-        pipe.expire(key, ttl_s)
+        # Only a status it created: one an outcome wrote keeps its time to live (30 days from the send's last
+        # event; a recovery applying this after it set 30 days from the recovery, twice the statuses kept).
+        pipe.expire(key, ttl_s, nx=True)
 
     def record_outcome(self, event: dict, ttl_s: int = STATUS_TTL_S) -> None:
         """Apply an outcome event (at least once: applying one twice changes nothing). A final status

@@ -38,7 +38,7 @@ from ..errors import StackError, StoreUnavailable
 from ..ingest.status import STATUS_TTL_S, StatusStore, UnusableOutcome, skip_outcome
 from ..kafka_client import client_config, watermarks
 from ..names import RedisKeys, TopicNames
-from ..outcomes import events_of, unidentified
+from ..outcomes import ACCEPTED, events_of, unidentified
 from ..redis_client import is_cluster, store_errors
 from .guard import log_epoch, write_epoch
 from .log import OperatorLog
@@ -113,6 +113,12 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> 
         c.close()
 
 
+def _ms(event: dict, name: str) -> int | None:
+    """An event's time field in ms, when it is one (a positive integer)."""
+    value = event.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
     store = StatusStore(client, names.namespace)
@@ -142,9 +148,7 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
         result.events += 1
         marked = ""
         # Its mark needs only the send, its tenant, its status (and the attempts, for tried:<n>).
-        completed = event.get("completed_at_ms")
-        if not isinstance(completed, int) or isinstance(completed, bool) or completed <= 0:
-            completed = now_ms  # unknown: kept a full week, never shorter
+        completed = _ms(event, "completed_at_ms") or now_ms  # unknown: kept a full week, never shorter
         left_s = DELIVERED_TTL_S - (now_ms - completed) / 1000  # claims are kept as long as delivered marks
         ttl_s = max(1, int(left_s))
         if event["status"] == "delivered" and left_s > 0:
@@ -159,7 +163,11 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
             replays.setdefault(event["replay_of"], (event["send_id"], event["tenant_id"]))
         # A status is kept 30 days from its send's last event, as when it was first recorded: not 30 more days
         # from the recovery for every status rebuilt at once (Redis sized for 30 days would hold up to twice that).
-        status_left_s = STATUS_TTL_S - (now_ms - completed) / 1000
+        # An `accepted` event (no completion) is as old as its acceptance: one 31 days old brought back a send
+        # delivered long ago as `accepted`, kept 30 more days.
+        last = completed if event["status"] != ACCEPTED else (
+            _ms(event, "accepted_at_ms") or _ms(event, "created_at_ms") or now_ms)
+        status_left_s = STATUS_TTL_S - (now_ms - last) / 1000
         if status_left_s <= 0:
             return
         try:

@@ -292,7 +292,8 @@ def test_recover_keeps_each_status_30_days_from_its_sends_last_event_not_from_th
     delivered 31 days ago (its segment not deleted yet),
     When `streams state recover` runs after Redis lost its data,
     Then the first's status and attempts are kept about one more day, the second's 30 days, and the third's are not
-    rebuilt (before: every rebuilt status was kept 30 days from the recovery, so for a month Redis, sized for 30 days
+    rebuilt, their `accepted` events read after them changing none of that (before: an accepted event, taken as
+    happening at the recovery, set 30 more days, and brought the third back as `accepted`; before that: every rebuilt status was kept 30 days from the recovery, so for a month Redis, sized for 30 days
     of statuses, held up to twice as many, and GET /v1/sends showed sends older than its documented 30 days)."""
     channel_topics("email")
     now_ms = int(time.time() * 1000)
@@ -301,6 +302,10 @@ def test_recover_keeps_each_status_30_days_from_its_sends_last_event_not_from_th
     for send_id, completed in (("s-29d", now_ms - 29 * day_ms), ("s-now", now_ms), ("s-31d", now_ms - 31 * day_ms)):
         event = {**_delivered(send_id, completed), "attempt": {"n": 1, "outcome": "delivered"}}
         producer.produce(names.outcomes, orjson.dumps(event), key=send_id.encode(), partition=0)
+        # Its `accepted` event, 12 hours older, read after it (a batch's is keyed by its first send: read in any order)
+        accepted = {k: v for k, v in event.items() if k in ("send_id", "tenant_id", "channel", "lane")}
+        accepted.update(status="accepted", created_at_ms=completed - day_ms // 2, accepted_at_ms=completed - day_ms // 2)
+        producer.produce(names.outcomes, orjson.dumps(accepted), key=send_id.encode(), partition=0)
     assert producer.flush(10) == 0
     keys = RedisKeys(namespace)
 
@@ -311,4 +316,5 @@ def test_recover_keeps_each_status_30_days_from_its_sends_last_event_not_from_th
 
     assert 0.9 < days_left(keys.send_status("s-29d")) <= 1.0 and 0.9 < days_left(keys.send_attempts("s-29d")) <= 1.0
     assert 29.9 < days_left(keys.send_status("s-now")) <= 30.0
-    assert not redis_client.exists(keys.send_status("s-31d"))
+    assert not redis_client.exists(keys.send_status("s-31d"))  # nor brought back `accepted` by its accepted event
+    assert redis_client.hget(keys.send_status("s-29d"), "status") == b"delivered"
