@@ -80,6 +80,9 @@ log = logging.getLogger("streams.api")
 UNAVAILABLE_LOG_EVERY_S = 10
 
 MAX_BODY_BYTES = 5 * 1024 * 1024  # 5 MiB per request
+# A request's webhook payloads as fanned out (each event copied to every endpoint subscribed to it): 50 endpoints
+# made a 5 MiB batch 250 MiB of records in the process, held while it waited its turn to publish.
+MAX_FANNED_OUT_BYTES = 16 * 1024 * 1024
 MAX_IN_FLIGHT = 256               # requests publishing at once (the rest wait their turn)
 TENANT_BATCHES = 1                # multi-record requests of one tenant publishing at once
 # What a tenant sees of a send (statuses: accepted, retrying, unknown, delivered, dead_lettered).
@@ -381,6 +384,18 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                              skipped=reasons.get(d.send_id))
                                     for d in [*enqueue, *(s for s, _ in skipped)]]), enqueue, skipped
 
+    def fanned_out(requests: list[SendRequest], expanded: list, where: Callable[[int], list[str | int]]) -> None:
+        """413 for a request whose webhook events, copied to each endpoint subscribed, pass MAX_FANNED_OUT_BYTES of
+        payload (before a record is encoded: the bound is on what the process would hold)."""
+        total = 0
+        for i, (r, (_, enqueue, skipped)) in enumerate(zip(requests, expanded, strict=True)):
+            if r.channel == "webhook" and (copies := len(enqueue) + len(skipped)):
+                total += len(orjson.dumps(r.payload)) * copies
+                if total > MAX_FANNED_OUT_BYTES:
+                    raise problem(413, "fan_out_too_large", where(i), f"the request's webhook events, copied to "
+                                  f"each endpoint subscribed, come to more than {MAX_FANNED_OUT_BYTES} bytes of "
+                                  f"payload by this one ({copies} endpoints): send fewer or smaller events a request")
+
     def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, claim: Claimed
                 ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int], bool]:
         """Everything checked before a byte is produced: policies, fan-out, sizes, quotas. Also returns, for
@@ -420,6 +435,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         origins = ([i for i, (_, group, _) in enumerate(expanded) for _ in group]
                    + [i for i, (_, _, group) in enumerate(expanded) for _ in group])
         try:
+            fanned_out(requests, expanded, where)
             # The skipped deliveries too: kept on their topic, each is replayed later as a send of its own.
             client.records(sends + [s for s, _ in skipped])
         except SendTooLarge as exc:

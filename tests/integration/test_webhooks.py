@@ -108,6 +108,24 @@ def test_an_oversized_event_in_a_batch_is_named_by_its_place_in_the_batch(hooks,
     assert error["loc"] == ["body", "sends", 1] and error["msg"].startswith("send 1 is "), error
 
 
+def test_a_request_whose_events_fan_out_past_16_mib_is_refused_naming_the_event(hooks, mock_endpoint):
+    """Given tenant a with 20 endpoints subscribed to invoice.paid,
+    When a posts a batch of two 512 KiB events (20 MiB of payload once copied to each endpoint),
+    Then it is refused 413 `fan_out_too_large` naming `sends[1]`, the event that passes the bound, and nothing is
+    published (before: accepted, 40 records of 512 KiB built, twice, and held in the process while the batch
+    waited its turn: 50 endpoints made a 5 MiB batch 250 MiB); one such event alone is accepted."""
+    for i in range(20):
+        _register(hooks, mock_endpoint, f"ep-{i}")
+    big = event(blob="x" * (512 * 1024))
+    r = hooks.post("/v1/sends/batch", json={"sends": [big, big]}, headers=hooks.keys["a"])
+    assert r.status_code == 413, r.text
+    [error] = r.json()["errors"]
+    assert r.json()["error"] == "fan_out_too_large" and error["loc"] == ["body", "sends", 1], r.json()
+    assert "20 endpoints" in error["msg"]
+    r = hooks.post("/v1/sends", json=big, headers=hooks.keys["a"])
+    assert r.status_code == 202 and len(r.json()["deliveries"]) == 20, r.text
+
+
 def test_an_event_all_of_whose_deliveries_are_skipped_is_checked_like_any_other(
         hooks, mock_endpoint, stack, names, redis_client, namespace):
     """Given tenant a's only endpoint for invoice.paid degraded (its deliveries are skipped at ingest, kept on the
