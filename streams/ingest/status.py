@@ -139,7 +139,7 @@ class StatusStore:
                 fields.update({k: event[k] for k in ("endpoint_id", "event_id", "event_type") if event.get(k)})
                 if event["status"].encode() in FINAL:  # no longer part of the endpoint's backlog
                     pipe.zrem(self.keys.endpoint_backlog(event["endpoint_id"]), send_id)
-            self._record_status(keys=[key], args=[event["status"], ttl_s,
+            self._record_status(keys=[key], args=[event["status"], ttl_s, event.get("attempts") or "",
                                                   *(x for kv in fields.items() for x in kv)], client=pipe)
             self._note_replay(pipe, event)
             pipe.execute()

@@ -60,6 +60,18 @@ def test_an_outcome_arriving_late_never_replaces_a_final_status_but_delivered_re
     assert store.get("s-late")["status"] == ends
 
 
+def test_an_earlier_attempts_outcome_arriving_late_never_replaces_a_later_one(redis_client, namespace):
+    """Given a send's `unknown` outcome of attempt 2 recorded, When attempt 1's `retrying` arrives late (its record
+    in another partition), Then the status stays `unknown` after 2 attempts (before: `retrying`, 1 attempt); and
+    attempt 3's `retrying` is written over it."""
+    store = StatusStore(redis_client, namespace)
+    store.record_outcome(_event("unknown", 2, "s-order"))
+    store.record_outcome(_event("retrying", 1, "s-order"))
+    assert (store.get("s-order")["status"], store.get("s-order")["attempts"]) == ("unknown", 2)
+    store.record_outcome(_event("retrying", 3, "s-order"))
+    assert (store.get("s-order")["status"], store.get("s-order")["attempts"]) == ("retrying", 3)
+
+
 def test_a_webhook_deliverys_accepted_event_lists_it_under_its_endpoint(redis_client, namespace):
     """Given a webhook delivery whose `accepted` status went through notif.outcomes (ingest's fallback when Redis
     failed right after the publish; a replay's accepted event),
