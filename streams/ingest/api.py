@@ -309,7 +309,13 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     # ports, and it is answered before the caller's key could be checked (the keys live in Redis).
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        # Nothing was published or changed: the client may retry after a moment.
+        # Nothing was published or changed: the client may retry after a moment. A send under an Idempotency-Key
+        # cannot be told apart from a retry of an attempt that may have been published (the key's record, and the
+        # API keys checked before it, are in the store): "nothing was changed" would let the client send it again
+        # under a new key.
+        if request.url.path in ("/v1/sends", "/v1/sends/batch") and request.headers.get("idempotency-key"):
+            return _unavailable(request, exc, "the state store", str(EarlierAttemptMayBePublished.after(exc)),
+                                outcome="unknown")
         return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
 
     @app.exception_handler(PublishError)

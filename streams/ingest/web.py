@@ -11,6 +11,7 @@ refusal when an earlier attempt under its key may have been published) and
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -211,6 +212,7 @@ def answer_options(app: FastAPI) -> None:
         return Response(status_code=204, headers={"Allow": ", ".join(sorted(allowed | {"OPTIONS"}))})
 
 
+UNREADABLE_LOG_EVERY_S = 10.0
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                     description="an API key (`streams keys create`): `Authorization: Bearer <key>`")
 
@@ -222,6 +224,7 @@ class Auth:
 
     def __init__(self, keys: ApiKeys, guard: StateGuard | None):
         self.keys, self.guard = keys, guard
+        self._log_unreadable_at = 0.0  # a failed check is raised to every request until one finishes: said once a while
 
     def principal(self, request: Request,
                   _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None) -> Principal:
@@ -230,7 +233,9 @@ class Auth:
             try:
                 self.guard.check()
             except StackError as exc:  # the operator log is unreadable: keys in Redis still work
-                log.warning("cannot check Redis state against the operator log: %s", exc)
+                if (now := time.monotonic()) >= self._log_unreadable_at:
+                    self._log_unreadable_at = now + UNREADABLE_LOG_EVERY_S
+                    log.warning("cannot check Redis state against the operator log: %s", exc)
         scheme, _space, credentials = request.headers.get("authorization", "").strip().partition(" ")
         token = credentials.strip() if scheme.lower() == "bearer" else ""  # the scheme in any case (RFC 9110)
         found = self.keys.resolve(token) if token else None

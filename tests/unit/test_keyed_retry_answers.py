@@ -9,18 +9,23 @@ import httpx
 import orjson
 import pytest
 
-from streams.errors import PublishError, StoreUnavailable
+from streams.errors import PublishError, StackError, StoreUnavailable
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import Principal
 from streams.ingest.idempotency import Claimed
 from streams.ingest.publisher import Written
 from streams.ingest.sdk import SendClient
+from streams.ingest.web import Auth
 from streams.names import TopicNames
 from tests.harness import email_request
 
 
 class Keys:
+    down = False  # the state store failing when a key is checked
+
     def resolve(self, token: str):
+        if self.down:
+            raise StoreUnavailable("Redis down (test)")
         return Principal("tenant", "acme", "key-1")
 
     def touch(self, *args, **kwargs):
@@ -88,6 +93,30 @@ def test_a_retry_of_a_maybe_published_request_that_publishes_nothing_says_the_ou
     assert "an earlier attempt under this Idempotency-Key may have been published" in r.text
     assert "same Idempotency-Key" in r.text and "Redis" not in r.text
     assert idempotency.ended == ["release"]  # the store's release keeps a maybe-published key (it lapses it)
+
+
+@pytest.mark.parametrize("route, body", [("/v1/sends", email_request()), ("/v1/sends/batch", {"sends": [email_request()]})])
+def test_a_keyed_send_whose_api_key_cannot_be_checked_says_the_outcome_is_unknown(route, body):
+    """Given a state store failing when the caller's API key is checked (before the Idempotency-Key is),
+    When a send (or a batch) under a key is made, a retry perhaps of an attempt whose outcome was unknown,
+    Then 503 `"outcome": "unknown"` saying to retry with the same key (before: a plain 503, "nothing was
+    changed", and a client trusting it sent again under a new key); without a key, a plain 503."""
+    keys = Keys()
+    keys.down = True
+    ingest = Ingest(client=SendClient("127.0.0.1:1", TopicNames("t.")), store=SimpleNamespace(), keys=keys,  # type: ignore[arg-type]
+                    limits=None, known_policies=frozenset(), idempotency=Idempotency(None))  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(create_app(ingest), raise_app_exceptions=False)
+
+    async def call(headers: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+            return await http.post(route, json=body, headers={"Authorization": "Bearer dr_ten_x", **headers})
+
+    keyed = asyncio.run(call({"Idempotency-Key": "order-7"}))
+    assert keyed.status_code == 503 and keyed.json()["outcome"] == "unknown", keyed.text
+    assert "same Idempotency-Key" in keyed.text and "Redis" not in keyed.text
+    plain = asyncio.run(call({}))
+    assert plain.status_code == 503 and "outcome" not in plain.json(), plain.text
+    ingest.client.publisher.close()
 
 
 def test_a_first_attempt_refused_whole_says_nothing_was_published():
@@ -181,3 +210,24 @@ def test_a_send_published_whose_status_cannot_be_written_gets_it_through_the_out
     assert record.topic == "t.notif.outcomes" and record.key == r.json()["send_id"].encode()
     assert (event["send_id"], event["status"], event["channel"], event["lane"]) == (
         r.json()["send_id"], "accepted", "email", "transactional")
+
+
+class LogUnreadable:
+    """A state guard whose operator log cannot be read: every check raises (as one that could not finish does until
+    one finishes)."""
+
+    def check(self) -> bool:
+        raise StackError("reading the operator log stalled at offset 7")
+
+
+def test_an_unreadable_operator_log_is_logged_once_a_while_not_at_every_request(caplog):
+    """Given a guard raising at every request while the operator log cannot be read (keys in Redis still work),
+    When 50 requests are authenticated, Then each is (the key resolved) and one warning is logged, not 50."""
+    from starlette.requests import Request
+
+    auth = Auth(Keys(), LogUnreadable())  # type: ignore[arg-type]
+    request = Request({"type": "http", "headers": [(b"authorization", b"Bearer dr_ten_x")]})
+    with caplog.at_level("WARNING", logger="streams"):
+        principals = [auth.principal(request) for _ in range(50)]
+    assert all(p.tenant == "acme" for p in principals)
+    assert len([r for r in caplog.records if "operator log" in r.getMessage()]) == 1
