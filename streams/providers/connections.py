@@ -67,6 +67,9 @@ def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> htt
         return resp
     declared = resp.headers.get("content-length", "")
     length = int(declared) if declared.isdigit() else None
+    # Kept as the bytes came, never decoded: requests ask for an answer uncompressed, and one compressed anyway
+    # could decode to gigabytes from a MiB (it reads as unreadable).
+    headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() != "content-encoding"]
     chunks: list[bytes] = []
     received = 0
     try:
@@ -74,8 +77,6 @@ def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> htt
             chunks.append(chunk)
             received += len(chunk)
             if received > MAX_ANSWER_BYTES:
-                # Cut, as the bytes came (a compressed body's prefix is not decoded: it could hold gigabytes).
-                headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() != "content-encoding"]
                 return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks)[:MAX_ANSWER_BYTES],
                                       request=resp.request, extensions={"cut": True})
             # An answer whose whole body is in (its declared length) is used, however late it came.
@@ -84,4 +85,4 @@ def _read_within(resp: httpx.Response, seconds_left: Callable[[], float]) -> htt
                                         request=resp.request)
     finally:
         resp.close()
-    return httpx.Response(resp.status_code, headers=resp.headers, content=b"".join(chunks), request=resp.request)
+    return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks), request=resp.request)

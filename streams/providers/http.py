@@ -260,9 +260,13 @@ class HttpProvider:
 
 
 def _text(resp: httpx.Response) -> str:
-    """An answer's body as text for its excerpt, whatever charset it claims (`resp.text` raises on one the body
-    does not match, which lost the answer's status: a 429's cool-down, a 4xx's rejection)."""
-    return resp.content.decode("utf-8", "replace")
+    """An answer's body as text for its excerpt: in the charset it claims (so a key it echoes is found and masked),
+    else as UTF-8 (`resp.text` raises on a charset the body does not match, or one unknown, which lost the
+    answer's status: a 429's cool-down, a 4xx's rejection)."""
+    try:
+        return resp.text
+    except (UnicodeError, LookupError):
+        return resp.content.decode("utf-8", "replace")
 
 
 def _with_first_copy_unknown(result: ProviderResult) -> ProviderResult:

@@ -25,7 +25,8 @@ class SmsGatewayB(HttpProvider):
 
     def parse_ids(self, body: bytes) -> tuple[str, ...]:
         doc = orjson.loads(body)
-        return (message_id((doc.get("message") or {}).get("sid")),)
+        sid = (doc.get("message") or {}).get("sid")
+        return (message_id(sid) if sid else "",)  # none, 0, false, empty: no message named
 
     def parse_error(self, body: bytes) -> str:
         try:

@@ -42,7 +42,7 @@ from .log import OperatorLog
 
 log = logging.getLogger("streams.state")
 CHECK_EVERY_S = 5.0
-UNFINISHED_AGAIN_S = 0.5  # a check that could not finish is tried again this soon
+UNFINISHED_AGAIN_S = 0.5  # a check Redis failing stopped is tried again this soon (one read); the log's, as usual
 # Markers the 5 s look reads besides each master's first: every slot is read once in 128 looks (about
 # 11 minutes). Measured on a 3-master local cluster: such a look takes 6.5-7 ms of the caller's thread
 # (2.3-2.9 ms without the sweep), once every 5 s.
@@ -187,9 +187,9 @@ class StateGuard:
     def check(self, force: bool = False) -> bool:
         """True while Redis holds its data (at most one Redis read every CHECK_EVERY_S). A check that could not
         finish (Redis or the operator log failing) is raised, and raised again (its class, its message) until one
-        finishes, tried again after UNFINISHED_AGAIN_S: the guard never says Redis holds its data when it could
-        not tell (an answer kept from before let an operator's replay be claimed while Redis, come back empty, was
-        being recovered: a send replayed twice)."""
+        finishes (tried again after UNFINISHED_AGAIN_S when Redis failed): the guard never says Redis holds its
+        data when it could not tell (an answer kept from before let an operator's replay be claimed while Redis,
+        come back empty, was being recovered: a send replayed twice)."""
         now = time.monotonic()
         if not force and now < self._next_check:
             if self._unfinished is not None:
@@ -199,7 +199,8 @@ class StateGuard:
         try:
             intact = self._look()
         except (StoreUnavailable, StackError, PublishError) as exc:
-            self._next_check, self._unfinished = now + UNFINISHED_AGAIN_S, exc
+            again_s = UNFINISHED_AGAIN_S if isinstance(exc, StoreUnavailable) else CHECK_EVERY_S
+            self._next_check, self._unfinished = now + again_s, exc
             raise
         self._unfinished = None
         return intact

@@ -137,7 +137,14 @@ class OperatorLog:
                   TIMEOUT_S + 5, f"the operator entry {key!r}")
 
     def snapshot(self) -> dict[str, dict]:
-        """The latest value of every key (deleted keys left out), read from the start to the end."""
+        """The latest value of every key (deleted keys left out), read from the start to the end. StackError when
+        the log cannot be read (the broker failing however it does)."""
+        try:
+            return self._snapshot()
+        except KafkaException as exc:
+            raise StackError(f"cannot read the operator log {self.topic} ({exc})") from None
+
+    def _snapshot(self) -> dict[str, dict]:
         c = Consumer(client_config(self.bootstrap, quiet=True, settings={
             "group.id": f"operator-log-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
         try:

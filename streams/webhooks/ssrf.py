@@ -54,8 +54,8 @@ class UrlPolicy:
         """Raise UnsafeUrl for a URL we may not call (resolving its host with `resolve`)."""
         try:
             parts = urlsplit(url)
-            hostname = parts.hostname
-        except ValueError:  # `http://[::1/x`: an unclosed bracket
+            hostname, port = parts.hostname, parts.port
+        except ValueError:  # `http://[::1/x`: an unclosed bracket; a port out of range or not a number
             raise UnsafeUrl(NOT_HTTP) from None
         if parts.scheme not in ("https", "http") or not hostname:
             raise UnsafeUrl(NOT_HTTP)
@@ -63,7 +63,7 @@ class UrlPolicy:
             raise UnsafeUrl("webhook URLs must use https")
         if parts.username or parts.password:
             raise UnsafeUrl("webhook URLs may not carry credentials")
-        if parts.port == 0:
+        if port == 0:
             raise UnsafeUrl("webhook URLs may not use port 0 (no server listens there: every delivery would fail)")
         host = wire_host(url)
         if not host:
