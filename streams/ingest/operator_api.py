@@ -19,6 +19,7 @@ making it again records it without changing more (limits, a revocation, a reacti
 """
 
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -450,8 +451,9 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 
     @router.get("/audit", response_model=AuditTrail, responses=documented(401, 403, 422, 503))
     def read_audit(_: Operator, since_ms: int = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
-        entries = list(ingest.audit.read(since_ms)) if ingest.audit is not None else []
-        return {"entries": entries[-limit:]}
+        # The newest `limit` kept as the trail is read (a year of it, held whole, for every call)
+        entries = collections.deque(ingest.audit.read(since_ms), maxlen=limit) if ingest.audit is not None else []
+        return {"entries": list(entries)}
 
     return router
 
