@@ -8,6 +8,7 @@ import uuid
 from types import SimpleNamespace
 
 import httpx
+import redis
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +21,8 @@ __all__ = ["free_port", "local_client", "wait_until", "MockProvider", "email_req
 
 # What a look at a process or the broker may meet for a moment on a loaded machine (a /metrics request timing out,
 # the group coordinator moving): the condition is asked again, not the wait ended.
-TRANSIENT = (httpx.TransportError, KafkaException, ConnectionError, TimeoutError)
+TRANSIENT = (httpx.TransportError, KafkaException, ConnectionError, TimeoutError, redis.ConnectionError,
+             redis.TimeoutError)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -180,21 +182,31 @@ def metric(port: int, name: str, **labels) -> float | None:
     return None
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port_pair() -> int:
-    """A port whose successor is free too (Kafka's controller listens on port + 1)."""
+    """A port whose successor is free too (Kafka's controller listens on port + 1), never handed out before in this
+    run. From below the range the kernel gives outgoing connections (one of those could take it between this
+    check and the stack's bind, seconds later) and apart from the cluster suite's ports and the dev stack's."""
+    import random
     import socket
 
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        with socket.socket() as b:
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
             try:
-                b.bind(("127.0.0.1", port + 1))
-                return port
+                s.bind(("127.0.0.1", port))
+                return True
             except OSError:
-                continue
-    raise RuntimeError("no free port pair")
+                return False
+
+    for _ in range(200):
+        port = random.randrange(12_000, 15_998)
+        if {port, port + 1} & _HANDED_OUT or not (bindable(port) and bindable(port + 1)):
+            continue
+        _HANDED_OUT.update((port, port + 1))
+        return port
+    raise RuntimeError("no free port pair between 12000 and 15999")
 
 
 def private_stack(home):

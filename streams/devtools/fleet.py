@@ -228,9 +228,10 @@ class Fleet:
         for m in self.members:
             if m.proc.poll() is None:
                 m.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20  # one for all: waited in turn, a few stuck roles took a minute each
         for m in self.members:
             try:
-                m.proc.wait(20)
+                m.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 m.proc.kill()
                 m.proc.wait()

@@ -77,14 +77,15 @@ def build_app() -> Starlette:
     state = Receiver()
 
     async def hook(request: Request) -> Response:
+        st = state  # a request still sleeping when the receiver is reset counts in the old one, not the next test's
         name = request.path_params["name"]
-        b = state.behaviours.get(name, state.defaults)
-        c = state.counters(name)
-        state.requests += 1
+        b = st.behaviours.get(name, st.defaults)
+        c = st.counters(name)
+        st.requests += 1
         c["requests"] += 1
         body = await request.body()
         if b.secrets and not any(_signed(request.headers, body, s) for s in b.secrets):
-            state.invalid_signatures += 1
+            st.invalid_signatures += 1
             c["invalid_signature"] += 1
             return _json({"error": "no valid signature"}, 401)
         if b.latency_ms:
@@ -96,7 +97,7 @@ def build_app() -> Starlette:
             status = 500
         if 200 <= status < 300:
             c["ok"] += 1
-            state.deliveries.setdefault(request.headers.get("webhook-id", ""), []).append(time.time())
+            st.deliveries.setdefault(request.headers.get("webhook-id", ""), []).append(time.time())
         else:
             c["failed"] += 1
         headers = {"retry-after": b.retry_after} if b.retry_after else None

@@ -81,7 +81,11 @@ class FaultStack:
 def fault_stack(tmp_path, stack):
     (tmp_path / "stack").mkdir()
     local = private_stack(tmp_path / "stack")
-    env = local.up()
+    try:
+        env = local.up()
+    except BaseException:
+        local.down(wipe=True)  # what did start (Redis, a JVM not ready in time) is not left running
+        raise
     yield FaultStack(local, env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"])
     local.down(wipe=True)
 
