@@ -31,16 +31,22 @@ class Answering(socketserver.StreamRequestHandler):
     body = b'{"id": "m1"}'
     drip_s = 0.0
 
-    def handle(self) -> None:
+    def read_request(self) -> bool:
+        """Reads one request, head and body (False: the client closed first)."""
         head = b""
         while not head.endswith(b"\r\n\r\n"):
             line = self.rfile.readline()
             if not line:
-                return
+                return False
             head += line
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length"))
         self.rfile.read(length)
+        return True
+
+    def handle(self) -> None:
+        if not self.read_request():
+            return
         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                          % len(self.body))
         try:
@@ -102,12 +108,8 @@ class Endless(Answering):
     status = b"200 OK"
 
     def handle(self) -> None:
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            line = self.rfile.readline()
-            if not line:
-                return
-            head += line
+        if not self.read_request():
+            return
         self.wfile.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                          % (self.status, 10 << 30) + self.body)
         spaces = b" " * 65_536
@@ -137,15 +139,24 @@ def test_an_endless_answer_is_cut_and_read_by_its_status_not_held_until_the_time
     assert (result.status, result.error_name) == (503, "overloaded")
 
 
-class ThrottledInUtf32(Answering):
-    """A 429 whose Content-Type claims a charset its (UTF-8) body is not in."""
+class Canned(Answering):
+    """Answers `status` with `headers` and `body`, all at once."""
+
+    status = b"200 OK"
+    headers = b"Content-Type: application/json\r\n"
 
     def handle(self) -> None:
-        while self.rfile.readline() not in (b"\r\n", b""):
-            pass
-        body = b'{"name": "rate_limit_exceeded", "message": "slow down"}'
-        self.wfile.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-32\r\n"
-                         b"Retry-After: 7\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        if self.read_request():
+            self.wfile.write(b"HTTP/1.1 %s\r\n%sContent-Length: %d\r\n\r\n%s"
+                             % (self.status, self.headers, len(self.body), self.body))
+
+
+class ThrottledInUtf32(Canned):
+    """A 429 whose Content-Type claims a charset its (UTF-8) body is not in."""
+
+    status = b"429 Too Many Requests"
+    headers = b"Content-Type: application/json; charset=utf-32\r\nRetry-After: 7\r\n"
+    body = b'{"name": "rate_limit_exceeded", "message": "slow down"}'
 
 
 def test_a_429_whose_charset_does_not_match_its_body_is_still_a_429():
@@ -202,15 +213,12 @@ def test_a_token_an_http_header_cannot_carry_is_no_token():
     assert "t0k3n" not in str(refused.value)
 
 
-class EchoingInUtf16(Answering):
+class EchoingInUtf16(Canned):
     """A 401 in UTF-16 (as its Content-Type says) echoing the key the request carried."""
 
-    def handle(self) -> None:
-        while self.rfile.readline() not in (b"\r\n", b""):
-            pass
-        body = '{"name": "invalid_api_key", "message": "key re_s3cr3tkey0123 is not valid"}'.encode("utf-16")
-        self.wfile.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json; charset=utf-16\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    status = b"401 Unauthorized"
+    headers = b"Content-Type: application/json; charset=utf-16\r\n"
+    body = '{"name": "invalid_api_key", "message": "key re_s3cr3tkey0123 is not valid"}'.encode("utf-16")
 
 
 def test_a_key_echoed_in_an_answer_in_another_charset_is_masked():
@@ -222,15 +230,11 @@ def test_a_key_echoed_in_an_answer_in_another_charset_is_masked():
     assert "s3cr3t" not in result.error_body.replace("\x00", ""), result.error_body
 
 
-class Gzipped(Answering):
+class Gzipped(Canned):
     """A 200 compressed though the request asked for it uncompressed."""
 
-    def handle(self) -> None:
-        while self.rfile.readline() not in (b"\r\n", b""):
-            pass
-        body = gzip.compress(b'{"id": "m1"}' + b" " * 10_000_000)
-        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    headers = b"Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+    body = gzip.compress(b'{"id": "m1"}' + b" " * 10_000_000)
 
 
 def test_an_answer_compressed_though_asked_plain_is_not_decoded():
