@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from confluent_kafka import KafkaException
+
 from .. import logs
 from ..config import Config
 from ..errors import AuditUnconfirmed, DispatchError
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     except DispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KafkaException as exc:  # a broker call no layer put in our words: said as it is, not a traceback
+        print(f"error: the message broker failed: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

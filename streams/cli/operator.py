@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -33,15 +35,29 @@ def _audited(rt: Runtime, what: str, before: object, after: object) -> None:
     except PublishError as exc:
         raise AuditUnconfirmed(f"{what} was applied, but the audit trail did not confirm its record ({exc}); "
                                "it may be missing from `streams audit`") from None
+    except KeyboardInterrupt:  # the change is made: said, not a silent exit 130
+        raise AuditUnconfirmed(f"{what} was applied, but the command was interrupted while its audit record was "
+                               "written; it may be missing from `streams audit`") from None
 
 
 def _audited_maybe(rt: Runtime, what: str, before: object, intended: object) -> None:
-    """A change whose store or broker did not answer, its error printed already: it may have been applied, and is on
-    the audit trail as such, best effort (a record the broker does not confirm is only warned of)."""
+    """A change whose store or broker did not answer: it may have been applied, and is on the audit trail as such,
+    best effort (a record the broker does not confirm is only warned of)."""
     try:
         _audited(rt, what, before, {"outcome": "unknown", "intended": intended})
     except AuditUnconfirmed as unconfirmed:
         print(f"warning: {unconfirmed}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _audited_if_unanswered(rt: Runtime, what: str, before: object, intended: object) -> Iterator[None]:
+    """A change whose write Redis did not answer (StoreWriteUnknown) may be live: audited as maybe applied, then its
+    error ends the command (exit 1). Left unaudited, a rerun finds nothing to change and records nothing either."""
+    try:
+        yield
+    except StoreWriteUnknown:
+        _audited_maybe(rt, what, before, intended)
+        raise
 
 
 def topics(sub) -> None:
@@ -130,13 +146,9 @@ def limits(sub) -> None:
         else:
             change = LimitChange(args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate,
                                  args.burst, args.concurrency, args.pause_ms)
-            try:
+            with _audited_if_unanswered(rt, f"limits/{args.provider}", None,
+                                        {k: v for k, v in asdict(change).items() if v is not None}):
                 before, shown = store.apply(args.provider, change)
-            except StoreWriteUnknown as exc:  # Redis may have applied it before its answer was lost
-                print(f"error: {exc}", file=sys.stderr)
-                _audited_maybe(rt, f"limits/{args.provider}", None,
-                               {k: v for k, v in asdict(change).items() if v is not None})
-                return 1
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
         if args.action == "set":  # recorded before the cool-down is read: a failure of that read fails nothing made
@@ -196,11 +208,15 @@ def senders(sub) -> None:
         if args.action == "set":
             if args.domains is None:
                 raise ConfigError("`streams senders set` needs --domains (comma-separated; '' for no email)")
-            after = store.set(args.tenant, [d.strip() for d in args.domains.split(",") if d.strip()])
+            domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+            with _audited_if_unanswered(rt, f"senders/{args.tenant}", before, domains):
+                after = store.set(args.tenant, domains)
             print(f"{args.tenant}  {', '.join(after) or '(no email)'}")
             _audited(rt, f"senders/{args.tenant}", before, after)
             return 0
-        if not store.remove(args.tenant):
+        with _audited_if_unanswered(rt, f"senders/{args.tenant}", before, None):
+            removed = store.remove(args.tenant)
+        if not removed:
             raise ConfigError(f"no sender domains set by an operator for {args.tenant!r}")
         print(f"removed {args.tenant}'s sender domains (SENDER_DOMAINS applies again)")
         _audited(rt, f"senders/{args.tenant}", before, None)
@@ -476,7 +492,9 @@ def endpoints(sub) -> None:
         before = webhooks.current(stored)
         what = f"endpoint/{args.endpoint_id}"
         if args.action == "delete":
-            if not store.delete(args.tenant, args.endpoint_id):
+            with _audited_if_unanswered(rt, what, _audit_view(before), None):
+                deleted = store.delete(args.tenant, args.endpoint_id)
+            if not deleted:
                 raise missing
             print(f"deleted {args.endpoint_id}")
             _audited(rt, what, _audit_view(before), None)

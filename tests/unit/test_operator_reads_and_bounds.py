@@ -4,6 +4,7 @@ and a limit the gate could not hold exactly is refused by the CLI as by the API.
 from types import SimpleNamespace
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from streams.cli import main
 from streams.cli import operator as operator_cli
@@ -121,3 +122,57 @@ def test_a_limits_change_the_cli_made_is_on_the_audit_trail_though_redis_fails_a
     else:
         assert audited == [("limits/resend", {"global_rate": 15.0}, {"global_rate": 20.0})]
         assert "resend global_rate = 20.0" in printed.out and "cannot read the provider cool-down" in printed.err
+
+
+class SendersRedisLost:
+    """Sender domains of acme set by an operator, in a store whose writes Redis does not answer (applied, perhaps)."""
+
+    setting = SimpleNamespace(by_tenant={}, enforced=True)
+
+    def stored(self):
+        return {"acme": ["acme.com"]}
+
+    def set(self, tenant, domains):
+        raise StoreWriteUnknown("cannot write the sender domains of 'acme' (Timeout reading from socket, test)")
+
+    def remove(self, tenant):
+        raise StoreWriteUnknown("cannot remove the sender domains of 'acme' (Timeout reading from socket, test)")
+
+
+@pytest.mark.parametrize("argv, intended", [(["senders", "remove", "--tenant", "acme"], None),
+                                            (["senders", "set", "--tenant", "acme", "--domains", "acme.io"],
+                                             ["acme.io"])])
+def test_a_sender_change_whose_answer_redis_lost_is_audited_as_maybe_applied(argv, intended, monkeypatch, capsys):
+    """Given Redis applying an operator's sender-domains change and losing its answer,
+    When the CLI makes it, Then it exits 1 saying why, and the audit trail has it as maybe applied with what was asked
+    (before: on no record, and a rerun of the removal found nothing to remove: never audited)."""
+    audited = []
+    rt = SimpleNamespace(sender_store=lambda: SendersRedisLost(),
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record[1:])))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(argv) == 1
+    assert "Timeout reading from socket" in capsys.readouterr().err
+    assert audited == [("senders/acme", ["acme.com"], {"outcome": "unknown", "intended": intended})]
+
+
+def test_a_change_interrupted_while_its_audit_record_is_written_says_so(monkeypatch, capsys):
+    """Ctrl-C while the audit record of a change already made is written: a warning that it may be missing, exit 4
+    (before: exit 130, nothing said, the change live and perhaps on no record)."""
+    def interrupted(*record):
+        raise KeyboardInterrupt
+
+    store = SimpleNamespace(setting=SimpleNamespace(by_tenant={}, enforced=True), stored=lambda: {},
+                            set=lambda tenant, domains: domains)
+    rt = SimpleNamespace(sender_store=lambda: store, audit_log=lambda: SimpleNamespace(record=interrupted))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["senders", "set", "--tenant", "acme", "--domains", "acme.io"]) == 4
+    assert "interrupted while its audit record was written" in capsys.readouterr().err
+
+
+def test_a_broker_failure_no_layer_named_is_an_error_line_not_a_traceback(monkeypatch, capsys):
+    def broker_down():
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "127.0.0.1:9092: Connection refused"))
+
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: SimpleNamespace(sender_store=broker_down))
+    assert main(["senders", "list"]) == 1
+    assert capsys.readouterr().err.startswith("error: the message broker failed: ")
