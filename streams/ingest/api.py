@@ -74,7 +74,17 @@ from .sdk import SendClient, keyed_send_id
 from .sender_store import SenderDomainStore
 from .senders import SenderDomains, header_senders, sender_of
 from .status import StatusStore
-from .web import Auth, BodyLimit, answer_options, documented, finish_openapi, internal_error, problem
+from .web import (
+    RETRY_WITH_KEY,
+    Auth,
+    BodyLimit,
+    EarlierAttemptMayBePublished,
+    answer_options,
+    documented,
+    finish_openapi,
+    internal_error,
+    problem,
+)
 
 log = logging.getLogger("streams.api")
 UNAVAILABLE_LOG_EVERY_S = 10
@@ -227,22 +237,6 @@ def published_nothing(exc: BaseException) -> bool:
     return isinstance(exc, (StarletteHTTPException, RequestValidationError, StoreUnavailable, PublishError))
 
 
-RETRY_WITH_KEY = "retry after a moment with the same Idempotency-Key (sends then keep their send ids and are sent once)"
-
-
-class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
-    """A request that published nothing itself, under an Idempotency-Key an earlier attempt may have published
-    under (its outcome was unknown, or its process died while publishing): answered `"outcome": "unknown"`, never
-    "nothing was published", which would let the client send it again under a new key."""
-
-    @classmethod
-    def after(cls, failure: PublishError | StoreUnavailable) -> "EarlierAttemptMayBePublished":
-        failed = ("the state store is unavailable" if isinstance(failure, StoreUnavailable)
-                  else "the message broker did not take it")
-        return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
-                   f"may have been published: {RETRY_WITH_KEY}")
-
-
 def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str | None = None) -> FastAPI:
     """The API; with `bulk_socket`, batches are forwarded to the bulk process listening there (bulk.py)."""
     app = FastAPI(title="dual-rail dispatch ingest API", version="1", docs_url=None, redoc_url=None,
@@ -267,6 +261,8 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             return await _http(request, denied)
         except StoreUnavailable as exc:
             return await _store(request, exc)
+        except PublishError as exc:  # a keyed send whose key could not be checked (`Auth.principal`)
+            return await _broker(request, exc)
         return None
 
     @app.exception_handler(RequestValidationError)
@@ -309,13 +305,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     # ports, and it is answered before the caller's key could be checked (the keys live in Redis).
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        # Nothing was published or changed: the client may retry after a moment. A send under an Idempotency-Key
-        # cannot be told apart from a retry of an attempt that may have been published (the key's record, and the
-        # API keys checked before it, are in the store): "nothing was changed" would let the client send it again
-        # under a new key.
-        if request.url.path in ("/v1/sends", "/v1/sends/batch") and request.headers.get("idempotency-key"):
-            return _unavailable(request, exc, "the state store", str(EarlierAttemptMayBePublished.after(exc)),
-                                outcome="unknown")
+        # Nothing was published or changed: the client may retry after a moment.
         return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
 
     @app.exception_handler(PublishError)
@@ -400,7 +390,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                 if total > MAX_FANNED_OUT_BYTES:
                     raise problem(413, "fan_out_too_large", where(i), f"the request's webhook events, copied to "
                                   f"each endpoint subscribed, come to more than {MAX_FANNED_OUT_BYTES} bytes of "
-                                  f"payload by this one ({copies} endpoints): send fewer or smaller events a request")
+                                  f"payload by this one ({copies} endpoints): send fewer or smaller events a request "
+                                  f"(an event to {copies} endpoints carries at most {MAX_FANNED_OUT_BYTES // copies} "
+                                  "bytes of payload)")
 
     def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, claim: Claimed
                 ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int], bool]:

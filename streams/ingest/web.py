@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 from starlette.routing import Match
 
-from ..errors import StackError
+from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable
 from ..state.guard import StateGuard
 from .api_keys import ApiKeys, Principal
 
@@ -213,6 +213,22 @@ def answer_options(app: FastAPI) -> None:
 
 
 UNREADABLE_LOG_EVERY_S = 10.0
+SEND_ROUTES = ("/v1/sends", "/v1/sends/batch")
+RETRY_WITH_KEY = "retry after a moment with the same Idempotency-Key (sends then keep their send ids and are sent once)"
+
+
+class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
+    """A request that published nothing itself, under an Idempotency-Key an earlier attempt may have published
+    under (its outcome was unknown, or its process died while publishing): answered `"outcome": "unknown"`, never
+    "nothing was published", which would let the client send it again under a new key."""
+
+    @classmethod
+    def after(cls, failure: PublishError | StoreUnavailable) -> "EarlierAttemptMayBePublished":
+        failed = ("the state store is unavailable" if isinstance(failure, StoreUnavailable)
+                  else "the message broker did not take it")
+        return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
+                   f"may have been published: {RETRY_WITH_KEY}")
+
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                     description="an API key (`streams keys create`): `Authorization: Bearer <key>`")
 
@@ -229,6 +245,16 @@ class Auth:
     def principal(self, request: Request,
                   _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None) -> Principal:
         # BEARER documents the scheme in the OpenAPI; the header is read here, every failure a 401 in one shape.
+        try:
+            return self._principal(request)
+        except StoreUnavailable as exc:
+            if request.url.path in SEND_ROUTES and request.headers.get("idempotency-key"):
+                # The key's record is in the store too: this attempt may retry one that was published, and "nothing
+                # was changed" would let its client send it again under a new key.
+                raise EarlierAttemptMayBePublished.after(exc) from exc
+            raise
+
+    def _principal(self, request: Request) -> Principal:
         if self.guard is not None:
             try:
                 self.guard.check()

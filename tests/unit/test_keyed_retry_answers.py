@@ -119,10 +119,11 @@ def test_a_keyed_send_whose_api_key_cannot_be_checked_says_the_outcome_is_unknow
     ingest.client.publisher.close()
 
 
-def test_a_first_attempt_refused_whole_says_nothing_was_published():
-    """Given a key used for the first time, When the broker refuses the request whole, Then a plain 503: nothing
-    was published, and the key is free again."""
-    r, idempotency = _post(taken_over=False, exc=PublishError("refused whole (test)"))
+@pytest.mark.parametrize("exc", [PublishError("refused whole (test)"), StoreUnavailable("Redis down (test)")])
+def test_a_first_attempt_refused_whole_says_nothing_was_published(exc):
+    """Given a key used for the first time, When the broker refuses the request whole (or the state store fails
+    before it is published), Then a plain 503: nothing was published, and the key is free again."""
+    r, idempotency = _post(taken_over=False, exc=exc)
     assert r.status_code == 503 and "outcome" not in r.json(), r.text
     assert idempotency.ended == ["release"]
 
