@@ -57,6 +57,7 @@ def events_of(doc: Any) -> list[dict]:
     return [doc] if isinstance(doc, dict) else []
 
 
+WHERE_KEYS = ("topic", "partition", "offset")  # what an event's `origin` and `dlq` say
 _TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id", "event_id", "event_type", "channel",
          "lane")
 _INTEGERS = ("attempts", "completed_at_ms", "created_at_ms", "accepted_at_ms")
@@ -89,12 +90,11 @@ def unusable(event: dict) -> str | None:
         return "'providers_tried' is not a list of strings"
     for name in ("origin", "dlq"):
         where = event.get(name)
-        # Those three keys only: each key is a field of the status hash (4,000 of them passed what the status
-        # script can write, and the recorder took Redis's refusal for an outage, retrying the record for good).
-        if where is not None and not (isinstance(where, dict) and set(where) <= {"topic", "partition", "offset"}
-                                      and all(isinstance(v, int) and not isinstance(v, bool)
-                                              if k in ("partition", "offset") else isinstance(v, str)
-                                              for k, v in where.items())):
+        # Its other keys are not read (`WHERE_KEYS`): each of those written became a field of the status hash, and
+        # 4,000 passed what the status script can write (the recorder retried the record for good).
+        if where is not None and not (isinstance(where, dict) and all(
+                isinstance(where[k], int) and not isinstance(where[k], bool) if k != "topic"
+                else isinstance(where[k], str) for k in WHERE_KEYS if k in where)):
             return f"'{name}' is not an object of a topic and integer partition and offset"
     attempt = event.get("attempt")
     if attempt is not None and not (isinstance(attempt, dict) and isinstance(attempt.get("n"), int)

@@ -16,7 +16,7 @@ from ..backoff import Outage
 from ..errors import PublishError, StackError, StateLost, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys
-from ..outcomes import ACCEPTED, events_of, unusable, webhook_fields
+from ..outcomes import ACCEPTED, WHERE_KEYS, events_of, unusable, webhook_fields
 from ..redis_client import load_script, ping_every_master, store_errors
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class StatusStore:
             fields["providers_tried"] = ",".join(event["providers_tried"])
         for prefix, where in (("origin", event.get("origin")), ("dlq", event.get("dlq"))):
             if isinstance(where, dict):
-                fields.update({f"{prefix}_{k}": v for k, v in where.items()})
+                fields.update({f"{prefix}_{k}": where[k] for k in WHERE_KEYS if k in where})
         attempt = None
         if isinstance(event.get("attempt"), dict):
             try:

@@ -261,11 +261,11 @@ class HttpProvider:
 
 def _text(resp: httpx.Response) -> str:
     """An answer's body as text for its excerpt: in the charset it claims (so a key it echoes is found and masked),
-    else as UTF-8 (`resp.text` raises on a charset the body does not match, or one unknown, which lost the
-    answer's status: a 429's cool-down, a 4xx's rejection)."""
+    else as UTF-8 (`resp.text` raises on a charset the body does not match, or one that is no text encoding,
+    which lost the answer's status: a 429's cool-down, a 4xx's rejection)."""
     try:
         return resp.text
-    except (UnicodeError, LookupError):
+    except Exception:  # noqa: BLE001 - a charset may name any codec (unknown, base64, rot13): each fails its own way
         return resp.content.decode("utf-8", "replace")
 
 

@@ -26,7 +26,7 @@ class SmsGatewayB(HttpProvider):
     def parse_ids(self, body: bytes) -> tuple[str, ...]:
         doc = orjson.loads(body)
         sid = (doc.get("message") or {}).get("sid")
-        return (message_id(sid) if sid else "",)  # none, 0, false, empty: no message named
+        return ("" if sid is None or sid == "" else message_id(sid),)  # none or empty: no message named
 
     def parse_error(self, body: bytes) -> str:
         try:

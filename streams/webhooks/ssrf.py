@@ -54,8 +54,8 @@ class UrlPolicy:
         """Raise UnsafeUrl for a URL we may not call (resolving its host with `resolve`)."""
         try:
             parts = urlsplit(url)
-            hostname, port = parts.hostname, parts.port
-        except ValueError:  # `http://[::1/x`: an unclosed bracket; a port out of range or not a number
+            hostname = parts.hostname
+        except ValueError:  # `http://[::1/x`: an unclosed bracket
             raise UnsafeUrl(NOT_HTTP) from None
         if parts.scheme not in ("https", "http") or not hostname:
             raise UnsafeUrl(NOT_HTTP)
@@ -63,8 +63,12 @@ class UrlPolicy:
             raise UnsafeUrl("webhook URLs must use https")
         if parts.username or parts.password:
             raise UnsafeUrl("webhook URLs may not carry credentials")
+        try:
+            port = parts.port
+        except ValueError:  # out of range, or not a number
+            port = 0
         if port == 0:
-            raise UnsafeUrl("webhook URLs may not use port 0 (no server listens there: every delivery would fail)")
+            raise UnsafeUrl("a webhook URL's port is a number from 1 to 65535 (or none)")
         host = wire_host(url)
         if not host:
             raise UnsafeUrl(NOT_HTTP)

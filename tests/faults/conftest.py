@@ -7,6 +7,7 @@ Every test here is marked `faults` (and `integration`: it needs Kafka and Redis)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -84,7 +85,8 @@ def fault_stack(tmp_path, stack):
     try:
         env = local.up()
     except BaseException:
-        local.down(wipe=True)  # what did start (Redis, a JVM not ready in time) is not left running
+        with contextlib.suppress(Exception):  # the start's own error is the one to see
+            local.down(wipe=True)  # what did start (Redis, a JVM not ready in time) is not left running
         raise
     yield FaultStack(local, env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"])
     local.down(wipe=True)

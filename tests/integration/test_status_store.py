@@ -94,3 +94,17 @@ def test_a_webhook_deliverys_accepted_event_lists_it_under_its_endpoint(redis_cl
     assert (status["status"], status["endpoint_id"], status["event_id"]) == ("accepted", "ep_1", event_id)
     assert store.endpoint_deliveries_between("ep_1", "acme", 0, delivery.created_at_ms + 1, 10) == [
         (delivery.send_id, delivery.created_at_ms)]
+
+
+def test_an_outcome_whose_dlq_holds_thousands_of_other_keys_is_recorded_with_where_it_is(redis_client, namespace):
+    """An outcome event (another producer's, or a newer version's) whose `dlq` holds 4,000 keys besides its partition
+    and offset: recorded, with the dead letter's place and nothing else of it (before: each key became a field of
+    the status hash, past what the status script can write: Redis refused it, the recorder took that for an outage
+    and retried the record for good, and `state recover` aborted)."""
+    store = StatusStore(redis_client, namespace)
+    event = {**_event("dead_lettered", 3, "s-wide"), "dlq": {"partition": 2, "offset": 41,
+                                                            **{f"k{i}": "v" for i in range(4_000)}}}
+    store.record_outcome(event)
+    doc = redis_client.hgetall(store.keys.send_status("s-wide"))
+    assert doc[b"status"] == b"dead_lettered" and (doc[b"dlq_partition"], doc[b"dlq_offset"]) == (b"2", b"41")
+    assert b"dlq_k0" not in doc

@@ -159,12 +159,19 @@ class ThrottledInUtf32(Canned):
     body = b'{"name": "rate_limit_exceeded", "message": "slow down"}'
 
 
-def test_a_429_whose_charset_does_not_match_its_body_is_still_a_429():
+class ThrottledInBase64(ThrottledInUtf32):
+    """A 429 whose Content-Type names a codec that is no text encoding."""
+
+    headers = b"Content-Type: application/json; charset=base64\r\nRetry-After: 7\r\n"
+
+
+@pytest.mark.parametrize("answering", [ThrottledInUtf32, ThrottledInBase64])
+def test_a_429_whose_charset_does_not_match_its_body_is_still_a_429(answering):
     """Given a provider answering 429 (Retry-After 7) with a body its Content-Type says is UTF-32 and is not,
     When an email is sent,
     Then the answer is a throttle with its ask (before: decoding the excerpt raised, the answer lost as an unknown
     outcome: no cool-down, the request asked again)."""
-    with provider_answering(ThrottledInUtf32) as provider:
+    with provider_answering(answering) as provider:
         result = provider.post("/emails", b"{}", "re_key", "send-x")
     assert (result.outcome, result.status, result.retry_after) == ("throttled", 429, "7")
     assert "slow down" in result.error_body
@@ -246,10 +253,17 @@ def test_an_answer_compressed_though_asked_plain_is_not_decoded():
     assert (result.outcome, result.error_name) == ("unknown", "unreadable_body")
 
 
-def test_an_sms_answer_naming_no_sid_names_no_message():
-    """SMS gateway B's answer whose `sid` is missing, null, 0, false or empty names no message (rejected, the next
-    provider may take it); a sid is kept as text."""
+def test_an_sms_answer_naming_no_sid_names_no_message_and_an_odd_one_is_unreadable():
+    """SMS gateway B's answer whose `sid` is missing, null or empty names no message (rejected, the next provider may
+    take it); a sid is kept as text; one that is no id (false, a list, an object) makes the answer unreadable (an
+    unknown outcome, asked again under its key), never "no message", which a replay or the next provider would send
+    again."""
     gateway = SmsGatewayB.__new__(SmsGatewayB)
-    for sid in ("null", "0", "false", '""', "[]"):
+    assert gateway.parse_ids(b'{"message": {}}') == ("",)
+    for sid in ("null", '""'):
         assert gateway.parse_ids(b'{"message": {"sid": %s}}' % sid.encode()) == ("",)
     assert gateway.parse_ids(b'{"message": {"sid": "SM1"}}') == ("SM1",)
+    assert gateway.parse_ids(b'{"message": {"sid": 0}}') == ("0",)
+    for sid in ("false", "[]", "{}"):
+        with pytest.raises(TypeError):
+            gateway.parse_ids(b'{"message": {"sid": %s}}' % sid.encode())

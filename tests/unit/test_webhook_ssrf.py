@@ -47,8 +47,8 @@ def resolve(host):
     ("https://192.0.2.10/x", "private"),
     ("https://198.18.0.1/x", "private"),
     ("https://user:pw@hooks.example.com/x", "credentials"),
-    ("https://hooks.example.com:0/x", "port 0"),
-    ("https://hooks.example.com:99999/x", "not an http"), ("https://hooks.example.com:abc/x", "not an http"),
+    ("https://hooks.example.com:0/x", "port is a number from 1"),
+    ("https://hooks.example.com:99999/x", "port is a number from 1"), ("https://hooks.example.com:abc/x", "port"),
     ("ftp://hooks.example.com/x", "not an http"),
     # IPv4 in other forms: resolvers read them variously (177.0.0.1 for one), the delivery client refuses them all
     ("https://0177.0.0.1/x", "octal or hex form"),
