@@ -72,6 +72,15 @@ def unidentified(event: dict) -> str | None:
     return None
 
 
+def _is_place(where: object) -> bool:
+    """An event's `origin` or `dlq`: an object of a text topic and integer partition and offset. Its other keys are
+    not read (each written became a field of the status hash: 4,000 passed what the status script can write, and
+    the recorder retried the record for good)."""
+    return isinstance(where, dict) and all(
+        isinstance(value, str) if key == "topic" else isinstance(value, int) and not isinstance(value, bool)
+        for key, value in where.items() if key in WHERE_KEYS)
+
+
 def unusable(event: dict) -> str | None:
     """Why an outcome event cannot be recorded, naming the field (None: it can). Our writers never
     write such events; another producer on the topic, or a newer version, might."""
@@ -89,12 +98,7 @@ def unusable(event: dict) -> str | None:
     if tried is not None and not (isinstance(tried, list) and all(isinstance(t, str) for t in tried)):
         return "'providers_tried' is not a list of strings"
     for name in ("origin", "dlq"):
-        where = event.get(name)
-        # Its other keys are not read (`WHERE_KEYS`): each of those written became a field of the status hash, and
-        # 4,000 passed what the status script can write (the recorder retried the record for good).
-        if where is not None and not (isinstance(where, dict) and all(
-                isinstance(where[k], int) and not isinstance(where[k], bool) if k != "topic"
-                else isinstance(where[k], str) for k in WHERE_KEYS if k in where)):
+        if event.get(name) is not None and not _is_place(event[name]):
             return f"'{name}' is not an object of a topic and integer partition and offset"
     attempt = event.get("attempt")
     if attempt is not None and not (isinstance(attempt, dict) and isinstance(attempt.get("n"), int)

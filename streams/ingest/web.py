@@ -229,6 +229,7 @@ class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
         return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
                    f"may have been published: {RETRY_WITH_KEY}")
 
+
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                     description="an API key (`streams keys create`): `Authorization: Bearer <key>`")
 

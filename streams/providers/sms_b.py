@@ -25,8 +25,7 @@ class SmsGatewayB(HttpProvider):
 
     def parse_ids(self, body: bytes) -> tuple[str, ...]:
         doc = orjson.loads(body)
-        sid = (doc.get("message") or {}).get("sid")
-        return ("" if sid is None or sid == "" else message_id(sid),)  # none or empty: no message named
+        return (message_id((doc.get("message") or {}).get("sid")),)
 
     def parse_error(self, body: bytes) -> str:
         try:
