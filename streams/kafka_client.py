@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from . import metrics
 from .backoff import Outage
-from .errors import PublishError, PublishOutcomeUnknown
+from .errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown
 from .offsets import OffsetTracker
 
 _log = logging.getLogger("streams.kafka")
@@ -371,6 +371,24 @@ WATERMARK_RETRIABLE = frozenset({
     KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.OFFSET_NOT_AVAILABLE,
     KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._UNKNOWN_PARTITION,
 })
+
+
+def topic_partitions(c: Consumer, topic: str, timeout_s: float = 10.0) -> list[int]:
+    """A topic's partitions. Its metadata may come with an error and no partitions for a moment (a leader just
+    moved, a broker busy): asked again until timeout_s, then BrokerUnavailable. Taken as it came, that empty list
+    read as an empty topic: a dead-letter listing "0 of 0" passed off as whole, a recovery that restored nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            meta = c.list_topics(topic, timeout=min(3.0, max(0.1, deadline - time.monotonic()))).topics.get(topic)
+            problem = "missing" if meta is None else str(meta.error) if meta.error is not None else "no partitions"
+            if meta is not None and meta.error is None and meta.partitions:
+                return sorted(meta.partitions)
+        except KafkaException as exc:
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            raise BrokerUnavailable(f"the broker did not describe topic {topic} within {timeout_s:.0f} s ({problem})")
+        time.sleep(0.2)  # backoff before asking again, not synchronisation
 
 
 def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:

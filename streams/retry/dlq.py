@@ -16,7 +16,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from ..errors import BrokerUnavailable, ReplayRefused
-from ..kafka_client import client_config, watermarks
+from ..kafka_client import client_config, topic_partitions, watermarks
 from ..providers.outcome import redact
 
 # What a dead letter says of itself (each bounded): kept when the headers it carried from its record are
@@ -58,7 +58,7 @@ def _read(bootstrap: str, topic: str, timeout_s: float, handle: Callable[[Any], 
         # A start offset retention has deleted meanwhile: from the oldest left, never the end (nothing).
         "auto.offset.reset": "earliest"}))
     try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        parts = topic_partitions(c, topic)
         ends = {}
         assignment = []
         for p in parts:
@@ -162,7 +162,7 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
     c = Consumer(client_config(bootstrap, quiet=True, settings={
         "group.id": f"dlq-finder-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
     try:
-        partitions = len(c.list_topics(topic, timeout=10).topics[topic].partitions)
+        partitions = len(topic_partitions(c, topic))
         partition = partition_for(send_id.encode(), partitions)
         low, high = watermarks(c, TopicPartition(topic, partition))
         found = None

@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from ..dispatch.idempotency import DELIVERED_TTL_S, ProcessedJobs
 from ..errors import StackError, StoreUnavailable
 from ..ingest.status import STATUS_TTL_S, StatusStore, UnusableOutcome, skip_outcome
-from ..kafka_client import client_config, watermarks
+from ..kafka_client import client_config, topic_partitions, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import ACCEPTED, events_of, unidentified
 from ..redis_client import is_cluster, store_errors
@@ -85,7 +85,7 @@ def _read_all(bootstrap: str, topic: str, handle: Callable[[Message], None]) -> 
         "group.id": f"state-recover-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
         "auto.offset.reset": "earliest"}))
     try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        parts = topic_partitions(c, topic)
         ends, assignment = {}, []
         for p in parts:
             low, high = watermarks(c, TopicPartition(topic, p))
