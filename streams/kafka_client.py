@@ -373,6 +373,21 @@ WATERMARK_RETRIABLE = frozenset({
 })
 
 
+def _one_try_s(deadline: float) -> float:
+    """A try's own bound within a read that asks again until `deadline`: a few seconds at most."""
+    return min(3.0, max(0.1, deadline - time.monotonic()))
+
+
+def described_partitions(c: Consumer, topic: str, timeout_s: float) -> list[int]:
+    """A topic's partitions from one metadata request; BrokerUnavailable naming the problem when the answer
+    has none (the topic missing, or described with an error), never an empty list."""
+    meta = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if meta is None or meta.error is not None or not meta.partitions:
+        problem = "missing" if meta is None else str(meta.error) if meta.error is not None else "no partitions"
+        raise BrokerUnavailable(f"the broker did not describe topic {topic} ({problem})")
+    return sorted(meta.partitions)
+
+
 def topic_partitions(c: Consumer, topic: str, timeout_s: float = 10.0) -> list[int]:
     """A topic's partitions. Its metadata may come with an error and no partitions for a moment (a leader just
     moved, a broker busy): asked again until timeout_s, then BrokerUnavailable. Taken as it came, that empty list
@@ -380,14 +395,11 @@ def topic_partitions(c: Consumer, topic: str, timeout_s: float = 10.0) -> list[i
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            meta = c.list_topics(topic, timeout=min(3.0, max(0.1, deadline - time.monotonic()))).topics.get(topic)
-            problem = "missing" if meta is None else str(meta.error) if meta.error is not None else "no partitions"
-            if meta is not None and meta.error is None and meta.partitions:
-                return sorted(meta.partitions)
-        except KafkaException as exc:
-            problem = str(exc)
-        if time.monotonic() >= deadline:
-            raise BrokerUnavailable(f"the broker did not describe topic {topic} within {timeout_s:.0f} s ({problem})")
+            return described_partitions(c, topic, _one_try_s(deadline))
+        except (KafkaException, BrokerUnavailable) as exc:
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"the broker did not describe topic {topic} within {timeout_s:.0f} s "
+                                        f"(last answer: {exc})") from None
         time.sleep(0.2)  # backoff before asking again, not synchronisation
 
 
@@ -397,18 +409,14 @@ def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tupl
     would: each try is bounded to a few seconds, and the client's metadata is refreshed before the next
     one, so a stale leader in its cache is not asked again and again."""
     deadline = time.monotonic() + timeout_s
-
-    def one_try_s() -> float:
-        return min(3.0, max(0.1, deadline - time.monotonic()))
-
     while True:
         try:
-            return c.get_watermark_offsets(tp, timeout=one_try_s(), cached=False)
+            return c.get_watermark_offsets(tp, timeout=_one_try_s(deadline), cached=False)
         except KafkaException as exc:
             if exc.args[0].code() not in WATERMARK_RETRIABLE or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)  # backoff before asking again, not synchronisation
             try:
-                c.list_topics(tp.topic, timeout=one_try_s())
+                c.list_topics(tp.topic, timeout=_one_try_s(deadline))
             except KafkaException:
                 pass  # the next try reports what is wrong

@@ -20,8 +20,8 @@ import uuid
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from ..errors import StackError
-from ..kafka_client import client_config
+from ..errors import BrokerUnavailable, StackError
+from ..kafka_client import client_config, described_partitions
 from .yield_policy import LagReading
 
 TIMEOUT_S = 5.0
@@ -52,14 +52,10 @@ class LagReader:
         cached = self._partitions.get(topic)
         if cached is None or time.monotonic() - cached[0] > PARTITIONS_TTL_S:
             try:
-                md = self.peeker.list_topics(topic, timeout=TIMEOUT_S)
-                meta = md.topics.get(topic)
-                if meta is None or meta.error is not None or not meta.partitions:
-                    raise StackError(f"cannot read lag: topic {topic} ({meta.error if meta else 'missing'})")
-                cached = (time.monotonic(), sorted(meta.partitions))
-            except (KafkaException, StackError):
+                cached = (time.monotonic(), described_partitions(self.peeker, topic, TIMEOUT_S))
+            except (KafkaException, BrokerUnavailable) as exc:
                 if cached is None:
-                    raise
+                    raise StackError(f"cannot read lag: {exc}") from None
                 # Known already: keep reading those (a broker restarting answers metadata with errors for a
                 # while), and list them again in a minute, not on every read.
                 cached = (time.monotonic(), cached[1])
