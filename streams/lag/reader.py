@@ -63,8 +63,8 @@ class LagReader:
         return cached[1]
 
     def positions(self, group: str, topic: str) -> dict[int, tuple[int, int]]:
-        """Per partition: (the group's position, the log-end offset). A partition without a commit
-        is positioned at its earliest offset."""
+        """Per partition: (the group's position, the log-end offset). A partition without a commit, or
+        whose commit is outside the log, is positioned at its earliest offset."""
         consumer = self._consumer(group)
         partitions = self.partitions(topic)
         parts = [TopicPartition(topic, p) for p in partitions]
@@ -73,7 +73,9 @@ class LagReader:
         for p in partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)
             position = committed.get(p, -1)
-            out[p] = (position if position >= 0 else low, high)
+            # Outside the log (none committed; deleted by retention; the topic made anew under the group's old
+            # offsets) the group's consumers start at the earliest offset, and so does its lag: never clamped to 0.
+            out[p] = (position if low <= position <= high else low, high)
         return out
 
     def read(self, group: str, topic: str, source: str = "monitor") -> LagReading:
@@ -107,7 +109,10 @@ class LagReader:
                     if m.partition() in found:
                         continue
                     if not m.error():
+                        # A partition ended before may have a message now (its head was an open transaction's
+                        # record): counted once, or the loop stops before a partition holding an older one.
                         found[m.partition()] = m.timestamp()[1]
+                        ended.discard(m.partition())
                     elif m.error().code() == KafkaError._PARTITION_EOF:
                         ended.add(m.partition())
         finally:

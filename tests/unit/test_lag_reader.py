@@ -103,11 +103,12 @@ class Event:
         return (1, self._ts)
 
 
-def _reader_peeking(events: list[Event]) -> LagReader:
-    """A reader of a lane of two partitions, each with 5 messages waiting, whose peeks return `events` once."""
+def _reader_peeking(events: list[Event], *later: list[Event]) -> LagReader:
+    """A reader of a lane of two partitions, each with 5 messages waiting, whose peeks return `events` once
+    (then each of `later` once)."""
     lag = LagReader("127.0.0.1:9")
     lag.peeker.close()
-    batches = [events]
+    batches = [*reversed(later), events]
     lag.peeker = SimpleNamespace(assign=lambda heads: None, unassign=lambda: None, close=lambda: None,
                                  consume=lambda num_messages, timeout: batches.pop() if batches else [])
     lag.positions = lambda group, topic: {0: (0, 5), 1: (3, 8)}
@@ -169,3 +170,33 @@ def test_a_reading_is_as_old_as_its_first_look_at_the_broker(monkeypatch):
     lister.positions = slow_positions  # type: ignore[method-assign]
     reading = lister.read("group", "lane")
     assert (reading.lag_messages, reading.ts_ms) == (0, 1_800_000_000_000)
+
+
+def test_a_partition_that_ended_then_showed_a_message_does_not_end_the_read_before_the_others():
+    """Given a lane of two partitions whose first peek ends partition 0 (its head an open transaction's record)
+    and then shows its message once the transaction commits (1 s old), and whose partition 1 holds a message a
+    minute old that comes in the next fetch,
+    When the lag is read,
+    Then its age is the minute (before: partition 0 counted twice, as ended and as read, stopped the read before
+    partition 1, and the lane's age read 1 s while its OTPs waited a minute: marketing did not yield)."""
+    now_ms = int(time.time() * 1000)
+    reading = _reader_peeking([Event(0), Event(0, now_ms - 1_000)], [Event(1, now_ms - 60_000)]).read("g", "lane")
+    assert 59.0 <= reading.lag_seconds < 61.0
+
+
+def test_a_commit_outside_the_log_counts_the_lag_from_its_earliest_offset():
+    """Given a lane whose group's commits lie past the log's end (the topic made anew under the group's old
+    offsets) on partition 0 and before its start (deleted by retention) on partition 1,
+    When the positions are read,
+    Then each partition is positioned at its earliest offset, as its consumers will be (before: partition 0's
+    lag read 0, and with the workers down the transactional lag stayed 0: marketing never yielded, no alert)."""
+    lister = LagReader("127.0.0.1:9")
+    lister.peeker.close()
+    offsets = {0: (0, 40), 1: (100, 130)}
+    consumer = SimpleNamespace(
+        committed=lambda parts, timeout: [SimpleNamespace(partition=0, offset=900), SimpleNamespace(partition=1,
+                                                                                                   offset=20)],
+        get_watermark_offsets=lambda tp, timeout, cached: offsets[tp.partition])
+    lister._consumer = lambda group: consumer  # type: ignore[method-assign]
+    lister.partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
+    assert lister.positions("g", "lane") == {0: (0, 40), 1: (100, 130)}
