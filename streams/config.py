@@ -304,8 +304,9 @@ def _base_url(e: Mapping[str, str], name: str, provider: str) -> str | None:
     if url is None or url.scheme not in ("http", "https") or not url.hostname:
         raise ConfigError(f"{name}={_masked(raw)!r} (provider {provider!r}) must be an http(s) URL with a host")
     if url.path not in ("", "/") or url.query or url.fragment:
-        raise ConfigError(f"{name}={_masked(raw)!r} (provider {provider!r}) must name no path, query or fragment: "
-                          f"the provider's allowlisted paths are full paths from the host (give "
+        # The URL is not shown whole: a path may hold a token as well as a query (`https://gw/bot123:SECRET`).
+        raise ConfigError(f"{name} (provider {provider!r}) must name no path, query or fragment (it has one, not "
+                          f"shown here): the provider's allowlisted paths are full paths from the host (give "
                           f"{_masked(f'{url.scheme}://{url.netloc}')!r})")
     return raw
 
@@ -339,8 +340,7 @@ def _yield_policy(e: Mapping[str, str]) -> YieldPolicy:
                            min_dwell_s=_float(e, "YIELD_MIN_DWELL_S", 2.0),
                            stale_after_s=_float(e, "YIELD_STALE_AFTER_S", 3.0))
     except ValueError as exc:
-        raise ConfigError("environment variables YIELD_PAUSE_ABOVE, YIELD_RESUME_BELOW (and their _SECONDS), "
-                          f"YIELD_MIN_DWELL_S, YIELD_STALE_AFTER_S: {exc}") from None
+        raise ConfigError(f"environment variable {exc}") from None  # the policy's error names its variable
 
 
 @dataclass(frozen=True)

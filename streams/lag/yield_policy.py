@@ -15,6 +15,10 @@ from dataclasses import dataclass, replace
 # A reading may not go stale sooner: the lag monitor publishes at least every 0.5 s (`monitor.MAX_INTERVAL_S`),
 # and a reading stale before the next one arrives would leave marketing reading the lag itself all the time.
 MIN_STALE_AFTER_S = 1.0
+# Nor later: a dead monitor's last reading (often 0) would be trusted that long (3000, meant as ms, is 50 minutes of
+# marketing sending while OTPs wait). And no pause is meant to last longer than a few minutes for want of a reading.
+MAX_STALE_AFTER_S = 60.0
+MAX_MIN_DWELL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -35,17 +39,24 @@ class YieldPolicy:
     stale_after_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.stale_after_s) and self.stale_after_s >= MIN_STALE_AFTER_S):
-            raise ValueError(f"YIELD_STALE_AFTER_S ({self.stale_after_s}) must be a number of seconds of at least "
-                             f"{MIN_STALE_AFTER_S:g}")
-        if not (math.isfinite(self.min_dwell_s) and self.min_dwell_s >= 0):
-            raise ValueError(f"YIELD_MIN_DWELL_S ({self.min_dwell_s}) must be a number of seconds, at least 0")
+        if not (math.isfinite(self.stale_after_s) and MIN_STALE_AFTER_S <= self.stale_after_s <= MAX_STALE_AFTER_S):
+            raise ValueError(f"YIELD_STALE_AFTER_S ({self.stale_after_s}) must be a number of seconds from "
+                             f"{MIN_STALE_AFTER_S:g} to {MAX_STALE_AFTER_S:g}")
+        if not (math.isfinite(self.min_dwell_s) and 0 <= self.min_dwell_s <= MAX_MIN_DWELL_S):
+            raise ValueError(f"YIELD_MIN_DWELL_S ({self.min_dwell_s}) must be a number of seconds from 0 to "
+                             f"{MAX_MIN_DWELL_S:g}")
         if not 0 <= self.resume_below < self.pause_above:
-            raise ValueError(f"resume_below ({self.resume_below}) must be below "
-                             f"pause_above ({self.pause_above}) and at least 0")
+            raise ValueError(f"YIELD_RESUME_BELOW ({self.resume_below}) must be below "
+                             f"YIELD_PAUSE_ABOVE ({self.pause_above}) and at least 0")
+        if not (math.isfinite(self.pause_above_seconds) and self.pause_above_seconds >= 0):
+            raise ValueError(f"YIELD_PAUSE_ABOVE_SECONDS ({self.pause_above_seconds}) must be a number of seconds, "
+                             "at least 0 (0: off)")
+        if not self.pause_above_seconds and self.resume_below_seconds is not None:
+            raise ValueError(f"YIELD_RESUME_BELOW_SECONDS ({self.resume_below_seconds}) is set while "
+                             "YIELD_PAUSE_ABOVE_SECONDS is 0 (off): it would be ignored")
         if self.pause_above_seconds and not 0 <= self.resume_seconds < self.pause_above_seconds:
-            raise ValueError(f"resume_below_seconds ({self.resume_below_seconds}) must be below "
-                             f"pause_above_seconds ({self.pause_above_seconds}) and at least 0")
+            raise ValueError(f"YIELD_RESUME_BELOW_SECONDS ({self.resume_below_seconds}) must be below "
+                             f"YIELD_PAUSE_ABOVE_SECONDS ({self.pause_above_seconds}) and at least 0")
 
     @property
     def resume_seconds(self) -> float:

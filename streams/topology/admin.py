@@ -246,7 +246,8 @@ class TopicAdmin:
         fine), raise the replication factor of those that exist with fewer replicas (and then set their
         configs, min.insync.replicas among them, as `topics apply` does; a topic of more replicas is left
         as it is), and return once the brokers show them all (each broker asked, best effort and bounded,
-        as after an apply). Raises TopicPlanError when one exists with another partition count, and
+        as after an apply). Raises TopicPlanError when one exists with another partition count or a change
+        `topics apply` would refuse (another cleanup.policy), and
         StackError when the broker cannot be reached, does not answer in time or refuses (the admin
         client does not say which refusals would pass: a caller that waits asks again)."""
         existing = self.state(list(specs))
@@ -261,7 +262,12 @@ class TopicAdmin:
         # A topic of more replicas than the spec (a copy started with a lower profile) is left as it is: its
         # configs (min.insync.replicas) go with its replicas.
         ours = {n: specs[n] for n, st in existing.items() if st.replication_factor <= specs[n].replication_factor}
-        changes = [c for c in plan(ours, existing) if c.kind in ("add_replicas", "set_config")]
+        changes = plan(ours, existing)
+        # A policy this tool would refuse to change (a changelog made by hand with cleanup.policy=delete ages its
+        # state out) is not taken as it is: the role does not start on it.
+        if refused := [c for c in changes if c.kind == "refused"]:
+            raise TopicPlanError("; ".join(f"{c.topic}: {c.detail}" for c in refused))
+        changes = [c for c in changes if c.kind in ("add_replicas", "set_config")]
         if changes:
             self.apply(changes, ours)
         missing = [s for name, s in specs.items() if name not in existing]

@@ -254,10 +254,14 @@ def _check_insync_replicas(specs: dict[str, TopicSpec]) -> None:
 
 
 def _check_retry_partitions(specs: dict[str, TopicSpec]) -> None:
-    """Retry and DLQ topics need at least the lane's partitions, or they become a bottleneck."""
+    """Retry and DLQ topics need at least the lane's partitions (the DLQ: the most of any lane's), or they
+    become a bottleneck."""
+    lanes = [s for s in specs.values() if re.match(rf"^.*notif\.[a-z]+\.({'|'.join(LANES)})$", s.name)]
     for spec in specs.values():
         match = re.match(r"^(.*notif\.[a-z]+\.[a-z]+)\.retry\.", spec.name)
         lane = specs.get(match.group(1)) if match else None
+        if spec.name.endswith("notif.dlq"):
+            lane = max(lanes, key=lambda s: s.partitions, default=None)
         if lane and spec.partitions < lane.partitions:
             raise ConfigError(f"{spec.source}: field 'partitions': {spec.name} has {spec.partitions} "
                               f"partitions, fewer than its lane {lane.name} ({lane.partitions})")

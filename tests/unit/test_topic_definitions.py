@@ -86,6 +86,20 @@ def test_retry_topic_with_fewer_partitions_than_its_lane_is_rejected(tmp_path):
         load_definitions(tmp_path)
 
 
+def test_a_dlq_with_fewer_partitions_than_a_lane_is_rejected(tmp_path):
+    """Given lanes raised to 12 partitions and notif.dlq left at 6,
+    When the definitions are loaded,
+    Then they are refused naming the DLQ and the lane (before, only retry topics were compared with their lane)."""
+    (tmp_path / "a.toml").write_text('[[topic]]\nname="notif.sms.transactional"\npartitions=6\nreplication_factor=1\n'
+                                     '[[topic]]\nname="notif.email.marketing"\npartitions=12\nreplication_factor=1\n'
+                                     '[[topic]]\nname="notif.dlq"\npartitions=6\nreplication_factor=1\n')
+    with pytest.raises(ConfigError, match=r"notif.dlq has 6 partitions, fewer than its lane notif.email.marketing"):
+        load_definitions(tmp_path)
+    (tmp_path / "a.toml").write_text(
+        (tmp_path / "a.toml").read_text().replace('"notif.dlq"\npartitions=6', '"notif.dlq"\npartitions=12'))
+    assert load_definitions(tmp_path)["notif.dlq"].partitions == 12
+
+
 def test_min_insync_replicas_above_the_replication_factor_is_refused_as_written_and_kept_for_a_profile(tmp_path):
     """Given a topic of 1 replica whose definition asks 2 in sync (every acks=all write would be refused, for good:
     the lanes stall behind NOT_ENOUGH_REPLICAS),
@@ -160,6 +174,23 @@ def test_a_roles_own_topic_of_more_replicas_than_its_spec_is_left_as_it_is():
     admin.apply = lambda changes, specs: applied.extend(changes)  # type: ignore[method-assign]
     admin._wait_visible = admin._wait_brokers_agree = lambda *args, **kwargs: None  # type: ignore[method-assign]
     admin.create_missing({spec.name: spec})
+    assert applied == []
+
+
+def test_a_roles_own_topic_made_with_another_cleanup_policy_stops_the_role_naming_it():
+    """Given the endpoint-health changelog made by hand with cleanup.policy=delete (its state would age out),
+    When the role starts (`create_missing` with its compacted spec),
+    Then it stops with TopicPlanError naming the topic and the policy, changing nothing (before: the refusal was
+    dropped and the role ran on a log that deletes its state after the retention)."""
+    from streams.topology.admin import TopicAdmin, TopicPlanError
+
+    admin = TopicAdmin.__new__(TopicAdmin)
+    spec = TopicSpec("ns.endpoint-health-changelog", 6, 1, {"cleanup.policy": "compact"})
+    applied: list = []
+    admin.state = lambda names: {spec.name: TopicState(6, 1, {"cleanup.policy": "delete"})}  # type: ignore[method-assign]
+    admin.apply = lambda changes, specs: applied.extend(changes)  # type: ignore[method-assign]
+    with pytest.raises(TopicPlanError, match="ns.endpoint-health-changelog: cleanup.policy delete -> compact"):
+        admin.create_missing({spec.name: spec})
     assert applied == []
 
 

@@ -43,7 +43,7 @@ def test_the_seconds_threshold_has_a_band_so_marketing_does_not_flap():
 
 
 def test_a_seconds_band_set_upside_down_is_refused():
-    with pytest.raises(ValueError, match="resume_below_seconds"):
+    with pytest.raises(ValueError, match="YIELD_RESUME_BELOW_SECONDS"):
         YieldPolicy(pause_above_seconds=5.0, resume_below_seconds=6.0)
 
 
@@ -120,12 +120,19 @@ def test_thresholds_must_leave_a_gap():
         YieldPolicy(pause_above=10, resume_below=10)
 
 
-@pytest.mark.parametrize("setting", [{"stale_after_s": 0.0}, {"stale_after_s": float("nan")},
-                                     {"stale_after_s": float("inf")}, {"min_dwell_s": -1.0},
-                                     {"min_dwell_s": float("nan")}])
-def test_a_stale_age_or_a_dwell_that_cannot_work_is_refused(setting):
-    """0 would make every reading stale before the monitor's next one; NaN would never let one go stale (a dead
-    monitor's last reading trusted for good); a negative or NaN dwell has no meaning."""
-    with pytest.raises(ValueError, match="YIELD_"):
+@pytest.mark.parametrize("setting, named", [
+    ({"stale_after_s": 0.0}, "YIELD_STALE_AFTER_S"), ({"stale_after_s": float("nan")}, "YIELD_STALE_AFTER_S"),
+    ({"stale_after_s": float("inf")}, "YIELD_STALE_AFTER_S"), ({"stale_after_s": 3000.0}, "YIELD_STALE_AFTER_S"),
+    ({"min_dwell_s": -1.0}, "YIELD_MIN_DWELL_S"), ({"min_dwell_s": float("nan")}, "YIELD_MIN_DWELL_S"),
+    ({"min_dwell_s": 2000.0}, "YIELD_MIN_DWELL_S"), ({"pause_above_seconds": -5.0}, "YIELD_PAUSE_ABOVE_SECONDS"),
+    ({"resume_below_seconds": 5.0}, "YIELD_RESUME_BELOW_SECONDS .* while YIELD_PAUSE_ABOVE_SECONDS is 0"),
+    ({"pause_above_seconds": 10.0, "resume_below_seconds": 10.0}, "YIELD_RESUME_BELOW_SECONDS .* below"),
+])
+def test_a_stale_age_a_dwell_or_a_threshold_that_cannot_work_is_refused_naming_its_variable(setting, named):
+    """0 would make every reading stale before the monitor's next one; NaN would never let one go stale, and 3000
+    (meant as ms) would trust a dead monitor's last reading for 50 minutes; a negative or NaN dwell has no meaning,
+    and 2000 s would hold every pause half an hour; a negative age threshold read as the message count's error
+    (`resume_below_seconds (None)`); a resume age without an age threshold was ignored without a word."""
+    with pytest.raises(ValueError, match=named):
         YieldPolicy(**setting)
 
