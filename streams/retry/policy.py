@@ -32,6 +32,9 @@ from ..providers.outcome import ProviderResult
 JITTER = 0.2  # each delay is drawn from [0.8, 1.2] x the tier's delay
 PARK_AT_LEAST_S = 3600  # quota 429s wait at least an hour
 QUOTA_SPREAD, QUOTA_SPREAD_MAX_S = 0.05, 300.0  # quota-parked sends come back over 5% of the wait, 5 min at most
+# The spread ends this far before a send's max age: a copy is read a moment after its due time, and one due on the
+# max age itself would then be too old, though its ask fitted.
+SPREAD_ENDS_BEFORE_MAX_AGE_S = 5.0
 DEFAULT_COOL_DOWN_S = 1.0  # a 429 without a usable Retry-After still holds the provider off this long
 # The longest wait a Retry-After is taken for: asked for longer, the provider is tried again after a day.
 MAX_RETRY_AFTER_S = 24 * 3600.0
@@ -227,7 +230,8 @@ def parse_retry_after(value: str | None, now_ms: int) -> float | None:
         return None
     value = value.strip()
     if _DELAY_SECONDS.fullmatch(value):  # ASCII digits only: str.isdigit() also takes '²', which float() refuses
-        return float(MAX_RETRY_AFTER_S) if len(value) > 9 else float(min(int(value), MAX_RETRY_AFTER_S))
+        digits = value.lstrip("0") or "0"  # `0000000030` is 30 s, not a number too long to read
+        return float(MAX_RETRY_AFTER_S) if len(digits) > 9 else float(min(int(digits), MAX_RETRY_AFTER_S))
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -304,7 +308,7 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
         delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale
                        ) if outcome == "quota" else 0
         # The spread never pushes past the send's max age an ask that falls within it.
-        room_s = max(0.0, (deadline_ms - now_ms) / 1000 - at_least)
+        room_s = max(0.0, (deadline_ms - now_ms) / 1000 - at_least - SPREAD_ENDS_BEFORE_MAX_AGE_S)
         at_least += jitter * min(QUOTA_SPREAD * at_least, QUOTA_SPREAD_MAX_S, room_s)
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms > deadline_ms:

@@ -89,10 +89,15 @@ def _check(status: dict | None, send_id: str, tenant: str | None, statuses: froz
         allowed = " or ".join(sorted(statuses))
         raise ReplayRefused(f"send {send_id} is {status['status']}: only a send that is {allowed} can be replayed "
                             "here (one still in progress is retried by dispatch itself)")
-    if status.get("reason") == "unknown_outcome" and not outcome_checked:
-        raise ReplayNeedsCheck(f"send {send_id} was dead-lettered unknown_outcome: the provider may have accepted it, "
-                            "and a replay (a new send id) would deliver it a second time; check with the provider "
-                            f"that it does not hold it, then replay with {OUTCOME_CHECKED}")
+    # Its last attempt unanswered, a send dead-lettered for another reason (its retry copy too large for the
+    # tier) may be held by the provider as well as one dead-lettered unknown_outcome.
+    last_attempt = (status.get("attempt_history") or [{}])[-1]
+    if (status.get("reason") == "unknown_outcome" or last_attempt.get("outcome") == "unknown") and \
+            not outcome_checked:
+        raise ReplayNeedsCheck(f"send {send_id} was dead-lettered {status.get('reason')} after an attempt whose "
+                               "outcome is unknown: the provider may have accepted it, and a replay (a new send id) "
+                               "would deliver it a second time; check with the provider that it does not hold it, "
+                               f"then replay with {OUTCOME_CHECKED}")
     return status
 
 

@@ -213,7 +213,8 @@ def test_a_dead_letter_is_replayed_once_and_a_risky_or_delivered_one_is_refused(
     assert second.send is None and second.send_id == first.send_id
     assert count_records(stack.bootstrap, lane) == 4  # one replay published
 
-    with pytest.raises(ReplayRefused, match="unknown_outcome: the provider may have accepted it.*--outcome-checked"):
+    with pytest.raises(ReplayRefused, match="unknown_outcome after an attempt whose outcome is unknown: the provider "
+                                            "may have accepted it.*--outcome-checked"):
         replay_dead_letter(stack.bootstrap, names, store, send_client, unknown)
     with pytest.raises(ReplayRefused, match="unknown_outcome"):  # nor as a send
         replay(stack.bootstrap, names, store, send_client, unknown)

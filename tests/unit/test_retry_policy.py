@@ -13,6 +13,7 @@ from streams.errors import ConfigError
 from streams.lanes import RETRY_TIERS
 from streams.providers.outcome import ProviderResult
 from streams.retry.policy import (
+    SPREAD_ENDS_BEFORE_MAX_AGE_S,
     DeadLetter,
     Delivered,
     RetryAt,
@@ -148,6 +149,7 @@ def test_retry_after_parsing():
     ("9" * 310, 86400.0),          # float() of it is inf: the due time overflowed (OverflowError)
     ("9" * 5000, 86400.0),         # past Python's 4,300-digit limit for int()
     ("3.5", None), ("-5", None), (" 12 ", 12.0),
+    ("0000000030", 30.0),          # zero-padded: 30 s (it was read as too long a number: a day)
     (http_date(10 * 365 * 86400), 86400.0),
 ])
 def test_no_retry_after_from_outside_can_raise_or_overflow(header, wait):
@@ -286,6 +288,17 @@ def test_a_throttled_ask_that_fits_the_max_age_is_waited_though_its_tier_would_n
     assert d.reason == "rate_limited"
     late = decide(chosen, 1, NOW, ProviderResult("throttled", 429, retry_after=str(chosen.max_age_s + 1)), NOW, jitter)
     assert late == DeadLetter("too_old")
+
+
+@pytest.mark.parametrize("policy, asked_s", [("otp", 580), ("transactional", 7_100)])
+def test_a_throttled_ask_near_the_max_age_is_spread_no_closer_to_it_than_the_copys_release_takes(policy, asked_s):
+    """A new send answered a throttled 429 asking for 580 s (an OTP: 10 min max age) or 7,100 s (transactional: 2 h),
+    at the highest jitter: due after the ask and at least SPREAD_ENDS_BEFORE_MAX_AGE_S before the max age (before:
+    due 20 ms before it, and the copy, read a moment after its due time, was dead-lettered `too_old`)."""
+    chosen = POLICIES[policy]
+    d = decide(chosen, 1, NOW, ProviderResult("throttled", 429, retry_after=str(asked_s)), NOW, 0.999)
+    assert isinstance(d, RetryAt) and NOW + asked_s * 1000 <= d.due_ms, d
+    assert d.due_ms <= NOW + (chosen.max_age_s - SPREAD_ENDS_BEFORE_MAX_AGE_S) * 1000, d
 
 
 def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_would_not():
