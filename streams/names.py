@@ -145,7 +145,7 @@ class RedisKeys:
 
     def own_account_cool(self, provider: str, tenant: str) -> str:
         """What the gate reads as the cool-down of a tenant whose requests go out under its own account at the
-        provider: never set (that account's 429s hold only the tenant's queue), so the shared account's
+        provider: set by that account's 429s (every worker sending under it holds off), so the shared account's
         cool-down never holds it."""
         return f"{self.namespace}dr:{{{provider}}}:cool:own:{tenant}"
 

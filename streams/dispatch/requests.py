@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from .. import metrics
 from ..backoff import Outage
-from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, StateLost, StoreUnavailable
-from ..gate.gate import Admission, Gate, Unused
+from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, StateLost, StoreUnavailable
+from ..gate.gate import Admission, Gate, Unused, give_back
 from ..gate.token_bucket import Limit
 from ..providers.outcome import Outbound, UnusablePayload
 from ..retry.policy import RetryPolicy, expired
@@ -356,6 +356,9 @@ class Dispatcher:
             if isinstance(answer, CostExceedsBurst):
                 self._limits.pop((draw.route.name, draw.tenant), None)  # limits changed: learn the burst again
                 self._requeue(draw.key, draw.items)
+            elif isinstance(answer, ConfigError):  # no limits for the provider: held as for a tenant's (`_draw`)
+                self._requeue(draw.key, draw.items)
+                self._hold_misconfigured(draw.key, answer)
             elif isinstance(answer, Exception):
                 self._requeue(draw.key, draw.items, hold_until=time.monotonic() + 5.0)
                 log.error("%s; holding tenant %s", answer, draw.tenant)
@@ -400,17 +403,8 @@ class Dispatcher:
             return
         charged = [(d, len(d.items)) for d in draws]
         sent = self._claim_and_start(draws)
-        self._give_back([Unused(d.route.name, d.tenant, n - sent[id(d)], 0 if sent[id(d)] else 1)
-                         for d, n in charged if n > sent[id(d)]])
-
-    def _give_back(self, unused: list[Unused]) -> None:
-        """Best effort: Redis failing here leaves those tokens spent (they refill with time)."""
-        if not unused:
-            return
-        try:
-            self.gate.refund_many(unused)
-        except GateError as exc:
-            log.warning("could not give back the gate's tokens of %d request(s) not sent in full: %s", len(unused), exc)
+        give_back(self.gate, [Unused(d.route.name, d.tenant, n - sent[id(d)], 0 if sent[id(d)] else 1)
+                              for d, n in charged if n > sent[id(d)]])
 
     def _claim_and_start(self, draws: list[Draw]) -> Counter[int]:
         """Messages started per draw (by `id`)."""
@@ -675,7 +669,7 @@ class Dispatcher:
                 # so it is charged a full burst instead of never being admitted.
                 burst = self.gate.tenant_limit(route.name, stored.tenant).burst
                 admission = self.gate.acquire(route.name, stored.tenant, burst, reserve=self.reserve)
-        except (BucketUnreadable, ConfigError) as exc:  # this tenant's alone (its buckets, its limits): held
+        except (BucketUnreadable, ConfigError, CostExceedsBurst) as exc:  # its tenant's alone (buckets, limits): held
             log.error("%s; holding request %s", exc, request_key)
             admission = Admission(False)
         if not admission.allowed:

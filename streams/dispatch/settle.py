@@ -25,7 +25,7 @@ from dataclasses import replace
 from .. import metrics
 from ..backoff import Outage
 from ..errors import StoreUnavailable
-from ..gate.gate import Gate
+from ..gate.gate import Gate, Unused, give_back
 from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
@@ -222,9 +222,11 @@ class Settler:
         wait = cool_down_s(result, now_ms)
         if wait is not None:
             metrics.PROVIDER_429.labels(route.name, result.error_name or result.outcome).inc()
-            if route.spec.shared_limit and not route.credentials.has_own_key(job.tenant):
-                self.gate.cool_down(route.name, wait)  # one limit for everyone: every worker holds off it
-            else:  # a webhook endpoint's own limit, or the tenant's own account's: hold its queue only
+            own = route.credentials.has_own_key(job.tenant)
+            if route.spec.shared_limit:  # the account's limit: every worker sending under it holds off it
+                self.gate.cool_down(route.name, wait, tenant=job.tenant if own else None)
+            if own or not route.spec.shared_limit:  # the tenant's own account, or a webhook endpoint's own limit:
+                # this queue is held here as well (a long wait parks what it holds, as for a long hold)
                 self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         kept = False
         if result.outcome == "unknown" and not route.spec.idempotent:
@@ -239,7 +241,14 @@ class Settler:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
-        if result.status == 413 and len(job.members) > 1 and not (kept or resent):
+        split = result.status == 413 and len(job.members) > 1 and not (kept or resent)
+        if split or (wait is not None and route.spec.channel != "webhook"):
+            # The provider declined to look at the messages (a 429; a batch refused for its size, split below):
+            # charged again when they go, the tenant gets them back now, or another tenant's throttling would
+            # spend its quota (a day's limit). The request's own token stays spent: the provider counted it.
+            # (A receiver's 429 counts as an attempt of its webhook delivery, and as a charge.)
+            give_back(self.gate, [Unused(route.name, job.tenant, len(job.send_ids), 0)])
+        if split:
             # A batch refused for its size says nothing of each message: each is sent again alone, at once and
             # without using up an attempt (none was taken). Only then: split on any 4xx, a blast whose every
             # message is refused (an unverified sender domain) would cost a request per message of the budget

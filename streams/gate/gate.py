@@ -47,11 +47,22 @@ class Unused(NamedTuple):
 class Gate(Protocol):
     def acquire(self, provider: str, tenant: str, messages: int, reserve: bool) -> Admission: ...
     def acquire_many(self, requests: list[tuple[str, str, int, bool]]) -> list[Admission | GateError | ConfigError]: ...
-    def cool_down(self, provider: str, seconds: float) -> None: ...
+    def cool_down(self, provider: str, seconds: float, tenant: str | None = None) -> None: ...
     def refund_many(self, admitted: Iterable[tuple[str, str, int] | Unused]) -> None: ...
     def tenant_limit(self, provider: str, tenant: str) -> Limit: ...
     def pacing(self, provider: str) -> Pacing: ...
     def refresh_cool_downs(self) -> None: ...
+
+
+def give_back(gate: Gate, unused: list[Unused]) -> None:
+    """Give back what callers did not use, best effort: Redis failing here leaves those tokens spent (they refill
+    with time), never fails or repeats what the caller was doing."""
+    if not unused:
+        return
+    try:
+        gate.refund_many(unused)
+    except GateError as exc:
+        log.warning("could not give back the gate's tokens of %d admission(s): %s", len(unused), exc)
 
 
 class RedisGate:
@@ -167,13 +178,18 @@ class RedisGate:
         raise ConfigError(f"no rate limits configured for provider {provider!r} (or tenant {tenant!r}); "
                           f"an operator sets them with `streams limits set`")
 
-    def cool_down(self, provider: str, seconds: float) -> None:
-        """Hold every worker off `provider` for `seconds` (extends, never shortens)."""
+    def cool_down(self, provider: str, seconds: float, tenant: str | None = None) -> None:
+        """Hold every worker off `provider` for `seconds` (extends, never shortens): off the account everyone
+        shares, or, for a `tenant` sending under an account of its own there, off that account (every worker,
+        of both lanes, sending under it)."""
+        own = tenant is not None and self._own(provider, tenant)
+        key = self.keys.own_account_cool(provider, tenant) if own and tenant is not None else self.keys.cool(provider)
         try:
-            self._cool(keys=[self.keys.cool(provider)], args=[max(1, int(seconds * 1000))])
+            self._cool(keys=[key], args=[max(1, int(seconds * 1000))])
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
-        self._cooling_until(provider, time.time() + seconds, extend_only=True)
+        if not own:  # the exported cool-down (and its alert) is the shared account's
+            self._cooling_until(provider, time.time() + seconds, extend_only=True)
 
     def refresh_cool_downs(self) -> None:
         """While this process knows of a cool-down, it asks Redis again within COOL_DOWN_REFRESH_S, work or not:

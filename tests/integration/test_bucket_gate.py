@@ -193,6 +193,24 @@ def test_a_tenant_with_its_own_provider_account_spends_neither_the_shared_tokens
     assert all(own_gate.acquire("resend", "own", 1).allowed for _ in range(5))
     assert redis_client.hget(shared, "mt") == spent
 
+def test_a_429_of_a_tenants_own_account_holds_every_worker_off_that_account_only(gate, redis_client, namespace):
+    """Given tenant own sending under a Resend account of its own, and tenant big under the shared one,
+    When a worker meets a 429 of own's account asking for 60 s,
+    Then any worker (here: another gate, as a worker of the other lane) is held off own's account for the minute,
+    and big is not (before: only the queue of the worker that met the 429 was held, and own's other lane's worker
+    kept calling the provider through its Retry-After)."""
+    def owns(provider, tenant):
+        return tenant == "own"
+
+    met_it, other_lane = RedisGate(redis_client, namespace, own_account=owns), RedisGate(redis_client, namespace,
+                                                                                         own_account=owns)
+    met_it.cool_down("resend", 60, tenant="own")
+    held = other_lane.acquire("resend", "own", 1)
+    assert (held.allowed, held.short) == (False, "cooldown") and 55 < held.wait_s <= 60
+    assert other_lane.acquire("resend", "big", 1).allowed
+    assert not redis_client.exists(Keys(namespace).cool("resend"))
+
+
 def test_misconfiguration_and_outage_fail_closed(gate, redis_client, namespace):
     """Given rate limits configured for "resend" only, and a second gate pointing at a Redis that is not reachable,
     When a tenant asks for more messages than its burst of 2, a request is made for the unconfigured provider "sms",

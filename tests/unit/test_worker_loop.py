@@ -136,7 +136,7 @@ class FakeGate:
             self.spent[(provider, tenant, "messages")] -= messages
             self.spent[(provider, tenant, "requests")] -= requests
 
-    def cool_down(self, provider, seconds): pass
+    def cool_down(self, provider, seconds, tenant=None): pass
     def refresh_cool_downs(self): pass
     def tenant_limit(self, provider, tenant): return Limit(self.rates.get(tenant, 1000), self.bursts.get(tenant, 100))
     def pacing(self, provider): return Pacing()
@@ -865,15 +865,20 @@ def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt
 
 def test_short_429s_waited_out_in_the_worker_do_not_use_up_attempts():
     """A run of short 429s (the provider never looked at the send) must not exhaust a transactional send's
-    attempts: it is delivered as attempt 1, without ever reaching a retry tier."""
+    attempts, nor its tenant's bucket: it is delivered as attempt 1, without ever reaching a retry tier, and
+    charged to its tenant once."""
     sends, msgs = _messages(["acme"])
-    worker, consumer, producer, provider = _worker(msgs)
+    gate = FakeGate()
+    worker, consumer, producer, provider = _worker(msgs, gate=gate)
     answers = [ProviderResult("throttled", 429, retry_after="0", error_name="rate_limit_exceeded")] * 8 + [DELIVERED]
     provider.post = lambda *args: (provider.sent.append(args[1]), answers.pop(0))[1]
     _run(worker, steps=100)
     assert len(provider.sent) == 9 and not any(".retry." in t for t in producer.records)
     [(event, _)] = producer.records[NAMES.outcomes][-1:]
     assert orjson.loads(event)["status"] == "delivered" and orjson.loads(event)["attempts"] == 1
+    # acme's bucket is charged once for the email (before: nine times, its day's limit spent by the provider's
+    # throttling of everyone); the shared account's requests were all made
+    assert (gate.spent[("resend", "acme", "messages")], gate.spent[("resend", "acme", "requests")]) == (1, 9)
 
 
 @pytest.mark.parametrize("held_for_ms, held", [(None, True), (0, False)], ids=["within 60 s", "past it"])
@@ -1998,7 +2003,7 @@ def test_tokens_redis_refuses_to_take_back_stay_spent_and_the_round_goes_on(capl
         _run(worker)
     assert sum(len(body.split(b"|")) for body in provider.sent) == 5 and len(producer.records[NAMES.dlq]) == 1
     assert gate.spent[("resend", "blast", "messages")] == 6 and consumer.stored[(TOPIC, 0)] == 6
-    assert "could not give back the gate's tokens of 1 request(s) not sent in full" in caplog.text
+    assert "could not give back the gate's tokens of 1 admission(s)" in caplog.text
 
 
 class ExpiredRecordJobs(FakeJobs):
@@ -2146,8 +2151,8 @@ class CoolDowns(FakeGate):
         super().__init__()
         self.cooled: list[tuple[str, float]] = []
 
-    def cool_down(self, provider, seconds):
-        self.cooled.append((provider, seconds))
+    def cool_down(self, provider, seconds, tenant=None):
+        self.cooled.append((provider, seconds, tenant))
 
 
 @pytest.mark.parametrize("keys, everyone_held", [({"*": "re_shared", "acme": "re_acme_own"}, False),
@@ -2158,8 +2163,9 @@ def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_
     """Given email sent under one provider key for everyone, or under a key of acme's own (its own account,
     with its own limits),
     When acme's request is answered 429 (its account's daily quota, say) with Retry-After 2 s,
-    Then on its own account only acme's queue is held and globex's email goes out; on the shared account
-    every worker holds off the provider (the shared cool-down), as before."""
+    Then on its own account acme's queue is held, its own account's cool-down is set (every worker sending under
+    it, of both lanes, holds off; before, only the worker that met the 429) and globex's email goes out; on the
+    shared account every worker holds off the provider (the shared cool-down), as before."""
     spec = load_registry().primary("email")
     sends, msgs = _messages(["acme", "globex"])
     answers = [ProviderResult("throttled", 429, retry_after="2", error_name="rate_limit_exceeded")]
@@ -2172,7 +2178,7 @@ def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_
     _run(worker, steps=5)
     worker.consumer.pending.append(msgs[1])
     _run(worker, steps=5)
-    assert gate.cooled == ([("resend", 2.0)] if everyone_held else [])
+    assert gate.cooled == [("resend", 2.0, None if everyone_held else "acme")]
     if not everyone_held:
         assert provider.sent == [sends[0].send_id.encode(), sends[1].send_id.encode()]
         assert worker.queues.buffered == 1  # acme's, held until its Retry-After
@@ -2236,12 +2242,14 @@ def test_a_batch_refused_for_its_size_is_sent_again_one_send_a_request(status):
     the budget every tenant shares."""
     sends = [build_send(validate_request(email_request("marketing")), "acme") for _ in range(3)]
     msgs = [FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)]
-    provider = StrictBatches(sends[0].send_id if status == 422 else "none", status)
-    worker, consumer, producer, _ = _worker(msgs, lane="marketing", provider=provider)
+    provider, gate = StrictBatches(sends[0].send_id if status == 422 else "none", status), FakeGate()
+    worker, consumer, producer, _ = _worker(msgs, lane="marketing", provider=provider, gate=gate)
     _run(worker)
     dead = {h["send_id"] for _, h in producer.records.get(NAMES.dlq, [])}
     assert dead == (set() if status == 413 else {s.send_id.encode() for s in sends})
     assert len(provider.sent) == (4 if status == 413 else 1) and consumer.stored[(TOPIC, 0)] == 3
+    # acme is charged once for each email, not again for those the provider sent back unread (413)
+    assert gate.spent[("resend", "acme", "messages")] == 3
 
 
 class SharedAccountDenied(FakeGate):
@@ -2305,7 +2313,20 @@ class NoLimitFor(FakeGate):
         return super().tenant_limit(provider, tenant)
 
 
-@pytest.mark.parametrize("case", ["its own key refused", "no limit for it"])
+class GateFindsNoLimitFor(FakeGate):
+    """The gate's own look finds no limit for one tenant's requests (its provider's global limit unset: a fallback
+    provider given only a default tenant limit), though a tenant limit was read."""
+
+    def __init__(self, tenant: str):
+        super().__init__()
+        self.tenant = tenant
+
+    def acquire_many(self, requests):
+        return [ConfigError(f"no rate limits configured for provider {r[0]!r} (or tenant {r[1]!r})")
+                if r[1] == self.tenant else self.acquire(*r) for r in requests]
+
+
+@pytest.mark.parametrize("case", ["its own key refused", "no limit for it", "no limit at the gate"])
 def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenant(case):
     """Given acme's email first on a partition, then 150 of globex's, and acme's sends held for long: the provider
     refuses acme's own key (401 after a fresh one), or no operator set a limit acme falls under,
@@ -2313,12 +2334,14 @@ def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenan
     Then globex's 150 are sent, acme's send is parked on a retry tier (not an attempt) due when the hold ends, and
     the partition's offset moves past all 151 (before: acme's message stayed in memory, held again and again, and
     pinned the offset: the lane's lag, which makes marketing yield, grew with every other tenant's traffic; a
-    tenant without limits was held that way for good, never reaching its max age)."""
+    tenant without limits was held that way for good, never reaching its max age; one the gate found without
+    limits, held 5 s at a time, for good too)."""
     sends, msgs = _messages(["acme"] + ["globex"] * 150)
     spec = load_registry().primary("email")
     keys = {"*": "re_shared", "acme": "re_acme_own"}
     provider = KeyRefusedFor("re_acme_own") if case == "its own key refused" else FakeProvider(DELIVERED)
-    gate = FakeGate() if case == "its own key refused" else NoLimitFor("acme")
+    gate = {"its own key refused": FakeGate(), "no limit for it": NoLimitFor("acme"),
+            "no limit at the gate": GateFindsNoLimitFor("acme")}[case]
     producer = FakeProducer()
     worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
                         producer, Routes([Route(spec, provider, ProviderCredentials(keys))]), gate, FakeJobs(),
