@@ -356,7 +356,9 @@ class Dispatcher:
             if isinstance(answer, CostExceedsBurst):
                 self._limits.pop((draw.route.name, draw.tenant), None)  # limits changed: learn the burst again
                 self._requeue(draw.key, draw.items)
-            elif isinstance(answer, ConfigError):  # no limits for the provider: held as for a tenant's (`_draw`)
+            elif isinstance(answer, (ConfigError, BucketUnreadable)):
+                # No limits for the provider, or this tenant's buckets unreadable: until an operator mends them,
+                # held as a tenant without limits is (`_draw`): parked, never pinning the partition's offset.
                 self._requeue(draw.key, draw.items)
                 self._hold_misconfigured(draw.key, answer)
             elif isinstance(answer, Exception):

@@ -220,14 +220,18 @@ class Settler:
                  tenant=job.tenant, status=result.status, outcome=result.outcome, error=result.error_name,
                  duration_s=round(result.latency_s, 3), body=body)
         wait = cool_down_s(result, now_ms)
+        # Counted from the answer: a settlement tried again after a Redis error holds off what is left of the ask,
+        # not all of it again from now.
+        left = 0.0 if wait is None else wait - max(0.0, time.time() - now_ms / 1000)
         if wait is not None:
             metrics.PROVIDER_429.labels(route.name, result.error_name or result.outcome).inc()
+        if left > 0:
             own = route.credentials.has_own_key(job.tenant)
             if route.spec.shared_limit:  # the account's limit: every worker sending under it holds off it
-                self.gate.cool_down(route.name, wait, tenant=job.tenant if own else None)
+                self.gate.cool_down(route.name, left, tenant=job.tenant if own else None)
             if own or not route.spec.shared_limit:  # the tenant's own account, or a webhook endpoint's own limit:
                 # this queue is held here as well (a long wait parks what it holds, as for a long hold)
-                self._hold_queue(job.queue, wait, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
+                self._hold_queue(job.queue, left, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
         kept = False
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)

@@ -2178,7 +2178,7 @@ def test_a_429_from_a_tenants_own_account_holds_that_tenant_only(keys, everyone_
     _run(worker, steps=5)
     worker.consumer.pending.append(msgs[1])
     _run(worker, steps=5)
-    assert gate.cooled == [("resend", 2.0, None if everyone_held else "acme")]
+    assert [(p, round(s), t) for p, s, t in gate.cooled] == [("resend", 2, None if everyone_held else "acme")]
     if not everyone_held:
         assert provider.sent == [sends[0].send_id.encode(), sends[1].send_id.encode()]
         assert worker.queues.buffered == 1  # acme's, held until its Retry-After
@@ -2313,20 +2313,21 @@ class NoLimitFor(FakeGate):
         return super().tenant_limit(provider, tenant)
 
 
-class GateFindsNoLimitFor(FakeGate):
-    """The gate's own look finds no limit for one tenant's requests (its provider's global limit unset: a fallback
-    provider given only a default tenant limit), though a tenant limit was read."""
+class GateRefuses(FakeGate):
+    """The gate's own look at one tenant's requests answers `error`: no limit (its provider's global limit unset: a
+    fallback provider given only a default tenant limit, though a tenant limit was read), or its buckets
+    unreadable."""
 
-    def __init__(self, tenant: str):
+    def __init__(self, tenant: str, error: Exception):
         super().__init__()
-        self.tenant = tenant
+        self.tenant, self.error = tenant, error
 
     def acquire_many(self, requests):
-        return [ConfigError(f"no rate limits configured for provider {r[0]!r} (or tenant {r[1]!r})")
-                if r[1] == self.tenant else self.acquire(*r) for r in requests]
+        return [self.error if r[1] == self.tenant else self.acquire(*r) for r in requests]
 
 
-@pytest.mark.parametrize("case", ["its own key refused", "no limit for it", "no limit at the gate"])
+@pytest.mark.parametrize("case", ["its own key refused", "no limit for it", "no limit at the gate",
+                                  "its buckets unreadable"])
 def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenant(case):
     """Given acme's email first on a partition, then 150 of globex's, and acme's sends held for long: the provider
     refuses acme's own key (401 after a fresh one), or no operator set a limit acme falls under,
@@ -2335,13 +2336,14 @@ def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenan
     the partition's offset moves past all 151 (before: acme's message stayed in memory, held again and again, and
     pinned the offset: the lane's lag, which makes marketing yield, grew with every other tenant's traffic; a
     tenant without limits was held that way for good, never reaching its max age; one the gate found without
-    limits, held 5 s at a time, for good too)."""
+    limits or with buckets it cannot read, held 5 s at a time, for good too)."""
     sends, msgs = _messages(["acme"] + ["globex"] * 150)
     spec = load_registry().primary("email")
     keys = {"*": "re_shared", "acme": "re_acme_own"}
     provider = KeyRefusedFor("re_acme_own") if case == "its own key refused" else FakeProvider(DELIVERED)
     gate = {"its own key refused": FakeGate(), "no limit for it": NoLimitFor("acme"),
-            "no limit at the gate": GateFindsNoLimitFor("acme")}[case]
+            "no limit at the gate": GateRefuses("acme", ConfigError("no rate limits configured for provider")),
+            "its buckets unreadable": GateRefuses("acme", BucketUnreadable("acme's buckets cannot be read"))}[case]
     producer = FakeProducer()
     worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
                         producer, Routes([Route(spec, provider, ProviderCredentials(keys))]), gate, FakeJobs(),
@@ -2466,6 +2468,24 @@ def test_a_short_429_or_a_timeout_meanwhile_neither_ends_nor_resets_a_refused_ke
         assert settler.long_holds["acme"][2] == "auth_refused"
         settler.auth_refusals._held = {q: (n, time.monotonic()) for q, (n, _) in settler.auth_refusals._held.items()}
         assert settler.auth_refusals.hold_for("acme", 30, time.monotonic()) == 60
+
+
+def test_a_429_settled_again_after_a_redis_error_holds_off_only_what_is_left_of_its_ask():
+    """Given a 429 asking for 60 s, answered 30 s ago, whose settlement met a Redis error and is settled again now,
+    and one answered 90 s ago,
+    When they are settled,
+    Then the provider is held off for the 30 s left of the first ask, and not at all for the second (before: the
+    whole minute again from now, every worker, OTPs included, held for as long as Redis had been away, again)."""
+    sends, msgs = _messages(["acme"])
+    gate = CoolDowns()
+    worker, *_ = _worker(msgs, gate=gate)
+    answer = ProviderResult("throttled", 429, retry_after="60", error_name="rate_limit_exceeded")
+    now_ms = int(time.time() * 1000)
+    for ago_s in (30, 90):
+        worker.settler.settle(Job(f"k{ago_s}", "/emails", b"", "acme", (), [], "acme", "resend"), answer,
+                              now_ms - ago_s * 1000)
+    [(provider, seconds, tenant)] = gate.cooled
+    assert provider == "resend" and 29 < seconds <= 30 and tenant is None
 
 
 def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
