@@ -155,18 +155,22 @@ class BulkProcess:
         outage = Outage("the bulk ingest process", base_s=0.5, cap_s=30.0)
         while not self._stopping.is_set():
             Path(self.socket_path).unlink(missing_ok=True)  # the directory stays ours (`remove_socket`)
-            # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
-            self._process = start_in_own_session(self.argv, self.nice)
             started = time.monotonic()
-            code = self._watch(self._process, started)
+            try:
+                # A session of its own: a Ctrl-C meant for the API process reaches it through stop() only.
+                self._process = start_in_own_session(self.argv, self.nice)
+            except OSError as exc:  # no process to be had (EAGAIN at a pid limit, EMFILE, ENOMEM): asked again
+                ended = f"could not be started ({exc})"
+            else:
+                ended = f"exited with {self._watch(self._process, started)}"
             if self._stopping.is_set():
                 return
             metrics.INGEST_BULK_RESTARTS.inc()
             if time.monotonic() - started > 60:  # it ran a while: a new episode, not a crash loop
                 outage.recovered(time.monotonic())
-            outage.failed(time.monotonic(), f"exited with {code}")
-            log.error("the bulk ingest process exited with %s; starting it again in %.1f s (batches get 503 "
-                      "until then)", code, max(0.0, outage.next_try_at - time.monotonic()))
+            outage.failed(time.monotonic(), ended)
+            log.error("the bulk ingest process %s; starting it again in %.1f s (batches get 503 until then)", ended,
+                      max(0.0, outage.next_try_at - time.monotonic()))
             self._stopping.wait(max(0.0, outage.next_try_at - time.monotonic()))
 
     def _watch(self, process: subprocess.Popen, started: float) -> int:
