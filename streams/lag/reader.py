@@ -36,7 +36,8 @@ class LagReader:
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
             "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-            "fetch.wait.max.ms": 10, "enable.partition.eof": True}))
+            "fetch.wait.max.ms": 10, "enable.partition.eof": True,
+            "auto.offset.reset": "earliest"}))  # a head deleted since its position was read: the oldest left
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
     def _consumer(self, group: str) -> Consumer:

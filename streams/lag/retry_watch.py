@@ -49,7 +49,10 @@ class RetryTierWatch:
     def _run(self) -> None:
         reader = LagReader(self.bootstrap)
         peeker = Consumer(client_config(self.bootstrap, quiet=True, settings={
-            "group.id": f"retry-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+            "group.id": f"retry-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+            # A head deleted by retention between the positions' read and the peek: the oldest left, not the end
+            # (read from the end, a tier whose copies are being deleted unreleased would show nothing overdue).
+            "auto.offset.reset": "earliest"}))
         try:
             while not self._stopping.is_set():
                 for channel in self.channels:
