@@ -20,6 +20,7 @@ from typing import Any
 from .send import Send
 
 OUTCOMES_PER_RECORD = 100
+OUTCOME_RECORD_BYTES = 512 * 1024  # and about this many bytes (notif.outcomes takes the broker's 1 MiB default)
 ACCEPTED = "accepted"
 
 

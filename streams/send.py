@@ -68,6 +68,9 @@ _RFC3339 = re.compile(r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(
 
 Ident = Annotated[str, Field(pattern=_IDENT.pattern)]
 TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
+# What a send id read from a lane event may be (dispatch's are UUIDs): it is copied into outcome records, and a
+# megabyte's "id" would make a record of a hundred outcomes one the broker refuses.
+SendId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
 def new_send_id(now_ms: int | None = None, seed: bytes | None = None) -> str:
@@ -311,7 +314,7 @@ class Send(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     v: Literal[1]
-    send_id: str
+    send_id: SendId
     tenant_id: TenantId
     channel: Channel
     category: Category
@@ -322,7 +325,7 @@ class Send(BaseModel):
     payload: dict[str, Any]
     created_at_ms: int
     correlation_id: str | None = None
-    replay_of: str | None = None  # a replay is a new send (new id); this is the send it replays
+    replay_of: SendId | None = None  # a replay is a new send (new id); this is the send it replays
 
     @model_validator(mode="after")
     def _lane_follows_category(self) -> Send:

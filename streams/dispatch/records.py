@@ -26,7 +26,7 @@ from ..kafka_client import AckedWriter
 from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
-from ..outcomes import OUTCOMES_PER_RECORD, outcome_event, webhook_fields
+from ..outcomes import OUTCOME_RECORD_BYTES, OUTCOMES_PER_RECORD, outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
 from ..retry.dlq import OWN_DLQ_HEADERS, shown_send_id
 from ..retry.policy import RetryAt
@@ -62,6 +62,22 @@ def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
     """One attempt of a send, for its history: when, what came back, how long it took."""
     return {"n": attempt, "at_ms": now_ms, "status_code": result.status, "outcome": result.outcome,
             "error": result.error_name, "duration_ms": round(result.latency_s * 1000, 1)}
+
+
+def outcome_records(events: list[dict]) -> list[bytes]:
+    """`{"events": [...]}` values of at most OUTCOMES_PER_RECORD events and, past one event, about
+    OUTCOME_RECORD_BYTES: the broker refuses a record over the topic's limit, and the worker could not go on."""
+    values: list[bytes] = []
+    chunk: list[bytes] = []
+    size = 0
+    for encoded in map(orjson.dumps, events):
+        if chunk and (len(chunk) == OUTCOMES_PER_RECORD or size + len(encoded) > OUTCOME_RECORD_BYTES):
+            values.append(b'{"events":[' + b",".join(chunk) + b"]}")
+            chunk, size = [], 0
+        chunk.append(encoded)
+        size += len(encoded) + 1
+    values.append(b'{"events":[' + b",".join(chunk) + b"]}")
+    return values
 
 
 class RecordWriter:
@@ -129,8 +145,7 @@ class RecordWriter:
         if len(events) == 1:
             self.outcome(events[0], on_all_acked)
             return
-        values = [orjson.dumps({"events": events[i:i + OUTCOMES_PER_RECORD]})
-                  for i in range(0, len(events), OUTCOMES_PER_RECORD)]
+        values = outcome_records(events)
         remaining = [len(values)]
 
         def acked() -> None:  # runs inside the producer's poll: it must not raise

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import replace
 
 from .. import metrics
@@ -59,9 +59,12 @@ HELD_UNCOUNTED_MS = 60_000
 KEY_ACCEPTED = frozenset({"delivered", "rejected", "skipped", "gone"})
 
 
-def providers_tried(p: Pending, route: Route) -> list[str]:
-    """The providers this send has been tried on, this one included (from its retry headers)."""
-    earlier = [n for n in (p.headers.get("providers_tried") or b"").decode(errors="replace").split(",") if n]
+def providers_tried(p: Pending, route: Route, known: Container[str]) -> list[str]:
+    """The providers this send has been tried on, this one included (from its retry headers): only names of the
+    channel's providers, `known` (the header is read from a topic anyone may write, and is copied into every
+    outcome record: a long one made a record of a hundred outcomes one the broker refused, and the worker exit)."""
+    header = (p.headers.get("providers_tried") or b"").decode(errors="replace").split(",")
+    earlier = list(dict.fromkeys(n for n in header if n in known))  # each once, in order
     return earlier if route.name in earlier else [*earlier, route.name]
 
 
@@ -272,7 +275,7 @@ class Settler:
             self._back_off_in_process(job, result, now_ms)
             return
         for p in job.members:
-            tried = providers_tried(p, route)
+            tried = providers_tried(p, route, self.routes.by_name)
             # A re-sent request stays claimed under its key at this provider (the first copy's fate
             # is unknown): another provider could deliver it a second time, so it never moves on.
             fallback = None if resent else self.routes.fallback_for(route, result, tried)
@@ -422,7 +425,7 @@ class Settler:
             events.append({**self.records.outcome_event(p.send, "delivered", p.attempt, now_ms,
                                                         ids.get(p.send.send_id, ""),
                                                         attempt=attempt_info(p.attempt, result, now_ms),
-                                                        tried=providers_tried(p, route)),
+                                                        tried=providers_tried(p, route, self.routes.by_name)),
                            "origin": self.records.origin(p)})
         for send_id in job.send_ids:
             if send_id not in held:  # recovered request: a send whose message another consumer holds

@@ -3000,3 +3000,18 @@ def test_a_worker_holding_dispatch_back_waits_in_its_poll_instead_of_spinning(ho
         worker.step()
     assert worker.queues.buffered == 5 and provider.sent == []
     assert min(waits[1:]) > 0.05, waits
+
+
+def test_a_providers_tried_header_names_only_the_channels_providers_in_the_outcome():
+    """Given a lane message written by hand whose providers_tried header is 17 kB of names, a channel provider among
+    them, repeated,
+    When it is delivered,
+    Then its outcome names only the channel's providers, each once (before: the header was copied whole into the
+    outcome, and a hundred such in one request made a record the broker refused: the worker exited, and again
+    after every restart)."""
+    send = build_send(validate_request(email_request()), "acme")
+    header = ",".join(["resend", "bogus" * 10] * 300).encode()
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send), [("providers_tried", header)])])
+    _run(worker)
+    [(event, _)] = producer.records[NAMES.outcomes]
+    assert orjson.loads(event)["providers_tried"] == ["resend"] and consumer.stored[(TOPIC, 0)] == 1
