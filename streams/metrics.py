@@ -55,8 +55,8 @@ LANE_LAG_MESSAGES = Gauge("dispatch_lane_lag_messages", "Messages not yet commit
 LANE_LAG_SECONDS = Gauge("dispatch_lane_lag_seconds", "Age of the oldest unconsumed message in the lane",
                          ["channel", "lane"])
 LAG_MONITOR_LAST_PUBLISH = Gauge("dispatch_lag_monitor_last_publish_timestamp_seconds",
-                                 "Unix time of the lag monitor's last acknowledged publication of the channel's "
-                                 "transactional lag", ["channel"])
+                                 "Unix time at which the lag monitor took its last acknowledged reading of the "
+                                 "channel's transactional lag", ["channel"])
 LAG_READING_AGE = Gauge("dispatch_lag_reading_age_seconds", "Age of the lag reading a marketing worker acts on",
                         ["channel"])
 LAG_READING_STALE = Gauge("dispatch_lag_reading_stale", "1 while the monitor's readings are stale (older than "

@@ -71,16 +71,18 @@ class LagMonitor:
                     value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
                              "ts": reading.ts_ms}
                     produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
-                            on_delivery=lambda err, msg, channel=channel: self._published(channel, err, msg))
+                            on_delivery=lambda err, msg, channel=channel, ts_ms=reading.ts_ms:
+                                self._published(channel, err, ts_ms))
         self.producer.poll(0)
 
-    def _published(self, channel: str, err, _msg) -> None:
+    def _published(self, channel: str, err, ts_ms: int) -> None:
         """The monitor is only as fresh as its last *acknowledged* reading, channel by channel: a monitor that
         cannot read a channel's lag (its group's coordinator away, a topic it may not read) or write it goes
-        stale for that channel, and the LagMonitorStale alert names it."""
+        stale for that channel, and the LagMonitorStale alert names it. Stamped when the reading was taken, as
+        workers judge it: one acknowledged 4 s late (a broker slow to replicate) is 4 s old, not fresh."""
         if err is None:
             self.publish_outage.recovered(time.monotonic())
-            metrics.LAG_MONITOR_LAST_PUBLISH.labels(channel).set(time.time())
+            metrics.LAG_MONITOR_LAST_PUBLISH.labels(channel).set(ts_ms / 1000)
         else:
             self.publish_outage.failed(time.monotonic(), err)
 

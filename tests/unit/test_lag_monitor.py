@@ -57,3 +57,19 @@ def test_a_channel_whose_lag_cannot_be_read_goes_stale_alone_and_shows_no_old_re
     assert _sample("dispatch_lane_lag_messages", channel="sms", lane="transactional") is None
     assert _sample("dispatch_lane_lag_seconds", channel="sms", lane="marketing") is None
     assert _sample("dispatch_lane_lag_messages", channel="email", lane="transactional") == 3
+
+
+def test_a_reading_acknowledged_late_is_as_fresh_as_when_it_was_taken():
+    """Given a broker slow to acknowledge (a follower behind: acks=all), whose acknowledgement of a reading taken
+    4 s ago comes now,
+    When the monitor's freshness is exported,
+    Then it is 4 s old, as old as the workers find the reading (before: stamped at the acknowledgement, fresh, and
+    LagMonitorStale kept quiet while every worker set the readings aside as stale)."""
+    monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("webhook",))
+    taken_ms = int(time.time() * 1000) - 4_000
+    monitor.reader = type("Slow", (ChannelReader,), {"read": lambda self, group, topic, source="monitor": LagReading(
+        3, 0.5, taken_ms, source)})()
+    monitor.producer = AcknowledgingProducer()
+    monitor.tick()
+    monitor.producer.poll()
+    assert _sample("dispatch_lag_monitor_last_publish_timestamp_seconds", channel="webhook") == taken_ms / 1000
