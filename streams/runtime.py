@@ -11,7 +11,7 @@ from redis import Redis
 
 from .config import Config
 from .errors import ConfigError, PublishError, StoreUnavailable
-from .lanes import CHANNELS, LANES, RETRY_TIERS
+from .lanes import CHANNELS, LANES
 from .names import TopicNames
 from .providers.registry import ProviderCredentials, ProviderSpec, adapter_class
 from .redis_client import connect
@@ -78,14 +78,12 @@ class Runtime:
 
     def policies(self) -> dict[str, RetryPolicy]:
         """The retry policies, each checked against the retry tiers' retention (as topics/*.toml define them)."""
-        from .retry.policy import check_within_retention, load_policies
+        from .retry.policy import check_tiers_keep_copies, load_policies
         from .topology.spec import load_definitions
 
         policies = load_policies(self.config.retry_policies_path)
-        topics = load_definitions(namespace=self.namespace, profile=self.config.topic_profile)
-        for name in (self.names.retry(c, lane, tier) for c in CHANNELS for lane in LANES for tier in RETRY_TIERS):
-            if name in topics:
-                check_within_retention(policies, int(topics[name].config.get("retention.ms", "604800000")), name)
+        check_tiers_keep_copies(policies, load_definitions(namespace=self.namespace,
+                                                           profile=self.config.topic_profile), self.names)
         return policies
 
     def url_policy(self) -> UrlPolicy:

@@ -71,6 +71,8 @@ def topics(sub) -> None:
                         "(default: DUAL_RAIL_TOPIC_PROFILE, else as topics/*.toml say)")
 
     def run(args: argparse.Namespace) -> int:
+        from ..names import TopicNames
+        from ..retry.policy import check_tiers_keep_copies, load_policies
         from ..topology.admin import TopicAdmin
         from ..topology.spec import load_definitions, plan, topics_dir
 
@@ -78,6 +80,8 @@ def topics(sub) -> None:
         namespace = config.namespace if args.namespace is None else args.namespace
         specs = load_definitions(topics_dir(args.dir), namespace=namespace,
                                  profile=args.profile or config.topic_profile)
+        # Before anything is planned: a tier keeping copies less long than a policy parks them would lose them.
+        check_tiers_keep_copies(load_policies(config.retry_policies_path), specs, TopicNames(namespace))
         admin = TopicAdmin(config.bootstrap)
         changes = plan(specs, admin.state(list(specs)))
         if args.action == "plan":

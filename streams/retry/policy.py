@@ -18,15 +18,17 @@ import email.utils
 import fnmatch
 import re
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
-from ..lanes import CATEGORIES, CHANNELS, RETRY_TIERS
+from ..lanes import CATEGORIES, CHANNELS, LANES, RETRY_TIERS
+from ..names import TopicNames
 from ..providers.outcome import ProviderResult
 
 JITTER = 0.2  # each delay is drawn from [0.8, 1.2] x the tier's delay
@@ -204,6 +206,14 @@ def check_within_retention(policies: dict[str, RetryPolicy], retention_ms: int, 
             raise ConfigError(f"retry policy {policy.name!r}: field 'max_age' ({policy.max_age_s / 3600:.0f} h) "
                               f"leaves less than a day of {topic}'s retention ({retention_ms / 3_600_000:.0f} h): "
                               "a copy parked until its max age could be deleted before it is released")
+
+
+def check_tiers_keep_copies(policies: dict[str, RetryPolicy], topics: Mapping[str, Any], names: TopicNames) -> None:
+    """`check_within_retention` for each retry tier among `topics` (topic definitions, by name), as each defines
+    its retention (none: the 7 days dispatch's definitions give every topic)."""
+    for name in (names.retry(c, lane, tier) for c in CHANNELS for lane in LANES for tier in RETRY_TIERS):
+        if name in topics:
+            check_within_retention(policies, int(topics[name].config.get("retention.ms", "604800000")), name)
 
 
 def load_routing(path: str | Path | None = None) -> PolicyRouting:

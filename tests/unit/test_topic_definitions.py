@@ -1,5 +1,6 @@
 """Topic definitions: expansion, validation errors that say where, and the reconcile plan."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,23 @@ def test_a_topic_without_a_cleanup_policy_override_matches_a_definition_saying_d
     Then the plan sets it as any config, and refuses nothing (the policy does not change)."""
     changes = plan({"t": TopicSpec("t", 1, 1, {"cleanup.policy": "delete"})}, {"t": TopicState(1, 1, {})})
     assert [(c.kind, c.key) for c in changes] == [("set_config", "cleanup.policy")]
+
+
+def test_topics_apply_refuses_a_retry_tier_that_would_delete_parked_copies(tmp_path, capsys, monkeypatch):
+    """Given the definitions with the retry tiers' retention lowered to a day (the policies keep copies up to their
+    max age, 2 days for marketing, and a day's room past it),
+    When an operator plans or applies them,
+    Then the command refuses before asking the broker anything, naming the policy and the tier (before: the
+    retention was set, parked copies were deleted unreleased, their sends `retrying` for good, and only the roles
+    started later refused to run)."""
+    from streams.cli import main
+
+    for source in REPO_TOPICS.glob("*.toml"):
+        (tmp_path / source.name).write_text(source.read_text())
+    retry = tmp_path / "retry.toml"
+    retry.write_text(retry.read_text().replace('"retention.ms" = 604800000', '"retention.ms" = 86400000'))
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9")  # never reached
+    for action in ("plan", "apply"):
+        assert main(["topics", action, "--dir", str(tmp_path), "--namespace", ""]) == 1
+        assert re.search(r"retry policy '\w+'.* leaves less than a day of notif\.email\.transactional\.retry\.10s's "
+                         r"retention \(24 h\)", capsys.readouterr().err)
