@@ -51,8 +51,21 @@ class TopicAdmin:
                              "is the stack up? (`streams dev up`)") from None
 
     def state(self, names: list[str]) -> dict[str, TopicState]:
-        """Partitions and topic-level overrides of those of `names` that exist."""
-        md = self._metadata()
+        """Partitions and topic-level overrides of those of `names` that exist. A topic described with an error
+        other than its absence (no leader for a moment; an ACL denying Describe) is asked about again for
+        TIMEOUT_S, then StackError naming it: taken as missing, it was planned `create`, and the apply failed
+        with "already exists", which said nothing of what was wrong."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            md = self._metadata()
+            unclear = {n: md.topics[n].error for n in names if n in md.topics and md.topics[n].error is not None
+                       and md.topics[n].error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART}
+            if not unclear:
+                break
+            if time.monotonic() >= deadline:
+                raise StackError("cannot describe topic(s) " + ", ".join(f"{n} ({e.str()})" for n, e in
+                                                                          sorted(unclear.items())))
+            time.sleep(0.2)  # backoff before asking again, not synchronisation
         present = [n for n in names if n in md.topics and md.topics[n].error is None]
         if not present:
             return {}

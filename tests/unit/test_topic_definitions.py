@@ -235,3 +235,29 @@ def test_topics_apply_refuses_a_retry_tier_that_would_delete_parked_copies(tmp_p
         assert main(["topics", action, "--dir", str(tmp_path), "--namespace", ""]) == 1
         assert re.search(r"retry policy '\w+'.* leaves less than a day of notif\.email\.transactional\.retry\.10s's "
                          r"retention \(24 h\)", capsys.readouterr().err)
+
+
+def test_a_topic_described_with_an_error_is_named_not_planned_as_missing(monkeypatch):
+    """Given a lane topic the broker describes with TOPIC_AUTHORIZATION_FAILED (an ACL denying Describe), and
+    another it does not know (UNKNOWN_TOPIC_OR_PART),
+    When the cluster's state is read for a plan,
+    Then the first is named with its error once the read has been asked again for its time (before: taken as
+    missing, planned `create`, and the apply failed with "already exists"); the second alone is missing."""
+    from types import SimpleNamespace
+
+    from confluent_kafka import KafkaError
+
+    from streams.errors import StackError
+    from streams.topology import admin as admin_module
+    from streams.topology.admin import TopicAdmin
+
+    errors = {"notif.email.transactional": KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED),
+              "notif.sms.transactional": KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)}
+    admin = TopicAdmin.__new__(TopicAdmin)
+    admin.bootstrap = "unused:9092"
+    admin.admin = SimpleNamespace(list_topics=lambda timeout: SimpleNamespace(topics={
+        name: SimpleNamespace(error=error, partitions={}) for name, error in errors.items()}))
+    monkeypatch.setattr(admin_module, "TIMEOUT_S", 0.3)
+    with pytest.raises(StackError, match=r"cannot describe topic\(s\) notif.email.transactional \(.*[Aa]uthoriz"):
+        admin.state(list(errors))
+    assert admin.state(["notif.sms.transactional"]) == {}
