@@ -9,6 +9,7 @@ excerpts only: no addresses, phone numbers, message bodies or keys.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -17,13 +18,15 @@ import orjson
 _TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
+_PLAIN = re.compile(r"[^\s=\"\\]*")  # a text field's value shown as it is: no space, `=`, quote or backslash
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
-                               "msg": record.getMessage()}
         fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            doc.update(fields)
+        # The line's own keys come last: a field named `ts`, `level`, `logger` or `msg` never stands for them.
+        doc: dict[str, Any] = {**(fields if isinstance(fields, dict) else {}), "ts": round(record.created, 3),
+                               "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(doc, default=str).decode()
@@ -41,7 +44,14 @@ def setup(level: str = "INFO", fmt: str = "text") -> None:
 
 
 def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
-    """One line: `event k=v ...` in text, `{"msg": event, k: v ...}` in JSON."""
+    """One line: `event k=v ...` in text, `{"msg": event, k: v ...}` in JSON. A text value holding a space, `=`,
+    a quote, a backslash or a line break (a provider's answer, a dead letter's detail) is quoted as a JSON
+    string: never a field of its own making, nor a line."""
     if logger.isEnabledFor(level):
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, ""))
+        text = " ".join(f"{k}={_shown(v)}" for k, v in fields.items() if v not in (None, ""))
         logger.log(level, "%s %s", event, text, extra={"fields": {"event": event, **fields}})
+
+
+def _shown(value: Any) -> str:
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else orjson.dumps(text).decode()

@@ -22,3 +22,24 @@ def test_evidence_lines_carry_their_fields_as_text_and_as_json(capsys, monkeypat
     logs.setup("INFO", "text")
     logs.evidence(log, logging.WARNING, "dead_lettered", send_id="s-2", reason="too_old")
     assert "WARNING streams.test dead_lettered send_id=s-2 reason=too_old" in capsys.readouterr().err
+
+
+def test_an_evidence_value_can_neither_make_fields_nor_lines_nor_stand_for_the_lines_own_keys(capsys, monkeypatch):
+    """Given a failed attempt whose provider answered a body holding a space, `=`, a quote and a line break that
+    reads like a log line of its own, and fields named `ts` and `msg`,
+    When it is logged as text and as JSON,
+    Then the text line stays one line, the body one quoted field (before: `status=200` and a forged second line
+    came out of it), and the JSON line's own `ts` and `msg` stay the record's (before: the fields overwrote them)."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    log = logging.getLogger("streams.test")
+    body = 'bad request status=200\n2026-12-06 INFO streams.settle delivered send_id=forged "x"'
+    logs.setup("INFO", "text")
+    logs.evidence(log, logging.WARNING, "attempt_failed", send_id="s-1", body=body, status=400)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith('attempt_failed send_id=s-1 body=' + orjson.dumps(body).decode() + " status=400")
+    logs.setup("INFO", "json")
+    logs.evidence(log, logging.WARNING, "attempt_failed", send_id="s-1", ts="forged", msg="forged")
+    doc = orjson.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert isinstance(doc["ts"], float) and doc["msg"].startswith("attempt_failed send_id=s-1")
