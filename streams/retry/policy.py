@@ -301,9 +301,9 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     if attempt >= policy.max_attempts and not declined:
         return DeadLetter("unknown_outcome" if may_be_delivered else "retries_exhausted")
     # The earliest moment the next attempt may happen: what the provider asked for, at least (a 429 without a
-    # usable ask: the cool-down the provider is held off for).
+    # usable ask: the cool-down the provider is held off for; a 503 in maintenance asks too).
     asked = parse_retry_after(result.retry_after, now_ms) or 0.0
-    at_least = {"quota": max(PARK_AT_LEAST_S, asked), "throttled": asked or DEFAULT_COOL_DOWN_S}.get(outcome, 0.0)
+    at_least = {"quota": max(PARK_AT_LEAST_S, asked), "throttled": asked or DEFAULT_COOL_DOWN_S}.get(outcome, asked)
     # Past its attempts (a 429 at the last one) a send has no next tier of its schedule: it waits for what the
     # provider asked, at least the shortest tier.
     scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))

@@ -301,6 +301,19 @@ def test_a_throttled_ask_near_the_max_age_is_spread_no_closer_to_it_than_the_cop
     assert d.due_ms <= NOW + (chosen.max_age_s - SPREAD_ENDS_BEFORE_MAX_AGE_S) * 1000, d
 
 
+def test_a_5xx_that_asks_to_wait_is_retried_no_sooner_than_it_asked():
+    """Given a provider in maintenance answering 503 with Retry-After 600 (an idempotent one: retried under the
+    same key),
+    When a transactional send's first attempt is settled,
+    Then its next attempt is due no sooner than 10 minutes from now, on a tier at least that long (before: the
+    ask was ignored, and the send spent its attempts on the 10s/1m/5m tiers against the provider in maintenance,
+    then was dead-lettered `unknown_outcome`)."""
+    d = decide(POLICIES["transactional"], 1, NOW, ProviderResult("unknown", 503, retry_after="600"), NOW, 0.0,
+               provider_idempotent=True)
+    assert isinstance(d, RetryAt) and d.due_ms >= NOW + 600_000 and d.tier in ("15m", "1h"), d
+    assert d.reason == "unknown_outcome"
+
+
 def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_would_not():
     """An OTP at its third attempt, 5.5 minutes old (4.5 left), answered a throttled 429 asking for 30 s, whose
     schedule's next tier would come past its max age: due after the ask, within the max age (before: dead-lettered
