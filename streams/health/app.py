@@ -154,8 +154,7 @@ class EndpointHealthApp:
 
     async def _act(self, outcome: Outcome, event: dict) -> None:
         h = outcome.health
-        failed = event.get("outcome") not in (None, "delivered", "skipped") or event.get("dropped")
-        if failed and not event.get("held"):  # a held one is tried again in the worker: not counted
+        if outcome.counted:  # not one of ours (a secret unreadable), held, nor another tenant's
             metrics.CONSECUTIVE_FAILURES.observe(h.consecutive_failures)
         for kind in outcome.suppressed:
             metrics.HEALTH_ALERTS.labels(kind, "suppressed").inc()

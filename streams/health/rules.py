@@ -73,6 +73,7 @@ class Outcome:
     state_changed: bool = False
     alerts: tuple[Alert, ...] = ()
     suppressed: tuple[str, ...] = field(default_factory=tuple)  # kinds of alerts held back by the window
+    counted: bool = False  # a failed attempt counted against the endpoint (not ours, not held, not another tenant's)
 
 
 def alert_id(endpoint_id: str, incident: int, kind: str, window_start_ms: int) -> str:
@@ -146,12 +147,12 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
             alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now, reason,
                                 int(event.get("n") or 0)))
     if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:
-        return Outcome(h, False, tuple(alerts), tuple(suppressed))
+        return Outcome(h, False, tuple(alerts), tuple(suppressed), counted=True)
     window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
     h = replace(h, state="degraded", since_ms=now, window_start_ms=window, stopped_sent=True)
     # Always sent (whatever the window), within the tenant's hourly alert budget (budget.py).
     alerts.append(Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now))
-    return Outcome(h, True, tuple(alerts), tuple(suppressed))
+    return Outcome(h, True, tuple(alerts), tuple(suppressed), counted=True)
 
 
 def describe(event: dict) -> str:

@@ -2,6 +2,8 @@
 them: the counter, degradation at 10, the two alerts and their 24 h dedupe, reactivation, and
 replays after a restart. Pure: events are dicts, time comes from the events."""
 
+import dataclasses
+
 import pytest
 
 from streams.health.rules import ALERT_WINDOW_MS, DEGRADE_AFTER, Health, apply, reactivation_event, state_doc
@@ -271,3 +273,24 @@ def test_a_window_timed_by_a_clock_far_ahead_does_not_silence_later_drops():
     f.fail(2 * 24 * HOUR, dropped=True)
     f.fail(10 * 24 * HOUR, dropped=True)
     assert [kind for kind, _ in f.alerts] == ["dropped"] * 3 and f.suppressed == []
+
+
+def test_only_an_attempt_counted_against_the_endpoint_is_counted_in_the_failures_histogram():
+    """Given an endpoint's attempts: one failing with an error of ours (its secret unreadable), one held (a short
+    Retry-After), one of another tenant naming it, one delivered, one failed (500), and its tenth failure,
+    When each is applied,
+    Then only the 500 and the tenth failure say they were counted (the health app observes the consecutive-failures
+    histogram for those alone; before, every event without a delivered outcome was observed, and an incident of
+    ours filled the panel with attempts the rules set aside)."""
+    feed = Feed()
+    feed.h = dataclasses.replace(feed.h, tenant="acme")  # the endpoint's own tenant, as the directory says
+    counted = [feed.push({"kind": "attempt", "outcome": "unavailable", "error": "secret_unreadable"}, 1).counted,
+               feed.push({"kind": "attempt", "outcome": "throttled", "status_code": 429, "held": True}, 2).counted,
+               feed.push({"kind": "attempt", "outcome": "unavailable", "status_code": 500,
+                          "tenant_id": "globex"}, 3).counted,
+               feed.ok(4).counted, feed.fail(5).counted]
+    assert counted == [False, False, False, False, True]
+    for at in range(6, 6 + DEGRADE_AFTER - 2):
+        feed.fail(at)
+    tenth = feed.fail(100)
+    assert tenth.state_changed and tenth.counted
