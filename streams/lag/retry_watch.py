@@ -9,7 +9,9 @@ The messages after it say nothing: a retrier releases by due time (each copy's d
 jitter, and a long tier's copies fall due out of order by hours), so they may be released already while
 the committed offset waits for the head. It runs on a thread of its own, every few seconds, so the
 transactional lag keeps its 500 ms rhythm. A tier it cannot read exports for how long instead
-(`dispatch_retry_tier_unreadable_seconds`, alert RetryTierUnwatched): a stuck tier would not show.
+(`dispatch_retry_tier_unreadable_seconds`, alert RetryTierUnwatched): a stuck tier would not show. With the
+webhook channel it also says how far behind the endpoint-health app is on the webhook attempts
+(`dispatch_endpoint_health_behind_seconds`, alert EndpointHealthBehind).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class RetryTierWatch:
                     for lane in LANES:
                         for tier in RETRY_TIERS:
                             self._measure(reader, peeker, channel, lane, tier)
+                if "webhook" in self.channels:
+                    self._measure_endpoint_health(reader)
                 self._stopping.wait(self.every_s)
         finally:
             peeker.close()
@@ -87,6 +91,20 @@ class RetryTierWatch:
         metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(0)
         metrics.RETRY_TIER_WAITING.labels(channel, lane, tier).set(waiting)
         metrics.RETRY_TIER_OVERDUE.labels(channel, lane, tier).set(overdue)
+
+    def _measure_endpoint_health(self, reader: LagReader) -> None:
+        """How far behind the endpoint-health app is on the webhook attempts (alert EndpointHealthBehind): stopped,
+        endpoints never degrade, members are never told, and reactivations the API accepted do nothing."""
+        try:
+            reading = reader.read(self.names.endpoint_health_app, self.names.webhook_attempts)
+        except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
+            if "endpoint-health" not in self._failing_since:
+                log.warning("the endpoint-health app's progress cannot be read: %s", exc)
+            self._failing_since.setdefault("endpoint-health", time.monotonic())
+            metrics.ENDPOINT_HEALTH_BEHIND.set(float("nan"))  # not measured: no figure rather than the last one
+            return
+        self._failing_since.pop("endpoint-health", None)
+        metrics.ENDPOINT_HEALTH_BEHIND.set(reading.lag_seconds)
 
     def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:
         """Seconds past due of the most overdue of the partitions' lowest unreleased messages (the first read

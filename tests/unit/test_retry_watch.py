@@ -149,3 +149,34 @@ def test_a_tier_whose_waiting_head_cannot_be_fetched_counts_as_unreadable_not_as
     watch._measure(Positions(RuntimeError("unused")), RefusingPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
     assert _exported("dispatch_retry_tier_overdue_seconds") is None
     assert _exported("dispatch_retry_tier_unreadable_seconds") is not None
+
+
+def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_be_read():
+    """Given the endpoint-health app's group whose oldest unapplied webhook attempt is 700 s old,
+    When the watch measures it, then cannot read it any more,
+    Then it exports 700 s (alert EndpointHealthBehind past 10 minutes), then NaN: no figure rather than the last."""
+    import math
+
+    from prometheus_client import REGISTRY
+
+    from streams.lag.yield_policy import LagReading
+
+    names = TopicNames("watch-test.")
+    asked = []
+
+    class Reader:
+        failing = False
+
+        def read(self, group, topic, source="monitor"):
+            asked.append((group, topic))
+            if self.failing:
+                raise RuntimeError("coordinator not available")
+            return LagReading(40, 700.0, int(time.time() * 1000), source)
+
+    watch, reader = RetryTierWatch("unused:9092", names, ("webhook",)), Reader()
+    watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
+    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds") == 700.0
+    assert asked == [("watch-test.endpoint-health", "watch-test.notif.webhook.attempts")]
+    reader.failing = True
+    watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
+    assert math.isnan(REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds"))
