@@ -33,6 +33,7 @@ Metrics: the bulk process's own are served at `/metrics/bulk` of the API's port.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import shutil
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from starlette.responses import JSONResponse
@@ -217,6 +219,12 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
+# Batches forwarded at once, per API key and in all. Each holds its body (up to the body limit) here and in the
+# bulk process until it is answered (up to PUBLISH_WAIT_S): unbounded, one client posting batches on many
+# connections to a slow broker could run the API process out of memory, and single sends (OTPs) with it.
+FORWARDS_PER_KEY, FORWARDS_MAX = 4, 32
+
+
 class BulkProxy:
     """ASGI: `POST /v1/sends/batch` (and `/metrics/bulk`) answered by the bulk process; the rest by `app`.
     Without a socket (no bulk process), `/metrics/bulk` is 404, so no scrape counts the API's twice."""
@@ -225,6 +233,7 @@ class BulkProxy:
         self.app = app
         self.socket_path = socket_path
         self.bulk = UnixHttp(socket_path, host=b"bulk") if socket_path else None
+        self._forwarding: Counter[bytes] = Counter()  # batches being forwarded, by a digest of their credential
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -236,7 +245,24 @@ class BulkProxy:
                 )}]}, status_code=404)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
-            return await self._forward(self.bulk, scope, receive, send)
+            # Counted by a digest of the credential as sent (the bulk process authenticates it): never the key.
+            key = hashlib.sha256(dict(scope["headers"]).get(b"authorization", b"")).digest()
+            if self._forwarding[key] >= FORWARDS_PER_KEY:
+                metrics.INGEST_REJECTED.labels("429").inc()
+                return await JSONResponse({"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"],
+                    "msg": f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not "
+                           "read, nothing was published; send it again once one is answered"}]},
+                    status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
+            if self._forwarding.total() >= FORWARDS_MAX:
+                return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not read, "
+                                         "nothing was published; retry after a moment")(scope, receive, send)
+            self._forwarding[key] += 1
+            try:
+                return await self._forward(self.bulk, scope, receive, send)
+            finally:
+                self._forwarding[key] -= 1
+                if not self._forwarding[key]:
+                    del self._forwarding[key]
         if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
             return await self._metrics(self.bulk, scope, receive, send)
         return await self.app(scope, receive, send)

@@ -1,10 +1,13 @@
-"""The API's bulk process supervisor keeps starting the bulk process when a start itself fails."""
+"""The API's bulk process: its supervisor keeps starting it when a start itself fails, and the API bounds the
+batches it forwards to it at once."""
 
+import asyncio
 import errno
 import subprocess
 import sys
 
 from streams.ingest import bulk
+from streams.ingest.unix_http import Answer
 from tests.harness import wait_until
 
 
@@ -33,3 +36,57 @@ def test_a_bulk_process_that_cannot_be_started_is_started_again_later(monkeypatc
     finally:
         process.stop()
     assert started[0].poll() is not None  # stopped with the API
+
+
+class HeldBulk:
+    """A bulk process that answers each batch only once `answer` is set (a slow broker)."""
+
+    def __init__(self):
+        self.answer = asyncio.Event()
+        self.forwarded = 0
+
+    async def request(self, method, target, headers, body, timeout_s):
+        self.forwarded += 1
+        await self.answer.wait()
+        return Answer(202, [(b"content-type", b"application/json")], b'{"accepted": 1}')
+
+
+def test_batches_forwarded_at_once_are_bounded_per_api_key_and_in_all(monkeypatch):
+    """Given a bulk process slow to answer (a slow broker),
+    When one API key posts more batches at once than FORWARDS_PER_KEY, and others fill FORWARDS_MAX,
+    Then the key's extra batch is answered 429 at once, unread and unpublished, while another key's goes on; past
+    FORWARDS_MAX any batch is answered 503 (before: every batch was held, body and all, until the bulk process
+    answered, and one client could run the API process, its single sends with it, out of memory); once answered,
+    the key may post again."""
+    import httpx
+
+    monkeypatch.setattr(bulk, "FORWARDS_MAX", bulk.FORWARDS_PER_KEY + 2)
+    proxy = bulk.BulkProxy(lambda scope, receive, send: None, None)
+    proxy.bulk = held = HeldBulk()
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=proxy)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            def post(key):
+                return asyncio.create_task(client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
+                                                       headers={"authorization": f"Bearer {key}"}))
+
+            first = [post("key-a") for _ in range(bulk.FORWARDS_PER_KEY)]
+            while held.forwarded < bulk.FORWARDS_PER_KEY:
+                await asyncio.sleep(0)
+            extra = await post("key-a")
+            others = [post("key-b") for _ in range(2)]
+            while held.forwarded < bulk.FORWARDS_PER_KEY + 2:
+                await asyncio.sleep(0)
+            full = await post("key-c")
+            held.answer.set()
+            answered = [r.status_code for r in await asyncio.gather(*first, *others)]
+            again = await post("key-a")
+        return extra, full, answered, again
+
+    extra, full, answered, again = asyncio.run(scenario())
+    assert extra.status_code == 429 and extra.json()["error"] == "too_many_batches"
+    assert extra.headers["retry-after"] == "1" and "key-a" not in extra.text
+    assert full.status_code == 503 and "nothing was published" in full.text
+    assert answered == [202] * (bulk.FORWARDS_PER_KEY + 2) and again.status_code == 202
+    assert proxy._forwarding == {}
