@@ -51,7 +51,24 @@ def test_prometheus_scrapes_every_service_that_serves_metrics():
     Then every one is scraped at its port (before: the SMS lanes and webhook marketing, added to the fleet later,
     were not, so their workers and retriers showed nothing on the dashboard and raised no alert)."""
     config = yaml.safe_load((COMPOSE.parent / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    targets = {t for job in config["scrape_configs"] for group in job.get("static_configs", []) for t in group["targets"]}
+    # every copy of a scaled role, found by DNS
+    targets |= {f"{name}:{sd['port']}" for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", [])
+                for name in sd["names"]}
     serving = {f"{name}:{s['command'][s['command'].index('--metrics-port') + 1]}"
                for name, s in services().items() if "--metrics-port" in (s.get("command") or [])}
     assert serving and serving <= targets, sorted(serving - targets)
+
+
+def test_every_long_running_role_is_restarted_and_redis_keeps_an_append_only_file():
+    """Given the compose file,
+    When its services are read,
+    Then every long-running one (not the one-shot topics and limits jobs) restarts when it exits (a role re-raises
+    a broker error and exits: it stayed down), and Redis runs with an append-only file written every second and no
+    eviction, as the README requires (a restored snapshot keeps its epoch, so a rollback of delivered marks would
+    go unseen: sends sent again)."""
+    for name, service in services().items():
+        if name not in ("topics", "limits", "kafka", "redis", "prometheus", "grafana"):
+            assert service.get("restart") == "unless-stopped", name
+    command = services()["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes" and "everysec" in command and "noeviction" in command
