@@ -379,12 +379,12 @@ def _one_try_s(deadline: float) -> float:
 
 
 def described_partitions(c: Consumer, topic: str, timeout_s: float) -> list[int]:
-    """A topic's partitions from one metadata request; BrokerUnavailable naming the problem when the answer
-    has none (the topic missing, or described with an error), never an empty list."""
+    """A topic's partitions from one metadata request; BrokerUnavailable saying what the answer held instead when
+    it has none (the topic missing, or described with an error: the caller names the topic), never an empty list."""
     meta = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
     if meta is None or meta.error is not None or not meta.partitions:
-        problem = "missing" if meta is None else str(meta.error) if meta.error is not None else "no partitions"
-        raise BrokerUnavailable(f"the broker did not describe topic {topic} ({problem})")
+        raise BrokerUnavailable("missing" if meta is None else str(meta.error) if meta.error is not None
+                                else "no partitions")
     return sorted(meta.partitions)
 
 
@@ -399,7 +399,7 @@ def topic_partitions(c: Consumer, topic: str, timeout_s: float = 10.0) -> list[i
         except (KafkaException, BrokerUnavailable) as exc:
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"the broker did not describe topic {topic} within {timeout_s:.0f} s "
-                                        f"(last answer: {exc})") from None
+                                        f"({exc})") from None
         time.sleep(0.2)  # backoff before asking again, not synchronisation
 
 

@@ -45,8 +45,8 @@ def setup(level: str = "INFO", fmt: str = "text") -> None:
 
 def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
     """One line: `event k=v ...` in text, `{"msg": event, k: v ...}` in JSON. A text value holding a space, `=`,
-    a quote, a backslash or a line break (a provider's answer, a dead letter's detail) is quoted as a JSON
-    string: never a field of its own making, nor a line."""
+    a quote, a backslash, a line break or another control character (a provider's answer, a dead letter's
+    detail) is quoted as a JSON string: never a field of its own making, nor a line, nor a terminal's escape."""
     if logger.isEnabledFor(level):
         text = " ".join(f"{k}={_shown(v)}" for k, v in fields.items() if v not in (None, ""))
         logger.log(level, "%s %s", event, text, extra={"fields": {"event": event, **fields}})
@@ -54,4 +54,4 @@ def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> N
 
 def _shown(value: Any) -> str:
     text = str(value)
-    return text if _PLAIN.fullmatch(text) else orjson.dumps(text).decode()
+    return text if text.isprintable() and _PLAIN.fullmatch(text) else orjson.dumps(text).decode()

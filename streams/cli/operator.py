@@ -17,7 +17,7 @@ from ..errors import (
     StoreUnavailable,
     StoreWriteUnknown,
 )
-from ..gate.limits import cool_down_ended
+from ..gate.limits import cool_down_ended, cool_down_subject
 from ..runtime import Runtime
 
 if TYPE_CHECKING:
@@ -117,7 +117,8 @@ def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
     p.add_argument("action", choices=["set", "show", "clear-cooldown"],
                    help="clear-cooldown: end the provider-wide hold a 429 set (its Retry-After, up to a day: a quota "
-                        "429's reset), once the provider takes requests again, e.g. its quota was raised")
+                        "429's reset), once the provider takes requests again, e.g. its quota was raised; with "
+                        "--tenant, the hold of that tenant's own account at the provider")
     p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook), "
                                                      "or an ingest quota (ingest-requests, ingest-transactional, "
                                                      "ingest-marketing)")
@@ -143,7 +144,7 @@ def limits(sub) -> None:
         if args.provider not in known:
             raise ConfigError(f"no provider or quota {args.provider!r} (known: {', '.join(known)})")
         if args.action == "clear-cooldown":
-            return _clear_cool_down(rt, args.provider)
+            return _clear_cool_down(rt, args.provider, args.tenant)
         store = rt.limit_store()
         if args.action != "set":
             shown = store.show(args.provider)
@@ -160,6 +161,10 @@ def limits(sub) -> None:
         if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
             print(f"{args.provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "
                   "`streams limits clear-cooldown` ends it)")
+        own = args.tenant not in (None, "*") and args.provider in rt.config.registry.providers
+        if own and (left := store.cool_down_left(args.provider, args.tenant)):
+            print(f"{args.provider} tenant {args.tenant} own_account_cool_down_left_s = {_seconds(left)}  (a 429 of "
+                  f"its own account; `streams limits clear-cooldown --tenant {args.tenant}` ends it)")
         return 0
 
     p.set_defaults(func=run)
@@ -170,20 +175,23 @@ def _seconds(left: float) -> str:
     return f"{left:.1f}" if left >= 0.1 else f"{left:.3f}"
 
 
-def _clear_cool_down(rt: Runtime, provider: str) -> int:
-    """End a provider's cool-down; workers holding on it ask the gate again within seconds."""
+def _clear_cool_down(rt: Runtime, provider: str, tenant: str | None = None) -> int:
+    """End a provider's cool-down (`tenant`: that of the tenant's own account there); workers holding on it ask
+    the gate again within seconds."""
     if provider not in (names := rt.config.registry.with_cool_down()):
         raise ConfigError(f"no provider-wide cool-down for {provider!r} (providers that have one: {', '.join(names)}; "
                           "an ingest quota has none, and a webhook endpoint's 429 holds only that endpoint)")
+    tenant = None if tenant == "*" else tenant  # the default tenant's account is the shared one
+    named = provider + (f" (tenant {tenant}'s own account)" if tenant else "")
     try:
-        left = rt.limit_store().clear_cool_down(provider)
+        left = rt.limit_store().clear_cool_down(provider, tenant)
     except StoreUnavailable as exc:  # Redis may have ended it before its answer was lost
         print(f"error: {exc}", file=sys.stderr)
-        _audited_maybe(rt, f"cooldown/{provider}", None, {"cool_down_left_s": 0})
+        _audited_maybe(rt, cool_down_subject(provider, tenant), None, {"cool_down_left_s": 0})
         return 1
-    print(f"{provider}: cool-down ended ({_seconds(left)} s were left)" if left else f"{provider}: no cool-down")
+    print(f"{named}: cool-down ended ({_seconds(left)} s were left)" if left else f"{named}: no cool-down")
     if left:
-        _audited(rt, *cool_down_ended(provider, left))
+        _audited(rt, *cool_down_ended(provider, left, tenant))
     return 0
 
 

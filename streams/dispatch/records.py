@@ -67,17 +67,15 @@ def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
 def outcome_records(events: list[dict]) -> list[bytes]:
     """`{"events": [...]}` values of at most OUTCOMES_PER_RECORD events and, past one event, about
     OUTCOME_RECORD_BYTES: the broker refuses a record over the topic's limit, and the worker could not go on."""
-    values: list[bytes] = []
-    chunk: list[bytes] = []
+    chunks: list[list[bytes]] = [[]]
     size = 0
     for encoded in map(orjson.dumps, events):
-        if chunk and (len(chunk) == OUTCOMES_PER_RECORD or size + len(encoded) > OUTCOME_RECORD_BYTES):
-            values.append(b'{"events":[' + b",".join(chunk) + b"]}")
-            chunk, size = [], 0
-        chunk.append(encoded)
+        if chunks[-1] and (len(chunks[-1]) == OUTCOMES_PER_RECORD or size + len(encoded) > OUTCOME_RECORD_BYTES):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(encoded)
         size += len(encoded) + 1
-    values.append(b'{"events":[' + b",".join(chunk) + b"]}")
-    return values
+    return [b'{"events":[' + b",".join(chunk) + b"]}" for chunk in chunks]
 
 
 class RecordWriter:

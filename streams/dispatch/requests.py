@@ -281,7 +281,6 @@ class Dispatcher:
             except ConfigError as exc:
                 keyless.append((draw, exc))
                 continue
-            self._misconfigured.clear(draw.key)  # its limits and key are there now
             draw.items, duplicates = unique_sends(draw.items)
             for p in duplicates:
                 self._end(p, "duplicate")
@@ -367,6 +366,7 @@ class Dispatcher:
             elif answer.allowed:
                 if (q := self.queues.queues.get(draw.key)) is not None:
                     q.dry_until = 0.0
+                self._misconfigured.clear(draw.key)  # its key and limits are there now (the gate's own included)
                 admitted.append(draw)
             else:
                 self._denied(draw, answer)

@@ -234,7 +234,8 @@ class Settler:
                 self.gate.cool_down(route.name, left, tenant=job.tenant if own else None)
             if own or not route.spec.shared_limit:  # the tenant's own account, or a webhook endpoint's own limit:
                 # this queue is held here as well (a long wait parks what it holds, as for a long hold)
-                self._hold_queue(job.queue, left, now_ms, parse_retry_after(result.retry_after, now_ms) is not None)
+                self._hold_queue(job.queue, left, int(time.time() * 1000),  # `left`: counted from now
+                                 parse_retry_after(result.retry_after, now_ms) is not None)
         kept = False
         if result.outcome == "unknown" and not route.spec.idempotent:
             self.jobs.mark_reconcile(job.tenant, job.send_ids, job.key)

@@ -118,16 +118,10 @@ class RedisGate:
         if unavailable is not None:
             # The round fails (a Redis Cluster master down for some buckets): what the other masters admitted in it
             # is given back, or those tokens would be spent on requests that are never sent.
-            self._give_back([(p, t, m) for (p, t, m, _), a in zip(requests, out, strict=True)
+            give_back(self, [Unused(p, t, m) for (p, t, m, _), a in zip(requests, out, strict=True)
                              if isinstance(a, Admission) and a.allowed])
             raise unavailable
         return out
-
-    def _give_back(self, admitted: list[tuple[str, str, int]]) -> None:
-        try:
-            self.refund_many(admitted)
-        except GateUnavailable as exc:  # the round's own failure is the answer; the tokens refill with time
-            log.warning("admissions of a failed gate round were not all given back: %s", exc)
 
     def refund_many(self, admitted: Iterable[tuple[str, str, int] | Unused]) -> None:
         """Give back admissions whose callers did not use them, in one round trip: a (provider, tenant, messages)
@@ -180,15 +174,14 @@ class RedisGate:
 
     def cool_down(self, provider: str, seconds: float, tenant: str | None = None) -> None:
         """Hold every worker off `provider` for `seconds` (extends, never shortens): off the account everyone
-        shares, or, for a `tenant` sending under an account of its own there, off that account (every worker,
-        of both lanes, sending under it)."""
-        own = tenant is not None and self._own(provider, tenant)
-        key = self.keys.own_account_cool(provider, tenant) if own and tenant is not None else self.keys.cool(provider)
+        shares, or, given the `tenant` whose account of its own there answered the 429, off that account (every
+        worker, of both lanes, sending under it). Never the shared account's for a tenant's own."""
+        key = self.keys.cool(provider) if tenant is None else self.keys.own_account_cool(provider, tenant)
         try:
             self._cool(keys=[key], args=[max(1, int(seconds * 1000))])
         except redis.RedisError as exc:
             raise GateUnavailable(f"cannot record the provider cool-down ({exc})") from None
-        if not own:  # the exported cool-down (and its alert) is the shared account's
+        if tenant is None:  # the exported cool-down (and its alert) is the shared account's
             self._cooling_until(provider, time.time() + seconds, extend_only=True)
 
     def refresh_cool_downs(self) -> None:

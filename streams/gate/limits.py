@@ -151,9 +151,15 @@ class AppliedLimits(NamedTuple):
     after: dict[str, float]
 
 
-def cool_down_ended(provider: str, left: float) -> tuple[str, dict, dict]:
-    """The audit record (what, before, after) of an operator ending `provider`'s cool-down with `left` s left."""
-    return f"cooldown/{provider}", {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0}
+def cool_down_ended(provider: str, left: float, tenant: str | None = None) -> tuple[str, dict, dict]:
+    """The audit record (what, before, after) of an operator ending `provider`'s cool-down (that of `tenant`'s
+    own account there, when given) with `left` s left."""
+    return cool_down_subject(provider, tenant), {"cool_down_left_s": round(left, 1)}, {"cool_down_left_s": 0}
+
+
+def cool_down_subject(provider: str, tenant: str | None = None) -> str:
+    """What the audit trail names a cool-down by."""
+    return f"cooldown/{provider}" + (f"/{tenant}" if tenant else "")
 
 
 class LimitStore:
@@ -172,22 +178,30 @@ class LimitStore:
         self._set_if_unchanged = client.register_script(_SET_IF_UNCHANGED)
         self._end_cool_down = client.register_script(_END_COOL_DOWN)
 
-    def cool_down_left(self, provider: str) -> float:
-        """Seconds left of `provider`'s cool-down (0: none), by Redis's clock: the key outlives the moment it holds
-        by a second (cooldown.lua)."""
+    def _cool_key(self, provider: str, tenant: str | None) -> str:
+        """The shared account's cool-down, or (`tenant`) that of the tenant's own account at the provider."""
+        if tenant is None:
+            return self.keys.cool(provider)
+        if not re.fullmatch(TENANT_ID_PATTERN, tenant):
+            raise ConfigError(f"tenant {tenant[:80]!r} is not a tenant id (1 to 64 ASCII letters, digits, '_', '-')")
+        return self.keys.own_account_cool(provider, tenant)
+
+    def cool_down_left(self, provider: str, tenant: str | None = None) -> float:
+        """Seconds left of `provider`'s cool-down (0: none; `tenant`: its own account's), by Redis's clock: the key
+        outlives the moment it holds by a second (cooldown.lua)."""
         try:
-            ttl_ms = self.client.pttl(self.keys.cool(provider))
+            ttl_ms = self.client.pttl(self._cool_key(provider, tenant))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot read the provider cool-down ({exc})") from None
         return max(0.0, (ttl_ms - 1000) / 1000)
 
-    def clear_cool_down(self, provider: str) -> float:
-        """End `provider`'s cool-down now (an operator's decision: its quota was raised); returns the seconds it
-        had left, of the very key removed, by Redis's clock as `cool_down_left` (one script: a 429 landing meanwhile
-        is either ended with it, and named, or set after it, and stays). Workers holding on it ask the gate again
-        within seconds (COOL_DOWN_RECHECK_S)."""
+    def clear_cool_down(self, provider: str, tenant: str | None = None) -> float:
+        """End `provider`'s cool-down now (`tenant`: its own account's; an operator's decision: its quota was
+        raised); returns the seconds it had left, of the very key removed, by Redis's clock as `cool_down_left`
+        (one script: a 429 landing meanwhile is either ended with it, and named, or set after it, and stays).
+        Workers holding on it ask the gate again within seconds (COOL_DOWN_RECHECK_S)."""
         try:
-            ttl_ms = self._end_cool_down(keys=[self.keys.cool(provider)])
+            ttl_ms = self._end_cool_down(keys=[self._cool_key(provider, tenant)])
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot end the provider cool-down ({exc})") from None
         return max(0.0, (int(ttl_ms) - 1000) / 1000)

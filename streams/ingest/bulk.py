@@ -245,16 +245,15 @@ class BulkProxy:
                 )}]}, status_code=404)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
-            # Counted by a digest of the credential as sent (the bulk process authenticates it): never the key.
-            key = hashlib.sha256(dict(scope["headers"]).get(b"authorization", b"")).digest()
+            key = _credential_digest(scope)
             if self._forwarding[key] >= FORWARDS_PER_KEY:
                 metrics.INGEST_REJECTED.labels("429").inc()
                 return await JSONResponse({"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"],
                     "msg": f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not "
-                           "read, nothing was published; send it again once one is answered"}]},
+                           "taken, nothing was published; send it again once one is answered"}]},
                     status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:
-                return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not read, "
+                return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not taken, "
                                          "nothing was published; retry after a moment")(scope, receive, send)
             self._forwarding[key] += 1
             try:
@@ -307,6 +306,13 @@ class BulkProxy:
         except (Unreachable, Interrupted, TimeoutError):  # a scrape, not a rejected send: not counted
             return await unavailable("the bulk ingest process is not running", count=False)(scope, receive, send)
         await _send_back(answer, send)
+
+
+def _credential_digest(scope) -> bytes:
+    """What a batch's per-key count is kept under: a digest of its bearer token, read as the API reads it (the
+    scheme in any case, spaces around it ignored), never the token itself. The bulk process authenticates it."""
+    scheme, _space, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+    return hashlib.sha256(scheme.lower() + b" " + token.strip()).digest()
 
 
 async def _send_back(answer: Answer, send) -> None:

@@ -38,7 +38,7 @@ from ..errors import (
     StoreUnavailable,
     StoreWriteUnknown,
 )
-from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange, cool_down_ended
+from ..gate.limits import MAX_LIMIT, MIN_RATE, LimitChange, cool_down_ended, cool_down_subject
 from ..retry import dlq as dead_letters
 from ..retry.replay import replay_dead_letter as replay_dead_letter_once
 from ..send import TENANT_ID_PATTERN
@@ -269,22 +269,27 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         return one_of(names, provider, f"no provider-wide cool-down for {provider!r} "
                                        f"(providers that have one: {', '.join(names)})")
 
-    @router.get("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))
-    def get_cool_down(provider: str, _: Operator) -> dict:
-        return {"provider": provider, "left_s": ingest.limits.cool_down_left(a_provider(provider))}
+    OwnAccount = Annotated[str | None, Query(pattern=TENANT_ID_PATTERN, description=(
+        "a tenant sending under an account of its own at the provider: that account's hold, not the shared one's"))]
 
-    @router.delete("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 503))
-    def end_cool_down(provider: str, who: Operator) -> dict:
+    @router.get("/limits/{provider}/cooldown", response_model=CoolDown, responses=documented(401, 403, 404, 422, 503))
+    def get_cool_down(provider: str, _: Operator, tenant: OwnAccount = None) -> dict:
+        return {"provider": provider, "left_s": ingest.limits.cool_down_left(a_provider(provider), tenant)}
+
+    @router.delete("/limits/{provider}/cooldown", response_model=CoolDown,
+                   responses=documented(401, 403, 404, 422, 503))
+    def end_cool_down(provider: str, who: Operator, tenant: OwnAccount = None) -> dict:
         """End the provider-wide hold a 429 set (a quota's Retry-After: up to a day), once the provider takes
-        requests again (its quota was raised); workers send again within 10 s."""
+        requests again (its quota was raised); workers send again within 10 s. `tenant`: the hold of that
+        tenant's own account at the provider."""
         try:
-            left = ingest.limits.clear_cool_down(a_provider(provider))
+            left = ingest.limits.clear_cool_down(a_provider(provider), tenant)
         except StoreUnavailable:
-            audited_maybe(who, f"cooldown/{provider}", None, {"cool_down_left_s": 0})
+            audited_maybe(who, cool_down_subject(provider, tenant), None, {"cool_down_left_s": 0})
             raise
         if left:
             # Not repeatable: ended again, it finds none, and there is nothing more to record.
-            audited(who, *cool_down_ended(provider, left), repeatable=False)
+            audited(who, *cool_down_ended(provider, left, tenant), repeatable=False)
         return {"provider": provider, "left_s": left}
 
     @router.get("/keys", response_model=Keys, responses=documented(401, 403, 503))

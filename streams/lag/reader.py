@@ -56,7 +56,7 @@ class LagReader:
                 cached = (time.monotonic(), described_partitions(self.peeker, topic, TIMEOUT_S))
             except (KafkaException, BrokerUnavailable) as exc:
                 if cached is None:
-                    raise StackError(f"cannot read lag: {exc}") from None
+                    raise StackError(f"cannot read lag: topic {topic} ({exc})") from None
                 # Known already: keep reading those (a broker restarting answers metadata with errors for a
                 # while), and list them again in a minute, not on every read.
                 cached = (time.monotonic(), cached[1])

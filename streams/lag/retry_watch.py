@@ -40,6 +40,7 @@ class RetryTierWatch:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
         self._failing_since: dict[str, float] = {}  # topic: when its read first failed (monotonic)
+        self._health_unreadable = False  # the endpoint-health app's progress could not be read last time
 
     def start(self) -> None:
         self._thread.start()
@@ -98,12 +99,12 @@ class RetryTierWatch:
         try:
             reading = reader.read(self.names.endpoint_health_app, self.names.webhook_attempts)
         except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
-            if "endpoint-health" not in self._failing_since:
+            if not self._health_unreadable:  # said once, until it is read again
                 log.warning("the endpoint-health app's progress cannot be read: %s", exc)
-            self._failing_since.setdefault("endpoint-health", time.monotonic())
+            self._health_unreadable = True
             metrics.ENDPOINT_HEALTH_BEHIND.set(float("nan"))  # not measured: no figure rather than the last one
             return
-        self._failing_since.pop("endpoint-health", None)
+        self._health_unreadable = False
         metrics.ENDPOINT_HEALTH_BEHIND.set(reading.lag_seconds)
 
     def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:

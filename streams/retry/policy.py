@@ -301,14 +301,16 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     if attempt >= policy.max_attempts and not declined:
         return DeadLetter("unknown_outcome" if may_be_delivered else "retries_exhausted")
     # The earliest moment the next attempt may happen: what the provider asked for, at least (a 429 without a
-    # usable ask: the cool-down the provider is held off for; a 503 in maintenance asks too).
+    # usable ask: the cool-down the provider is held off for). Any other answer's ask (a 503 in maintenance) is
+    # advice: kept when it fits the send's max age, else the schedule goes on (the maintenance may end sooner).
+    deadline_ms = created_ms + policy.max_age_s * 1000
     asked = parse_retry_after(result.retry_after, now_ms) or 0.0
-    at_least = {"quota": max(PARK_AT_LEAST_S, asked), "throttled": asked or DEFAULT_COOL_DOWN_S}.get(outcome, asked)
+    advised = asked if now_ms + asked * 1000 <= deadline_ms else 0.0
+    at_least = {"quota": max(PARK_AT_LEAST_S, asked), "throttled": asked or DEFAULT_COOL_DOWN_S}.get(outcome, advised)
     # Past its attempts (a 429 at the last one) a send has no next tier of its schedule: it waits for what the
     # provider asked, at least the shortest tier.
     scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))
     tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
-    deadline_ms = created_ms + policy.max_age_s * 1000
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     if outcome == "quota" or (outcome == "throttled" and now_ms + delay_ms > deadline_ms):
         # Due when the provider asked (a quota's reset; or a throttled ask whose tier, its ask or its schedule's

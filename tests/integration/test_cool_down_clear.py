@@ -51,6 +51,28 @@ def test_an_operator_ends_a_long_cool_down_and_the_workers_send_within_seconds(
     assert again.returncode == 0 and "resend: no cool-down" in again.stdout
 
 
+def test_an_operator_sees_and_ends_the_cool_down_of_a_tenants_own_account(stack, names, channel_topics, redis_client,
+                                                                         namespace, dispatch_env):
+    """Given a day's cool-down of tenant own's account at resend (a quota 429 of the account it sends under),
+    When an operator shows resend's limits for own and ends that cool-down (`--tenant own`),
+    Then the show says what is left of own's account's hold, the end says what was left, and the audit trail has
+    it under `cooldown/resend/own` (before: only the shared account's hold could be seen or ended)."""
+    channel_topics("email")  # with the audit topic
+    started_ms = int(time.time() * 1000)
+    RedisGate(redis_client, namespace, own_account=lambda provider, tenant: tenant == "own").cool_down(
+        "resend", 86400, tenant="own")
+    shown = _cli(dispatch_env, "limits", "show", "--provider", "resend", "--tenant", "own")
+    assert shown.returncode == 0, shown.stderr
+    [left] = [float(line.split("=")[1].split()[0]) for line in shown.stdout.splitlines()
+              if "own_account_cool_down_left_s" in line]
+    assert 86000 < left <= 86400
+    cleared = _cli(dispatch_env, "limits", "clear-cooldown", "--provider", "resend", "--tenant", "own")
+    assert cleared.returncode == 0, cleared.stdout + cleared.stderr
+    assert "resend (tenant own's own account): cool-down ended" in cleared.stdout
+    [entry] = [e for e in AuditLog(stack.bootstrap, names.audit).read(started_ms) if e["what"] == "cooldown/resend/own"]
+    assert entry["before"]["cool_down_left_s"] > 86000 and entry["after"] == {"cool_down_left_s": 0}
+
+
 def test_a_tenant_with_its_own_provider_account_is_not_held_by_the_shared_accounts_cool_down(
         channel_topics, limits, processes, send_client, mock_provider, redis_client, namespace):
     """Given a transactional email worker whose tenant `own` sends under a Resend key (an account) of its own, and an

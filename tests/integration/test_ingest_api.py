@@ -149,6 +149,26 @@ def test_an_operator_reads_and_ends_a_providers_cool_down(api, redis_client, nam
     assert api.get("/v1/admin/limits/ingest-requests/cooldown", headers=api.operator).status_code == 404
     assert api.delete("/v1/admin/limits/webhook/cooldown", headers=api.operator).status_code == 404  # per endpoint
 
+
+def test_an_operator_reads_and_ends_the_cool_down_of_a_tenants_own_account(api, redis_client, namespace):
+    """Given a day's cool-down of tenant own's account at resend (a quota 429 of the account it sends under), and
+    none of the shared account,
+    When the operator reads and ends it (`?tenant=own`), and names a tenant id that cannot be one,
+    Then the read says about a day, the shared account's says none, the end answers what was left and a new read
+    finds none (before: only the shared account's hold could be read or ended: an own account's lasted its day
+    unless someone deleted the Redis key by hand); a bad tenant id is 422."""
+    from streams.gate.gate import RedisGate
+
+    RedisGate(redis_client, namespace, own_account=lambda provider, tenant: tenant == "own").cool_down(
+        "resend", 86400, tenant="own")
+    own = "/v1/admin/limits/resend/cooldown?tenant=own"
+    assert 86000 < api.get(own, headers=api.operator).json()["left_s"] <= 86400
+    assert api.get("/v1/admin/limits/resend/cooldown", headers=api.operator).json()["left_s"] == 0.0
+    ended = api.delete(own, headers=api.operator)
+    assert ended.status_code == 200 and 86000 < ended.json()["left_s"] <= 86400, ended.text
+    assert api.get(own, headers=api.operator).json()["left_s"] == 0.0
+    assert api.get("/v1/admin/limits/resend/cooldown?tenant=no%20such", headers=api.operator).status_code == 422
+
 def test_openapi_schema_describes_the_endpoints(api):
     """Given the running ingest API,
     When its /openapi.json is fetched,

@@ -109,7 +109,7 @@ class CoolDowns(Limits):
         super().__init__()
         self.ended: list[str] = []
 
-    def clear_cool_down(self, provider):
+    def clear_cool_down(self, provider, tenant=None):
         self.ended.append(provider)
         return 30.0
 
@@ -141,8 +141,8 @@ def test_the_operator_api_knows_the_providers_of_the_configured_provider_file():
 class AnswersLost(CoolDowns):
     """Ends the cool-down, and its answer is lost (a timeout after Redis ran it)."""
 
-    def clear_cool_down(self, provider):
-        super().clear_cool_down(provider)
+    def clear_cool_down(self, provider, tenant=None):
+        super().clear_cool_down(provider, tenant)
         raise StoreUnavailable("ending a cool-down: Timeout reading from socket (test)")
 
 

@@ -79,7 +79,7 @@ def test_a_cool_down_ended_with_milliseconds_left_is_not_said_to_have_had_none(c
     Then the CLI says 0.030 s were left (before: "0.0 s were left", which reads as no cool-down at all)."""
     audited = []
     rt = SimpleNamespace(config=SimpleNamespace(registry=load_registry()),
-                         limit_store=lambda: SimpleNamespace(clear_cool_down=lambda provider: 0.03),
+                         limit_store=lambda: SimpleNamespace(clear_cool_down=lambda provider, tenant=None: 0.03),
                          audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record)))
     assert _clear_cool_down(rt, "resend") == 0  # type: ignore[arg-type]
     assert "resend: cool-down ended (0.030 s were left)" in capsys.readouterr().out
@@ -98,7 +98,7 @@ class LimitsThenRedisFails:
             raise StoreWriteUnknown("cannot write the limits of 'resend' (Timeout reading from socket, test)")
         return AppliedLimits({"global_rate": 15.0}, {"global_rate": 20.0})
 
-    def cool_down_left(self, provider):
+    def cool_down_left(self, provider, tenant=None):
         raise StoreUnavailable("cannot read the provider cool-down (test)")
 
 

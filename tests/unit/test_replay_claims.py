@@ -110,3 +110,12 @@ def test_a_dead_letter_whose_last_attempt_went_unanswered_needs_the_outcome_chec
         assert replay_module._check(doc, "s-1", "t1", replay_module.REPLAYABLE, outcome_checked=True) == doc
     else:
         assert replay_module._check(doc, "s-1", "t1", replay_module.REPLAYABLE, outcome_checked=False) == doc
+
+
+def test_a_delivered_send_whose_history_ends_unanswered_is_replayed_without_a_check():
+    """Given a send delivered by a recovered request (which records no attempt: its history ends with the attempt
+    whose answer was lost),
+    When it is replayed as a send (`streams sends replay`),
+    Then it is, without --outcome-checked: it was delivered, nothing about it is unknown."""
+    doc = {"status": "delivered", "tenant_id": "t1", "reason": "", "attempt_history": [{"n": 1, "outcome": "unknown"}]}
+    assert replay_module._check(doc, "s-1", "t1", replay_module.REPLAYABLE, outcome_checked=False) == doc

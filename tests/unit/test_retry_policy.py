@@ -312,6 +312,11 @@ def test_a_5xx_that_asks_to_wait_is_retried_no_sooner_than_it_asked():
                provider_idempotent=True)
     assert isinstance(d, RetryAt) and d.due_ms >= NOW + 600_000 and d.tier in ("15m", "1h"), d
     assert d.reason == "unknown_outcome"
+    # An ask past the send's max age (an OTP's 10 minutes) is advice the schedule does without: the maintenance may
+    # end sooner, and the send is not given up at once
+    otp = decide(POLICIES["otp"], 1, NOW, ProviderResult("unknown", 503, retry_after="3600"), NOW, 0.0,
+                 provider_idempotent=True)
+    assert isinstance(otp, RetryAt) and otp.due_ms < NOW + 600_000, otp
 
 
 def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_would_not():

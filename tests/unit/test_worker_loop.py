@@ -2488,12 +2488,15 @@ def test_a_429_settled_again_after_a_redis_error_holds_off_only_what_is_left_of_
     assert provider == "resend" and 29 < seconds <= 30 and tenant is None
 
 
-def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time():
-    """Given acme with no limit it falls under,
+@pytest.mark.parametrize("gate", [NoLimitFor("acme"), GateRefuses("acme", ConfigError("no rate limits configured"))],
+                         ids=["no tenant limit", "the gate finds none"])
+def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time(gate):
+    """Given acme with no limit it falls under (read by the worker, or found by the gate: its provider's global
+    limit missing),
     When its parked copy comes back twice to the same answer, then its limit is set,
-    Then it is held 30 s, 60 s, then 120 s (parked each time), and sent once its limit is there."""
+    Then it is held 30 s, 60 s, then 120 s (parked each time), and sent once its limit is there (before, a hold
+    the gate's answer set started over at 30 s every time: the hold was cleared before the gate was asked)."""
     sends, msgs = _messages(["acme"])
-    gate = NoLimitFor("acme")
     worker, consumer, producer, provider = _worker(msgs, gate=gate)
     assert _holds_of_a_parked_copy_brought_back(worker, producer, "acme", times=3) == [30, 60, 120]
     assert provider.sent == []
