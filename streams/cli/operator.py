@@ -163,7 +163,7 @@ def limits(sub) -> None:
                   "`streams limits clear-cooldown` ends it)")
         own = args.tenant not in (None, "*") and args.provider in rt.config.registry.providers
         if own and (left := store.cool_down_left(args.provider, args.tenant)):
-            print(f"{args.provider} tenant {args.tenant} own_account_cool_down_left_s = {_seconds(left)}  (a 429 of "
+            print(f"{args.provider} tenant {args.tenant} own_account_hold_s = {_seconds(left)}  (a 429 of "
                   f"its own account; `streams limits clear-cooldown --tenant {args.tenant}` ends it)")
         return 0
 
@@ -189,7 +189,9 @@ def _clear_cool_down(rt: Runtime, provider: str, tenant: str | None = None) -> i
         print(f"error: {exc}", file=sys.stderr)
         _audited_maybe(rt, cool_down_subject(provider, tenant), None, {"cool_down_left_s": 0})
         return 1
-    print(f"{named}: cool-down ended ({_seconds(left)} s were left)" if left else f"{named}: no cool-down")
+    print(f"{named}: cool-down ended ({_seconds(left)} s were left)" if left else f"{named}: no cool-down" + (
+        f" (a tenant sending under the shared account is held by {provider}'s own: clear-cooldown without --tenant)"
+        if tenant else ""))
     if left:
         _audited(rt, *cool_down_ended(provider, left, tenant))
     return 0

@@ -53,6 +53,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..cpu_priority import start_in_own_session
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
+from .web import bearer_token
 
 log = logging.getLogger("streams.api")
 
@@ -309,10 +310,10 @@ class BulkProxy:
 
 
 def _credential_digest(scope) -> bytes:
-    """What a batch's per-key count is kept under: a digest of its bearer token, read as the API reads it (the
-    scheme in any case, spaces around it ignored), never the token itself. The bulk process authenticates it."""
-    scheme, _space, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-    return hashlib.sha256(scheme.lower() + b" " + token.strip()).digest()
+    """What a batch's per-key count is kept under: a digest of its bearer token, read as the API reads it (headers
+    are latin-1, as Starlette decodes them), never the token itself. The bulk process authenticates it."""
+    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    return hashlib.sha256(bearer_token(header).encode("latin-1")).digest()
 
 
 async def _send_back(answer: Answer, send) -> None:

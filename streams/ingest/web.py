@@ -230,6 +230,13 @@ class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
                    f"may have been published: {RETRY_WITH_KEY}")
 
 
+def bearer_token(authorization: str) -> str:
+    """The API key an `Authorization` header carries ("" when it names no bearer token): the scheme in any case
+    (RFC 9110), white space around it and the token ignored."""
+    scheme, _space, credentials = authorization.strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else ""
+
+
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                     description="an API key (`streams keys create`): `Authorization: Bearer <key>`")
 
@@ -263,8 +270,7 @@ class Auth:
                 if (now := time.monotonic()) >= self._log_unreadable_at:
                     self._log_unreadable_at = now + UNREADABLE_LOG_EVERY_S
                     log.warning("cannot check Redis state against the operator log: %s", exc)
-        scheme, _space, credentials = request.headers.get("authorization", "").strip().partition(" ")
-        token = credentials.strip() if scheme.lower() == "bearer" else ""  # the scheme in any case (RFC 9110)
+        token = bearer_token(request.headers.get("authorization", ""))
         found = self.keys.resolve(token) if token else None
         if found is None:
             raise problem(401, "unauthorized", ["header", "authorization"], "a valid API key is required (Bearer)")

@@ -312,9 +312,9 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     scheduled = policy.tier_after(attempt) if attempt < policy.max_attempts else next(iter(RETRY_TIERS))
     tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
-    if outcome == "quota" or (outcome == "throttled" and now_ms + delay_ms > deadline_ms):
-        # Due when the provider asked (a quota's reset; or a throttled ask whose tier, its ask or its schedule's
-        # next rounded up, would come past the send's max age: a 429 never ends a send whose ask fits). The tier
+    if outcome == "quota" or ((outcome == "throttled" or advised) and now_ms + delay_ms > deadline_ms):
+        # Due when the provider asked (a quota's reset; or a throttled or advised ask whose tier, its ask or its
+        # schedule's next rounded up, would come past the send's max age: an ask that fits never ends a send). The tier
         # is only the topic that holds it (the retrier releases by the due time); spread over a little after the
         # ask, or, for a quota, at the schedule's next tier when that is later.
         delay_ms = int(RETRY_TIERS[scheduled] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale

@@ -89,11 +89,11 @@ def _check(status: dict | None, send_id: str, tenant: str | None, statuses: froz
         allowed = " or ".join(sorted(statuses))
         raise ReplayRefused(f"send {send_id} is {status['status']}: only a send that is {allowed} can be replayed "
                             "here (one still in progress is retried by dispatch itself)")
-    # Its last attempt unanswered, a send given up for another reason (its retry copy too large for the tier) may
-    # be held by the provider as well as one dead-lettered unknown_outcome. (A delivered one's history may end
-    # unanswered too: its delivery was settled by a recovered request, which records no attempt of its own.)
+    # Its last attempt unanswered, a send given up for another reason (its retry copy too large for the tier), or
+    # skipped after it, may be held by the provider as well as one dead-lettered unknown_outcome. (A delivered
+    # one's history may end unanswered too: a recovered request settled it, and records no attempt of its own.)
     last_attempt = (status.get("attempt_history") or [{}])[-1]
-    unanswered = status["status"] in ("dead_lettered", "dropped") and last_attempt.get("outcome") == "unknown"
+    unanswered = status["status"] != "delivered" and last_attempt.get("outcome") == "unknown"
     if (status.get("reason") == "unknown_outcome" or unanswered) and not outcome_checked:
         raise ReplayNeedsCheck(f"send {send_id} was dead-lettered {status.get('reason')} after an attempt whose "
                                "outcome is unknown: the provider may have accepted it, and a replay (a new send id) "

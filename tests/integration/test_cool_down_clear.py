@@ -64,7 +64,7 @@ def test_an_operator_sees_and_ends_the_cool_down_of_a_tenants_own_account(stack,
     shown = _cli(dispatch_env, "limits", "show", "--provider", "resend", "--tenant", "own")
     assert shown.returncode == 0, shown.stderr
     [left] = [float(line.split("=")[1].split()[0]) for line in shown.stdout.splitlines()
-              if "own_account_cool_down_left_s" in line]
+              if "own_account_hold_s" in line]
     assert 86000 < left <= 86400
     cleared = _cli(dispatch_env, "limits", "clear-cooldown", "--provider", "resend", "--tenant", "own")
     assert cleared.returncode == 0, cleared.stdout + cleared.stderr

@@ -91,18 +91,20 @@ def test_a_dead_letter_is_replayable_while_the_dead_letter_topic_keeps_its_paylo
     assert done.send is not None and client.published == [done.send]
 
 
+@pytest.mark.parametrize("status", ["dead_lettered", "skipped"])
 @pytest.mark.parametrize("reason, last_outcome, refused", [
     ("unknown_outcome", "unknown", True), ("retry_copy_too_large", "unknown", True), ("too_large", "unknown", True),
     ("retries_exhausted", "unavailable", False), ("retry_copy_too_large", "unavailable", False),
 ])
-def test_a_dead_letter_whose_last_attempt_went_unanswered_needs_the_outcome_checked(reason, last_outcome, refused):
-    """Given a send dead-lettered `reason` after a last attempt whose outcome was `last_outcome` (a 5xx: unknown,
-    the provider may hold it; a connection refused: unavailable, it does not),
+def test_a_dead_letter_whose_last_attempt_went_unanswered_needs_the_outcome_checked(reason, last_outcome, refused,
+                                                                                    status):
+    """Given a send dead-lettered `reason` (or skipped: its endpoint disabled after it) after a last attempt whose
+    outcome was `last_outcome` (a 5xx: unknown, the provider may hold it; a connection refused: unavailable),
     When it is replayed without --outcome-checked,
     Then one whose last attempt is unknown is refused until checked, whatever its reason (before: only the reason
     `unknown_outcome` was, and a send whose retry copy was too large for its tier after a 5xx was replayed at once
     under a new send id: delivered twice when the provider had taken the first)."""
-    doc = {"status": "dead_lettered", "tenant_id": "t1", "reason": reason,
+    doc = {"status": status, "tenant_id": "t1", "reason": reason,
            "attempt_history": [{"n": 1, "outcome": "throttled"}, {"n": 2, "outcome": last_outcome}]}
     if refused:
         with pytest.raises(replay_module.ReplayNeedsCheck, match=f"{reason} after an attempt whose outcome is unknown"):

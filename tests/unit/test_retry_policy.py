@@ -319,6 +319,19 @@ def test_a_5xx_that_asks_to_wait_is_retried_no_sooner_than_it_asked():
     assert isinstance(otp, RetryAt) and otp.due_ms < NOW + 600_000, otp
 
 
+@pytest.mark.parametrize("outcome", ["unknown", "unavailable"])
+@pytest.mark.parametrize("jitter", [0.0, 0.999])
+@pytest.mark.parametrize("policy, asked_s", [("otp", 60), ("otp", 301), ("otp", 550), ("transactional", 3700)])
+def test_a_5xx_ask_that_fits_the_max_age_is_waited_though_its_tier_would_not(policy, asked_s, jitter, outcome):
+    """A new send answered a 503 (an unknown outcome at an idempotent provider, or one not acted on) asking for
+    301 s (an OTP: 10 min max age), whose tier rounded up (15 min) would come past its max age: due after the ask,
+    within the max age (before: dead-lettered at once, though the ask fitted)."""
+    chosen = POLICIES[policy]
+    d = decide(chosen, 1, NOW, ProviderResult(outcome, 503, retry_after=str(asked_s)), NOW, jitter,
+               provider_idempotent=True)
+    assert isinstance(d, RetryAt) and NOW + asked_s * 1000 <= d.due_ms <= NOW + chosen.max_age_s * 1000, d
+
+
 def test_a_throttled_ask_that_fits_is_waited_though_the_schedules_next_tier_would_not():
     """An OTP at its third attempt, 5.5 minutes old (4.5 left), answered a throttled 429 asking for 30 s, whose
     schedule's next tier would come past its max age: due after the ask, within the max age (before: dead-lettered
