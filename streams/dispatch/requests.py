@@ -355,9 +355,11 @@ class Dispatcher:
             if isinstance(answer, CostExceedsBurst):
                 self._limits.pop((draw.route.name, draw.tenant), None)  # limits changed: learn the burst again
                 self._requeue(draw.key, draw.items)
-            elif isinstance(answer, (ConfigError, BucketUnreadable)):
-                # No limits for the provider, or this tenant's buckets unreadable: until an operator mends them,
-                # held as a tenant without limits is (`_draw`): parked, never pinning the partition's offset.
+            elif isinstance(answer, BucketUnreadable):
+                # This tenant's buckets unreadable: until an operator mends them, held as a tenant without limits is
+                # (`_draw`): parked, never pinning the partition's offset. (No limits at the gate is held briefly
+                # below: Redis having lost its data looks the same, for the moment the operator log takes to
+                # restore them, and what a lost Redis holds must not be parked where nothing may release it.)
                 self._requeue(draw.key, draw.items)
                 self._hold_misconfigured(draw.key, answer)
             elif isinstance(answer, Exception):

@@ -2326,8 +2326,7 @@ class GateRefuses(FakeGate):
         return [self.error if r[1] == self.tenant else self.acquire(*r) for r in requests]
 
 
-@pytest.mark.parametrize("case", ["its own key refused", "no limit for it", "no limit at the gate",
-                                  "its buckets unreadable"])
+@pytest.mark.parametrize("case", ["its own key refused", "no limit for it", "its buckets unreadable"])
 def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenant(case):
     """Given acme's email first on a partition, then 150 of globex's, and acme's sends held for long: the provider
     refuses acme's own key (401 after a fresh one), or no operator set a limit acme falls under,
@@ -2335,14 +2334,13 @@ def test_a_tenant_held_for_long_does_not_pin_the_partition_for_every_other_tenan
     Then globex's 150 are sent, acme's send is parked on a retry tier (not an attempt) due when the hold ends, and
     the partition's offset moves past all 151 (before: acme's message stayed in memory, held again and again, and
     pinned the offset: the lane's lag, which makes marketing yield, grew with every other tenant's traffic; a
-    tenant without limits was held that way for good, never reaching its max age; one the gate found without
-    limits or with buckets it cannot read, held 5 s at a time, for good too)."""
+    tenant without limits was held that way for good, never reaching its max age; one whose buckets the gate
+    cannot read, held 5 s at a time, for good too)."""
     sends, msgs = _messages(["acme"] + ["globex"] * 150)
     spec = load_registry().primary("email")
     keys = {"*": "re_shared", "acme": "re_acme_own"}
     provider = KeyRefusedFor("re_acme_own") if case == "its own key refused" else FakeProvider(DELIVERED)
     gate = {"its own key refused": FakeGate(), "no limit for it": NoLimitFor("acme"),
-            "no limit at the gate": GateRefuses("acme", ConfigError("no rate limits configured for provider")),
             "its buckets unreadable": GateRefuses("acme", BucketUnreadable("acme's buckets cannot be read"))}[case]
     producer = FakeProducer()
     worker = LaneWorker(WorkerConfig("email", "transactional", "unused:9092", spec, NAMES), FakeConsumer(msgs),
@@ -2488,12 +2486,11 @@ def test_a_429_settled_again_after_a_redis_error_holds_off_only_what_is_left_of_
     assert provider == "resend" and 29 < seconds <= 30 and tenant is None
 
 
-@pytest.mark.parametrize("gate", [NoLimitFor("acme"), GateRefuses("acme", ConfigError("no rate limits configured"))],
-                         ids=["no tenant limit", "the gate finds none"])
+@pytest.mark.parametrize("gate", [NoLimitFor("acme"), GateRefuses("acme", BucketUnreadable("unreadable"))],
+                         ids=["no tenant limit", "its buckets unreadable"])
 def test_a_tenant_left_without_limits_is_looked_at_less_often_each_time(gate):
-    """Given acme with no limit it falls under (read by the worker, or found by the gate: its provider's global
-    limit missing),
-    When its parked copy comes back twice to the same answer, then its limit is set,
+    """Given acme with no limit it falls under (read by the worker), or whose buckets the gate cannot read,
+    When its parked copy comes back twice to the same answer, then its limit is set (its buckets mended),
     Then it is held 30 s, 60 s, then 120 s (parked each time), and sent once its limit is there (before, a hold
     the gate's answer set started over at 30 s every time: the hold was cleared before the gate was asked)."""
     sends, msgs = _messages(["acme"])
