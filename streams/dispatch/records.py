@@ -67,10 +67,19 @@ def attempt_info(attempt: int, result: ProviderResult, now_ms: int) -> dict:
 def outcome_records(events: list[dict]) -> list[bytes]:
     """`{"events": [...]}` values of at most OUTCOMES_PER_RECORD events and, past one event, about
     OUTCOME_RECORD_BYTES: the broker refuses a record over the topic's limit, and the worker could not go on."""
+    records = []
+    for i in range(0, len(events), OUTCOMES_PER_RECORD):
+        chunk = events[i:i + OUTCOMES_PER_RECORD]
+        value = orjson.dumps({"events": chunk})
+        records.extend([value] if len(value) <= OUTCOME_RECORD_BYTES else _split_by_size(chunk))
+    return records
+
+
+def _split_by_size(events: list[dict]) -> list[bytes]:
     chunks: list[list[bytes]] = [[]]
     size = 0
     for encoded in map(orjson.dumps, events):
-        if chunks[-1] and (len(chunks[-1]) == OUTCOMES_PER_RECORD or size + len(encoded) > OUTCOME_RECORD_BYTES):
+        if chunks[-1] and size + len(encoded) > OUTCOME_RECORD_BYTES:
             chunks.append([])
             size = 0
         chunks[-1].append(encoded)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -16,9 +15,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import orjson
 import redis
 
-from ..errors import ConfigError, StoreUnavailable
+from ..errors import ConfigError, SendValidationError, StoreUnavailable
 from ..names import RedisKeys
-from ..send import TENANT_ID_PATTERN
+from ..send import check_tenant_id
 from ..state.log import write_through_log
 from .token_bucket import Limit
 
@@ -103,10 +102,17 @@ def check_provider(rate: float, burst: int, reserve: int) -> None:
 def check_tenant(tenant: str, rate: float, burst: int) -> None:
     if not tenant:
         raise ConfigError("a tenant limit needs a tenant id (or '*' for the default)")
-    if tenant != "*" and not re.fullmatch(TENANT_ID_PATTERN, tenant):
-        raise ConfigError(f"{tenant!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or '-'), nor '*': no "
-                          "send could ever be held to this limit")
+    if tenant != "*":
+        _checked_tenant_id(tenant, "nor '*': no send could ever be held to this limit")
     _check_rate("tenant", rate, burst)
+
+
+def _checked_tenant_id(tenant: str, consequence: str) -> str:
+    try:
+        return check_tenant_id(tenant)
+    except SendValidationError:
+        raise ConfigError(f"{tenant[:80]!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or '-'), "
+                          f"{consequence}") from None
 
 
 CHANGE_ATTEMPTS = 10
@@ -182,9 +188,7 @@ class LimitStore:
         """The shared account's cool-down, or (`tenant`) that of the tenant's own account at the provider."""
         if tenant is None:
             return self.keys.cool(provider)
-        if not re.fullmatch(TENANT_ID_PATTERN, tenant):
-            raise ConfigError(f"tenant {tenant[:80]!r} is not a tenant id (1 to 64 ASCII letters, digits, '_', '-')")
-        return self.keys.own_account_cool(provider, tenant)
+        return self.keys.own_account_cool(provider, _checked_tenant_id(tenant, "so it has no own account"))
 
     def cool_down_left(self, provider: str, tenant: str | None = None) -> float:
         """Seconds left of `provider`'s cool-down (0: none; `tenant`: its own account's), by Redis's clock: the key

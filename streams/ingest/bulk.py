@@ -220,6 +220,15 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
+def too_many_batches() -> JSONResponse:
+    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was."""
+    metrics.INGEST_REJECTED.labels("429").inc()
+    return JSONResponse({"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"],
+                         "msg": f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was "
+                                "not taken, nothing was published; send it again once one is answered"}]},
+                        status_code=429, headers={"Retry-After": "1"})
+
+
 # Batches forwarded at once, per API key and in all. Each holds its body (up to the body limit) here and in the
 # bulk process until it is answered (up to PUBLISH_WAIT_S): unbounded, one client posting batches on many
 # connections to a slow broker could run the API process out of memory, and single sends (OTPs) with it.
@@ -248,11 +257,7 @@ class BulkProxy:
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
             key = _credential_digest(scope)
             if self._forwarding[key] >= FORWARDS_PER_KEY:
-                metrics.INGEST_REJECTED.labels("429").inc()
-                return await JSONResponse({"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"],
-                    "msg": f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not "
-                           "taken, nothing was published; send it again once one is answered"}]},
-                    status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
+                return await too_many_batches()(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:
                 return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not taken, "
                                          "nothing was published; retry after a moment")(scope, receive, send)

@@ -39,8 +39,7 @@ class RetryTierWatch:
         self.every_s = every_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
-        self._failing_since: dict[str, float] = {}  # topic: when its read first failed (monotonic)
-        self._health_unreadable = False  # the endpoint-health app's progress could not be read last time
+        self._failing_since: dict[str, float] = {}  # what (a topic...): when its read first failed (monotonic)
 
     def start(self) -> None:
         self._thread.start()
@@ -76,9 +75,7 @@ class RetryTierWatch:
             waiting = sum(max(0, high - pos) for pos, high in positions.values())
             overdue = self._overdue(peeker, topic, positions) if waiting else 0.0
         except Exception as exc:  # noqa: BLE001 - one missing tier must not stop the others, nor the watch
-            if topic not in self._failing_since:
-                log.warning("retry tier %s unavailable: %s", topic, exc)
-            since = self._failing_since.setdefault(topic, time.monotonic())
+            failing_s = self._failing(topic, f"retry tier {topic} unavailable: {exc}")
             # Not measured: no figure rather than the last one (which could keep paging, or hide a stuck tier),
             # and how long it has not been, so that a tier no one can see into is not silent either.
             for gauge in (metrics.RETRY_TIER_WAITING, metrics.RETRY_TIER_OVERDUE):
@@ -86,7 +83,7 @@ class RetryTierWatch:
                     gauge.remove(channel, lane, tier)
                 except KeyError:  # never measured
                     pass
-            metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(time.monotonic() - since)
+            metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(failing_s)
             return
         self._failing_since.pop(topic, None)
         metrics.RETRY_TIER_UNREADABLE.labels(channel, lane, tier).set(0)
@@ -99,13 +96,17 @@ class RetryTierWatch:
         try:
             reading = reader.read(self.names.endpoint_health_app, self.names.webhook_attempts)
         except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
-            if not self._health_unreadable:  # said once, until it is read again
-                log.warning("the endpoint-health app's progress cannot be read: %s", exc)
-            self._health_unreadable = True
+            self._failing("endpoint-health", f"the endpoint-health app's progress cannot be read: {exc}")
             metrics.ENDPOINT_HEALTH_BEHIND.set(float("nan"))  # not measured: no figure rather than the last one
             return
-        self._health_unreadable = False
+        self._failing_since.pop("endpoint-health", None)
         metrics.ENDPOINT_HEALTH_BEHIND.set(reading.lag_seconds)
+
+    def _failing(self, subject: str, message: str) -> float:
+        """Seconds `subject` has not been read; `message` is logged once, until it is read again."""
+        if subject not in self._failing_since:
+            log.warning("%s", message)
+        return time.monotonic() - self._failing_since.setdefault(subject, time.monotonic())
 
     def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:
         """Seconds past due of the most overdue of the partitions' lowest unreleased messages (the first read
