@@ -401,7 +401,8 @@ def state(sub) -> None:
     p = sub.add_parser("state", help="operator: Redis state (epoch, lost data, recovery)")
     p.add_argument("action", choices=["status", "recover", "acknowledge-loss"],
                    help="status: is Redis's data intact? recover: rebuild delivery marks and statuses from "
-                        "notif.outcomes, then resume dispatch; acknowledge-loss: resume without rebuilding")
+                        "notif.outcomes, then resume dispatch; acknowledge-loss: resume without rebuilding the marks "
+                        "(both restore limits, keys and endpoints from the operator log)")
 
     def run(args: argparse.Namespace) -> int:
         from ..state.recover import acknowledge_loss, recover

@@ -40,7 +40,7 @@ from ..kafka_client import client_config, topic_partitions, watermarks
 from ..names import RedisKeys, TopicNames
 from ..outcomes import ACCEPTED, events_of, unidentified
 from ..redis_client import is_cluster, store_errors
-from .guard import log_epoch, write_epoch
+from .guard import log_epoch, restore, write_epoch
 from .log import OperatorLog
 
 log = logging.getLogger("streams.state.recover")
@@ -121,6 +121,7 @@ def _ms(event: dict, name: str) -> int | None:
 
 def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
+    restore_operator_state(client, keys, oplog)
     store = StatusStore(client, names.namespace)
     jobs = ProcessedJobs(client, names.namespace)
     result = Recovery()
@@ -210,8 +211,22 @@ def _write_markers(client: redis.Redis, markers: list[str]) -> None:
         pipe.execute()
 
 
+def restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> None:
+    """Limits, API keys, endpoints... back from the operator log if Redis lost them, as a role's guard restores them
+    when it sees the loss: with every role down while Redis came back empty, no guard saw it, and none started once
+    the epoch is back would (every API key refused, no limits). Only what Redis lacks, in hash slots not restored
+    since they lost their data (`restore`)."""
+    snapshot = oplog.snapshot()
+    if log_epoch(snapshot) is not None:  # a deployment the log knows
+        written = restore(client, keys, snapshot)
+        if written:
+            log.warning("restored %d operator entries from the operator log", written)
+
+
 def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
-    """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent)."""
+    """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent); the operator
+    state is restored all the same."""
+    restore_operator_state(client, keys, oplog)
     epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
     write_epoch(client, keys, oplog, epoch)
     return epoch

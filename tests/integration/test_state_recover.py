@@ -13,6 +13,8 @@ from confluent_kafka.admin import AdminClient
 
 import streams.state.recover as recover_module
 from streams.errors import StackError, StateLost
+from streams.gate.limits import LimitStore
+from streams.ingest.api_keys import ApiKeys
 from streams.ingest.status import StatusStore
 from streams.kafka_client import put_acked
 from streams.names import RedisKeys
@@ -20,7 +22,7 @@ from streams.retry.replay import replay_dead_letter
 from streams.send import build_send, validate_request
 from streams.state.guard import StateGuard, log_epoch
 from streams.state.log import OperatorLog
-from streams.state.recover import recover
+from streams.state.recover import acknowledge_loss, recover
 from tests.harness import count_records, email_request
 
 
@@ -318,3 +320,32 @@ def test_recover_keeps_each_status_30_days_from_its_sends_last_event_not_from_th
     assert 29.9 < days_left(keys.send_status("s-now")) <= 30.0
     assert not redis_client.exists(keys.send_status("s-31d"))  # nor brought back `accepted` by its accepted event
     assert redis_client.hget(keys.send_status("s-29d"), "status") == b"delivered"
+
+
+@pytest.mark.parametrize("ends_the_hold", ["recover", "acknowledge_loss"])
+def test_the_operator_state_comes_back_when_no_role_ran_while_redis_lost_its_data(
+        stack, channel_topics, oplog_topic, names, namespace, redis_client, ends_the_hold):
+    """Given a deployment whose limits and tenant API key were set through the operator tools, every role stopped,
+    When Redis comes back empty and the operator runs `streams state recover` (or `acknowledge-loss`) before any
+    role started (no guard saw the loss),
+    Then the limits and the API key are back, and the epoch is written: before, the epoch came back alone, so the
+    roles started next saw nothing lost and never restored them (every API key refused, no limits)."""
+    channel_topics("email")
+    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    assert StateGuard(redis_client, keys, oplog, "api").check()  # a new deployment: the epoch written
+    limits = LimitStore(redis_client, namespace, oplog)
+    limits.set_provider("resend", 50, 50)
+    before = limits.show("resend")
+    token = ApiKeys(redis_client, namespace, oplog).create("tenant", "acme")
+    lost = list(redis_client.scan_iter(f"{namespace}*"))
+    assert redis_client.delete(*lost) == len(lost)
+
+    if ends_the_hold == "recover":
+        recover(stack.bootstrap, redis_client, names, keys, oplog)
+    else:
+        acknowledge_loss(redis_client, keys, oplog)
+
+    assert limits.show("resend") == before and before["global_rate"] == 50
+    assert ApiKeys(redis_client, namespace, oplog).resolve(token).tenant == "acme"
+    assert redis_client.get(keys.epoch).decode() == log_epoch(oplog.snapshot())
+    assert StateGuard(redis_client, keys, oplog, "worker").check(force=True)  # a role started next: all held
