@@ -64,7 +64,7 @@ class LimitUpdate(BaseModel):
     `reserve` must stay below the global burst: the answer is 422 otherwise."""
 
     # A tenant's limit is the tenant, its rate and its burst together (or none of them).
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [
         {"properties": {name: {"type": "null"} for name in TENANT_LIMIT}},
         {"properties": {name: {"not": {"type": "null"}} for name in TENANT_LIMIT}, "required": list(TENANT_LIMIT)}]})
     global_rate: float | None = Field(None, ge=MIN_RATE, le=MAX_LIMIT,
@@ -83,7 +83,7 @@ class LimitUpdate(BaseModel):
 
 class KeyCreate(BaseModel):
     # Documented: a tenant key names its tenant (an operator key's `tenant` is ignored).
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [
         {"properties": {"role": {"const": "operator"}}},
         {"properties": {"role": {"const": "tenant"}, "tenant": {"type": "string", "pattern": TENANT_ID_PATTERN}},
          "required": ["tenant"]}]})
@@ -94,6 +94,7 @@ class KeyCreate(BaseModel):
 
 
 class KeyRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field would leave a leaked key working a day
     overlap_s: int = Field(24 * 3600, ge=0, le=30 * 24 * 3600, description="how long the old key keeps working")
 
 

@@ -62,6 +62,7 @@ URL = ("https URL the deliveries are POSTed to (a public address: private, loopb
 
 
 class EndpointCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     url: str = Field(description=URL, max_length=MAX_URL_LENGTH)
     event_types: EventTypes = Field(min_length=1)
     description: str = Field("", description="kept up to 500 characters")
@@ -69,6 +70,7 @@ class EndpointCreate(BaseModel):
 
 
 class EndpointUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     url: str | None = Field(None, description=URL, max_length=MAX_URL_LENGTH)
     event_types: EventTypes | None = None
     description: str | None = None
@@ -76,6 +78,7 @@ class EndpointUpdate(BaseModel):
 
 
 class Members(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     emails: list[str] = Field(description=f"every member's email address (at most {MAX_RECIPIENTS}); alerts go to "
                                           "all of them",
                               json_schema_extra={"maxItems": MAX_RECIPIENTS,
@@ -156,6 +159,7 @@ class BulkReplayed(BaseModel):
 
 
 class BulkReplay(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     since_ms: int = Field(description="replay deliveries created at or after this time (Unix ms)")
     until_ms: int | None = Field(None, description="... and before this time (default: now)")
     # Final outcomes only: a delivery still under way is refused by the replay, and a refusal keeps its claim,
@@ -211,6 +215,18 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
 
     def shown(ep: Endpoint) -> dict:
         return webhooks.current(ep).public()
+
+    def refuse_unless_deliverable(ep: Endpoint | None, loc: list[str | int]) -> None:
+        """A replay to an endpoint that takes no deliveries would be skipped by the worker, and its original marked
+        replayed all the same (a bulk replay asked again passes it over): refused, nothing replayed."""
+        current = webhooks.current(ep) if ep is not None else None
+        if current is not None and current.deliverable:
+            return
+        why = ("its endpoint was deleted" if current is None else
+               f"endpoint {current.id} is disabled: enable it (PATCH enabled=true)" if not current.enabled else
+               f"endpoint {current.id} is {current.state}: reactivate it (POST /v1/endpoints/{current.id}/reactivate)"
+               "; it takes deliveries again within a few seconds (GET shows state active)")
+        raise problem(409, "endpoint_not_deliverable", loc, f"{why}, then replay; nothing was replayed")
 
     @router.post("/v1/endpoints", status_code=201, response_model=EndpointCreated,
                  responses=documented(401, 403, 422, 503))
@@ -284,7 +300,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         except PublishError:
             raise problem(503, "unavailable", [], reactivated_in_part(webhooks.current(ep).state),
                           {"Retry-After": "1"}, outcome="applied") from None
-        return {**ep.public(), "note": "the endpoint receives deliveries again within a few seconds"}
+        return {**shown(ep), "note": "the endpoint receives deliveries again within a few seconds (its state shows "
+                                     "active then): replay what it missed once it does"}
 
     @router.put("/v1/members", response_model=MemberList, responses=documented(401, 403, 422, 503))
     def put_members(body: Members, tenant_id: Tenant) -> dict:
@@ -315,14 +332,19 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         return {"deliveries": deliveries, "next_cursor": _cursor(page[-1]) if len(found) > limit else None}
 
     @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
-                 responses=documented(401, 403, 404, 422, 429, 503))
+                 responses=documented(401, 403, 404, 409, 422, 429, 503))
     def replay_endpoint(endpoint_id: str, body: BulkReplay, tenant_id: Tenant) -> dict:
         """Replay the endpoint's deliveries with one of `statuses` created in [since_ms, until_ms):
         at most `limit`, each at most once however often this is called (a receiver fixed its bug
         and asks again for what it missed)."""
-        if endpoints.get(tenant_id, endpoint_id) is None:
+        ep = endpoints.get(tenant_id, endpoint_id)
+        if ep is None:
             raise _not_found("endpoint")
-        until = body.until_ms or int(time.time() * 1000)
+        until = int(time.time() * 1000) if body.until_ms is None else body.until_ms
+        if body.since_ms >= until:
+            raise problem(422, "invalid_request", ["body", "since_ms"],
+                          f"since_ms {body.since_ms} is not before until_ms {until}: no delivery is in that range")
+        refuse_unless_deliverable(ep, ["path", "endpoint_id"])
         if quotas is not None and (verdict := quotas.admit(tenant_id, [])) is not None:  # the request itself
             raise ReplayOverQuota(verdict).http("nothing was replayed by this call", replayed=[])
         admit = charged(tenant_id, request=False)
@@ -365,6 +387,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
             raise _not_found("delivery")
+        refuse_unless_deliverable(endpoints.get(tenant_id, str(doc["endpoint_id"])), ["path", "delivery_id"])
         try:
             new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id,
                          outcome_checked=outcome_checked, admit=charged(tenant_id, request=True))

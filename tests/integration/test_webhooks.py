@@ -339,6 +339,40 @@ def test_replay_is_a_new_delivery_and_refused_after_the_payload_expired(hooks, m
         replay(stack.bootstrap, names, hooks.store, None, ids[1], now_ms=int(time.time() * 1000) + 8 * 86_400_000)
 
 
+def test_a_replay_to_an_endpoint_that_takes_no_deliveries_is_refused_and_can_be_asked_again(hooks, mock_endpoint):
+    """Given a delivered event, then its endpoint disabled by its tenant,
+    When the tenant replays the delivery, alone and in bulk, then enables the endpoint and replays in bulk again,
+    Then both replays are refused 409 naming what to do, nothing replayed; the bulk replay after enabling replays it
+    and it is delivered (before: replayed, skipped by the worker as endpoint_disabled, and the original marked
+    replayed all the same: every later bulk replay passed it over as already replayed). A range that ends before
+    it starts, and a body field the API does not know (a misspelt one), are 422 naming it: nothing is replayed or
+    changed without a word."""
+    ep = _register(hooks, mock_endpoint, "paused")
+    delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
+    assert _final(hooks, delivery_id)["status"] == "delivered"
+    a = hooks.keys["a"]
+    assert hooks.patch(f"/v1/endpoints/{ep['id']}", json={"enabled": False}, headers=a).status_code == 200
+    bulk = {"since_ms": int(time.time() * 1000) - 600_000, "statuses": ["delivered"]}
+
+    refused = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json=bulk, headers=a)
+    assert refused.status_code == 409 and refused.json()["error"] == "endpoint_not_deliverable", refused.text
+    assert "enable it" in refused.text and "nothing was replayed" in refused.text
+    refused = hooks.post(f"/v1/deliveries/{delivery_id}/replay", headers=a)
+    assert refused.status_code == 409 and refused.json()["error"] == "endpoint_not_deliverable", refused.text
+
+    for bad, field in (({**bulk, "until_ms": 0}, "since_ms"), ({**bulk, "limt": 3}, "limt")):
+        r = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json=bad, headers=a)
+        assert r.status_code == 422 and field in r.text, r.text
+    r = hooks.patch(f"/v1/endpoints/{ep['id']}", json={"enabled": True, "eventTypes": ["x.y"]}, headers=a)
+    assert r.status_code == 422 and "eventTypes" in r.text, r.text
+    assert hooks.get(f"/v1/endpoints/{ep['id']}", headers=a).json()["enabled"] is False
+
+    assert hooks.patch(f"/v1/endpoints/{ep['id']}", json={"enabled": True}, headers=a).status_code == 200
+    r = hooks.post(f"/v1/endpoints/{ep['id']}/replay", json=bulk, headers=a)
+    assert r.status_code == 202 and [x["replay_of"] for x in r.json()["replayed"]] == [delivery_id], r.text
+    assert _final(hooks, r.json()["replayed"][0]["delivery_id"])["status"] == "delivered"
+
+
 def test_replays_are_charged_to_the_tenants_ingest_quotas(hooks, mock_endpoint, limits):
     """Given tenant a's 3 delivered events, and then a's transactional ingest quota set to a burst of 2 (refilling
     one a day),
