@@ -53,7 +53,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..cpu_priority import start_in_own_session
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
-from .web import bearer_token
+from .web import bearer_token, first_header
 
 log = logging.getLogger("streams.api")
 
@@ -220,13 +220,16 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-def too_many_batches() -> JSONResponse:
-    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was."""
+def too_many_batches(earlier: str = "") -> JSONResponse:
+    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was (`earlier`: what
+    an earlier attempt under its Idempotency-Key may have done, and `"outcome": "unknown"`)."""
     metrics.INGEST_REJECTED.labels("429").inc()
-    return JSONResponse({"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"],
-                         "msg": f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was "
-                                "not taken, nothing was published; send it again once one is answered"}]},
-                        status_code=429, headers={"Retry-After": "1"})
+    body: dict = {"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"], "msg": (
+        f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not taken, nothing was "
+        f"published{earlier or '; send it again once one is answered'}")}]}
+    if earlier:
+        body["outcome"] = "unknown"
+    return JSONResponse(body, status_code=429, headers={"Retry-After": "1"})
 
 
 # Batches forwarded at once, per API key and in all. Each holds its body (up to the body limit) here and in the
@@ -256,11 +259,16 @@ class BulkProxy:
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
             key = _credential_digest(scope)
+            # A keyed batch may retry an attempt whose outcome was unknown: "nothing was published" would read as
+            # "not sent", and the client could send it again under a new key (twice).
+            earlier = (" by this attempt, but an earlier attempt under this Idempotency-Key may have been; "
+                       f"{_retry(True)}") if first_header(scope, b"idempotency-key") else ""
             if self._forwarding[key] >= FORWARDS_PER_KEY:
-                return await too_many_batches()(scope, receive, send)
+                return await too_many_batches(earlier)(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:
                 return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not taken, "
-                                         "nothing was published; retry after a moment")(scope, receive, send)
+                                         f"nothing was published{earlier or '; retry after a moment'}",
+                                         outcome="unknown" if earlier else None)(scope, receive, send)
             self._forwarding[key] += 1
             try:
                 return await self._forward(self.bulk, scope, receive, send)
@@ -317,7 +325,7 @@ class BulkProxy:
 def _credential_digest(scope) -> bytes:
     """What a batch's per-key count is kept under: a digest of its bearer token, read as the API reads it (headers
     are latin-1, as Starlette decodes them), never the token itself. The bulk process authenticates it."""
-    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    header = first_header(scope, b"authorization").decode("latin-1")
     return hashlib.sha256(bearer_token(header).encode("latin-1")).digest()
 
 

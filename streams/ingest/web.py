@@ -140,8 +140,8 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+        declared = first_header(scope, b"content-length")
+        if declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(too_large(self.limit), scope, receive, send)
         chunks, seen, more = [], 0, True
         while more:
@@ -155,7 +155,7 @@ class BodyLimit:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if b"json" in dict(scope.get("headers") or []).get(b"content-type", b"json") and (why := _unholdable(body)):
+        if b"json" in first_header(scope, b"content-type", b"json") and (why := _unholdable(body)):
             return await self._refuse(JSONResponse({"error": "invalid_request", "errors": [
                 {"loc": ["body"], "msg": why}]}, status_code=400), scope, receive, send)
         delivered = False
@@ -228,6 +228,12 @@ class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
                   else "the message broker did not take it")
         return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
                    f"may have been published: {RETRY_WITH_KEY}")
+
+
+def first_header(scope, name: bytes, default: bytes = b"") -> bytes:
+    """A request's header as the API reads it (Starlette's `headers.get`): its first value. Anything checked ahead
+    of the API must read the same one, or a second header of the name would be checked in its place."""
+    return next((value for key, value in scope.get("headers") or [] if key == name), default)
 
 
 def bearer_token(authorization: str) -> str:

@@ -54,7 +54,10 @@ class HeldBulk:
 def test_batches_forwarded_at_once_are_bounded_per_api_key_and_in_all(monkeypatch):
     """Given a bulk process slow to answer (a slow broker),
     When one API key posts more batches at once than FORWARDS_PER_KEY, and others fill FORWARDS_MAX,
-    Then the key's extra batch (its scheme in another case, spaces around its token) is answered 429 at once,
+    Then the key's extra batch (its scheme in another case, spaces around its token; or a made-up key in a second
+    Authorization header, which the API does not read: before, counted under it, so one tenant's batches took every
+    place) is answered 429 at once (with `"outcome": "unknown"` for a keyed batch: it may retry an attempt whose
+    outcome was unknown),
     unpublished, while another key's goes on; past
     FORWARDS_MAX any batch is answered 503 (before: every batch was held, body and all, until the bulk process
     answered, and one client could run the API process, its single sends with it, out of memory); once answered,
@@ -77,18 +80,31 @@ def test_batches_forwarded_at_once_are_bounded_per_api_key_and_in_all(monkeypatc
                 await asyncio.sleep(0)
             extra = await asyncio.create_task(client.post(  # the same key, written otherwise: the same count
                 bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "bearer   key-a "}))
+            # A second Authorization header after the key: the API authenticates the first, so it is counted so
+            smuggled = await asyncio.create_task(client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers=[
+                ("authorization", "Bearer key-a"), ("authorization", "Bearer made-up")]))
+            keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
+                                      headers={"authorization": "Bearer key-a", "idempotency-key": "k-1"})
             others = [post("key-b") for _ in range(2)]
             while held.forwarded < bulk.FORWARDS_PER_KEY + 2:
                 await asyncio.sleep(0)
             full = await post("key-c")
+            full_keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
+                                           headers={"authorization": "Bearer key-d", "idempotency-key": "k-2"})
             held.answer.set()
             answered = [r.status_code for r in await asyncio.gather(*first, *others)]
             again = await post("key-a")
-        return extra, full, answered, again
+        return extra, smuggled, keyed, full, full_keyed, answered, again
 
-    extra, full, answered, again = asyncio.run(scenario())
+    extra, smuggled, keyed, full, full_keyed, answered, again = asyncio.run(scenario())
     assert extra.status_code == 429 and extra.json()["error"] == "too_many_batches"
+    assert smuggled.status_code == 429, smuggled.text
     assert extra.headers["retry-after"] == "1" and "key-a" not in extra.text
     assert full.status_code == 503 and "nothing was published" in full.text
+    assert "outcome" not in extra.json() and "outcome" not in full.json()
+    # A keyed batch may be the retry of an attempt left unknown: never told "not sent" (sent again under a new key)
+    for refused, status in ((keyed, 429), (full_keyed, 503)):
+        assert refused.status_code == status and refused.json()["outcome"] == "unknown", refused.text
+        assert "an earlier attempt under this Idempotency-Key may have been" in refused.text
     assert answered == [202] * (bulk.FORWARDS_PER_KEY + 2) and again.status_code == 202
     assert proxy._forwarding == {}
