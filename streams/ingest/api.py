@@ -32,7 +32,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import metrics
-from ..errors import BrokerUnavailable, PublishError, PublishOutcomeUnknown, SendTooLarge, StoreUnavailable
+from ..errors import (
+    BrokerUnavailable,
+    PublishError,
+    PublishOutcomeUnknown,
+    SendTooLarge,
+    StoreUnavailable,
+    StoreWriteUnknown,
+)
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
 from ..providers.outcome import redact
@@ -305,6 +312,10 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     # ports, and it is answered before the caller's key could be checked (the keys live in Redis).
     @app.exception_handler(StoreUnavailable)
     async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        if isinstance(exc, StoreWriteUnknown):  # a change Redis did not answer, which the workers may be using
+            return _unavailable(request, exc, "the state store", "the state store did not answer this change: it "
+                                "may have been made (a rotated secret or key may be in use, unseen); read it back "
+                                "before deciding, or make the change again to get one you hold", outcome="unknown")
         # Nothing was published or changed: the client may retry after a moment.
         return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
 
