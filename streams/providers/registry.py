@@ -80,6 +80,20 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
             raise ConfigError(f"{where}: field {key!r} must be a {kind.__name__}")
         return doc[key]
 
+    def flag(key: str) -> bool:
+        """Read as written: `idempotent = "false"` (a string) must not read as true (unknown outcomes re-sent to a
+        provider that ignores idempotency keys: sent twice)."""
+        value = doc.get(key, True)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: field {key!r} must be true or false (got {value!r})")
+        return value
+
+    def strings(key: str) -> list[str]:
+        value = doc.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: field {key!r} must be a list of strings (got {value!r})")
+        return value
+
     name, channel, adapter = need("name", str), need("channel", str), need("adapter", str)
     where = f"{where} ({name})"
     known = {f for f in ProviderSpec.__dataclass_fields__} | {"paths", "token_path"}
@@ -98,11 +112,11 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         raise ConfigError(f"{where}: field 'token_path' is required for token auth")
     if auth != "none" and not doc.get("base_url_env"):
         raise ConfigError(f"{where}: field 'base_url_env' is required")
-    lanes = frozenset(doc.get("batch_lanes", ()))
+    lanes = frozenset(strings("batch_lanes"))
     if not lanes <= set(LANES):
         raise ConfigError(f"{where}: field 'batch_lanes': {sorted(lanes - set(LANES))} are not lanes")
     for key in ("batch_max", "concurrency"):
-        if not isinstance(doc.get(key, 1), int) or doc.get(key, 1) < 1:
+        if not isinstance(doc.get(key, 1), int) or isinstance(doc.get(key, 1), bool) or doc.get(key, 1) < 1:
             raise ConfigError(f"{where}: field {key!r} must be an integer >= 1")
     if doc.get("concurrency", 1) > MAX_CONCURRENCY:
         # A transactional worker keeps this many requests in flight: as many threads and connections.
@@ -114,10 +128,10 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         name=name, channel=channel, adapter=adapter, base_url_env=doc.get("base_url_env", ""), auth=auth,
         keys_env=doc.get("keys_env", ""),
         token_path=_path(f"{where}: field 'token_path'", doc["token_path"]) if doc.get("token_path") else None,
-        paths=frozenset(_path(f"{where}: field 'paths'", p) for p in doc.get("paths", ())),
-        batch_lanes=lanes, batch_max=doc.get("batch_max", 1), idempotent=bool(doc.get("idempotent", True)),
-        shared_limit=bool(doc.get("shared_limit", True)), concurrency=doc.get("concurrency", 8),
-        fallback_errors=frozenset(doc.get("fallback_errors", ())))
+        paths=frozenset(_path(f"{where}: field 'paths'", p) for p in strings("paths")),
+        batch_lanes=lanes, batch_max=doc.get("batch_max", 1), idempotent=flag("idempotent"),
+        shared_limit=flag("shared_limit"), concurrency=doc.get("concurrency", 8),
+        fallback_errors=frozenset(strings("fallback_errors")))
 
 
 def parse_registry(text: str, source: str = "providers.toml") -> Registry:

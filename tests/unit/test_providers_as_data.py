@@ -26,6 +26,9 @@ def test_the_packaged_file_declares_every_channel_in_order():
     assert REGISTRY.providers["sms-b"].allowed == {("POST", "/v2/messages"), ("POST", "/oauth/token")}
 
 
+SMS_B = 'paths = ["POST /v2/messages"]\nconcurrency = 32\n'  # the end of sms-b's entry
+
+
 @pytest.mark.parametrize("change, message", [
     (("auth = \"token\"\nkeys_env", "auth = \"bearer\"\nkeys_env"), "provider #3 (sms-b): field 'auth'"),
     (('paths = ["POST /v2/messages"]', 'paths = ["/v2/messages"]'), "(sms-b): field 'paths'"),
@@ -37,6 +40,12 @@ def test_the_packaged_file_declares_every_channel_in_order():
      "unknown field(s) concurency"),
     (('concurrency = 32\n\n[[provider]]\nname = "webhook"', 'concurrency = 5000\n\n[[provider]]\nname = "webhook"'),
      "(sms-b): field 'concurrency' must be at most 1024"),
+    # A type TOML allows but the field is not: read as written, never converted (a string "false" read as true)
+    ((SMS_B, SMS_B + 'idempotent = "false"\n'),
+     "(sms-b): field 'idempotent' must be true or false (got 'false')"),
+    ((SMS_B, SMS_B + 'fallback_errors = "no_route"\n'),
+     "(sms-b): field 'fallback_errors' must be a list of strings"),
+    ((SMS_B, SMS_B.replace("32", "true")), "(sms-b): field 'concurrency' must be an integer >= 1"),
 ])
 def test_a_bad_entry_is_refused_naming_the_provider_and_the_field(change, message):
     text = DEFAULT_FILE.read_text()
