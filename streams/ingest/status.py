@@ -227,9 +227,14 @@ class StatusStore:
                 marked += sum(pipe.execute())
         return marked
 
-    def mark_replayed(self, send_id: str, replay_id: str) -> None:
+    def mark_replayed(self, send_id: str, replay_id: str, unless_marked: bool = False) -> None:
+        """`unless_marked`: a replay made outside a bulk replay's claim (one asked alone, which may be asked again):
+        marked so that a bulk replay passes it over, over no mark already there."""
         with store_errors("recording a replay"):
-            self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
+            if unless_marked:
+                self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", replay_id)
+            else:
+                self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
 
     def ping(self) -> None:
         """Whether Redis answers (StoreUnavailable if not), every master of a Redis Cluster."""

@@ -400,6 +400,11 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise problem(503, "unavailable", [], f"the message broker did not confirm the replay: it may have been "
                           f"published as delivery {exc.replay_id}; look it up (GET /v1/deliveries/{exc.replay_id}) "
                           "before replaying again", {"Retry-After": "1"}, outcome="unknown") from None
+        try:  # a bulk replay over its range then passes it over (it would reach the receiver a second time)
+            store.mark_replayed(delivery_id, new.send_id, unless_marked=True)
+        except StoreUnavailable as exc:  # published: the answer names it
+            log.warning("the replay %s of %s is published, but not recorded as its replay: %s", new.send_id,
+                        delivery_id, exc)
         return {"delivery_id": new.send_id, "replay_of": delivery_id}
 
     return router
