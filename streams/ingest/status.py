@@ -15,9 +15,9 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import PublishError, StackError, StateLost, StoreUnavailable
 from ..kafka_client import consume_ready, lane_consumer, store_message_offset
-from ..names import RedisKeys
+from ..names import RedisKeys, hash_slot
 from ..outcomes import ACCEPTED, WHERE_KEYS, events_of, unusable, webhook_fields
-from ..redis_client import load_script, ping_every_master, store_errors
+from ..redis_client import is_cluster, load_script, ping_every_master, store_errors
 
 if TYPE_CHECKING:
     from ..state.guard import StateGuard
@@ -52,6 +52,9 @@ class StatusStore:
         self.keys = RedisKeys(namespace)
         self.holds_data = holds_data
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
+        self._claim_replay = client.register_script(
+            "if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end "
+            "return redis.call('HSETNX', KEYS[1], 'replayed_as', 'pending')")
         # A send's replay mark, only while it has a status of the replay's tenant (one step: its status may expire
         # in between), where it has only a replay's claim ("pending": the replay that claimed it is published, and
         # the call that published it could not record that) or, unless ARGV[3] is "1", none.
@@ -194,8 +197,18 @@ class StatusStore:
         data: `streams state recover` rebuilds statuses (a dead letter reads dead-lettered again) before the marks
         of the replays made before the loss, and a claim in between would replay a replayed send again."""
         self._require_data()
+        status = self.keys.send_status(send_id)
         with store_errors("claiming a replay"):
-            return bool(self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", "pending"))
+            if self.holds_data is None:
+                return bool(self.client.hsetnx(status, "replayed_as", "pending"))
+            # The guard's answer may be seconds old: the claim itself also needs the epoch (its marker in the
+            # status's slot, on a Redis Cluster), which `streams state recover` writes back last.
+            marker = self.keys.epoch_marker(hash_slot(send_id)) if is_cluster(self.client) else self.keys.epoch
+            claimed = self._claim_replay(keys=[status, marker])
+        if claimed == -1:
+            raise StateLost("Redis has lost its data (no epoch where the send's status is) and `streams state "
+                            "recover` has not finished: no replay is claimed until then")
+        return bool(claimed)
 
     def _require_data(self) -> None:
         if self.holds_data is None:

@@ -126,3 +126,23 @@ def test_a_guard_that_cannot_finish_its_check_never_says_redis_holds_its_data(
     assert not guard.check(force=True)  # the log readable again: the loss is seen
     with pytest.raises(StateLost):
         replays.claim_replay(new_send_id())
+
+
+def test_a_replay_is_not_claimed_once_redis_lost_its_data_whatever_the_guard_said_before(
+        stack, oplog_topic, namespace, redis_client):
+    """Given an API's guard that found Redis intact a moment ago (it looks at most every 5 s),
+    When Redis loses its data before its next look and a replay is asked,
+    Then no replay is claimed, saying why: the claim itself needs the epoch, which `streams state recover` writes
+    back last (before: claimed on the guard's earlier answer; a dead letter whose status recovery had rebuilt ahead
+    of its replay mark was replayed a second time)."""
+    keys = RedisKeys(namespace)
+    guard = StateGuard(redis_client, keys, OperatorLog(stack.bootstrap, oplog_topic), "api")
+    assert guard.check()
+    replays = StatusStore(redis_client, namespace, holds_data=lambda: True)  # the guard's answer from before
+    assert replays.claim_replay(new_send_id())
+
+    redis_client.delete(keys.epoch)
+    send_id = new_send_id()
+    with pytest.raises(StateLost, match="no replay is claimed"):
+        replays.claim_replay(send_id)
+    assert redis_client.hget(keys.send_status(send_id), "replayed_as") is None
