@@ -113,6 +113,13 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _listed(text: str) -> int:
+    """How many to list: 1 to 1,000, as the operator API's `limit` (0 or fewer listed nothing, without a word)."""
+    if not text.isdigit() or not 1 <= int(text) <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 1 to 1000")
+    return int(text)
+
+
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
     p.add_argument("action", choices=["set", "show", "clear-cooldown"],
@@ -276,10 +283,14 @@ def keys(sub) -> None:
             raise ConfigError(f"no API key {args.key_id}")
         if args.action == "revoke":
             after = api_keys.revoke(args.key_id)
+            if after is None:  # deleted since it was read
+                raise ConfigError(f"no API key {args.key_id}")
             print(f"revoked {args.key_id}")
-            _audited(rt, f"apikey/{args.key_id}", public(before), public(after) if after else None)
+            _audited(rt, f"apikey/{args.key_id}", public(before), public(after))
             return 0
-        rotated = api_keys.rotate(args.key_id, args.overlap)
+        with _audited_if_unanswered(rt, f"apikey/{args.key_id}", public(before),
+                                    {"rotated": True, "overlap_s": args.overlap}):
+            rotated = api_keys.rotate(args.key_id, args.overlap)
         if rotated is None:
             raise ConfigError(f"API key {args.key_id} is no longer valid: create a new one")
         token, old = rotated
@@ -347,7 +358,7 @@ def dlq(sub) -> None:
     p.add_argument("action", choices=["list", "show", "replay"])
     p.add_argument("send_id", nargs="?")
     p.add_argument("--reason", help="list only this reason")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_listed, default=50, help="how many of the newest to list (1-1000)")
     _outcome_checked_flag(p)
 
     def run(args: argparse.Namespace) -> int:
@@ -515,7 +526,8 @@ def endpoints(sub) -> None:
             _audited(rt, what, _audit_view(before), None)
             return 0
         if args.action == "rotate":
-            rotated = store.rotate_secret(args.tenant, args.endpoint_id)
+            with _audited_if_unanswered(rt, what, _audit_view(before), {**_audit_view(before), "secret": "rotated"}):
+                rotated = store.rotate_secret(args.tenant, args.endpoint_id)
             if rotated is None:
                 raise missing
             print(rotated)
@@ -523,7 +535,8 @@ def endpoints(sub) -> None:
             return 0
         found: Endpoint | None = before
         if args.action == "reactivate":  # counter and alert window reset, deliveries resume
-            found = webhooks.set_active(args.tenant, args.endpoint_id)
+            with _audited_if_unanswered(rt, what, _audit_view(before), {**_audit_view(before), "state": "active"}):
+                found = webhooks.set_active(args.tenant, args.endpoint_id)
             if found is None:
                 raise missing
             try:
@@ -532,7 +545,9 @@ def endpoints(sub) -> None:
                 _reactivated_in_part(rt, what, before, webhooks.current(found), exc)
                 raise
         elif args.action in ("enable", "disable"):
-            found = store.update(args.tenant, args.endpoint_id, enabled=args.action == "enable")
+            enabled = args.action == "enable"
+            with _audited_if_unanswered(rt, what, _audit_view(before), {**_audit_view(before), "enabled": enabled}):
+                found = store.update(args.tenant, args.endpoint_id, enabled=enabled)
         if found is None:
             raise missing
         print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())

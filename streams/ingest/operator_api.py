@@ -324,7 +324,12 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                  responses=documented(401, 403, 404, 422, 503))
     def rotate_key(key_id: str, body: KeyRotate, who: Operator) -> dict:
         before = ingest.keys.get(key_id)
-        rotated = ingest.keys.rotate(key_id, body.overlap_s)
+        try:
+            rotated = ingest.keys.rotate(key_id, body.overlap_s)
+        except StoreWriteUnknown:  # the old key's end may be set (its new key is revoked): not repeatable as such
+            audited_maybe(who, f"apikey/{key_id}", public(before) if before else None,
+                          {"rotated": True, "overlap_s": body.overlap_s})
+            raise
         if before is None or rotated is None:
             raise problem(404, "not_found", ["path", "key_id"], "no such key that is still valid")
         token, old = rotated

@@ -246,3 +246,20 @@ def test_a_body_field_the_operator_api_does_not_know_is_refused_naming_it(method
     r = _call(_operator_api(keys, audit, limits), method, path, json=body)
     assert r.status_code == 422 and field in r.text, r.text
     assert (keys.created, limits.applied, audit.records) == ([], [], [])
+
+
+class RotationAnswerLost(OperatorKeys):
+    def rotate(self, key_id, overlap_s):
+        raise StoreWriteUnknown("cannot write API key abc: Timeout reading from socket (test)")
+
+
+def test_a_key_rotation_whose_answer_redis_lost_is_answered_unknown_and_audited_as_maybe_applied():
+    """Given a Redis that sets a key's end for its rotation and loses the answer,
+    When the operator rotates the key,
+    Then the answer is 503 `"outcome": "unknown"` and the audit trail has the rotation as maybe applied, with its
+    overlap (before: "unavailable, retry" and no record, while the old key's end may have been set)."""
+    audit = Audit()
+    r = _call(_operator_api(RotationAnswerLost(), audit, Limits()), "POST", "/v1/admin/keys/abc/rotate",
+              json={"overlap_s": 60})
+    assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
+    assert audit.records == [("apikey/abc", {"outcome": "unknown", "intended": {"rotated": True, "overlap_s": 60}})]

@@ -176,3 +176,75 @@ def test_a_broker_failure_no_layer_named_is_an_error_line_not_a_traceback(monkey
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: SimpleNamespace(sender_store=broker_down))
     assert main(["senders", "list"]) == 1
     assert capsys.readouterr().err.startswith("error: the message broker failed: ")
+
+
+class KeyDeletedMeanwhile:
+    """An API key read, then gone before its revocation (deleted by another operator, or Redis lost it)."""
+
+    def get(self, key_id):
+        return SimpleNamespace(key_id=key_id)
+
+    def revoke(self, key_id):
+        return None
+
+
+def test_a_cli_command_that_did_nothing_says_so_and_exits_non_zero(monkeypatch, capsys):
+    """Given an operator,
+    When a key gone since it was read is revoked, or the dead letters are listed with a limit of 0,
+    Then each is an error naming what is wrong, exit code not 0, nothing audited (before: "revoked" and exit 0 with
+    nothing revoked; an empty list as if the DLQ were empty)."""
+    audited = []
+    rt = SimpleNamespace(api_keys=lambda: KeyDeletedMeanwhile(),
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record)))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["keys", "revoke", "k-1"]) == 1
+    printed = capsys.readouterr()
+    assert "no API key k-1" in printed.err and "revoked" not in printed.out and audited == []
+    with pytest.raises(SystemExit) as exit_:
+        main(["dlq", "list", "--limit", "0"])
+    assert exit_.value.code == 2 and "'0' is not a number from 1 to 1000" in capsys.readouterr().err
+
+
+class EndpointWritesUnanswered:
+    """Tenant acme's endpoint ep_1, in a store whose writes Redis does not answer (applied, perhaps)."""
+
+    def __init__(self):
+        from streams.webhooks.model import Endpoint
+
+        self.endpoint = Endpoint(id="ep_1", tenant="acme", url="https://hooks.example/x?token=t0k", event_types=("*",),
+                                 description="", enabled=True, state="active", state_reason="", secrets=())
+        self.endpoints = self
+        self.directory = SimpleNamespace(catch_up=lambda: None)
+
+    def current(self, ep):
+        return ep
+
+    def get(self, tenant, endpoint_id):
+        return self.endpoint
+
+    def _unanswered(self, *args, **kwargs):
+        raise StoreWriteUnknown("cannot write endpoint ep_1 (Timeout reading from socket, test)")
+
+    rotate_secret = update = set_active = _unanswered
+
+
+@pytest.mark.parametrize("action, intended", [("rotate", {"secret": "rotated"}), ("disable", {"enabled": False}),
+                                              ("reactivate", {"state": "active"})])
+def test_an_endpoint_change_whose_answer_redis_lost_is_audited_as_maybe_applied(action, intended, monkeypatch,
+                                                                               capsys):
+    """Given tenant acme's endpoint, in a Redis that runs a change and loses its answer,
+    When an operator rotates its secret, disables or reactivates it from the CLI,
+    Then the command exits 1 saying why, and the audit trail has the change as maybe applied, without the URL
+    (before: nothing on the trail, though a rotated secret or a state change may be live)."""
+    audited = []
+    hooks = EndpointWritesUnanswered()
+    rt = SimpleNamespace(redis=lambda: SimpleNamespace(register_script=lambda script: None), namespace="",
+                         send_client=lambda: None,
+                         webhook_ingest=lambda *args: hooks,
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record[1:])))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["endpoints", action, "ep_1", "--tenant", "acme"]) == 1
+    assert "Timeout reading from socket" in capsys.readouterr().err
+    [(what, before, after)] = audited
+    assert (what, after["outcome"]) == ("endpoint/ep_1", "unknown")
+    assert after["intended"] == {**before, **intended} and "t0k" not in str(audited)
