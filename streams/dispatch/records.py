@@ -153,6 +153,8 @@ class RecordWriter:
             self.outcome(events[0], on_all_acked)
             return
         values = outcome_records(events)
+        if not values:  # no events: nothing to wait for
+            on_all_acked()
         remaining = [len(values)]
 
         def acked() -> None:  # runs inside the producer's poll: it must not raise

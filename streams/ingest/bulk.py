@@ -53,7 +53,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..cpu_priority import start_in_own_session
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
-from .web import bearer_token, first_header
+from .web import bearer_token, earlier_attempt_may_be_published, first_header
 
 log = logging.getLogger("streams.api")
 
@@ -220,14 +220,15 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-def too_many_batches(earlier: str = "") -> JSONResponse:
-    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was (`earlier`: what
-    an earlier attempt under its Idempotency-Key may have done, and `"outcome": "unknown"`)."""
+def too_many_batches(keyed: bool) -> JSONResponse:
+    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was (`keyed`: an
+    earlier attempt under its Idempotency-Key may have been, `"outcome": "unknown"`)."""
     metrics.INGEST_REJECTED.labels("429").inc()
+    busy = f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not taken"
     body: dict = {"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"], "msg": (
-        f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not taken, nothing was "
-        f"published{earlier or '; send it again once one is answered'}")}]}
-    if earlier:
+        earlier_attempt_may_be_published(busy) if keyed else
+        f"{busy}, nothing was published; send it again once one is answered")}]}
+    if keyed:
         body["outcome"] = "unknown"
     return JSONResponse(body, status_code=429, headers={"Retry-After": "1"})
 
@@ -261,14 +262,14 @@ class BulkProxy:
             key = _credential_digest(scope)
             # A keyed batch may retry an attempt whose outcome was unknown: "nothing was published" would read as
             # "not sent", and the client could send it again under a new key (twice).
-            earlier = (" by this attempt, but an earlier attempt under this Idempotency-Key may have been; "
-                       f"{_retry(True)}") if first_header(scope, b"idempotency-key") else ""
+            keyed = bool(first_header(scope, b"idempotency-key"))
             if self._forwarding[key] >= FORWARDS_PER_KEY:
-                return await too_many_batches(earlier)(scope, receive, send)
+                return await too_many_batches(keyed)(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:
-                return await unavailable(f"{FORWARDS_MAX} batches are being published: this one was not taken, "
-                                         f"nothing was published{earlier or '; retry after a moment'}",
-                                         outcome="unknown" if earlier else None)(scope, receive, send)
+                busy = f"{FORWARDS_MAX} batches are being published: this one was not taken"
+                refused = (unavailable(earlier_attempt_may_be_published(busy), outcome="unknown") if keyed
+                           else unavailable(f"{busy}, nothing was published; retry after a moment"))
+                return await refused(scope, receive, send)
             self._forwarding[key] += 1
             try:
                 return await self._forward(self.bulk, scope, receive, send)
@@ -296,10 +297,9 @@ class BulkProxy:
                                         PUBLISH_WAIT_S)
         except Unreachable:
             if keyed:  # an earlier attempt under the key (the one that met the bulk process stopping) may have
-                return await unavailable("the bulk ingest process is not running (it is being started again): this "
-                                         "attempt published nothing, but an earlier attempt under this "
-                                         f"Idempotency-Key may have been; {_retry(keyed)}",
-                                         outcome="unknown")(scope, receive, send)
+                return await unavailable(earlier_attempt_may_be_published(
+                    "the bulk ingest process is not running: it is being started again"),
+                    outcome="unknown")(scope, receive, send)
             return await unavailable("the bulk ingest process is not running (it is being started again): "
                                      "nothing was published; retry after a moment")(scope, receive, send)
         except TimeoutError:

@@ -20,8 +20,9 @@ making it again records it without changing more (limits, a revocation, a reacti
 
 
 import collections
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
@@ -235,6 +236,17 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         answered 503 for the failure itself)."""
         recorded(who, what, before, {"outcome": "unknown", "intended": intended}, "may have been applied")
 
+    @contextlib.contextmanager
+    def audited_if_unanswered(who: Principal, what: str, before: object, intended: object,
+                              unanswered: type[Exception] = StoreWriteUnknown) -> Iterator[None]:
+        """The change made inside, whose store did not answer (`unanswered`), is audited as maybe applied, then its
+        error is the answer (503)."""
+        try:
+            yield
+        except unanswered:
+            audited_maybe(who, what, before, intended)
+            raise
+
     def one_of(names: list[str], provider: str, missing: str) -> str:
         if provider not in names:
             raise problem(404, "not_found", ["path", "provider"], missing)
@@ -253,14 +265,12 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:
         change = LimitChange(**body.model_dump())
         try:
-            before, after = ingest.limits.apply(known(provider), change)
-        except ConfigError as exc:
-            raise problem(422, "invalid_request", ["body"], str(exc)) from None
-        except StoreWriteUnknown:
             # Redis may have applied it before its answer was lost (the operator log then holds it): a retry would
             # record the new limits as what they replaced.
-            audited_maybe(who, f"limits/{provider}", None, body.model_dump(exclude_none=True))
-            raise
+            with audited_if_unanswered(who, f"limits/{provider}", None, body.model_dump(exclude_none=True)):
+                before, after = ingest.limits.apply(known(provider), change)
+        except ConfigError as exc:
+            raise problem(422, "invalid_request", ["body"], str(exc)) from None
         audited(who, f"limits/{provider}", before, after)
         return {"provider": provider, "limits": after}
 
@@ -283,11 +293,9 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         """End the provider-wide hold a 429 set (a quota's Retry-After: up to a day), once the provider takes
         requests again (its quota was raised); workers send again within 10 s. `tenant`: the hold of that
         tenant's own account at the provider."""
-        try:
+        with audited_if_unanswered(who, cool_down_subject(provider, tenant), None, {"cool_down_left_s": 0},
+                                   StoreUnavailable):
             left = ingest.limits.clear_cool_down(a_provider(provider), tenant)
-        except StoreUnavailable:
-            audited_maybe(who, cool_down_subject(provider, tenant), None, {"cool_down_left_s": 0})
-            raise
         if left:
             # Not repeatable: ended again, it finds none, and there is nothing more to record.
             audited(who, *cool_down_ended(provider, left, tenant), repeatable=False)
@@ -324,12 +332,10 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                  responses=documented(401, 403, 404, 422, 503))
     def rotate_key(key_id: str, body: KeyRotate, who: Operator) -> dict:
         before = ingest.keys.get(key_id)
-        try:
+        # Unanswered, the old key's end may be set (its new key is revoked): not repeatable as such.
+        with audited_if_unanswered(who, f"apikey/{key_id}", public(before) if before else None,
+                                   {"rotated": True, "overlap_s": body.overlap_s}):
             rotated = ingest.keys.rotate(key_id, body.overlap_s)
-        except StoreWriteUnknown:  # the old key's end may be set (its new key is revoked): not repeatable as such
-            audited_maybe(who, f"apikey/{key_id}", public(before) if before else None,
-                          {"rotated": True, "overlap_s": body.overlap_s})
-            raise
         if before is None or rotated is None:
             raise problem(404, "not_found", ["path", "key_id"], "no such key that is still valid")
         token, old = rotated
@@ -449,11 +455,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                               who: Operator) -> dict:
         store = sender_store()
         before = store.stored().get(tenant)
-        try:
+        with audited_if_unanswered(who, f"senders/{tenant}", before, None, StoreUnavailable):
             removed = store.remove(tenant)
-        except StoreUnavailable:
-            audited_maybe(who, f"senders/{tenant}", before, None)
-            raise
         if not removed:
             raise problem(404, "not_found", ["path", "tenant"], "no sender domains set by an operator for this tenant")
         # Not repeatable: the same DELETE again finds nothing, is answered 404 and records nothing.

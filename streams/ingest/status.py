@@ -240,14 +240,15 @@ class StatusStore:
                 marked += sum(pipe.execute())
         return marked
 
-    def mark_replayed(self, send_id: str, replay_id: str, unless_marked: bool = False) -> None:
-        """`unless_marked`: a replay made outside a bulk replay's claim (one asked alone, which may be asked again):
-        marked so that a bulk replay passes it over, over no mark already there."""
+    def mark_replayed(self, send_id: str, replay_id: str) -> None:
         with store_errors("recording a replay"):
-            if unless_marked:
-                self.client.hsetnx(self.keys.send_status(send_id), "replayed_as", replay_id)
-            else:
-                self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
+            self.client.hset(self.keys.send_status(send_id), "replayed_as", replay_id)
+
+    def mark_replayed_alone(self, send_id: str, replay_id: str, tenant: str) -> None:
+        """A replay asked alone (which may be asked again: it claims nothing): marked, unless marked already, so that
+        a bulk replay passes the send over; only while the send has a status of `tenant`."""
+        with store_errors("recording a replay"):
+            self._mark_replayed_if_known(keys=[self.keys.send_status(send_id)], args=[replay_id, tenant, "0"])
 
     def ping(self) -> None:
         """Whether Redis answers (StoreUnavailable if not), every master of a Redis Cluster."""

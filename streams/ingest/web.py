@@ -224,10 +224,14 @@ class EarlierAttemptMayBePublished(PublishOutcomeUnknown):
 
     @classmethod
     def after(cls, failure: PublishError | StoreUnavailable) -> "EarlierAttemptMayBePublished":
-        failed = ("the state store is unavailable" if isinstance(failure, StoreUnavailable)
-                  else "the message broker did not take it")
-        return cls(f"this attempt published nothing ({failed}), but an earlier attempt under this Idempotency-Key "
-                   f"may have been published: {RETRY_WITH_KEY}")
+        return cls(earlier_attempt_may_be_published("the state store is unavailable" if isinstance(
+            failure, StoreUnavailable) else "the message broker did not take it"))
+
+
+def earlier_attempt_may_be_published(why_not_this_one: str) -> str:
+    """What a keyed request that published nothing itself is told: its key's earlier attempt may have."""
+    return (f"this attempt published nothing ({why_not_this_one}), but an earlier attempt under this "
+            f"Idempotency-Key may have been published: {RETRY_WITH_KEY}")
 
 
 def first_header(scope, name: bytes, default: bytes = b"") -> bytes:

@@ -103,6 +103,9 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         raise ConfigError(f"{where}: field 'channel': {channel!r} is not one of {', '.join(CHANNELS)}")
     if ":" not in adapter:
         raise ConfigError(f"{where}: field 'adapter': {adapter!r} is not 'module:Class'")
+    for key in ("base_url_env", "keys_env"):
+        if not isinstance(doc.get(key, ""), str):
+            raise ConfigError(f"{where}: field {key!r} must be a string, the name of an environment variable")
     auth = doc.get("auth", "api_key")
     if auth not in AUTH_KINDS:
         raise ConfigError(f"{where}: field 'auth': {auth!r} is not one of {', '.join(AUTH_KINDS)}")

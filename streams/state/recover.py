@@ -121,7 +121,6 @@ def _ms(event: dict, name: str) -> int | None:
 
 def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisKeys, oplog: OperatorLog,
             progress: Callable[[str], None] = lambda m: None) -> Recovery:
-    restore_operator_state(client, keys, oplog)
     store = StatusStore(client, names.namespace)
     jobs = ProcessedJobs(client, names.namespace)
     result = Recovery()
@@ -180,26 +179,45 @@ def recover(bootstrap: str, client: redis.Redis, names: TopicNames, keys: RedisK
         if result.events % 10_000 == 0:
             progress(f"{result.events} outcome events applied")
 
+    def rebuild() -> None:
+        _read_all(bootstrap, names.outcomes, apply)
+        result.replay_marks = store.restore_replays(replays)
+
+    _end_the_hold(client, keys, oplog, rebuild)
+    return result
+
+
+def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
+    """End the hold without rebuilding the marks (the operator accepts that delivered sends may be re-sent); the
+    operator state is restored all the same."""
+    return _end_the_hold(client, keys, oplog, lambda: None)
+
+
+def _end_the_hold(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog, rebuild: Callable[[], None]) -> str:
+    """This run's markers, then the operator state restored, then `rebuild`; then the epoch written back (ending
+    the hold), returned, unless Redis lost its data again meanwhile (a marker is gone): then nothing ends the hold,
+    and the run is to be made again."""
     run = uuid.uuid4().hex
     markers = [keys.recovering(run)] + (keys.recovering_markers(run) if is_cluster(client) else [])
     _write_markers(client, markers)
     try:
-        _read_all(bootstrap, names.outcomes, apply)
-        result.replay_marks = store.restore_replays(replays)
+        _restore_operator_state(client, keys, oplog)
+        rebuild()
         with store_errors("reading the recovery's markers"):
             lost = len(markers) - int(client.exists(*markers))
         if lost:
             raise StackError(f"Redis lost its data again while recovery ran ({lost} of its {len(markers)} markers "
                              "are gone): dispatch still holds; make Redis keep its data, then run `streams state "
                              "recover` again")
-        write_epoch(client, keys, oplog, log_epoch(oplog.snapshot()) or uuid.uuid4().hex)
+        epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
+        write_epoch(client, keys, oplog, epoch)
+        return epoch
     finally:  # each run's own: a run that failed leaves none behind either (best effort: Redis may be why)
         try:
             with store_errors("removing the recovery's markers"):
                 client.delete(*markers)
         except StoreUnavailable as exc:
             log.warning("the recovery's markers were not removed (they expire in 7 days): %s", exc)
-    return result
 
 
 def _write_markers(client: redis.Redis, markers: list[str]) -> None:
@@ -211,7 +229,7 @@ def _write_markers(client: redis.Redis, markers: list[str]) -> None:
         pipe.execute()
 
 
-def restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> None:
+def _restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> None:
     """Limits, API keys, endpoints... back from the operator log if Redis lost them, as a role's guard restores them
     when it sees the loss: with every role down while Redis came back empty, no guard saw it, and none started once
     the epoch is back would (every API key refused, no limits). Only what Redis lacks, in hash slots not restored
@@ -223,10 +241,3 @@ def restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: Operator
             log.warning("restored %d operator entries from the operator log", written)
 
 
-def acknowledge_loss(client: redis.Redis, keys: RedisKeys, oplog: OperatorLog) -> str:
-    """End the hold without rebuilding (the operator accepts that delivered sends may be re-sent); the operator
-    state is restored all the same."""
-    restore_operator_state(client, keys, oplog)
-    epoch = log_epoch(oplog.snapshot()) or uuid.uuid4().hex
-    write_epoch(client, keys, oplog, epoch)
-    return epoch

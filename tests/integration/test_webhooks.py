@@ -831,3 +831,48 @@ def test_a_worker_draining_still_follows_the_endpoint_view_for_a_delivery_waitin
         running.join(60)
     assert not running.is_alive()
     assert d["delivery_id"] in mock_endpoint.stats(deliveries=True)["deliveries"]
+
+
+def test_a_delivery_replayed_alone_whose_publish_is_unconfirmed_is_passed_over_by_a_bulk_replay(
+        redis_client, namespace, monkeypatch):
+    """Given tenant acme's delivered delivery to an active endpoint,
+    When acme replays it alone and the broker does not confirm the replay (it may be published),
+    Then the answer is 503 `"outcome": "unknown"` naming the replay's id, and a bulk replay over the delivery's range
+    passes it over as already replayed (before: the original stayed unmarked and the bulk replay published it again,
+    a second copy for the receiver, as it does for a replay confirmed)."""
+    import asyncio
+
+    import httpx
+    from fastapi import FastAPI
+
+    from streams.errors import ReplayOutcomeUnknown
+    from streams.webhooks import api as webhook_api
+    from streams.webhooks.api import webhook_routes
+    from streams.webhooks.model import Endpoint
+
+    endpoint = Endpoint(id="ep_1", tenant="acme", url="https://hooks.example/x", event_types=("*",))
+    hooks = SimpleNamespace(endpoints=SimpleNamespace(get=lambda tenant, endpoint_id: endpoint),
+                            current=lambda ep: ep)
+    store = StatusStore(redis_client, namespace)
+    now_ms = int(time.time() * 1000)
+    store.record_outcome({"send_id": "d-1", "status": "delivered", "tenant_id": "acme", "endpoint_id": "ep_1",
+                          "created_at_ms": now_ms - 1000, "completed_at_ms": now_ms})
+
+    def unconfirmed(*args, **kwargs):
+        raise ReplayOutcomeUnknown("the broker did not confirm the replay (test)", replay_id="d-2")
+
+    monkeypatch.setattr(webhook_api, "replay", unconfirmed)
+    app = FastAPI()
+    client = SimpleNamespace(bootstrap="", names=None)  # never reached: the replay is the stub above
+    app.include_router(webhook_routes(hooks, store, client, lambda: "acme"))  # type: ignore[arg-type]
+
+    async def call(method: str, path: str, **request) -> httpx.Response:
+        transport = httpx.ASGITransport(app, raise_app_exceptions=True)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            return await api.request(method, path, **request)
+
+    alone = asyncio.run(call("POST", "/v1/deliveries/d-1/replay"))
+    assert alone.status_code == 503 and "d-2" in alone.text, alone.text
+    bulk = asyncio.run(call("POST", "/v1/endpoints/ep_1/replay",
+                            json={"since_ms": now_ms - 60_000, "statuses": ["delivered"]}))
+    assert bulk.status_code == 202 and bulk.json()["already_replayed"] == 1, bulk.text

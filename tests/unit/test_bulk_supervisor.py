@@ -81,8 +81,8 @@ def test_batches_forwarded_at_once_are_bounded_per_api_key_and_in_all(monkeypatc
             extra = await asyncio.create_task(client.post(  # the same key, written otherwise: the same count
                 bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "bearer   key-a "}))
             # A second Authorization header after the key: the API authenticates the first, so it is counted so
-            smuggled = await asyncio.create_task(client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers=[
-                ("authorization", "Bearer key-a"), ("authorization", "Bearer made-up")]))
+            smuggled = await asyncio.wait_for(client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers=[
+                ("authorization", "Bearer key-a"), ("authorization", "Bearer made-up")]), 10)  # held: forwarded
             keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
                                       headers={"authorization": "Bearer key-a", "idempotency-key": "k-1"})
             others = [post("key-b") for _ in range(2)]

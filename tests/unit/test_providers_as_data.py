@@ -45,6 +45,7 @@ SMS_B = 'paths = ["POST /v2/messages"]\nconcurrency = 32\n'  # the end of sms-b'
      "(sms-b): field 'idempotent' must be true or false (got 'false')"),
     ((SMS_B, SMS_B + 'fallback_errors = "no_route"\n'),
      "(sms-b): field 'fallback_errors' must be a list of strings"),
+    (('keys_env = "SMS_B_CREDENTIALS"', 'keys_env = 1'), "(sms-b): field 'keys_env' must be a string"),
     ((SMS_B, SMS_B.replace("32", "true")), "(sms-b): field 'concurrency' must be an integer >= 1"),
 ])
 def test_a_bad_entry_is_refused_naming_the_provider_and_the_field(change, message):
