@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import httpx
 import redis
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.devtools.fleet import free_port, local_client
@@ -122,6 +123,15 @@ def email_request(category: str = "transactional", **payload) -> dict:
 def sms_request(category: str = "transactional") -> dict:
     return {"channel": "sms", "category": category, "template_id": "otp", "template_version": "1",
             "payload": {"to": "+14155550123", "body": "Your code is 123456"}}
+
+
+def group_assigned(bootstrap: str, group: str) -> bool:
+    """Whether `group` has joined and its members hold their partitions (a role says it consumes before it has
+    joined: on a loaded machine, seconds before)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept: its futures need it alive
+    [described] = admin.describe_consumer_groups([group]).values()
+    found = described.result(10)
+    return found.state == ConsumerGroupState.STABLE and any(m.assignment.topic_partitions for m in found.members)
 
 
 def committed_lag(bootstrap: str, group: str, topic: str) -> int:

@@ -11,7 +11,7 @@ from streams.lanes import RETRY_TIERS
 from streams.send import build_send, encode, validate_request
 from tests.harness import free_port, metric, read_topic, sms_request, wait_until
 
-DUE_IN_MS = 25_000
+DUE_IN_MS = 45_000  # the second retrier joins and leaves well before, however loaded the machine
 SLACK_MS = 2_000
 
 
@@ -21,7 +21,7 @@ def _held(port: int) -> float:
 
 def test_held_retry_messages_survive_their_partitions_moving_away_and_back(
         fault_stack, fault_runtime, fault_topics, fault_processes, names):
-    """Given a retrier holding eight SMS retry messages (one per tier topic, each due in 25 s),
+    """Given a retrier holding eight SMS retry messages (one per tier topic, each due in 45 s),
     When a second retrier joins (taking some of those partitions and their messages) and leaves again before
     they are due, so the partitions return to the first retrier,
     Then every message is re-published to the lane exactly once, never early and at most 2 s late."""

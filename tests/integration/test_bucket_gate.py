@@ -72,11 +72,13 @@ def test_a_request_sent_with_fewer_messages_gives_back_only_their_tenant_tokens(
     assert not gate.acquire("resend", "big", 1).allowed
 
 
-def test_marketing_cannot_take_the_transactional_reserve(gate):
-    """Given a provider burst of 10 requests of which 3 are reserved for transactional traffic,
+def test_marketing_cannot_take_the_transactional_reserve(gate, limits):
+    """Given a provider burst of 10 requests of which 3 are reserved for transactional traffic (refilling one in
+    100 s: none comes back during the test, however slow the machine),
     When marketing requests (which must respect the reserve) take 7 and ask for an eighth,
     Then the eighth is held back on the global bucket, while a transactional request from another tenant still
     passes."""
+    limits.set_provider("resend", 0.01, 10, reserve=3)
     for _ in range(7):
         assert gate.acquire("resend", "big", 1, reserve=True).allowed
     held = gate.acquire("resend", "big", 1, reserve=True)

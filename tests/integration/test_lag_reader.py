@@ -41,5 +41,6 @@ def test_a_group_positioned_on_a_transaction_marker_reads_without_waiting_and_wi
     finally:
         reader.close()
     assert (reading.lag_messages, reading.lag_seconds) == (1, 0.0)
-    # Before, the peek waited out its deadline (1 s then) for the marker; a read takes a few tens of ms here.
-    assert took < 0.9, f"the read waited {took:.2f} s for a head that is a marker"
+    # Before, the peek waited out its deadline (PEEK_S, 5 s here) for the marker; a read takes a few tens of ms
+    # here, well under half of it however loaded the machine.
+    assert took < 2.5, f"the read waited {took:.2f} s for a head that is a marker"

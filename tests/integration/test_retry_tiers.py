@@ -6,7 +6,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from streams.retry.retrier import Retrier, RetrierConfig
 from streams.send import build_send, encode, validate_request
-from tests.harness import free_port, metric, read_topic, sms_request, wait_until
+from tests.harness import free_port, group_assigned, metric, read_topic, sms_request, wait_until
 
 SLACK_MS = 2000
 
@@ -33,6 +33,8 @@ def test_each_message_is_released_at_its_own_due_time(stack, names, channel_topi
     port = free_port()
     processes.start("retrier", "retrier", "--channel", "sms", "--lane", "transactional", "--metrics-port", str(port),
                     ready="retrier consuming")
+    wait_until(lambda: group_assigned(stack.bootstrap, names.retry_group("sms", "transactional")), 30,
+               "the retrier to hold its partitions")  # the due times below count from then
     now = int(time.time() * 1000)
     sends = {}
     producer = Producer({"bootstrap.servers": stack.bootstrap})

@@ -288,11 +288,11 @@ def test_a_secret_sealed_under_a_key_the_worker_lacks_is_never_sent_unsigned_and
 
 
 def test_a_410_from_the_old_url_after_the_tenant_moved_the_endpoint_neither_disables_nor_drops(hooks, mock_endpoint):
-    """Given an endpoint whose receiver answers 410 Gone after 3 s,
+    """Given an endpoint whose receiver answers 410 Gone after 6 s (time for the change below, and within the 10 s timeout),
     When an event is delivered to it and, while that request is on its way, the tenant changes the endpoint's URL,
     Then the endpoint stays active and the delivery is retried at the new URL and delivered (before, the old URL's
     answer disabled the endpoint the tenant had just fixed, and dropped the delivery)."""
-    ep = _register(hooks, mock_endpoint, "moving", status=410, latency_ms=3000)
+    ep = _register(hooks, mock_endpoint, "moving", status=410, latency_ms=6000)
     mock_endpoint.configure("moved", secrets=[ep["secret"]])
     delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
     wait_until(lambda: mock_endpoint.stats()["endpoints"].get("moving", {}).get("requests", 0) >= 1, 20,

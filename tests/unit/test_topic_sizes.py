@@ -39,7 +39,7 @@ def test_an_expired_size_is_served_at_once_while_one_background_read_refreshes_i
     sizes.sizes["lane"] = (time.monotonic() - SIZES_TTL_S - 1, 1_000_000)
     started = time.monotonic()
     assert [sizes.limit("lane") for _ in range(50)] == [1_000_000] * 50
-    assert time.monotonic() - started < 0.5 and admin.asked == 1
+    assert time.monotonic() - started < 2.5 and admin.asked == 1  # not the read's 5 s
     admin.answer.set()
     deadline = time.monotonic() + 5
     while sizes.limit("lane") != 2_000_000 and time.monotonic() < deadline:
@@ -53,9 +53,9 @@ def test_a_first_look_that_fails_is_not_repeated_by_every_request(monkeypatch):
     Then the first waits for the read's timeout and assumes the producer's own limit, and the second gets that
     at once, without asking the broker again (it is looked at again in the background after a few seconds)."""
     admin = SlowAdmin()
-    sizes = TopicSizes(admin, read_timeout_s=0.2)
+    sizes = TopicSizes(admin, read_timeout_s=2)
     assert sizes.limit("lane") == MAX_RECORD_BYTES
     started = time.monotonic()
     assert sizes.limit("lane") == MAX_RECORD_BYTES
-    assert time.monotonic() - started < 0.1 and admin.asked == 1
+    assert time.monotonic() - started < 1 and admin.asked == 1  # not the read's 2 s
     assert publisher.SIZES_RETRY_S < SIZES_TTL_S

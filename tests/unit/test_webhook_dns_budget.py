@@ -45,7 +45,7 @@ def test_a_name_server_that_never_answers_holds_its_deliveries_briefly_and_nobod
     When they look it up, and a delivery to another host looks that one up meanwhile,
     Then one lookup is made for the 20, each gives up after DNS_TIMEOUT_S (a `dns_timeout` failure of its
     attempt), and the other host resolves at once; once the slow answer comes, it is used from the cache."""
-    monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(delivery, "DNS_TIMEOUT_S", 2.0)  # the other host is answered well within it
 
     async def scenario() -> None:
         lookups = Lookups()
@@ -53,11 +53,11 @@ def test_a_name_server_that_never_answers_holds_its_deliveries_briefly_and_nobod
         d = _delivery(asyncio.get_running_loop())
         started = time.monotonic()
         slow = [asyncio.ensure_future(d._resolve("slow.example")) for _ in range(20)]
-        fast = await asyncio.wait_for(d._resolve("fast.example"), 0.2)
+        fast = await asyncio.wait_for(d._resolve("fast.example"), 1.0)
         assert fast("fast.example") == [ADDRESS]
         results = await asyncio.gather(*slow, return_exceptions=True)
         assert all(isinstance(r, TimeoutError) for r in results)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0  # each gave up after DNS_TIMEOUT_S, not the resolver's 15 s
         assert lookups.asked.count("slow.example") == 1
         late = d._looking_up["slow.example"]
         lookups.release.set()
