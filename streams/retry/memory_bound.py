@@ -5,10 +5,15 @@ messages or `max_held_bytes`) it must stop reading something, and what it stops 
 what is due soon: one tenant's backlog parked for hours on the long tiers must not stop another
 tenant's 10 s retries. So past the bound it pauses only the partitions that hold a message due
 later than NEAR_MS from now (they free memory only then); partitions whose held messages are all due
-sooner keep flowing, as they release what they read within minutes. At twice the bound every
-partition is paused, as a plain bound would, counting messages due late up to the bound only: those
-past it (what their partitions handed over in the step that reached the bound) pause only their own
-partitions, so a long tier's backlog read at full speed after a restart never stops the short tiers.
+sooner keep flowing, as they release what they read within minutes. At twice the bound (counting
+messages due late up to the bound only: those past it, what their partitions handed over in the step
+that reached the bound, pause only their own partitions, so a long tier's backlog read at full speed
+after a restart never stops the short tiers) the partitions holding more than an even share of the
+bound are paused: copies are keyed by tenant, so one tenant's parked backlog of large sends, due
+within minutes, sits in a few partitions, and must not stop every other tenant's 10 s retries (they
+were dead-lettered too old). The others may each read up to their share more (the bound is then about
+three times `max_*`, plus a fetch). When no partition holds more than its share (the writer's unacknowledged
+copies, a load spread evenly), every partition is paused, as a plain bound would.
 At or below half the bound everything is read again.
 """
 
@@ -51,13 +56,19 @@ class MemoryBound:
                 or size - far_size + min(far_size, self.max_bytes) >= 2 * self.max_bytes)
 
     def paused(self, count: int, size: int, assigned: set[Partition], paused: set[Partition],
-               far: dict[Partition, PartitionLoad]) -> set[Partition]:
-        """The partitions to pause, holding `count` messages of `size` bytes with `paused` paused now; `far`:
-        the partitions holding a message due later than NEAR_MS, with what each holds."""
+               far: dict[Partition, PartitionLoad], loads: dict[Partition, PartitionLoad]) -> set[Partition]:
+        """The partitions to pause, holding `count` messages of `size` bytes with `paused` paused now; `loads`:
+        what each partition holds; `far`: those of them holding a message due later than NEAR_MS."""
         if self.full(count, size, far):
-            return set(assigned)
+            return self.over_share(assigned, loads) or set(assigned)
         if count <= self.max_held // 2 and size <= self.max_bytes // 2:
             return set()
         if not paused and count < self.max_held and size < self.max_bytes:
             return set()  # not reached yet
         return set(far) & assigned  # reached, and until half is released: only what is due late waits
+
+    def over_share(self, assigned: set[Partition], loads: dict[Partition, PartitionLoad]) -> set[Partition]:
+        """The assigned partitions holding more than an even share of the bound (in messages or bytes)."""
+        n = max(1, len(assigned))
+        return {p for p in assigned if (load := loads.get(p)) is not None
+                and (load.count * n > self.max_held or load.size * n > self.max_bytes)}

@@ -302,12 +302,13 @@ class Retrier:
         return len(self.heap) + self.writer.pending, held_bytes + self.writer.pending_bytes
 
     def _bound_memory(self) -> None:
-        wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far())
+        wanted = self.bound.paused(*self._held(), self.assigned, self.paused, self._far(), self.loads)
         if wanted == self.paused:
             return
         if wanted - self.paused:
             log.warning("holding %d retry messages (%d bytes): pausing %d of %d partitions (those holding "
-                        "messages due late) until half are released", *self._held(), len(wanted), len(self.assigned))
+                        "messages due late, or past twice the bound more than their share) until half are released",
+                        *self._held(), len(wanted), len(self.assigned))
             self.consumer.pause([TopicPartition(t, p) for t, p in wanted - self.paused])
         if self.paused - wanted:
             self.consumer.resume([TopicPartition(t, p) for t, p in (self.paused - wanted) & self.assigned])
