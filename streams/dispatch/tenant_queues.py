@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from ..send import Send
 
 Offset = tuple[str, int, int]  # topic, partition, offset
+# The most bytes of messages one request takes (a message larger goes alone): each request's body is stored in Redis
+# before it is sent (kept a day when its outcome is unknown), and 100 sends of 1 MiB in one request put 100 MB through
+# Redis's single thread, which every worker's gate waits on.
+REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -117,14 +121,17 @@ class TenantQueues:
         return self.queues[key].items[0].provider
 
     def take(self, key: str, n: int) -> list[Pending]:
-        """Up to n messages from the head of a queue, all of one tenant (one API key per request); a message to
-        be sent alone in a request of its own."""
+        """Up to n messages from the head of a queue, all of one tenant (one API key per request), of at most
+        REQUEST_BYTES together unless one alone is larger; a message to be sent alone in a request of its own."""
         q = self.queues[key]
         tenant = q.items[0].send.tenant_id
         taken: list[Pending] = []
+        size = 0
         while q.items and len(taken) < n and q.items[0].send.tenant_id == tenant:
-            if taken and (taken[0].alone or q.items[0].alone):
+            head = q.items[0]
+            if taken and (taken[0].alone or head.alone or size + len(head.raw) > REQUEST_BYTES):
                 break
+            size += len(head.raw)
             taken.append(q.items.popleft())
         self._removed(taken)
         return taken

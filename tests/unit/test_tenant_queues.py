@@ -1,7 +1,7 @@
 """The worker's per-tenant (per-endpoint) queues: what a long-running worker keeps of the tenants it served."""
 
 from streams.dispatch.backlog import BacklogShare
-from streams.dispatch.tenant_queues import Pending, TenantQueues
+from streams.dispatch.tenant_queues import REQUEST_BYTES, Pending, TenantQueues
 from streams.send import build_send, encode, validate_request
 from tests.harness import email_request
 
@@ -76,3 +76,29 @@ def test_what_a_tenant_holds_is_counted_over_its_queues_and_forgotten_once_it_ho
     assert len(queues.splice("acme-1", [a[1].send.send_id])) == 1 and queues.of_bucket[("acme", "")] == 3
     queues.forget({("lane", 0)})
     assert queues.of_bucket == {} and queues.buffered == 0
+
+
+def test_a_request_takes_at_most_request_bytes_of_messages_unless_one_alone_is_larger():
+    """Given a tenant's queue of ten sends of about 900 KiB (large emails), then 100 small ones,
+    When requests of up to 100 are taken,
+    Then each takes at most REQUEST_BYTES together (4 of the large ones, not 100: each request's body goes through
+    Redis before it is sent, 100 MB at once before), small ones fill a request as before, and a message larger
+    than REQUEST_BYTES goes alone."""
+    queues = TenantQueues()
+    big = email_request(html="<p>" + "x" * 900 * 1024 + "</p>")
+    for i in range(10):
+        send = build_send(validate_request(big), "acme")
+        queues.add(Pending("lane", 0, i, encode(send), {}, send, 1))
+    for i in range(10, 110):
+        queues.add(_pending("acme", i))
+    sizes = []
+    while queues.buffered:
+        [key] = queues.ready(0.0)
+        taken = queues.take(key, 100)
+        assert sum(len(p.raw) for p in taken) <= REQUEST_BYTES
+        sizes.append(len(taken))
+    assert sizes == [4, 4, 100, 2]  # the last two large ones share a request with 98 small ones
+    huge = Pending("lane", 0, 0, b"x" * (REQUEST_BYTES + 1), {}, build_send(validate_request(big), "acme"), 1)
+    queues.add(huge)
+    queues.add(_pending("acme", 1))
+    assert queues.take("acme", 100) == [huge]
