@@ -23,7 +23,7 @@ from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.exceptions import AskError, MovedError, NoScriptError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
-from .errors import StoreUnavailable
+from .errors import ConfigError, StoreUnavailable
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -46,7 +46,11 @@ def connect(url: str) -> redis.Redis:
     node now: StoreUnavailable when none answers."""
     if is_cluster_url(url):
         return connect_cluster(url)
-    return Client.from_url(url, **_TIMEOUTS)
+    try:
+        return Client.from_url(url, **_TIMEOUTS)
+    except ValueError:  # its text may quote part of the URL: a password holding `/`, `?` or `#` ends up in the port
+        raise ConfigError("REDIS_URL is not a URL Redis can be reached at (not shown: it may hold a password); "
+                          "percent-encode '/', '?', '#' and '@' in the password (%2F, %3F, %23, %40)") from None
 
 
 class Client(redis.Redis):

@@ -53,7 +53,8 @@ def after_all(n: int, then: OnAck) -> OnAck:
 def error_header(result: ProviderResult, channel: str) -> bytes:
     """Status, error name and the (already redacted) body of a provider answer. A webhook receiver's
     body is left out: receivers often echo the event back (personal data no redaction recognises),
-    and retry and DLQ headers are read by operators; the tenant reads it in its own attempt record."""
+    and retry and DLQ headers are read by operators. Nor is it kept anywhere else: the attempts topic, kept 30 days,
+    has its status and error name only."""
     body = "" if channel == "webhook" else result.error_body
     return f"{result.status or result.outcome} {result.error_name} {body}".strip().encode()[:1000]
 
@@ -138,8 +139,7 @@ class RecordWriter:
         receiver asked to wait a few seconds, and the worker tries the same attempt again after that wait."""
         fields = webhook_fields(p.send)
         event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
-                 **attempt_info(p.attempt, result, now_ms), "excerpt": result.error_body[:1024],
-                 "dropped": dropped or False, "held": held}
+                 **attempt_info(p.attempt, result, now_ms), "dropped": dropped or False, "held": held}
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {}, on_ack)
 

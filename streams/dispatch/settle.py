@@ -216,7 +216,7 @@ class Settler:
         route = self.routes.of(job.provider)
         resent = job.resent or result.first_copy_unknown  # the provider may hold an earlier copy under this key
         # A webhook receiver is the tenant's own server, and many echo the event they got (a person's data no
-        # redaction knows): its answer goes to the tenant's own attempt record, never to our logs.
+        # redaction knows): its answer is kept nowhere, only its status and error name.
         body = None if route.spec.channel == "webhook" else result.error_body[:300]
         evidence(log, logging.WARNING, "attempt_failed", provider=route.name, request=job.key,
                  sends=len(job.send_ids), send_id=job.send_ids[0] if len(job.send_ids) == 1 else None,

@@ -24,7 +24,8 @@ _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
 _BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 _JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 _RESEND_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
-_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key)_[A-Za-z0-9_-]{8,}")
+# Key shapes: providers' (sk_live_...), and ours: API keys (dr_ten_, dr_ope_), webhook signing secrets (whsec_).
+_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key|dr_ten|dr_ope|whsec)_[A-Za-z0-9_+/=-]{8,}")
 
 
 def _secret_key(match: re.Match[str]) -> str:

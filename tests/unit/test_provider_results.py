@@ -98,6 +98,10 @@ def test_redaction_removes_addresses_numbers_and_keys():
     ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjbGllbnQtMSJ9.c2lnbmF0dXJl expired", "eyJzdWIiOiJjbGllbnQtMSJ9"),
     ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "anna"),
     ("bad recipient to=anna%40example.com&cc=bo%2Bnews%40example.co.uk", "news"),
+    # ours, echoed by a receiver or a proxy: a tenant's API key, an operator's, a webhook signing secret
+    ("unauthorised: dr_ten_Q2x-9vZ_a1B2c3D4e5F6g7H8i9J0kLmN", "Q2x-9vZ_a1B2c3D4e5F6g7H8"),
+    ("echo {'key': 'dr_ope_abcdEFGHijklMNOPqrstUVWX'}", "abcdEFGHijklMNOPqrstUVWX"),
+    ("secret whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw+/x= rejected", "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
 ])
 def test_redaction_removes_tokens_key_shapes_and_percent_encoded_addresses(text, secret):
     assert secret not in redact(text), redact(text)

@@ -4,8 +4,8 @@ startup node list and first-node URL: the credentials are never taken for a host
 import pytest
 import redis
 
-from streams.errors import StoreUnavailable
-from streams.redis_client import cluster_startup
+from streams.errors import ConfigError, StoreUnavailable
+from streams.redis_client import cluster_startup, connect
 
 
 @pytest.mark.parametrize("url, first, nodes", [
@@ -69,3 +69,13 @@ def test_a_redirected_command_whose_slot_no_node_serves_fails_as_a_redis_error_i
     replies = pipe.execute(raise_on_error=False)
     assert replies[0] == b"1"
     assert isinstance(replies[1], ClusterUnavailable) and isinstance(replies[1], redis.RedisError)
+
+
+def test_a_single_redis_url_whose_password_breaks_it_is_refused_without_showing_any_of_it():
+    """Given REDIS_URL with a password holding '/' (base64 passwords often do), not percent-encoded,
+    When a role connects,
+    Then it is a configuration error saying how to write it, quoting nothing of the URL (before: redis-py's
+    ValueError, uncaught, printed part of the password as the port in every role's traceback)."""
+    with pytest.raises(ConfigError) as refused:
+        connect("redis://:Zm9v/YmFy@redis:6379/0")
+    assert "percent-encode" in str(refused.value) and "Zm9v" not in str(refused.value)

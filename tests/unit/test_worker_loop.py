@@ -498,16 +498,21 @@ def test_a_webhook_receivers_answer_never_reaches_our_logs(caplog):
     """Given a webhook receiver (the tenant's own server) answering 500 with the event it got echoed back,
     When the attempt fails,
     Then the log line says what failed (status, error, duration) without the answer's body: a person's name and
-    street, which no redaction recognises, stay out of our logs (the tenant reads the excerpt in its own attempt
-    record). A provider's answer is still logged, redacted."""
+    street, which no redaction recognises, stay out of our logs, and out of the attempt event (the attempts topic is
+    kept 30 days, longer than payloads; nothing read it). A provider's answer is still logged, redacted."""
     echo = ProviderResult("unavailable", 500, error_name="http_500", error_body='echo {"name": "Jane Roe"}')
-    sends, msgs = _messages(["acme"])
-    worker, *_ = _worker(msgs, answer=echo, channel="webhook")
+    request = webhook_event()
+    request["payload"] = {**request["payload"], "event_id": "ev_1", "endpoint_id": "ep_1"}
+    msgs = [FakeMessage(0, 0, encode(build_send(validate_request(request), "acme")))]
+    worker, _, producer, _ = _worker(msgs, answer=echo, channel="webhook", lane_channel="webhook")
     with caplog.at_level("WARNING"):
         _run(worker)
     [failed] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attempt_failed")]
     assert "status=500" in failed and "error=http_500" in failed and "provider=webhook" in failed
     assert "Jane" not in failed and "body=" not in failed
+    attempts = [value for topic, records in producer.records.items() if topic.endswith("attempts")
+                for value, _ in records]
+    assert attempts and not any(b"Jane" in value for value in attempts), attempts
 
 
 def test_a_tenant_over_its_share_of_the_buffer_is_parked_not_held():
