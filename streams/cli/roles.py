@@ -67,7 +67,8 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         r = rt.redis()
         guard = rt.state_guard("api", r)
         client = rt.send_client(router=router, txn_instance=bulk_instance)
-        store = StatusStore(r, rt.namespace, holds_data=guard.check)  # read at most every few seconds
+        # The guard is read at most every few seconds; a claim that finds a slot lost makes it look again at once.
+        store = StatusStore(r, rt.namespace, holds_data=guard.check, on_lost=guard.recheck)
         if bulk_instance is not None:
             _fence_predecessor(client.publisher)
         webhooks = rt.webhook_ingest(r, client, store)

@@ -46,11 +46,13 @@ def skip_outcome(msg, why: str, logger: logging.Logger = log) -> None:
 class StatusStore:
     """Status, attempt history and where a send's payload can be found, kept 30 days."""
 
-    def __init__(self, client: redis.Redis, namespace: str = "", holds_data: Callable[[], bool] | None = None):
-        """`holds_data` (a state guard's check): replays are claimed only while it says Redis holds its data."""
+    def __init__(self, client: redis.Redis, namespace: str = "", holds_data: Callable[[], bool] | None = None,
+                 on_lost: Callable[[], None] | None = None):
+        """`holds_data` (a state guard's check): replays are claimed only while it says Redis holds its data;
+        `on_lost` (its `recheck`): a claim found the send's slot without its epoch marker."""
         self.client = client
         self.keys = RedisKeys(namespace)
-        self.holds_data = holds_data
+        self.holds_data, self.on_lost = holds_data, on_lost
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
         self._claim_replay = client.register_script(
             "if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end "
@@ -206,6 +208,8 @@ class StatusStore:
             marker = self.keys.epoch_marker(hash_slot(send_id)) if is_cluster(self.client) else self.keys.epoch
             claimed = self._claim_replay(keys=[status, marker])
         if claimed == -1:
+            if self.on_lost is not None:  # the guard's next look reads every marker (a lost slot it had not seen)
+                self.on_lost()
             raise StateLost("Redis has lost its data (no epoch where the send's status is) and `streams state "
                             "recover` has not finished: no replay is claimed until then")
         return bool(claimed)

@@ -138,7 +138,9 @@ def test_a_replay_is_not_claimed_once_redis_lost_its_data_whatever_the_guard_sai
     keys = RedisKeys(namespace)
     guard = StateGuard(redis_client, keys, OperatorLog(stack.bootstrap, oplog_topic), "api")
     assert guard.check()
-    replays = StatusStore(redis_client, namespace, holds_data=lambda: True)  # the guard's answer from before
+    rechecks = []
+    replays = StatusStore(redis_client, namespace, holds_data=lambda: True,  # the guard's answer from before
+                          on_lost=lambda: rechecks.append(1))
     assert replays.claim_replay(new_send_id())
 
     redis_client.delete(keys.epoch)
@@ -146,3 +148,4 @@ def test_a_replay_is_not_claimed_once_redis_lost_its_data_whatever_the_guard_sai
     with pytest.raises(StateLost, match="no replay is claimed"):
         replays.claim_replay(send_id)
     assert redis_client.hget(keys.send_status(send_id), "replayed_as") is None
+    assert rechecks == [1]  # the guard is told to look again at once (a slot it had not seen lost)
