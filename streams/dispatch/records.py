@@ -155,6 +155,7 @@ class RecordWriter:
         values = outcome_records(events)
         if not values:  # no events: nothing to wait for
             on_all_acked()
+            return
         remaining = [len(values)]
 
         def acked() -> None:  # runs inside the producer's poll: it must not raise

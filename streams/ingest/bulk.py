@@ -272,7 +272,7 @@ class BulkProxy:
                 return await refused(scope, receive, send)
             self._forwarding[key] += 1
             try:
-                return await self._forward(self.bulk, scope, receive, send)
+                return await self._forward(self.bulk, scope, receive, send, keyed)
             finally:
                 self._forwarding[key] -= 1
                 if not self._forwarding[key]:
@@ -281,7 +281,7 @@ class BulkProxy:
             return await self._metrics(self.bulk, scope, receive, send)
         return await self.app(scope, receive, send)
 
-    async def _forward(self, bulk: UnixHttp, scope, receive, send) -> None:
+    async def _forward(self, bulk: UnixHttp, scope, receive, send, keyed: bool) -> None:
         chunks, more = [], True
         while more:
             message = await receive()
@@ -290,7 +290,6 @@ class BulkProxy:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_HEADERS]
-        keyed = any(k.lower() == b"idempotency-key" for k, _ in headers)
         query = scope.get("query_string", b"").decode("latin-1")
         try:
             answer = await bulk.request("POST", BATCH_PATH + (f"?{query}" if query else ""), headers, chunks,

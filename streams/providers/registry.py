@@ -94,6 +94,18 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
             raise ConfigError(f"{where}: field {key!r} must be a list of strings (got {value!r})")
         return value
 
+    def text(key: str) -> str:
+        value = doc.get(key, "")
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: field {key!r} must be a string, the name of an environment variable")
+        return value
+
+    def count(key: str, default: int) -> int:
+        value = doc.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}: field {key!r} must be an integer >= 1")
+        return value
+
     name, channel, adapter = need("name", str), need("channel", str), need("adapter", str)
     where = f"{where} ({name})"
     known = {f for f in ProviderSpec.__dataclass_fields__} | {"paths", "token_path"}
@@ -103,37 +115,32 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         raise ConfigError(f"{where}: field 'channel': {channel!r} is not one of {', '.join(CHANNELS)}")
     if ":" not in adapter:
         raise ConfigError(f"{where}: field 'adapter': {adapter!r} is not 'module:Class'")
-    for key in ("base_url_env", "keys_env"):
-        if not isinstance(doc.get(key, ""), str):
-            raise ConfigError(f"{where}: field {key!r} must be a string, the name of an environment variable")
+    base_url_env, keys_env = text("base_url_env"), text("keys_env")
     auth = doc.get("auth", "api_key")
     if auth not in AUTH_KINDS:
         raise ConfigError(f"{where}: field 'auth': {auth!r} is not one of {', '.join(AUTH_KINDS)}")
-    if auth != "none" and not doc.get("keys_env"):
+    if auth != "none" and not keys_env:
         raise ConfigError(f"{where}: field 'keys_env' is required for auth {auth!r}")
     if auth == "token" and not doc.get("token_path"):
         raise ConfigError(f"{where}: field 'token_path' is required for token auth")
-    if auth != "none" and not doc.get("base_url_env"):
+    if auth != "none" and not base_url_env:
         raise ConfigError(f"{where}: field 'base_url_env' is required")
     lanes = frozenset(strings("batch_lanes"))
     if not lanes <= set(LANES):
         raise ConfigError(f"{where}: field 'batch_lanes': {sorted(lanes - set(LANES))} are not lanes")
-    for key in ("batch_max", "concurrency"):
-        if not isinstance(doc.get(key, 1), int) or isinstance(doc.get(key, 1), bool) or doc.get(key, 1) < 1:
-            raise ConfigError(f"{where}: field {key!r} must be an integer >= 1")
-    if doc.get("concurrency", 1) > MAX_CONCURRENCY:
+    batch_max, concurrency = count("batch_max", 1), count("concurrency", 8)
+    if concurrency > MAX_CONCURRENCY:
         # A transactional worker keeps this many requests in flight: as many threads and connections.
         raise ConfigError(f"{where}: field 'concurrency' must be at most {MAX_CONCURRENCY} (requests in flight "
                           f"per worker: one thread and one connection each)")
-    if lanes and doc.get("batch_max", 1) < 2:
+    if lanes and batch_max < 2:
         raise ConfigError(f"{where}: field 'batch_max' must be >= 2 when batch_lanes are given")
     return ProviderSpec(
-        name=name, channel=channel, adapter=adapter, base_url_env=doc.get("base_url_env", ""), auth=auth,
-        keys_env=doc.get("keys_env", ""),
+        name=name, channel=channel, adapter=adapter, base_url_env=base_url_env, auth=auth, keys_env=keys_env,
         token_path=_path(f"{where}: field 'token_path'", doc["token_path"]) if doc.get("token_path") else None,
         paths=frozenset(_path(f"{where}: field 'paths'", p) for p in strings("paths")),
-        batch_lanes=lanes, batch_max=doc.get("batch_max", 1), idempotent=flag("idempotent"),
-        shared_limit=flag("shared_limit"), concurrency=doc.get("concurrency", 8),
+        batch_lanes=lanes, batch_max=batch_max, idempotent=flag("idempotent"),
+        shared_limit=flag("shared_limit"), concurrency=concurrency,
         fallback_errors=frozenset(strings("fallback_errors")))
 
 

@@ -239,5 +239,3 @@ def _restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: Operato
         written = restore(client, keys, snapshot)
         if written:
             log.warning("restored %d operator entries from the operator log", written)
-
-
