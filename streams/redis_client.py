@@ -49,8 +49,9 @@ def connect(url: str) -> redis.Redis:
     try:
         return Client.from_url(url, **_TIMEOUTS)
     except ValueError:  # its text may quote part of the URL: a password holding `/`, `?` or `#` ends up in the port
-        raise ConfigError("REDIS_URL is not a URL Redis can be reached at (not shown: it may hold a password); "
-                          "percent-encode '/', '?', '#' and '@' in the password (%2F, %3F, %23, %40)") from None
+        raise ConfigError("REDIS_URL is not a URL Redis can be reached at (not shown: it may hold a password): its "
+                          "scheme is redis://, rediss:// or unix://, and '/', '?', '#' and '@' in its password are "
+                          "percent-encoded (%2F, %3F, %23, %40)") from None
 
 
 class Client(redis.Redis):

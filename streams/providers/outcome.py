@@ -24,8 +24,9 @@ _PHONE_RE = re.compile(r"\+?\d[\d\s().-]{6,}\d")
 _BEARER_RE = re.compile(r"\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 _JWT_RE = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 _RESEND_KEY_RE = re.compile(r"\bre_[A-Za-z0-9_]+")
-# Key shapes: providers' (sk_live_...), and ours: API keys (dr_ten_, dr_ope_), webhook signing secrets (whsec_).
-_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key|dr_ten|dr_ope|whsec)_[A-Za-z0-9_+/=-]{8,}")
+# Key shapes: providers' (sk_live_...), and ours: API keys (dr_ten_, dr_ope_); a webhook signing secret (base64).
+_SECRET_KEY_RE = re.compile(r"\b(sk|pk|rk|key|dr_ten|dr_ope)_[A-Za-z0-9_-]{8,}")
+_WEBHOOK_SECRET_RE = re.compile(r"\bwhsec_[A-Za-z0-9+/=]{8,}")
 
 
 def _secret_key(match: re.Match[str]) -> str:
@@ -60,6 +61,7 @@ def redact(text: str, limit: int = 500, secrets: tuple[str, ...] = ()) -> str:
     text = _JWT_RE.sub("***", text)
     text = _RESEND_KEY_RE.sub("re_***", text)
     text = _SECRET_KEY_RE.sub(_secret_key, text)
+    text = _WEBHOOK_SECRET_RE.sub("whsec_***", text)
     text = _ENCODED_EMAIL_RE.sub("***%40***", text)
     text = _EMAIL_RE.sub("***@***", text)
     return _PHONE_RE.sub("+***", text)[:limit]

@@ -9,11 +9,13 @@ sooner keep flowing, as they release what they read within minutes. At twice the
 messages due late up to the bound only: those past it, what their partitions handed over in the step
 that reached the bound, pause only their own partitions, so a long tier's backlog read at full speed
 after a restart never stops the short tiers) the partitions holding more than an even share of the
-bound are paused: copies are keyed by tenant, so one tenant's parked backlog of large sends, due
-within minutes, sits in a few partitions, and must not stop every other tenant's 10 s retries (they
-were dead-lettered too old). The others may each read up to their share more (the bound is then about
-three times `max_*`, plus a fetch). When no partition holds more than its share (the writer's unacknowledged
-copies, a load spread evenly), every partition is paused, as a plain bound would.
+bound are paused (and those holding messages due late, as below twice the bound): copies are keyed
+by tenant, so one tenant's parked backlog of large sends, due within minutes, sits in a few
+partitions, and must not stop every other tenant's 10 s retries (they were dead-lettered too old).
+The others are read on while what they hold, with the writer's unacknowledged copies, stays under
+the bound: at most three times `max_*` in all, plus a fetch. Otherwise (no partition past its share,
+or the rest at the bound: a lane that cannot be written) every partition is paused, as a plain bound
+would.
 At or below half the bound everything is read again.
 """
 
@@ -60,7 +62,12 @@ class MemoryBound:
         """The partitions to pause, holding `count` messages of `size` bytes with `paused` paused now; `loads`:
         what each partition holds; `far`: those of them holding a message due later than NEAR_MS."""
         if self.full(count, size, far):
-            return self.over_share(assigned, loads) or set(assigned)
+            over = self.over_share(assigned, loads)
+            rest_count = count - sum(loads[p].count for p in over)  # the writer's unacknowledged copies included
+            rest_size = size - sum(loads[p].size for p in over)
+            if over and rest_count < self.max_held and rest_size < self.max_bytes:
+                return over | (set(far) & assigned)
+            return set(assigned)
         if count <= self.max_held // 2 and size <= self.max_bytes // 2:
             return set()
         if not paused and count < self.max_held and size < self.max_bytes:

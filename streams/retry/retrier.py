@@ -15,7 +15,8 @@ excess parked for hours) that can be many: already past due, they are released a
 the lane worker's idempotency makes each a duplicate it skips (`stale` or `duplicate`), never a
 second send. Memory is bounded (`memory_bound.py`): past `max_held` messages
 or `max_held_bytes` the retrier pauses the partitions holding messages due late, so the short tiers
-keep flowing; past twice that (late ones counted up to the bound), every partition; each until half is released.
+keep flowing; past twice that (late ones counted up to the bound), those holding more than an even share of the
+bound too (one tenant's backlog), or every partition; each until half is released.
 A copy the broker did not acknowledge is produced again until it is.
 """
 

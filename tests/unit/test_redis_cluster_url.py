@@ -78,4 +78,4 @@ def test_a_single_redis_url_whose_password_breaks_it_is_refused_without_showing_
     ValueError, uncaught, printed part of the password as the port in every role's traceback)."""
     with pytest.raises(ConfigError) as refused:
         connect("redis://:Zm9v/YmFy@redis:6379/0")
-    assert "percent-encode" in str(refused.value) and "Zm9v" not in str(refused.value)
+    assert "percent-encoded" in str(refused.value) and "Zm9v" not in str(refused.value)

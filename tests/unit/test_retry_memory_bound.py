@@ -38,6 +38,10 @@ def test_past_twice_the_bound_one_tenants_heavy_partition_is_paused_and_the_othe
     dead-lettered too old); a load spread evenly still pauses them all."""
     heavy = {SHORT: PartitionLoad(600, 30_000, 0), OTHER: PartitionLoad(1, 10, 0)}
     assert BOUND.paused(601, 30_010, ASSIGNED, set(), {}, heavy) == {SHORT}
+    # what is due late stays paused too (it was, below twice the bound)
+    assert BOUND.paused(601, 30_010, ASSIGNED, {LONG}, _far(LONG), heavy) == {SHORT, LONG}
+    # the rest reaching the bound (copies the lane has not acknowledged: a lane that cannot be written) stops all
+    assert BOUND.paused(701, 40_010, ASSIGNED, set(), {}, heavy) == ASSIGNED
     even = {p: PartitionLoad(70, 7_000, 0) for p in ASSIGNED}  # each past its third of the bound
     assert BOUND.paused(210, 21_000, ASSIGNED, set(), {}, even) == ASSIGNED
     assert BOUND.paused(210, 21_000, ASSIGNED, set(), {}, {}) == ASSIGNED  # held by no partition (the writer's)
