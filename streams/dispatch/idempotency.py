@@ -36,7 +36,9 @@ from ..redis_client import is_cluster, load_script, ping_every_master, store_err
 DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
 LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
 REFRESH_EVERY_S = 2.0               # how often a live holder refreshes the leases of its requests
-RECORD_TTL_MS = 24 * 3600 * 1000    # the provider's idempotency window
+# Inside the providers' idempotency window (24 h), by an hour: a re-send started as a record ends, or on a promoted
+# replica whose clock runs behind, must still reach the provider while it keeps the key.
+RECORD_TTL_MS = 23 * 3600 * 1000
 CLAIM_TTL_MS = DELIVERED_TTL_S * 1000  # a claim outlives its record: see take_over
 # A `tried:<n>` mark keeps every copy of a send's earlier attempts stale for as long as one can be read (a lane
 # keeps payloads 7 days; a retry copy parked near its send's max age comes back up to 2 days later), whatever
