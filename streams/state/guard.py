@@ -125,13 +125,13 @@ def _limit_number(v: object) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
 
 
-def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> int:
+def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict], who: str = "state") -> int:
     """Write the operator state of a log snapshot into Redis, in the hash slots not yet restored since they lost
-    their data; returns how many entries it wrote. Each slot's `restored` marker is written after its entries and
-    lives in the slot, so it goes with the slot's data (a shard of a cluster lost later is restored too), and
-    a slot is restored once: a later look's snapshot is never written over changes made since (an endpoint
-    deleted during the hold would come back). Never over what Redis holds (HSETNX, SET NX): an entry changed
-    before the marker was written (a key revoked, an endpoint moved) keeps its change."""
+    their data; returns how many entries it wrote (and says so in the log, as `who`). Each slot's `restored` marker
+    is written after its entries and lives in the slot, so it goes with the slot's data (a shard of a cluster lost
+    later is restored too), and a slot is restored once: a later look's snapshot is never written over changes made
+    since (an endpoint deleted during the hold would come back). Never over what Redis holds (HSETNX, SET NX): an
+    entry changed before the marker was written (a key revoked, an endpoint moved) keeps its change."""
     planned: list[tuple[str, str, str | None, bytes | float]] = []  # (entry, Redis key, hash field or None, value)
     for key, value in snapshot.items():
         kind, _, name = key.partition("/")
@@ -171,7 +171,9 @@ def restore(client: redis.Redis, keys: RedisKeys, snapshot: dict[str, dict]) -> 
         for slot in {slot_of[k] for _, k, _, _ in todo}:
             pipe.set(keys.restored_marker(slot), b"1")
         pipe.execute()
-    return len({entry for entry, *_ in todo})
+    written = len({entry for entry, *_ in todo})
+    log.warning("%s: restored %d operator entries from the operator log", who, written)
+    return written
 
 
 class StateGuard:
@@ -291,9 +293,7 @@ class StateGuard:
                       "recover`", self.role, why)
         self.lost = True
         metrics.REDIS_STATE_LOST.set(1)
-        written = restore(self.client, self.keys, snapshot)  # at every look: only slots not yet restored
-        if written:
-            log.warning("%s: restored %d operator entries from the operator log", self.role, written)
+        restore(self.client, self.keys, snapshot, self.role)  # at every look: only slots not yet restored
 
     def _first_epoch(self) -> None:
         """A new deployment: the first role to start writes the epoch (one wins in Redis), its

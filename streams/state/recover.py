@@ -236,6 +236,4 @@ def _restore_operator_state(client: redis.Redis, keys: RedisKeys, oplog: Operato
     since they lost their data (`restore`)."""
     snapshot = oplog.snapshot()
     if log_epoch(snapshot) is not None:  # a deployment the log knows
-        written = restore(client, keys, snapshot)
-        if written:
-            log.warning("restored %d operator entries from the operator log", written)
+        restore(client, keys, snapshot, "state recover")
