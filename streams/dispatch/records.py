@@ -168,9 +168,12 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ retry copies
     def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck,
-              tried: list[str] | None = None) -> None:
+              tried: list[str] | None = None, kept_batch: bool = False) -> None:
         """A copy of the original bytes for the tier; the payload never changes, and the provider it
-        goes to stays the one it was last tried on."""
+        goes to stays the one it was last tried on. `kept_batch`: the send stays claimed by a request of several
+        sends, to be re-sent byte for byte under its key (said in its event: once Redis lost that request's record,
+        `streams state recover` leaves the send to reconciliation, as a fresh request would batch it anew under
+        another key)."""
         tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
         headers["last_error"] = error_header(result, p.send.channel)
@@ -183,8 +186,11 @@ class RecordWriter:
                  due_in_s=round((decision.due_ms - now_ms) / 1000, 1), reason=decision.reason)
         status = "unknown" if result.outcome == "unknown" else "retrying"
         done = after_all(2, on_ack)  # the attempt's outcome (its history) and the copy
-        self.outcome({**self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
-                                           attempt=attempt_info(p.attempt, result, now_ms), tried=tried)}, done)
+        event = self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
+                                   attempt=attempt_info(p.attempt, result, now_ms), tried=tried)
+        if kept_batch:
+            event["kept_batch"] = True
+        self.outcome(event, done)
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, done,
                      on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, done, tried))

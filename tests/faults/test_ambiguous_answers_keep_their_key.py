@@ -3,7 +3,19 @@ unknown outcome: the same body goes again under the same idempotency key, so the
 from its store; the claims are never released and re-batched under a new key (which would send
 the blast twice)."""
 
-from tests.harness import committed_lag, email_request, report_outcome, retry_policies, wait_until
+import subprocess
+import sys
+
+from streams.outcomes import events_of
+from tests.harness import (
+    committed_lag,
+    count_records,
+    email_request,
+    read_committed,
+    report_outcome,
+    retry_policies,
+    wait_until,
+)
 
 BLAST = 300
 POLICIES = retry_policies(("otp", "transactional", "marketing", "webhook"), 4, "10m")
@@ -75,3 +87,37 @@ def _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provi
     fault_processes.worker("email", "marketing")
     fault_processes.retrier("email", "marketing")
     return fault_runtime.send_client().publish_batch("blaster", [email_request("marketing")] * BLAST)
+
+
+def test_batches_kept_for_a_resend_are_left_to_reconciliation_when_redis_loses_their_bodies(
+        fault_stack, fault_env, fault_runtime, fault_topics, fault_processes, mock_provider, names, tmp_path):
+    """Given a 300-email marketing blast whose three batches the provider accepted (delivered) but answered 502,
+    each kept claimed to be re-sent byte for byte under its key,
+    When Redis loses its data (the kept bodies with it) before the retries are due, and an operator runs
+    `streams state recover`,
+    Then no email is delivered a second time: the outcome events said each send was kept by a batch request, so
+    recovery marks them `reconcile` and each retry copy is dead-lettered `unknown_outcome` for an operator to check
+    (before: recovery left them free, and the retries went out as new batches under new keys, 300 duplicates)."""
+    ids = _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path)
+    wait_until(lambda: sum(1 for record in read_committed(fault_stack.bootstrap, names.outcomes)
+                           for event in events_of(record) if event.get("kept_batch")) == BLAST, 60,
+               "every send's outcome event to say its batch is kept", interval=0.5)
+    mock_provider.configure(fault_502_after_accept_ratio=0.0)
+
+    fault_stack.lose_redis_data()
+    out = subprocess.run([sys.executable, "-m", "streams.cli", "state", "recover"], env=fault_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+    wait_until(lambda: count_records(fault_stack.bootstrap, names.dlq) == BLAST, 90,
+               "every retry copy to be dead-lettered", interval=1.0)
+    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
+                                     names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
+               interval=0.5)
+    stats = mock_provider.stats(deliveries=True)
+    report_outcome("kept batches, Redis data lost", ids, stats, fault_processes.procs)
+    assert set(ids) <= set(stats["deliveries"])
+    assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+    reasons = {event["reason"] for record in read_committed(fault_stack.bootstrap, names.outcomes)
+               for event in events_of(record) if event["status"] == "dead_lettered"}
+    assert reasons == {"unknown_outcome"}
