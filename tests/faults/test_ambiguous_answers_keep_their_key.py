@@ -32,13 +32,7 @@ def test_a_502_after_acceptance_is_retried_under_the_same_key_and_delivers_once(
 
     wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= BLAST // 100, 60,
                "each batch to be sent again under its key", interval=0.5)
-    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
-                                     names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
-               interval=0.5)
-    stats = mock_provider.stats(deliveries=True)
-    report_outcome("502 after acceptance", ids, stats, fault_processes.procs)
-    assert set(ids) <= set(stats["deliveries"])
-    assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+    stats = _settled_each_once("502 after acceptance", ids, fault_stack, fault_processes, mock_provider, names)
     assert stats["faults_502_after_accept"] == BLAST // 100
     assert stats["idempotent_replays"] == BLAST // 100 and stats["idempotency_conflicts"] == 0
 
@@ -62,14 +56,20 @@ def test_a_resend_refused_before_the_provider_reads_its_key_keeps_the_sends_on_t
     mock_provider.configure(fault_401_ratio=0.0)
     wait_until(lambda: mock_provider.stats()["idempotent_replays"] >= BLAST // 100, 60,
                "each batch to be answered from the provider's store", interval=0.5)
+    stats = _settled_each_once("re-send refused after a 502", ids, fault_stack, fault_processes, mock_provider, names)
+    assert stats["idempotency_conflicts"] == 0
+
+
+def _settled_each_once(scenario: str, ids: list[str], fault_stack, fault_processes, mock_provider, names) -> dict:
+    """The mock provider's stats once the lane is committed, every send delivered and none twice."""
     wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
                                      names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
                interval=0.5)
     stats = mock_provider.stats(deliveries=True)
-    report_outcome("re-send refused after a 502", ids, stats, fault_processes.procs)
+    report_outcome(scenario, ids, stats, fault_processes.procs)
     assert set(ids) <= set(stats["deliveries"])
     assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
-    assert stats["idempotency_conflicts"] == 0
+    return stats
 
 
 def _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path) -> list[str]:
@@ -111,13 +111,7 @@ def test_batches_kept_for_a_resend_are_left_to_reconciliation_when_redis_loses_t
 
     wait_until(lambda: count_records(fault_stack.bootstrap, names.dlq) == BLAST, 90,
                "every retry copy to be dead-lettered", interval=1.0)
-    wait_until(lambda: committed_lag(fault_stack.bootstrap, names.group("email", "marketing"),
-                                     names.lane("email", "marketing")) == 0, 60, "the blast to be settled",
-               interval=0.5)
-    stats = mock_provider.stats(deliveries=True)
-    report_outcome("kept batches, Redis data lost", ids, stats, fault_processes.procs)
-    assert set(ids) <= set(stats["deliveries"])
-    assert stats["duplicate_deliveries"] == 0, stats["duplicated_sends"]
+    _settled_each_once("kept batches, Redis data lost", ids, fault_stack, fault_processes, mock_provider, names)
     reasons = {event["reason"] for record in read_committed(fault_stack.bootstrap, names.outcomes)
                for event in events_of(record) if event["status"] == "dead_lettered"}
     assert reasons == {"unknown_outcome"}
