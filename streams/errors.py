@@ -14,6 +14,8 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     │       └── ReplayOutcomeUnknown   ... a replay's: it may have been published under its new send id
     ├── BrokerUnavailable        the broker did not answer a read in time (nothing is taken as gone)
     ├── ReplayRefused            a dead letter that cannot be replayed; the message says why
+    │   └── ReplayNotYet         ... until something changes (checked with the provider, a batch settled)
+    │       └── ReplayNeedsCheck ... until the operator checked the provider does not hold it
     ├── StoreUnavailable         Redis did not answer: callers hold and retry, never skip
     │   └── GateUnavailable      ... while admitting a request: the gate fails closed
     ├── GateError
@@ -84,7 +86,11 @@ class ReplayRefused(DispatchError):
     """A dead letter that cannot be replayed; the message says why."""
 
 
-class ReplayNeedsCheck(ReplayRefused):
+class ReplayNotYet(ReplayRefused):
+    """Refused for now, not for good: asked again later (or as the message says), it may be replayed."""
+
+
+class ReplayNeedsCheck(ReplayNotYet):
     """Refused until the operator says they checked the provider (a send dead-lettered `unknown_outcome`)."""
 
 

@@ -85,6 +85,34 @@ class StoredRequest:
 NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
 
 
+@dataclass(frozen=True)
+class SendClaim:
+    """What processed_jobs says of one send now: its state (None: free), and while a request of several sends
+    claims it and keeps their body (a copy of any of them met later re-sends that body whole), the other sends it
+    carries and how long its record is kept yet."""
+
+    state: str | None
+    others: tuple[str, ...] = ()
+    kept_s: int = 0
+
+
+def read_send_claim(client: redis.Redis, keys: RedisKeys, tenant: str, send_id: str) -> SendClaim:
+    """The send's claim, for an operator's replay (not on the hot path). The state is read again after the
+    request's record: a record settled in between (deleted as its sends are marked) shows in the new state."""
+    with store_errors("reading a send's claim"):
+        state = client.get(keys.processed(tenant, send_id))
+        if not state or not state.startswith(b"inflight:"):
+            return SendClaim(state.decode() if state else None)
+        request = keys.request(tenant, state[len(b"inflight:"):].decode())
+        pipe = client.pipeline(transaction=False)
+        pipe.hget(request, "ids")
+        pipe.ttl(request)
+        pipe.get(keys.processed(tenant, send_id))
+        ids, kept_s, state = pipe.execute()
+    others = tuple(s for s in orjson.loads(ids) if s != send_id) if ids else ()
+    return SendClaim(state.decode() if state else None, others, max(0, kept_s) if others else 0)
+
+
 class ProcessedJobs:
     def __init__(self, client: redis.Redis, namespace: str = "", lease_s: float = LEASE_S,
                  epoch_required: bool = False, claim_ttl_ms: int = CLAIM_TTL_MS):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -258,6 +258,15 @@ class StatusStore:
         """Whether Redis answers (StoreUnavailable if not), every master of a Redis Cluster."""
         with store_errors("asking Redis whether it answers"):
             ping_every_master(self.client)
+
+    def unsettled(self, send_ids: Sequence[str]) -> list[str]:
+        """Those of `send_ids` whose status is not final (one with none recorded yet is not), in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for send_id in send_ids:
+            pipe.hget(self.keys.send_status(send_id), "status")
+        with store_errors("reading sends' statuses"):
+            statuses = pipe.execute()
+        return [s for s, status in zip(send_ids, statuses, strict=True) if status not in FINAL]
 
     def get(self, send_id: str) -> dict | None:
         with store_errors("reading a send's status"):

@@ -18,11 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ..dispatch.idempotency import read_send_claim
 from ..errors import (
     MalformedEvent,
     PublishError,
     PublishOutcomeUnknown,
     ReplayNeedsCheck,
+    ReplayNotYet,
     ReplayOutcomeUnknown,
     ReplayRefused,
     SendTooLarge,
@@ -102,6 +104,22 @@ def _check(status: dict | None, send_id: str, tenant: str | None, statuses: froz
     return status
 
 
+def _check_dispatch_is_done(store: StatusStore, status: dict, send_id: str) -> None:
+    """Refused while dispatch may yet deliver the send itself, or once it has and its status is behind: a request
+    of several sends kept to be re-sent byte for byte under its key (its outcome unknown) carries it, and is re-sent
+    whole when a copy of another of its sends comes (a replay beside it could be delivered twice, the operator's
+    check with the provider notwithstanding); not once every other send is settled (none has a copy left to come)."""
+    claim = read_send_claim(store.client, store.keys, status["tenant_id"], send_id)
+    if claim.state == "delivered":
+        raise ReplayRefused(f"send {send_id} has been delivered since it was {status['status']}: a request carrying "
+                            "it was sent again under its key (its status follows shortly); it is not replayed")
+    if claim.others and (unsettled := store.unsettled(claim.others)):
+        raise ReplayNotYet(f"send {send_id} is carried by a batch request whose outcome is unknown, to be sent again "
+                           f"whole under its key when one of its {len(unsettled)} unsettled sends is retried: a "
+                           "replay now could be delivered beside it; replay once those are settled (the request "
+                           f"is kept {claim.kept_s // 3600 + 1} h more at most)")
+
+
 def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
            tenant: str | None = None, now_ms: int | None = None, statuses: frozenset[str] = REPLAYABLE,
            outcome_checked: bool = False, admit: Callable[[Send], Callable[[], None]] | None = None) -> Send:
@@ -112,6 +130,8 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     replay, nothing published) and returns what gives its charge back should the broker refuse it."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
+    if status["status"] != "delivered":  # a delivered one's replay is asked for as a new delivery
+        _check_dispatch_is_done(store, status, send_id)
     if now_ms - _kept_since(status) > PAYLOAD_MS:
         raise ReplayRefused(f"the payload of send {send_id} has expired: payloads are kept {PAYLOAD_DAYS} days "
                             f"(sent {_when(_started(status))}); nothing is left to send")

@@ -30,7 +30,7 @@ from ..errors import (
     ConfigError,
     PublishError,
     PublishOutcomeUnknown,
-    ReplayNeedsCheck,
+    ReplayNotYet,
     ReplayOutcomeUnknown,
     ReplayRefused,
     StoreUnavailable,
@@ -514,7 +514,7 @@ def replay_once(store: StatusStore, delivery_id: str, do_replay: Callable[[], Se
     except PublishOutcomeUnknown:
         raise
     except BaseException as failure:
-        if isinstance(failure, ReplayRefused) and not isinstance(failure, ReplayNeedsCheck):
+        if isinstance(failure, ReplayRefused) and not isinstance(failure, ReplayNotYet):
             raise  # for good: its claim stays (an unknown outcome is refused only until the provider is checked)
         try:
             store.release_replay(delivery_id)

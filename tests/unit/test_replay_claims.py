@@ -5,14 +5,23 @@ import time
 
 import pytest
 
+from streams.dispatch.idempotency import SendClaim
 from streams.errors import ReplayOutcomeUnknown
 from streams.retry import replay as replay_module
 from streams.send import build_send, encode, validate_request
 from tests.harness import sms_request
 
 
+@pytest.fixture(autouse=True)
+def no_claim_left(monkeypatch):
+    """Dispatch holds no claim on the dead letter (processed_jobs, read in Redis, is not part of these tests)."""
+    monkeypatch.setattr(replay_module, "read_send_claim", lambda client, keys, tenant, send_id: SendClaim(None))
+
+
 class OneDeadLetter:
     """A status store holding one dead-lettered send, its replay claim kept as StatusStore keeps it."""
+
+    client = keys = None
 
     def __init__(self, send):
         self.doc = {"status": "dead_lettered", "tenant_id": send.tenant_id, "accepted_at_ms": send.created_at_ms,
