@@ -206,7 +206,7 @@ class Runtime:
         `default_concurrency`). `queue_key`, `yielding=False` and `backlog=False` exist for the
         benchmarks' naive baseline."""
         from .dispatch.backlog import HORIZON_S, BacklogShare
-        from .dispatch.idempotency import CLAIM_TTL_MS, RECORD_TTL_MS, ProcessedJobs
+        from .dispatch.idempotency import CLAIM_TTL_MS, ProcessedJobs
         from .dispatch.tenant_queues import by_endpoint, by_tenant
         from .dispatch.worker import LaneWorker, WorkerConfig
         from .gate.gate import RedisGate
@@ -229,7 +229,7 @@ class Runtime:
             (keys := credentials.get(provider)) is not None and keys.has_own_key(tenant)))
         worker = LaneWorker(cfg, consumer, producer, self.routes(channel, concurrency, gate),
                             gate, ProcessedJobs(client, c.namespace, lease_s=cfg.lease_s, epoch_required=True,
-                                                claim_ttl_ms=RECORD_TTL_MS if webhook else CLAIM_TTL_MS),
+                                                claim_ttl_ms=cfg.provider.record_ttl_ms if webhook else CLAIM_TTL_MS),
                             self.policies(),
                             queue_key or (by_endpoint if webhook else by_tenant),
                             guard=self.state_guard(f"worker {channel}.{lane}", client),

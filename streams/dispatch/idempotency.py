@@ -36,8 +36,8 @@ from ..redis_client import is_cluster, load_script, ping_every_master, store_err
 DELIVERED_TTL_S = 7 * 24 * 3600     # as long as lane topics keep payloads: any replay finds the mark
 LEASE_S = 10.0                      # a claim's lease lapses this long after its holder stops refreshing it
 REFRESH_EVERY_S = 2.0               # how often a live holder refreshes the leases of its requests
-# Inside the providers' idempotency window (24 h), by an hour: a re-send started as a record ends, or on a promoted
-# replica whose clock runs behind, must still reach the provider while it keeps the key.
+# A request's record lives inside its provider's idempotency window (ProviderSpec.record_ttl_ms); this one, inside
+# a 24 h window by an hour, where none is given.
 RECORD_TTL_MS = 23 * 3600 * 1000
 CLAIM_TTL_MS = DELIVERED_TTL_S * 1000  # a claim outlives its record: see take_over
 # A `tried:<n>` mark keeps every copy of a send's earlier attempts stale for as long as one can be read (a lane
@@ -67,6 +67,7 @@ class Claim:
     provider: str = ""  # "" : the channel's first provider
     attempts: dict[str, int] = field(default_factory=dict)  # sends above their first attempt: send id -> attempt
     account: str = ""  # the digest of the key it goes under (ProviderCredentials.account)
+    record_ttl_ms: int = RECORD_TTL_MS  # how long its body is kept to be re-sent (inside the provider's window)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class ProcessedJobs:
             pipe.execute()
 
     def _claim_args(self, c: Claim) -> list:
-        return [f"inflight:{c.key}", c.owner, self.lease_ms, RECORD_TTL_MS, c.path, c.body, c.tenant,
+        return [f"inflight:{c.key}", c.owner, self.lease_ms, c.record_ttl_ms, c.path, c.body, c.tenant,
                 orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0",
                 orjson.dumps(c.attempts) if c.attempts else "", c.account]
 

@@ -464,7 +464,8 @@ class Dispatcher:
                                           for p in items], batch=self.lane in route.spec.batch_lanes)
         provider = "" if route is self.routes.primary else route.name
         return Claim(tenant, key, tuple(ids), self.worker_id, path, body, provider,
-                     {p.send.send_id: p.attempt for p in items if p.attempt > 1}, route.credentials.account(tenant))
+                     {p.send.send_id: p.attempt for p in items if p.attempt > 1}, route.credentials.account(tenant),
+                     route.spec.record_ttl_ms)
 
     def _buildable_claim(self, d: Draw, held: list[tuple[Draw, str]]) -> Claim | None:
         """The claim of this draw's request; None when there is nothing to send now. A send whose payload

@@ -22,6 +22,10 @@ from ..lanes import CHANNELS, LANES
 AUTH_KINDS = ("api_key", "token", "none")
 DEFAULT_FILE = Path(__file__).with_name("providers.toml")
 MAX_CONCURRENCY = 1024  # a provider's requests in flight per worker (webhooks: 1,024 slow receivers)
+DAY_S = 24 * 3600
+_WINDOW = re.compile(r"^(\d+)([mhd])$")
+_UNIT_S = {"m": 60, "h": 3600, "d": DAY_S}
+MIN_WINDOW_S = 3600  # a shorter window leaves no time to re-send an unknown outcome through the retry tiers
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,23 @@ class ProviderSpec:
     paths: frozenset[tuple[str, str]] = frozenset()
     batch_lanes: frozenset[str] = field(default_factory=frozenset)
     batch_max: int = 1
-    idempotent: bool = True  # honours Idempotency-Key: an unknown outcome may be re-sent under the same key
+    # How long the provider keeps an Idempotency-Key (0: it does not honour them): an unknown outcome is re-sent
+    # under the same key only while it does.
+    idempotency_window_s: int = DAY_S
     shared_limit: bool = True  # one limit for all our traffic (a 429 holds every worker off it)
     concurrency: int = 8     # requests in flight per worker, at most
     fallback_errors: frozenset[str] = frozenset()
+
+    @property
+    def idempotent(self) -> bool:
+        return self.idempotency_window_s > 0
+
+    @property
+    def record_ttl_ms(self) -> int:
+        """How long a request's body is kept to be re-sent under its key: inside the provider's window by a 24th of
+        it (an hour of a day), so that a re-send started as the record ends, or on a promoted replica whose clock
+        runs behind, still reaches the provider while it keeps the key."""
+        return self.idempotency_window_s * 1000 * 23 // 24
 
     @property
     def allowed(self) -> frozenset[tuple[str, str]]:
@@ -81,12 +98,24 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         return doc[key]
 
     def flag(key: str) -> bool:
-        """Read as written: `idempotent = "false"` (a string) must not read as true (unknown outcomes re-sent to a
-        provider that ignores idempotency keys: sent twice)."""
+        """Read as written: `shared_limit = "false"` (a string) must not read as true."""
         value = doc.get(key, True)
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: field {key!r} must be true or false (got {value!r})")
         return value
+
+    def window() -> int:
+        """Required, never assumed: a provider taken to honour keys it ignores is sent an unknown outcome again
+        (delivered twice), and one that keeps them less long than assumed gets a re-send after it forgot."""
+        value = doc.get("idempotency_window")
+        if value == "none":
+            return 0
+        m = _WINDOW.match(value) if isinstance(value, str) else None
+        if m is None or int(m.group(1)) * _UNIT_S[m.group(2)] < MIN_WINDOW_S:
+            raise ConfigError(f"{where}: field 'idempotency_window' is required: how long the provider keeps an "
+                              "Idempotency-Key, at least an hour ('24h', '7d'), or 'none' when it does not honour "
+                              f"them (got {value!r})")
+        return int(m.group(1)) * _UNIT_S[m.group(2)]
 
     def strings(key: str) -> list[str]:
         value = doc.get(key, [])
@@ -108,7 +137,10 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
 
     name, channel, adapter = need("name", str), need("channel", str), need("adapter", str)
     where = f"{where} ({name})"
-    known = {f for f in ProviderSpec.__dataclass_fields__} | {"paths", "token_path"}
+    known = set(ProviderSpec.__dataclass_fields__) - {"idempotency_window_s"} | {"idempotency_window"}
+    if "idempotent" in doc:
+        raise ConfigError(f"{where}: field 'idempotent' is now 'idempotency_window': how long the provider keeps an "
+                          "Idempotency-Key ('24h'), or 'none'")
     if unknown := set(doc) - known:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     if channel not in CHANNELS:
@@ -139,7 +171,7 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         name=name, channel=channel, adapter=adapter, base_url_env=base_url_env, auth=auth, keys_env=keys_env,
         token_path=_path(f"{where}: field 'token_path'", doc["token_path"]) if doc.get("token_path") else None,
         paths=frozenset(_path(f"{where}: field 'paths'", p) for p in strings("paths")),
-        batch_lanes=lanes, batch_max=batch_max, idempotent=flag("idempotent"),
+        batch_lanes=lanes, batch_max=batch_max, idempotency_window_s=window(),
         shared_limit=flag("shared_limit"), concurrency=concurrency,
         fallback_errors=frozenset(strings("fallback_errors")))
 

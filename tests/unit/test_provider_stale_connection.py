@@ -217,7 +217,7 @@ def test_a_provider_without_idempotency_keys_is_never_sent_the_request_again():
     Then the second's outcome is unknown (left to reconciliation by the worker) and it was sent once:
     the provider may have read it before it closed, and nothing would stop it delivering a second copy."""
     provider = Provider(answered_per_connection=1)
-    first, second = _two_emails(provider, replace(RESEND, idempotent=False))
+    first, second = _two_emails(provider, replace(RESEND, idempotency_window_s=0))
     assert first.outcome == "delivered" and second.outcome == "unknown"
     assert provider.answered == [1] and provider.keys == ["send-1", "send-2"]
 

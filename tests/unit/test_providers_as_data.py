@@ -26,7 +26,7 @@ def test_the_packaged_file_declares_every_channel_in_order():
     assert REGISTRY.providers["sms-b"].allowed == {("POST", "/v2/messages"), ("POST", "/oauth/token")}
 
 
-SMS_B = 'paths = ["POST /v2/messages"]\nconcurrency = 32\n'  # the end of sms-b's entry
+SMS_B = 'paths = ["POST /v2/messages"]\nidempotency_window = "24h"\nconcurrency = 32\n'  # the end of sms-b's entry
 
 
 @pytest.mark.parametrize("change, message", [
@@ -41,8 +41,15 @@ SMS_B = 'paths = ["POST /v2/messages"]\nconcurrency = 32\n'  # the end of sms-b'
     (('concurrency = 32\n\n[[provider]]\nname = "webhook"', 'concurrency = 5000\n\n[[provider]]\nname = "webhook"'),
      "(sms-b): field 'concurrency' must be at most 1024"),
     # A type TOML allows but the field is not: read as written, never converted (a string "false" read as true)
-    ((SMS_B, SMS_B + 'idempotent = "false"\n'),
-     "(sms-b): field 'idempotent' must be true or false (got 'false')"),
+    ((SMS_B, SMS_B + 'shared_limit = "false"\n'),
+     "(sms-b): field 'shared_limit' must be true or false (got 'false')"),
+    # How long the provider keeps keys is said, never assumed (an unknown outcome re-sent after it forgot: twice)
+    (('idempotency_window = "24h"\nconcurrency = 32\n\n[[provider]]\nname = "webhook"',
+      'concurrency = 32\n\n[[provider]]\nname = "webhook"'), "(sms-b): field 'idempotency_window' is required"),
+    ((SMS_B, SMS_B.replace('"24h"', '"30m"')), "at least an hour ('24h', '7d'), or 'none' when it does not honour "
+                                               "them (got '30m')"),
+    ((SMS_B, SMS_B.replace('"24h"', '24')), "(sms-b): field 'idempotency_window' is required"),
+    ((SMS_B, SMS_B + 'idempotent = false\n'), "(sms-b): field 'idempotent' is now 'idempotency_window'"),
     ((SMS_B, SMS_B + 'fallback_errors = "no_route"\n'),
      "(sms-b): field 'fallback_errors' must be a list of strings"),
     (('keys_env = "SMS_B_CREDENTIALS"', 'keys_env = 1'), "(sms-b): field 'keys_env' must be a string"),

@@ -224,9 +224,9 @@ def _messages(tenants: list[str]):
 DELIVERED = ProviderResult("delivered", 200, ("m1",))
 
 
-def _worker(messages, answer=DELIVERED, gate=None, jobs=None, idempotent=True, lane="transactional", provider=None,
+def _worker(messages, answer=DELIVERED, gate=None, jobs=None, window_s=86_400, lane="transactional", provider=None,
             producer=None, channel="email", lane_channel="email"):
-    spec = replace(load_registry().primary(channel), idempotent=idempotent)
+    spec = replace(load_registry().primary(channel), idempotency_window_s=window_s)
     cfg = WorkerConfig(lane_channel, lane, "unused:9092", spec, NAMES)
     consumer, producer, provider = FakeConsumer(messages), producer or FakeProducer(), provider or FakeProvider(answer)
     routes = Routes([Route(spec, provider, ProviderCredentials({"*": "re_key"}))])
@@ -251,6 +251,29 @@ def test_delivered_sends_publish_outcomes_and_store_offsets():
     assert sorted(v for v, _ in outcomes) and len(outcomes) == 3
     assert consumer.stored[(TOPIC, 0)] == 3  # everything below offset 3 is done
     assert (worker.queues.buffered, worker.queues.buffered_bytes) == (0, 0)
+
+
+class ClaimsSeen(FakeJobs):
+    def __init__(self):
+        super().__init__()
+        self.claims = []
+
+    def claim_many(self, claims):
+        self.claims.extend(claims)
+        return super().claim_many(claims)
+
+
+def test_a_request_body_is_kept_inside_its_providers_idempotency_window():
+    """Given a provider that keeps Idempotency-Keys 2 hours (providers.toml `idempotency_window = "2h"`),
+    When a worker sends to it,
+    Then each request's body is kept to be re-sent under its key for 23/24 of that window (1 h 55 min), not for the
+    23 h a day-long window allows (a re-send after the provider forgot the key could be delivered twice)."""
+    sends, msgs = _messages(["acme", "globex"])
+    jobs = ClaimsSeen()
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=2 * 3600)
+    _run(worker)
+    assert len(provider.sent) == 2
+    assert [c.record_ttl_ms for c in jobs.claims] == [115 * 60 * 1000] * 2
 
 
 def test_a_throttled_tenant_waits_alone_and_pins_only_its_own_offset():
@@ -411,7 +434,7 @@ def test_a_claim_whose_answer_was_lost_is_released_and_sent_as_new_not_as_maybe_
     is left waiting on its own lease, taken over as possibly sent or sent to reconciliation."""
     sends, msgs = _messages(["acme", "globex"])
     jobs = LostClaimAnswerJobs()
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False)
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=0)
     worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0  # no waiting between attempts in a unit test
     _run(worker, steps=100)
     assert jobs.lost == 0
@@ -428,7 +451,7 @@ def test_a_lost_claim_is_released_also_by_a_held_worker_before_anything_reads_it
     possibly sent by whoever meets them."""
     sends, msgs = _messages(["acme", "globex"])
     jobs = LostClaimAnswerJobs()
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False)
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=0)
     worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
     for _ in range(5):
         worker.step()
@@ -466,7 +489,7 @@ def test_the_claim_of_a_batch_made_again_without_a_raced_send_is_released_when_i
     this worker, and taken over as possibly sent once its lease lapsed)."""
     sends, msgs = _messages(["acme", "acme"])
     jobs = RacedThenLostJobs(raced=sends[0].send_id)
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False, lane="marketing")
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=0, lane="marketing")
     worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
     wait_until(lambda: worker.step() or provider.sent, 10, "the send not raced to be sent")  # the raced one holds 0.5 s
     _run(worker, steps=10)  # its answer settled
@@ -917,7 +940,7 @@ def test_an_unknown_outcome_at_a_provider_without_idempotency_keys_goes_to_recon
     sends, msgs = _messages(["acme"])
     jobs = FakeJobs()
     worker, consumer, producer, provider = _worker(msgs, answer=ProviderResult("unknown", error_name="ReadTimeout"),
-                                                   jobs=jobs, idempotent=False)
+                                                   jobs=jobs, window_s=0)
     _run(worker)
     (_, headers), = producer.records[NAMES.dlq]
     assert headers["reason"] == b"unknown_outcome" and jobs.state[sends[0].send_id] == "reconcile"
@@ -1047,7 +1070,7 @@ def test_redis_failing_as_a_request_is_left_to_reconciliation_loses_no_queued_co
     jobs.mark_reconcile = failing_once
     lane_message = FakeMessage(0, 0, encode(send))
     retry_copy = FakeMessage(0, 1, encode(send), [("attempt", b"2")])
-    worker, consumer, producer, provider = _worker([lane_message, retry_copy], jobs=jobs, idempotent=False,
+    worker, consumer, producer, provider = _worker([lane_message, retry_copy], jobs=jobs, window_s=0,
                                                    answer=ProviderResult("unavailable", 503))
     worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0
     worker.dispatcher.concurrency = 1
@@ -1396,7 +1419,7 @@ def test_a_request_whose_sender_died_is_not_sent_again_to_a_provider_without_ide
     ids = tuple(sorted(s.send_id for s in sends))
     jobs = RecordingJobs()
     jobs.claim(list(ids), "batch-k", "dead-worker", "/emails/batch", b"the body", "acme", "resend")
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, idempotent=False, lane="marketing")
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=0, lane="marketing")
     _run(worker)
     assert provider.sent == []
     assert sorted(h["reason"] for _, h in producer.records[NAMES.dlq]) == [b"unknown_outcome"] * 2
