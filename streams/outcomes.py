@@ -22,6 +22,7 @@ from .send import Send
 OUTCOMES_PER_RECORD = 100
 OUTCOME_RECORD_BYTES = 512 * 1024  # and about this many bytes (notif.outcomes takes the broker's 1 MiB default)
 ACCEPTED = "accepted"
+NOT_ATTEMPTED = "not_attempted"  # a webhook attempt event's outcome: given up on before an attempt (it says why)
 
 
 def outcome_event(s: Send, status: str, attempts: int | None, now_ms: int, provider: str,

@@ -26,7 +26,7 @@ from ..kafka_client import AckedWriter
 from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
-from ..outcomes import OUTCOME_RECORD_BYTES, OUTCOMES_PER_RECORD, outcome_event, webhook_fields
+from ..outcomes import NOT_ATTEMPTED, OUTCOME_RECORD_BYTES, OUTCOMES_PER_RECORD, outcome_event, webhook_fields
 from ..providers.outcome import ProviderResult, redact
 from ..retry.dlq import OWN_DLQ_HEADERS, shown_send_id
 from ..retry.policy import RetryAt
@@ -143,6 +143,17 @@ class RecordWriter:
         self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {}, on_ack)
 
+    def webhook_dropped_unattempted(self, p: Pending, reason: str, made: int, now_ms: int, on_ack: OnAck) -> None:
+        """A webhook delivery given up on without an attempt of its own (past its max age before it, its request's
+        outcome unknown...): said on the attempts topic as well, so that its tenant's members hear of it ("Webhook
+        event dropped") as of a delivery dropped after an attempt; `not_attempted`, it never counts as a failure
+        of the endpoint."""
+        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id,
+                 **webhook_fields(p.send), "n": made, "at_ms": now_ms, "status_code": None, "outcome": NOT_ATTEMPTED,
+                 "error": reason, "duration_ms": 0, "dropped": reason, "held": False}
+        self.produce(self.names.webhook_attempts, str(event.get("endpoint_id") or "").encode(), orjson.dumps(event),
+                     {}, on_ack)
+
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)
 
@@ -238,6 +249,10 @@ class RecordWriter:
         """`attempted`: whether attempt `p.attempt` was made (default: when it has a result); the letter counts
         the attempts made. Counted in dispatch_dead_letters_total once, by the reason it is stored under."""
         made = p.attempt if (result is not None if attempted is None else attempted) else p.attempt - 1
+        if p.send.channel == "webhook" and result is None:  # dropped without an attempt's answer: said as well
+            done = after_all(2, on_ack)
+            self.webhook_dropped_unattempted(p, reason, made, now_ms, done)
+            on_ack = done
         headers = {**p.headers, "send_id": p.send.send_id.encode(), "tenant": p.send.tenant_id.encode(),
                    "channel": p.send.channel.encode(), "lane": p.send.lane.encode(),
                    "reason": reason.encode(), "attempts": str(made).encode(),

@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
+from ..outcomes import NOT_ATTEMPTED
+
 DEGRADE_AFTER = 10
 # Attempts that are not the endpoint's failure (our side failed before anything was sent: an operator's
 # sealing key missing, the worker's endpoint view behind the log; or the URL that answered is no longer the
@@ -55,7 +57,12 @@ class Health:
 
     @classmethod
     def from_doc(cls, doc: dict) -> Health:
-        return cls(**doc)
+        """Fields it does not know are left out: a row written by a newer version (during a rolling deploy, or after
+        a rollback) is read, not taken for a malformed event, which dropped every later event of its endpoint."""
+        return cls(**{k: v for k, v in doc.items() if k in _HEALTH_FIELDS})
+
+
+_HEALTH_FIELDS = frozenset(Health.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,9 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
         return Outcome(replace(h, applied_upto=offset))
     h = replace(h, applied_upto=offset, tenant=event.get("tenant_id") or h.tenant)
     now = int(event.get("at_ms") or 0)
+    if event.get("outcome") == NOT_ATTEMPTED:  # given up on before an attempt: its tenant hears of it, no count
+        h, alerts, suppressed = _dropped(h, event, now)
+        return Outcome(h, False, alerts, suppressed)
     if event.get("kind") == "reactivated":
         reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
                               gone_sent=False, incident=h.incident + 1, since_ms=now)
@@ -128,31 +138,33 @@ def apply(h: Health, event: dict, offset: int) -> Outcome:
     if event.get("outcome") == "delivered":
         return Outcome(replace(h, consecutive_failures=0))
     h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))
-    alerts: list[Alert] = []
-    suppressed: list[str] = []
-    if event.get("dropped"):
-        dropped = event["dropped"]  # why it was given up (events written before the reason was: True)
-        reason = dropped if isinstance(dropped, str) else "retries_exhausted"
-        if reason == "endpoint_gone" and not h.gone_sent:
-            # The endpoint is disabled by it, and nothing more is sent: always said, whatever the window (and
-            # within its own hourly budget), as a "stopped" is. It opens a window when none is open.
-            window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
-            h = replace(h, window_start_ms=window, gone_sent=True)
-            alerts.append(Alert("gone", alert_id(h.endpoint_id, h.incident, "gone", window), now, reason,
-                                int(event.get("n") or 0)))
-        elif window_open(h, now):
-            suppressed.append("dropped")  # one alert per window; after a "stopped", silence
-        else:
-            h = replace(h, window_start_ms=now, stopped_sent=False)
-            alerts.append(Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now, reason,
-                                int(event.get("n") or 0)))
+    h, alerts, suppressed = _dropped(h, event, now)
     if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:
-        return Outcome(h, False, tuple(alerts), tuple(suppressed), counted=True)
+        return Outcome(h, False, alerts, suppressed, counted=True)
     window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
     h = replace(h, state="degraded", since_ms=now, window_start_ms=window, stopped_sent=True)
     # Always sent (whatever the window), within the tenant's hourly alert budget (budget.py).
-    alerts.append(Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now))
-    return Outcome(h, True, tuple(alerts), tuple(suppressed), counted=True)
+    alerts += (Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now),)
+    return Outcome(h, True, alerts, suppressed, counted=True)
+
+
+def _dropped(h: Health, event: dict, now: int) -> tuple[Health, tuple[Alert, ...], tuple[str, ...]]:
+    """The alert a delivery given up on (`dropped`, the reason) calls for, or its suppression; none for another."""
+    if not event.get("dropped"):
+        return h, (), ()
+    dropped = event["dropped"]  # why it was given up (events written before the reason was: True)
+    reason = dropped if isinstance(dropped, str) else "retries_exhausted"
+    attempts = int(event.get("n") or 0)
+    if reason == "endpoint_gone" and not h.gone_sent:
+        # The endpoint is disabled by it, and nothing more is sent: always said, whatever the window (and
+        # within its own hourly budget), as a "stopped" is. It opens a window when none is open.
+        window = h.window_start_ms if h.window_start_ms is not None and window_open(h, now) else now
+        h = replace(h, window_start_ms=window, gone_sent=True)
+        return h, (Alert("gone", alert_id(h.endpoint_id, h.incident, "gone", window), now, reason, attempts),), ()
+    if window_open(h, now):
+        return h, (), ("dropped",)  # one alert per window; after a "stopped", silence
+    h = replace(h, window_start_ms=now, stopped_sent=False)
+    return h, (Alert("dropped", alert_id(h.endpoint_id, h.incident, "dropped", now), now, reason, attempts),), ()
 
 
 def describe(event: dict) -> str:

@@ -107,6 +107,27 @@ def test_a_dead_letter_written_before_an_attempt_counts_only_the_attempts_made()
     assert [orjson.loads(v)["attempts"] for v, _ in producer.records[NAMES.outcomes]] == [0, 2, 2]
 
 
+def test_a_webhook_delivery_dropped_before_an_attempt_is_said_on_the_attempts_topic_once_both_are_written():
+    """Given a webhook delivery found past its max age before its 4th attempt,
+    When it is dead-lettered `too_old`,
+    Then an attempt event says it was dropped (`not_attempted`, reason too_old, after 3 attempts) for the endpoint
+    health app to tell the tenant (before: only deliveries dropped after an attempt were said, and no "Webhook
+    event dropped" email went out), and the message is finished only once the letter, its outcome and that
+    event are all acknowledged."""
+    writer, producer = _writer()
+    finished = []
+    writer.dead_letter(_delivery(4), "too_old", None, int(time.time() * 1000), lambda: finished.append(1))
+    producer.poll()  # the letter and the attempt event: the outcome (written once the letter is) is not yet
+    assert finished == []
+    _flush(producer)
+
+    assert finished == [1]
+    [(value, _)] = producer.records[NAMES.webhook_attempts]
+    event = orjson.loads(value)
+    assert (event["outcome"], event["dropped"], event["n"], event["endpoint_id"]) == ("not_attempted", "too_old",
+                                                                                      3, "ep_1")
+
+
 def test_a_dead_letter_refused_for_its_size_is_counted_once_as_too_large():
     """Given a broker that refuses a dead letter with its payload for its size,
     When a send is dead-lettered `retries_exhausted`, and an event that never became a send `malformed`,

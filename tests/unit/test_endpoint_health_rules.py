@@ -294,3 +294,34 @@ def test_only_an_attempt_counted_against_the_endpoint_is_counted_in_the_failures
         feed.fail(at)
     tenth = feed.fail(100)
     assert tenth.state_changed and tenth.counted
+
+
+def test_a_row_written_by_a_newer_version_is_read_and_its_endpoint_still_degrades():
+    """Given an endpoint's row as a newer version writes it (a field this version does not know), 9 failures in,
+    When this version reads it (a rolling deploy, a rollback) and applies the tenth failure,
+    Then the endpoint is degraded (before: the row raised TypeError, every later event of the endpoint was
+    ignored as malformed, and it never degraded nor was reactivated)."""
+    feed = Feed()
+    for i in range(DEGRADE_AFTER - 1):
+        feed.fail(i * 1000)
+    row = {**feed.h.to_doc(), "a_field_from_a_newer_version": 1}
+
+    feed.h = Health.from_doc(row)
+    assert feed.fail(DEGRADE_AFTER * 1000).health.state == "degraded"
+
+
+def test_a_delivery_dropped_before_an_attempt_mails_the_tenant_but_counts_no_failure():
+    """Given an endpoint with 3 failures in a row,
+    When a delivery is dropped before an attempt (past its max age) and, an hour later, another,
+    Then the first sends "Webhook event dropped" (reason too_old, after its 5 attempts) and the second is
+    suppressed (one per 24 h), and the endpoint's count stays at 3 (no attempt reached it)."""
+    feed = Feed()
+    for i in range(3):
+        feed.fail(i * 1000)
+    unattempted = {"kind": "attempt", "outcome": "not_attempted", "error": "too_old", "dropped": "too_old", "n": 5}
+
+    out = feed.push(unattempted, 10_000)
+    assert [(a.kind, a.reason, a.attempts) for a in out.alerts] == [("dropped", "too_old", 5)]
+    feed.push(unattempted, 10_000 + HOUR)
+    assert feed.suppressed == ["dropped"]
+    assert (feed.h.consecutive_failures, feed.h.state) == (3, "active")
