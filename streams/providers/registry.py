@@ -26,6 +26,7 @@ DAY_S = 24 * 3600
 _WINDOW = re.compile(r"^(\d+)([mhd])$")
 _UNIT_S = {"m": 60, "h": 3600, "d": DAY_S}
 MIN_WINDOW_S = 3600  # a shorter window leaves no time to re-send an unknown outcome through the retry tiers
+MAX_WINDOW_S = 7 * DAY_S  # sends stay claimed 7 days (CLAIM_TTL_MS): a request's record never outlives its claims
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class ProviderSpec:
     def record_ttl_ms(self) -> int:
         """How long a request's body is kept to be re-sent under its key: inside the provider's window by a 24th of
         it (an hour of a day), so that a re-send started as the record ends, or on a promoted replica whose clock
-        runs behind, still reaches the provider while it keeps the key."""
-        return self.idempotency_window_s * 1000 * 23 // 24
+        runs behind, still reaches the provider while it keeps the key. At a provider without keys, as for a day's
+        window: its body is never re-sent, but the record still guards a release against freeing a newer claim."""
+        return (self.idempotency_window_s or DAY_S) * 1000 * 23 // 24
 
     @property
     def allowed(self) -> frozenset[tuple[str, str]]:
@@ -111,10 +113,10 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         if value == "none":
             return 0
         m = _WINDOW.match(value) if isinstance(value, str) else None
-        if m is None or int(m.group(1)) * _UNIT_S[m.group(2)] < MIN_WINDOW_S:
+        if m is None or not MIN_WINDOW_S <= int(m.group(1)) * _UNIT_S[m.group(2)] <= MAX_WINDOW_S:
             raise ConfigError(f"{where}: field 'idempotency_window' is required: how long the provider keeps an "
-                              "Idempotency-Key, at least an hour ('24h', '7d'), or 'none' when it does not honour "
-                              f"them (got {value!r})")
+                              "Idempotency-Key, from an hour to 7 days ('24h', '7d'; a longer window counts as 7 "
+                              f"days), or 'none' when it does not honour them (got {value!r})")
         return int(m.group(1)) * _UNIT_S[m.group(2)]
 
     def strings(key: str) -> list[str]:

@@ -46,8 +46,9 @@ SMS_B = 'paths = ["POST /v2/messages"]\nidempotency_window = "24h"\nconcurrency 
     # How long the provider keeps keys is said, never assumed (an unknown outcome re-sent after it forgot: twice)
     (('idempotency_window = "24h"\nconcurrency = 32\n\n[[provider]]\nname = "webhook"',
       'concurrency = 32\n\n[[provider]]\nname = "webhook"'), "(sms-b): field 'idempotency_window' is required"),
-    ((SMS_B, SMS_B.replace('"24h"', '"30m"')), "at least an hour ('24h', '7d'), or 'none' when it does not honour "
-                                               "them (got '30m')"),
+    ((SMS_B, SMS_B.replace('"24h"', '"30m"')), "from an hour to 7 days ('24h', '7d'; a longer window counts as 7 "
+                                               "days), or 'none' when it does not honour them (got '30m')"),
+    ((SMS_B, SMS_B.replace('"24h"', '"8d"')), "(sms-b): field 'idempotency_window' is required"),
     ((SMS_B, SMS_B.replace('"24h"', '24')), "(sms-b): field 'idempotency_window' is required"),
     ((SMS_B, SMS_B + 'idempotent = false\n'), "(sms-b): field 'idempotent' is now 'idempotency_window'"),
     ((SMS_B, SMS_B + 'fallback_errors = "no_route"\n'),
@@ -241,3 +242,13 @@ def test_a_failing_token_endpoint_is_asked_once_by_the_requests_waiting_for_it()
     assert answers == {(503, "temporarily_unavailable")} and endpoint.calls == 1
     clock[0] = 1.0
     assert ask(0) == (503, "temporarily_unavailable") and endpoint.calls == 2
+
+
+def test_a_request_to_a_provider_without_idempotency_keys_keeps_its_record_a_day():
+    """Given a provider that does not honour idempotency keys (`idempotency_window = "none"`),
+    When its spec is read,
+    Then it is not idempotent, yet a request's record is kept 23 h as for a day's window (a record kept 0 ms was
+    deleted as it was written, and a webhook lane's claims, kept as long, could not be written at all)."""
+    text = DEFAULT_FILE.read_text().replace(SMS_B, SMS_B.replace('"24h"', '"none"'), 1)
+    spec = parse_registry(text).providers["sms-b"]
+    assert not spec.idempotent and spec.record_ttl_ms == 23 * 3600 * 1000
