@@ -256,6 +256,8 @@ class Settler:
             # spend its quota (a day's limit). The request's own token stays spent: the provider counted it.
             # (A receiver's 429 counts as an attempt of its webhook delivery, and as a charge.)
             give_back(self.gate, [Unused(route.name, job.tenant, len(job.send_ids), 0)])
+        elif result.never_sent:  # the provider counted nothing: the request's own token comes back as well
+            give_back(self.gate, [Unused(route.name, job.tenant, len(job.send_ids))])
         if split:
             # A batch refused for its size says nothing of each message: each is sent again alone, at once and
             # without using up an attempt (none was taken). Only then: split on any 4xx, a blast whose every

@@ -170,11 +170,13 @@ class HttpProvider:
                 outcome = token_outcome(exc.status, exc.error)
                 name = {"auth": "token_refused", "throttled": "token_throttled"}.get(outcome, "token_unavailable")
                 result = ProviderResult(outcome, exc.status, retry_after=exc.retry_after, error_name=name,
-                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started)
+                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started,
+                                        never_sent=attempt == 1)  # else the first pass's request went out
                 break
             except ProviderAuthError as exc:  # unreachable, or an answer without a usable token
                 result = ProviderResult("unavailable", error_name="token_unavailable",
-                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started)
+                                        error_body=provider_excerpt(str(exc)), latency_s=time.monotonic() - started,
+                                        never_sent=attempt == 1)
                 break
             result = self._post(path, body, token, idempotency_key, started)
             first_copy_unknown = first_copy_unknown or result.first_copy_unknown
@@ -219,7 +221,8 @@ class HttpProvider:
                                            "Idempotency-Key": idempotency_key}, started, sent_again)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError) as exc:
             # Never reached the provider (or refused before a byte left: a header it could not carry): safe to retry.
-            return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started)
+            return ProviderResult("unavailable", error_name=error_class(exc), latency_s=time.monotonic() - started,
+                                  never_sent=True)
         except httpx.TransportError as exc:
             # Sent, and the answer was lost: the provider may have accepted it.
             return ProviderResult("unknown", error_name=error_class(exc), latency_s=time.monotonic() - started)
@@ -271,4 +274,4 @@ def _text(resp: httpx.Response) -> str:
 
 def _with_first_copy_unknown(result: ProviderResult) -> ProviderResult:
     """A result of a request sent twice: unless delivered, the provider may hold the first copy."""
-    return result if result.outcome == "delivered" else replace(result, first_copy_unknown=True)
+    return result if result.outcome == "delivered" else replace(result, first_copy_unknown=True, never_sent=False)

@@ -146,6 +146,9 @@ class ProviderResult:
     # is not a delivery: the provider may hold the first copy, so the sends stay claimed under the key, as
     # after any re-send.
     first_copy_unknown: bool = False
+    # The request never left (no connection was made, no token could be had, our own checks stopped it): the
+    # provider counted nothing, and the gate's tokens it took are given back.
+    never_sent: bool = False
 
 
 class UnusablePayload(Exception):

@@ -230,7 +230,7 @@ class WebhookDelivery:
             ep = self.directory.get(endpoint_id)
             if ep is None and not caught_up:  # retried on its schedule; not the endpoint's failure
                 return ProviderResult("unavailable", error_name="endpoint_view_behind",
-                                      latency_s=time.monotonic() - started)
+                                      latency_s=time.monotonic() - started, never_sent=True)
         if ep is None:
             return ProviderResult("skipped", error_name="endpoint_deleted")
         if ep.tenant != tenant:
@@ -247,23 +247,26 @@ class WebhookDelivery:
         try:
             resolve = await self._resolve(host)
         except TimeoutError:
-            return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started)
+            return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started,
+                                  never_sent=True)
         except LookupFailed as exc:
             return ProviderResult("unavailable", error_name="dns_lookup_failed", error_body=str(exc)[:EXCERPT_BYTES],
-                                  latency_s=time.monotonic() - started)
+                                  latency_s=time.monotonic() - started, never_sent=True)
         try:
             self.policy.check(ep.url, resolve)
         except UnsafeUrl as exc:
-            return ProviderResult("unavailable", error_name="unsafe_url", error_body=str(exc)[:EXCERPT_BYTES])
+            return ProviderResult("unavailable", error_name="unsafe_url", error_body=str(exc)[:EXCERPT_BYTES],
+                                  never_sent=True)
         try:
             addresses = resolve(host)  # the connection may use only these
         except OSError as exc:  # an allowlisted host that does not resolve
-            return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES])
+            return ProviderResult("unavailable", error_name="dns_failure", error_body=str(exc)[:EXCERPT_BYTES],
+                                  never_sent=True)
         self.resolver.approve(host, addresses)
         now = time.time()
         secrets = self._open_secrets(ep, int(now * 1000))
         if not secrets:  # the current secret does not open (an operator's key): retried, never sent unsigned
-            return ProviderResult("unavailable", error_name="secret_unreadable",
+            return ProviderResult("unavailable", error_name="secret_unreadable", never_sent=True,
                                   error_body="the endpoint's signing secret cannot be opened (an operator's key)")
         h = {**signed_headers(secrets, msg_id, int(now), body),
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}

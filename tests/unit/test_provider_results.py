@@ -56,8 +56,9 @@ def test_lost_answer_is_unknown_and_refused_connection_is_unavailable():
     def refused(req):
         raise httpx.ConnectError("refused", request=req)
 
-    assert _provider(read_timeout).post("/emails", b"{}", "re_k", "k").outcome == "unknown"
-    assert _provider(refused).post("/emails", b"{}", "re_k", "k").outcome == "unavailable"
+    lost, never = (_provider(answer).post("/emails", b"{}", "re_k", "k") for answer in (read_timeout, refused))
+    assert (lost.outcome, lost.never_sent) == ("unknown", False)
+    assert (never.outcome, never.never_sent) == ("unavailable", True)  # its gate tokens are given back
 
 
 def test_batch_body_is_deterministic_and_carries_the_routing_tags():

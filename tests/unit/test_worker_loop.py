@@ -909,6 +909,24 @@ def test_short_429s_waited_out_in_the_worker_do_not_use_up_attempts():
     assert (gate.spent[("resend", "acme", "messages")], gate.spent[("resend", "acme", "requests")]) == (1, 9)
 
 
+@pytest.mark.parametrize("answer, spent", [
+    (ProviderResult("unavailable", error_name="connect_error", never_sent=True), (0, 0)),
+    (ProviderResult("unavailable", 503, error_name="http_503"), (1, 1)),
+], ids=["never reached the provider", "answered 503"])
+def test_a_request_that_never_reached_the_provider_gives_its_tokens_back(answer, spent):
+    """Given an email whose request fails without reaching the provider (no connection could be made),
+    When it is settled (copied to a retry tier),
+    Then its tenant's bucket and the shared account's get their tokens back (before: every retry of a network
+    outage was charged, and a tenant limited to 500 a day found its day spent on requests never made); a request
+    the provider answered (503) stays charged."""
+    sends, msgs = _messages(["acme"])
+    gate = FakeGate()
+    worker, consumer, producer, provider = _worker(msgs, answer=answer, gate=gate)
+    _run(worker)
+    assert any(".retry." in t for t in producer.records)
+    assert (gate.spent[("resend", "acme", "messages")], gate.spent[("resend", "acme", "requests")]) == spent
+
+
 @pytest.mark.parametrize("held_for_ms, held", [(None, True), (0, False)], ids=["within 60 s", "past it"])
 def test_a_receivers_short_429s_are_announced_held_until_they_have_lasted_a_minute(monkeypatch, held_for_ms, held):
     """Given a webhook receiver answering 429 with Retry-After: 0 three times, then 200,
