@@ -69,7 +69,11 @@ class LagReader:
         consumer = self._consumer(group)
         partitions = self.partitions(topic)
         parts = [TopicPartition(topic, p) for p in partitions]
-        committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=TIMEOUT_S)}
+        answered = consumer.committed(parts, timeout=TIMEOUT_S)
+        if failed := [tp for tp in answered if tp.error is not None]:
+            # An error of one partition reads as "no commit" (offset -1001): its whole log would be taken for lag.
+            raise KafkaException(failed[0].error)
+        committed = {tp.partition: tp.offset for tp in answered}
         out = {}
         for p in partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)

@@ -190,13 +190,32 @@ def test_a_commit_outside_the_log_counts_the_lag_from_its_earliest_offset():
     When the positions are read,
     Then each partition is positioned at its earliest offset, as its consumers will be (before: partition 0's
     lag read 0, and with the workers down the transactional lag stayed 0: marketing never yielded, no alert)."""
+    lister = _lister({0: (0, 40), 1: (100, 130)}, [_committed(0, 900), _committed(1, 20)])
+    assert lister.positions("g", "lane") == {0: (0, 40), 1: (100, 130)}
+
+
+def test_a_commit_the_coordinator_could_not_give_fails_the_read_instead_of_counting_the_whole_log():
+    """Given a lane whose group's committed offset of partition 1 comes back with an error (offset -1001),
+    When the lag is read,
+    Then the read fails saying so (the monitor keeps its last reading until a good one; workers fall back to
+    reading the lag themselves), rather than taking the partition's 7 days of log for lag (before: marketing
+    yielded, and TransactionalLagHigh paged, on that made-up number)."""
+    error = KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+    lister = _lister({0: (0, 40), 1: (0, 5_000_000)}, [_committed(0, 40), _committed(1, -1001, error)])
+    with pytest.raises(StackError, match="cannot read the lag of g on lane"):
+        lister.read("g", "lane")
+
+
+def _committed(partition: int, offset: int, error: KafkaError | None = None) -> SimpleNamespace:
+    return SimpleNamespace(partition=partition, offset=offset, error=error)
+
+
+def _lister(offsets: dict[int, tuple[int, int]], committed: list[SimpleNamespace]) -> LagReader:
+    """A reader whose consumer answers these committed offsets and (low, high) watermarks."""
     lister = LagReader("127.0.0.1:9")
     lister.peeker.close()
-    offsets = {0: (0, 40), 1: (100, 130)}
-    consumer = SimpleNamespace(
-        committed=lambda parts, timeout: [SimpleNamespace(partition=0, offset=900), SimpleNamespace(partition=1,
-                                                                                                   offset=20)],
-        get_watermark_offsets=lambda tp, timeout, cached: offsets[tp.partition])
+    consumer = SimpleNamespace(committed=lambda parts, timeout: committed,
+                               get_watermark_offsets=lambda tp, timeout, cached: offsets[tp.partition])
     lister._consumer = lambda group: consumer  # type: ignore[method-assign]
-    lister.partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
-    assert lister.positions("g", "lane") == {0: (0, 40), 1: (100, 130)}
+    lister.partitions = lambda topic: list(offsets)  # type: ignore[method-assign]
+    return lister
