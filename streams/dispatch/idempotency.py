@@ -313,8 +313,12 @@ class ProcessedJobs:
         with store_errors("refreshing claim leases"):
             pipe.execute()
 
-    def keep_unknown(self, tenant: str, key: str, owner: str) -> None:
+    def keep_unknown(self, tenant: str, key: str, owner: str, send_ids: list[str] | tuple[str, ...]) -> int:
         """The outcome is unknown: the request's record is marked so, and `owner` drops its lease so
-        a later attempt re-sends the same request (a lease another worker took meanwhile is left to it)."""
+        a later attempt re-sends the same request (a lease another worker took meanwhile is left to it).
+        How many sends it left to reconciliation instead: with the record gone (a failover lost it), those that
+        nothing settled or claimed anew, as no request can re-send them under its key (drop_lease.lua)."""
         with store_errors("keeping an unknown outcome"):
-            self._drop_lease(keys=[self.keys.lease(tenant, key), self.keys.request(tenant, key)], args=[owner])
+            answer = self._drop_lease(keys=self._request_keys(tenant, key, send_ids),
+                                      args=[owner, f"inflight:{key}", DELIVERED_TTL_S])
+        return max(0, -int(answer))

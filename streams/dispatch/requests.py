@@ -678,7 +678,7 @@ class Dispatcher:
             log.error("%s; holding request %s", exc, request_key)
             admission = Admission(False)
         if not admission.allowed:
-            self.jobs.keep_unknown(tenant, request_key, self.worker_id)
+            self.jobs.keep_unknown(tenant, request_key, self.worker_id, stored.send_ids)  # its record was just read
             return False
         members = self._with_queued_copies(group, queue, stored)
         self._start(route, Job(request_key, stored.path, stored.body, stored.tenant, stored.send_ids, members, queue,

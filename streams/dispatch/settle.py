@@ -194,6 +194,13 @@ class Settler:
         while self.unsettled and self.outage.ready(time.monotonic()):
             self.settle(*self.unsettled.pop(0))
 
+    def _keep_unknown(self, job: Job) -> None:
+        """Keep the request claimed, to be re-sent under its key; said when its record was lost meanwhile."""
+        if reconciled := self.jobs.keep_unknown(job.tenant, job.key, self.worker_id, job.send_ids):
+            log.warning("request %s has no known outcome and its record is gone (a Redis failover lost it): %d of "
+                        "its %d sends left to reconciliation, not sent again", job.key, reconciled,
+                        len(job.send_ids))
+
     def _skipped(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """Never attempted (its endpoint was deleted or disabled): recorded as skipped, not retried.
         It stays replayable while its payload is kept (a replay is a new send). Final: once its record is
@@ -202,7 +209,7 @@ class Settler:
         re-sent request keeps its claim (its first copy's fate is unknown), as after any failure."""
         resent = job.resent or result.first_copy_unknown
         if resent:
-            self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
+            self._keep_unknown(job)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())
@@ -244,7 +251,7 @@ class Settler:
             # A failed re-send (a 429, a refused connection, a 401...) says nothing of the first
             # copy, which the provider may have accepted: the sends stay claimed under this key, and
             # only this request, byte for byte, is sent again (answered from the provider's store).
-            self.jobs.keep_unknown(job.tenant, job.key, self.worker_id)
+            self._keep_unknown(job)
         else:
             self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
         self.outage.recovered(time.monotonic())

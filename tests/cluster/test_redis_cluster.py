@@ -149,11 +149,11 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     jobs.mark_tried_many([(t, f"{t}-t", 2) for t in tenants])
     jobs.note_attempts([(c.tenant, c.key, c.send_ids[0], 2) for c in claims])
     assert all(jobs.restore_mark(t, f"{t}-m", "tried:2", 60) for t in tenants)
-    jobs.keep_unknown(claims[1].tenant, claims[1].key, "w")
+    jobs.keep_unknown(claims[1].tenant, claims[1].key, "w", claims[1].send_ids)
     # marked delivered above: no record, and its sends no longer carry the claim (settled meanwhile)
     assert jobs.take_over(claims[1].tenant, claims[1].key, "w2", claims[1].send_ids) is None
     assert jobs.claim([f"{tenants[1]}-9"], "send-y", "w", "/emails", b"y", tenants[1]) == []
-    jobs.keep_unknown(tenants[1], "send-y", "w")
+    jobs.keep_unknown(tenants[1], "send-y", "w", [f"{tenants[1]}-9"])
     assert jobs.take_over(tenants[1], "send-y", "w2", [f"{tenants[1]}-9"]).body == b"y"  # a live record, taken over on the cluster
     claimed = ingest.begin(tenants[1], "key-1", "digest", "POST /v1/sends")
     assert ingest.renew(tenants[1], "key-1", claimed.holder)
@@ -253,7 +253,7 @@ def scenario(client, ns: str, providers: list[str], tenants: list[str]) -> list[
     jobs.mark_delivered_many([(c.tenant, c.send_ids, c.key) for c in claims[:2]])
     jobs.release(claims[2].tenant, claims[2].send_ids, claims[2].key, "w1", earlier={claims[2].send_ids[1]: 1})
     jobs.mark_tried_many([(t, f"{t}-c", 2) for t in tenants] + [(claims[2].tenant, claims[2].send_ids[1], 3)])
-    jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1")
+    jobs.keep_unknown(claims[3].tenant, claims[3].key, "w1", claims[3].send_ids)
     out.append(("take_over after an unknown outcome", jobs.take_over(claims[3].tenant, claims[3].key, "w2", claims[3].send_ids)))
     out.append(("status", jobs.status_many([(t, [f"{t}-a", f"{t}-b", f"{t}-c"]) for t in tenants])))
     client.delete(keys.epoch, *keys.epoch_markers())  # the data lost: the epoch and, on the cluster, its markers

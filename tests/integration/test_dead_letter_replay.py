@@ -245,7 +245,7 @@ def test_a_checked_dead_letter_waits_for_the_batch_request_that_may_still_send_i
     store.record_outcome({"send_id": second, "status": "retrying", "tenant_id": "shop", "attempts": 1})
     batch = Claim("shop", idempotency_key([first, second]), (first, second), "w-1", "/emails/batch", b"[]")
     assert jobs.claim_many([batch, Claim("shop", "send-x", (third,), "w-1", "/emails", b"{}")]) == [[], []]
-    jobs.keep_unknown("shop", batch.key, "w-1")
+    jobs.keep_unknown("shop", batch.key, "w-1", batch.send_ids)
     jobs.mark_delivered("shop", [third], "send-x")
 
     with pytest.raises(ReplayNotYet, match="batch request whose outcome is unknown.*one of its 1 unsettled sends"):

@@ -114,7 +114,7 @@ def test_a_worker_whose_lease_was_taken_over_frees_nothing_on_its_definite_failu
     assert (taken.body, taken.account) == (b"the body", "the-keys-digest")  # re-sent under that key only
 
     a.release("acme", ids, key, "worker-a")
-    a.keep_unknown("acme", key, "worker-a")
+    a.keep_unknown("acme", key, "worker-a", ids)
     assert b.status("acme", ids) == [f"inflight:{key}"] * 3
     assert b.take_over("acme", key, "worker-c", ids) is None  # B's lease is still B's
 
@@ -134,7 +134,7 @@ def test_a_late_definite_failure_frees_nothing_once_a_resends_outcome_is_unknown
     key = idempotency_key(ids)
     assert a.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
     wait_until(lambda: b.take_over("acme", key, "worker-b", ids), 10, "A's lease to lapse", interval=0.05)
-    b.keep_unknown("acme", key, "worker-b")
+    b.keep_unknown("acme", key, "worker-b", ids)
 
     a.release("acme", ids, key, "worker-a")
     assert b.status("acme", ids) == [f"inflight:{key}"] * 2
@@ -382,3 +382,29 @@ def test_a_request_remembers_the_attempt_it_carries_each_send_on(redis_client, n
     assert again is not None and again != RECORD_GONE and again.attempts == {"s1": 3, "s2": 2}
     jobs.note_attempts([("acme", "gone-request", "s3", 4)])
     assert not redis_client.exists(RedisKeys(namespace).request("acme", "gone-request"))
+
+
+def test_an_unknown_outcome_whose_record_a_failover_lost_leaves_its_sends_to_reconciliation(redis_client, namespace):
+    """Given a batch of five claimed by a worker whose request's outcome turns out unknown, and a Redis failover that
+    lost the request's record and lease meanwhile, with them the claims of two sends (one read free, one back at
+    `tried:1`), while a third still shows the claim, a fourth was delivered by another request and a fifth claimed
+    anew by one,
+    When the worker keeps the request for a re-send,
+    Then the three its claim no longer guards are marked `reconcile` (dead-lettered `unknown_outcome` when their
+    retries come, never sent again: before, the retries went out in new batches under new keys, a second delivery
+    of what the provider took), the delivered one and the one claimed anew are left as they are, and it says
+    three."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    ids = ["s1", "s2", "s3", "s4", "s5"]
+    key = idempotency_key(ids)
+    assert jobs.claim(ids, key, "worker-a", "/emails/batch", b"the body", "acme") == []
+    keys = jobs.keys
+    redis_client.delete(keys.request("acme", key), keys.lease("acme", key), keys.processed("acme", "s1"))
+    redis_client.set(keys.processed("acme", "s2"), "tried:1")
+    redis_client.set(keys.processed("acme", "s4"), "delivered")
+    redis_client.set(keys.processed("acme", "s5"), "inflight:send-s5")
+
+    assert jobs.keep_unknown("acme", key, "worker-a", ids) == 3
+
+    assert jobs.status("acme", ids) == ["reconcile"] * 3 + ["delivered", "inflight:send-s5"]
+    assert redis_client.ttl(keys.processed("acme", "s1")) > 6 * 24 * 3600

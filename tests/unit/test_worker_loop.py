@@ -186,7 +186,7 @@ class FakeJobs:
             if state is None or (state.startswith("tried:") and int(state[6:]) < n):
                 self.state[s] = f"tried:{n}"
 
-    def keep_unknown(self, tenant, key, owner): pass
+    def keep_unknown(self, tenant, key, owner, send_ids): return 0
     def refresh(self, leases, owner): pass
     def note_attempts(self, noted): pass
 
