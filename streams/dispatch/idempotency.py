@@ -292,16 +292,16 @@ class ProcessedJobs:
             self._mark(keys=self._request_keys(tenant, key, send_ids), args=[DELIVERED_TTL_S, "reconcile"])
 
     def release(self, tenant: str, send_ids: list[str] | tuple[str, ...], key: str, owner: str,
-                earlier: dict[str, int] | None = None) -> None:
+                earlier: dict[str, int] | None = None) -> bool:
         """The provider did not accept `owner`'s request: the sends are free again, unless another
         worker holds the lease or the request was re-sent or met an unknown outcome (release.lua):
-        then the sends stay claimed under the key, to be re-sent as that same request. `earlier`: per send,
-        the attempt before the one released (its copy was read from the broker, so that attempt's carrier is
-        durable): the send is `tried:<n>` again rather than free."""
+        then the sends stay claimed under the key, to be re-sent as that same request, and False says so.
+        `earlier`: per send, the attempt before the one released (its copy was read from the broker, so that
+        attempt's carrier is durable): the send is `tried:<n>` again rather than free."""
         attempts = orjson.dumps([(earlier or {}).get(s, 0) for s in send_ids]).decode() if earlier else ""
         with store_errors("releasing a claim"):
-            self._release(keys=self._request_keys(tenant, key, send_ids),
-                          args=[f"inflight:{key}", owner, attempts, TRIED_TTL_MS])
+            return self._release(keys=self._request_keys(tenant, key, send_ids),
+                                 args=[f"inflight:{key}", owner, attempts, TRIED_TTL_MS]) == 1
 
     def refresh(self, leases: list[tuple[str, str]], owner: str) -> None:
         """Extend the leases (tenant, request key) this holder still owns: it is alive and sending."""

@@ -194,6 +194,12 @@ class Settler:
         while self.unsettled and self.outage.ready(time.monotonic()):
             self.settle(*self.unsettled.pop(0))
 
+    def _released(self, job: Job) -> bool:
+        """Free the sends of a request the provider did not accept; False when they stay claimed under its key
+        (another worker took it over, or met an unknown outcome re-sending it): settled as kept then, its retry
+        copies carrying the sends on under that key (never split, never to another provider)."""
+        return self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
+
     def _keep_unknown(self, job: Job) -> None:
         """Keep the request claimed, to be re-sent under its key; said when its record was lost meanwhile."""
         if reconciled := self.jobs.keep_unknown(job.tenant, job.key, self.worker_id, job.send_ids):
@@ -207,14 +213,14 @@ class Settler:
         acknowledged the send is marked `tried:<attempt>`, so a copy of it read again (a retry copy the
         retrier releases again, a rebalance) is stale, never delivered hours late under its old id. A
         re-sent request keeps its claim (its first copy's fate is unknown), as after any failure."""
-        resent = job.resent or result.first_copy_unknown
-        if resent:
+        kept = job.resent or result.first_copy_unknown
+        if kept:
             self._keep_unknown(job)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
+            kept = not self._released(job)
         self.outage.recovered(time.monotonic())
         for p in job.members:
-            self.records.skipped(p, result.error_name, now_ms, self._tried_then_finish(job, p, kept=resent))
+            self.records.skipped(p, result.error_name, now_ms, self._tried_then_finish(job, p, kept))
 
     def _failed(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         if result.outcome == "gone" and self.on_gone is not None and not self.on_gone(job, result):
@@ -253,7 +259,7 @@ class Settler:
             # only this request, byte for byte, is sent again (answered from the provider's store).
             self._keep_unknown(job)
         else:
-            self.jobs.release(job.tenant, job.send_ids, job.key, self.worker_id, earlier_attempts(job))
+            kept = not self._released(job)
         self.outage.recovered(time.monotonic())
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
         split = result.status == 413 and len(job.members) > 1 and not (kept or resent)
@@ -286,9 +292,9 @@ class Settler:
             return
         for p in job.members:
             tried = providers_tried(p, route, self.routes.by_name)
-            # A re-sent request stays claimed under its key at this provider (the first copy's fate
-            # is unknown): another provider could deliver it a second time, so it never moves on.
-            fallback = None if resent else self.routes.fallback_for(route, result, tried)
+            # A request still claimed under its key at this provider (re-sent, the first copy's fate unknown;
+            # taken over by another worker): another provider could deliver it a second time, so it never moves on.
+            fallback = None if resent or kept else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p, kept))

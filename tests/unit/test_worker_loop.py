@@ -174,6 +174,7 @@ class FakeJobs:
                 self.state[s] = f"tried:{n}"
             else:
                 self.state.pop(s, None)
+        return True
 
     def release_unsent(self, claims):
         for c in claims:
@@ -988,8 +989,8 @@ class RecordingJobs(FakeJobs):
                 live[send_id] = max(attempt, live.get(send_id, 0))
 
     def release(self, tenant, send_ids, key, owner, earlier=None):
-        super().release(tenant, send_ids, key, owner, earlier)
         self.records.pop(key, None)
+        return super().release(tenant, send_ids, key, owner, earlier)
 
 
 class KeyedProvider(FakeProvider):
@@ -1229,7 +1230,7 @@ class ReleaseNotingJobs(RecordingJobs):
 
     def release(self, tenant, send_ids, key, owner, earlier=None):
         self.released.append(key)
-        super().release(tenant, send_ids, key, owner, earlier)
+        return super().release(tenant, send_ids, key, owner, earlier)
 
 
 def test_a_batch_answered_500_keeps_its_sends_claimed_and_only_its_request_is_sent_again():
@@ -1250,6 +1251,32 @@ def test_a_batch_answered_500_keeps_its_sends_claimed_and_only_its_request_is_se
         _run(worker)
     assert set(provider.keys) == {provider.keys[0]} and len(provider.keys) >= 2, provider.keys
     assert provider.deliveries() == {s.send_id.encode(): 1 for s in sends}
+
+
+class TakenOverJobs(FakeJobs):
+    """Another worker took every request over (its holder's lease lapsed): a release frees nothing."""
+
+    def release(self, tenant, send_ids, key, owner, earlier=None):
+        return False
+
+
+@pytest.mark.parametrize("answer, events", [
+    (ProviderResult("rejected", 413, error_name="request_too_large"), [("dead_lettered", None)] * 3),
+    (ProviderResult("unavailable", 503, error_name="http_503"), [("retrying", True)] * 3),
+], ids=["refused for its size", "unavailable"])
+def test_a_batch_failed_while_another_worker_holds_its_claim_stays_whole_under_its_key(answer, events):
+    """Given a batch of three marketing emails that fails after another worker took its request over (the release
+    frees nothing: that worker's re-send may yet be accepted),
+    When the worker settles it,
+    Then a 413 does not split it into three single requests (each under a new key, beside the other worker's
+    re-send of the whole batch: every email twice), and the events of its retry copies say the batch is kept
+    (before: split, and the events said nothing, so a recovery from lost Redis data left the sends free)."""
+    sends, msgs = _messages(["acme"] * 3)
+    worker, consumer, producer, provider = _worker(msgs, answer=answer, jobs=TakenOverJobs(), lane="marketing")
+    _run(worker)
+    assert len(provider.sent) == 1  # the batch, never its parts
+    outcomes = [orjson.loads(v) for v, _ in producer.records[NAMES.outcomes]]
+    assert [(e["status"], e.get("kept_batch")) for e in outcomes] == events
 
 
 def test_a_batch_answered_2xx_naming_fewer_messages_than_it_held_is_not_recorded_delivered():
