@@ -11,15 +11,21 @@
 -- ARGV[12] the attempt of each send above its first, JSON {send id: attempt} ('' when all are first attempts): a
 -- copy of one of them for an earlier attempt, meeting this request later, is stale (see note_attempts.lua).
 -- ARGV[13] the digest of the key the request goes under ('' : none): a recovered request is re-sent under it only.
+-- ARGV[14] JSON list, one per processed_jobs key: the attempt this request makes of that send.
 -- Returns {} when claimed, -1 when the marker is missing, else the 0-based positions of the sends that
--- are not free (free: no key, or `tried:<n>`).
+-- are not free (free: no key, or `tried:<n>` below the attempt made now; `tried:<n>` at or above it landed
+-- after the caller read the send: that attempt was made and failed, and the copy met now is stale).
 local last = #KEYS - 1
 if ARGV[11] == '1' and redis.call('EXISTS', KEYS[#KEYS]) == 0 then return -1 end
 local busy = {}
+local making = (ARGV[14] and ARGV[14] ~= '') and cjson.decode(ARGV[14]) or {}
 for i = 3, last do
   local state = redis.call('GET', KEYS[i])
   -- `tried:<n>`: attempt n failed and its copy is acknowledged; the caller set aside copies for attempt n or earlier
-  if state and string.sub(state, 1, 6) ~= 'tried:' then busy[#busy + 1] = i - 3 end
+  if state and (string.sub(state, 1, 6) ~= 'tried:'
+                or tonumber(string.sub(state, 7)) >= (tonumber(making[i - 2]) or 1)) then
+    busy[#busy + 1] = i - 3
+  end
 end
 if #busy > 0 then return busy end
 for i = 3, last do redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[10]) end

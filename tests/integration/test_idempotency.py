@@ -326,7 +326,9 @@ def test_a_failed_attempt_is_marked_once_its_copy_is_durable_and_never_over_a_la
     jobs.mark_tried_many([("acme", "s2", 2)])
     assert jobs.status("acme", ids) == ["tried:1", "tried:3"]
     again = idempotency_key(ids) + "-2"
-    assert jobs.claim(ids, again, "worker-b", "/emails/batch", b"body", "acme") == []
+    next_attempts = {"s1": 2, "s2": 4}
+    assert jobs.claim_many([Claim("acme", again, tuple(ids), "worker-b", "/emails/batch", b"body", "",
+                                  next_attempts)]) == [[]]
     jobs.mark_tried_many([("acme", "s1", 5)])  # a late mark meets the later attempt's claim
     assert jobs.status("acme", ids) == [f"inflight:{again}"] * 2
     jobs.mark_delivered("acme", ids, again)
@@ -341,7 +343,8 @@ def test_a_release_keeps_the_mark_of_the_attempt_before(redis_client, namespace)
     free; a send on its first attempt is released free."""
     jobs = ProcessedJobs(redis_client, namespace)
     jobs.mark_tried_many([("acme", "s1", 1)])
-    assert jobs.claim(["s1", "s2"], "batch-x", "w", "/emails/batch", b"b", "acme") == []
+    assert jobs.claim_many([Claim("acme", "batch-x", ("s1", "s2"), "w", "/emails/batch", b"b", "",
+                                  {"s1": 2})]) == [[]]
     jobs.release("acme", ["s1", "s2"], "batch-x", "w", earlier={"s1": 1, "s2": 0})
     assert jobs.status("acme", ["s1", "s2"]) == ["tried:1", None]
 
@@ -408,3 +411,19 @@ def test_an_unknown_outcome_whose_record_a_failover_lost_leaves_its_sends_to_rec
 
     assert jobs.status("acme", ids) == ["reconcile"] * 3 + ["delivered", "inflight:send-s5"]
     assert redis_client.ttl(keys.processed("acme", "s1")) > 6 * 24 * 3600
+
+
+def test_a_claim_meeting_a_tried_mark_of_its_own_attempt_claims_nothing(redis_client, namespace):
+    """Given s1 marked `tried:2` (attempt 2 failed, its carrier acknowledged) after a worker read it free, that
+    worker holding another copy of s1 for attempt 2 (read again after a rebalance),
+    When it claims s1 for attempt 2 with s2, and then a copy of s1 for attempt 3 is claimed,
+    Then the first claims nothing and names s1 busy (its copy is stale: sent, it would start a second chain of
+    attempts, each with its own dead letter), and the second is claimed."""
+    jobs = ProcessedJobs(redis_client, namespace)
+    jobs.mark_tried_many([("acme", "s1", 2)])
+    stale = Claim("acme", idempotency_key(["s1", "s2"]), ("s2", "s1"), "w", "/emails/batch", b"b", "", {"s1": 2})
+    live = Claim("acme", idempotency_key(["s1"]), ("s1",), "w", "/emails", b"a", "", {"s1": 3})
+
+    assert jobs.claim_many([stale]) == [[1]]
+    assert jobs.status("acme", ["s1", "s2"]) == ["tried:2", None]
+    assert jobs.claim_many([live]) == [[]]
