@@ -88,11 +88,12 @@ NO_EPOCH_MARKER = -1  # claim.lua's answer in a slot without its epoch marker
 
 @dataclass(frozen=True)
 class SendClaim:
-    """What processed_jobs says of one send now: its state (None: free), and while a request of several sends
-    claims it and keeps their body (a copy of any of them met later re-sends that body whole), the other sends it
-    carries and how long its record is kept yet."""
+    """What processed_jobs says of one send now: its state (None: free), whether a request claiming it is being
+    sent (its lease held), and while a request of several sends claims it and keeps their body (a copy of any of
+    them met later re-sends that body whole), the other sends it carries and how long its record is kept yet."""
 
     state: str | None
+    in_flight: bool = False
     others: tuple[str, ...] = ()
     kept_s: int = 0
 
@@ -104,14 +105,16 @@ def read_send_claim(client: redis.Redis, keys: RedisKeys, tenant: str, send_id: 
         state = client.get(keys.processed(tenant, send_id))
         if not state or not state.startswith(b"inflight:"):
             return SendClaim(state.decode() if state else None)
-        request = keys.request(tenant, state[len(b"inflight:"):].decode())
+        key = state[len(b"inflight:"):].decode()
         pipe = client.pipeline(transaction=False)
-        pipe.hget(request, "ids")
-        pipe.ttl(request)
+        pipe.hget(keys.request(tenant, key), "ids")
+        pipe.ttl(keys.request(tenant, key))
+        pipe.exists(keys.lease(tenant, key))
         pipe.get(keys.processed(tenant, send_id))
-        ids, kept_s, state = pipe.execute()
+        ids, kept_s, leased, state = pipe.execute()
     others = tuple(s for s in orjson.loads(ids) if s != send_id) if ids else ()
-    return SendClaim(state.decode() if state else None, others, max(0, kept_s) if others else 0)
+    return SendClaim(state.decode() if state else None, bool(leased and ids), others,
+                     max(0, kept_s) if others else 0)
 
 
 class ProcessedJobs:
@@ -317,9 +320,11 @@ class ProcessedJobs:
     def keep_unknown(self, tenant: str, key: str, owner: str, send_ids: list[str] | tuple[str, ...]) -> int:
         """The outcome is unknown: the request's record is marked so, and `owner` drops its lease so
         a later attempt re-sends the same request (a lease another worker took meanwhile is left to it).
-        How many sends it left to reconciliation instead: with the record gone (a failover lost it), those that
-        nothing settled or claimed anew, as no request can re-send them under its key (drop_lease.lua)."""
+        How many sends it left to reconciliation instead: with a batch's record gone (a failover lost it), those
+        that nothing settled or claimed anew, as no request can re-send them under its key (drop_lease.lua). A
+        single send's is not needed: its fresh request goes under the same key (`send-<id>`)."""
+        batch = send_ids if len(send_ids) > 1 else ()
         with store_errors("keeping an unknown outcome"):
-            answer = self._drop_lease(keys=self._request_keys(tenant, key, send_ids),
+            answer = self._drop_lease(keys=self._request_keys(tenant, key, batch),
                                       args=[owner, f"inflight:{key}", DELIVERED_TTL_S])
         return max(0, -int(answer))

@@ -37,6 +37,12 @@ log = logging.getLogger("streams.records")
 OnAck = Callable[[], object]
 
 
+# Webhook deliveries given up on without an attempt's answer whose tenant is told ("Webhook event dropped"): too old
+# before the attempt, or its request's sender stopped before the answer. (Not a delivery that could never be one:
+# malformed, or its copy too large for a retry tier.)
+UNATTEMPTED_DROPS = frozenset({"too_old", "unknown_outcome"})
+
+
 def after_all(n: int, then: OnAck) -> OnAck:
     """An acknowledgement callback to give `n` records: `then` runs once all `n` are acknowledged (a message's
     offset waits for every record it caused, so a crash in between writes them all again)."""
@@ -249,7 +255,7 @@ class RecordWriter:
         """`attempted`: whether attempt `p.attempt` was made (default: when it has a result); the letter counts
         the attempts made. Counted in dispatch_dead_letters_total once, by the reason it is stored under."""
         made = p.attempt if (result is not None if attempted is None else attempted) else p.attempt - 1
-        if p.send.channel == "webhook" and result is None:  # dropped without an attempt's answer: said as well
+        if p.send.channel == "webhook" and result is None and reason in UNATTEMPTED_DROPS:  # said there as well
             done = after_all(2, on_ack)
             self.webhook_dropped_unattempted(p, reason, made, now_ms, done)
             on_ack = done

@@ -299,7 +299,7 @@ class Settler:
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p, kept))
                 continue
-            decision = self._decide(route, p, result, now_ms, resent)
+            decision = self._decide(route, p, result, now_ms, resent or kept)  # kept: the provider may hold it
             finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
                                      self._tried_then_finish(job, p, kept))
             if isinstance(decision, RetryAt):
@@ -414,10 +414,12 @@ class Settler:
         """A send whose payload the provider adapter cannot turn into a request: it never can be."""
         self.records.dead_letter(p, "malformed", None, int(time.time() * 1000), self.finisher(p.where), detail=detail)
 
-    def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int, resent: bool):
+    def _decide(self, route: Route, p: Pending, result: ProviderResult, now_ms: int, maybe_held: bool):
+        """`maybe_held`: the provider may hold another copy of the request (re-sent, or still claimed under its key
+        by another worker's re-send): a send given up on is dead-lettered `unknown_outcome`."""
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
                       self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale,
-                      first_copy_unknown=resent, throttle_is_attempt=route.spec.channel == "webhook")
+                      first_copy_unknown=maybe_held, throttle_is_attempt=route.spec.channel == "webhook")
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their

@@ -198,6 +198,8 @@ def alert_email(kind: str, endpoint_id: str, endpoint_url: str, tenant: str, las
                                 f"(POST /v1/endpoints/{endpoint_id}/reactivate)",
                "too_old": f"a delivery was dropped after {tries}: its next attempt would have come past the "
                           "delivery's maximum age"}.get(reason, f"a delivery was dropped ({reason}) after {tries}")
+        if reason == "too_old" and attempts == 0:  # given up on before its first attempt (not_attempted)
+            why = "a delivery was dropped before its first attempt, which would have come past its maximum age"
         text = (f"{where}: {why}. Last error: {last_error}.\n\n"
                 "The event can be replayed for 7 days (POST /v1/deliveries/{id}/replay).")
     return {"from": sender, "to": members, "subject": subject, "text": text}

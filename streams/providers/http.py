@@ -179,6 +179,8 @@ class HttpProvider:
                                         never_sent=attempt == 1)
                 break
             result = self._post(path, body, token, idempotency_key, started)
+            if attempt == 2:  # the first pass's request reached the provider (a 401), whatever became of this one
+                result = replace(result, never_sent=False)
             first_copy_unknown = first_copy_unknown or result.first_copy_unknown
             if result.outcome != "auth":
                 break

@@ -26,7 +26,9 @@ DAY_S = 24 * 3600
 _WINDOW = re.compile(r"^(\d+)([mhd])$")
 _UNIT_S = {"m": 60, "h": 3600, "d": DAY_S}
 MIN_WINDOW_S = 3600  # a shorter window leaves no time to re-send an unknown outcome through the retry tiers
-MAX_WINDOW_S = 7 * DAY_S  # sends stay claimed 7 days (CLAIM_TTL_MS): a request's record never outlives its claims
+# Sends stay claimed 7 days (CLAIM_TTL_MS): a request's record never outlives its claims, so a longer window is taken as
+# 7 days (a record shorter than the provider's window is the safe side: the send goes to reconciliation sooner).
+MAX_WINDOW_S = 7 * DAY_S
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,11 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         if value == "none":
             return 0
         m = _WINDOW.match(value) if isinstance(value, str) else None
-        if m is None or not MIN_WINDOW_S <= int(m.group(1)) * _UNIT_S[m.group(2)] <= MAX_WINDOW_S:
+        if m is None or int(m.group(1)) * _UNIT_S[m.group(2)] < MIN_WINDOW_S:
             raise ConfigError(f"{where}: field 'idempotency_window' is required: how long the provider keeps an "
-                              "Idempotency-Key, from an hour to 7 days ('24h', '7d'; a longer window counts as 7 "
-                              f"days), or 'none' when it does not honour them (got {value!r})")
-        return int(m.group(1)) * _UNIT_S[m.group(2)]
+                              "Idempotency-Key, an hour or more ('24h', '7d'; a longer window counts as 7 days), "
+                              f"or 'none' when it does not honour them (got {value!r})")
+        return min(int(m.group(1)) * _UNIT_S[m.group(2)], MAX_WINDOW_S)
 
     def strings(key: str) -> list[str]:
         value = doc.get(key, [])

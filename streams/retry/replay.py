@@ -113,11 +113,16 @@ def _check_dispatch_is_done(store: StatusStore, status: dict, send_id: str) -> N
     if claim.state == "delivered":
         raise ReplayRefused(f"send {send_id} has been delivered since it was {status['status']}: a request carrying "
                             "it was sent again under its key (its status follows shortly); it is not replayed")
+    if claim.in_flight:
+        raise ReplayNotYet(f"send {send_id} is being sent again by dispatch right now (a request carrying it, whose "
+                           "outcome was unknown, is in flight under its key): a replay now could be delivered beside "
+                           "it; ask again in a minute")
     if claim.others and (unsettled := store.unsettled(claim.others)):
+        named = ", ".join(unsettled[:3]) + (f" and {len(unsettled) - 3} more" if len(unsettled) > 3 else "")
         raise ReplayNotYet(f"send {send_id} is carried by a batch request whose outcome is unknown, to be sent again "
-                           f"whole under its key when one of its {len(unsettled)} unsettled sends is retried: a "
-                           "replay now could be delivered beside it; replay once those are settled (the request "
-                           f"is kept {claim.kept_s // 3600 + 1} h more at most)")
+                           f"whole under its key when one of its unsettled sends ({named}) is retried: a replay now "
+                           "could be delivered beside it; replay once those are settled (the request is kept "
+                           f"{claim.kept_s // 3600 + 1} h more at most)")
 
 
 def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,

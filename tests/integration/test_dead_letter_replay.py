@@ -231,33 +231,38 @@ def test_a_checked_dead_letter_waits_for_the_batch_request_that_may_still_send_i
         stack, names, channel_topics, send_client, redis_client, namespace):
     """Given two emails sent in one batch request whose outcome is unknown (kept claimed, its body kept to be sent
     again whole under its key), the first dead-lettered `unknown_outcome` and the second still retrying, and a
-    third dead letter whose request has since been sent again and delivered (its status not yet updated),
-    When an operator who checked the provider replays the first, and the third,
+    third dead letter whose request has since been sent again and delivered (its status not yet updated), and a
+    fourth whose request another worker is sending again right now,
+    When an operator who checked the provider replays the first, the third and the fourth,
     Then the first is refused for now, saying that its batch request may still send it and to replay once the other
     sends are settled, with nothing published (before: it was replayed, and the second's retry re-sent the whole
-    batch: delivered twice); once the second is dead-lettered too, the same replay goes; the third is refused
-    (delivered)."""
+    batch: delivered twice) and naming the send to wait for; once the second is dead-lettered too, the same replay
+    goes; the third is refused (delivered), the fourth refused for now (its re-send may yet deliver it)."""
     channel_topics("email")
     store, jobs = StatusStore(redis_client, namespace), ProcessedJobs(redis_client, namespace)
     lane = names.lane("email", "transactional")
-    first, third = (_dead_letter(send_client, store, "unknown_outcome") for _ in range(2))
+    first, third, fourth = (_dead_letter(send_client, store, "unknown_outcome") for _ in range(3))
     second = build_send(validate_request(email_request()), "shop").send_id
     store.record_outcome({"send_id": second, "status": "retrying", "tenant_id": "shop", "attempts": 1})
     batch = Claim("shop", idempotency_key([first, second]), (first, second), "w-1", "/emails/batch", b"[]")
-    assert jobs.claim_many([batch, Claim("shop", "send-x", (third,), "w-1", "/emails", b"{}")]) == [[], []]
+    resend = Claim("shop", idempotency_key([fourth]), (fourth,), "w-2", "/emails", b"{}")  # another worker's
+    assert jobs.claim_many([batch, Claim("shop", "send-x", (third,), "w-1", "/emails", b"{}"), resend]) == [[]] * 3
     jobs.keep_unknown("shop", batch.key, "w-1", batch.send_ids)
     jobs.mark_delivered("shop", [third], "send-x")
 
-    with pytest.raises(ReplayNotYet, match="batch request whose outcome is unknown.*one of its 1 unsettled sends"):
+    waiting_for = f"batch request whose outcome is unknown.*unsettled sends \\({second}\\)"
+    with pytest.raises(ReplayNotYet, match=waiting_for):
         replay_dead_letter(stack.bootstrap, names, store, send_client, first, outcome_checked=True)
+    with pytest.raises(ReplayNotYet, match=f"send {fourth} is being sent again by dispatch right now"):
+        replay_dead_letter(stack.bootstrap, names, store, send_client, fourth, outcome_checked=True)
     with pytest.raises(ReplayRefused, match=f"send {third} has been delivered since it was dead_lettered"):
         replay_dead_letter(stack.bootstrap, names, store, send_client, third, outcome_checked=True)
-    assert count_records(stack.bootstrap, lane) == 2  # nothing published
+    assert count_records(stack.bootstrap, lane) == 3  # nothing published
     store.record_outcome({"send_id": second, "status": "dead_lettered", "tenant_id": "shop",
                           "reason": "unknown_outcome", "attempts": 2})
     done = replay_dead_letter(stack.bootstrap, names, store, send_client, first, outcome_checked=True)
     assert done.send is not None and done.send.replay_of == first
-    assert count_records(stack.bootstrap, lane) == 3
+    assert count_records(stack.bootstrap, lane) == 4
 
 
 class InterruptedClient:

@@ -388,15 +388,15 @@ def test_a_request_remembers_the_attempt_it_carries_each_send_on(redis_client, n
 
 
 def test_an_unknown_outcome_whose_record_a_failover_lost_leaves_its_sends_to_reconciliation(redis_client, namespace):
-    """Given a batch of five claimed by a worker whose request's outcome turns out unknown, and a Redis failover that
-    lost the request's record and lease meanwhile, with them the claims of two sends (one read free, one back at
-    `tried:1`), while a third still shows the claim, a fourth was delivered by another request and a fifth claimed
-    anew by one,
+    """Given a batch of five claimed by a worker whose request's outcome turns out unknown, its record and lease
+    lost meanwhile (a failover that dropped the last writes took the claims of two sends with them, one read free,
+    one back at `tried:1`; a third still shows the claim, as when the record expired), a fourth delivered by
+    another request and a fifth claimed anew by one,
     When the worker keeps the request for a re-send,
     Then the three its claim no longer guards are marked `reconcile` (dead-lettered `unknown_outcome` when their
     retries come, never sent again: before, the retries went out in new batches under new keys, a second delivery
     of what the provider took), the delivered one and the one claimed anew are left as they are, and it says
-    three."""
+    three; a single send's lost claim is left free (its fresh request goes under the same key)."""
     jobs = ProcessedJobs(redis_client, namespace)
     ids = ["s1", "s2", "s3", "s4", "s5"]
     key = idempotency_key(ids)
@@ -411,6 +411,10 @@ def test_an_unknown_outcome_whose_record_a_failover_lost_leaves_its_sends_to_rec
 
     assert jobs.status("acme", ids) == ["reconcile"] * 3 + ["delivered", "inflight:send-s5"]
     assert redis_client.ttl(keys.processed("acme", "s1")) > 6 * 24 * 3600
+    assert jobs.claim(["s6"], "send-s6", "worker-a", "/emails", b"one", "acme") == []
+    redis_client.delete(keys.request("acme", "send-s6"), keys.processed("acme", "s6"))
+    assert jobs.keep_unknown("acme", "send-s6", "worker-a", ["s6"]) == 0
+    assert jobs.status("acme", ["s6"]) == [None]
 
 
 def test_a_claim_meeting_a_tried_mark_of_its_own_attempt_claims_nothing(redis_client, namespace):

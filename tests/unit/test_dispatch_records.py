@@ -126,6 +126,9 @@ def test_a_webhook_delivery_dropped_before_an_attempt_is_said_on_the_attempts_to
     event = orjson.loads(value)
     assert (event["outcome"], event["dropped"], event["n"], event["endpoint_id"]) == ("not_attempted", "too_old",
                                                                                       3, "ep_1")
+    writer.dead_letter(_delivery(2), "malformed", None, int(time.time() * 1000), lambda: None)  # never a delivery
+    _flush(producer)
+    assert len(producer.records[NAMES.webhook_attempts]) == 1
 
 
 def test_a_dead_letter_refused_for_its_size_is_counted_once_as_too_large():

@@ -314,7 +314,8 @@ def test_a_delivery_dropped_before_an_attempt_mails_the_tenant_but_counts_no_fai
     """Given an endpoint with 3 failures in a row,
     When a delivery is dropped before an attempt (past its max age) and, an hour later, another,
     Then the first sends "Webhook event dropped" (reason too_old, after its 5 attempts) and the second is
-    suppressed (one per 24 h), and the endpoint's count stays at 3 (no attempt reached it)."""
+    suppressed (one per 24 h), and the endpoint's count stays at 3 (no attempt reached it); one dropped before its
+    first attempt says so."""
     feed = Feed()
     for i in range(3):
         feed.fail(i * 1000)
@@ -325,3 +326,8 @@ def test_a_delivery_dropped_before_an_attempt_mails_the_tenant_but_counts_no_fai
     feed.push(unattempted, 10_000 + HOUR)
     assert feed.suppressed == ["dropped"]
     assert (feed.h.consecutive_failures, feed.h.state) == (3, "active")
+    from streams.health.rules import alert_email
+
+    text = alert_email("dropped", "ep_1", "https://hooks.acme.test/x", "acme", "HTTP 500", ["m@acme.test"],
+                       "alerts@dispatch.test", "too_old", 0)["text"]
+    assert "dropped before its first attempt, which would have come past its maximum age" in text

@@ -1261,22 +1261,24 @@ class TakenOverJobs(FakeJobs):
 
 
 @pytest.mark.parametrize("answer, events", [
-    (ProviderResult("rejected", 413, error_name="request_too_large"), [("dead_lettered", None)] * 3),
-    (ProviderResult("unavailable", 503, error_name="http_503"), [("retrying", True)] * 3),
+    (ProviderResult("rejected", 413, error_name="request_too_large"),
+     [("dead_lettered", "unknown_outcome", None)] * 3),
+    (ProviderResult("unavailable", 503, error_name="http_503"), [("retrying", "provider_unavailable", True)] * 3),
 ], ids=["refused for its size", "unavailable"])
 def test_a_batch_failed_while_another_worker_holds_its_claim_stays_whole_under_its_key(answer, events):
     """Given a batch of three marketing emails that fails after another worker took its request over (the release
     frees nothing: that worker's re-send may yet be accepted),
     When the worker settles it,
     Then a 413 does not split it into three single requests (each under a new key, beside the other worker's
-    re-send of the whole batch: every email twice), and the events of its retry copies say the batch is kept
-    (before: split, and the events said nothing, so a recovery from lost Redis data left the sends free)."""
+    re-send of the whole batch: every email twice) and its dead letters say `unknown_outcome` (the provider may
+    hold that worker's copy: a replay needs a check first), and the events of its retry copies say the batch is
+    kept (before: split, and the events said nothing, so a recovery from lost Redis data left the sends free)."""
     sends, msgs = _messages(["acme"] * 3)
     worker, consumer, producer, provider = _worker(msgs, answer=answer, jobs=TakenOverJobs(), lane="marketing")
     _run(worker)
     assert len(provider.sent) == 1  # the batch, never its parts
     outcomes = [orjson.loads(v) for v, _ in producer.records[NAMES.outcomes]]
-    assert [(e["status"], e.get("kept_batch")) for e in outcomes] == events
+    assert [(e["status"], e["reason"], e.get("kept_batch")) for e in outcomes] == events
 
 
 def test_a_batch_answered_2xx_naming_fewer_messages_than_it_held_is_not_recorded_delivered():
