@@ -83,6 +83,7 @@ class DeadLetter:
 Decision = Delivered | RetryAt | DeadLetter
 
 _AGE = re.compile(r"^(\d+)([smhd])$")
+MIN_MAX_AGE_S = 60
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -107,6 +108,9 @@ def _policy(name: str, raw: dict, where: str) -> RetryPolicy:
         if tier not in RETRY_TIERS:
             raise ConfigError(f"{where}: field 'schedule': unknown tier {tier!r} (tiers: {', '.join(RETRY_TIERS)})")
     policy = RetryPolicy(name, attempts, _age(raw.get("max_age"), where), tuple(schedule))
+    if policy.max_age_s < MIN_MAX_AGE_S:  # a send would be too old before its first attempt, on any busy lane
+        raise ConfigError(f"{where}: field 'max_age' ({raw.get('max_age')}) must be at least '1m': a send is "
+                          "checked against it before every attempt, the first included")
     if policy.max_age_s < policy.worst_case_s():
         raise ConfigError(f"{where}: field 'max_age' ({raw.get('max_age')}) is shorter than the worst case of "
                           f"its own schedule: {attempts} attempts with +{JITTER:.0%} jitter take up to "

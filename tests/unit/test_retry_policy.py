@@ -217,6 +217,16 @@ def test_a_policy_whose_max_age_cannot_cover_its_schedule_is_refused():
         parse_policies(text, "policies.toml")
 
 
+@pytest.mark.parametrize("max_age", ["0s", "30s"])
+def test_a_policy_whose_max_age_ends_sends_before_their_first_attempt_is_refused(max_age):
+    """Given a policy of one attempt whose max age is under a minute (its schedule never used),
+    When the policies are read,
+    Then it is refused, saying so (before: "0s" passed, and every send of it was dead-lettered too_old unsent)."""
+    text = f'[policy.hasty]\nmax_attempts = 1\nmax_age = "{max_age}"\nschedule = ["10s"]'
+    with pytest.raises(ConfigError, match=rf"policy 'hasty': field 'max_age' \({max_age}\) must be at least '1m'"):
+        parse_policies(text, "policies.toml")
+
+
 def test_routing_gives_otp_templates_the_otp_policy():
     routing = load_routing()
     assert routing.policy_for("email", "transactional", "otp") == "otp"
