@@ -118,8 +118,11 @@ class Settler:
         must leave the message, read again, free to be sent again, never stale. `kept`: the request stays
         claimed (its outcome unknown), so no mark can be written over its claim: the next attempt is noted on the
         request instead, and a copy for this attempt or an earlier one that meets it later is stale."""
-        key = job.key if kept else ""
-        return lambda: self.to_mark_tried.append((job.tenant, p.send.send_id, p.attempt, p.where, key))
+        return self._mark_tried_then_finish(p, job.key if kept else "")
+
+    def _mark_tried_then_finish(self, p: Pending, key: str = "") -> Callable[[], object]:
+        """`_tried_then_finish` for one message (`key`: the request that stays claimed, "" for none)."""
+        return lambda: self.to_mark_tried.append((p.send.tenant_id, p.send.send_id, p.attempt, p.where, key))
 
     @property
     def pending(self) -> int:
@@ -401,8 +404,10 @@ class Settler:
         return done
 
     def dead_letter_too_old(self, p: Pending) -> None:
-        """A send found older than its policy's max_age before an attempt: never sent late."""
-        self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self.finisher(p.where))
+        """A send found older than its policy's max_age before an attempt: never sent late. Once its letter is
+        acknowledged it is marked `tried:<attempt>`, so the same copy released again (a retrier restarted behind a
+        copy due days ahead) is stale, not dead-lettered a second time."""
+        self.records.dead_letter(p, "too_old", None, int(time.time() * 1000), self._mark_tried_then_finish(p))
 
     def dead_letter_unknown_outcome(self, p: Pending) -> None:
         """Its request went to a provider without idempotency keys and its sender stopped before the

@@ -892,6 +892,22 @@ def test_a_send_older_than_its_policy_allows_is_dead_lettered_before_any_attempt
     assert headers["reason"] == b"too_old" and consumer.stored[(TOPIC, 0)] == 1
 
 
+def test_a_too_old_copy_released_again_is_not_dead_lettered_twice():
+    """Given a retry copy of an email for its attempt 3, found past its max age and dead-lettered `too_old`,
+    When the same copy is released again (a retrier restarted behind a copy due days ahead reads it again),
+    Then it is skipped as stale: one dead letter, one `dead_lettered` outcome (before: a second of each at every
+    re-release, and DeadLettersGrowing fired after retrier restarts)."""
+    old = build_send(validate_request(email_request()), "acme", now_ms=int(time.time() * 1000) - 30 * 86_400_000)
+    copy = [("attempt", b"3")]
+    worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(old), copy)])
+    _run(worker)
+    consumer.pending.append(FakeMessage(0, 1, encode(old), copy))
+    _run(worker)
+    assert provider.sent == [] and len(producer.records[NAMES.dlq]) == 1
+    assert [orjson.loads(v)["status"] for v, _ in producer.records[NAMES.outcomes]] == ["dead_lettered"]
+    assert consumer.stored[(TOPIC, 0)] == 2
+
+
 def test_short_429s_waited_out_in_the_worker_do_not_use_up_attempts():
     """A run of short 429s (the provider never looked at the send) must not exhaust a transactional send's
     attempts, nor its tenant's bucket: it is delivered as attempt 1, without ever reaching a retry tier, and
