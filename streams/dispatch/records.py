@@ -143,21 +143,22 @@ class RecordWriter:
         """One attempt of a webhook delivery, on the attempts topic (key = endpoint id); `dropped`: the
         delivery was given up after it, for this reason (the dead letter's; false: not given up); `held`: the
         receiver asked to wait a few seconds, and the worker tries the same attempt again after that wait."""
-        fields = webhook_fields(p.send)
-        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields,
-                 **attempt_info(p.attempt, result, now_ms), "dropped": dropped or False, "held": held}
-        self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
-                     {}, on_ack)
+        self._attempt_event(p, {**attempt_info(p.attempt, result, now_ms), "dropped": dropped or False, "held": held},
+                            on_ack)
 
     def webhook_dropped_unattempted(self, p: Pending, reason: str, made: int, now_ms: int, on_ack: OnAck) -> None:
         """A webhook delivery given up on without an attempt of its own (past its max age before it, its request's
         outcome unknown...): said on the attempts topic as well, so that its tenant's members hear of it ("Webhook
         event dropped") as of a delivery dropped after an attempt; `not_attempted`, it never counts as a failure
         of the endpoint."""
-        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id,
-                 **webhook_fields(p.send), "n": made, "at_ms": now_ms, "status_code": None, "outcome": NOT_ATTEMPTED,
-                 "error": reason, "duration_ms": 0, "dropped": reason, "held": False}
-        self.produce(self.names.webhook_attempts, str(event.get("endpoint_id") or "").encode(), orjson.dumps(event),
+        self._attempt_event(p, {"n": made, "at_ms": now_ms, "status_code": None, "outcome": NOT_ATTEMPTED,
+                                "error": reason, "duration_ms": 0, "dropped": reason, "held": False}, on_ack)
+
+    def _attempt_event(self, p: Pending, attempt: dict, on_ack: OnAck | None) -> None:
+        """A webhook delivery's event on the attempts topic (key = its endpoint id)."""
+        fields = webhook_fields(p.send)
+        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields, **attempt}
+        self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
                      {}, on_ack)
 
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:

@@ -264,8 +264,11 @@ class Settler:
         else:
             kept = not self._released(job)
         self.outage.recovered(time.monotonic())
+        # The provider may hold another copy of the request (re-sent, or still claimed by another worker's re-send):
+        # its sends go on under its key at this provider only, and one given up on is `unknown_outcome`.
+        maybe_held = kept or resent
         # Past every Redis step (a Redis error above retries the whole settlement): announced once.
-        split = result.status == 413 and len(job.members) > 1 and not (kept or resent)
+        split = result.status == 413 and len(job.members) > 1 and not maybe_held
         if split or (wait is not None and route.spec.channel != "webhook"):
             # The provider declined to look at the messages (a 429; a batch refused for its size, split below):
             # charged again when they go, the tenant gets them back now, or another tenant's throttling would
@@ -295,14 +298,13 @@ class Settler:
             return
         for p in job.members:
             tried = providers_tried(p, route, self.routes.by_name)
-            # A request still claimed under its key at this provider (re-sent, the first copy's fate unknown;
-            # taken over by another worker): another provider could deliver it a second time, so it never moves on.
-            fallback = None if resent or kept else self.routes.fallback_for(route, result, tried)
+            # Another provider could deliver a request the provider may hold a second time: it never moves on.
+            fallback = None if maybe_held else self.routes.fallback_for(route, result, tried)
             if fallback is not None:  # once, on a named reason, through the next provider's own bucket
                 metrics.FALLBACKS.labels(self.label[0], route.name, fallback.name, result.error_name).inc()
                 self.records.fallback(p, fallback.name, tried, result, now_ms, self._tried_then_finish(job, p, kept))
                 continue
-            decision = self._decide(route, p, result, now_ms, resent or kept)  # kept: the provider may hold it
+            decision = self._decide(route, p, result, now_ms, maybe_held)
             finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
                                      self._tried_then_finish(job, p, kept))
             if isinstance(decision, RetryAt):
