@@ -320,11 +320,10 @@ class ProcessedJobs:
     def keep_unknown(self, tenant: str, key: str, owner: str, send_ids: list[str] | tuple[str, ...]) -> int:
         """The outcome is unknown: the request's record is marked so, and `owner` drops its lease so
         a later attempt re-sends the same request (a lease another worker took meanwhile is left to it).
-        How many sends it left to reconciliation instead: with a batch's record gone (a failover lost it), those
-        that nothing settled or claimed anew, as no request can re-send them under its key (drop_lease.lua). A
-        single send's is not needed: its fresh request goes under the same key (`send-<id>`)."""
-        batch = send_ids if len(send_ids) > 1 else ()
+        How many sends it left to reconciliation instead: with the record gone (a failover lost it), those that
+        nothing settled or claimed anew, as no request can re-send them under its key (drop_lease.lua; a single
+        send's fresh request too could go under another: drawn into a batch, or after the provider forgot it)."""
         with store_errors("keeping an unknown outcome"):
-            answer = self._drop_lease(keys=self._request_keys(tenant, key, batch),
+            answer = self._drop_lease(keys=self._request_keys(tenant, key, send_ids),
                                       args=[owner, f"inflight:{key}", DELIVERED_TTL_S])
         return max(0, -int(answer))

@@ -38,9 +38,9 @@ OnAck = Callable[[], object]
 
 
 # Webhook deliveries given up on without an attempt's answer whose tenant is told ("Webhook event dropped"): too old
-# before the attempt, or its request's sender stopped before the answer. (Not a delivery that could never be one:
-# malformed, or its copy too large for a retry tier.)
-UNATTEMPTED_DROPS = frozenset({"too_old", "unknown_outcome"})
+# before the attempt, its request's sender stopped before the answer, or its copy (parked while it waited its turn)
+# too large for a retry tier. (Not one that could never be a delivery: malformed.)
+UNATTEMPTED_DROPS = frozenset({"too_old", "unknown_outcome", "retry_copy_too_large"})
 
 
 def after_all(n: int, then: OnAck) -> OnAck:
@@ -186,12 +186,12 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ retry copies
     def retry(self, p: Pending, decision: RetryAt, result: ProviderResult, now_ms: int, on_ack: OnAck,
-              tried: list[str] | None = None, kept_batch: bool = False) -> None:
+              tried: list[str] | None = None, kept: bool = False) -> None:
         """A copy of the original bytes for the tier; the payload never changes, and the provider it
-        goes to stays the one it was last tried on. `kept_batch`: the send stays claimed by a request of several
-        sends, to be re-sent byte for byte under its key (said in its event: once Redis lost that request's record,
-        `streams state recover` leaves the send to reconciliation, as a fresh request would batch it anew under
-        another key)."""
+        goes to stays the one it was last tried on. `kept`: the send stays claimed by a request the provider may
+        hold, to be re-sent byte for byte under its key (said in its event: once Redis lost that request's record,
+        `streams state recover` leaves the send to reconciliation; a fresh request could go under another key, a
+        batch drawn anew, or after the provider forgot the key)."""
         tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
         headers["last_error"] = error_header(result, p.send.channel)
@@ -206,8 +206,8 @@ class RecordWriter:
         done = after_all(2, on_ack)  # the attempt's outcome (its history) and the copy
         event = self.outcome_event(p.send, status, p.attempt, now_ms, reason=decision.reason,
                                    attempt=attempt_info(p.attempt, result, now_ms), tried=tried)
-        if kept_batch:
-            event["kept_batch"] = True
+        if kept:
+            event["kept"] = True
         self.outcome(event, done)
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, done,

@@ -308,8 +308,7 @@ class Settler:
             finish = self._announced(p, result, now_ms, decision.reason if isinstance(decision, DeadLetter) else "",
                                      self._tried_then_finish(job, p, kept))
             if isinstance(decision, RetryAt):
-                self.records.retry(p, decision, result, now_ms, finish, tried,
-                                   kept_batch=kept and len(job.send_ids) > 1)
+                self.records.retry(p, decision, result, now_ms, finish, tried, kept=kept)
             elif isinstance(decision, DeadLetter):
                 self.records.dead_letter(p, decision.reason, result, now_ms, finish, tried)
             else:  # Delivered cannot follow a failed result

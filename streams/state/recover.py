@@ -6,11 +6,11 @@ last 7 days becomes a `delivered` mark in processed_jobs again (so no send deliv
 loss is sent twice when its message is read again; also for an event with a bad field of its own,
 when its send id, tenant and status are good). So do the marks that keep a copy read again from being
 sent, as far as the events prove them (`stop_mark`): `reconcile` for a send dead-lettered
-`unknown_outcome` (the provider may hold it) or kept claimed by a batch request to be re-sent under its key
-(its record, the body to re-send, is lost: a fresh request would batch it anew under another key),
-`tried:<n>` for a dead letter or a skipped delivery, and one attempt less for a failed attempt going on; never
-over what says more, nor over a claim (a shard of a Redis Cluster that kept its data keeps a request's claim, to
-be re-sent byte for byte). Every
+`unknown_outcome` (the provider may hold it) or kept claimed by a request to be re-sent under its key (its
+record, the body to re-send, is lost: a fresh request could go under another key, drawn into a batch anew, or
+after the provider forgot the key), `tried:<n>` for a dead letter or a skipped delivery, and one attempt less
+for a failed attempt going on; never over what says more, nor over a claim (a shard of a Redis Cluster that kept
+its data keeps a request's claim, to be re-sent byte for byte). Every
 event is applied to the send status store (one with a field of the wrong type is skipped, as the
 outcome recorder skips it, and logged).
 Then the operator log's epoch is written back to Redis (on a Redis Cluster with its marker in every
@@ -51,12 +51,13 @@ log = logging.getLogger("streams.state.recover")
 def stop_mark(event: dict) -> str | None:
     """The processed_jobs mark (other than `delivered`) an outcome event proves, None for none; never more than
     dispatch wrote. A dead letter `unknown_outcome` (the provider may hold the send) is `reconcile`, and so is a
-    send going on while a batch request keeps it claimed (`kept_batch`: only that request's body, lost with Redis's
-    data, could be re-sent safely; a single send's fresh request goes under the same key); a dead letter
-    after n attempts (written before its event), or a delivery a worker skipped before attempt n+1 (its event counts
-    the n made), `tried:<n>` / `tried:<n+1>`. A failed attempt n going on (`retrying`, `unknown`) proves only that its
-    copy for attempt n was read (`tried:<n-1>`): the event and the copy carrying it on to n+1 are written apart, and
-    a worker that died between them left the copy for n the only one (dispatch marks `tried:<n>` once both are)."""
+    send going on while a request keeps it claimed (`kept`: only that request's body, lost with Redis's data, could
+    be re-sent safely); a dead letter after n attempts (written before its event), or a delivery a worker skipped
+    before attempt n+1 (its event counts the n made), `tried:<n>` / `tried:<n+1>`, and so a dead letter `too_old`
+    written before attempt n+1 (no attempt of its own). A failed attempt n going on (`retrying`, `unknown`) proves
+    only that its copy for attempt n was read (`tried:<n-1>`): the event and the copy carrying it on to n+1 are
+    written apart, and a worker that died between them left the copy for n the only one (dispatch marks `tried:<n>`
+    once both are)."""
     attempts = event.get("attempts")
     if not isinstance(attempts, int) or isinstance(attempts, bool):
         attempts = 0
@@ -65,9 +66,11 @@ def stop_mark(event: dict) -> str | None:
         return "reconcile"
     if status == "skipped" and event.get("origin"):  # a worker's (ingest's skip a delivery never enqueued)
         return f"tried:{attempts + 1}"
+    if status in ("dead_lettered", "dropped") and event.get("reason") == "too_old" and not event.get("attempt"):
+        return f"tried:{attempts + 1}"  # found too old before attempt n+1 (dispatch marks that attempt)
     if status in ("dead_lettered", "dropped") and attempts > 0:
         return f"tried:{attempts}"
-    if status in ("retrying", "unknown") and event.get("kept_batch") is True:
+    if status in ("retrying", "unknown") and event.get("kept") is True:
         return "reconcile"
     if status in ("retrying", "unknown") and attempts > 1:
         return f"tried:{attempts - 1}"

@@ -274,9 +274,8 @@ class WebhookDelivery:
             result = await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
-        except aiohttp.ClientError as exc:  # a connection never made (refused, unreachable) reached nobody
-            return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started,
-                                  never_sent=isinstance(exc, aiohttp.ClientConnectorError))
+        except aiohttp.ClientError as exc:  # (a refused connection may be the second copy's: the first went out)
+            return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
         return replace(result, target=ep.url)  # a 410 disables the endpoint only if it still has this URL
 
     def _open_secrets(self, ep: Endpoint, now_ms: int) -> list[str]:

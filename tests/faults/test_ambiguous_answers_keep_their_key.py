@@ -100,7 +100,7 @@ def test_batches_kept_for_a_resend_are_left_to_reconciliation_when_redis_loses_t
     (before: recovery left them free, and the retries went out as new batches under new keys, 300 duplicates)."""
     ids = _blast_answered_502(fault_runtime, fault_topics, fault_processes, mock_provider, tmp_path)
     wait_until(lambda: sum(1 for record in read_committed(fault_stack.bootstrap, names.outcomes)
-                           for event in events_of(record) if event.get("kept_batch")) == BLAST, 60,
+                           for event in events_of(record) if event.get("kept")) == BLAST, 60,
                "every send's outcome event to say its batch is kept", interval=0.5)
     mock_provider.configure(fault_502_after_accept_ratio=0.0)
 

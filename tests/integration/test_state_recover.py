@@ -92,11 +92,13 @@ def test_recover_rebuilds_the_marks_that_keep_a_copy_read_again_from_being_sent(
     hold it); one whose attempt 3 failed (`retrying`: only its copy for attempt 3 is known to have been read, the
     one for attempt 4 may never have been written); one whose attempt 1 failed and whose attempt 2 was then
     delivered; a webhook delivery dropped after 9 attempts; a delivery a worker skipped before its third attempt;
-    one whose `unknown` attempt 1 left its request claimed on a shard that kept its data; and one kept claimed by a
-    batch request after its attempt 1 (the request's body, to re-send under its key, lost with the data),
+    one whose `unknown` attempt 1 left its request claimed on a shard that kept its data; one kept claimed by a
+    request after its attempt 1 (the request's body, to re-send under its key, lost with the data); and one
+    dead-lettered `too_old` before its attempt 3,
     When `streams state recover` runs after Redis lost its data,
     Then the marks are back as far as the events prove them: `reconcile`, `tried:2`, `delivered`, `tried:9`,
-    `tried:3`, the claim left as it was, and `reconcile` (never re-batched under another key); so a copy read again (a rebalance, the retrier releasing copies
+    `tried:3`, the claim left as it was, `reconcile` (never re-sent under another key) and `tried:3` (that copy,
+    released again, is not dead-lettered twice); so a copy read again (a rebalance, the retrier releasing copies
     again after a restart) is neither sent a second time nor starts a second chain, and the live copy still goes
     (before: only `delivered` was rebuilt)."""
     channel_topics("email")
@@ -112,7 +114,7 @@ def test_recover_rebuilds_the_marks_that_keep_a_copy_read_again_from_being_sent(
                   event("s-later", "retrying", 1), event("s-later", "delivered", 2),
                   event("s-dropped", "dropped", 9, "retries_exhausted"),
                   event("s-skipped", "skipped", 2, origin=origin), event("s-claimed", "unknown", 2),
-                  event("s-kept", "retrying", 1, kept_batch=True)):
+                  event("s-kept", "retrying", 1, kept=True), event("s-old", "dead_lettered", 2, "too_old")):
         producer.produce(names.outcomes, value, key=b"k", partition=0)
     assert producer.flush(10) == 0
     keys = RedisKeys(namespace)
@@ -121,9 +123,10 @@ def test_recover_rebuilds_the_marks_that_keep_a_copy_read_again_from_being_sent(
     result = recover(stack.bootstrap, redis_client, names, keys, OperatorLog(stack.bootstrap, oplog_topic))
 
     marks = [redis_client.get(keys.processed("acme", s))
-             for s in ("s-unknown", "s-retrying", "s-later", "s-dropped", "s-skipped", "s-claimed", "s-kept")]
-    assert marks == [b"reconcile", b"tried:2", b"delivered", b"tried:9", b"tried:3", b"inflight:batch-x", b"reconcile"]
-    assert (result.delivered_marks, result.stop_marks) == (1, 5)
+             for s in ("s-unknown", "s-retrying", "s-later", "s-dropped", "s-skipped", "s-claimed", "s-kept", "s-old")]
+    assert marks == [b"reconcile", b"tried:2", b"delivered", b"tried:9", b"tried:3", b"inflight:batch-x", b"reconcile",
+                     b"tried:3"]
+    assert (result.delivered_marks, result.stop_marks) == (1, 6)
 
 
 def test_recover_does_not_end_the_hold_when_redis_loses_its_data_again_meanwhile(

@@ -1294,7 +1294,7 @@ def test_a_batch_failed_while_another_worker_holds_its_claim_stays_whole_under_i
     _run(worker)
     assert len(provider.sent) == 1  # the batch, never its parts
     outcomes = [orjson.loads(v) for v, _ in producer.records[NAMES.outcomes]]
-    assert [(e["status"], e["reason"], e.get("kept_batch")) for e in outcomes] == events
+    assert [(e["status"], e["reason"], e.get("kept")) for e in outcomes] == events
 
 
 def test_a_batch_answered_2xx_naming_fewer_messages_than_it_held_is_not_recorded_delivered():
