@@ -314,7 +314,7 @@ class EndpointHealthApp:
         """Each of `partitions` -> (where the group reads it from next, its end), from the broker (blocking)."""
         if self._offsets is None:
             self._offsets = LagReader(self.config.bootstrap)
-        positions = self._offsets.positions(self.names.endpoint_health_app, topic)
+        positions = self._offsets.positions(self.names.endpoint_health_app, topic, complete=False)
         return {p: positions[p] for p in partitions if p in positions}
 
     # ------------------------------------------------------------------ metrics

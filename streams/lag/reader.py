@@ -63,19 +63,22 @@ class LagReader:
             self._partitions[topic] = cached
         return cached[1]
 
-    def positions(self, group: str, topic: str) -> dict[int, tuple[int, int]]:
+    def positions(self, group: str, topic: str, complete: bool = True) -> dict[int, tuple[int, int]]:
         """Per partition: (the group's position, the log-end offset). A partition without a commit, or
-        whose commit is outside the log, is positioned at its earliest offset."""
+        whose commit is outside the log, is positioned at its earliest offset. One whose commit came back with an
+        error (it reads as "no commit", offset -1001: its whole log would be taken for lag) fails the read, or, when
+        not `complete`, is left out (a caller that needs only some partitions)."""
         consumer = self._consumer(group)
         partitions = self.partitions(topic)
         parts = [TopicPartition(topic, p) for p in partitions]
         answered = consumer.committed(parts, timeout=TIMEOUT_S)
-        if failed := [tp for tp in answered if tp.error is not None]:
-            # An error of one partition reads as "no commit" (offset -1001): its whole log would be taken for lag.
+        failed = [tp for tp in answered if tp.error is not None]
+        if failed and complete:
             raise KafkaException(failed[0].error)
+        unknown = {tp.partition for tp in failed}
         committed = {tp.partition: tp.offset for tp in answered}
         out = {}
-        for p in partitions:
+        for p in (p for p in partitions if p not in unknown):
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)
             position = committed.get(p, -1)
             # Outside the log (none committed; deleted by retention; the topic made anew under the group's old

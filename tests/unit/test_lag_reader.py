@@ -206,6 +206,16 @@ def test_a_commit_the_coordinator_could_not_give_fails_the_read_instead_of_count
         lister.read("g", "lane")
 
 
+def test_a_caller_that_needs_some_partitions_gets_those_whose_commit_came_back():
+    """Given a group whose committed offset of partition 1 comes back with an error,
+    When the endpoint-health app asks for the positions it needs (not `complete`),
+    Then partition 0 is given and partition 1 left out, not positioned at its log's start (before: one partition's
+    error, even one of another copy's, failed the app's whole stall check)."""
+    error = KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+    lister = _lister({0: (0, 40), 1: (0, 50)}, [_committed(0, 30), _committed(1, -1001, error)])
+    assert lister.positions("g", "lane", complete=False) == {0: (30, 40)}
+
+
 def _committed(partition: int, offset: int, error: KafkaError | None = None) -> SimpleNamespace:
     return SimpleNamespace(partition=partition, offset=offset, error=error)
 
