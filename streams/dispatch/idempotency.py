@@ -211,7 +211,7 @@ class ProcessedJobs:
         return [f"inflight:{c.key}", c.owner, self.lease_ms, c.record_ttl_ms, c.path, c.body, c.tenant,
                 orjson.dumps(sorted(c.send_ids)), c.provider, self.claim_ttl_ms, "1" if self.epoch_required else "0",
                 orjson.dumps(c.attempts) if c.attempts else "", c.account,
-                orjson.dumps([c.attempts.get(s, 1) for s in c.send_ids])]
+                orjson.dumps([c.attempts.get(s, 1) for s in c.send_ids]) if c.attempts else ""]  # '': all first
 
     def claim(self, send_ids: list[str], key: str, owner: str, path: str, body: bytes,
               tenant: str, provider: str = "") -> list[int]:

@@ -78,7 +78,9 @@ class LagReader:
         unknown = {tp.partition for tp in failed}
         committed = {tp.partition: tp.offset for tp in answered}
         out = {}
-        for p in (p for p in partitions if p not in unknown):
+        for p in partitions:
+            if p in unknown:
+                continue
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S, cached=False)
             position = committed.get(p, -1)
             # Outside the log (none committed; deleted by retention; the topic made anew under the group's old

@@ -16,6 +16,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from ..durations import duration_s
 from ..errors import ConfigError
 from ..lanes import CHANNELS, LANES
 
@@ -23,8 +24,6 @@ AUTH_KINDS = ("api_key", "token", "none")
 DEFAULT_FILE = Path(__file__).with_name("providers.toml")
 MAX_CONCURRENCY = 1024  # a provider's requests in flight per worker (webhooks: 1,024 slow receivers)
 DAY_S = 24 * 3600
-_WINDOW = re.compile(r"^(\d+)([mhd])$")
-_UNIT_S = {"m": 60, "h": 3600, "d": DAY_S}
 MIN_WINDOW_S = 3600  # a shorter window leaves no time to re-send an unknown outcome through the retry tiers
 # Sends stay claimed 7 days (CLAIM_TTL_MS): a request's record never outlives its claims, so a longer window is taken as
 # 7 days (a record shorter than the provider's window is the safe side: the send goes to reconciliation sooner).
@@ -114,12 +113,12 @@ def _provider(where: str, doc: dict) -> ProviderSpec:
         value = doc.get("idempotency_window")
         if value == "none":
             return 0
-        m = _WINDOW.match(value) if isinstance(value, str) else None
-        if m is None or int(m.group(1)) * _UNIT_S[m.group(2)] < MIN_WINDOW_S:
+        seconds = duration_s(value)
+        if seconds is None or seconds < MIN_WINDOW_S:
             raise ConfigError(f"{where}: field 'idempotency_window' is required: how long the provider keeps an "
                               "Idempotency-Key, an hour or more ('24h', '7d'; a longer window counts as 7 days), "
                               f"or 'none' when it does not honour them (got {value!r})")
-        return min(int(m.group(1)) * _UNIT_S[m.group(2)], MAX_WINDOW_S)
+        return min(seconds, MAX_WINDOW_S)
 
     def strings(key: str) -> list[str]:
         value = doc.get(key, [])

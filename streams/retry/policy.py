@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..durations import duration_s
 from ..errors import ConfigError
 from ..lanes import CATEGORIES, CHANNELS, LANES, RETRY_TIERS
 from ..names import TopicNames
@@ -82,16 +83,14 @@ class DeadLetter:
 
 Decision = Delivered | RetryAt | DeadLetter
 
-_AGE = re.compile(r"^(\d+)([smhd])$")
 MIN_MAX_AGE_S = 60
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _age(raw: object, where: str) -> int:
-    m = _AGE.match(raw) if isinstance(raw, str) else None
-    if not m:
+    seconds = duration_s(raw)
+    if seconds is None:
         raise ConfigError(f"{where}: field 'max_age' must look like '10m', '2h' or '1d', got {raw!r}")
-    return int(m.group(1)) * _UNIT[m.group(2)]
+    return seconds
 
 
 def _policy(name: str, raw: dict, where: str) -> RetryPolicy:
