@@ -12,34 +12,47 @@ import heapq
 
 
 class PartitionOffsets:
+    """The offsets of one partition not yet finished. Memory follows what is unfinished, not what was
+    finished above it: behind one offset held for hours (a retry copy due late) every offset read after
+    it finishes, and none of those is kept (a heap entry left behind is dropped when the heap is rebuilt)."""
+
     def __init__(self) -> None:
-        self._pending: list[int] = []     # min-heap of unfinished offsets
-        self._finished: set[int] = set()  # finished offsets still above the lowest unfinished
-        self._highest = -1                # highest offset seen
+        self._open: dict[int, int] = {}  # unfinished offset -> times added and not finished yet (a re-read)
+        self._heap: list[int] = []       # min-heap of the open offsets, plus finished ones not dropped yet
+        self._highest = -1               # highest offset seen
 
     def add(self, offset: int) -> None:
-        heapq.heappush(self._pending, offset)
+        self._open[offset] = self._open.get(offset, 0) + 1
+        heapq.heappush(self._heap, offset)
         self._highest = max(self._highest, offset)
 
     def finish(self, offset: int) -> int | None:
-        """Mark an offset finished; returns the new committable offset when it advanced."""
-        self._finished.add(offset)
-        advanced = None
-        while self._pending and self._pending[0] in self._finished:
-            self._finished.discard(heapq.heappop(self._pending))
-            advanced = True
-        if advanced:
-            return self.committable()
-        return None
+        """Mark an offset finished; returns the new committable offset when it advanced. An offset not
+        tracked (from before a revoke, or finished as often as it was added) changes nothing."""
+        left = self._open.get(offset)
+        if left is None:
+            return None
+        if left > 1:
+            self._open[offset] = left - 1
+            return None
+        del self._open[offset]
+        if offset != self._heap[0]:  # something lower is unfinished: the lowest stays where it was
+            if len(self._heap) > 2 * len(self._open) + 64:
+                self._heap = list(self._open)
+                heapq.heapify(self._heap)
+            return None
+        while self._heap and self._heap[0] not in self._open:
+            heapq.heappop(self._heap)
+        return self.committable()
 
     def committable(self) -> int | None:
         """The next offset to consume from after a restart (Kafka's commit convention)."""
-        if self._pending:
-            return self._pending[0]
+        if self._heap:
+            return self._heap[0]
         return self._highest + 1 if self._highest >= 0 else None
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._open)
 
 
 class OffsetTracker:
