@@ -21,6 +21,7 @@ from ..gate.limits import cool_down_ended, cool_down_subject
 from ..runtime import Runtime
 
 if TYPE_CHECKING:
+    from ..send import Send
     from ..webhooks.model import Endpoint
 
 
@@ -329,15 +330,22 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
     r = rt.redis()
     store = StatusStore(r, rt.namespace, holds_data=rt.state_guard("cli", r).check)
     client = rt.send_client(known_policies=frozenset(rt.policies()))
+
+    def admit(new: Send) -> None:  # a webhook delivery's endpoint, as deliveries see it, must take it
+        if new.channel == "webhook":
+            webhooks = rt.webhook_ingest(r, client, store)
+            webhooks.directory.catch_up()
+            webhooks.refuse_undeliverable_replay(new)
+
     try:
         if dead_letter:
-            done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked)
+            done = replay_dead_letter(rt.bootstrap, rt.names, store, client, send_id, outcome_checked, admit=admit)
             if done.send is None:
                 print(f"{send_id} was replayed already as {done.send_id} (replay_of={send_id}); nothing was published")
                 return 0
             new = done.send
         else:
-            new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked)
+            new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked, admit=admit)
     except ReplayOutcomeUnknown as exc:  # it may be out: said first (its send id), then on the audit trail as such
         print(f"error: {exc}", file=sys.stderr)
         _audited_maybe(rt, f"replay/{send_id}", None, {"send_id": exc.replay_id, "replay_of": send_id})

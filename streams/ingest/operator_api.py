@@ -364,17 +364,29 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
     def replay_dead_letter(send_id: str, who: Operator, outcome_checked: bool = False) -> dict:
         """A new send with the dead letter's payload, once: asked again (another operator, a retry after a
         timeout) it answers the same send id with `earlier: true`. 409 for a send that is not a dead letter
-        (a delivered one), and for one dead-lettered `unknown_outcome` unless `outcome_checked=true` (the
-        provider may hold it: check there first)."""
+        (a delivered one), for one dead-lettered `unknown_outcome` unless `outcome_checked=true` (the
+        provider may hold it: check there first), and for a webhook delivery whose endpoint takes no deliveries
+        (deleted, disabled, degraded: the worker would skip the replay)."""
         try:
-            done = replay_dead_letter_once(client.bootstrap, client.names, store, client, send_id, outcome_checked)
+            webhooks = ingest.webhooks
+            done = replay_dead_letter_once(client.bootstrap, client.names, store, client, send_id, outcome_checked,
+                                           admit=webhooks.refuse_undeliverable_replay if webhooks else None)
         except ReplayRefused as exc:
             code = 404 if str(exc).startswith("no send") else 409
             raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
-        except PublishError as exc:  # unknown: the message names the new send id, to look up before replaying
+        except PublishError as exc:  # unknown: the answer names the new send id, to look up before replaying
+            log.warning("replay of %s: %s", send_id, exc)  # the broker's own error: logged, not answered
             if isinstance(exc, ReplayOutcomeUnknown):
                 audited_maybe(who, f"replay/{send_id}", None, {"send_id": exc.replay_id, "replay_of": send_id})
-            raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"},
+                detail = (f"the message broker did not confirm the replay of {send_id}: it may have been published "
+                          f"as {exc.replay_id}; look that send up (`streams sends show {exc.replay_id}`) before "
+                          "replaying again")
+            elif isinstance(exc, PublishOutcomeUnknown):
+                detail = (f"the message broker did not confirm the replay of {send_id}: look the send up (`streams "
+                          f"sends show {send_id}`, its replayed_as) before replaying again")
+            else:
+                detail = f"the message broker did not take the replay of {send_id}: nothing was published; try again"
+            raise problem(503, "unavailable", [], detail, {"Retry-After": "1"},
                           outcome="unknown" if isinstance(exc, PublishOutcomeUnknown) else None) from None
         if done.send is None:
             return {"send_id": done.send_id, "replay_of": send_id, "earlier": True}

@@ -125,14 +125,19 @@ def _check_dispatch_is_done(store: StatusStore, status: dict, send_id: str) -> N
                            f"{claim.kept_s // 3600 + 1} h more at most)")
 
 
+# Runs just before a replay is published: raises to refuse it; returns what gives back what it charged, if anything.
+Admit = Callable[[Send], Callable[[], None] | None]
+
+
 def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
            tenant: str | None = None, now_ms: int | None = None, statuses: frozenset[str] = REPLAYABLE,
-           outcome_checked: bool = False, admit: Callable[[Send], Callable[[], None]] | None = None) -> Send:
+           outcome_checked: bool = False, admit: Admit | None = None) -> Send:
     """Publish a new send with the payload of `send_id` (one of `statuses`); returns it. `tenant`, when
     given, must own the send (a tenant never sees another tenant's sends). A send dead-lettered
     `unknown_outcome` is refused unless `outcome_checked` (the caller checked the provider does not hold it).
     `admit(new)`, when given, runs just before the publish (a tenant's ingest quotas: it raises to refuse the
-    replay, nothing published) and returns what gives its charge back should the broker refuse it."""
+    replay, nothing published) and returns what gives its charge back should the broker refuse it (None: nothing
+    to give back)."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
     if status["status"] != "delivered":  # a delivered one's replay is asked for as a new delivery
@@ -204,12 +209,13 @@ class DeadLetterReplay:
 
 
 def replay_dead_letter(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
-                       outcome_checked: bool = False, now_ms: int | None = None) -> DeadLetterReplay:
+                       outcome_checked: bool = False, now_ms: int | None = None,
+                       admit: Admit | None = None) -> DeadLetterReplay:
     """Replay a dead letter once (`streams dlq replay`, POST /v1/admin/dlq/{id}/replay): it is claimed as a
     bulk webhook replay claims it (StatusStore.claim_replay), so a second call, by another operator or a
     client retrying after a timeout, is answered with the first replay's send id and publishes nothing.
     A refusal, or a publish with nothing published, frees the claim; a publish the broker left unconfirmed
-    keeps it (that replay may exist: `streams sends replay` sends it again deliberately)."""
+    keeps it (that replay may exist: `streams sends replay` sends it again deliberately). `admit`: as for `replay`."""
     status = store.get(send_id)
     if earlier := _replayed_as(status):
         return DeadLetterReplay(earlier, None)
@@ -222,7 +228,7 @@ def replay_dead_letter(bootstrap: str, names: TopicNames, store: StatusStore, cl
                             f"`streams sends replay {send_id}`")
     try:
         new = replay(bootstrap, names, store, client, send_id, now_ms=now_ms, statuses=DEAD_LETTERED,
-                     outcome_checked=outcome_checked)
+                     outcome_checked=outcome_checked, admit=admit)
     except PublishOutcomeUnknown:
         raise
     except BaseException:

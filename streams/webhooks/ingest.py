@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from ..errors import StoreUnavailable
+from ..errors import ReplayNotYet, StoreUnavailable
 from ..health.rules import reactivation_event
 from ..ingest.members import MemberStore
 from ..ingest.sdk import SendClient
@@ -73,6 +73,24 @@ class WebhookIngest:
     def current(self, ep: Endpoint) -> Endpoint:
         """The endpoint with its health (degraded) as the endpoint-health app published it."""
         return with_health(ep, self.directory.health.get(ep.id))
+
+    def refuse_undeliverable_replay(self, new: Send) -> None:
+        """Raises ReplayNotYet for a replay (`new`) the worker would skip: a webhook delivery whose endpoint was
+        deleted, is disabled or not active (it only sends to a deliverable endpoint), saying what lets it
+        through. An operator's replay is refused then, as a tenant's is; any other channel's passes."""
+        if new.channel != "webhook":
+            return
+        endpoint_id, tenant = str(new.payload.get("endpoint_id", "")), new.tenant_id
+        stored = self.endpoints.get(tenant, endpoint_id)
+        current = self.current(stored) if stored is not None else None
+        if current is not None and current.deliverable:
+            return
+        why = ("was deleted: nothing can deliver it" if current is None else
+               "is disabled: the tenant enables it (PATCH enabled=true), then replay" if not current.enabled else
+               f"is {current.state}: once its receiver is fixed, reactivate it (`streams endpoints reactivate "
+               f"{endpoint_id} --tenant {tenant}`), then replay")
+        raise ReplayNotYet(f"send {new.replay_of} is a webhook delivery whose endpoint {endpoint_id} {why}; "
+                           "nothing was replayed")
 
     def sync_view(self) -> None:
         """Before admitting a request's deliveries (see sync_view_s)."""

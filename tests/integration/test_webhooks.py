@@ -3,6 +3,8 @@ at-least-once delivery on the seed schedule, attempt history, replay, SSRF rules
 
 import base64
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -220,10 +222,14 @@ def test_a_receiver_asking_to_wait_a_second_is_tried_again_held_and_not_counted_
     assert [a["held"] for a in attempts if a["outcome"] == "delivered"] == [False]
 
 
-def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):
+def test_410_gone_disables_the_endpoint(hooks, mock_endpoint, processes):
     """Given an endpoint answering 410 Gone,
-    When an event is delivered to it,
-    Then the delivery is dropped (endpoint_gone), the endpoint is disabled, and a new event gets no delivery."""
+    When an event is delivered to it, then an operator replays its dead letter (POST /v1/admin/dlq/{id}/replay)
+    twice and with `streams dlq replay`, reactivates the endpoint once its receiver answers 200 again, and replays it once more,
+    Then the delivery is dropped (endpoint_gone), the endpoint is disabled, and a new event gets no delivery; both
+    replays before the reactivation are refused 409 naming the reactivation, nothing replayed (before: answered
+    202 with a new send id the worker then skipped as endpoint_disabled, and the dead letter marked replayed, so
+    asking again answered that skipped replay); the one after it is delivered."""
     ep = _register(hooks, mock_endpoint, "gone", status=410)
     delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
     assert _final(hooks, delivery_id)["reason"] == "endpoint_gone"
@@ -231,6 +237,23 @@ def test_410_gone_disables_the_endpoint(hooks, mock_endpoint):
                        ["state"] == "disabled" and e, 10, "the endpoint to be disabled")
     assert "410" in shown["state_reason"]
     assert hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"] == []
+
+    op = hooks.keys["operator"]
+    for _ in range(2):  # the refusal frees its claim: asked again, it is refused again, not "replayed already"
+        r = hooks.post(f"/v1/admin/dlq/{delivery_id}/replay", headers=op)
+        assert r.status_code == 409, r.text
+        assert f"endpoint {ep['id']} is disabled" in r.text and "reactivate" in r.text, r.text
+        assert "nothing was replayed" in r.text
+    cli = subprocess.run([sys.executable, "-m", "streams.cli", "dlq", "replay", delivery_id], env=processes.env,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0 and f"endpoint {ep['id']} is disabled" in cli.stderr, cli.stderr
+    assert "replayed_as" not in hooks.store.get(delivery_id)
+    mock_endpoint.configure("gone", status=200)
+    assert hooks.post(f"/v1/admin/endpoints/{ep['id']}/reactivate", headers=op).json()["state"] == "active"
+    r = wait_until(lambda: (x := hooks.post(f"/v1/admin/dlq/{delivery_id}/replay", headers=op)).status_code != 409
+                   and x, 10, "the replay to be taken once the API's view has the endpoint active")
+    assert r.status_code == 202, r.text
+    assert _final(hooks, r.json()["send_id"])["status"] == "delivered"
 
 
 def test_signing_secrets_are_stored_sealed_and_deliveries_are_signed_with_them(hooks, mock_endpoint, stack, names,

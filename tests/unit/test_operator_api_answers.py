@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from streams.errors import StoreUnavailable, StoreWriteUnknown
+from streams.errors import PublishError, ReplayOutcomeUnknown, StoreUnavailable, StoreWriteUnknown
 from streams.gate.limits import AppliedLimits
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import KeyInfo, Principal, key_id
@@ -263,3 +263,25 @@ def test_a_key_rotation_whose_answer_redis_lost_is_answered_unknown_and_audited_
               json={"overlap_s": 60})
     assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
     assert audit.records == [("apikey/abc", {"outcome": "unknown", "intended": {"rotated": True, "overlap_s": 60}})]
+
+
+@pytest.mark.parametrize("failure, says, outcome", [
+    (PublishError("the replay of s1 was not published: Local: Broker transport failure (broker-3.internal:9092)"),
+     "nothing was published", None),
+    (ReplayOutcomeUnknown("the replay of s1 may have been published as r1 (Local: Message timed out at "
+                          "broker-3.internal:9092)", "r1"), "may have been published as r1", "unknown"),
+])
+def test_a_replay_the_broker_failed_is_answered_without_the_brokers_own_words(monkeypatch, failure, says, outcome):
+    """Given a broker that fails an operator's dead-letter replay, with nothing published or with its outcome unknown,
+    When the operator replays (POST /v1/admin/dlq/{id}/replay),
+    Then the 503 says which (naming the send id to look up when it may be out), and carries no broker address or
+    client error text (before: the publisher's error, broker host and port included, was the answer's detail)."""
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr("streams.ingest.operator_api.replay_dead_letter_once", failing)
+    ingest = _operator_api(OperatorKeys(), Audit(), Limits())
+    ingest.webhooks, ingest.client.bootstrap = None, "broker-3.internal:9092"
+    r = _call(ingest, "POST", "/v1/admin/dlq/s1/replay")
+    assert r.status_code == 503 and says in r.text and r.json().get("outcome") == outcome, r.text
+    assert "broker-3" not in r.text and "9092" not in r.text and "Local:" not in r.text, r.text
