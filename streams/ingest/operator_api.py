@@ -36,6 +36,7 @@ from ..errors import (
     PublishOutcomeUnknown,
     ReplayOutcomeUnknown,
     ReplayRefused,
+    StateLost,
     StoreUnavailable,
     StoreWriteUnknown,
 )
@@ -374,6 +375,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         except ReplayRefused as exc:
             code = 404 if str(exc).startswith("no send") else 409
             raise problem(code, "replay_refused", ["path", "send_id"], str(exc)) from None
+        except StateLost as exc:  # says what the operator does (recover), which the plain 503 would not
+            raise problem(503, "unavailable", [], str(exc), {"Retry-After": "1"}) from None
         except PublishError as exc:  # unknown: the answer names the new send id, to look up before replaying
             log.warning("replay of %s: %s", send_id, exc)  # the broker's own error: logged, not answered
             if isinstance(exc, ReplayOutcomeUnknown):
@@ -411,7 +414,8 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         if stored is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         before = webhooks.current(stored).public()
-        ep = webhooks.set_active(stored.tenant, endpoint_id)
+        with audited_if_unanswered(who, f"endpoint/{endpoint_id}", {"state": before["state"]}, {"state": "active"}):
+            ep = webhooks.set_active(stored.tenant, endpoint_id)
         if ep is None:
             raise problem(404, "not_found", ["path", "endpoint_id"], "no such endpoint")
         try:

@@ -198,7 +198,7 @@ class StatusStore:
         """True once per send: a bulk replay called twice replays each send once. Never while Redis has lost its
         data: `streams state recover` rebuilds statuses (a dead letter reads dead-lettered again) before the marks
         of the replays made before the loss, and a claim in between would replay a replayed send again."""
-        self._require_data()
+        self.require_data()
         status = self.keys.send_status(send_id)
         with store_errors("claiming a replay"):
             if self.holds_data is None:
@@ -214,7 +214,8 @@ class StatusStore:
                             "recover` has not finished: no replay is claimed until then")
         return bool(claimed)
 
-    def _require_data(self) -> None:
+    def require_data(self) -> None:
+        """StateLost while Redis has lost its data and `streams state recover` has not finished."""
         if self.holds_data is None:
             return
         try:

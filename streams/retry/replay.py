@@ -79,6 +79,16 @@ def _payload(bootstrap: str, names: TopicNames, send_id: str, status: dict) -> b
                         f"(sent {_when(_started(status))}); nothing is left to send")
 
 
+def _status(store: StatusStore, send_id: str) -> dict | None:
+    """The send's status. None only while Redis holds its data: after a loss, before `streams state recover` has
+    rebuilt the statuses, StateLost (a dead letter's status may be among those lost; "no send" would say it never
+    existed)."""
+    status = store.get(send_id)
+    if status is None:
+        store.require_data()
+    return status
+
+
 def _check(status: dict | None, send_id: str, tenant: str | None, statuses: frozenset[str],
            outcome_checked: bool) -> dict:
     """The send's status when it may be replayed; else ReplayRefused saying why."""
@@ -139,7 +149,7 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     replay, nothing published) and returns what gives its charge back should the broker refuse it (None: nothing
     to give back)."""
     now_ms = now_ms or int(time.time() * 1000)
-    status = _check(store.get(send_id), send_id, tenant, statuses, outcome_checked)
+    status = _check(_status(store, send_id), send_id, tenant, statuses, outcome_checked)
     if status["status"] != "delivered":  # a delivered one's replay is asked for as a new delivery
         _check_dispatch_is_done(store, status, send_id)
     if now_ms - _kept_since(status) > PAYLOAD_MS:
@@ -216,7 +226,7 @@ def replay_dead_letter(bootstrap: str, names: TopicNames, store: StatusStore, cl
     client retrying after a timeout, is answered with the first replay's send id and publishes nothing.
     A refusal, or a publish with nothing published, frees the claim; a publish the broker left unconfirmed
     keeps it (that replay may exist: `streams sends replay` sends it again deliberately). `admit`: as for `replay`."""
-    status = store.get(send_id)
+    status = _status(store, send_id)
     if earlier := _replayed_as(status):
         return DeadLetterReplay(earlier, None)
     _check(status, send_id, None, DEAD_LETTERED, outcome_checked)  # refused before anything is claimed

@@ -35,7 +35,7 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
     When Redis shuts down without saving and comes back empty,
     Then the limits and the API key are back in Redis without anyone acting, the API accepts the old key,
     the worker reports the loss (dispatch_redis_state_lost = 1) and sends nothing while it holds, even after
-    it is killed and restarted, and the API replays no dead letter (503); and when an operator runs `streams state recover`, dispatch resumes and every
+    it is killed and restarted, and the API replays no dead letter (503, one whose status went with the data too: it was 404 "no send"); and when an operator runs `streams state recover`, dispatch resumes and every
     send is delivered exactly once."""
     fault_topics("email")
     mock_provider.reset(rate=50, latency_ms=20)
@@ -59,6 +59,9 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
         ids += client.publish_batch("blaster", [email_request("marketing")] * 500)
     wait_until(lambda: mock_provider.stats()["messages_delivered"] >= BLAST // 3, 60, "a third of the blast")
 
+    lost_letter = {"send_id": new_send_id(), "tenant_id": "blaster", "channel": "email", "lane": "marketing",
+                   "status": "dead_lettered", "reason": "retries_exhausted", "completed_at_ms": int(time.time() * 1e3)}
+    StatusStore(fault_runtime.redis(), fault_runtime.namespace).record_outcome(lost_letter)
     fault_stack.lose_redis_data()
 
     wait_until(lambda: metric(port, "dispatch_redis_state_lost") == 1, 30, "the worker to report the loss")
@@ -74,6 +77,9 @@ def test_lost_redis_data_restores_operator_state_holds_dispatch_and_recovers_wit
                             headers={"Authorization": f"Bearer {operator_key}"})
     refused = operator.post(f"/v1/admin/dlq/{dead_letter['send_id']}/replay")
     assert refused.status_code == 503, refused.text
+    # One whose status went with the data: 503 for the loss too, not 404 "no send" (it exists, and comes back).
+    refused = operator.post(f"/v1/admin/dlq/{lost_letter['send_id']}/replay")
+    assert refused.status_code == 503 and "lost its data" in refused.text, refused.text
     held_at = mock_provider.stats()["messages_delivered"]
     # A worker restarted during the hold reads uncommitted work again: it must hold too.
     fault_processes.procs[0][1].send_signal(signal.SIGKILL)

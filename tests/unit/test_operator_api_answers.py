@@ -285,3 +285,28 @@ def test_a_replay_the_broker_failed_is_answered_without_the_brokers_own_words(mo
     r = _call(ingest, "POST", "/v1/admin/dlq/s1/replay")
     assert r.status_code == 503 and says in r.text and r.json().get("outcome") == outcome, r.text
     assert "broker-3" not in r.text and "9092" not in r.text and "Local:" not in r.text, r.text
+
+
+def test_a_reactivation_whose_answer_redis_lost_is_answered_unknown_and_audited_as_maybe_applied():
+    """Given an endpoint a 410 disabled, and a Redis that writes its reactivation and loses the answer,
+    When the operator reactivates it (POST /v1/admin/endpoints/{id}/reactivate),
+    Then the answer is 503 `"outcome": "unknown"` and the audit trail has the reactivation as maybe applied, from
+    disabled (before: no record at all; asked again, the endpoint read active, and the trail said active -> active:
+    the lifted disable appeared nowhere)."""
+    from streams.webhooks.model import Endpoint
+
+    disabled = Endpoint("ep_1", "acme", "https://hooks.acme.test/in", ("*",), state="disabled",
+                        state_reason="410 Gone")
+
+    def set_active(tenant, endpoint_id):
+        raise StoreWriteUnknown("cannot write endpoint ep_1: Timeout reading from socket (test)")
+
+    audit = Audit()
+    ingest = _operator_api(OperatorKeys(), audit, Limits())
+    ingest.webhooks = SimpleNamespace(directory=SimpleNamespace(find=lambda endpoint_id, wait_s: disabled),
+                                      endpoints=SimpleNamespace(get=lambda tenant, endpoint_id: disabled),
+                                      current=lambda ep: ep, set_active=set_active)
+    r = _call(ingest, "POST", "/v1/admin/endpoints/ep_1/reactivate")
+    assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
+    assert audit.records == [("endpoint/ep_1", {"outcome": "unknown", "intended": {"state": "active"}})]
+    assert audit.befores == [{"state": "disabled"}]
