@@ -33,7 +33,6 @@ Metrics: the bulk process's own are served at `/metrics/bulk` of the API's port.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import shutil
@@ -45,15 +44,19 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from .. import metrics
 from ..backoff import Outage
 from ..cpu_priority import start_in_own_session
+from ..errors import StoreUnavailable
+from .api_keys import Principal
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
-from .web import bearer_token, earlier_attempt_may_be_published, first_header
+from .web import NO_VALID_KEY, NOT_A_TENANT_KEY, bearer_token, earlier_attempt_may_be_published, first_header
 
 log = logging.getLogger("streams.api")
 
@@ -220,11 +223,19 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
+def key_refused(refusal: tuple[int, str, str]) -> JSONResponse:
+    """401 or 403 (`web.NO_VALID_KEY`, `web.NOT_A_TENANT_KEY`), as the API's routes answer them."""
+    status, error, msg = refusal
+    metrics.INGEST_REJECTED.labels(str(status)).inc()
+    return JSONResponse({"error": error, "errors": [{"loc": ["header", "authorization"], "msg": msg}]},
+                        status_code=status)
+
+
 def too_many_batches(keyed: bool) -> JSONResponse:
-    """429: one API key has FORWARDS_PER_KEY batches being published; nothing of this one was (`keyed`: an
+    """429: one tenant has FORWARDS_PER_TENANT batches being published; nothing of this one was (`keyed`: an
     earlier attempt under its Idempotency-Key may have been, `"outcome": "unknown"`)."""
     metrics.INGEST_REJECTED.labels("429").inc()
-    busy = f"{FORWARDS_PER_KEY} batches of this API key are being published: this one was not taken"
+    busy = f"{FORWARDS_PER_TENANT} batches of this tenant are being published: this one was not taken"
     body: dict = {"error": "too_many_batches", "errors": [{"loc": ["header", "authorization"], "msg": (
         earlier_attempt_may_be_published(busy) if keyed else
         f"{busy}, nothing was published; send it again once one is answered")}]}
@@ -233,21 +244,25 @@ def too_many_batches(keyed: bool) -> JSONResponse:
     return JSONResponse(body, status_code=429, headers={"Retry-After": "1"})
 
 
-# Batches forwarded at once, per API key and in all. Each holds its body (up to the body limit) here and in the
+# Batches forwarded at once, per tenant and in all. Each holds its body (up to the body limit) here and in the
 # bulk process until it is answered (up to PUBLISH_WAIT_S): unbounded, one client posting batches on many
 # connections to a slow broker could run the API process out of memory, and single sends (OTPs) with it.
-FORWARDS_PER_KEY, FORWARDS_MAX = 4, 32
+# Counted by tenant, not by key: the bulk process publishes one batch of a tenant at a time, so a tenant's
+# batches on several keys would wait there holding every place, and no other tenant's batch would be taken.
+FORWARDS_PER_TENANT, FORWARDS_MAX = 4, 32
 
 
 class BulkProxy:
     """ASGI: `POST /v1/sends/batch` (and `/metrics/bulk`) answered by the bulk process; the rest by `app`.
     Without a socket (no bulk process), `/metrics/bulk` is 404, so no scrape counts the API's twice."""
 
-    def __init__(self, app, socket_path: str | None):
+    def __init__(self, app, socket_path: str | None, resolve: Callable[[str], Principal | None]):
+        """`resolve`: an API key's principal (None: no valid key; StoreUnavailable: Redis cannot say)."""
         self.app = app
         self.socket_path = socket_path
+        self.resolve = resolve
         self.bulk = UnixHttp(socket_path, host=b"bulk") if socket_path else None
-        self._forwarding: Counter[bytes] = Counter()  # batches being forwarded, by a digest of their credential
+        self._forwarding: Counter[str] = Counter()  # batches being forwarded, by tenant
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -259,11 +274,19 @@ class BulkProxy:
                 )}]}, status_code=404)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
-            key = _credential_digest(scope)
+            # Authenticated before anything is read or forwarded: a made-up key took a place, its 5 MiB body parsed
+            # by the bulk process before its 401 (a few dozen such posts kept every tenant's batches out).
+            try:
+                found = await self._principal(scope)
+            except StoreUnavailable:  # the API answers it as any request then (503; "unknown" for a keyed one)
+                return await self.app(scope, receive, send)
+            if found is None or found.role != "tenant" or not found.tenant:
+                return await key_refused(NOT_A_TENANT_KEY if found else NO_VALID_KEY)(scope, receive, send)
+            key = found.tenant
             # A keyed batch may retry an attempt whose outcome was unknown: "nothing was published" would read as
             # "not sent", and the client could send it again under a new key (twice).
             keyed = bool(first_header(scope, b"idempotency-key"))
-            if self._forwarding[key] >= FORWARDS_PER_KEY:
+            if self._forwarding[key] >= FORWARDS_PER_TENANT:
                 return await too_many_batches(keyed)(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:
                 busy = f"{FORWARDS_MAX} batches are being published: this one was not taken"
@@ -280,6 +303,12 @@ class BulkProxy:
         if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
             return await self._metrics(self.bulk, scope, receive, send)
         return await self.app(scope, receive, send)
+
+    async def _principal(self, scope) -> Principal | None:
+        """The principal of the batch's API key, read as the API reads it (its first Authorization header, latin-1
+        as Starlette decodes headers); None for no valid key."""
+        token = bearer_token(first_header(scope, b"authorization").decode("latin-1"))
+        return await run_in_threadpool(self.resolve, token) if token else None
 
     async def _forward(self, bulk: UnixHttp, scope, receive, send, keyed: bool) -> None:
         chunks, more = [], True
@@ -321,11 +350,6 @@ class BulkProxy:
         await _send_back(answer, send)
 
 
-def _credential_digest(scope) -> bytes:
-    """What a batch's per-key count is kept under: a digest of its bearer token, read as the API reads it (headers
-    are latin-1, as Starlette decodes them), never the token itself. The bulk process authenticates it."""
-    header = first_header(scope, b"authorization").decode("latin-1")
-    return hashlib.sha256(bearer_token(header).encode("latin-1")).digest()
 
 
 async def _send_back(answer: Answer, send) -> None:

@@ -247,6 +247,17 @@ def bearer_token(authorization: str) -> str:
     return credentials.strip() if scheme.lower() == "bearer" else ""
 
 
+# How a request without a valid key, and one with another role's key on a tenant's route, are refused (status,
+# error, message): by the API's routes, and by the bulk proxy before it forwards a batch.
+NO_VALID_KEY = (401, "unauthorized", "a valid API key is required (Bearer)")
+NOT_A_TENANT_KEY = (403, "forbidden", "this needs a tenant key")
+
+
+def key_problem(refusal: tuple[int, str, str]) -> HTTPException:
+    status, error, msg = refusal
+    return problem(status, error, ["header", "authorization"], msg)
+
+
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                     description="an API key (`streams keys create`): `Authorization: Bearer <key>`")
 
@@ -273,6 +284,14 @@ class Auth:
             raise
 
     def _principal(self, request: Request) -> Principal:
+        found = self.resolve(bearer_token(request.headers.get("authorization", "")))
+        if found is None:
+            raise key_problem(NO_VALID_KEY)
+        return found
+
+    def resolve(self, token: str) -> Principal | None:
+        """The principal of an API key (None: no valid one), after the state guard's look (see the class doc).
+        StoreUnavailable: Redis cannot say."""
         if self.guard is not None:
             try:
                 self.guard.check()
@@ -280,17 +299,13 @@ class Auth:
                 if (now := time.monotonic()) >= self._log_unreadable_at:
                     self._log_unreadable_at = now + UNREADABLE_LOG_EVERY_S
                     log.warning("cannot check Redis state against the operator log: %s", exc)
-        token = bearer_token(request.headers.get("authorization", ""))
-        found = self.keys.resolve(token) if token else None
-        if found is None:
-            raise problem(401, "unauthorized", ["header", "authorization"], "a valid API key is required (Bearer)")
-        return found
+        return self.keys.resolve(token) if token else None
 
     # The role checks are async: no I/O, so no hop to a worker thread (only `principal` reads Redis).
     def tenant_dependency(self) -> Callable[..., Any]:
         async def tenant(p: Annotated[Principal, Depends(self.principal)]) -> str:
             if p.role != "tenant" or not p.tenant:
-                raise problem(403, "forbidden", ["header", "authorization"], "this needs a tenant key")
+                raise key_problem(NOT_A_TENANT_KEY)
             return p.tenant
 
         return tenant

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from streams.ingest import bulk
+from streams.ingest.api_keys import Principal
 from streams.ingest.unix_http import Answer
 from tests.harness import wait_until
 
@@ -51,60 +52,102 @@ class HeldBulk:
         return Answer(202, [(b"content-type", b"application/json")], b'{"accepted": 1}')
 
 
-def test_batches_forwarded_at_once_are_bounded_per_api_key_and_in_all(monkeypatch):
+KEYS = {"key-a": Principal("tenant", "tenant-a", "ka"), "key-a2": Principal("tenant", "tenant-a", "ka2"),
+        "key-b": Principal("tenant", "tenant-b", "kb"), "key-c": Principal("tenant", "tenant-c", "kc"),
+        "key-d": Principal("tenant", "tenant-d", "kd"), "key-op": Principal("operator", None, "ko")}
+
+
+def test_batches_forwarded_at_once_are_bounded_per_tenant_and_in_all(monkeypatch):
     """Given a bulk process slow to answer (a slow broker),
-    When one API key posts more batches at once than FORWARDS_PER_KEY, and others fill FORWARDS_MAX,
-    Then the key's extra batch (its scheme in another case, spaces around its token; or a made-up key in a second
-    Authorization header, which the API does not read: before, counted under it, so one tenant's batches took every
-    place) is answered 429 at once (with `"outcome": "unknown"` for a keyed batch: it may retry an attempt whose
-    outcome was unknown),
-    unpublished, while another key's goes on; past
-    FORWARDS_MAX any batch is answered 503 (before: every batch was held, body and all, until the bulk process
-    answered, and one client could run the API process, its single sends with it, out of memory); once answered,
-    the key may post again."""
+    When one tenant posts more batches at once than FORWARDS_PER_TENANT, and others fill FORWARDS_MAX,
+    Then the tenant's extra batch is answered 429 at once, whichever of its keys it comes with (before: counted by
+    key, so a tenant with a few keys took every place, its batches waiting in the bulk process for their turn one at
+    a time, and every other tenant's batch was refused), its key written otherwise too (the scheme in another case,
+    spaces around the token), or followed by a made-up key in a second Authorization header, which the API does not
+    read (`"outcome": "unknown"` for a keyed batch: it may retry an attempt whose outcome was unknown); a made-up key
+    is 401 and an operator's 403, at once and forwarded nowhere (before: each took a place, its body read by the
+    bulk process before its 401); past FORWARDS_MAX any batch is answered 503 (before any bound: every batch was
+    held, body and all, until the bulk process answered); once answered, the tenant may post again."""
     import httpx
 
-    monkeypatch.setattr(bulk, "FORWARDS_MAX", bulk.FORWARDS_PER_KEY + 2)
-    proxy = bulk.BulkProxy(lambda scope, receive, send: None, None)
+    monkeypatch.setattr(bulk, "FORWARDS_MAX", bulk.FORWARDS_PER_TENANT + 2)
+    proxy = bulk.BulkProxy(lambda scope, receive, send: None, None, KEYS.get)
     proxy.bulk = held = HeldBulk()
 
     async def scenario():
         transport = httpx.ASGITransport(app=proxy)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
-            def post(key):
+            def post(key, **headers):
                 return asyncio.create_task(client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
-                                                       headers={"authorization": f"Bearer {key}"}))
+                                                       headers={"authorization": f"Bearer {key}", **headers}))
 
-            first = [post("key-a") for _ in range(bulk.FORWARDS_PER_KEY)]
-            while held.forwarded < bulk.FORWARDS_PER_KEY:
+            first = [post("key-a") for _ in range(bulk.FORWARDS_PER_TENANT)]
+            while held.forwarded < bulk.FORWARDS_PER_TENANT:
                 await asyncio.sleep(0)
+            other_key = await post("key-a2")  # another key of the same tenant: the same count
             extra = await asyncio.create_task(client.post(  # the same key, written otherwise: the same count
                 bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "bearer   key-a "}))
             # A second Authorization header after the key: the API authenticates the first, so it is counted so
             smuggled = await asyncio.wait_for(client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers=[
                 ("authorization", "Bearer key-a"), ("authorization", "Bearer made-up")]), 10)  # held: forwarded
-            keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
-                                      headers={"authorization": "Bearer key-a", "idempotency-key": "k-1"})
+            keyed = await post("key-a", **{"idempotency-key": "k-1"})
+            made_up, operator, none = await post("made-up"), await post("key-op"), await asyncio.create_task(
+                client.post(bulk.BATCH_PATH, content=b'{"sends": []}'))
             others = [post("key-b") for _ in range(2)]
-            while held.forwarded < bulk.FORWARDS_PER_KEY + 2:
+            while held.forwarded < bulk.FORWARDS_PER_TENANT + 2:
                 await asyncio.sleep(0)
             full = await post("key-c")
-            full_keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
-                                           headers={"authorization": "Bearer key-d", "idempotency-key": "k-2"})
+            full_keyed = await post("key-d", **{"idempotency-key": "k-2"})
+            forwarded = held.forwarded
             held.answer.set()
             answered = [r.status_code for r in await asyncio.gather(*first, *others)]
-            again = await post("key-a")
-        return extra, smuggled, keyed, full, full_keyed, answered, again
+            again = await post("key-a2")
+        return other_key, extra, smuggled, keyed, made_up, operator, none, full, full_keyed, forwarded, answered, again
 
-    extra, smuggled, keyed, full, full_keyed, answered, again = asyncio.run(scenario())
-    assert extra.status_code == 429 and extra.json()["error"] == "too_many_batches"
-    assert smuggled.status_code == 429, smuggled.text
-    assert extra.headers["retry-after"] == "1" and "key-a" not in extra.text
+    other_key, extra, smuggled, keyed, made_up, operator, none, full, full_keyed, forwarded, answered, again = (
+        asyncio.run(scenario()))
+    for refused in (other_key, extra, smuggled):
+        assert refused.status_code == 429 and refused.json()["error"] == "too_many_batches", refused.text
+    assert extra.headers["retry-after"] == "1" and "key-a" not in extra.text and "tenant-a" not in extra.text
+    assert (made_up.status_code, none.status_code, operator.status_code) == (401, 401, 403), (made_up.text,
+                                                                                             operator.text)
+    assert made_up.json() == {"error": "unauthorized", "errors": [{"loc": ["header", "authorization"],
+                                                                   "msg": "a valid API key is required (Bearer)"}]}
+    assert forwarded == bulk.FORWARDS_PER_TENANT + 2  # none of the refused reached the bulk process
     assert full.status_code == 503 and "nothing was published" in full.text
     assert "outcome" not in extra.json() and "outcome" not in full.json()
     # A keyed batch may be the retry of an attempt left unknown: never told "not sent" (sent again under a new key)
     for refused, status in ((keyed, 429), (full_keyed, 503)):
         assert refused.status_code == status and refused.json()["outcome"] == "unknown", refused.text
         assert "an earlier attempt under this Idempotency-Key may have been" in refused.text
-    assert answered == [202] * (bulk.FORWARDS_PER_KEY + 2) and again.status_code == 202
+    assert answered == [202] * (bulk.FORWARDS_PER_TENANT + 2) and again.status_code == 202
     assert proxy._forwarding == {}
+
+
+def test_a_batch_whose_key_redis_cannot_check_is_answered_by_the_api_not_forwarded():
+    """Given a key store that cannot be read (Redis down),
+    When a batch is posted through the proxy,
+    Then the API's own app answers it (503, as for any request then; "unknown" for a keyed one), nothing forwarded."""
+    import httpx
+
+    from streams.errors import StoreUnavailable
+
+    def unreadable(token):
+        raise StoreUnavailable("checking the API key: Redis unavailable (test)")
+
+    seen = []
+
+    async def api(scope, receive, send):
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    proxy = bulk.BulkProxy(api, None, unreadable)
+    proxy.bulk = held = HeldBulk()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy), base_url="http://api") as client:
+            return await client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "Bearer k"})
+
+    assert asyncio.run(scenario()).status_code == 503
+    assert seen == [bulk.BATCH_PATH] and held.forwarded == 0

@@ -118,16 +118,17 @@ def test_a_batch_the_bulk_process_dropped_unanswered_tells_the_client_how_to_ret
     says a retry is published under new send ids (before: it told a client without a key to reuse its key)."""
     import httpx
 
+    from streams.ingest.api_keys import Principal
     from streams.ingest.bulk import BulkProxy
 
     async def scenario():
         server, listener, _ = await serving(tmp_path, [None])
         async with listener:
-            proxy = BulkProxy(None, str(tmp_path / "s.sock"))
+            proxy = BulkProxy(None, str(tmp_path / "s.sock"), lambda token: Principal("tenant", "acme", "k1"))
             transport = httpx.ASGITransport(proxy)
             async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
-                return await http.post("/v1/sends/batch", json={"sends": []},
-                                       headers={"Idempotency-Key": key} if key else {})
+                return await http.post("/v1/sends/batch", json={"sends": []}, headers={
+                    "Authorization": "Bearer dr_ten_x", **({"Idempotency-Key": key} if key else {})})
 
     r = asyncio.run(scenario())
     assert r.status_code == 503 and r.json()["outcome"] == "unknown", r.text
@@ -144,13 +145,14 @@ def test_a_batch_meeting_no_bulk_process_says_whether_an_earlier_attempt_may_hav
     met the process stopping) may have been published: retry with the same key (before: "nothing was published")."""
     import httpx
 
+    from streams.ingest.api_keys import Principal
     from streams.ingest.bulk import BulkProxy
 
     async def scenario():
-        proxy = BulkProxy(None, str(tmp_path / "absent.sock"))
+        proxy = BulkProxy(None, str(tmp_path / "absent.sock"), lambda token: Principal("tenant", "acme", "k1"))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://api") as http:
             return await http.post("/v1/sends/batch", json={"sends": []},
-                                   headers={"Idempotency-Key": key} if key else {})
+                                   headers={"Authorization": "Bearer dr_ten_x", **({"Idempotency-Key": key} if key else {})})
 
     r = asyncio.run(scenario())
     assert r.status_code == 503, r.text
