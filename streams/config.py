@@ -386,7 +386,7 @@ class Config:
             providers=_endpoints(load_registry(e.get("DUAL_RAIL_PROVIDERS") or None), e),
             provider_timeout_s=_seconds(e, "PROVIDER_TIMEOUT_S", 10.0),
             provider_auth_hold_s=_seconds(e, "PROVIDER_AUTH_HOLD_S", 30.0, may_be_zero=True),
-            retry_policies_path=e.get("DUAL_RAIL_RETRY_POLICIES") or None,
+            retry_policies_path=retry_policies_path(e),
             retry_time_scale=_seconds(e, "DUAL_RAIL_RETRY_TIME_SCALE", 1.0),
             yield_policy=_yield_policy(e),
             # 0 would turn the consumers' commits off (librdkafka), and the lag, read from committed offsets, would
@@ -433,3 +433,8 @@ class Config:
     @property
     def keys(self) -> RedisKeys:
         return RedisKeys(self.namespace)
+
+
+def retry_policies_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """DUAL_RAIL_RETRY_POLICIES (None: the packaged file), for the SDK, which has no Config of its own."""
+    return (os.environ if environ is None else environ).get("DUAL_RAIL_RETRY_POLICIES") or None

@@ -266,8 +266,10 @@ class Runtime:
     def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None,
                     txn_instance: str | None = None) -> SendClient:
         from .ingest.sdk import SendClient
-        from .retry.policy import load_routing
+        from .retry.policy import load_policies, load_routing
 
+        if known_policies is None:  # this runtime's file, not the process environment's
+            known_policies = frozenset(load_policies(self.config.retry_policies_path))
         client = SendClient(self.bootstrap, self.names, known_policies=known_policies, router=router,
                             timeout_s=self.config.delivery_timeout_ms / 1000,
                             routing=load_routing(self.config.retry_policies_path), txn_instance=txn_instance)

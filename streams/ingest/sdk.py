@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import orjson
 
+from ..config import retry_policies_path
 from ..errors import SendTooLarge, SendValidationError
 from ..names import TopicNames
 from ..outcomes import OUTCOMES_PER_RECORD, accepted_events
-from ..retry.policy import PolicyRouting, default_routing
+from ..retry.policy import PolicyRouting, default_routing, load_policies, load_routing
 from ..send import MAX_SEND_BYTES, Send, build_send, encode, new_send_id, validate_batch
 from .publisher import Publisher, Record, Written
 
@@ -39,8 +40,11 @@ class SendClient:
         self.bootstrap = bootstrap
         self.names = names or TopicNames()
         self.route = router or lane_topic(self.names)
-        self.known_policies = known_policies
-        self.routing = routing or default_routing()  # which policy a send that names none gets
+        # Without them given, the retry policies the workers read (DUAL_RAIL_RETRY_POLICIES, else the packaged file):
+        # a send naming another (a misspelt one) is refused here, not accepted and dead-lettered `unknown_policy`.
+        path = retry_policies_path()
+        self.known_policies = known_policies if known_policies is not None else frozenset(load_policies(path))
+        self.routing = routing or (load_routing(path) if path else default_routing())  # for a send naming none
         self.timeout_s = timeout_s
         # Records written once, in order, acknowledged by all in-sync replicas; several at once in a
         # transaction (all or nothing).

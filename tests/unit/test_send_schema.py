@@ -1,6 +1,7 @@
 """The send: lane from category, field-level errors, frozen bytes, tolerant of unknown fields."""
 
 import uuid
+from pathlib import Path
 from typing import Annotated
 
 import orjson
@@ -176,3 +177,28 @@ def test_the_other_spelling_of_from_is_published_as_from():
     payload = {k: v for k, v in email_request()["payload"].items() if k != "from"}
     sent = build_send(validate_request({**email_request(), "payload": {**payload, "from_": "a@acme.test"}}), "acme")
     assert sent.payload["from"] == "a@acme.test" and "from_" not in sent.payload
+
+
+def test_the_sdk_refuses_a_policy_the_workers_do_not_know_before_publishing(monkeypatch, tmp_path):
+    """Given the SDK built as the README shows (`SendClient(bootstrap)`, no policies given),
+    When a producer publishes a send naming a misspelt policy, and one naming a policy only the deployment's
+    policy file (DUAL_RAIL_RETRY_POLICIES) has,
+    Then the first is refused by name before anything is published (before: accepted, a send id returned, and the
+    worker dead-lettered it `unknown_policy`), and the file's own policy is known."""
+    import streams.retry.policy
+    from streams.ingest.sdk import SendClient
+
+    monkeypatch.delenv("DUAL_RAIL_RETRY_POLICIES", raising=False)
+    client = SendClient("127.0.0.1:9")  # nothing listens there: a publish would fail, not pass
+    try:
+        with pytest.raises(SendValidationError, match="policy: unknown policy 'otp-fsat'"):
+            client.publish("acme", {**email_request(), "policy": "otp-fsat"})
+    finally:
+        client.close()
+    packaged = Path(streams.retry.policy.__file__).with_name("policies.toml").read_text()
+    own = tmp_path / "policies.toml"
+    own.write_text(packaged + '\n[policy.digest]\nmax_attempts = 2\nmax_age = "1h"\nschedule = ["10s"]\n')
+    monkeypatch.setenv("DUAL_RAIL_RETRY_POLICIES", str(own))
+    client = SendClient("127.0.0.1:9")
+    client.close()
+    assert "digest" in client.known_policies
