@@ -3,7 +3,7 @@
     from streams.webhooks.client import WebhooksClient
     hooks = WebhooksClient("https://dispatch.example.com", api_key)
     ep = hooks.create_endpoint("https://acme.example/hooks", ["invoice.paid"])   # ep["secret"] shown once
-    hooks.send_event("invoice.paid", {"id": 7}, occurred_at="2026-11-30T12:00:00Z")
+    hooks.send_event("invoice.paid", {"id": 7}, occurred_at="2026-11-30T12:00:00Z", idempotency_key="invoice-7-paid")
 
 Errors come back as WebhooksApiError with the API's status and its `errors` list.
 """
@@ -63,10 +63,15 @@ class WebhooksClient:
     def rotate_secret(self, endpoint_id: str) -> str:
         return self._call("POST", f"/v1/endpoints/{endpoint_id}/rotate-secret")["secret"]
 
-    def send_event(self, event_type: str, data: dict, occurred_at: str, category: str = "transactional") -> dict:
-        """Publish an event; the answer lists one delivery per subscribed endpoint."""
+    def send_event(self, event_type: str, data: dict, occurred_at: str, category: str = "transactional",
+                   idempotency_key: str | None = None) -> dict:
+        """Publish an event; the answer lists one delivery per subscribed endpoint. With `idempotency_key` (one per
+        event, e.g. "invoice-7-paid"), sending it again after a timeout or a 503 `"outcome": "unknown"` is the same
+        event: the first answer, the same delivery ids, nothing delivered twice. Without one, a retry is another
+        event, delivered again under new ids."""
         return self._call("POST", "/v1/sends", json={"channel": "webhook", "category": category, "payload": {
-            "event_type": event_type, "occurredAt": occurred_at, "data": data}})
+            "event_type": event_type, "occurredAt": occurred_at, "data": data}},
+            headers={"Idempotency-Key": idempotency_key} if idempotency_key else None)
 
     def deliveries(self, endpoint_id: str, limit: int = 100) -> list[dict]:
         """The endpoint's newest `limit` deliveries (one page; `all_deliveries` reads them all)."""

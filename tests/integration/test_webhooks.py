@@ -97,6 +97,28 @@ def test_a_signed_event_reaches_every_subscribed_endpoint_and_its_history_is_kep
     assert nobody["deliveries"] == [] and "no enabled endpoint" in nobody["note"]
 
 
+def test_the_sdk_sends_an_event_again_under_its_idempotency_key_as_the_same_event(hooks, mock_endpoint):
+    """Given an endpoint subscribed to invoice.paid, and the webhooks SDK,
+    When a producer sends an event with an idempotency key, then again with the same key (its retry after a timeout),
+    Then the second answer is the first (the same event and delivery ids) and the receiver gets one delivery (before:
+    the SDK sent no key, so a retry was a second event, delivered again under a new webhook-id); without a key the
+    same call is another event."""
+    _register(hooks, mock_endpoint, "keyed")
+    sdk = WebhooksClient(str(hooks.base_url), hooks.keys["a"]["Authorization"].removeprefix("Bearer "))
+    try:
+        first = sdk.send_event("invoice.paid", {"id": 7}, "2026-11-30T12:00:00Z", idempotency_key="invoice-7-paid")
+        again = sdk.send_event("invoice.paid", {"id": 7}, "2026-11-30T12:00:00Z", idempotency_key="invoice-7-paid")
+        other = sdk.send_event("invoice.paid", {"id": 7}, "2026-11-30T12:00:00Z")
+    finally:
+        sdk.http.close()
+    assert (again["send_id"], again["deliveries"]) == (first["send_id"], first["deliveries"])
+    assert other["send_id"] != first["send_id"]
+    ids = [d["delivery_id"] for d in (*first["deliveries"], *other["deliveries"])]
+    for delivery_id in ids:
+        assert _final(hooks, delivery_id)["status"] == "delivered"
+    assert sorted(mock_endpoint.stats(deliveries=True)["deliveries"]) == sorted(ids)
+
+
 def test_an_oversized_event_in_a_batch_is_named_by_its_place_in_the_batch(hooks, mock_endpoint):
     """Given tenant a with two endpoints subscribed to invoice.paid (each event fans out to two deliveries),
     When a posts a batch of two events whose second is over the send limit,
