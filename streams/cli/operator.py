@@ -436,8 +436,15 @@ def state(sub) -> None:
             return 0 if intact else 3
         oplog = rt.operator_log()
         if args.action == "recover":
-            done = recover(rt.bootstrap, client, rt.names, rt.config.keys, oplog,
-                           progress=lambda m: print(f"  {m}", file=sys.stderr))
+            try:
+                done = recover(rt.bootstrap, client, rt.names, rt.config.keys, oplog,
+                               progress=lambda m: print(f"  {m}", file=sys.stderr))
+            except BaseException as exc:  # Ctrl-C included: it may have restored operator state and marks before
+                try:
+                    _audited(rt, "state/recover", None, {"finished": False, "error": type(exc).__name__})
+                except Exception as unconfirmed:  # noqa: BLE001 - the recovery's own error is the answer
+                    print(f"warning: {unconfirmed}", file=sys.stderr)
+                raise
             skipped = f" ({done.skipped} unusable events skipped)" if done.skipped else ""
             print(f"recovered: {done.events} outcome events read, {done.delivered_marks} delivered marks, "
                   f"{done.stop_marks} reconcile/tried marks, {done.statuses} statuses and {done.replay_marks} "

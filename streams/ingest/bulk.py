@@ -53,7 +53,7 @@ from starlette.responses import JSONResponse
 from .. import metrics
 from ..backoff import Outage
 from ..cpu_priority import start_in_own_session
-from ..errors import StoreUnavailable
+from ..errors import PublishError, StoreUnavailable
 from .api_keys import Principal
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
 from .web import NO_VALID_KEY, NOT_A_TENANT_KEY, bearer_token, earlier_attempt_may_be_published, first_header
@@ -274,18 +274,22 @@ class BulkProxy:
                 )}]}, status_code=404)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and scope["path"] == BATCH_PATH:
-            # Authenticated before anything is read or forwarded: a made-up key took a place, its 5 MiB body parsed
-            # by the bulk process before its 401 (a few dozen such posts kept every tenant's batches out).
-            try:
-                found = await self._principal(scope)
-            except StoreUnavailable:  # the API answers it as any request then (503; "unknown" for a keyed one)
-                return await self.app(scope, receive, send)
-            if found is None or found.role != "tenant" or not found.tenant:
-                return await key_refused(NOT_A_TENANT_KEY if found else NO_VALID_KEY)(scope, receive, send)
-            key = found.tenant
             # A keyed batch may retry an attempt whose outcome was unknown: "nothing was published" would read as
             # "not sent", and the client could send it again under a new key (twice).
             keyed = bool(first_header(scope, b"idempotency-key"))
+            # Authenticated before it is forwarded: a made-up key took a place, its 5 MiB body parsed by the bulk
+            # process before its 401 (a few dozen such posts kept every tenant's batches out). Never handed to the
+            # API's own batch route either: it would parse and publish it in the API process, beside the OTPs.
+            try:
+                found = await self._principal(scope)
+            except (StoreUnavailable, PublishError):  # Redis, or the state guard's operator log, cannot say
+                busy = "the API key could not be checked (the state store is unavailable)"
+                return await (unavailable(earlier_attempt_may_be_published(busy), outcome="unknown") if keyed
+                              else unavailable(f"{busy}: nothing was published; retry after a moment"))(
+                    scope, receive, send)
+            if found is None or found.role != "tenant" or not found.tenant:
+                return await key_refused(NOT_A_TENANT_KEY if found else NO_VALID_KEY)(scope, receive, send)
+            key = found.tenant
             if self._forwarding[key] >= FORWARDS_PER_TENANT:
                 return await too_many_batches(keyed)(scope, receive, send)
             if self._forwarding.total() >= FORWARDS_MAX:

@@ -88,7 +88,8 @@ class WebhookIngest:
         why = ("was deleted: nothing can deliver it" if current is None else
                "is disabled: the tenant enables it (PATCH enabled=true), then replay" if not current.enabled else
                f"is {current.state}: once its receiver is fixed, reactivate it (`streams endpoints reactivate "
-               f"{endpoint_id} --tenant {tenant}`), then replay")
+               f"{endpoint_id} --tenant {tenant}`), then replay (reactivated a moment ago, it takes deliveries "
+               "again within a few seconds: ask again then)")
         raise ReplayNotYet(f"send {new.replay_of} is a webhook delivery whose endpoint {endpoint_id} {why}; "
                            "nothing was replayed")
 

@@ -59,6 +59,20 @@ def test_every_operator_change_from_the_cli_is_on_the_audit_trail(stack, names, 
     assert secret not in shown and rotated not in shown and "url-carried-token" not in shown
 
 
+def test_a_state_recovery_that_fails_is_on_the_audit_trail_as_unfinished(stack, names, channel_topics, dispatch_env):
+    """Given a Redis that does not answer,
+    When an operator runs `streams state recover`,
+    Then it fails, and the audit trail has the attempt as unfinished, with its error's kind (before: only a recovery
+    that finished was recorded, though one stopped part-way may have restored operator state and marks)."""
+    channel_topics("email")
+    started = int(time.time() * 1000)
+    done = _cli({**dispatch_env, "REDIS_URL": "redis://127.0.0.1:9/0"}, "state", "recover")
+    assert done.returncode != 0
+    [entry] = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == "state/recover"]
+    assert entry["after"]["finished"] is False and entry["after"]["error"], entry
+    assert entry["who"] == cli_actor()
+
+
 def test_a_cli_change_the_audit_trail_does_not_confirm_still_shows_what_was_done(stack, names, channel_topics,
                                                                                dispatch_env):
     """Given an audit trail the broker cannot take records on (its topic is gone),

@@ -6,6 +6,9 @@ import errno
 import subprocess
 import sys
 
+import pytest
+
+from streams.errors import PublishError, StoreUnavailable
 from streams.ingest import bulk
 from streams.ingest.api_keys import Principal
 from streams.ingest.unix_http import Answer
@@ -124,30 +127,34 @@ def test_batches_forwarded_at_once_are_bounded_per_tenant_and_in_all(monkeypatch
     assert proxy._forwarding == {}
 
 
-def test_a_batch_whose_key_redis_cannot_check_is_answered_by_the_api_not_forwarded():
-    """Given a key store that cannot be read (Redis down),
-    When a batch is posted through the proxy,
-    Then the API's own app answers it (503, as for any request then; "unknown" for a keyed one), nothing forwarded."""
+@pytest.mark.parametrize("failure", [StoreUnavailable("checking the API key: Redis unavailable (test)"),
+                                     PublishError("the operator log did not acknowledge an epoch marker (test)")])
+def test_a_batch_whose_key_cannot_be_checked_is_answered_503_and_neither_forwarded_nor_published(failure):
+    """Given a key that cannot be checked (Redis down, or the state guard's operator log failing),
+    When a batch is posted through the proxy, with and without an Idempotency-Key,
+    Then the proxy answers 503 in the API's shape (nothing published; `"outcome": "unknown"` with a key: an earlier
+    attempt under it may have been), and neither the bulk process nor the API's own batch route gets it (which would
+    parse and publish it in the API process, beside the OTPs, once a second look at the key succeeded)."""
     import httpx
 
-    from streams.errors import StoreUnavailable
-
     def unreadable(token):
-        raise StoreUnavailable("checking the API key: Redis unavailable (test)")
-
-    seen = []
+        raise failure
 
     async def api(scope, receive, send):
-        seen.append(scope["path"])
-        await send({"type": "http.response.start", "status": 503, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        pytest.fail("the API's own batch route must not get it")
 
     proxy = bulk.BulkProxy(api, None, unreadable)
     proxy.bulk = held = HeldBulk()
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy), base_url="http://api") as client:
-            return await client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "Bearer k"})
+            plain = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}', headers={"authorization": "Bearer k"})
+            keyed = await client.post(bulk.BATCH_PATH, content=b'{"sends": []}',
+                                      headers={"authorization": "Bearer k", "idempotency-key": "k-1"})
+            return plain, keyed
 
-    assert asyncio.run(scenario()).status_code == 503
-    assert seen == [bulk.BATCH_PATH] and held.forwarded == 0
+    plain, keyed = asyncio.run(scenario())
+    assert plain.status_code == 503 and "nothing was published" in plain.text and "outcome" not in plain.json()
+    assert keyed.status_code == 503 and keyed.json()["outcome"] == "unknown", keyed.text
+    assert "an earlier attempt under this Idempotency-Key may have been" in keyed.text
+    assert held.forwarded == 0 and proxy._forwarding == {}
