@@ -108,9 +108,11 @@ RETRY_TIER_OVERDUE = Gauge("dispatch_retry_tier_overdue_seconds", "How far past 
 RETRY_TIER_UNREADABLE = Gauge("dispatch_retry_tier_unreadable_seconds", "How long the lag monitor has been unable "
                               "to read a retry tier (its overdue and waiting figures are then not exported; 0: read)",
                               ["channel", "lane", "tier"])
+# Labelled by the app's group so that only the lag monitor, which sets it, exports it: unlabelled, every process
+# importing this module exported 0, and the alert's `min` over them could never exceed its threshold.
 ENDPOINT_HEALTH_BEHIND = Gauge("dispatch_endpoint_health_behind_seconds", "Age of the oldest webhook attempt the "
                                "endpoint-health app has not applied, as the lag monitor measures it (0: none waits; "
-                               "NaN: its group could not be read)")
+                               "NaN: its group could not be read)", ["group"])
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])

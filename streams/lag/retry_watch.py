@@ -93,14 +93,15 @@ class RetryTierWatch:
     def _measure_endpoint_health(self, reader: LagReader) -> None:
         """How far behind the endpoint-health app is on the webhook attempts (alert EndpointHealthBehind): stopped,
         endpoints never degrade, members are never told, and reactivations the API accepted do nothing."""
+        group = self.names.endpoint_health_app
         try:
-            reading = reader.read(self.names.endpoint_health_app, self.names.webhook_attempts)
+            reading = reader.read(group, self.names.webhook_attempts)
         except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
             self._failing("endpoint-health", f"the endpoint-health app's progress cannot be read: {exc}")
-            metrics.ENDPOINT_HEALTH_BEHIND.set(float("nan"))  # not measured: no figure rather than the last one
+            metrics.ENDPOINT_HEALTH_BEHIND.labels(group).set(float("nan"))  # not measured: no figure, not the last
             return
         self._failing_since.pop("endpoint-health", None)
-        metrics.ENDPOINT_HEALTH_BEHIND.set(reading.lag_seconds)
+        metrics.ENDPOINT_HEALTH_BEHIND.labels(group).set(reading.lag_seconds)
 
     def _failing(self, subject: str, message: str) -> float:
         """Seconds `subject` has not been read; `message` is logged once, until it is read again."""

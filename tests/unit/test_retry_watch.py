@@ -173,10 +173,13 @@ def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_b
                 raise RuntimeError("coordinator not available")
             return LagReading(40, 700.0, int(time.time() * 1000), source)
 
+    # A process that does not measure it exports nothing (it exported 0, and the alert's `min` never passed 600)
+    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds") is None
     watch, reader = RetryTierWatch("unused:9092", names, ("webhook",)), Reader()
     watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
-    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds") == 700.0
+    group = {"group": "watch-test.endpoint-health"}
+    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds", group) == 700.0
     assert asked == [("watch-test.endpoint-health", "watch-test.notif.webhook.attempts")]
     reader.failing = True
     watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
-    assert math.isnan(REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds"))
+    assert math.isnan(REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds", group))
