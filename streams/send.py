@@ -25,6 +25,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -136,6 +137,17 @@ _ADDRESSES_SCHEMA = {"anyOf": [_ADDRESS_SCHEMA, {"type": "array", "items": _ADDR
                      "description": f"one address, or up to {MAX_RECIPIENTS}"}
 
 
+# Fields of Resend's `POST /emails` that dispatch does not send: Resend's batch endpoint, which a marketing send may
+# go through, takes neither. Refused at once, named, rather than dropped on the way (an invoice delivered without
+# its PDF, a campaign for tomorrow sent now, each recorded `delivered`).
+UNSENT_EMAIL_FIELDS = {
+    "attachments": "dispatch does not send attachments (Resend's batch endpoint takes none): link to the file instead",
+    "scheduled_at": "dispatch does not schedule emails (Resend's batch endpoint cannot): publish the send when it "
+                    "is due",
+}
+_UNSENT = Annotated[None, WithJsonSchema({"type": "null", "description": "not supported"})]
+
+
 class EmailPayload(BaseModel):
     """A rendered email, in the shape of Resend's `POST /emails` body (`html` or `text` required)."""
 
@@ -152,6 +164,15 @@ class EmailPayload(BaseModel):
     cc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     bcc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     reply_to: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
+    attachments: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["attachments"])
+    scheduled_at: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["scheduled_at"])
+
+    @field_validator(*UNSENT_EMAIL_FIELDS, mode="before")
+    @classmethod
+    def _not_sent(cls, v: Any, info: ValidationInfo) -> None:
+        if v is not None:
+            raise ValueError(UNSENT_EMAIL_FIELDS[str(info.field_name)])
+        return None
 
     @field_validator("to", "cc", "bcc", "reply_to", mode="before")
     @classmethod

@@ -202,3 +202,23 @@ def test_the_sdk_refuses_a_policy_the_workers_do_not_know_before_publishing(monk
     client = SendClient("127.0.0.1:9")
     client.close()
     assert "digest" in client.known_policies
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("attachments", [{"filename": "invoice.pdf", "content": "JVBERi0x"}], "does not send attachments"),
+    ("scheduled_at", "2026-12-07T09:00:00Z", "does not schedule emails"),
+])
+def test_an_email_field_dispatch_would_not_send_is_refused_not_dropped(field, value, says):
+    """Given an email carrying attachments, or a time to send it at (Resend's `POST /emails` takes both, its batch
+    endpoint neither),
+    When it is validated at ingest, and when a worker decodes such an event written to its lane directly,
+    Then it is refused naming the field and why (before: accepted, the field dropped by the provider adapter, and
+    the email delivered without its attachment, or at once, recorded `delivered`); null is as if absent."""
+    payload = {**email_request()["payload"], field: value}
+    with pytest.raises(SendValidationError, match=says) as refused:
+        validate_request({**email_request(), "payload": payload})
+    assert refused.value.errors[0]["loc"] == ("payload", field)
+    event = orjson.loads(encode(build_send(validate_request(email_request()), "acme")))
+    with pytest.raises(MalformedEvent, match=f"{field}: .*{says}"):
+        decode(orjson.dumps({**event, "payload": {**event["payload"], field: value}}))
+    assert validate_request({**email_request(), "payload": {**email_request()["payload"], field: None}})
