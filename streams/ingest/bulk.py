@@ -354,8 +354,6 @@ class BulkProxy:
         await _send_back(answer, send)
 
 
-
-
 async def _send_back(answer: Answer, send) -> None:
     """The bulk process's answer as it came, less what the API's own server sets."""
     headers = [(k, v) for k, v in answer.headers if k not in NOT_FORWARDED_BACK]
