@@ -66,11 +66,13 @@ class PayloadError(SendValidationError, ValueError):
 
 
 class MalformedEvent(DispatchError):
-    """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header."""
+    """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header. `send`: the event read as a
+    send (a `Send`) when only its payload is refused, so that its status can say it was dead-lettered."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, send: object | None = None):
         self.reason = reason
         self.detail = detail
+        self.send = send
         super().__init__(f"{reason}: {detail}")
 
 

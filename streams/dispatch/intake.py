@@ -20,7 +20,7 @@ class Admitted:
 class Rejected:
     reason: str   # the DLQ `reason` header
     detail: str
-    send: Send | None = None  # it was read as a send (refused here for its channel, lane, policy or attempt header)
+    send: Send | None = None  # it was read as a send (refused for its payload, channel, lane, policy or attempt header)
 
 
 def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: str,
@@ -28,7 +28,7 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
     try:
         send = decode(value)
     except MalformedEvent as exc:
-        return Rejected(exc.reason, exc.detail)
+        return Rejected(exc.reason, exc.detail, exc.send if isinstance(exc.send, Send) else None)
     except Exception as exc:  # noqa: BLE001 - an event no check foresaw is dead-lettered, never a crash loop
         return Rejected("malformed", f"the event cannot be read: {type(exc).__name__}")
     if send.channel != channel:

@@ -41,7 +41,7 @@ from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 from ..outcomes import outcome_event
-from ..send import decode, peek_send_id, plausible_send_id
+from ..send import Send, decode, peek_send_id, plausible_send_id
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, PartitionLoad, far_loads
 
@@ -285,9 +285,11 @@ class Retrier:
         where = (held.topic, held.partition, held.offset)
         try:
             send = decode(held.value)
-        except MalformedEvent:
-            self.tracker.finish(*where)  # not a send: nothing has a status to change
-            return
+        except MalformedEvent as exc:
+            if not isinstance(exc.send, Send):
+                self.tracker.finish(*where)  # not a send: nothing has a status to change
+                return
+            send = exc.send  # a send whose payload is refused: its status says dead-lettered too
         event = {**outcome_event(send, "dropped" if send.channel == "webhook" else "dead_lettered", attempts_made(held),
                                  now_ms, "", reason=reason),
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},

@@ -8,6 +8,7 @@ import orjson
 import pytest
 from pydantic import Field, TypeAdapter, ValidationError
 
+from streams.dispatch.intake import Rejected, admit
 from streams.errors import SendValidationError
 from streams.send import (
     EMAIL_PATTERN,
@@ -213,12 +214,20 @@ def test_an_email_field_dispatch_would_not_send_is_refused_not_dropped(field, va
     endpoint neither),
     When it is validated at ingest, and when a worker decodes such an event written to its lane directly,
     Then it is refused naming the field and why (before: accepted, the field dropped by the provider adapter, and
-    the email delivered without its attachment, or at once, recorded `delivered`); null is as if absent."""
+    the email delivered without its attachment, or at once, recorded `delivered`), and the worker's intake
+    dead-letters the event as the send it is (its status then says so, not `accepted`); null or an empty value
+    asks for nothing and is accepted, as before."""
     payload = {**email_request()["payload"], field: value}
     with pytest.raises(SendValidationError, match=says) as refused:
         validate_request({**email_request(), "payload": payload})
     assert refused.value.errors[0]["loc"] == ("payload", field)
-    event = orjson.loads(encode(build_send(validate_request(email_request()), "acme")))
+    send = build_send(validate_request(email_request()), "acme")
+    event = orjson.loads(encode(send))
+    raw = orjson.dumps({**event, "payload": {**event["payload"], field: value}})
     with pytest.raises(MalformedEvent, match=f"{field}: .*{says}"):
-        decode(orjson.dumps({**event, "payload": {**event["payload"], field: value}}))
-    assert validate_request({**email_request(), "payload": {**email_request()["payload"], field: None}})
+        decode(raw)
+    verdict = admit(raw, {}, "email", "transactional", frozenset({send.policy}))
+    assert isinstance(verdict, Rejected) and verdict.reason == "malformed" and says in verdict.detail
+    assert verdict.send is not None and verdict.send.send_id == send.send_id
+    for empty in (None, "", [], {}):
+        assert validate_request({**email_request(), "payload": {**email_request()["payload"], field: empty}})

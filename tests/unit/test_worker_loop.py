@@ -332,15 +332,17 @@ def test_a_malformed_header_is_dead_lettered_not_a_crash(headers, reason):
     assert consumer.stored[(TOPIC, 0)] == 1
 
 
-@pytest.mark.parametrize("policy, headers, reason", [
-    ("no-such-policy", [], "unknown_policy"), ("transactional", [("attempt", b"2x")], "malformed")])
-def test_a_send_refused_by_the_worker_is_dead_lettered_with_its_outcome(policy, headers, reason):
+@pytest.mark.parametrize("policy, headers, reason, payload", [
+    ("no-such-policy", [], "unknown_policy", {}), ("transactional", [("attempt", b"2x")], "malformed", {}),
+    ("transactional", [], "malformed", {"attachments": [{"filename": "invoice.pdf"}]})])
+def test_a_send_refused_by_the_worker_is_dead_lettered_with_its_outcome(policy, headers, reason, payload):
     """Given a send a worker refuses as it reads it (routed to a policy this worker does not have, during a rollout;
-    or an `attempt` header it cannot read),
+    an `attempt` header it cannot read; a payload no longer accepted, published before an upgrade),
     When it is dead-lettered,
     Then its outcome event says so too, with its reason (before: only the dead letter was written, so its status
     read `accepted` for 30 days and a DLQ replay refused it as still in progress)."""
     send = build_send(validate_request(email_request()), "acme").model_copy(update={"policy": policy})
+    send = send.model_copy(update={"payload": {**send.payload, **payload}})
     worker, consumer, producer, provider = _worker([FakeMessage(0, 0, encode(send), headers)])
     _run(worker)
     (_, dlq_headers), = producer.records[NAMES.dlq]
