@@ -28,7 +28,10 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .send import Send
 
 
 class DispatchError(Exception):
@@ -69,7 +72,7 @@ class MalformedEvent(DispatchError):
     """An event on a topic that cannot be dispatched. `reason` goes to the DLQ header. `send`: the event read as a
     send (a `Send`) when only its payload is refused, so that its status can say it was dead-lettered."""
 
-    def __init__(self, reason: str, detail: str, send: object | None = None):
+    def __init__(self, reason: str, detail: str, send: Send | None = None):
         self.reason = reason
         self.detail = detail
         self.send = send

@@ -28,7 +28,7 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
     try:
         send = decode(value)
     except MalformedEvent as exc:
-        return Rejected(exc.reason, exc.detail, exc.send if isinstance(exc.send, Send) else None)
+        return Rejected(exc.reason, exc.detail, exc.send)
     except Exception as exc:  # noqa: BLE001 - an event no check foresaw is dead-lettered, never a crash loop
         return Rejected("malformed", f"the event cannot be read: {type(exc).__name__}")
     if send.channel != channel:

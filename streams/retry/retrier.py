@@ -41,7 +41,7 @@ from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
 from ..outcomes import outcome_event
-from ..send import Send, decode, peek_send_id, plausible_send_id
+from ..send import decode, peek_send_id, plausible_send_id
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, PartitionLoad, far_loads
 
@@ -286,7 +286,7 @@ class Retrier:
         try:
             send = decode(held.value)
         except MalformedEvent as exc:
-            if not isinstance(exc.send, Send):
+            if exc.send is None:
                 self.tracker.finish(*where)  # not a send: nothing has a status to change
                 return
             send = exc.send  # a send whose payload is refused: its status says dead-lettered too
