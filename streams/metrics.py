@@ -88,6 +88,9 @@ PRODUCE_FAILING = Gauge("dispatch_produce_failing_seconds", "How long ago the ol
                         "produces again first failed (the broker did not acknowledge it; 0: none)", ["writer"])
 DEPENDENCY_DOWN = Gauge("dispatch_dependency_down", "1 while a role holds its work because a dependency fails",
                         ["role", "dependency"])
+ROLE_RUNNING = Gauge("dispatch_role_running", "1 while this process runs the role (worker.email.transactional, "
+                     "retrier.sms.marketing, lag-monitor, api, api-bulk, outcome-recorder, endpoint-health); "
+                     "a role whose every copy stopped answering scrapes raises DispatchRoleGone", ["role"])
 REDIS_STATE_LOST = Gauge("dispatch_redis_state_lost", "1 while Redis has lost its data and dispatch holds until "
                          "an operator recovers it (`streams state recover`)")
 RETRY_HELD = Gauge("dispatch_retry_held_messages", "Retry messages a retrier holds until their due time, and those it "
@@ -150,3 +153,9 @@ def serve(port: int, addr: str = "127.0.0.1") -> None:
     """Serve /metrics on `port` (0: not at all) at `addr` (METRICS_ADDR, default loopback)."""
     if port:
         start_http_server(port, addr=addr)
+
+
+def announce(role: str) -> None:
+    """Say on /metrics which role this process runs (dispatch_role_running), so that a role with no copy left
+    is seen as gone rather than as quiet."""
+    ROLE_RUNNING.labels(role).set(1)

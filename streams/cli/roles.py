@@ -23,11 +23,12 @@ from ..runtime import Runtime
 log = logging.getLogger("streams.roles")
 
 
-def run_role(role: Any, metrics_port: int, banner: str, config: Config) -> int:
-    """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served; the banner is
-    printed once it is set up (supervisors and tests wait for it)."""
+def run_role(role: Any, name: str, metrics_port: int, banner: str, config: Config) -> int:
+    """Run a long-lived role: SIGTERM/SIGINT stop it gracefully; /metrics served, saying the role's `name`; the
+    banner is printed once it is set up (supervisors and tests wait for it)."""
     signal.signal(signal.SIGTERM, role.stop)
     signal.signal(signal.SIGINT, role.stop)
+    metrics.announce(name)
     metrics.serve(metrics_port, config.metrics_addr)
     print(banner, flush=True)
     role.run()
@@ -52,6 +53,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
     from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
 
+    metrics.announce("api-bulk" if bulk_socket is not None else "api")
     bulk = None
     bulk_nice = rt.config.ingest_bulk_nice if bulk_socket is None and router is None else None
     if bulk_nice is not None or bulk_socket is not None:
@@ -167,8 +169,8 @@ def worker(sub) -> None:
         rt = Runtime(args.config)
         yield_cpu_if_marketing(rt, args.lane)
         w = rt.worker(args.channel, args.lane, concurrency=args.concurrency)
-        return run_role(w, args.metrics_port, f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}",
-                        rt.config)
+        return run_role(w, f"worker.{args.channel}.{args.lane}", args.metrics_port,
+                        f"worker {w.cfg.worker_id} consuming {w.topic} as {w.group}", rt.config)
 
     p.set_defaults(func=run)
 
@@ -188,8 +190,9 @@ def retrier(sub) -> None:
                 "--tier %s is ignored: this retrier serves every tier of %s.%s", args.tier, args.channel, args.lane)
         yield_cpu_if_marketing(rt, args.lane)
         r = rt.retrier(args.channel, args.lane)
-        return run_role(r, args.metrics_port, f"retrier consuming {len(r.cfg.topics)} tiers of "
-                        f"{args.channel}.{args.lane} as {r.cfg.group} -> {r.lane_topic}", rt.config)
+        return run_role(r, f"retrier.{args.channel}.{args.lane}", args.metrics_port,
+                        f"retrier consuming {len(r.cfg.topics)} tiers of {args.channel}.{args.lane} as {r.cfg.group} "
+                        f"-> {r.lane_topic}", rt.config)
 
     p.set_defaults(func=run)
 
@@ -208,7 +211,7 @@ def lag_monitor(sub) -> None:
         rt = Runtime(args.config)
         monitor = LagMonitor(rt.bootstrap, rt.names, interval_s=args.interval,
                              retry_watch_every_s=args.retry_watch_every)
-        return run_role(monitor, args.metrics_port,
+        return run_role(monitor, "lag-monitor", args.metrics_port,
                         f"lag monitor publishing to {rt.names.lag} every {args.interval:g} s", rt.config)
 
     p.set_defaults(func=run)
@@ -243,8 +246,8 @@ def outcome_recorder(sub) -> None:
         r = rt.redis()
         recorder = OutcomeRecorder(rt.bootstrap, StatusStore(r, rt.namespace), rt.names.outcomes,
                                    rt.names.recorder_group, guard=rt.state_guard("outcome recorder", r))
-        return run_role(recorder, args.metrics_port, f"outcome recorder consuming {rt.names.outcomes}",
-                        rt.config)
+        return run_role(recorder, "outcome-recorder", args.metrics_port,
+                        f"outcome recorder consuming {rt.names.outcomes}", rt.config)
 
     p.set_defaults(func=run)
 
@@ -260,6 +263,7 @@ def endpoint_health(sub) -> None:
         from ..health.app import EndpointHealthApp
 
         rt = Runtime(args.config)
+        metrics.announce("endpoint-health")
         metrics.serve(args.metrics_port, rt.config.metrics_addr)
         app = EndpointHealthApp(rt.config, rt.endpoint_directory(), Path(args.data_dir) if args.data_dir else None)
         return app.run(f"endpoint health consuming {rt.names.webhook_attempts} as {rt.names.endpoint_health_app}")

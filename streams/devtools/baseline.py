@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         w = rt.worker(args.channel, "marketing", args.concurrency, queue_key=one_queue, yielding=False,
                       backlog=False)
-        return run_role(w, 0, f"baseline worker {w.cfg.worker_id} consuming {w.topic} as {w.group}", rt.config)
+        return run_role(w, "baseline-worker", 0,
+                        f"baseline worker {w.cfg.worker_id} consuming {w.topic} as {w.group}", rt.config)
     serve_api(rt, args.host, args.port, router=single_lane(rt.names))
     return 0
 

@@ -179,6 +179,7 @@ def test_a_success_resets_the_count_and_the_tenth_consecutive_failure_stops_all_
     assert stopped["subject"] == "Webhook delivery stopped" and stopped["to"] == MEMBERS
     assert ep["id"] in stopped["text"] and "tenant-a" in stopped["text"] and "HTTP 500" in stopped["text"]
     assert metric(rig.health_ports[0], "webhook_endpoint_degradations_total") == 1
+    assert metric(rig.health_ports[0], "dispatch_role_running", role="endpoint-health") == 1  # DispatchRoleGone
 
 
 def test_dropped_then_stopped_sends_both_emails(rig):
