@@ -65,6 +65,15 @@ def lane_consumer(bootstrap: str, group: str, commit_interval_ms: int = 1000, **
     }))
 
 
+def assign_in_callback(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    """Inside on_assign (cooperative rebalancing), add `partitions` to what the consumer fetches now, so that a pause
+    that follows holds. confluent-kafka would add them only once the callback returns, and librdkafka skips, without a
+    word, a pause of a partition it does not know yet (all of a new consumer's first assignment): those partitions
+    would be fetched while reported paused. Having been assigned here, the client does not assign them again."""
+    if partitions:
+        consumer.incremental_assign(partitions)
+
+
 def produce(producer: Producer, topic: str, value: bytes | None, key: bytes | None = None,
             headers: Iterable[tuple[str, bytes]] | None = None,
             on_delivery: Callable | None = None, timeout_s: float | None = None) -> None:

@@ -68,13 +68,21 @@ class AcknowledgingProducer:
 
 
 class PauseRecordingConsumer:
-    """A consumer that only records which partitions are paused (unit tests of pause decisions)."""
+    """A consumer that only records which partitions are paused (unit tests of pause decisions). With
+    `assigned_only`, a pause of a partition not assigned yet is skipped, as librdkafka skips it (inside on_assign,
+    before the callback assigns them, a new consumer's partitions are not)."""
 
-    def __init__(self):
+    def __init__(self, assigned_only: bool = False):
         self.paused: set[tuple[str, int]] = set()
+        self.assigned: set[tuple[str, int]] = set()
+        self.assigned_only = assigned_only
+
+    def incremental_assign(self, partitions):
+        self.assigned |= {(p.topic, p.partition) for p in partitions}
 
     def pause(self, partitions):
-        self.paused |= {(p.topic, p.partition) for p in partitions}
+        self.paused |= {(p.topic, p.partition) for p in partitions
+                        if not self.assigned_only or (p.topic, p.partition) in self.assigned}
 
     def resume(self, partitions):
         self.paused -= {(p.topic, p.partition) for p in partitions}

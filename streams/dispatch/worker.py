@@ -26,7 +26,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import ConfigError, PublishError, StackError, StoreUnavailable
 from ..gate.gate import Gate
-from ..kafka_client import commit_now, consume_ready, store_offsets
+from ..kafka_client import assign_in_callback, commit_now, consume_ready, store_offsets
 from ..lag.yield_policy import YieldPolicy
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
@@ -261,8 +261,10 @@ class LaneWorker:
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
-        # A new assignment starts unpaused: re-apply the desired pause state to it.
+        # A new assignment starts unpaused: re-apply the desired pause state to it (assigned first, or the pause of a
+        # new consumer's partitions would not hold).
         metrics.REBALANCES.labels(*self._label, "assigned").inc(len(partitions))
+        assign_in_callback(consumer, partitions)
         self.pauses.on_assign(partitions)
 
     def _on_revoke(self, consumer, partitions) -> None:

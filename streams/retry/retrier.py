@@ -36,7 +36,15 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, TopicPartition
 from .. import metrics
 from ..backoff import Outage
 from ..errors import MalformedEvent
-from ..kafka_client import AckedWriter, commit_now, consume_ready, durable_producer, lane_consumer, store_offsets
+from ..kafka_client import (
+    AckedWriter,
+    assign_in_callback,
+    commit_now,
+    consume_ready,
+    durable_producer,
+    lane_consumer,
+    store_offsets,
+)
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
@@ -343,7 +351,9 @@ class Retrier:
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer: Any, partitions: list) -> None:
-        # Set each new partition's state explicitly: librdkafka may keep a pause flag from before.
+        # Set each new partition's state explicitly: librdkafka may keep a pause flag from before (assigned first, or
+        # the pause of a new consumer's partitions would not hold).
+        assign_in_callback(consumer, partitions)
         self.assigned |= {(p.topic, p.partition) for p in partitions}
         if partitions:  # a new partition holds nothing here yet: it is read unless nothing more may be
             full = self.bound.full(*self._held(), self._far())

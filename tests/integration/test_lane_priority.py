@@ -2,6 +2,7 @@
 threshold (keeping partitions paused across rebalances) and resume after it recovers."""
 
 import signal
+import time
 
 import orjson
 
@@ -84,6 +85,39 @@ def test_marketing_yields_stays_paused_through_a_rebalance_and_resumes(
     assert all(i in stats["deliveries"] for i in otps)
     # The batch in flight at the pause completed: nothing lost, nothing sent twice
     assert stats["distinct_sends"] == BLAST + BACKLOG and stats["duplicate_deliveries"] == 0
+
+
+def test_a_marketing_worker_started_while_its_lane_yields_reads_nothing(
+        stack, names, channel_topics, limits, processes, send_client, mock_provider):
+    """Given a lag monitor, workers told to yield above a transactional lag of 50, 300 transactional emails waiting
+    with no transactional worker, and a 1,000-email blast waiting on the marketing lane,
+    When a marketing worker starts (its first assignment, as after a deploy or a crash),
+    Then it holds its partitions paused and reads nothing from them for 5 s (no message buffered, none parked on a
+    retry tier, none delivered); before, a new consumer's pause in its first assignment was skipped by librdkafka, and
+    the worker read the blast while reporting every partition paused. Once a transactional worker drains the backlog,
+    the blast is delivered exactly once."""
+    _setup(channel_topics, limits, mock_provider, processes)
+    processes.start("lag-monitor", "lag-monitor", "--interval", "0.25")
+    otps = send_client.publish_batch("shop", [email_request("transactional")] * BACKLOG)
+    blast = send_client.publish_batch("blaster", [email_request("marketing")] * 1000)
+    port = free_port()
+    processes.worker("email", "marketing", "--metrics-port", str(port))
+    wait_until(lambda: metric(port, "dispatch_lane_paused", lane="marketing", reason="yield") == 1, 20,
+               "the new worker to yield")
+    wait_until(lambda: metric(port, "dispatch_worker_assigned_partitions") == 6, 30, "its assignment")
+    assert metric(port, "dispatch_worker_paused_partitions") == 6
+
+    deadline = time.monotonic() + 5.0  # how long "reads nothing" is watched for, not a wait for something
+    while time.monotonic() < deadline:
+        assert (metric(port, "dispatch_worker_buffered_messages", lane="marketing") or 0) == 0, "it read the blast"
+        assert (metric(port, "dispatch_spilled_total") or 0) == 0, "it parked what it read"
+        time.sleep(0.2)
+    assert not any(i in mock_provider.stats(deliveries=True)["deliveries"] for i in blast)
+
+    processes.worker("email", "transactional")
+    wait_until(lambda: len(_marketing_times(mock_provider, blast)) >= len(blast), 120, "the whole blast")
+    stats = mock_provider.stats(deliveries=True)
+    assert all(i in stats["deliveries"] for i in otps) and stats["duplicate_deliveries"] == 0
 
 
 def test_stale_lag_monitor_makes_workers_read_lag_directly(stack, names, channel_topics, limits, processes,

@@ -317,3 +317,18 @@ def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
     assert (event["send_id"], event["status"], event["reason"]) == (send.send_id, "dead_lettered", "malformed")
     assert event["dlq"] == {"partition": 0, "offset": 0}
     assert r.tracker.committable() == {(tier, 0): 12}
+
+
+def test_a_partition_assigned_to_a_retrier_at_its_bound_is_paused_even_on_its_first_assignment():
+    """Given a retrier holding as many bytes as it may, and a consumer that, like librdkafka, skips a pause of a
+    partition not yet assigned (inside on_assign, confluent-kafka assigns only once the callback returns),
+    When a partition is assigned to it,
+    Then that partition is paused (before: the pause was skipped, and the retrier read on past its memory bound)."""
+    now = 1_000_000_000_000
+    r = _retrier(now)
+    r.consumer = consumer = PauseRecordingConsumer(assigned_only=True)  # type: ignore[assignment]
+    hour_tier, ten_s_tier = r.cfg.topics[4], r.cfg.topics[0]
+    r.assigned = {(hour_tier, 0)}
+    r._keep(Held(now + 1_000, 1, hour_tier, 0, None, b"x" * 200_000, {}))  # twice the bound, due in a second
+    r._on_assign(consumer, [TopicPartition(ten_s_tier, 0)])
+    assert consumer.paused == {(ten_s_tier, 0)}

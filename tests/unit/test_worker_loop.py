@@ -81,6 +81,7 @@ class FakeConsumer:
         from confluent_kafka import TopicPartition
         return [TopicPartition(tp.topic, tp.partition, -1001) for tp in partitions]  # no position known
 
+    def incremental_assign(self, partitions): pass
     def pause(self, partitions): pass
     def resume(self, partitions): pass
     def commit(self, asynchronous=True): pass
@@ -3108,3 +3109,19 @@ def test_a_providers_tried_header_names_only_the_channels_providers_in_the_outco
     _run(worker)
     [(event, _)] = producer.records[NAMES.outcomes]
     assert orjson.loads(event)["providers_tried"] == ["resend"] and consumer.stored[(TOPIC, 0)] == 1
+
+
+def test_a_new_workers_first_partitions_are_paused_when_its_lane_yields():
+    """Given a marketing worker whose lane yields, and a consumer that, like librdkafka, skips a pause of a partition
+    not yet assigned (inside on_assign, confluent-kafka assigns only once the callback returns),
+    When the worker's first partitions are assigned,
+    Then they are paused (before: the pause was skipped and the partitions fetched while the worker reported them
+    paused, a blast read and parked while the transactional lane was behind)."""
+    from tests.harness import PauseRecordingConsumer
+
+    worker, _, _, _ = _worker([], lane="marketing")
+    consumer = PauseRecordingConsumer(assigned_only=True)
+    worker.pauses.consumer = consumer  # type: ignore[assignment]
+    worker.pauses.reasons.add("yield")
+    worker._on_assign(consumer, [_TP(TOPIC, 0), _TP(TOPIC, 1)])
+    assert consumer.paused == {(TOPIC, 0), (TOPIC, 1)}
