@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -122,6 +123,55 @@ def nested_deeper_than(value: object, limit: int) -> bool:
     return False
 
 
+# One header line each: a CR or LF would start another header (or the body) of the message the provider builds.
+# Said in the published schema as "no CR or LF anywhere" (a pattern ending in `$` lets a final LF through in some
+# regex engines).
+ONE_LINE_SCHEMA: dict[str, Any] = {"not": {"pattern": "[\\r\\n]"}}
+# Headers a tenant may not set through `headers`: the message's addresses and identity, which the fields above set
+# and check (an address, the recipient cap), and its MIME structure, which the provider writes.
+RESERVED_HEADERS = frozenset({
+    "from", "sender", "to", "cc", "bcc", "reply-to", "subject", "return-path", "resent-from", "resent-sender",
+    "resent-to", "resent-cc", "resent-bcc", "mime-version", "content-type", "content-transfer-encoding"})
+MAX_HEADERS = 50
+HEADER_NAME = re.compile(r"[!-9;-~]{1,100}")  # RFC 5322's field name: printable ASCII but the colon
+
+
+def _any_case(name: str) -> str:
+    """A JSON-schema pattern (no inline flags there) matching `name` in any letter case."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in name)  # letters and hyphens
+
+
+_HEADERS_SCHEMA = {
+    "anyOf": [{"type": "object", "maxProperties": MAX_HEADERS,
+               "propertyNames": {"minLength": 1, "maxLength": 100, "not": {"anyOf": [
+                   {"pattern": "[^!-9;-~]"},
+                   {"pattern": f"^({'|'.join(_any_case(n) for n in sorted(RESERVED_HEADERS))})$"}]}},
+               "additionalProperties": {"type": "string", "maxLength": 998, **ONE_LINE_SCHEMA}},
+              {"type": "null"}],
+    "description": f"custom headers (up to {MAX_HEADERS}), one line each; not the ones the fields set "
+                   f"({', '.join(sorted(RESERVED_HEADERS))}, in any case)"}
+
+
+def _header_name(name: str) -> str:
+    # The messages name the header, never its value (they reach logs and DLQ headers).
+    if HEADER_NAME.fullmatch(name) is None:
+        raise ValueError("not a header name (1-100 printable ASCII characters, no colon or space)")
+    if name.lower() in RESERVED_HEADERS:
+        raise ValueError("set by dispatch from the send's own fields (the sender by `from`, checked against the "
+                         "tenant's domains; recipients by `to`, `cc`, `bcc`), not through `headers`")
+    return name
+
+
+def _header_value(value: str) -> str:
+    if "\r" in value or "\n" in value:
+        raise ValueError("a line break in a header's value: it is one line")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+HeaderValue = Annotated[str, Field(max_length=998), AfterValidator(_header_value)]
+
+
 def _one_of_two_bodies(schema: dict[str, Any]) -> None:
     """The JSON schema of EmailPayload's model validator: `html` or `text`, not empty."""
     schema["anyOf"] = [{"required": [name], "properties": {name: {"type": "string", "minLength": 1}}}
@@ -158,7 +208,7 @@ class EmailPayload(BaseModel):
     to: Annotated[list[str], WithJsonSchema({"anyOf": [
         _ADDRESS_SCHEMA, {"type": "array", "items": _ADDRESS_SCHEMA, "minItems": 1, "maxItems": MAX_RECIPIENTS}],
         "description": f"one recipient, or 1 to {MAX_RECIPIENTS}"})] = Field(min_length=1, max_length=MAX_RECIPIENTS)
-    subject: str = Field(min_length=1, max_length=998)
+    subject: str = Field(min_length=1, max_length=998, json_schema_extra=ONE_LINE_SCHEMA, description="one line")
     tags: list[Tag] | None = Field(None, max_length=50)
     html: str | None = None
     text: str | None = None
@@ -166,6 +216,8 @@ class EmailPayload(BaseModel):
     cc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     bcc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     reply_to: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
+    headers: Annotated[dict[HeaderName, HeaderValue] | None, WithJsonSchema(_HEADERS_SCHEMA)] = Field(
+        None, max_length=MAX_HEADERS)
     attachments: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["attachments"])
     scheduled_at: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["scheduled_at"])
 
@@ -190,6 +242,13 @@ class EmailPayload(BaseModel):
     @classmethod
     def _to(cls, v: list[str] | None) -> list[str] | None:
         return None if v is None else [check_address(a) for a in v]
+
+    @field_validator("subject")
+    @classmethod
+    def _one_line(cls, v: str) -> str:
+        if "\r" in v or "\n" in v:
+            raise ValueError("the subject has a line break: it is one line")
+        return v
 
     @model_validator(mode="after")
     def _body(self) -> EmailPayload:

@@ -79,7 +79,7 @@ from .publisher import RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
 from .sender_store import SenderDomainStore
-from .senders import SenderDomains, header_senders, sender_of
+from .senders import SenderDomains, sender_of
 from .status import StatusStore
 from .web import (
     RETRY_WITH_KEY,
@@ -425,9 +425,6 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     continue
                 if why := senders.refusal(tenant_id, sender_of(r.payload)):
                     errors.append({"loc": [*where(i), "payload", "from"], "msg": why})
-                errors += [{"loc": [*where(i), "payload", "headers", name],
-                            "msg": "the sender is set by `from` (checked against the tenant's domains), not a header"}
-                           for name in header_senders(r.payload)]
         if errors:
             raise HTTPException(422, {"error": "invalid_request", "errors": errors})
 

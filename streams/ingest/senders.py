@@ -97,11 +97,3 @@ class SenderDomains:
 def sender_of(payload: dict) -> str:
     """The email payload's sender (`from`, or its other accepted spelling `from_`)."""
     return str(payload.get("from") or payload.get("from_") or "")
-
-
-def header_senders(payload: dict) -> list[str]:
-    """Custom headers that would name another sender at the provider (`From`, `Sender`, in any case)."""
-    headers = payload.get("headers")
-    if not isinstance(headers, dict):
-        return []
-    return sorted(k for k in headers if isinstance(k, str) and k.strip().lower() in ("from", "sender"))

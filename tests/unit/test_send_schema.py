@@ -231,3 +231,40 @@ def test_an_email_field_dispatch_would_not_send_is_refused_not_dropped(field, va
     assert verdict.send is not None and verdict.send.send_id == send.send_id
     for empty in (None, "", [], {}):
         assert validate_request({**email_request(), "payload": {**email_request()["payload"], field: empty}})
+
+
+@pytest.mark.parametrize("headers, where, says", [
+    ({"Bcc": "everyone@example.test"}, ("Bcc", "[key]"), "recipients by `to`, `cc`, `bcc`"),
+    ({"tO": "someone@example.test"}, ("tO", "[key]"), "not through `headers`"),
+    ({"Content-Type": "text/plain"}, ("Content-Type", "[key]"), "set by dispatch"),
+    ({"X-Ref": "1\r\nBcc: everyone@example.test"}, ("X-Ref",), "a line break"),
+    ({"X-Ref": "trailing\n"}, ("X-Ref",), "a line break"),
+    ({"X Ref": "1"}, ("X Ref", "[key]"), "not a header name"),
+    ({"X-Ref:": "1"}, ("X-Ref:", "[key]"), "not a header name"),
+    ({f"X-{i}": "1" for i in range(51)}, (), "at most 50"),
+])
+def test_custom_headers_cannot_add_recipients_or_lines(headers, where, says):
+    """Given an email whose custom `headers` would set a recipient (`Bcc`, in any case), the MIME structure, or put a
+    line break or a colon where a header has none (a second header, or a body, of the message the provider writes),
+    When it is validated at ingest, and when a worker decodes such an event written to its lane directly,
+    Then it is refused naming the header and why, never repeating its value (before: passed through to the provider,
+    a Bcc reaching recipients no address check or recipient cap saw)."""
+    with pytest.raises(SendValidationError, match=says) as refused:
+        validate_request(email_request(headers=headers))
+    assert refused.value.errors[0]["loc"] == ("payload", "headers", *where)
+    assert "everyone@example.test" not in str(refused.value)
+    event = orjson.loads(encode(build_send(validate_request(email_request()), "acme")))
+    with pytest.raises(MalformedEvent, match="headers"):
+        decode(orjson.dumps({**event, "payload": {**event["payload"], "headers": headers}}))
+
+
+def test_a_subject_is_one_line_and_ordinary_headers_pass_through():
+    """A subject with a CR or LF (a header of its own in the message the provider writes) is refused at ingest
+    naming `subject`; List-Unsubscribe and X- headers, the ones tenants use, are accepted and kept."""
+    for subject in ("Hi\r\nBcc: everyone@example.test", "Hi\n", "\rHi"):
+        with pytest.raises(SendValidationError, match="the subject has a line break") as refused:
+            validate_request(email_request(subject=subject))
+        assert refused.value.errors[0]["loc"] == ("payload", "subject")
+    headers = {"List-Unsubscribe": "<https://example.test/u/1>", "X-Entity-Ref-ID": "a:b c"}
+    send = build_send(validate_request(email_request(headers=headers)), "acme")
+    assert decode(encode(send)).payload["headers"] == headers

@@ -100,7 +100,8 @@ def test_the_api_refuses_an_email_from_another_domain_naming_the_field_and_publi
     spoofed = asyncio.run(post("/v1/sends", email_request(**{"from": "Acme <no-reply@acme.test>",
                                                              "headers": {"Sender": "ceo@globex.test"}})))
     assert spoofed.status_code == 422
-    assert spoofed.json()["errors"][0]["loc"] == ["body", "payload", "headers", "Sender"]
+    assert spoofed.json()["errors"][0]["loc"] == ["body", "payload", "headers", "Sender", "[key]"]
+    assert "the sender by `from`" in spoofed.json()["errors"][0]["msg"]
 
 
 def test_the_other_spelling_of_from_is_checked_and_never_a_500():
