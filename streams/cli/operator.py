@@ -345,7 +345,8 @@ def _replay(rt: Runtime, send_id: str, outcome_checked: bool, dead_letter: bool)
                 return 0
             new = done.send
         else:
-            new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked, admit=admit)
+            new = replay(rt.bootstrap, rt.names, store, client, send_id, outcome_checked=outcome_checked, admit=admit,
+                         alone=True)
     except ReplayOutcomeUnknown as exc:  # it may be out: said first (its send id), then on the audit trail as such
         print(f"error: {exc}", file=sys.stderr)
         _audited_maybe(rt, f"replay/{send_id}", None, {"send_id": exc.replay_id, "replay_of": send_id})

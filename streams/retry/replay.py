@@ -141,13 +141,15 @@ Admit = Callable[[Send], Callable[[], None] | None]
 
 def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendClient, send_id: str,
            tenant: str | None = None, now_ms: int | None = None, statuses: frozenset[str] = REPLAYABLE,
-           outcome_checked: bool = False, admit: Admit | None = None) -> Send:
+           outcome_checked: bool = False, admit: Admit | None = None, alone: bool = False) -> Send:
     """Publish a new send with the payload of `send_id` (one of `statuses`); returns it. `tenant`, when
     given, must own the send (a tenant never sees another tenant's sends). A send dead-lettered
     `unknown_outcome` is refused unless `outcome_checked` (the caller checked the provider does not hold it).
     `admit(new)`, when given, runs just before the publish (a tenant's ingest quotas: it raises to refuse the
     replay, nothing published) and returns what gives its charge back should the broker refuse it (None: nothing
-    to give back)."""
+    to give back). `alone`: a replay asked for by itself, which claims nothing (`streams sends replay`, a tenant's
+    replay of one delivery): the send is then marked replayed as the new one, also when the broker left it
+    unconfirmed, so that a dead-letter or bulk replay asked later passes it over rather than deliver it again."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(_status(store, send_id), send_id, tenant, statuses, outcome_checked)
     if status["status"] != "delivered":  # a delivered one's replay is asked for as a new delivery
@@ -174,6 +176,8 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
             give_back()
         raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
+        if alone:
+            _mark_replayed_alone(store, send_id, new.send_id, status["tenant_id"])
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
                                    f"look it up (`streams sends show {new.send_id}`) before replaying again",
                                    new.send_id) from None
@@ -183,16 +187,27 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
         raise PublishError(f"the replay of {send_id} was not published: {exc}") from None
     except (Exception, KeyboardInterrupt) as exc:  # an operator's Ctrl-C, or anything else, while the broker
         # may be writing it: as unconfirmed (a caller freeing its replay claim now could replay it twice)
+        if alone:
+            _mark_replayed_alone(store, send_id, new.send_id, status["tenant_id"])
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} (interrupted: "
                                    f"{type(exc).__name__}); look it up (`streams sends show {new.send_id}`) before "
                                    "replaying again", new.send_id) from exc
     try:
+        if alone:
+            _mark_replayed_alone(store, send_id, new.send_id, status["tenant_id"])
         _record_published(store, client, new)
     except KeyboardInterrupt as exc:  # published: as unconfirmed, so that a caller keeps its replay claim
         raise ReplayOutcomeUnknown(f"the replay of {send_id} is published as {new.send_id} (interrupted while it was "
                                    f"recorded); look it up (`streams sends show {new.send_id}`) before replaying "
                                    "again", new.send_id) from exc
     return new
+
+
+def _mark_replayed_alone(store: StatusStore, send_id: str, replay_id: str, tenant: str) -> None:
+    try:
+        store.mark_replayed_alone(send_id, replay_id, tenant)
+    except StoreUnavailable as exc:  # the answer names the replay all the same
+        log.warning("the replay %s of %s is not recorded as its replay: %s", replay_id, send_id, exc)
 
 
 def _record_published(store: StatusStore, client: SendClient, new: Send) -> None:

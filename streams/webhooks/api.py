@@ -389,28 +389,18 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
             raise _not_found("delivery")
         refuse_unless_deliverable(endpoints.get(tenant_id, str(doc["endpoint_id"])), ["path", "delivery_id"])
 
-        def marked(replay_id: str) -> None:
-            """A bulk replay over its range then passes it over (it would reach the receiver a second time); also
-            when the broker left the replay unconfirmed, as a bulk replay keeps its claim then."""
-            try:
-                store.mark_replayed_alone(delivery_id, replay_id, tenant_id)
-            except StoreUnavailable as exc:  # the answer names the replay all the same
-                log.warning("the replay %s of %s is not recorded as its replay: %s", replay_id, delivery_id, exc)
-
         try:
             new = replay(client.bootstrap, client.names, store, client, delivery_id, tenant=tenant_id,
-                         outcome_checked=outcome_checked, admit=charged(tenant_id, request=True))
+                         outcome_checked=outcome_checked, admit=charged(tenant_id, request=True), alone=True)
         except ReplayOverQuota as over:
             raise over.http("nothing was replayed") from None
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
-        except ReplayOutcomeUnknown as exc:
-            marked(exc.replay_id)
+        except ReplayOutcomeUnknown as exc:  # marked replayed all the same: a bulk replay passes it over
             raise problem(503, "unavailable", [], f"the message broker did not confirm the replay: it may have been "
                           f"published as delivery {exc.replay_id}; look it up (GET /v1/deliveries/{exc.replay_id}) "
                           "before replaying again", {"Retry-After": "1"}, outcome="unknown") from None
-        marked(new.send_id)
         return {"delivery_id": new.send_id, "replay_of": delivery_id}
 
     return router

@@ -328,3 +328,31 @@ def test_a_replay_redis_could_not_record_is_named_once_its_accepted_event_is_rec
     again = replay_dead_letter(stack.bootstrap, names, store, send_client, exhausted)
     assert again.send is None and again.send_id == first.send_id
     assert count_records(stack.bootstrap, names.lane("email", "transactional")) == 2  # the dead letter and one replay
+
+
+def test_a_dead_letter_replayed_deliberately_is_not_replayed_again_as_a_dead_letter(
+        stack, names, channel_topics, send_client, redis_client, namespace, dispatch_env):
+    """Given a dead letter an operator replays deliberately (`streams sends replay`), and another whose deliberate
+    replay is interrupted (Ctrl-C) while the broker may be writing it,
+    When a colleague then replays each as a dead letter (`streams dlq replay`),
+    Then the first is answered with the deliberate replay's send id, and the second is answered with the send id the
+    interrupted replay may have been published as, both publishing nothing (before, both published the send once
+    more: a second delivery)."""
+    channel_topics("email")
+    store = StatusStore(redis_client, namespace)
+    lane = names.lane("email", "transactional")
+    replayed = _dead_letter(send_client, store, "retries_exhausted")
+    interrupted = _dead_letter(send_client, store, "retries_exhausted")
+
+    deliberate = _cli(dispatch_env, "sends", "replay", replayed)
+    assert deliberate.returncode == 0, deliberate.stderr
+    deliberate_id = deliberate.stdout.split(" as a new send ")[1].split()[0]
+    with pytest.raises(ReplayOutcomeUnknown) as unknown:
+        replay(stack.bootstrap, names, store, InterruptedClient(send_client), interrupted, alone=True)
+    assert count_records(stack.bootstrap, lane) == 3
+
+    again = _cli(dispatch_env, "dlq", "replay", replayed)
+    assert again.returncode == 0, again.stderr
+    assert f"{replayed} was replayed already as {deliberate_id}" in again.stdout
+    assert replay_dead_letter(stack.bootstrap, names, store, send_client, interrupted).send_id == unknown.value.replay_id
+    assert count_records(stack.bootstrap, lane) == 3  # nothing more published

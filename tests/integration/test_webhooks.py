@@ -36,7 +36,15 @@ from streams.webhooks.endpoints import EndpointStore
 from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
 from streams.webhooks.ssrf import UrlPolicy
-from tests.harness import committed_lag, committed_messages, free_port, read_committed, start_api, wait_until
+from tests.harness import (
+    committed_lag,
+    committed_messages,
+    email_request,
+    free_port,
+    read_committed,
+    start_api,
+    wait_until,
+)
 from tests.harness import delivery as _delivery
 from tests.harness import final_delivery as _final
 from tests.harness import register_endpoint as _register
@@ -879,8 +887,8 @@ def test_a_worker_draining_still_follows_the_endpoint_view_for_a_delivery_waitin
 
 
 def test_a_delivery_replayed_alone_whose_publish_is_unconfirmed_is_passed_over_by_a_bulk_replay(
-        redis_client, namespace, monkeypatch):
-    """Given tenant acme's delivered delivery to an active endpoint,
+        stack, names, channel_topics, send_client, redis_client, namespace):
+    """Given tenant acme's delivered delivery to an active endpoint (its record on the lane, where a replay reads it),
     When acme replays it alone and the broker does not confirm the replay (it may be published),
     Then the answer is 503 `"outcome": "unknown"` naming the replay's id, and a bulk replay over the delivery's range
     passes it over as already replayed (before: the original stayed unmarked and the bulk replay published it again,
@@ -890,34 +898,43 @@ def test_a_delivery_replayed_alone_whose_publish_is_unconfirmed_is_passed_over_b
     import httpx
     from fastapi import FastAPI
 
-    from streams.errors import ReplayOutcomeUnknown
-    from streams.webhooks import api as webhook_api
+    from streams.errors import PublishOutcomeUnknown
+    from streams.send import build_send, validate_request
     from streams.webhooks.api import webhook_routes
     from streams.webhooks.model import Endpoint
 
+    channel_topics("email")
     endpoint = Endpoint(id="ep_1", tenant="acme", url="https://hooks.example/x", event_types=("*",))
     hooks = SimpleNamespace(endpoints=SimpleNamespace(get=lambda tenant, endpoint_id: endpoint),
                             current=lambda ep: ep)
     store = StatusStore(redis_client, namespace)
     now_ms = int(time.time() * 1000)
-    store.record_outcome({"send_id": "d-1", "status": "delivered", "tenant_id": "acme", "endpoint_id": "ep_1",
-                          "created_at_ms": now_ms - 1000, "completed_at_ms": now_ms})
+    delivered = build_send(validate_request(email_request()), "acme")
+    [written] = send_client.publish_sends([delivered])
+    store.record_outcome({"send_id": delivered.send_id, "status": "delivered", "tenant_id": "acme",
+                          "endpoint_id": "ep_1", "created_at_ms": now_ms - 1000, "completed_at_ms": now_ms,
+                          "origin": {"topic": written.topic, "partition": written.partition,
+                                     "offset": written.offset}})
 
-    def unconfirmed(*args, **kwargs):
-        raise ReplayOutcomeUnknown("the broker did not confirm the replay (test)", replay_id="d-2")
+    class Unconfirmed:  # the broker neither confirms nor refuses the replay's publish
+        def __getattr__(self, name):
+            return getattr(send_client, name)
 
-    monkeypatch.setattr(webhook_api, "replay", unconfirmed)
+        def publish_sends(self, sends):
+            raise PublishOutcomeUnknown("the broker did not confirm the replay (test)")
+
     app = FastAPI()
-    client = SimpleNamespace(bootstrap="", names=None)  # never reached: the replay is the stub above
-    app.include_router(webhook_routes(hooks, store, client, lambda: "acme"))  # type: ignore[arg-type]
+    app.include_router(webhook_routes(hooks, store, Unconfirmed(), lambda: "acme"))  # type: ignore[arg-type]
 
     async def call(method: str, path: str, **request) -> httpx.Response:
         transport = httpx.ASGITransport(app, raise_app_exceptions=True)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
             return await api.request(method, path, **request)
 
-    alone = asyncio.run(call("POST", "/v1/deliveries/d-1/replay"))
-    assert alone.status_code == 503 and "d-2" in alone.text, alone.text
+    alone = asyncio.run(call("POST", f"/v1/deliveries/{delivered.send_id}/replay"))
+    assert alone.status_code == 503 and "\"outcome\":\"unknown\"" in alone.text, alone.text
+    replay_id = store.get(delivered.send_id)["replayed_as"]
+    assert replay_id != delivered.send_id and replay_id in alone.text
     bulk = asyncio.run(call("POST", "/v1/endpoints/ep_1/replay",
                             json={"since_ms": now_ms - 60_000, "statuses": ["delivered"]}))
     assert bulk.status_code == 202 and bulk.json()["already_replayed"] == 1, bulk.text
