@@ -11,7 +11,7 @@ import logging
 import time
 
 import orjson
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 
 from .. import metrics
 from ..backoff import Outage
@@ -70,9 +70,15 @@ class LagMonitor:
                 if lane == "transactional":
                     value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
                              "ts": reading.ts_ms}
-                    produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
-                            on_delivery=lambda err, msg, channel=channel, ts_ms=reading.ts_ms:
-                                self._published(channel, err, ts_ms))
+                    try:
+                        produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
+                                on_delivery=lambda err, msg, channel=channel, ts_ms=reading.ts_ms:
+                                    self._published(channel, err, ts_ms))
+                    except KafkaException as exc:  # refused at once: notif.lag missing, or denied by an ACL
+                        # As a failed publication (the channel goes stale, LagMonitorStale names it); the lanes'
+                        # lag on /metrics and the retry tiers' watch go on (raising stopped them all, at every
+                        # restart, before the first reading).
+                        self._published(channel, exc.args[0], reading.ts_ms)
         self.producer.poll(0)
 
     def _published(self, channel: str, err, ts_ms: int) -> None:
