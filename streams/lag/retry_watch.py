@@ -37,6 +37,7 @@ class RetryTierWatch:
     def __init__(self, bootstrap: str, names: TopicNames, channels: tuple[str, ...], every_s: float = 5.0):
         self.bootstrap, self.names, self.channels = bootstrap, names, channels
         self.every_s = every_s
+        self.head_timeout_s = 2.0  # how long a tier's heads may take to read before the tier counts as unreadable
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
         self._failing_since: dict[str, float] = {}  # what (a topic...): when its read first failed (monotonic)
@@ -54,7 +55,9 @@ class RetryTierWatch:
             "group.id": f"retry-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
             # A head deleted by retention between the positions' read and the peek: the oldest left, not the end
             # (read from the end, a tier whose copies are being deleted unreleased would show nothing overdue).
-            "auto.offset.reset": "earliest"}))
+            "auto.offset.reset": "earliest",
+            # A position followed only by a transaction's marker has no head to read: the end says so.
+            "enable.partition.eof": True}))
         try:
             while not self._stopping.is_set():
                 for channel in self.channels:
@@ -116,13 +119,15 @@ class RetryTierWatch:
         peeker.assign([TopicPartition(topic, p, positions[p][0]) for p in ends])
         now_ms = time.time() * 1000
         worst = 0.0
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + self.head_timeout_s
         refused: list[KafkaError] = []
         try:
             while ends and time.monotonic() < deadline:
                 for m in peeker.consume(num_messages=500, timeout=0.1):
                     if m.error():
-                        if m.error().code() != KafkaError._PARTITION_EOF:
+                        if m.error().code() == KafkaError._PARTITION_EOF:
+                            ends.pop(m.partition(), None)  # nothing but markers past the position: no head
+                        else:
                             refused.append(m.error())  # e.g. not authorised to read the topic
                         continue
                     if m.partition() not in ends:
@@ -138,6 +143,7 @@ class RetryTierWatch:
             pass
         finally:
             peeker.unassign()
-        if ends and refused:  # heads not reached, and the broker refused: not "not overdue", but unreadable
-            raise StackError(f"cannot read the lowest unreleased message of {topic}: {refused[0].str()}")
+        if ends:  # heads not reached: not "not overdue" (a stuck tier would look on time), but unreadable
+            why = refused[0].str() if refused else f"not given within {self.head_timeout_s:g} s"
+            raise StackError(f"cannot read the lowest unreleased message of {topic}: {why}")
         return max(0.0, worst)

@@ -151,6 +151,39 @@ def test_a_tier_whose_waiting_head_cannot_be_fetched_counts_as_unreadable_not_as
     assert _exported("dispatch_retry_tier_unreadable_seconds") is not None
 
 
+class SilentPeeker(Peeker):
+    """The broker gives nothing in time (overloaded, a partition's leader moving)."""
+
+    def consume(self, num_messages=1, timeout=0):
+        return []
+
+
+class MarkerOnlyPeeker(Peeker):
+    """Past the committed position there is only a transaction's marker: the fetch reaches the end, no message."""
+
+    def consume(self, num_messages=1, timeout=0):
+        from confluent_kafka import KafkaError
+        ended, self.assigned = self.assigned, []
+        return [SimpleNamespace(error=lambda: KafkaError(KafkaError._PARTITION_EOF), partition=lambda p=p: p)
+                for p, _ in ended]
+
+
+def test_a_tier_whose_waiting_head_is_not_given_in_time_counts_as_unreadable_not_as_on_time():
+    """Given the 1 h tier with a copy waiting, whose head the broker does not give within the watch's time,
+    When the watch measures it,
+    Then it exports no overdue figure and says the tier is unread (before: 0 s overdue, so a stuck tier on a slow
+    broker looked on time and neither RetryTierStuck nor RetryTierUnwatched fired); a position followed only by a
+    transaction's marker is read to its end, and is on time."""
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("sms",))
+    watch.head_timeout_s = 0.3
+    watch._measure(Positions(RuntimeError("unused")), SilentPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert _exported("dispatch_retry_tier_overdue_seconds") is None
+    assert _exported("dispatch_retry_tier_unreadable_seconds") is not None
+    watch._measure(Positions(RuntimeError("unused")), MarkerOnlyPeeker({0: [0]}), "sms", "marketing", "1h")  # type: ignore[arg-type]
+    assert _exported("dispatch_retry_tier_overdue_seconds") == 0
+    assert _exported("dispatch_retry_tier_unreadable_seconds") == 0
+
+
 def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_be_read():
     """Given the endpoint-health app's group whose oldest unapplied webhook attempt is 700 s old,
     When the watch measures it, then cannot read it any more,
