@@ -123,8 +123,11 @@ def latest(bootstrap: str, topic: str, limit: int, reason: str | None = None, ti
 def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Any | None:
     """The one record at (partition, offset), or None when it is gone (retention) or absent;
     BrokerUnavailable when it is there but the broker did not give it in time."""
+    # Deleted by retention between the watermarks and the fetch, the offset is out of range: read from the earliest
+    # left (not the end, where it waited out the timeout and blamed the broker), it is seen to be gone.
     c = Consumer(client_config(bootstrap, quiet=True, settings={
-        "group.id": f"record-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        "group.id": f"record-reader-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest"}))
     try:
         low, high = watermarks(c, TopicPartition(topic, partition))
         if not low <= offset < high:
@@ -135,6 +138,8 @@ def fetch(bootstrap: str, topic: str, partition: int, offset: int, timeout_s: fl
             for m in c.consume(num_messages=1, timeout=0.2):
                 if not m.error() and m.offset() == offset:
                     return m
+                if not m.error() and m.offset() > offset:
+                    return None
         raise BrokerUnavailable(f"{topic} [{partition}] did not give the record at offset {offset} within "
                                 f"{timeout_s:.0f} s")
     finally:
@@ -160,7 +165,8 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
         if m is not None and (m.key() or b"").decode(errors="replace") == send_id:
             return _record(m)
     c = Consumer(client_config(bootstrap, quiet=True, settings={
-        "group.id": f"dlq-finder-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}))
+        "group.id": f"dlq-finder-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest"}))  # its first offsets deleted meanwhile: read on from what is left
     try:
         partitions = len(topic_partitions(c, topic))
         partition = partition_for(send_id.encode(), partitions)

@@ -138,6 +138,30 @@ def test_a_record_the_broker_does_not_give_in_time_is_not_taken_as_gone(stack, c
     assert fetch(stack.bootstrap, topic, 0, 1) is None
 
 
+def test_a_record_deleted_by_retention_while_it_is_fetched_is_gone_not_a_broker_outage(
+        stack, create_topics, names, monkeypatch):
+    """Given three records of which retention deletes the first two just after their watermarks were read (the
+    watermarks still say offset 0 is there),
+    When the record at offset 0 is fetched,
+    Then it is gone (None, which a replay reports as an expired payload) at once (before: the fetch, out of range,
+    jumped to the topic's end, waited out its 10 s and raised BrokerUnavailable: a broker outage that was not)."""
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    from streams.retry import dlq
+
+    topic = f"{names.dlq}.retention-check"
+    create_topics({topic: 1})
+    producer = durable_producer(stack.bootstrap)
+    for n in range(3):
+        put_acked(producer, topic, f"send-{n}".encode(), b"payload", 10, "a test record")
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})  # kept: its futures complete through it
+    [deleted] = admin.delete_records([TopicPartition(topic, 0, 2)]).values()
+    assert deleted.result(timeout=30).low_watermark == 2
+    monkeypatch.setattr(dlq, "watermarks", lambda consumer, tp: (0, 3))  # as read just before the deletion
+    assert fetch(stack.bootstrap, topic, 0, 0, timeout_s=10) is None
+
+
 def test_a_replay_grown_past_the_send_limit_is_refused_for_good(stack, names, channel_topics, send_client,
                                                                  redis_client, namespace):
     """Given a delivered email send 20 bytes under the send limit (its lane record is the replay's payload),
