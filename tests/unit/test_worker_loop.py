@@ -3125,3 +3125,26 @@ def test_a_new_workers_first_partitions_are_paused_when_its_lane_yields():
     worker.pauses.reasons.add("yield")
     worker._on_assign(consumer, [_TP(TOPIC, 0), _TP(TOPIC, 1)])
     assert consumer.paused == {(TOPIC, 0), (TOPIC, 1)}
+
+
+def test_an_adapter_failing_unexpectedly_logs_its_class_not_its_text(caplog):
+    """Given a provider adapter whose call fails with an exception naming the recipient and a webhook URL (a
+    credential for some receivers),
+    When the worker collects that failure,
+    Then the error line names the exception's class only; its text is in the traceback at DEBUG, not at INFO or above
+    (before: logged whole, with the address and the URL)."""
+    import logging
+
+    class Failing(FakeProvider):
+        def submit(self, path, body, api_key, idempotency_key, tenant):
+            done = Future()
+            done.set_exception(ValueError("cannot send to jane@example.test via https://hooks.example/T0/B0/s3cret"))
+            return done
+
+    sends, msgs = _messages(["acme"])
+    worker, _, _, _ = _worker(msgs, provider=Failing(DELIVERED))
+    with caplog.at_level(logging.INFO):
+        _run(worker, steps=5)
+    shown = [r.getMessage() + (str(r.exc_info) if r.exc_info else "") for r in caplog.records]
+    assert any("failed unexpectedly (ValueError)" in line for line in shown)
+    assert not any("jane@example.test" in line or "s3cret" in line for line in shown)
