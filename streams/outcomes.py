@@ -44,6 +44,20 @@ def accepted_events(sends: list[Send], now_ms: int) -> list[dict]:
              **webhook_fields(s)} for s in sends]
 
 
+def attempt_event(s: Send, attempt: dict) -> tuple[bytes, dict]:
+    """A webhook delivery's event on the attempts topic (key = its endpoint id), which endpoint health reads."""
+    fields = webhook_fields(s)
+    event = {"kind": "attempt", "delivery_id": s.send_id, "tenant_id": s.tenant_id, **fields, **attempt}
+    return str(fields.get("endpoint_id") or "").encode(), event
+
+
+def dropped_unattempted(made: int, now_ms: int, reason: str) -> dict:
+    """The attempt of a webhook delivery given up on without an attempt of its own: `not_attempted` (never a failure
+    of the endpoint), `dropped` for `reason` (its tenant's members hear of it: "Webhook event dropped")."""
+    return {"n": made, "at_ms": now_ms, "status_code": None, "outcome": NOT_ATTEMPTED, "error": reason,
+            "duration_ms": 0, "dropped": reason, "held": False}
+
+
 def webhook_fields(s: Send) -> dict:
     """A webhook delivery's endpoint and event, for its endpoint's delivery list."""
     if s.channel != "webhook":

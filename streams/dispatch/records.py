@@ -26,7 +26,13 @@ from ..kafka_client import AckedWriter
 from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
-from ..outcomes import NOT_ATTEMPTED, OUTCOME_RECORD_BYTES, OUTCOMES_PER_RECORD, outcome_event, webhook_fields
+from ..outcomes import (
+    OUTCOME_RECORD_BYTES,
+    OUTCOMES_PER_RECORD,
+    attempt_event,
+    dropped_unattempted,
+    outcome_event,
+)
 from ..providers.outcome import ProviderResult, redact
 from ..retry.dlq import OWN_DLQ_HEADERS, shown_send_id
 from ..retry.policy import RetryAt
@@ -151,15 +157,12 @@ class RecordWriter:
         outcome unknown...): said on the attempts topic as well, so that its tenant's members hear of it ("Webhook
         event dropped") as of a delivery dropped after an attempt; `not_attempted`, it never counts as a failure
         of the endpoint."""
-        self._attempt_event(p, {"n": made, "at_ms": now_ms, "status_code": None, "outcome": NOT_ATTEMPTED,
-                                "error": reason, "duration_ms": 0, "dropped": reason, "held": False}, on_ack)
+        self._attempt_event(p, dropped_unattempted(made, now_ms, reason), on_ack)
 
     def _attempt_event(self, p: Pending, attempt: dict, on_ack: OnAck | None) -> None:
         """A webhook delivery's event on the attempts topic (key = its endpoint id)."""
-        fields = webhook_fields(p.send)
-        event = {"kind": "attempt", "delivery_id": p.send.send_id, "tenant_id": p.send.tenant_id, **fields, **attempt}
-        self.produce(self.names.webhook_attempts, str(fields.get("endpoint_id") or "").encode(), orjson.dumps(event),
-                     {}, on_ack)
+        key, event = attempt_event(p.send, attempt)
+        self.produce(self.names.webhook_attempts, key, orjson.dumps(event), {}, on_ack)
 
     def outcome(self, event: dict, on_ack: OnAck | None = None) -> None:
         self.produce(self.names.outcomes, event["send_id"].encode(), orjson.dumps(event), {}, on_ack)

@@ -48,7 +48,7 @@ from ..kafka_client import (
 from ..lanes import RETRY_TIERS
 from ..names import TopicNames
 from ..offsets import OffsetTracker
-from ..outcomes import outcome_event
+from ..outcomes import attempt_event, dropped_unattempted, outcome_event
 from ..send import decode, peek_send_id, plausible_send_id
 from .dlq import OWN_DLQ_HEADERS
 from .memory_bound import MemoryBound, Partition, PartitionLoad, far_loads
@@ -303,8 +303,17 @@ class Retrier:
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}
         metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()
-        self.writer.write(self.cfg.names.outcomes, orjson.dumps(event), send.send_id.encode(),
-                          on_ack=lambda: self.tracker.finish(*where))
+        finished = [2 if send.channel == "webhook" else 1]
+
+        def acked() -> None:  # the retry record is finished once every record it caused is acknowledged
+            finished[0] -= 1
+            if finished[0] == 0:
+                self.tracker.finish(*where)
+
+        self.writer.write(self.cfg.names.outcomes, orjson.dumps(event), send.send_id.encode(), on_ack=acked)
+        if send.channel == "webhook":  # dropped without an attempt of this copy: its tenant's members hear of it
+            key, attempt = attempt_event(send, dropped_unattempted(attempts_made(held), now_ms, reason))
+            self.writer.write(self.cfg.names.webhook_attempts, orjson.dumps(attempt), key, on_ack=acked)
 
     def _held(self) -> tuple[int, int]:
         """Messages held and their bytes. Released copies the lane has not acknowledged yet are held too

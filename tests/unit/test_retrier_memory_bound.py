@@ -332,3 +332,41 @@ def test_a_partition_assigned_to_a_retrier_at_its_bound_is_paused_even_on_its_fi
     r._keep(Held(now + 1_000, 1, hour_tier, 0, None, b"x" * 200_000, {}))  # twice the bound, due in a second
     r._on_assign(consumer, [TopicPartition(ten_s_tier, 0)])
     assert consumer.paused == {(ten_s_tier, 0)}
+
+
+def test_a_webhook_delivery_dead_lettered_by_the_retrier_is_said_on_the_attempts_topic():
+    """Given a webhook retrier and a retry record of a webhook delivery whose header names are not UTF-8,
+    When the retrier dead-letters it,
+    Then besides its outcome (`dropped`, `malformed`) a `not_attempted` event naming the reason goes to the attempts
+    topic, keyed by its endpoint, so its tenant's members get the "Webhook event dropped" email as for a delivery the
+    worker drops; the retry record is finished only once both are acknowledged (before: the outcome alone, and no
+    email)."""
+    from streams.send import build_send, encode, validate_request
+    from tests.harness import webhook_event
+
+    request = webhook_event()
+    request["payload"] = {**request["payload"], "event_id": "ev_1", "endpoint_id": "ep_1"}
+    send = build_send(validate_request(request), "acme")
+    r = Retrier(RetrierConfig("webhook", "transactional", "127.0.0.1:1"), clock=lambda: 1_800_000_000)
+    r.consumer.close()
+    r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
+    producer = RecordingProducer()
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+
+    class OfADelivery(_UnreadableHeaders):
+        def value(self):
+            return encode(send)
+
+    r._hold(OfADelivery(tier, 0, 11))
+    r.writer.poll(0)  # the dead letter acknowledged: the outcome and the attempt event are written
+    assert r.tracker.committable() == {(tier, 0): 11}  # not past it yet
+    r.writer.poll(0)
+    [_, (outcomes, event, _), (attempts, attempt, _)] = producer.records
+    assert (outcomes, attempts) == (r.cfg.names.outcomes, r.cfg.names.webhook_attempts)
+    assert (orjson.loads(event)["status"], orjson.loads(event)["reason"]) == ("dropped", "malformed")
+    attempt = orjson.loads(attempt)
+    assert (attempt["kind"], attempt["delivery_id"], attempt["endpoint_id"]) == ("attempt", send.send_id, "ep_1")
+    assert (attempt["outcome"], attempt["dropped"]) == ("not_attempted", "malformed")
+    assert r.tracker.committable() == {(tier, 0): 12}
