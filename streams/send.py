@@ -123,10 +123,11 @@ def nested_deeper_than(value: object, limit: int) -> bool:
     return False
 
 
-# One header line each: a CR or LF would start another header (or the body) of the message the provider builds.
-# Said in the published schema as "no CR or LF anywhere" (a pattern ending in `$` lets a final LF through in some
-# regex engines).
-ONE_LINE_SCHEMA: dict[str, Any] = {"not": {"pattern": "[\\r\\n]"}}
+# One header line each: a CR or LF would start another header (or the body) of the message the provider builds; nor
+# any other control character (a tab aside) or line or paragraph separator. Said in the published schema as "none of
+# them anywhere" (a pattern ending in `$` lets a final LF through in some regex engines).
+_NOT_ONE_LINE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+ONE_LINE_SCHEMA: dict[str, Any] = {"not": {"pattern": _NOT_ONE_LINE.pattern}}
 # Headers a tenant may not set through `headers`: the message's addresses and identity, which the fields above set
 # and check (an address, the recipient cap), and its MIME structure, which the provider writes.
 RESERVED_HEADERS = frozenset({
@@ -163,8 +164,8 @@ def _header_name(name: str) -> str:
 
 
 def _header_value(value: str) -> str:
-    if "\r" in value or "\n" in value:
-        raise ValueError("a line break in a header's value: it is one line")
+    if _NOT_ONE_LINE.search(value):
+        raise ValueError("a line break or control character in a header's value: it is one line")
     return value
 
 
@@ -246,8 +247,8 @@ class EmailPayload(BaseModel):
     @field_validator("subject")
     @classmethod
     def _one_line(cls, v: str) -> str:
-        if "\r" in v or "\n" in v:
-            raise ValueError("the subject has a line break: it is one line")
+        if _NOT_ONE_LINE.search(v):
+            raise ValueError("the subject has a line break or control character: it is one line")
         return v
 
     @model_validator(mode="after")

@@ -239,6 +239,7 @@ def test_an_email_field_dispatch_would_not_send_is_refused_not_dropped(field, va
     ({"Content-Type": "text/plain"}, ("Content-Type", "[key]"), "set by dispatch"),
     ({"X-Ref": "1\r\nBcc: everyone@example.test"}, ("X-Ref",), "a line break"),
     ({"X-Ref": "trailing\n"}, ("X-Ref",), "a line break"),
+    ({"X-Ref": "null\x00byte"}, ("X-Ref",), "control character"),
     ({"X Ref": "1"}, ("X Ref", "[key]"), "not a header name"),
     ({"X-Ref:": "1"}, ("X-Ref:", "[key]"), "not a header name"),
     ({f"X-{i}": "1" for i in range(51)}, (), "at most 50"),
@@ -261,10 +262,34 @@ def test_custom_headers_cannot_add_recipients_or_lines(headers, where, says):
 def test_a_subject_is_one_line_and_ordinary_headers_pass_through():
     """A subject with a CR or LF (a header of its own in the message the provider writes) is refused at ingest
     naming `subject`; List-Unsubscribe and X- headers, the ones tenants use, are accepted and kept."""
-    for subject in ("Hi\r\nBcc: everyone@example.test", "Hi\n", "\rHi"):
-        with pytest.raises(SendValidationError, match="the subject has a line break") as refused:
+    for subject in ("Hi\r\nBcc: everyone@example.test", "Hi\n", "\rHi", "Hi\u2028there", "Hi\x00"):
+        with pytest.raises(SendValidationError, match="the subject has a line break or control character") as refused:
             validate_request(email_request(subject=subject))
         assert refused.value.errors[0]["loc"] == ("payload", "subject")
-    headers = {"List-Unsubscribe": "<https://example.test/u/1>", "X-Entity-Ref-ID": "a:b c"}
+    headers = {"List-Unsubscribe": "<https://example.test/u/1>", "X-Entity-Ref-ID": "a:b\tc"}
     send = build_send(validate_request(email_request(headers=headers)), "acme")
     assert decode(encode(send)).payload["headers"] == headers
+
+
+def test_the_published_subject_and_headers_schemas_and_the_checks_agree():
+    """The OpenAPI publishes the subject's and the headers' rules as JSON Schema (which API clients and the API's
+    fuzzing read): a JSON Schema validator accepts exactly the subjects and headers the API accepts."""
+    import jsonschema_rs
+
+    from streams.send import EmailPayload
+
+    schema = EmailPayload.model_json_schema(by_alias=True)["properties"]
+    subject, headers = (jsonschema_rs.validator_for(schema[name]) for name in ("subject", "headers"))
+
+    def accepted(**payload) -> bool:
+        try:
+            validate_request(email_request(**payload))
+            return True
+        except SendValidationError:
+            return False
+
+    for value in ("Hi", "Hi\n", "a\tb", "x\u2028", "\x00", "Zoë", "\x85", "\r"):
+        assert subject.is_valid(value) == accepted(subject=value), repr(value)
+    for value in ({"X-A": "1"}, {"bcc": "x"}, {"BcC": "x"}, {"Resent-To": "x"}, {"X A": "1"}, {"X-A": "v\n"},
+                  {"X-A\n": "v"}, {"": "v"}, {"List-Unsubscribe": "<a>"}, {"X-Ü": "v"}, {"X-A": "v" * 999}):
+        assert headers.is_valid(value) == accepted(headers=value), repr(value)
