@@ -53,7 +53,7 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
     from ..ingest.quotas import IngestQuotas
     from ..ingest.status import StatusStore
 
-    metrics.announce("api-bulk" if bulk_socket is not None else "api")
+    metrics.announce("baseline-api" if router is not None else "api-bulk" if bulk_socket is not None else "api")
     bulk = None
     bulk_nice = rt.config.ingest_bulk_nice if bulk_socket is None and router is None else None
     if bulk_nice is not None or bulk_socket is not None:
