@@ -129,12 +129,17 @@ def nested_deeper_than(value: object, limit: int) -> bool:
 _NOT_ONE_LINE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
 ONE_LINE_SCHEMA: dict[str, Any] = {"not": {"pattern": _NOT_ONE_LINE.pattern}}
 # Headers a tenant may not set through `headers`: the message's addresses and identity, which the fields above set
-# and check (an address, the recipient cap), and its MIME structure, which the provider writes.
+# and check (an address, the recipient cap), where receipts go, and its MIME structure, which the provider writes.
 RESERVED_HEADERS = frozenset({
-    "from", "sender", "to", "cc", "bcc", "reply-to", "subject", "return-path", "resent-from", "resent-sender",
-    "resent-to", "resent-cc", "resent-bcc", "mime-version", "content-type", "content-transfer-encoding"})
+    "from", "sender", "to", "cc", "bcc", "reply-to", "subject", "return-path", "disposition-notification-to",
+    "return-receipt-to", "mime-version", "content-type", "content-transfer-encoding"})
+RESERVED_HEADER_PREFIX = "resent-"  # every Resent-* header: another message's addresses and identity
 MAX_HEADERS = 50
+MAX_HEADER_VALUE = 998  # RFC 5322's line length
 HEADER_NAME = re.compile(r"[!-9;-~]{1,100}")  # RFC 5322's field name: printable ASCII but the colon
+# What the send rules added since events were first published check on submission only (the ingest API, the SDK): a
+# worker decoding an event accepted before sends it as it was accepted, rather than dead-letter it unreplayable.
+ACCEPTED_EARLIER = "accepted_earlier"
 
 
 def _any_case(name: str) -> str:
@@ -142,35 +147,47 @@ def _any_case(name: str) -> str:
     return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in name)  # letters and hyphens
 
 
+_RESERVED_NAME_PATTERN = (f"^(?:{'|'.join(_any_case(n) for n in sorted(RESERVED_HEADERS))})$"
+                          f"|^{_any_case(RESERVED_HEADER_PREFIX)}")
 _HEADERS_SCHEMA = {
     "anyOf": [{"type": "object", "maxProperties": MAX_HEADERS,
                "propertyNames": {"minLength": 1, "maxLength": 100, "not": {"anyOf": [
-                   {"pattern": "[^!-9;-~]"},
-                   {"pattern": f"^({'|'.join(_any_case(n) for n in sorted(RESERVED_HEADERS))})$"}]}},
-               "additionalProperties": {"type": "string", "maxLength": 998, **ONE_LINE_SCHEMA}},
+                   {"pattern": "[^!-9;-~]"}, {"pattern": _RESERVED_NAME_PATTERN}]}},
+               "additionalProperties": {"type": "string", "maxLength": MAX_HEADER_VALUE, **ONE_LINE_SCHEMA}},
               {"type": "null"}],
-    "description": f"custom headers (up to {MAX_HEADERS}), one line each; not the ones the fields set "
-                   f"({', '.join(sorted(RESERVED_HEADERS))}, in any case)"}
+    "description": f"custom headers (up to {MAX_HEADERS}), one line each; not the ones the fields set or the provider "
+                   f"writes ({', '.join(sorted(RESERVED_HEADERS))}, Resent-*, in any case)"}
 
 
-def _header_name(name: str) -> str:
+def _submitted(info: ValidationInfo) -> bool:
+    return not (isinstance(info.context, dict) and info.context.get(ACCEPTED_EARLIER))
+
+
+def _header_name(name: str, info: ValidationInfo) -> str:
     # The messages name the header, never its value (they reach logs and DLQ headers).
+    if not _submitted(info):
+        return name
     if HEADER_NAME.fullmatch(name) is None:
         raise ValueError("not a header name (1-100 printable ASCII characters, no colon or space)")
-    if name.lower() in RESERVED_HEADERS:
+    if name.lower() in RESERVED_HEADERS or name.lower().startswith(RESERVED_HEADER_PREFIX):
         raise ValueError("set by dispatch from the send's own fields (the sender by `from`, checked against the "
-                         "tenant's domains; recipients by `to`, `cc`, `bcc`), not through `headers`")
+                         "tenant's domains; recipients by `to`, `cc`, `bcc`) or by the provider, not through "
+                         "`headers`")
     return name
 
 
-def _header_value(value: str) -> str:
+def _header_value(value: str, info: ValidationInfo) -> str:
+    if not _submitted(info):
+        return value
+    if len(value) > MAX_HEADER_VALUE:
+        raise ValueError(f"a header's value is at most {MAX_HEADER_VALUE} characters")
     if _NOT_ONE_LINE.search(value):
         raise ValueError("a line break or control character in a header's value: it is one line")
     return value
 
 
 HeaderName = Annotated[str, AfterValidator(_header_name)]
-HeaderValue = Annotated[str, Field(max_length=998), AfterValidator(_header_value)]
+HeaderValue = Annotated[str, AfterValidator(_header_value)]
 
 
 def _one_of_two_bodies(schema: dict[str, Any]) -> None:
@@ -217,8 +234,7 @@ class EmailPayload(BaseModel):
     cc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     bcc: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
     reply_to: Annotated[list[str] | None, WithJsonSchema(_ADDRESSES_SCHEMA)] = Field(None, max_length=MAX_RECIPIENTS)
-    headers: Annotated[dict[HeaderName, HeaderValue] | None, WithJsonSchema(_HEADERS_SCHEMA)] = Field(
-        None, max_length=MAX_HEADERS)
+    headers: Annotated[dict[HeaderName, HeaderValue] | None, WithJsonSchema(_HEADERS_SCHEMA)] = None
     attachments: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["attachments"])
     scheduled_at: _UNSENT = Field(None, description=UNSENT_EMAIL_FIELDS["scheduled_at"])
 
@@ -246,9 +262,16 @@ class EmailPayload(BaseModel):
 
     @field_validator("subject")
     @classmethod
-    def _one_line(cls, v: str) -> str:
-        if _NOT_ONE_LINE.search(v):
+    def _one_line(cls, v: str, info: ValidationInfo) -> str:
+        if _submitted(info) and _NOT_ONE_LINE.search(v):
             raise ValueError("the subject has a line break or control character: it is one line")
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _at_most(cls, v: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if v is not None and _submitted(info) and len(v) > MAX_HEADERS:
+            raise ValueError(f"at most {MAX_HEADERS} headers")
         return v
 
     @model_validator(mode="after")
@@ -537,7 +560,7 @@ def decode(value: bytes | None) -> Send:
     except ValidationError as exc:
         raise MalformedEvent("malformed", format_field_errors(exc.errors())) from None
     try:
-        PAYLOADS[send.channel].model_validate(send.payload)
+        PAYLOADS[send.channel].model_validate(send.payload, context={ACCEPTED_EARLIER: True})
     except ValidationError as exc:  # a send whose payload is refused: carried, so its status says dead-lettered
         raise MalformedEvent("malformed", format_field_errors(exc.errors()), send) from None
     return send
