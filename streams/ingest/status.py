@@ -34,6 +34,8 @@ class UnusableOutcome(ValueError):
 # scheduled) or unknown (the last attempt's outcome is unknown: retried under the same key, or
 # waiting for reconciliation); then delivered or dead_lettered, which are final.
 FINAL = frozenset({b"delivered", b"dead_lettered", b"dropped", b"skipped"})  # also in record_status.lua
+# A send's `replayed_as` while a replay of it is claimed, or was left unconfirmed by the broker (no replay id yet).
+REPLAY_PENDING = "pending"
 
 
 def skip_outcome(msg, why: str, logger: logging.Logger = log) -> None:
@@ -56,13 +58,18 @@ class StatusStore:
         self._record_status = client.register_script(load_script(__package__, "record_status.lua"))
         self._claim_replay = client.register_script(
             "if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end "
-            "return redis.call('HSETNX', KEYS[1], 'replayed_as', 'pending')")
+            f"return redis.call('HSETNX', KEYS[1], 'replayed_as', '{REPLAY_PENDING}')")
+        # Only a claim is freed: a replay id written meanwhile (a deliberate replay's) stays.
+        self._release_replay = client.register_script(
+            f"if redis.call('HGET', KEYS[1], 'replayed_as') == '{REPLAY_PENDING}' then "
+            "return redis.call('HDEL', KEYS[1], 'replayed_as') end return 0")
         # A send's replay mark, only while it has a status of the replay's tenant (one step: its status may expire
         # in between), where it has only a replay's claim ("pending": the replay that claimed it is published, and
         # the call that published it could not record that) or, unless ARGV[3] is "1", none.
         self._mark_replayed_if_known = client.register_script(
             "local s = redis.call('HMGET', KEYS[1], 'tenant_id', 'replayed_as') "
-            "if s[1] ~= ARGV[2] or (s[2] and s[2] ~= 'pending') or (not s[2] and ARGV[3] == '1') then return 0 end "
+            f"if s[1] ~= ARGV[2] or (s[2] and s[2] ~= '{REPLAY_PENDING}') or (not s[2] and ARGV[3] == '1') then "
+            "return 0 end "
             "redis.call('HSET', KEYS[1], 'replayed_as', ARGV[1]) return 1")
 
     def accepted(self, sends: list) -> None:
@@ -150,10 +157,10 @@ class StatusStore:
             pipe.execute()
 
     def _note_replay(self, pipe, event: dict) -> None:
-        """A replay's event names it on its original's replay claim left "pending" because the call that published
-        it could not record it (Redis failed right after the publish): the dead letter's next replay then answers
-        with it instead of being refused as unconfirmed. An original nobody claimed (a deliberate `sends replay`)
-        stays unmarked."""
+        """A replay's event names it on its original's replay mark left "pending" because the call that published
+        it could not record it (Redis failed right after the publish, or the broker left the publish unconfirmed):
+        the dead letter's next replay then answers with it instead of being refused as unconfirmed. An original with
+        no mark stays unmarked (a replay asked alone marks its original itself)."""
         if event.get("replay_of"):
             self._mark_replayed_if_known(keys=[self.keys.send_status(event["replay_of"])],
                                          args=[event["send_id"], event["tenant_id"], "1"], client=pipe)
@@ -202,7 +209,7 @@ class StatusStore:
         status = self.keys.send_status(send_id)
         with store_errors("claiming a replay"):
             if self.holds_data is None:
-                return bool(self.client.hsetnx(status, "replayed_as", "pending"))
+                return bool(self.client.hsetnx(status, "replayed_as", REPLAY_PENDING))
             # The guard's answer may be seconds old: the claim itself also needs the epoch (its marker in the
             # status's slot, on a Redis Cluster), which `streams state recover` writes back last.
             marker = self.keys.epoch_marker(hash_slot(send_id)) if is_cluster(self.client) else self.keys.epoch
@@ -227,9 +234,10 @@ class StatusStore:
                             "replays made before the loss may not be back yet, so no replay is claimed until then")
 
     def release_replay(self, send_id: str) -> None:
-        """Its replay published nothing: a later bulk replay may replay it (only the claim's holder calls this)."""
+        """Its replay published nothing: a later bulk replay may replay it (only the claim's holder calls this). A
+        replay id written over the claim meanwhile (a deliberate replay, asked alone) is kept."""
         with store_errors("releasing a replay"):
-            self.client.hdel(self.keys.send_status(send_id), "replayed_as")
+            self._release_replay(keys=[self.keys.send_status(send_id)])
 
     def restore_replays(self, replays: dict[str, tuple[str, str]], chunk: int = 1000) -> int:
         """`state recover`: mark each send of `replays` (send id: its replay's id and tenant) replayed, unless it is

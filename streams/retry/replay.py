@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..ingest.publisher import RecordTooLarge
 from ..ingest.sdk import SendClient
+from ..ingest.status import REPLAY_PENDING as PENDING
 from ..ingest.status import StatusStore
 from ..names import TopicNames
 from ..send import Send, decode, new_send_id
@@ -148,8 +149,10 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     `admit(new)`, when given, runs just before the publish (a tenant's ingest quotas: it raises to refuse the
     replay, nothing published) and returns what gives its charge back should the broker refuse it (None: nothing
     to give back). `alone`: a replay asked for by itself, which claims nothing (`streams sends replay`, a tenant's
-    replay of one delivery): the send is then marked replayed as the new one, also when the broker left it
-    unconfirmed, so that a dead-letter or bulk replay asked later passes it over rather than deliver it again."""
+    replay of one delivery): the send is then marked replayed as the new one, so that a dead-letter or bulk replay
+    asked later answers with it rather than deliver it again; when the broker left it unconfirmed, marked as a claim
+    left pending (bulk replays pass it over, a dead-letter replay is refused as unconfirmed, and the replay's own
+    events, should it be out, name it there)."""
     now_ms = now_ms or int(time.time() * 1000)
     status = _check(_status(store, send_id), send_id, tenant, statuses, outcome_checked)
     if status["status"] != "delivered":  # a delivered one's replay is asked for as a new delivery
@@ -177,7 +180,7 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
         raise ReplayRefused(f"send {send_id} cannot be replayed: {exc}") from None
     except PublishOutcomeUnknown as exc:  # a second replay would be another send id: not deduplicated
         if alone:
-            _mark_replayed_alone(store, send_id, new.send_id, status["tenant_id"])
+            _mark_replayed_alone(store, send_id, PENDING, status["tenant_id"])
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} ({exc}); "
                                    f"look it up (`streams sends show {new.send_id}`) before replaying again",
                                    new.send_id) from None
@@ -188,7 +191,7 @@ def replay(bootstrap: str, names: TopicNames, store: StatusStore, client: SendCl
     except (Exception, KeyboardInterrupt) as exc:  # an operator's Ctrl-C, or anything else, while the broker
         # may be writing it: as unconfirmed (a caller freeing its replay claim now could replay it twice)
         if alone:
-            _mark_replayed_alone(store, send_id, new.send_id, status["tenant_id"])
+            _mark_replayed_alone(store, send_id, PENDING, status["tenant_id"])
         raise ReplayOutcomeUnknown(f"the replay of {send_id} may have been published as {new.send_id} (interrupted: "
                                    f"{type(exc).__name__}); look it up (`streams sends show {new.send_id}`) before "
                                    "replaying again", new.send_id) from exc
@@ -270,6 +273,6 @@ def replay_dead_letter(bootstrap: str, names: TopicNames, store: StatusStore, cl
 
 
 def _replayed_as(status: dict | None) -> str | None:
-    """The send id of the send's replay, once one is published (a claim still "pending" is none)."""
+    """The send id of the send's replay, once one is published (a claim still pending is none)."""
     earlier = (status or {}).get("replayed_as")
-    return earlier if earlier and earlier != "pending" else None
+    return earlier if earlier and earlier != PENDING else None

@@ -397,7 +397,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         except ReplayRefused as exc:
             raise HTTPException(410 if "expired" in str(exc) else 409, {"error": "replay_refused", "errors": [
                 {"loc": ["path", "delivery_id"], "msg": str(exc)}]}) from None
-        except ReplayOutcomeUnknown as exc:  # marked replayed all the same: a bulk replay passes it over
+        except ReplayOutcomeUnknown as exc:  # its replay marked left pending: a bulk replay passes it over
             raise problem(503, "unavailable", [], f"the message broker did not confirm the replay: it may have been "
                           f"published as delivery {exc.replay_id}; look it up (GET /v1/deliveries/{exc.replay_id}) "
                           "before replaying again", {"Retry-After": "1"}, outcome="unknown") from None

@@ -359,9 +359,10 @@ def test_a_dead_letter_replayed_deliberately_is_not_replayed_again_as_a_dead_let
     """Given a dead letter an operator replays deliberately (`streams sends replay`), and another whose deliberate
     replay is interrupted (Ctrl-C) while the broker may be writing it,
     When a colleague then replays each as a dead letter (`streams dlq replay`),
-    Then the first is answered with the deliberate replay's send id, and the second is answered with the send id the
-    interrupted replay may have been published as, both publishing nothing (before, both published the send once
-    more: a second delivery)."""
+    Then the first is answered with the deliberate replay's send id, and the second is refused as left unconfirmed
+    (it may be out: `streams sends replay` sends it again once it is known not to be), both publishing nothing
+    (before, both published the send once more: a second delivery); and a bulk or dead-letter replay's claim freed
+    after a failed publish keeps a deliberate replay's mark written over it meanwhile."""
     channel_topics("email")
     store = StatusStore(redis_client, namespace)
     lane = names.lane("email", "transactional")
@@ -378,5 +379,13 @@ def test_a_dead_letter_replayed_deliberately_is_not_replayed_again_as_a_dead_let
     again = _cli(dispatch_env, "dlq", "replay", replayed)
     assert again.returncode == 0, again.stderr
     assert f"{replayed} was replayed already as {deliberate_id}" in again.stdout
-    assert replay_dead_letter(stack.bootstrap, names, store, send_client, interrupted).send_id == unknown.value.replay_id
+    assert unknown.value.replay_id and store.get(interrupted)["replayed_as"] == "pending"
+    with pytest.raises(ReplayRefused, match="left unconfirmed"):
+        replay_dead_letter(stack.bootstrap, names, store, send_client, interrupted)
     assert count_records(stack.bootstrap, lane) == 3  # nothing more published
+
+    raced = _dead_letter(send_client, store, "retries_exhausted")
+    assert store.claim_replay(raced)  # a bulk replay's claim, its publish under way
+    store.mark_replayed_alone(raced, "the-deliberate-replay", "shop")  # a deliberate replay meanwhile
+    store.release_replay(raced)  # the claim's publish failed: nothing of its own to keep
+    assert store.get(raced)["replayed_as"] == "the-deliberate-replay"
