@@ -90,3 +90,28 @@ def test_listing_dead_letters_keeps_only_the_newest_asked_for_and_never_passes_a
     assert cli.stdout.splitlines()[-1] == "4 of 30 dead letters"
     with pytest.raises(BrokerUnavailable, match="not read to their end"):
         latest(stack.bootstrap, names.dlq, 4, timeout_s=0)
+
+
+def test_listing_the_newest_dead_letters_reads_only_each_partitions_last_ones(
+        stack, names, channel_topics, monkeypatch):
+    """Given 60 dead letters spread over the DLQ's partitions,
+    When an operator lists the newest 4 of any reason (`streams dlq list`, GET /v1/admin/dlq),
+    Then they get the 4 newest and the total of 60, having read at most 4 of each partition (before: every record
+    from the oldest, payloads included, so a DLQ holding a week of an incident's letters took longer than the
+    listing's 30 s and the listing failed as a broker outage, when operators needed it most)."""
+    from streams.retry import dlq
+
+    channel_topics("email")
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for i in range(60):
+        producer.produce(names.dlq, key=f"s-{i}".encode(), value=b"x" * 1_000, timestamp=1_700_000_000_000 + i,
+                         headers=[("send_id", f"s-{i}".encode()), ("reason", b"permanent_error")])
+    producer.flush(10)
+    read = []
+    real_record = dlq._record
+    monkeypatch.setattr(dlq, "_record", lambda m, payload=True: read.append(m.offset()) or real_record(m, payload))
+
+    listing = latest(stack.bootstrap, names.dlq, 4)
+    assert [r.send_id for r in listing.latest] == ["s-56", "s-57", "s-58", "s-59"]
+    assert listing.total == 60
+    assert len(read) <= 4 * 6  # the DLQ's 6 partitions, 4 read of each at most
