@@ -18,6 +18,7 @@ from ..kafka_client import consume_ready, lane_consumer, store_message_offset
 from ..names import RedisKeys, hash_slot
 from ..outcomes import ACCEPTED, WHERE_KEYS, events_of, unusable, webhook_fields
 from ..redis_client import is_cluster, load_script, ping_every_master, store_errors
+from ..state.guard import UNREADABLE_LOG_EVERY_S
 
 if TYPE_CHECKING:
     from ..state.guard import StateGuard
@@ -305,6 +306,7 @@ class OutcomeRecorder:
         self.outage = Outage("Redis (outcome recorder)")
         self.backlog: list = []  # consumed, not yet recorded
         self.running = True
+        self._log_unreadable_at = 0.0  # when an unreadable operator log may be logged again
         self._down = metrics.DEPENDENCY_DOWN.labels("outcome-recorder", "redis")
 
     def stop(self, *_: object) -> None:
@@ -345,13 +347,21 @@ class OutcomeRecorder:
         self.consumer.resume(self.consumer.assignment())
 
     def _check_state(self) -> None:
-        """Rebuild operator state by itself if Redis lost its data (statuses keep being recorded)."""
+        """Rebuild operator state by itself if Redis lost its data (statuses keep being recorded). While Redis does
+        not answer, nothing more is fetched (what the polls read waited in memory, the whole backlog of a recorder
+        started during an outage); an operator log it cannot read does not stop statuses being recorded."""
         if self.guard is None or not self.outage.ready(time.monotonic()):
             return
         try:
             self.guard.check()
-        except (StoreUnavailable, StackError, PublishError) as exc:
+        except StackError as exc:
+            if (now := time.monotonic()) >= self._log_unreadable_at:
+                self._log_unreadable_at = now + UNREADABLE_LOG_EVERY_S
+                log.warning("cannot check Redis state against the operator log (statuses are recorded all the "
+                            "same): %s", exc)
+        except (StoreUnavailable, PublishError) as exc:
             self.outage.failed(time.monotonic(), exc)
+            self.consumer.pause(self.consumer.assignment())  # resumed by the next record written, or the probe
 
     def _record(self) -> None:
         while self.backlog:

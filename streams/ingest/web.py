@@ -24,7 +24,7 @@ from pydantic.json_schema import SkipJsonSchema
 from starlette.routing import Match
 
 from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable
-from ..state.guard import StateGuard
+from ..state.guard import UNREADABLE_LOG_EVERY_S, StateGuard
 from .api_keys import ApiKeys, Principal
 
 log = logging.getLogger("streams.api")
@@ -212,7 +212,6 @@ def answer_options(app: FastAPI) -> None:
         return Response(status_code=204, headers={"Allow": ", ".join(sorted(allowed | {"OPTIONS"}))})
 
 
-UNREADABLE_LOG_EVERY_S = 10.0
 SEND_ROUTES = ("/v1/sends", "/v1/sends/batch")
 RETRY_WITH_KEY = "retry after a moment with the same Idempotency-Key (sends then keep their send ids and are sent once)"
 

@@ -42,6 +42,7 @@ from .log import OperatorLog
 
 log = logging.getLogger("streams.state")
 CHECK_EVERY_S = 5.0
+UNREADABLE_LOG_EVERY_S = 10.0  # how often a role says, once more, that it cannot read the operator log
 UNFINISHED_AGAIN_S = 0.5  # a check Redis failing stopped is tried again this soon (one read); the log's, as usual
 # Markers the 5 s look reads besides each master's first: every slot is read once in 128 looks (about
 # 11 minutes). Measured on a 3-master local cluster: such a look takes 6.5-7 ms of the caller's thread

@@ -120,3 +120,50 @@ def test_a_state_check_that_failed_once_on_a_quiet_topic_does_not_leave_redis_re
     recorder.outage.next_try_at = 0.0  # its back-off has passed
     recorder.step()
     assert REGISTRY.get_sample_value("dispatch_dependency_down", labels) == 0
+
+
+class FailingGuard:
+    """A state check that keeps failing with `error`."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def check(self):
+        raise self.error
+
+
+def test_a_recorder_whose_state_check_cannot_reach_redis_fetches_nothing_until_it_answers():
+    """Given a recorder started while Redis does not answer (its state check fails, again and again), with outcome
+    events waiting on both partitions,
+    When it steps, before and after its back-off,
+    Then it pauses its partitions and takes none of the events into memory (before: only a failed write paused them,
+    which never came as the check kept failing, so the whole topic's lag was read into memory), and once Redis
+    answers it resumes and records them."""
+    recorder = OutcomeRecorder("127.0.0.1:9", Store(), "notif.outcomes", "status-recorder",  # type: ignore[arg-type]
+                               guard=FailingGuard(StoreUnavailable("Redis: connection refused")))  # type: ignore[arg-type]
+    recorder.consumer.close()
+    recorder.consumer = consumer = Consumer()  # type: ignore[assignment]
+    consumer.pending += [_message(0, "s-0"), _message(1, "s-1")]
+    for _ in range(3):
+        recorder.step()
+        recorder.outage.next_try_at = 0.0  # its back-off has passed
+    assert consumer.paused == {0, 1} and recorder.backlog == [] and len(consumer.pending) == 2
+    recorder.guard = Guard(failures=0)  # type: ignore[assignment]
+    for _ in range(4):
+        recorder.step()
+    assert sorted(recorder.store.recorded) == ["s-0", "s-1"]  # type: ignore[attr-defined]
+
+
+def test_an_unreadable_operator_log_does_not_stop_statuses_being_recorded():
+    """Given a recorder whose state check cannot read the operator log (a broker partition away, an ACL), Redis fine,
+    When an outcome event comes,
+    Then it is recorded (before: the recorder held, as for Redis down, and every status froze)."""
+    from streams.errors import StackError
+
+    recorder = OutcomeRecorder("127.0.0.1:9", Store(), "notif.outcomes", "status-recorder",  # type: ignore[arg-type]
+                               guard=FailingGuard(StackError("notif.operator not readable")))  # type: ignore[arg-type]
+    recorder.consumer.close()
+    recorder.consumer = consumer = Consumer()  # type: ignore[assignment]
+    consumer.pending.append(_message(0, "s-0"))
+    recorder.step()
+    assert recorder.store.recorded == ["s-0"]  # type: ignore[attr-defined]
