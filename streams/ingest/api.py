@@ -664,6 +664,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         doc = store.get(send_id)
         # Another tenant's send is indistinguishable from a missing one.
         if doc is None or doc.get("tenant_id") != tenant_id:
+            store.require_data()  # missing because Redis lost its data, not yet recovered: 503, not "no such send"
             raise problem(404, "not_found", ["path", "send_id"], "no such send for this tenant")
         return {"send_id": send_id, **{k: v for k, v in doc.items() if k in SEND_STATUS_FIELDS}}
 

@@ -329,6 +329,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         found = store.endpoint_deliveries(endpoint_id, tenant_id, limit + 1, before_ms, after)
         page = found[:limit]
         deliveries = [_delivery(d, doc) for d, _ in page if (doc := store.get(d)) and doc.get("tenant_id") == tenant_id]
+        if not deliveries:  # none because Redis lost its data, not yet recovered: 503, not an empty list
+            store.require_data()
         return {"deliveries": deliveries, "next_cursor": _cursor(page[-1]) if len(found) > limit else None}
 
     @router.post("/v1/endpoints/{endpoint_id}/replay", status_code=202, response_model=BulkReplayed,
@@ -360,6 +362,8 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
         try:
             listed = store.endpoint_deliveries_between(endpoint_id, tenant_id, body.since_ms, until,
                                                        MAX_BULK_CONSIDERED + 1)
+            if not listed:  # none because Redis lost its data, not yet recovered: 503, not "nothing to replay"
+                store.require_data()
         except StoreUnavailable:
             give_back_the_request()
             raise
@@ -376,6 +380,7 @@ def webhook_routes(webhooks: WebhookIngest, store: StatusStore, client: SendClie
     def get_delivery(delivery_id: str, tenant_id: Tenant) -> dict:
         doc = store.get(delivery_id)
         if not doc or doc.get("tenant_id") != tenant_id or not doc.get("endpoint_id"):
+            store.require_data()  # missing because Redis lost its data, not yet recovered: 503, not 404
             raise _not_found("delivery")
         return _delivery(delivery_id, doc)
 
