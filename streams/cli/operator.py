@@ -159,6 +159,10 @@ def limits(sub) -> None:
         else:
             change = LimitChange(args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate,
                                  args.burst, args.concurrency, args.pause_ms)
+            # A change is merged with the limits Redis holds and logged whole: Redis having lost its data (no role
+            # has looked yet), it would log this change alone and the provider's other limits would be gone from
+            # the log. The guard's look rebuilds them first (and fails the command when it cannot tell).
+            rt.state_guard("cli").check(force=True)
             with _audited_if_unanswered(rt, f"limits/{args.provider}", None,
                                         {k: v for k, v in asdict(change).items() if v is not None}):
                 before, shown = store.apply(args.provider, change)

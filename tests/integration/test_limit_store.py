@@ -84,6 +84,36 @@ def test_a_change_logs_one_record_and_a_redis_that_lost_its_data_deletes_none(
     assert logged(stack, oplog_topic, "resend")["tenant_rate:globex"] == 2  # its own record, not a deletion
 
 
+def test_a_limit_changed_with_the_cli_after_redis_lost_its_data_keeps_the_providers_other_limits(
+        stack, redis_client, namespace, names, oplog_topic, create_topics, dispatch_env):
+    """Given resend's global limit and acme's tenant limit set through the operator tools, and then Redis losing its
+    data with every role stopped (no state guard has looked yet),
+    When an operator raises resend's global limit with `streams limits set`,
+    Then acme's limit is still there, in Redis and in the operator log (before: the change was merged with the
+    nothing Redis held and logged alone, and acme's limit was gone for good, from the log too)."""
+    import subprocess
+    import sys
+
+    from streams.state.guard import StateGuard
+
+    create_topics({names.audit: 1})  # where the CLI records its change
+    keys, oplog = RedisKeys(namespace), OperatorLog(stack.bootstrap, oplog_topic)
+    assert StateGuard(redis_client, keys, oplog, "api").check()  # a deployment: the epoch written
+    limits = LimitStore(redis_client, namespace, oplog)
+    limits.set_provider("resend", 10, 10)
+    limits.set_tenant("resend", "acme", 5, 5)
+    lost = list(redis_client.scan_iter(f"{namespace}*"))
+    assert redis_client.delete(*lost) == len(lost)
+
+    cli = subprocess.run([sys.executable, "-m", "streams.cli", "limits", "set", "--provider", "resend",
+                          "--global-rate", "20", "--global-burst", "20"], env=dispatch_env, capture_output=True,
+                         text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    shown = limits.show("resend")
+    assert (shown["global_rate"], shown["tenant_rate:acme"]) == (20, 5)
+    assert logged(stack, oplog_topic, "resend")["tenant_rate:acme"] == 5
+
+
 def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unenforced(redis_client, namespace):
     """Given no limits for the ingest-transactional quota,
     When an operator sets the default tenant quota alone, then the global limit and the tenant quota in one change,

@@ -112,6 +112,7 @@ def test_a_limits_change_the_cli_made_is_on_the_audit_trail_though_redis_fails_a
     audited = []
     rt = SimpleNamespace(config=SimpleNamespace(registry=load_registry()),
                          limit_store=lambda: LimitsThenRedisFails(lost),
+                         state_guard=lambda role: SimpleNamespace(check=lambda force=False: True),  # Redis holds its data
                          audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record[1:])))
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
     assert main(["limits", "set", "--provider", "resend", "--global-rate", "20"]) == 1
