@@ -73,3 +73,29 @@ def test_a_reading_acknowledged_late_is_as_fresh_as_when_it_was_taken():
     monitor.tick()
     monitor.producer.poll()
     assert _sample("dispatch_lag_monitor_last_publish_timestamp_seconds", channel="webhook") == taken_ms / 1000
+
+
+class RefusingProducer(AcknowledgingProducer):
+    """librdkafka once it has found the topic missing (or denied): every produce to it refused at once."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        from confluent_kafka import KafkaError, KafkaException
+        raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Local: Unknown topic"))
+
+
+def test_a_monitor_whose_topic_is_missing_keeps_measuring_and_goes_stale_rather_than_crash():
+    """Given a monitor whose producer refuses every publication at once (notif.lag missing or denied by an ACL:
+    librdkafka does so 30 s after the first produce to a topic it found missing),
+    When it takes its readings, again and again,
+    Then each refusal counts as a failed publication (the channel's freshness stays where it was: LagMonitorStale
+    fires) and the lanes' lag is still exported; before, the refusal raised out of its loop and the process exited,
+    at every restart, taking the lanes' lag and the retry tiers' watch with it."""
+    monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email",))
+    monitor.reader, monitor.producer = ChannelReader(), RefusingProducer()
+    stamp = "dispatch_lag_monitor_last_publish_timestamp_seconds"
+    started = _sample(stamp, channel="email")
+    for _ in range(3):
+        monitor.tick()
+    assert monitor.publish_outage.attempts == 3
+    assert _sample(stamp, channel="email") == started
+    assert _sample("dispatch_lane_lag_messages", channel="email", lane="marketing") == 3
