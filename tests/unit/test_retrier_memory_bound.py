@@ -25,8 +25,8 @@ class SilentProducer:
         return 1
 
 
-def _retrier(now_ms: float) -> Retrier:
-    r = Retrier(RetrierConfig("email", "marketing", "127.0.0.1:1", max_held=1_000, max_held_bytes=100_000),
+def _retrier(now_ms: float, channel: str = "email", lane: str = "marketing") -> Retrier:
+    r = Retrier(RetrierConfig(channel, lane, "127.0.0.1:1", max_held=1_000, max_held_bytes=100_000),
                 clock=lambda: now_ms / 1000)
     r.consumer.close()
     r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
@@ -289,16 +289,11 @@ def test_a_copy_with_unreadable_headers_and_a_huge_send_id_is_dead_lettered_with
     assert r.tracker.committable() == {(tier, 0): 4}
 
 
-def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
-    """Given a retry record of a real send whose header names are not UTF-8,
-    When the retrier dead-letters it,
-    Then the send's outcome says dead-lettered `malformed`, where the letter is, and the offset moves on once that
-    is acknowledged (before: no outcome: its status stayed `retrying`, and a replay refused it as in progress)."""
-    from streams.send import build_send, encode, validate_request
-    from tests.harness import email_request
+def _hold_unreadable_copy(r: Retrier, send) -> tuple[RecordingProducer, str]:
+    """`r` records what it writes, and reads a retry copy of `send` whose header names are not UTF-8 (offset 11 of
+    its first tier's partition 0, which it returns)."""
+    from streams.send import encode
 
-    send = build_send(validate_request(email_request()), "acme")
-    r = _retrier(1_800_000_000_000)
     producer = RecordingProducer()
     r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
     tier = r.cfg.topics[0]
@@ -309,6 +304,20 @@ def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
             return encode(send)
 
     r._hold(OfASend(tier, 0, 11))
+    return producer, tier
+
+
+def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
+    """Given a retry record of a real send whose header names are not UTF-8,
+    When the retrier dead-letters it,
+    Then the send's outcome says dead-lettered `malformed`, where the letter is, and the offset moves on once that
+    is acknowledged (before: no outcome: its status stayed `retrying`, and a replay refused it as in progress)."""
+    from streams.send import build_send, validate_request
+    from tests.harness import email_request
+
+    send = build_send(validate_request(email_request()), "acme")
+    r = _retrier(1_800_000_000_000)
+    producer, tier = _hold_unreadable_copy(r, send)
     r.writer.poll(0)
     r.writer.poll(0)
     [(dlq, _, headers), (outcomes, event, _)] = producer.records
@@ -341,25 +350,14 @@ def test_a_webhook_delivery_dead_lettered_by_the_retrier_is_said_on_the_attempts
     topic, keyed by its endpoint, so its tenant's members get the "Webhook event dropped" email as for a delivery the
     worker drops; the retry record is finished only once both are acknowledged (before: the outcome alone, and no
     email)."""
-    from streams.send import build_send, encode, validate_request
+    from streams.send import build_send, validate_request
     from tests.harness import webhook_event
 
     request = webhook_event()
     request["payload"] = {**request["payload"], "event_id": "ev_1", "endpoint_id": "ep_1"}
     send = build_send(validate_request(request), "acme")
-    r = Retrier(RetrierConfig("webhook", "transactional", "127.0.0.1:1"), clock=lambda: 1_800_000_000)
-    r.consumer.close()
-    r.consumer = PauseRecordingConsumer()  # type: ignore[assignment]
-    producer = RecordingProducer()
-    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
-    tier = r.cfg.topics[0]
-    r.assigned = {(tier, 0)}
-
-    class OfADelivery(_UnreadableHeaders):
-        def value(self):
-            return encode(send)
-
-    r._hold(OfADelivery(tier, 0, 11))
+    r = _retrier(1_800_000_000_000, "webhook", "transactional")
+    producer, tier = _hold_unreadable_copy(r, send)
     r.writer.poll(0)  # the dead letter acknowledged: the outcome and the attempt event are written
     assert r.tracker.committable() == {(tier, 0): 11}  # not past it yet
     r.writer.poll(0)
