@@ -238,7 +238,7 @@ class StatusStore:
         """Its replay published nothing: a later bulk replay may replay it (only the claim's holder calls this). A
         replay id written over the claim meanwhile (a deliberate replay, asked alone) is kept."""
         with store_errors("releasing a replay"):
-            self._release_replay(keys=[self.keys.send_status(send_id)])
+            self._release_replay(keys=[self.keys.send_status(send_id)], client=self.client)
 
     def restore_replays(self, replays: dict[str, tuple[str, str]], chunk: int = 1000) -> int:
         """`state recover`: mark each send of `replays` (send id: its replay's id and tenant) replayed, unless it is
