@@ -116,7 +116,7 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     mark_delivered_many, mark_reconcile, release, mark_tried_many, refresh, note_attempts, restore_mark), ingest
     idempotency (begin, renew, finish, release),
     the endpoint store (create, a compare-and-set change), API keys (a compare-and-set change) and the status store
-    (recording an outcome, restoring replay marks, claiming a replay) run for tenants and providers spread over all three masters,
+    (recording an outcome, restoring replay marks, claiming a replay and freeing the claim) run for tenants and providers spread over all three masters,
     Then every registration site was used, every registered script was called, and every call's keys hash to one
     slot: the provider's for the gate, the tenant's for the rest."""
     first, nodes = cluster_startup(healthy_redis_cluster.url)
@@ -174,6 +174,9 @@ def test_every_lua_script_of_the_package_runs_on_one_slot(healthy_redis_cluster)
     assert statuses.restore_replays({f"{t}-s": (f"{t}-r", t) for t in tenants}) == len(tenants)
     write_markers(recording, RedisKeys(ns))  # a replay is claimed beside its slot's epoch marker
     statuses.holds_data = lambda: True  # as the API's: its state guard says Redis holds its data
+    assert all(statuses.claim_replay(f"{t}-c") for t in tenants)
+    for t in tenants:  # a claim whose replay published nothing, freed in its own slot: claimed again
+        statuses.release_replay(f"{t}-c")
     assert all(statuses.claim_replay(f"{t}-c") for t in tenants)
 
     sites = registration_sites()
