@@ -65,6 +65,19 @@ def lane_consumer(bootstrap: str, group: str, commit_interval_ms: int = 1000, **
     }))
 
 
+def after_all(n: int, then: Callable[[], object]) -> Callable[[], None]:
+    """An acknowledgement callback to give `n` records: `then` runs once all `n` are acknowledged (a message's
+    offset waits for every record it caused, so a crash in between writes them all again)."""
+    left = [n]
+
+    def one() -> None:  # runs inside the producer's poll: it must not raise
+        left[0] -= 1
+        if left[0] == 0:
+            then()
+
+    return one
+
+
 def assign_in_callback(consumer: Consumer, partitions: list[TopicPartition]) -> None:
     """Inside on_assign (cooperative rebalancing), add `partitions` to what the consumer fetches now, so that a pause
     that follows holds. confluent-kafka would add them only once the callback returns, and librdkafka skips, without a

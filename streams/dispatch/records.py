@@ -22,7 +22,7 @@ import orjson
 from confluent_kafka import KafkaError, Producer
 
 from .. import metrics
-from ..kafka_client import AckedWriter
+from ..kafka_client import AckedWriter, after_all
 from ..lanes import RETRY_TIERS
 from ..logs import evidence
 from ..names import TopicNames
@@ -47,19 +47,6 @@ OnAck = Callable[[], object]
 # before the attempt, its request's sender stopped before the answer, or its copy (parked while it waited its turn)
 # too large for a retry tier. (Not one that could never be a delivery: malformed.)
 UNATTEMPTED_DROPS = frozenset({"too_old", "unknown_outcome", "retry_copy_too_large"})
-
-
-def after_all(n: int, then: OnAck) -> OnAck:
-    """An acknowledgement callback to give `n` records: `then` runs once all `n` are acknowledged (a message's
-    offset waits for every record it caused, so a crash in between writes them all again)."""
-    left = [n]
-
-    def one() -> None:  # runs inside the producer's poll: it must not raise
-        left[0] -= 1
-        if left[0] == 0:
-            then()
-
-    return one
 
 
 def error_header(result: ProviderResult, channel: str) -> bytes:

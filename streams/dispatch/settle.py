@@ -26,6 +26,7 @@ from .. import metrics
 from ..backoff import Outage
 from ..errors import StoreUnavailable
 from ..gate.gate import Gate, Unused, give_back
+from ..kafka_client import after_all
 from ..logs import evidence
 from ..offsets import OffsetTracker
 from ..providers.outcome import ProviderResult
@@ -43,7 +44,7 @@ from ..retry.policy import (
 )
 from .growing_holds import GrowingHolds
 from .idempotency import ProcessedJobs
-from .records import OnAck, RecordWriter, after_all, attempt_info
+from .records import OnAck, RecordWriter, attempt_info
 from .requests import Job
 from .routes import Route, Routes
 from .stages import StageLog, wall_ms

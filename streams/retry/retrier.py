@@ -38,6 +38,7 @@ from ..backoff import Outage
 from ..errors import MalformedEvent
 from ..kafka_client import (
     AckedWriter,
+    after_all,
     assign_in_callback,
     commit_now,
     consume_ready,
@@ -303,13 +304,8 @@ class Retrier:
                  "origin": {"topic": held.topic, "partition": held.partition, "offset": held.offset},
                  "dlq": {"partition": partition, "offset": offset}}
         metrics.SENDS.labels(self.cfg.channel, self.cfg.lane, "dead_lettered").inc()
-        finished = [2 if send.channel == "webhook" else 1]
-
-        def acked() -> None:  # the retry record is finished once every record it caused is acknowledged
-            finished[0] -= 1
-            if finished[0] == 0:
-                self.tracker.finish(*where)
-
+        # The retry record is finished once every record it caused is acknowledged.
+        acked = after_all(2 if send.channel == "webhook" else 1, lambda: self.tracker.finish(*where))
         self.writer.write(self.cfg.names.outcomes, orjson.dumps(event), send.send_id.encode(), on_ack=acked)
         if send.channel == "webhook":  # dropped without an attempt of this copy: its tenant's members hear of it
             key, attempt = attempt_event(send, dropped_unattempted(attempts_made(held), now_ms, reason))
