@@ -50,7 +50,7 @@ from .. import metrics
 from ..config import Config
 from ..errors import StackError
 from ..lag.reader import LagReader
-from ..retry.policy import default_routing
+from ..retry.policy import load_routing
 from ..send import SCHEMA_VERSION, Send, encode
 from ..topology.admin import TopicAdmin
 from ..topology.spec import TopicSpec, load_definitions
@@ -98,7 +98,9 @@ class EndpointHealthApp:
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
-        self.routing = default_routing()
+        # The operator's policy file, as ingest reads it: the packaged one may name a policy the workers do not know,
+        # which they would dead-letter as `unknown_policy` (every alert lost, counted as sent).
+        self.routing = load_routing(config.retry_policies_path)
         self.stalls = StallWatch()
         self.recovery_stalls = RecoveryWatch()
         self.app.while_recovering = self._check_recoveries

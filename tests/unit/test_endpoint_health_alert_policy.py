@@ -1,0 +1,43 @@
+"""The endpoint-health app sends its alerts under the operator's retry policies, as ingest does."""
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import orjson
+
+from streams.config import Config
+from streams.health.app import EndpointHealthApp
+from streams.health.rules import Alert, Health
+
+
+def test_an_alert_names_a_policy_of_the_operators_policy_file(tmp_path):
+    """Given an operator's policy file whose transactional email policy is named `receipts` (none named
+    `transactional`, the packaged file's name),
+    When the endpoint-health app sends a "stopped" alert,
+    Then the alert's send names `receipts` (before: `transactional`, from the packaged file, which the email workers
+    of this deployment do not know: every alert dead-lettered `unknown_policy`, and counted as sent)."""
+    packaged = Path(__file__).resolve().parents[2] / "streams" / "retry" / "policies.toml"
+    text = packaged.read_text().replace("[policy.transactional]", "[policy.receipts]").replace(
+        'product = "transactional"', 'product = "receipts"').replace(
+        'transactional = "transactional"', 'transactional = "receipts"')
+    (tmp_path / "policies.toml").write_text(text)
+    config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0",
+                              "DUAL_RAIL_RETRY_POLICIES": str(tmp_path / "policies.toml")})
+    directory = SimpleNamespace(members={"acme": ["ops@acme.test"]}, endpoints={})
+    produced: list[tuple[str, bytes]] = []
+
+    async def scenario() -> None:
+        app = EndpointHealthApp(config, directory, data_dir=tmp_path / "data")  # type: ignore[arg-type]
+
+        async def record(topic: str, key: bytes, value: bytes, headers: list) -> None:
+            produced.append((topic, value))
+
+        app._produce = record  # type: ignore[method-assign]
+        health = Health("ep_1", tenant="acme", state="degraded", last_error="HTTP 500")
+        await app._send_alert(health, Alert("stopped", "alert-1", 1_700_000_000_000))
+
+    asyncio.run(scenario())
+    [(topic, value)] = produced
+    assert topic == config.names.lane("email", "transactional")
+    assert orjson.loads(value)["policy"] == "receipts"
