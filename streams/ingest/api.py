@@ -115,7 +115,8 @@ class Delivery(BaseModel):
     delivery_id: str
     endpoint_id: str
     skipped: str | None = Field(None, description="why it was recorded as skipped instead of enqueued "
-                                                  "(endpoint_degraded, backlog_shed)")
+                                                  "(endpoint_degraded, endpoint_disabled: disabled by a 410 Gone, "
+                                                  "backlog_shed)")
 
 
 class Accepted(BaseModel):
@@ -369,7 +370,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
     def expand(tenant_id: str, req: SendRequest, id_for: Callable[[str], str] | None
                ) -> tuple[Accepted, list[Send], list[tuple[Send, str]]]:
         """A send, or a webhook event fanned out to its subscribed endpoints: the deliveries to
-        enqueue and those recorded as skipped (endpoint degraded, backlog shed). Reads Redis."""
+        enqueue and those recorded as skipped (endpoint degraded or disabled by a 410, backlog shed). Reads Redis."""
         if req.channel != "webhook":
             send = build_send(req, tenant_id, routing=client.routing, send_id=id_for("send") if id_for else None)
             return Accepted(send_id=send.send_id, lane=send.lane, deliveries=None), [send], []
@@ -382,7 +383,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
         else:
             subscribed = webhooks.endpoints.subscribers(tenant_id, event_type)
             event_id, deliveries = fan_out(req, tenant_id, subscribed, client.routing, id_for=id_for)
-            enqueue, skipped = webhooks.admit(deliveries)
+            enqueue, skipped = webhooks.admit(deliveries, frozenset(e.id for e in subscribed if e.state == "disabled"))
         note = None if subscribed else (f"accepted with no delivery: no enabled endpoint of this tenant subscribes "
                                         f"to {event_type!r}")
         reasons = {d.send_id: reason for d, reason in skipped}

@@ -234,8 +234,10 @@ class EndpointStore:
             return sorted({key.decode("utf-8", "replace")[len(prefix):-len(suffix)] for key in keys})
 
     def subscribers(self, tenant: str, event_type: str) -> list[Endpoint]:
-        """The endpoints a new event of this type is delivered to: enabled, active, subscribed."""
-        return [e for e in self.all(tenant) if e.deliverable and e.subscribes(event_type)]
+        """The endpoints a new event of this type goes to: enabled by their tenant and subscribed. One disabled by a
+        410 Gone is among them: its deliveries are recorded as skipped (replayable once it is reactivated), not
+        left out without a trace as those of an endpoint its tenant turned off are."""
+        return [e for e in self.all(tenant) if e.enabled and e.subscribes(event_type)]
 
     def update(self, tenant: str, endpoint_id: str, *, url: str | None = None, description: str | None = None,
                event_types: list[str] | None = None, enabled: bool | None = None,

@@ -41,8 +41,11 @@ def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: P
 
 
 def skip_reason(health: Health | None, backlog: tuple[int, int | None], limit: BacklogLimit,
-                now_ms: int) -> str | None:
-    """Why a new delivery to an endpoint is recorded as skipped instead of enqueued (None: enqueue)."""
+                now_ms: int, disabled: bool = False) -> str | None:
+    """Why a new delivery to an endpoint is recorded as skipped instead of enqueued (None: enqueue). `disabled`:
+    the endpoint was disabled by a 410 Gone."""
+    if disabled:
+        return "endpoint_disabled"
     if health is not None and health.state == "degraded":
         return "endpoint_degraded"
     if limit.extreme(*backlog, now_ms):

@@ -99,14 +99,17 @@ class WebhookIngest:
             log.warning("endpoint view not caught up within %.1f s: admitting with the view as it is",
                         self.sync_view_s)
 
-    def admit(self, deliveries: list[Send]) -> tuple[list[Send], list[tuple[Send, str]]]:
-        """The deliveries to enqueue, and those recorded as skipped with their reason."""
+    def admit(self, deliveries: list[Send], disabled: frozenset[str] = frozenset()
+              ) -> tuple[list[Send], list[tuple[Send, str]]]:
+        """The deliveries to enqueue, and those recorded as skipped with their reason (`disabled`: the ids of
+        endpoints disabled by a 410 Gone)."""
         now_ms = int(time.time() * 1000)
         sizes = self.backlog.sizes([d.payload["endpoint_id"] for d in deliveries])
         enqueue, skipped = [], []
         for d in deliveries:
             endpoint_id = d.payload["endpoint_id"]
-            reason = skip_reason(self.directory.health.get(endpoint_id), sizes[endpoint_id], self.limit, now_ms)
+            reason = skip_reason(self.directory.health.get(endpoint_id), sizes[endpoint_id], self.limit, now_ms,
+                                 endpoint_id in disabled)
             if reason is None:
                 enqueue.append(d)
             else:

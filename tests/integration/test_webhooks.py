@@ -255,18 +255,22 @@ def test_a_receiver_asking_to_wait_a_second_is_tried_again_held_and_not_counted_
 def test_410_gone_disables_the_endpoint(hooks, mock_endpoint, processes):
     """Given an endpoint answering 410 Gone,
     When an event is delivered to it, then an operator replays its dead letter (POST /v1/admin/dlq/{id}/replay)
-    twice and with `streams dlq replay`, reactivates the endpoint once its receiver answers 200 again, and replays it once more,
-    Then the delivery is dropped (endpoint_gone), the endpoint is disabled, and a new event gets no delivery; both
+    twice and with `streams dlq replay`, reactivates the endpoint once its receiver answers 200 again, and replays
+    it and the later event's delivery,
+    Then the delivery is dropped (endpoint_gone), the endpoint is disabled, and a new event's delivery is recorded
+    skipped (`endpoint_disabled`; before: no delivery at all, nothing to replay once the endpoint is fixed); both
     replays before the reactivation are refused 409 naming the reactivation, nothing replayed (before: answered
     202 with a new send id the worker then skipped as endpoint_disabled, and the dead letter marked replayed, so
-    asking again answered that skipped replay); the one after it is delivered."""
+    asking again answered that skipped replay); both replays after it are delivered."""
     ep = _register(hooks, mock_endpoint, "gone", status=410)
     delivery_id = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"][0]["delivery_id"]
     assert _final(hooks, delivery_id)["reason"] == "endpoint_gone"
     shown = wait_until(lambda: (e := hooks.get(f"/v1/endpoints/{ep['id']}", headers=hooks.keys["a"]).json())
                        ["state"] == "disabled" and e, 10, "the endpoint to be disabled")
     assert "410" in shown["state_reason"]
-    assert hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"] == []
+    [later] = hooks.post("/v1/sends", json=event(), headers=hooks.keys["a"]).json()["deliveries"]
+    assert later["skipped"] == "endpoint_disabled", later  # recorded, replayable (before: no delivery, no trace)
+    assert _final(hooks, later["delivery_id"])["status"] == "skipped"
 
     op = hooks.keys["operator"]
     for _ in range(2):  # the refusal frees its claim: asked again, it is refused again, not "replayed already"
@@ -284,6 +288,9 @@ def test_410_gone_disables_the_endpoint(hooks, mock_endpoint, processes):
                    and x, 10, "the replay to be taken once the API's view has the endpoint active")
     assert r.status_code == 202, r.text
     assert _final(hooks, r.json()["send_id"])["status"] == "delivered"
+    r = hooks.post(f"/v1/deliveries/{later['delivery_id']}/replay", headers=hooks.keys["a"])
+    assert r.status_code == 202, r.text
+    assert _final(hooks, r.json()["delivery_id"])["status"] == "delivered"
 
 
 def test_signing_secrets_are_stored_sealed_and_deliveries_are_signed_with_them(hooks, mock_endpoint, stack, names,

@@ -222,6 +222,8 @@ def test_new_events_are_skipped_for_a_degraded_endpoint_or_an_extreme_backlog():
     assert skip_reason(None, (99, now - 5 * HOUR), limit, now) is None       # old, but not many
     assert skip_reason(None, (10_000, now - 60_000), limit, now) is None     # many, but draining fast
     assert skip_reason(EndpointHealth("active"), (0, None), limit, now) is None
+    # Disabled by a 410 Gone: recorded skipped (replayable once reactivated), whatever its health says.
+    assert skip_reason(EndpointHealth("active"), (0, None), limit, now, disabled=True) == "endpoint_disabled"
 
 
 @pytest.mark.parametrize("reason, attempt, says, never", [

@@ -40,7 +40,7 @@ class Webhooks:
     def sync_view(self):
         pass
 
-    def admit(self, deliveries):
+    def admit(self, deliveries, disabled=frozenset()):
         return deliveries, []
 
     def enqueued(self, deliveries):
@@ -91,7 +91,7 @@ def test_a_delivery_the_broker_refuses_whole_is_not_left_in_the_backlog():
 class Shedding(Webhooks):
     """The endpoint's backlog is over its limit: every delivery is skipped (never enqueued)."""
 
-    def admit(self, deliveries):
+    def admit(self, deliveries, disabled=frozenset()):
         return [], [(d, "backlog_shed") for d in deliveries]
 
 
