@@ -98,6 +98,13 @@ def by_state(state: str | None, attempt: int, too_old: bool) -> str:
     return "send" if state is None or tried is not None else "held"
 
 
+def _unused(charged: list[tuple[Draw, int]], sent: Counter[int]) -> list[Unused]:
+    """What the gate admitted for these draws (`charged`: each with the messages it was admitted for) that did not
+    go out: the messages not sent, and the request's own token when none of its messages was."""
+    return [Unused(d.route.name, d.tenant, n - sent[id(d)], 0 if sent[id(d)] else 1)
+            for d, n in charged if n > sent[id(d)]]
+
+
 class Dispatcher:
     """Every Redis call happens before the messages involved are handed on (started, skipped or
     queued again): when Redis fails mid-way, the messages taken for the request go back to the front
@@ -149,6 +156,7 @@ class Dispatcher:
         self._open: dict[int, Pending] = {}  # taken for the current request, not yet handed on
         self._claimed: dict[str, Claim] = {}  # asked for in the current round, not yet started (by request key)
         self._unsent_claims: list[Claim] = []  # made, or maybe made (the answer was lost), and never sent
+        self._unused_admissions: list[Unused] = []  # what a round cut short by Redis was admitted for and never sent
         self._next_refresh = 0.0
         # The earliest end of a provider's pause between waves that held a ready queue at the last dispatch (0:
         # none): a worker with nothing else to do waits for it rather than spin.
@@ -196,16 +204,21 @@ class Dispatcher:
         an expired message, a held worker's look at Redis. Left claimed, they would read as another request in
         flight, wait out its lease, and be taken over as possibly sent (no fallback provider; reconciliation at
         a provider without idempotency keys)."""
-        if not self._unsent_claims:
+        if not self._unsent_claims and not self._unused_admissions:
             return True
         if not self.outage.ready(time.monotonic()):
             return False  # asked again once the back-off allows, not on every step
         try:
-            self.jobs.release_unsent(self._unsent_claims)
+            if self._unsent_claims:
+                self.jobs.release_unsent(self._unsent_claims)
         except StoreUnavailable as exc:
             self.outage.failed(time.monotonic(), exc)
             return False
         self._unsent_claims = []
+        # The tenant is charged for what was sent: a blip between the gate and the start of a round's requests
+        # (a claim whose answer was lost) would otherwise leave a burst of its tokens spent, a day's quota's too.
+        give_back(self.gate, self._unused_admissions)
+        self._unused_admissions = []
         return True
 
     def _draw(self, ready: list[str], draws: list[Draw]) -> None:
@@ -406,13 +419,17 @@ class Dispatcher:
         if not draws:
             return
         charged = [(d, len(d.items)) for d in draws]
-        sent = self._claim_and_start(draws)
-        give_back(self.gate, [Unused(d.route.name, d.tenant, n - sent[id(d)], 0 if sent[id(d)] else 1)
-                              for d, n in charged if n > sent[id(d)]])
-
-    def _claim_and_start(self, draws: list[Draw]) -> Counter[int]:
-        """Messages started per draw (by `id`)."""
         sent: Counter[int] = Counter()
+        try:
+            self._claim_and_start(draws, sent)
+        except StoreUnavailable:
+            # Given back once Redis answers again (`release_unsent_claims`, before the next round).
+            self._unused_admissions += _unused(charged, sent)
+            raise
+        give_back(self.gate, _unused(charged, sent))
+
+    def _claim_and_start(self, draws: list[Draw], sent: Counter[int]) -> None:
+        """Counts the messages started per draw (by `id`) in `sent`, as they start."""
         built: list[Draw] = []
         claims: list[Claim] = []
         held: list[tuple[Draw, str]] = []
@@ -427,7 +444,7 @@ class Dispatcher:
             self._requeue(d.key, d.items, hold_until=time.monotonic() + 5.0)
         draws = built
         if not draws:
-            return sent
+            return
         answers = self._claim_many(claims)
         stamp = wall_ms()
         for draw, claim, busy in zip(draws, claims, answers, strict=True):
@@ -442,7 +459,6 @@ class Dispatcher:
             rest = [p for i, p in enumerate(draw.items) if i not in taken]
             if rest:
                 sent[id(draw)] = self._submit(draw.route, draw.key, draw.tenant, rest)
-        return sent
 
     def _claim_many(self, claims: list[Claim]) -> list[list[int]]:
         """`jobs.claim_many`, each claim noted until its request starts (a busy one made nothing: all or none). Of

@@ -435,16 +435,18 @@ def test_a_claim_whose_answer_was_lost_is_released_and_sent_as_new_not_as_maybe_
     claims were made,
     When the worker holds and dispatches again,
     Then it releases those claims first (it never sent them) and sends each send once, as a fresh request: none
-    is left waiting on its own lease, taken over as possibly sent or sent to reconciliation."""
+    is left waiting on its own lease, taken over as possibly sent or sent to reconciliation. Each tenant is charged
+    for the one send that went out (before: for two, the first round's tokens left spent)."""
     sends, msgs = _messages(["acme", "globex"])
-    jobs = LostClaimAnswerJobs()
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, window_s=0)
+    jobs, gate = LostClaimAnswerJobs(), FakeGate()
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs, gate=gate, window_s=0)
     worker.redis_outage.base_s = worker.redis_outage.cap_s = 0.0  # no waiting between attempts in a unit test
     _run(worker, steps=100)
     assert jobs.lost == 0
     assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
     assert {jobs.state[s.send_id] for s in sends} == {"delivered"}
     assert NAMES.dlq not in producer.records and consumer.stored[(TOPIC, 0)] == 2
+    assert {k: v for k, v in gate.spent.items() if v} == {(p, t, kind): 1 for p, t, kind in gate.spent}
 
 
 def test_a_lost_claim_is_released_also_by_a_held_worker_before_anything_reads_its_sends():
