@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .. import metrics
-from ..errors import StoreUnavailable
+from ..errors import ConfigError, StoreUnavailable
 from ..gate.gate import Gate
 from ..gate.limits import Pacing
 from ..providers.http import Provider
@@ -94,6 +94,9 @@ class Routes:
                 pacing = self.gate.pacing(route.name)
             except StoreUnavailable as exc:
                 log.debug("pacing of %s not read: %s", route.name, exc)
+                continue
+            except ConfigError as exc:  # a field edited by hand: the pacing it had goes on
+                log.error("pacing of %s not read: %s", route.name, exc)
                 continue
             if pacing != route.pacing:
                 route.pacing = pacing

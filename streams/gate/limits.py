@@ -141,15 +141,21 @@ return ttl
 """
 
 
-def _number(field: str, held: bytes) -> float:
+def _number(provider: str, field: str, held: bytes) -> float:
     """A limit field as Redis holds it: an integer; a rate may be a fraction (redis-py writes a float as its
-    repr, which reads back exactly)."""
+    repr, which reads back exactly). Anything else (a value edited by hand) is refused naming it: a
+    ConfigError holds what it limits, where a ValueError stopped the worker and every tenant of its lane."""
     try:
         return int(held)
     except ValueError:
-        if "rate" not in field:
-            raise
-        return float(held)
+        pass
+    try:
+        if "rate" in field and math.isfinite(rate := float(held)):
+            return rate
+    except ValueError:
+        pass
+    raise ConfigError(f"the limits of provider {provider!r}: field {field!r} holds {held[:40]!r}, not "
+                      f"{'a number' if 'rate' in field else 'an integer'}; set it again (streams limits set)")
 
 
 class AppliedLimits(NamedTuple):
@@ -309,20 +315,30 @@ class LimitStore:
             raw = self.client.hgetall(self.keys.limits(provider))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot read the limits of {provider!r} ({exc})") from None
-        return {k.decode(): _number(k.decode(), v) for k, v in sorted(raw.items())}
+        return {k.decode(): _number(provider, k.decode(), v) for k, v in sorted(raw.items())}
+
+    def _fields(self, provider: str, *fields: str) -> list[float | None]:
+        """These fields of a provider's limits (None: not set), read alone: a worker asks for one tenant's limit
+        every 10 s, where the whole hash holds every tenant's."""
+        try:
+            raw = self.client.hmget(self.keys.limits(provider), list(fields))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"cannot read the limits of {provider!r} ({exc})") from None
+        return [None if v is None else _number(provider, f, v) for f, v in zip(fields, raw, strict=True)]
 
     def tenant(self, provider: str, tenant: str) -> Limit:
-        d = self.show(provider)
-        rate = d.get(f"tenant_rate:{tenant}", d.get("tenant_rate:*"))
-        burst = d.get(f"tenant_burst:{tenant}", d.get("tenant_burst:*"))
+        own_rate, own_burst, default_rate, default_burst = self._fields(
+            provider, f"tenant_rate:{tenant}", f"tenant_burst:{tenant}", "tenant_rate:*", "tenant_burst:*")
+        # Field by field, as the gate's script reads them.
+        rate = own_rate if own_rate is not None else default_rate
+        burst = own_burst if own_burst is not None else default_burst
         if rate is None or burst is None:
             raise ConfigError(f"no limit for tenant {tenant!r} at provider {provider!r} and no default ('*')")
         return Limit(rate, int(burst))
 
     def pacing(self, provider: str) -> Pacing:
-        d = self.show(provider)
-        concurrency = d.get("concurrency")
-        return Pacing(int(concurrency) if concurrency else None, int(d.get("pause_ms", 0)))
+        concurrency, pause_ms = self._fields(provider, "concurrency", "pause_ms")
+        return Pacing(int(concurrency) if concurrency else None, int(pause_ms or 0))
 
     def _write(self, provider: str, held: dict[str, float], fields: dict[str, float]) -> bool:
         """Write `fields` while Redis still holds `held` (False: someone changed the limits meanwhile)."""

@@ -139,6 +139,28 @@ def test_a_limit_for_a_name_no_tenant_can_have_is_refused(redis_client, namespac
     assert "tenant_rate:bad tenant" not in store.show("resend")
 
 
+def test_a_limit_edited_by_hand_into_no_number_is_refused_naming_it_and_holds_only_what_it_limits(
+        redis_client, namespace):
+    """Given resend's limits with a default tenant limit, and tenant `acme`'s own burst edited by hand to "ten",
+    When a worker's gate reads acme's limit and globex's, and the provider's pacing,
+    Then acme's is refused naming the provider, the field and the value (a ConfigError: the worker holds acme's queue
+    as it holds a tenant without limits; before: a ValueError, which stopped the worker and every tenant of its
+    lane); globex's default is read as before, and so is the pacing (another tenant's field is not read at all)."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 10, 10)
+    store.set_tenant("resend", "*", 2, 5)
+    store.set_tenant("resend", "acme", 1, 1)
+    redis_client.hset(RedisKeys(namespace).limits("resend"), "tenant_burst:acme", "ten")
+    gate = RedisGate(redis_client, namespace)
+    with pytest.raises(ConfigError, match=r"the limits of provider 'resend': field 'tenant_burst:acme' holds b'ten', "
+                                          r"not an integer"):
+        gate.tenant_limit("resend", "acme")
+    assert gate.tenant_limit("resend", "globex") == Limit(2, 5)
+    assert gate.pacing("resend").concurrency is None
+    with pytest.raises(ConfigError, match="field 'tenant_burst:acme'"):
+        store.show("resend")
+
+
 def test_a_tenant_limited_to_30_a_minute_gets_one_send_every_two_seconds(redis_client, namespace):
     """Given resend's limits,
     When an operator limits acme to 30 a minute with a burst of 1 (before: refused, a rate had to be a whole number
