@@ -123,8 +123,9 @@ def _listed(text: str) -> int:
 
 def limits(sub) -> None:
     p = sub.add_parser("limits", help="operator: provider and tenant rate limits (in Redis)")
-    p.add_argument("action", choices=["set", "show", "clear-cooldown"],
-                   help="clear-cooldown: end the provider-wide hold a 429 set (its Retry-After, up to a day: a quota "
+    p.add_argument("action", choices=["set", "unset", "show", "clear-cooldown"],
+                   help="unset: remove --tenant's own limit (it is held to the default '*' again); "
+                        "clear-cooldown: end the provider-wide hold a 429 set (its Retry-After, up to a day: a quota "
                         "429's reset), once the provider takes requests again, e.g. its quota was raised; with "
                         "--tenant, the hold of that tenant's own account at the provider")
     p.add_argument("--provider", required=True, help="a provider of providers.toml (resend, sms, sms-b, webhook), "
@@ -154,11 +155,21 @@ def limits(sub) -> None:
         if args.action == "clear-cooldown":
             return _clear_cool_down(rt, args.provider, args.tenant)
         store = rt.limit_store()
-        if args.action != "set":
+        changing = args.action in ("set", "unset")
+        if not changing:
             shown = store.show(args.provider)
         else:
-            change = LimitChange(args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate,
-                                 args.burst, args.concurrency, args.pause_ms)
+            if args.action == "unset":
+                if args.tenant is None:
+                    raise ConfigError("limits unset needs --tenant: the tenant whose own limit is removed")
+                others = ("global_rate", "global_burst", "reserve", "rate", "burst", "concurrency", "pause_ms")
+                given = [f"--{n.replace('_', '-')}" for n in others if getattr(args, n) is not None]
+                if given:
+                    raise ConfigError(f"limits unset takes --provider and --tenant only, not {', '.join(given)}")
+                change = LimitChange(unset_tenant=args.tenant)
+            else:
+                change = LimitChange(args.global_rate, args.global_burst, args.reserve, args.tenant, args.rate,
+                                     args.burst, args.concurrency, args.pause_ms)
             # A change is merged with the limits Redis holds and logged whole: Redis having lost its data (no role
             # has looked yet), it would log this change alone and the provider's other limits would be gone from
             # the log. The guard's look rebuilds them first (and fails the command when it cannot tell).
@@ -168,7 +179,7 @@ def limits(sub) -> None:
                 before, shown = store.apply(args.provider, change)
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
-        if args.action == "set":  # recorded before the cool-down is read: a failure of that read fails nothing made
+        if changing:  # recorded before the cool-down is read: a failure of that read fails nothing made
             _audited(rt, f"limits/{args.provider}", before, shown)
         if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
             print(f"{args.provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "

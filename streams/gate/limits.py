@@ -39,6 +39,7 @@ class LimitChange:
     tenant_burst: int | None = None
     concurrency: int | None = None   # pacing: requests in flight per worker, at most (0: the provider's default)
     pause_ms: int | None = None      # pacing: the least pause between request waves (0: none)
+    unset_tenant: str | None = None  # a tenant whose own limit is removed: held to the default ('*') again
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def _checked_tenant_id(tenant: str, consequence: str) -> str:
 CHANGE_ATTEMPTS = 10
 INGEST_QUOTA_PREFIX = "ingest-"  # the ingest quotas' names (ingest/quotas.py): buckets that limit tenants only
 # KEYS[1] a provider's limits (hash)   ARGV[1] JSON {field: value as text}: what the change was checked against
-# ARGV[2..] field, value pairs to write. Written only while the hash holds exactly what was read: 1, else 0.
+# ARGV[2] JSON [field, ...] to delete   ARGV[3..] field, value pairs to write. Written only while the hash holds
+# exactly what was read: 1, else 0.
 _SET_IF_UNCHANGED = """
 local expected = cjson.decode(ARGV[1])
 local held = redis.call('HGETALL', KEYS[1])
@@ -129,7 +131,9 @@ for i = 1, #held, 2 do
   left = left - 1
 end
 if left ~= 0 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+local deleted = cjson.decode(ARGV[2])
+if #deleted > 0 then redis.call('HDEL', KEYS[1], unpack(deleted)) end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
 return 1
 """
 
@@ -156,6 +160,20 @@ def _number(provider: str, field: str, held: bytes) -> float:
         pass
     raise ConfigError(f"the limits of provider {provider!r}: field {field!r} holds {held[:40]!r}, not "
                       f"{'a number' if 'rate' in field else 'an integer'}; set it again (streams limits set)")
+
+
+def _unset(change: LimitChange, current: dict[str, float]) -> list[str]:
+    """The fields removing a tenant's own limit deletes (none when it has none: nothing to do)."""
+    tenant = change.unset_tenant
+    if tenant is None:
+        return []
+    if tenant == "*":
+        raise ConfigError("the default limit ('*') can be changed, not removed: every tenant without a limit of its "
+                          "own is held to it")
+    _checked_tenant_id(tenant, "so it has no limit to remove")
+    if tenant == change.tenant:
+        raise ConfigError(f"a change either sets tenant {tenant!r}'s limit or removes it, not both")
+    return [f for f in (f"tenant_rate:{tenant}", f"tenant_burst:{tenant}") if f in current]
 
 
 class AppliedLimits(NamedTuple):
@@ -222,11 +240,12 @@ class LimitStore:
         for _ in range(CHANGE_ATTEMPTS):
             current = self.show(provider)
             writes = self._checked(provider, change, current)
-            if not writes:
+            deletes = _unset(change, current)
+            if not writes and not deletes:
                 return AppliedLimits(current, current)
-            record = dict(sorted({**current, **writes}.items()))
+            record = dict(sorted((k, v) for k, v in {**current, **writes}.items() if k not in deletes))
             written = write_through_log(self.oplog, f"limits/{provider}", record,
-                                        partial(self._write, provider, current, writes),
+                                        partial(self._write, provider, current, writes, deletes),
                                         lambda: self._logged_form(provider), kept_if_unknown=current or None,
                                         deletes=False)
             if written:
@@ -340,11 +359,14 @@ class LimitStore:
         concurrency, pause_ms = self._fields(provider, "concurrency", "pause_ms")
         return Pacing(int(concurrency) if concurrency else None, int(pause_ms or 0))
 
-    def _write(self, provider: str, held: dict[str, float], fields: dict[str, float]) -> bool:
-        """Write `fields` while Redis still holds `held` (False: someone changed the limits meanwhile)."""
+    def _write(self, provider: str, held: dict[str, float], fields: dict[str, float],
+               deletes: list[str] | tuple[str, ...] = ()) -> bool:
+        """Write `fields` and delete `deletes` while Redis still holds `held` (False: someone changed the limits
+        meanwhile)."""
         pairs = [x for name, value in fields.items() for x in (name, value)]
         try:
             return bool(self._set_if_unchanged(keys=[self.keys.limits(provider)],
-                                               args=[orjson.dumps({k: str(v) for k, v in held.items()}), *pairs]))
+                                               args=[orjson.dumps({k: str(v) for k, v in held.items()}),
+                                                     orjson.dumps(list(deletes)), *pairs]))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot write the limits of {provider!r} ({exc})") from None

@@ -1,6 +1,7 @@
 """The operator API (operator keys only; a tenant key gets 403 on every route):
 
     GET/PUT /v1/admin/limits/{provider}          dispatch limits, pacing, and ingest quotas (ingest-*)
+    DELETE /v1/admin/limits/{p}/tenants/{t}      a tenant's own limit removed (the default '*' holds it again)
     GET/DELETE /v1/admin/limits/{p}/cooldown     what is left of a provider's 429 cool-down / ending it
     GET/POST /v1/admin/keys                      list keys (never the keys themselves) / create one
     POST /v1/admin/keys/{id}/revoke              refused from now on, by every API process
@@ -272,6 +273,19 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
                 before, after = ingest.limits.apply(known(provider), change)
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["body"], str(exc)) from None
+        audited(who, f"limits/{provider}", before, after)
+        return {"provider": provider, "limits": after}
+
+    @router.delete("/limits/{provider}/tenants/{tenant}", response_model=Limits,
+                   responses=documented(401, 403, 404, 422, 503))
+    def unset_tenant_limit(provider: str, tenant: Annotated[str, FastApiPath(pattern=TENANT_ID_PATTERN)],
+                           who: Operator) -> dict:
+        """Remove the tenant's own limit: it is held to the default ('*') again (already none: nothing changes)."""
+        try:
+            with audited_if_unanswered(who, f"limits/{provider}", None, {"unset_tenant": tenant}):
+                before, after = ingest.limits.apply(known(provider), LimitChange(unset_tenant=tenant))
+        except ConfigError as exc:
+            raise problem(422, "invalid_request", ["path", "tenant"], str(exc)) from None
         audited(who, f"limits/{provider}", before, after)
         return {"provider": provider, "limits": after}
 

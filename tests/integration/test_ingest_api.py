@@ -115,6 +115,25 @@ def test_limits_are_for_operators_only(api):
     assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["global_rate"] == 10
 
 
+def test_an_operator_removes_a_tenants_own_limit(api):
+    """Given resend's default tenant limit and tenant slow's own, set by the operator,
+    When a tenant asks to remove slow's limit, then the operator does,
+    Then the tenant gets 403 and nothing changes; the operator's answer (200) shows the default alone, and so does
+    a read of the limits."""
+    r = api.put("/v1/admin/limits/resend", json={"global_rate": 10, "global_burst": 10, "tenant": "*",
+                                                 "tenant_rate": 5, "tenant_burst": 5}, headers=api.operator)
+    assert r.status_code == 200, r.text
+    r = api.put("/v1/admin/limits/resend", json={"tenant": "slow", "tenant_rate": 1, "tenant_burst": 1},
+                headers=api.operator)
+    assert r.status_code == 200 and r.json()["limits"]["tenant_rate:slow"] == 1, r.text
+    assert api.delete("/v1/admin/limits/resend/tenants/slow", headers=api.tenant_a).status_code == 403
+    assert "tenant_rate:slow" in api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]
+    r = api.delete("/v1/admin/limits/resend/tenants/slow", headers=api.operator)
+    assert r.status_code == 200, r.text
+    assert "tenant_rate:slow" not in r.json()["limits"] and r.json()["limits"]["tenant_rate:*"] == 5
+    assert "tenant_burst:slow" not in api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]
+
+
 def test_an_operator_sets_a_tenant_rate_below_one_a_second_and_a_rate_of_zero_is_refused(api):
     """Given the ingest API and an operator key,
     When the operator sets tenant slow's rate to 0.5 a second (30 a minute), then to 0,

@@ -114,6 +114,42 @@ def test_a_limit_changed_with_the_cli_after_redis_lost_its_data_keeps_the_provid
     assert logged(stack, oplog_topic, "resend")["tenant_rate:acme"] == 5
 
 
+def test_a_tenants_own_limit_removed_with_the_cli_holds_it_to_the_default_again(
+        stack, redis_client, namespace, names, oplog_topic, create_topics, dispatch_env):
+    """Given resend's default tenant limit (2/s, burst 5) and acme's own (1/s, burst 1), set through the operator log,
+    When an operator runs `streams limits unset --tenant acme`, then again, then asks to unset '*' and to unset with
+    a rate,
+    Then acme's own limit is gone from Redis and from the operator log's last record (the gate reads the default for
+    acme; before: no way to remove an override short of editing Redis by hand); the second unset changes nothing and
+    succeeds; the last two are refused naming why, nothing changed."""
+    import subprocess
+    import sys
+
+    create_topics({names.audit: 1})  # where the CLI records its change
+    limits = LimitStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
+    limits.set_provider("resend", 10, 10)
+    limits.set_tenant("resend", "*", 2, 5)
+    limits.set_tenant("resend", "acme", 1, 1)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streams.cli", "limits", *args, "--provider", "resend"],
+                              env=dispatch_env, capture_output=True, text=True, timeout=60)
+
+    for _ in range(2):
+        done = cli("unset", "--tenant", "acme")
+        assert done.returncode == 0, done.stderr
+        assert "tenant_rate:acme" not in done.stdout and "tenant_rate:* = 2" in done.stdout, done.stdout
+    assert "tenant_rate:acme" not in limits.show("resend")
+    assert RedisGate(redis_client, namespace).tenant_limit("resend", "acme") == Limit(2, 5)
+    assert "tenant_rate:acme" not in logged(stack, oplog_topic, "resend")
+    assert logged(stack, oplog_topic, "resend")["tenant_rate:*"] == 2
+    refused = cli("unset", "--tenant", "*")
+    assert refused.returncode != 0 and "the default limit ('*') can be changed, not removed" in refused.stderr
+    refused = cli("unset", "--tenant", "globex", "--rate", "3")
+    assert refused.returncode != 0 and "takes --provider and --tenant only, not --rate" in refused.stderr
+    assert limits.show("resend")["tenant_rate:*"] == 2
+
+
 def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unenforced(redis_client, namespace):
     """Given no limits for the ingest-transactional quota,
     When an operator sets the default tenant quota alone, then the global limit and the tenant quota in one change,
