@@ -213,6 +213,11 @@ def classify(status: int, name: str) -> Outcome:
         return "auth"
     if status == 409 and name == "concurrent_idempotent_requests":
         return "unknown"  # the first request is still running: ask again later with the same key
+    if status == 409 and name == "invalid_idempotent_request":
+        # Our key came with another body before, which the provider took: its messages may be out. Never a
+        # rejection (dead-lettered `permanent_error`, a replay would send them again): asked again under the same
+        # key, it ends dead-lettered `unknown_outcome`, for an operator to check before any replay.
+        return "unknown"
     if status == 408:
         return "unavailable"  # the server timed out before it had read the whole request: retried
     if 400 <= status < 500:

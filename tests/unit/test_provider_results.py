@@ -25,7 +25,7 @@ def _provider(handler) -> ResendEmail:
     (429, "monthly_quota_exceeded", "quota"), (400, "validation_error", "rejected"),
     (422, "validation_error", "rejected"), (401, "invalid_api_key", "auth"),
     (403, "invalid_api_key", "auth"), (403, "validation_error", "rejected"), (403, "", "rejected"),
-    (409, "invalid_idempotent_request", "rejected"), (409, "concurrent_idempotent_requests", "unknown"),
+    (409, "invalid_idempotent_request", "unknown"), (409, "concurrent_idempotent_requests", "unknown"),
     (408, "", "unavailable"), (408, "request_timeout", "unavailable"),
     (500, "internal_server_error", "unknown"), (500, "application_error", "unknown"), (503, "", "unknown"),
     (502, "bad_gateway", "unknown"), (504, "", "unknown"), (507, "", "unknown"),

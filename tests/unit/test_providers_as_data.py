@@ -77,7 +77,7 @@ def _routes() -> Routes:
     (ProviderResult("rejected", 400, error_name="invalid_recipient"), False),         # a business rule
     (ProviderResult("rejected", 422, error_name="validation_error"), False),
     (ProviderResult("rejected", 400, error_name="suppressed"), False),
-    (ProviderResult("rejected", 409, error_name="invalid_idempotent_request"), False),  # already sent
+    (ProviderResult("unknown", 409, error_name="invalid_idempotent_request"), False),  # already sent
     (ProviderResult("unavailable", 500, error_name="internal_server_error"), False),   # retried, not moved
     (ProviderResult("throttled", 429, error_name="rate_limit_exceeded"), False),
     (ProviderResult("auth", 401, error_name="invalid_api_key"), False),
