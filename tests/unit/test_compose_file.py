@@ -64,11 +64,13 @@ def test_every_long_running_role_is_restarted_and_redis_keeps_an_append_only_fil
     """Given the compose file,
     When its services are read,
     Then every long-running one (not the one-shot topics and limits jobs) restarts when it exits (a role re-raises
-    a broker error and exits: it stayed down), and Redis runs with an append-only file written every second and no
+    a broker error and exits: it stayed down) and is given 90 s to stop (a worker drains what is in flight first:
+    Docker's default 10 s killed it midway), and Redis runs with an append-only file written every second and no
     eviction, as the README requires (a restored snapshot keeps its epoch, so a rollback of delivered marks would
     go unseen: sends sent again)."""
     for name, service in services().items():
         if name not in ("topics", "limits", "kafka", "redis", "prometheus", "grafana"):
             assert service.get("restart") == "unless-stopped", name
+            assert service.get("stop_grace_period") == "90s", name
     command = services()["redis"]["command"]
     assert command[command.index("--appendonly") + 1] == "yes" and "everysec" in command and "noeviction" in command

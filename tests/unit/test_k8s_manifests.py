@@ -444,7 +444,7 @@ def test_every_deployment_has_its_own_disruption_budget_and_a_grace_period_longe
     """Given a Deployment,
     When the PodDisruptionBudgets are matched against its pods,
     Then exactly one selects them (a pod under two cannot be evicted), it selects no other
-    Deployment's pods and lets one pod go at a time, and the pod's grace period is longer than
+    Deployment's pods and lets one pod go at a time (a pod not ready always), and the pod's grace period is longer than
     KAFKA_DELIVERY_TIMEOUT_MS (so SIGKILL does not cut the drain short)."""
     d = deployments()[name]
     budgets = [b for b in of_kind("PodDisruptionBudget").values()
@@ -454,6 +454,8 @@ def test_every_deployment_has_its_own_disruption_budget_and_a_grace_period_longe
     others = [o for o, od in deployments().items() if o != name and selects(budget["spec"]["selector"]["matchLabels"], pod_labels(od))]
     assert not others, f"PodDisruptionBudget {budget['metadata']['name']} also selects {others}"
     assert budget["spec"].get("maxUnavailable") == 1, f"PodDisruptionBudget {budget['metadata']['name']}: {budget['spec']}"
+    # A crash-looping pod (every copy failing) can be evicted: else a node drain waits on a budget never met.
+    assert budget["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow", budget["metadata"]["name"]
     grace = pod_spec(d).get("terminationGracePeriodSeconds", 30)
     drain_bound = deployed_config().delivery_timeout_ms / 1000
     assert grace > drain_bound, f"Deployment {name}: terminationGracePeriodSeconds {grace} is not above {drain_bound:g} s"
