@@ -8,8 +8,10 @@
 - A second SMS protocol with short-lived tokens: `POST /oauth/token` (client credentials) issues
   HS256 JWTs that live `token_ttl_s` (30 s; settable), `POST /v2/messages` answers 401 to an expired,
   revoked (`revoke_tokens`) or forged token. Start a second instance to stand for a second provider.
-- Resend API keys: a key not starting with `re_` gets 401; one of `revoked_api_keys` (comma-separated)
-  403 `invalid_api_key`, Resend's answer for a key deleted from the dashboard.
+- Resend API keys: none gets 401 `missing_api_key`; a key not starting with `re_` (no key at all) 400
+  `validation_error` "API key is invalid", as Resend answers it (the SMS gateway: 401); one of
+  `revoked_api_keys` (comma-separated) 403 `invalid_api_key`, Resend's answer for a key deleted from the
+  dashboard.
 - SMS rules for fallback tests: `sms_no_id_ratio` answers 200 without a message id;
   destinations starting with one of `sms_unsupported_prefixes` get 400 `unsupported_destination`,
   with one of `sms_invalid_prefixes` 400 `invalid_recipient` (a business rule).
@@ -199,10 +201,14 @@ def build_app(config: MockConfig) -> Starlette:
             if refusal:
                 c["token_refused_401"] += 1
                 return _b_error(401, refusal, "the access token is not valid")
-        elif not api_key.startswith("re_") or state.rng.random() < config.fault_401_ratio:
-            if api_key.startswith("re_"):
-                c["faults_401"] += 1
-            return err(401, "validation_error" if not api_key else "invalid_api_key", "API key is invalid")
+        elif not api_key:
+            return err(401, "missing_api_key", "Missing API key in the authorization header.")
+        elif not api_key.startswith("re_"):  # as Resend answers a header that is no key at all (401: the SMS gateway)
+            return err(401 if kind == "sms" else 400, "validation_error" if kind != "sms" else "invalid_api_key",
+                       "API key is invalid")
+        elif state.rng.random() < config.fault_401_ratio:
+            c["faults_401"] += 1
+            return err(401, "validation_error", "API key is invalid")
         elif api_key in _prefixes(config.revoked_api_keys):
             c["api_keys_refused_403"] += 1
             return err(403, "invalid_api_key", "API key is invalid")

@@ -200,16 +200,17 @@ def error_name(body: bytes) -> str:
 NOT_ACTED_ON_5XX = frozenset({501, 505})
 
 
-# A 403 that names our key as the fault (Resend's answer for a key deleted from its dashboard): like a 401, the key
-# has to be fixed; any other 403 (a sender domain not verified, a destination not allowed) is about the message.
-KEY_REFUSED_403 = frozenset({"invalid_api_key"})
+# A 400 or 403 that names our key as the fault (Resend's 403 for a key deleted from its dashboard; its 400 for an
+# Authorization header that is no key at all, which the Resend adapter names so): like a 401, the key has to be fixed;
+# any other 400 or 403 (a field refused, a sender domain not verified, a destination not allowed) is about the message.
+KEY_REFUSED = frozenset({"invalid_api_key"})
 
 
 def classify(status: int, name: str) -> Outcome:
     """The outcome of a non-2xx answer with error name `name`."""
     if status == 429:
         return "quota" if name in QUOTA_429 else "throttled"
-    if status == 401 or (status == 403 and name in KEY_REFUSED_403):
+    if status == 401 or (status in (400, 403) and name in KEY_REFUSED):
         return "auth"
     if status == 409 and name == "concurrent_idempotent_requests":
         return "unknown"  # the first request is still running: ask again later with the same key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from .http import HttpProvider
-from .outcome import Outbound
+from .outcome import Outbound, error_name
 
 RESEND_BATCH_MAX = 100
 
@@ -23,3 +23,19 @@ class ResendEmail(HttpProvider):
         if len(bodies) != 1:
             raise ValueError("the single-email endpoint takes exactly one email")
         return "/emails", orjson.dumps(bodies[0])
+
+    def parse_error(self, body: bytes) -> str:
+        """Resend's `name`; but a key it cannot read at all (the Authorization header is no key: a mangled
+        RESEND_API_KEYS entry) is answered 400 `validation_error` "API key is invalid": named `invalid_api_key`
+        here, as Resend names a key it refuses, so the provider holds with an auth alert (as for a 401) instead of
+        every send being dead-lettered `permanent_error` as a message Resend refused."""
+        name = error_name(body)
+        if name == "validation_error":
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return name
+            message = doc.get("message") if isinstance(doc, dict) else None
+            if isinstance(message, str) and message.strip().lower().startswith("api key is invalid"):
+                return "invalid_api_key"
+        return name

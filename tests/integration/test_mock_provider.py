@@ -59,10 +59,15 @@ def test_idempotency_key_replays_same_body_and_refuses_a_different_one(mock_prov
 
 def test_faults_and_auth(mock_provider):
     """Given the mock provider,
-    When an email is posted without an API key, and another with a key while every request is set to fail with a 5xx,
-    Then the first gets 401 and the second 500."""
+    When an email is posted without an API key, one with a header that is no key, and another with a key while every
+    request is set to fail with a 5xx,
+    Then the first gets 401 missing_api_key, the second 400 validation_error "API key is invalid" (as Resend answers
+    both), and the third 500."""
     c = local_client(base_url=mock_provider.url)
-    assert c.post("/emails", json=EMAIL).status_code == 401
+    r = c.post("/emails", json=EMAIL)
+    assert r.status_code == 401 and r.json()["name"] == "missing_api_key"
+    r = c.post("/emails", json=EMAIL, headers={"Authorization": "Bearer not-a-key"})
+    assert r.status_code == 400 and (r.json()["name"], r.json()["message"]) == ("validation_error", "API key is invalid")
     mock_provider.configure(fault_5xx_ratio=1.0)
     assert c.post("/emails", json=EMAIL, headers=AUTH).status_code == 500
 

@@ -38,6 +38,23 @@ def test_status_and_error_name_decide_the_outcome(status, name, outcome):
     assert result.outcome == outcome and result.status == status
 
 
+@pytest.mark.parametrize("status, message, outcome", [
+    (400, "API key is invalid", "auth"),  # Resend's answer to an Authorization header that is no key at all
+    (400, "The `to` field must be a valid email address.", "rejected"),  # a field of the message
+    (401, "API key is invalid", "auth"),
+])
+def test_a_key_resend_cannot_read_holds_the_provider_and_a_refused_field_rejects_the_message(status, message, outcome):
+    """Given Resend answering `validation_error` with a message,
+    When the adapter reads it,
+    Then "API key is invalid" is an auth outcome whatever its status (400 for a mangled RESEND_API_KEYS entry: before,
+    `rejected`, and every send was dead-lettered permanent_error with no auth alert), named `invalid_api_key`; any other
+    400 validation_error is the message's rejection."""
+    body = {"statusCode": status, "name": "validation_error", "message": message}
+    result = _provider(lambda req: httpx.Response(status, json=body)).post("/emails", b"{}", "not-a-key", "k")
+    assert result.outcome == outcome
+    assert result.error_name == ("invalid_api_key" if outcome == "auth" else "validation_error")
+
+
 def test_a_408_is_retried_not_dead_lettered():
     """A 408: the provider stopped waiting for the rest of the request, so it never acted on it. The send is
     retried on its policy's schedule (before, it was dead-lettered `permanent_error` at the first 408)."""
