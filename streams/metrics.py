@@ -116,6 +116,10 @@ RETRY_TIER_UNREADABLE = Gauge("dispatch_retry_tier_unreadable_seconds", "How lon
 ENDPOINT_HEALTH_BEHIND = Gauge("dispatch_endpoint_health_behind_seconds", "Age of the oldest webhook attempt the "
                                "endpoint-health app has not applied, as the lag monitor measures it (0: none waits; "
                                "NaN: its group could not be read)", ["group"])
+OUTCOME_RECORDER_BEHIND = Gauge("dispatch_outcome_recorder_behind_seconds", "Age of the oldest outcome "
+                                "(notif.outcomes) the outcome recorder has not applied to the sends' statuses, as "
+                                "the lag monitor measures it (0: none waits; NaN: its group could not be read)",
+                                ["group"])
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])

@@ -11,7 +11,8 @@ the committed offset waits for the head. It runs on a thread of its own, every f
 transactional lag keeps its 500 ms rhythm. A tier it cannot read exports for how long instead
 (`dispatch_retry_tier_unreadable_seconds`, alert RetryTierUnwatched): a stuck tier would not show. With the
 webhook channel it also says how far behind the endpoint-health app is on the webhook attempts
-(`dispatch_endpoint_health_behind_seconds`, alert EndpointHealthBehind).
+(`dispatch_endpoint_health_behind_seconds`, alert EndpointHealthBehind), and on every channel how far behind the
+outcome recorder is on `notif.outcomes` (`dispatch_outcome_recorder_behind_seconds`, alert OutcomeRecorderBehind).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import uuid
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
+from prometheus_client import Gauge
 
 from .. import metrics
 from ..errors import StackError
@@ -66,6 +68,7 @@ class RetryTierWatch:
                             self._measure(reader, peeker, channel, lane, tier)
                 if "webhook" in self.channels:
                     self._measure_endpoint_health(reader)
+                self._measure_outcome_recorder(reader)
                 self._stopping.wait(self.every_s)
         finally:
             peeker.close()
@@ -96,15 +99,26 @@ class RetryTierWatch:
     def _measure_endpoint_health(self, reader: LagReader) -> None:
         """How far behind the endpoint-health app is on the webhook attempts (alert EndpointHealthBehind): stopped,
         endpoints never degrade, members are never told, and reactivations the API accepted do nothing."""
-        group = self.names.endpoint_health_app
+        self._measure_follower(reader, "the endpoint-health app", self.names.endpoint_health_app,
+                               self.names.webhook_attempts, metrics.ENDPOINT_HEALTH_BEHIND)
+
+    def _measure_outcome_recorder(self, reader: LagReader) -> None:
+        """How far behind the outcome recorder is on the outcomes (alert OutcomeRecorderBehind): stopped, or held
+        (Redis out of reach), statuses stay where they were (a delivered send reads `accepted`), while dispatch
+        goes on."""
+        self._measure_follower(reader, "the outcome recorder", self.names.recorder_group, self.names.outcomes,
+                               metrics.OUTCOME_RECORDER_BEHIND)
+
+    def _measure_follower(self, reader: LagReader, who: str, group: str, topic: str, gauge: Gauge) -> None:
+        """The age of the oldest record of `topic` that `group` has not consumed, on `gauge` (NaN: not read)."""
         try:
-            reading = reader.read(group, self.names.webhook_attempts)
+            reading = reader.read(group, topic)
         except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
-            self._failing("endpoint-health", f"the endpoint-health app's progress cannot be read: {exc}")
-            metrics.ENDPOINT_HEALTH_BEHIND.labels(group).set(float("nan"))  # not measured: no figure, not the last
+            self._failing(group, f"{who}'s progress cannot be read: {exc}")
+            gauge.labels(group).set(float("nan"))  # not measured: no figure, not the last
             return
-        self._failing_since.pop("endpoint-health", None)
-        metrics.ENDPOINT_HEALTH_BEHIND.labels(group).set(reading.lag_seconds)
+        self._failing_since.pop(group, None)
+        gauge.labels(group).set(reading.lag_seconds)
 
     def _failing(self, subject: str, message: str) -> float:
         """Seconds `subject` has not been read; `message` is logged once, until it is read again."""

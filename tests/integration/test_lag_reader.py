@@ -44,3 +44,31 @@ def test_a_group_positioned_on_a_transaction_marker_reads_without_waiting_and_wi
     # Before, the peek waited out its deadline (PEEK_S, 5 s here) for the marker; a read takes a few tens of ms
     # here, well under half of it however loaded the machine.
     assert took < 2.5, f"the read waited {took:.2f} s for a head that is a marker"
+
+
+def test_the_lag_monitor_tells_how_far_behind_the_outcome_recorder_is(stack, names, create_topics):
+    """Given an outcome published 400 s ago (its timestamp) that the outcome recorder's group has not consumed,
+    When the lag monitor's watch measures the recorder, and again once the group has committed past it,
+    Then it exports about 400 s (the OutcomeRecorderBehind alert's figure), then 0."""
+    from prometheus_client import REGISTRY
+
+    from streams.lag.retry_watch import RetryTierWatch
+
+    create_topics({names.outcomes: 1})
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.outcomes, b'{"send_id": "s-1", "status": "delivered"}',
+                     timestamp=int(time.time() * 1000) - 400_000)
+    assert producer.flush(30) == 0
+    watch, reader = RetryTierWatch(stack.bootstrap, names, ("email",)), LagReader(stack.bootstrap)
+    group = {"group": names.recorder_group}
+    try:
+        watch._measure_outcome_recorder(reader)
+        assert 395 <= REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group) <= 460
+        consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": names.recorder_group,
+                             "enable.auto.commit": False})
+        consumer.commit(offsets=[TopicPartition(names.outcomes, 0, 1)], asynchronous=False)
+        consumer.close()
+        watch._measure_outcome_recorder(reader)
+        assert REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group) == 0
+    finally:
+        reader.close()

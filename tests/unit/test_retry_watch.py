@@ -216,3 +216,37 @@ def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_b
     reader.failing = True
     watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
     assert math.isnan(REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds", group))
+
+
+def test_the_outcome_recorders_progress_is_exported_on_every_channel_and_none_when_it_cannot_be_read():
+    """Given the outcome recorder's group whose oldest unapplied outcome is 400 s old, and a lag monitor watching the
+    email channel only,
+    When the watch measures it, then cannot read it any more,
+    Then it exports 400 s (alert OutcomeRecorderBehind past 5 minutes; before: nothing watched the recorder, and a
+    stopped one left every status behind without a word), then NaN: no figure rather than the last."""
+    import math
+
+    from prometheus_client import REGISTRY
+
+    from streams.lag.yield_policy import LagReading
+
+    names = TopicNames("recorder-watch-test.")
+    asked = []
+
+    class Reader:
+        failing = False
+
+        def read(self, group, topic, source="monitor"):
+            asked.append((group, topic))
+            if self.failing:
+                raise RuntimeError("coordinator not available")
+            return LagReading(12, 400.0, int(time.time() * 1000), source)
+
+    watch, reader = RetryTierWatch("unused:9092", names, ("email",)), Reader()
+    watch._measure_outcome_recorder(reader)  # type: ignore[arg-type]
+    group = {"group": "recorder-watch-test.status-recorder"}
+    assert REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group) == 400.0
+    assert asked == [("recorder-watch-test.status-recorder", "recorder-watch-test.notif.outcomes")]
+    reader.failing = True
+    watch._measure_outcome_recorder(reader)  # type: ignore[arg-type]
+    assert math.isnan(REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group))
