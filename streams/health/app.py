@@ -12,9 +12,9 @@ last error, alert window. The rules are `rules.py`; this module does their I/O:
   ingest follow;
 - only then is the row written. Faust commits the source offset after the changelog write is
   acknowledged (at least once), so an event is applied again only when the app died before its
-  commit; the row remembers the offset it has applied (`applied_upto`), and an event at or below
-  it changes nothing. An event whose alert went out but whose row was not written is applied again
-  and its alert sent again under the same send id.
+  commit; the row remembers the offset it has applied (`applied_upto`, in `applied_partition`), and an event at
+  or below it in that partition changes nothing. An event whose alert went out but whose row was not written is
+  applied again and its alert sent again under the same send id.
 - faust can lose the records it fetched as a rebalance's recovery completes; when nothing more
   arrives on that partition, the app reads it again from its committed offset (checked every
   STALL_CHECK_S; see `stall.py`, which also says what this does not cover). It can lose a
@@ -133,7 +133,7 @@ class EndpointHealthApp:
             ep = self.directory.endpoints.get(endpoint_id)
             if ep is not None and before.tenant != ep.tenant:  # the endpoint's own tenant, never an event's
                 before = replace(before, tenant=ep.tenant)
-            outcome = apply(before, doc, event.message.offset)
+            outcome = apply(before, doc, event.message.offset, event.message.partition)
         except (ValueError, TypeError, AttributeError, KeyError):
             metrics.HEALTH_EVENTS.labels("malformed").inc()
             log.warning("ignoring a malformed event at %s[%d]@%d", event.message.topic, event.message.partition,
@@ -144,7 +144,7 @@ class EndpointHealthApp:
             return
         metrics.HEALTH_EVENTS.labels("reactivated" if doc.get("kind") == "reactivated" else "attempt").inc()
         await self._act(outcome, doc)
-        if outcome.health != _with_offset(before, outcome.health.applied_upto):
+        if outcome.health != _with_offset(before, outcome.health):
             self.table[endpoint_id] = outcome.health.to_doc()  # after its effects (see the module docstring)
 
     async def _caught_up(self) -> None:
@@ -388,8 +388,9 @@ class _App(faust.App):
         await super().on_started()
 
 
-def _with_offset(h: Health, offset: int) -> Health:
-    return replace(h, applied_upto=offset)
+def _with_offset(h: Health, applied: Health) -> Health:
+    """`h` as if it had applied what `applied` did, and nothing else."""
+    return replace(h, applied_upto=applied.applied_upto, applied_partition=applied.applied_partition)
 
 
 def _state(ep: Any) -> str:

@@ -50,6 +50,7 @@ class Health:
     stopped_sent: bool = False       # a "stopped" went out in the current window
     gone_sent: bool = False          # a "gone" (a delivery dropped on a 410) went out in this incident
     applied_upto: int = -1           # offset of the last event applied (replays skip what is done)
+    applied_partition: int = -1      # ... on this attempts partition (-1: not known, a row written before it was)
     since_ms: int = 0                # when the state last changed
 
     def to_doc(self) -> dict:
@@ -108,23 +109,27 @@ def state_doc(h: Health) -> dict:
             "since_ms": h.since_ms, "incident": h.incident}
 
 
-def apply(h: Health, event: dict, offset: int) -> Outcome:
-    """The health after one event of the endpoint's attempts topic (`offset`: its position there)."""
-    if offset <= h.applied_upto:
-        return Outcome(h)  # already applied before a restart: nothing happens twice
+def apply(h: Health, event: dict, offset: int, partition: int = -1) -> Outcome:
+    """The health after one event of the endpoint's attempts topic (`offset`: its position there, in `partition`)."""
+    if offset <= h.applied_upto and h.applied_partition in (-1, partition):
+        # Already applied before a restart: nothing happens twice. Offsets are compared within one partition only:
+        # the attempts topic given more partitions moves an endpoint's events to another one, at lower offsets,
+        # which were all taken for replays (every later event of the endpoint ignored, reactivations too).
+        return Outcome(h)
     if event.get("outcome") == "skipped" or event.get("error") in OURS:
-        return Outcome(replace(h, applied_upto=offset))  # never attempted: neither a failure nor a success
+        # Never attempted: neither a failure nor a success.
+        return Outcome(replace(h, applied_upto=offset, applied_partition=partition))
     if event.get("held") is True:
         # The receiver asked to wait a few seconds (429, 503 with Retry-After), and the worker tries the same
         # attempt again after that wait: the receiver is there, and a 20 s burst of such answers, ten a
         # delivery, must not degrade it while a failing receiver takes hours on the retry schedule. An
         # attempt that ends throttled (a longer wait, through the retry tiers) still counts.
-        return Outcome(replace(h, applied_upto=offset))
+        return Outcome(replace(h, applied_upto=offset, applied_partition=partition))
     if h.tenant and event.get("tenant_id") and event["tenant_id"] != h.tenant:
         # Another tenant's event naming this endpoint (written to a lane past ingest): it neither counts nor
         # moves the endpoint, nor its alerts, to that tenant.
-        return Outcome(replace(h, applied_upto=offset))
-    h = replace(h, applied_upto=offset, tenant=event.get("tenant_id") or h.tenant)
+        return Outcome(replace(h, applied_upto=offset, applied_partition=partition))
+    h = replace(h, applied_upto=offset, applied_partition=partition, tenant=event.get("tenant_id") or h.tenant)
     now = int(event.get("at_ms") or 0)
     if event.get("outcome") == NOT_ATTEMPTED:  # given up on before an attempt: its tenant hears of it, no count
         h, alerts, suppressed = _dropped(h, event, now)

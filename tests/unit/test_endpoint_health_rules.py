@@ -181,6 +181,23 @@ def test_an_event_applied_before_a_restart_changes_nothing_when_read_again():
     assert again.health is f.h and again.alerts == () and not again.state_changed
 
 
+def test_offsets_are_compared_within_one_attempts_partition():
+    """Given an endpoint whose events were applied up to offset 900 of attempts partition 0,
+    When the attempts topic is given more partitions (an operator's change) and its next events, a failure and then a
+    reactivation, come on partition 3 at offsets 5 and 6, and offset 6 is read again (a restart),
+    Then both are applied (before: taken for replays, being below 900, so the endpoint stayed degraded whatever its
+    tenant did), the read again is not; a row written before partitions were remembered (-1) compares as before."""
+    h = Health("ep_1", tenant="acme", state="degraded", applied_upto=900, applied_partition=0)
+    failed = apply(h, {"tenant_id": "acme", "kind": "attempt", "outcome": "unavailable", "at_ms": 1}, 5, partition=3)
+    assert failed.counted and failed.health.consecutive_failures == 1
+    back = apply(failed.health, reactivation_event("ep_1", "acme", 2), 6, partition=3)
+    assert back.state_changed and back.health.state == "active"
+    assert (back.health.applied_upto, back.health.applied_partition) == (6, 3)
+    assert apply(back.health, reactivation_event("ep_1", "acme", 2), 6, partition=3).health is back.health
+    legacy = Health("ep_1", tenant="acme", applied_upto=900)
+    assert apply(legacy, reactivation_event("ep_1", "acme", 2), 5, partition=3).health is legacy
+
+
 def test_an_alert_sent_again_keeps_its_send_id():
     """Given the tenth failure applied from a row that was never written (the app died after the alert
     went out, before the row was saved),
