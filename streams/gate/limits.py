@@ -154,15 +154,22 @@ def _number(provider: str, field: str, held: bytes) -> float:
     except ValueError:
         pass
     try:
-        if "rate" in field and math.isfinite(rate := float(held)):
+        if _is_rate(field) and math.isfinite(rate := float(held)):
             return rate
     except ValueError:
         pass
     raise ConfigError(f"the limits of provider {provider!r}: field {field!r} holds {held[:40]!r}, not "
-                      f"{'a number' if 'rate' in field else 'an integer'}; set it again (streams limits set)")
+                      f"{'a number' if _is_rate(field) else 'an integer'}; a change that sets it again mends it "
+                      f"(`streams limits set --provider {provider}` with that field's option, or `streams limits "
+                      "unset` for a tenant's own limit)")
 
 
-def _unset(change: LimitChange, current: dict[str, float]) -> list[str]:
+def _is_rate(field: str) -> bool:
+    """`global_rate`, `tenant_rate:<tenant>` (by the name before the tenant: `tenant_burst:corporate` is no rate)."""
+    return field.split(":", 1)[0].endswith("rate")
+
+
+def _unset(change: LimitChange, held: dict[str, float], malformed: dict[str, bytes]) -> list[str]:
     """The fields removing a tenant's own limit deletes (none when it has none: nothing to do)."""
     tenant = change.unset_tenant
     if tenant is None:
@@ -173,7 +180,21 @@ def _unset(change: LimitChange, current: dict[str, float]) -> list[str]:
     _checked_tenant_id(tenant, "so it has no limit to remove")
     if tenant == change.tenant:
         raise ConfigError(f"a change either sets tenant {tenant!r}'s limit or removes it, not both")
-    return [f for f in (f"tenant_rate:{tenant}", f"tenant_burst:{tenant}") if f in current]
+    own = [f for f in (f"tenant_rate:{tenant}", f"tenant_burst:{tenant}") if f in held or f in malformed]
+    if own and ("tenant_rate:*" not in held or "tenant_burst:*" not in held):
+        # Without a default the tenant would have no limit at all: its sends held (a provider's gate), or its
+        # ingest quota not enforced.
+        raise ConfigError(f"tenant {tenant!r} would have no limit: there is no default ('*') to hold it to; set one "
+                          "first (`streams limits set --tenant '*' --rate ... --burst ...`)")
+    return own
+
+
+def _default_for(tenant: str | None, deletes: list[str], held: dict[str, float]) -> dict[str, float]:
+    """A tenant whose own limit was removed, as held to the default now (its bucket lives as long as a refill at
+    the default takes: `_stretch_buckets`); nothing when no limit was removed."""
+    if tenant is None or not deletes:
+        return {}
+    return {f"tenant_rate:{tenant}": held["tenant_rate:*"], f"tenant_burst:{tenant}": held["tenant_burst:*"]}
 
 
 class AppliedLimits(NamedTuple):
@@ -238,18 +259,22 @@ class LimitStore:
         """Validate a change against the current limits and write it: the limits it replaced (those its
         compare-and-set held, not an earlier read: a concurrent change is not this one's) and the new ones."""
         for _ in range(CHANGE_ATTEMPTS):
-            current = self.show(provider)
+            current, raw, malformed = self._held(provider)
             writes = self._checked(provider, change, current)
-            deletes = _unset(change, current)
+            deletes = _unset(change, current, malformed)
+            # A field edited by hand into no number is mended by a change that sets it again (or removes it); any
+            # other change is refused naming it, as a read of it is: the log would record limits Redis does not hold.
+            for field in sorted(set(malformed) - set(writes) - set(deletes)):
+                _number(provider, field, malformed[field])
             if not writes and not deletes:
                 return AppliedLimits(current, current)
             record = dict(sorted((k, v) for k, v in {**current, **writes}.items() if k not in deletes))
             written = write_through_log(self.oplog, f"limits/{provider}", record,
-                                        partial(self._write, provider, current, writes, deletes),
+                                        partial(self._write, provider, raw, writes, deletes),
                                         lambda: self._logged_form(provider), kept_if_unknown=current or None,
                                         deletes=False)
             if written:
-                self._stretch_buckets(provider, writes)
+                self._stretch_buckets(provider, {**writes, **_default_for(change.unset_tenant, deletes, current)})
                 try:
                     return AppliedLimits(current, self.show(provider))
                 except StoreUnavailable:  # made; only the look at it failed
@@ -330,11 +355,27 @@ class LimitStore:
         self.apply(provider, LimitChange(tenant=tenant, tenant_rate=rate, tenant_burst=burst))
 
     def show(self, provider: str) -> dict[str, float]:
+        current, _, malformed = self._held(provider)
+        for field, value in malformed.items():
+            _number(provider, field, value)  # refused, naming it
+        return current
+
+    def _held(self, provider: str) -> tuple[dict[str, float], dict[str, str], dict[str, bytes]]:
+        """What Redis holds for `provider`: the fields that read as numbers, every field as its text (what a
+        compare-and-set expects), and the fields that are no number (edited by hand)."""
         try:
             raw = self.client.hgetall(self.keys.limits(provider))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot read the limits of {provider!r} ({exc})") from None
-        return {k.decode(): _number(provider, k.decode(), v) for k, v in sorted(raw.items())}
+        current: dict[str, float] = {}
+        malformed: dict[str, bytes] = {}
+        for key, value in sorted(raw.items()):
+            field = key.decode()
+            try:
+                current[field] = _number(provider, field, value)
+            except ConfigError:
+                malformed[field] = value
+        return current, {k.decode(): v.decode("utf-8", "replace") for k, v in raw.items()}, malformed
 
     def _fields(self, provider: str, *fields: str) -> list[float | None]:
         """These fields of a provider's limits (None: not set), read alone: a worker asks for one tenant's limit
@@ -359,14 +400,13 @@ class LimitStore:
         concurrency, pause_ms = self._fields(provider, "concurrency", "pause_ms")
         return Pacing(int(concurrency) if concurrency else None, int(pause_ms or 0))
 
-    def _write(self, provider: str, held: dict[str, float], fields: dict[str, float],
+    def _write(self, provider: str, held: dict[str, str], fields: dict[str, float],
                deletes: list[str] | tuple[str, ...] = ()) -> bool:
-        """Write `fields` and delete `deletes` while Redis still holds `held` (False: someone changed the limits
-        meanwhile)."""
+        """Write `fields` and delete `deletes` while Redis still holds `held` (every field's text; False: someone
+        changed the limits meanwhile)."""
         pairs = [x for name, value in fields.items() for x in (name, value)]
         try:
             return bool(self._set_if_unchanged(keys=[self.keys.limits(provider)],
-                                               args=[orjson.dumps({k: str(v) for k, v in held.items()}),
-                                                     orjson.dumps(list(deletes)), *pairs]))
+                                               args=[orjson.dumps(held), orjson.dumps(list(deletes)), *pairs]))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"cannot write the limits of {provider!r} ({exc})") from None

@@ -261,7 +261,10 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
 
     @router.get("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 503))
     def get_limits(provider: str, _: Operator) -> dict:
-        return {"provider": provider, "limits": ingest.limits.show(known(provider))}
+        try:
+            return {"provider": provider, "limits": ingest.limits.show(known(provider))}
+        except ConfigError as exc:  # a field edited by hand into no number: named, with the change that mends it
+            raise problem(503, "limits_unreadable", [], str(exc)) from None
 
     @router.put("/limits/{provider}", response_model=Limits, responses=documented(401, 403, 404, 422, 503))
     def put_limits(provider: str, body: LimitUpdate, who: Operator) -> dict:

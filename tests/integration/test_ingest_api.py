@@ -5,6 +5,7 @@ import orjson
 import pytest
 
 from streams.ingest.api_keys import ApiKeys
+from streams.names import RedisKeys
 from tests.harness import count_records, email_request, free_port, local_client, wait_until
 
 
@@ -115,11 +116,12 @@ def test_limits_are_for_operators_only(api):
     assert api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]["global_rate"] == 10
 
 
-def test_an_operator_removes_a_tenants_own_limit(api):
+def test_an_operator_removes_a_tenants_own_limit(api, redis_client, namespace):
     """Given resend's default tenant limit and tenant slow's own, set by the operator,
     When a tenant asks to remove slow's limit, then the operator does,
     Then the tenant gets 403 and nothing changes; the operator's answer (200) shows the default alone, and so does
-    a read of the limits."""
+    a read of the limits. A field then edited by hand into no number is named by a read (503; before: an unexplained
+    500), and mended by the change that sets it."""
     r = api.put("/v1/admin/limits/resend", json={"global_rate": 10, "global_burst": 10, "tenant": "*",
                                                  "tenant_rate": 5, "tenant_burst": 5}, headers=api.operator)
     assert r.status_code == 200, r.text
@@ -132,6 +134,13 @@ def test_an_operator_removes_a_tenants_own_limit(api):
     assert r.status_code == 200, r.text
     assert "tenant_rate:slow" not in r.json()["limits"] and r.json()["limits"]["tenant_rate:*"] == 5
     assert "tenant_burst:slow" not in api.get("/v1/admin/limits/resend", headers=api.operator).json()["limits"]
+    # A field edited by hand into no number: a read names it (not an unexplained 500); the change that sets it mends it.
+    redis_client.hset(RedisKeys(namespace).limits("resend"), "tenant_burst:*", "five")
+    r = api.get("/v1/admin/limits/resend", headers=api.operator)
+    assert r.status_code == 503 and "field 'tenant_burst:*' holds b'five'" in r.text, r.text
+    r = api.put("/v1/admin/limits/resend", json={"tenant": "*", "tenant_rate": 5, "tenant_burst": 5},
+                headers=api.operator)
+    assert r.status_code == 200 and r.json()["limits"]["tenant_burst:*"] == 5, r.text
 
 
 def test_an_operator_sets_a_tenant_rate_below_one_a_second_and_a_rate_of_zero_is_refused(api):

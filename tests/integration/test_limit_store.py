@@ -79,7 +79,7 @@ def test_a_change_logs_one_record_and_a_redis_that_lost_its_data_deletes_none(
     assert [k for k, _ in oplog.puts] == ["limits/resend"]
 
     lost = LimitStore(redis_client, namespace, oplog)
-    lost._write = lambda provider, held, fields: redis_client.delete(lost.keys.limits(provider)) and True
+    lost._write = lambda provider, *_: redis_client.delete(lost.keys.limits(provider)) and True
     lost.set_tenant("resend", "globex", 2, 4)
     assert logged(stack, oplog_topic, "resend")["tenant_rate:globex"] == 2  # its own record, not a deletion
 
@@ -148,6 +148,12 @@ def test_a_tenants_own_limit_removed_with_the_cli_holds_it_to_the_default_again(
     refused = cli("unset", "--tenant", "globex", "--rate", "3")
     assert refused.returncode != 0 and "takes --provider and --tenant only, not --rate" in refused.stderr
     assert limits.show("resend")["tenant_rate:*"] == 2
+    # An ingest quota without a default: removing a tenant's own would leave it unlimited there. Refused.
+    limits.apply("ingest-marketing", LimitChange(global_rate=1000, global_burst=1000, tenant="acme", tenant_rate=1,
+                                                 tenant_burst=1))
+    with pytest.raises(ConfigError, match=r"tenant 'acme' would have no limit: there is no default \('\*'\)"):
+        limits.apply("ingest-marketing", LimitChange(unset_tenant="acme"))
+    assert limits.show("ingest-marketing")["tenant_rate:acme"] == 1
 
 
 def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unenforced(redis_client, namespace):
@@ -181,7 +187,9 @@ def test_a_limit_edited_by_hand_into_no_number_is_refused_naming_it_and_holds_on
     When a worker's gate reads acme's limit and globex's, and the provider's pacing,
     Then acme's is refused naming the provider, the field and the value (a ConfigError: the worker holds acme's queue
     as it holds a tenant without limits; before: a ValueError, which stopped the worker and every tenant of its
-    lane); globex's default is read as before, and so is the pacing (another tenant's field is not read at all)."""
+    lane); globex's default is read as before, and so is the pacing (another tenant's field is not read at all).
+    A change that leaves the field as it is (the global rate) is refused naming it too; the one that sets acme's
+    limit again mends it, and acme's limit is read again; a tenant named `corporate` keeps a whole burst."""
     store = LimitStore(redis_client, namespace)
     store.set_provider("resend", 10, 10)
     store.set_tenant("resend", "*", 2, 5)
@@ -195,6 +203,14 @@ def test_a_limit_edited_by_hand_into_no_number_is_refused_naming_it_and_holds_on
     assert gate.pacing("resend").concurrency is None
     with pytest.raises(ConfigError, match="field 'tenant_burst:acme'"):
         store.show("resend")
+    with pytest.raises(ConfigError, match="field 'tenant_burst:acme'.*a change that sets it again mends it"):
+        store.set_provider("resend", 20, 20)
+    store.set_tenant("resend", "acme", 3, 3)
+    assert gate.tenant_limit("resend", "acme") == Limit(3, 3)
+    assert store.show("resend")["global_rate"] == 10
+    redis_client.hset(RedisKeys(namespace).limits("resend"), "tenant_burst:corporate", "1.5")
+    with pytest.raises(ConfigError, match="field 'tenant_burst:corporate' holds b'1.5', not an integer"):
+        gate.tenant_limit("resend", "corporate")
 
 
 def test_a_tenant_limited_to_30_a_minute_gets_one_send_every_two_seconds(redis_client, namespace):
