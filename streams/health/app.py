@@ -389,8 +389,10 @@ class _App(faust.App):
 
 
 def _with_offset(h: Health, applied: Health) -> Health:
-    """`h` as if it had applied what `applied` did, and nothing else."""
-    return replace(h, applied_upto=applied.applied_upto, applied_partition=applied.applied_partition)
+    """`h` as if it had applied what `applied` did, and nothing else. A row is written when its partition changes
+    (one written before rows remembered it, too): an event read again on the same partition is the only one that
+    may go unwritten."""
+    return replace(h, applied_upto=applied.applied_upto)
 
 
 def _state(ep: Any) -> str:
