@@ -74,6 +74,11 @@ class UrlPolicy:
             raise UnsafeUrl(NOT_HTTP)
         if host in self.allow:
             return
+        if not _is_ip(host) and any(c in host for c in ":%"):
+            # A bracketed host that is no IP address (`[v1.a:b.example.com]`, RFC 3986's IPvFuture): the delivery
+            # client takes any host with a ':' for an address and connects without asking the pinned resolver, so
+            # what was checked here would not be what it connects to.
+            raise UnsafeUrl(f"the host {host!r} is neither a name nor an IP address")
         if not _is_ip(host) and _NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
             # An IPv4 address in another form (`127.1`, `0177.0.0.1`, `2130706433`, `0x7f.1`): name resolvers read
             # these variously, and the delivery client refuses them at every attempt; refused here, said so.

@@ -14,7 +14,9 @@ from tests.nameserver import LoopbackNameServer
 
 DNS = {"hooks.example.com": ["93.184.216.34"], "inside.example.com": ["10.0.0.7"],
        "meta.example.com": ["169.254.169.254"], "dual.example.com": ["93.184.216.34", "192.168.1.2"],
-       "v6.example.com": ["::1"], "mapped.example.com": ["::ffff:127.0.0.1"], "cgnat.example.com": ["100.64.1.1"]}
+       "v6.example.com": ["::1"], "mapped.example.com": ["::ffff:127.0.0.1"], "cgnat.example.com": ["100.64.1.1"],
+       # A resolver that would answer for a bracketed name (c-ares asks nothing for one today; another might):
+       "v1.a:b.hooks.example.com": ["93.184.216.34"]}
 
 
 def resolve(host):
@@ -55,6 +57,8 @@ def resolve(host):
     ("https://127.1/x", "octal or hex form"),
     ("https://2130706433/x", "octal or hex form"),
     ("https://0x7f.0.0.1/x", "octal or hex form"),
+    # A bracketed host that is no address: the delivery client would connect to it without the pinned resolver
+    ("https://[v1.a:b.hooks.example.com]/x", "neither a name nor an IP address"),
 ])
 def test_unsafe_urls_are_refused_with_the_reason(url, why):
     with pytest.raises(UnsafeUrl, match=why):
