@@ -179,18 +179,25 @@ def limits(sub) -> None:
                 before, shown = store.apply(args.provider, change)
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
-        if changing:  # recorded before the cool-down is read: a failure of that read fails nothing made
+        if changing and before == shown:  # nothing to change (a tenant without a limit of its own: a typo?)
+            print(f"{args.provider}: nothing changed" + (f" (tenant {args.tenant} has no limit of its own)"
+                                                          if args.action == "unset" else ""), file=sys.stderr)
+        elif changing:  # recorded before the cool-down is read: a failure of that read fails nothing made
             _audited(rt, f"limits/{args.provider}", before, shown)
-        if args.provider in rt.config.registry.providers and (left := store.cool_down_left(args.provider)):
-            print(f"{args.provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "
-                  "`streams limits clear-cooldown` ends it)")
-        own = args.tenant not in (None, "*") and args.provider in rt.config.registry.providers
-        if own and (left := store.cool_down_left(args.provider, args.tenant)):
-            print(f"{args.provider} tenant {args.tenant} own_account_hold_s = {_seconds(left)}  (a 429 of "
-                  f"its own account; `streams limits clear-cooldown --tenant {args.tenant}` ends it)")
+        _print_cool_downs(store, args.provider, args.tenant, rt.config.registry.providers)
         return 0
 
     p.set_defaults(func=run)
+
+
+def _print_cool_downs(store, provider: str, tenant: str | None, providers) -> None:
+    """What is left of the provider's 429 hold, and of `tenant`'s own account's."""
+    if provider in providers and (left := store.cool_down_left(provider)):
+        print(f"{provider} cool_down_left_s = {_seconds(left)}  (a 429's hold on every worker; "
+              "`streams limits clear-cooldown` ends it)")
+    if tenant not in (None, "*") and provider in providers and (left := store.cool_down_left(provider, tenant)):
+        print(f"{provider} tenant {tenant} own_account_hold_s = {_seconds(left)}  (a 429 of "
+              f"its own account; `streams limits clear-cooldown --tenant {tenant}` ends it)")
 
 
 def _seconds(left: float) -> str:

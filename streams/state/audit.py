@@ -9,6 +9,7 @@ appear in it (keys by id).
 from __future__ import annotations
 
 import getpass
+import os
 import socket
 import time
 import uuid
@@ -25,7 +26,13 @@ TIMEOUT_S = 10.0
 
 
 def cli_actor() -> str:
-    return f"cli:{getpass.getuser()}@{socket.gethostname()}"
+    """`cli:<user>@<host>`; a process whose user has no name (an arbitrary uid without a passwd entry, no USER
+    nor LOGNAME: a container's) is `uid:<n>`, not a failure after its change was made."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid:{os.getuid()}"
+    return f"cli:{user}@{socket.gethostname()}"
 
 
 class AuditLog:

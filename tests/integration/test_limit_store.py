@@ -135,10 +135,12 @@ def test_a_tenants_own_limit_removed_with_the_cli_holds_it_to_the_default_again(
         return subprocess.run([sys.executable, "-m", "streams.cli", "limits", *args, "--provider", "resend"],
                               env=dispatch_env, capture_output=True, text=True, timeout=60)
 
-    for _ in range(2):
+    for again in (False, True):
         done = cli("unset", "--tenant", "acme")
         assert done.returncode == 0, done.stderr
         assert "tenant_rate:acme" not in done.stdout and "tenant_rate:* = 2" in done.stdout, done.stdout
+        # Asked again (or for a tenant id mistyped): said, not a silent success
+        assert ("nothing changed (tenant acme has no limit of its own)" in done.stderr) is again, done.stderr
     assert "tenant_rate:acme" not in limits.show("resend")
     assert RedisGate(redis_client, namespace).tenant_limit("resend", "acme") == Limit(2, 5)
     assert "tenant_rate:acme" not in logged(stack, oplog_topic, "resend")

@@ -249,3 +249,20 @@ def test_an_endpoint_change_whose_answer_redis_lost_is_audited_as_maybe_applied(
     [(what, before, after)] = audited
     assert (what, after["outcome"]) == ("endpoint/ep_1", "unknown")
     assert after["intended"] == {**before, **intended} and "t0k" not in str(audited)
+
+
+def test_the_cli_names_a_user_without_a_name_by_its_uid(monkeypatch):
+    """Given a CLI process whose user has no name (an arbitrary uid with no passwd entry, no USER nor LOGNAME),
+    When an operator change is recorded on the audit trail,
+    Then its actor is `cli:uid:<n>@<host>` (before: getpass raised KeyError after the change was made: a traceback,
+    exit 1, and a `keys create` run again made a second key)."""
+    import getpass
+    import os
+
+    from streams.state.audit import cli_actor
+
+    def nameless() -> str:
+        raise KeyError("getpwuid(): uid not found: 12345")
+
+    monkeypatch.setattr(getpass, "getuser", nameless)
+    assert cli_actor().startswith(f"cli:uid:{os.getuid()}@")
