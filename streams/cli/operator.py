@@ -494,6 +494,9 @@ def endpoints(sub) -> None:
     p.add_argument("--url")
     p.add_argument("--events", help="comma-separated event types ('*' for all)")
     p.add_argument("--description", default="")
+    p.add_argument("--unsealed", action="store_true",
+                   help="create/rotate: store the signing secret unsealed when this shell has no WEBHOOK_SECRET_KEYS "
+                        "(a development stack without keys); refused otherwise")
 
     def run(args: argparse.Namespace) -> int:
         import orjson
@@ -540,6 +543,12 @@ def endpoints(sub) -> None:
             print(f"{changed} endpoint(s) of {len(tenants)} tenant(s) re-sealed under key {key!r}")
             _audited(rt, what, None, {"key": key, "endpoints": changed})
             return 0
+        if args.action in ("create", "rotate") and rt.config.webhook_secret_keys is None and not args.unsealed:
+            # The secret is sealed with this shell's keys: without them it would sit in the clear in Redis and in the
+            # operator log, though the API and the workers (which have them) seal every secret they store.
+            raise ConfigError(f"`streams endpoints {args.action}` seals the signing secret with WEBHOOK_SECRET_KEYS, "
+                              "which this shell does not have: set it as the API and the webhook workers have it "
+                              "(or pass --unsealed on a development stack without keys); nothing was changed")
         if args.action == "create":
             if not args.url or not args.events:
                 raise ConfigError("`streams endpoints create` needs --url and --events")

@@ -8,6 +8,7 @@ import time
 import orjson
 from confluent_kafka.admin import AdminClient
 
+from streams.names import RedisKeys
 from streams.state.audit import AuditLog, cli_actor
 from streams.state.log import OperatorLog
 from streams.webhooks.endpoints import EndpointStore
@@ -253,3 +254,21 @@ def test_the_operator_api_reactivates_an_endpoint_created_a_moment_before(stack,
     [reactivated] = [e for e in AuditLog(stack.bootstrap, names.audit).read(started) if e["what"] == f"endpoint/{ep.id}"]
     assert reactivated["before"] == {"state": "disabled"} and reactivated["after"] == {"state": "active"}
     assert api.post("/v1/admin/endpoints/ep_nobody_has/reactivate", headers=api.keys["operator"]).status_code == 404
+
+
+def test_an_endpoint_created_from_a_shell_without_the_sealing_keys_is_refused_unless_asked_unsealed(
+        stack, names, namespace, channel_topics, dispatch_env, redis_client):
+    """Given an operator's shell without WEBHOOK_SECRET_KEYS (the API and the workers have them),
+    When it creates a webhook endpoint, then does so with --unsealed,
+    Then the first is refused naming the variable, and nothing is stored (before: the secret was stored in the clear,
+    in Redis and in the operator log, without a word); the second is created."""
+    channel_topics("webhook")
+    shell = {k: v for k, v in dispatch_env.items() if k != "WEBHOOK_SECRET_KEYS"}
+    refused = _cli(shell, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url", "http://127.0.0.1:9/h")
+    assert refused.returncode != 0 and "WEBHOOK_SECRET_KEYS" in refused.stderr, refused.stderr
+    assert "nothing was changed" in refused.stderr
+    assert not redis_client.exists(RedisKeys(namespace).endpoints("acme"))
+    made = _cli(shell, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url", "http://127.0.0.1:9/h",
+                "--unsealed")
+    assert made.returncode == 0, made.stderr
+    assert orjson.loads(made.stdout)["secret"].startswith("whsec_")
