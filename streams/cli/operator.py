@@ -502,7 +502,7 @@ def endpoints(sub) -> None:
         import orjson
 
         from ..ingest.status import StatusStore
-        from ..webhooks.sealing import UnsealError
+        from ..webhooks.sealing import UnsealError, sealed_with
 
         rt = Runtime(args.config)
         r = rt.redis()
@@ -597,7 +597,11 @@ def endpoints(sub) -> None:
                 found = store.update(args.tenant, args.endpoint_id, enabled=enabled)
         if found is None:
             raise missing
-        print(orjson.dumps(found.public(), option=orjson.OPT_INDENT_2).decode())
+        shown = found.public()
+        if args.action == "show":  # for an operator: which key seals each secret (WebhookSecretsUnreadable), no secret
+            shown["secrets"] = [{"sealed_with": sealed_with(s.value) or "(in the clear)",
+                                 "expires_at_ms": s.expires_at_ms} for s in found.secrets]
+        print(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
         if args.action != "show":  # reactivated: active now, before the health app has read it
             after = found if args.action == "reactivate" else webhooks.current(found)
             _audited(rt, what, _audit_view(before), _audit_view(after))

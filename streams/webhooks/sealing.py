@@ -89,6 +89,11 @@ def is_sealed(value: str) -> bool:
     return value.startswith(SEALED)
 
 
+def sealed_with(value: str) -> str | None:
+    """The id of the key a stored secret is sealed under (None: stored in the clear); never the secret."""
+    return value.removeprefix(SEALED).partition(":")[0] if is_sealed(value) else None
+
+
 def seal(secret: str, endpoint_id: str, sealer: Sealer | None) -> str:
     """What is stored for a new secret: sealed when keys are set, else the secret itself."""
     return secret if sealer is None or is_sealed(secret) else sealer.seal(secret, endpoint_id)

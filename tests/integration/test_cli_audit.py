@@ -16,6 +16,7 @@ from streams.webhooks.lookups import system_resolver
 from streams.webhooks.sealing import Sealer
 from streams.webhooks.ssrf import UrlPolicy
 from tests.harness import free_port, start_api, wait_until
+from tests.integration.conftest import TEST_SECRET_KEYS
 
 
 def _cli(env, *args):
@@ -261,7 +262,8 @@ def test_an_endpoint_created_from_a_shell_without_the_sealing_keys_is_refused_un
     """Given an operator's shell without WEBHOOK_SECRET_KEYS (the API and the workers have them),
     When it creates a webhook endpoint, then does so with --unsealed,
     Then the first is refused naming the variable, and nothing is stored (before: the secret was stored in the clear,
-    in Redis and in the operator log, without a word); the second is created."""
+    in Redis and in the operator log, without a word); the second is created, and an operator's `endpoints show`
+    says it is in the clear, and names the key that seals one created with the keys (the runbook's check)."""
     channel_topics("webhook")
     shell = {k: v for k, v in dispatch_env.items() if k != "WEBHOOK_SECRET_KEYS"}
     refused = _cli(shell, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url", "http://127.0.0.1:9/h")
@@ -271,4 +273,14 @@ def test_an_endpoint_created_from_a_shell_without_the_sealing_keys_is_refused_un
     made = _cli(shell, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url", "http://127.0.0.1:9/h",
                 "--unsealed")
     assert made.returncode == 0, made.stderr
-    assert orjson.loads(made.stdout)["secret"].startswith("whsec_")
+    unsealed = orjson.loads(made.stdout)
+    assert unsealed["secret"].startswith("whsec_")
+    sealed = orjson.loads(_cli(dispatch_env, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url",
+                               "http://127.0.0.1:9/h").stdout)
+    # An operator's look says which key seals each secret (what WebhookSecretsUnreadable compares), never a secret.
+    key_id = TEST_SECRET_KEYS.split(",")[0].split(":")[0]
+    for endpoint, sealed_with in ((unsealed, "(in the clear)"), (sealed, key_id)):
+        shown = _cli(dispatch_env, "endpoints", "show", endpoint["id"], "--tenant", "acme")
+        assert shown.returncode == 0, shown.stderr
+        assert orjson.loads(shown.stdout)["secrets"] == [{"sealed_with": sealed_with, "expires_at_ms": None}]
+        assert endpoint["secret"] not in shown.stdout
