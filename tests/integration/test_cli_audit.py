@@ -260,12 +260,16 @@ def test_the_operator_api_reactivates_an_endpoint_created_a_moment_before(stack,
 def test_an_endpoint_created_from_a_shell_without_the_sealing_keys_is_refused_unless_asked_unsealed(
         stack, names, namespace, channel_topics, dispatch_env, redis_client):
     """Given an operator's shell without WEBHOOK_SECRET_KEYS (the API and the workers have them),
-    When it creates a webhook endpoint, then does so with --unsealed,
+    When it creates a webhook endpoint, then does so with --unsealed (and, with the keys, one for "acme corp"),
     Then the first is refused naming the variable, and nothing is stored (before: the secret was stored in the clear,
     in Redis and in the operator log, without a word); the second is created, and an operator's `endpoints show`
-    says it is in the clear, and names the key that seals one created with the keys (the runbook's check)."""
+    says it is in the clear, and names the key that seals one created with the keys (the runbook's check); "acme
+    corp", which no tenant id can be, is refused."""
     channel_topics("webhook")
     shell = {k: v for k, v in dispatch_env.items() if k != "WEBHOOK_SECRET_KEYS"}
+    mistyped = _cli(dispatch_env, "endpoints", "create", "--tenant", "acme corp", "--events", "*", "--url",
+                    "http://127.0.0.1:9/h")  # no tenant id has a space: an endpoint no event could ever reach
+    assert mistyped.returncode != 0 and "'acme corp' is not a tenant id" in mistyped.stderr, mistyped.stderr
     refused = _cli(shell, "endpoints", "create", "--tenant", "acme", "--events", "*", "--url", "http://127.0.0.1:9/h")
     assert refused.returncode != 0 and "WEBHOOK_SECRET_KEYS" in refused.stderr, refused.stderr
     assert "nothing was changed" in refused.stderr
