@@ -161,13 +161,15 @@ class EndpointHealthApp:
         for kind in outcome.suppressed:
             metrics.HEALTH_ALERTS.labels(kind, "suppressed").inc()
             log.info("alert %s for endpoint %s suppressed: one alert per endpoint per 24 h", kind, h.endpoint_id)
-        for alert in outcome.alerts:
-            await self._send_alert(h, alert)
+        # The state first: an alert our own email lane cannot take yet (its produce retried until it can) must not
+        # hold back the degradation it announces, which stops deliveries to a failing endpoint.
         if outcome.state_changed:
             if h.state == "degraded":
                 metrics.DEGRADATIONS.inc()
             log.warning("endpoint %s of tenant %s is now %s", h.endpoint_id, h.tenant, h.state)
             await self._produce(self.names.endpoint_state, h.endpoint_id.encode(), orjson.dumps(state_doc(h)), [])
+        for alert in outcome.alerts:
+            await self._send_alert(h, alert)
 
     async def _send_alert(self, h: Health, alert: Alert) -> None:
         members = list(self.directory.members.get(h.tenant, ()))

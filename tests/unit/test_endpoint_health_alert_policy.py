@@ -41,3 +41,35 @@ def test_an_alert_names_a_policy_of_the_operators_policy_file(tmp_path):
     [(topic, value)] = produced
     assert topic == config.names.lane("email", "transactional")
     assert orjson.loads(value)["policy"] == "receipts"
+
+
+def test_a_degradation_is_published_before_its_alert(tmp_path):
+    """Given an endpoint's tenth failure (degraded, and a "stopped" alert to send) and an email lane the broker does
+    not take records on,
+    When the endpoint-health app acts on it,
+    Then the degraded state is published first (deliveries to the endpoint stop), and the alert's failure comes after
+    it (before: the alert went first, and its produce, retried until the lane takes it, held the degradation back)."""
+    from streams.health.rules import Outcome
+
+    config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0"})
+    directory = SimpleNamespace(members={"acme": ["ops@acme.test"]}, endpoints={})
+    produced: list[str] = []
+
+    async def scenario() -> None:
+        app = EndpointHealthApp(config, directory, data_dir=tmp_path / "data")  # type: ignore[arg-type]
+
+        async def produce(topic: str, key: bytes, value: bytes, headers: list) -> None:
+            produced.append(topic)
+            if topic == config.names.lane("email", "transactional"):
+                raise RuntimeError("the lane takes no records (test)")
+
+        app._produce = produce  # type: ignore[method-assign]
+        health = Health("ep_1", tenant="acme", state="degraded", last_error="HTTP 500")
+        outcome = Outcome(health, True, (Alert("stopped", "alert-1", 1_700_000_000_000),))
+        try:
+            await app._act(outcome, {"kind": "attempt"})
+        except RuntimeError:
+            pass
+
+    asyncio.run(scenario())
+    assert produced == [config.names.endpoint_state, config.names.lane("email", "transactional")]
