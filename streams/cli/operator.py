@@ -447,9 +447,17 @@ def state(sub) -> None:
                    help="status: is Redis's data intact? recover: rebuild delivery marks and statuses from "
                         "notif.outcomes, then resume dispatch; acknowledge-loss: resume without rebuilding the marks "
                         "(both restore limits, keys and endpoints from the operator log)")
+    p.add_argument("--yes", action="store_true",
+                   help="acknowledge-loss: yes, resume without the delivery marks (sends delivered before the loss "
+                        "may be sent again)")
 
     def run(args: argparse.Namespace) -> int:
         from ..state.recover import acknowledge_loss, recover
+
+        if args.action == "acknowledge-loss" and not args.yes:
+            raise ConfigError("`streams state acknowledge-loss` resumes dispatch without the delivery marks: sends "
+                              "delivered before the loss may be sent again. `streams state recover` rebuilds them "
+                              "from notif.outcomes first; to accept the duplicates, say --yes. Nothing was changed")
 
         rt = Runtime(args.config)
         client = rt.redis()

@@ -43,8 +43,10 @@ def test_every_operator_change_from_the_cli_is_on_the_audit_trail(stack, names, 
         assert done.returncode == 0, (action, done.stderr)
         if action == "rotate":
             rotated = done.stdout.strip()
-    for action in ("acknowledge-loss", "recover"):
-        done = _cli(dispatch_env, "state", action)
+    refused = _cli(dispatch_env, "state", "acknowledge-loss")  # a decision to accept duplicates: said, not assumed
+    assert refused.returncode != 0 and "say --yes" in refused.stderr, refused.stderr
+    for action in ("acknowledge-loss --yes", "recover"):
+        done = _cli(dispatch_env, "state", *action.split())
         assert done.returncode == 0, (action, done.stderr)
 
     trail = list(AuditLog(stack.bootstrap, names.audit).read(started))
