@@ -178,10 +178,10 @@ def limits(sub) -> None:
             rt.state_guard("cli").check(force=True)
             with _audited_if_unanswered(rt, f"limits/{args.provider}", None,
                                         {k: v for k, v in asdict(change).items() if v is not None}):
-                before, shown = store.apply(args.provider, change)
+                before, shown, changed = store.apply(args.provider, change)
         for key, value in shown.items():
             print(f"{args.provider} {key} = {value}")
-        if changing and before == shown:  # nothing to change (a tenant without a limit of its own: a typo?)
+        if changing and not changed:  # nothing to change (a tenant without a limit of its own: a typo?)
             print(f"{args.provider}: nothing changed" + (f" (tenant {args.tenant} has no limit of its own)"
                                                           if args.action == "unset" else ""), file=sys.stderr)
         elif changing:  # recorded before the cool-down is read: a failure of that read fails nothing made
@@ -465,7 +465,7 @@ def state(sub) -> None:
             intact = rt.state_guard("cli", client).check(force=True)
             print("Redis state intact" if intact else
                   "Redis has LOST its data: operator state was restored from the operator log; dispatch holds "
-                  "until `streams state recover` (or `streams state acknowledge-loss`)")
+                  "until `streams state recover` (or `streams state acknowledge-loss --yes`)")
             return 0 if intact else 3
         oplog = rt.operator_log()
         if args.action == "recover":
@@ -505,8 +505,9 @@ def endpoints(sub) -> None:
     p.add_argument("--events", help="comma-separated event types ('*' for all)")
     p.add_argument("--description", default="")
     p.add_argument("--unsealed", action="store_true",
-                   help="create/rotate: store the signing secret unsealed when this shell has no WEBHOOK_SECRET_KEYS "
-                        "(a development stack without keys); refused otherwise")
+                   help="create/rotate in a shell without WEBHOOK_SECRET_KEYS (a development stack without keys): "
+                        "store the signing secret unsealed, which is refused without it; with the keys, the secret "
+                        "is sealed all the same")
 
     def run(args: argparse.Namespace) -> int:
         import orjson

@@ -169,7 +169,7 @@ def _is_rate(field: str) -> bool:
     return field.split(":", 1)[0].endswith("rate")
 
 
-def _unset(change: LimitChange, held: dict[str, float], malformed: dict[str, bytes]) -> list[str]:
+def _unset(provider: str, change: LimitChange, held: dict[str, float], malformed: dict[str, bytes]) -> list[str]:
     """The fields removing a tenant's own limit deletes (none when it has none: nothing to do)."""
     tenant = change.unset_tenant
     if tenant is None:
@@ -181,6 +181,9 @@ def _unset(change: LimitChange, held: dict[str, float], malformed: dict[str, byt
     if tenant == change.tenant:
         raise ConfigError(f"a change either sets tenant {tenant!r}'s limit or removes it, not both")
     own = [f for f in (f"tenant_rate:{tenant}", f"tenant_burst:{tenant}") if f in held or f in malformed]
+    for field in ("tenant_rate:*", "tenant_burst:*"):
+        if own and field in malformed:
+            _number(provider, field, malformed[field])  # the default is there, but no number
     if own and ("tenant_rate:*" not in held or "tenant_burst:*" not in held):
         # Without a default the tenant would have no limit at all: its sends held (a provider's gate), or its
         # ingest quota not enforced.
@@ -200,6 +203,7 @@ def _default_for(tenant: str | None, deletes: list[str], held: dict[str, float])
 class AppliedLimits(NamedTuple):
     before: dict[str, float]
     after: dict[str, float]
+    changed: bool = True  # False: the change had nothing to write (a tenant without a limit of its own to remove)
 
 
 def cool_down_ended(provider: str, left: float, tenant: str | None = None) -> tuple[str, dict, dict]:
@@ -260,14 +264,14 @@ class LimitStore:
         compare-and-set held, not an earlier read: a concurrent change is not this one's) and the new ones."""
         for _ in range(CHANGE_ATTEMPTS):
             current, raw, malformed = self._held(provider)
-            writes = self._checked(provider, change, current)
-            deletes = _unset(change, current, malformed)
+            writes = self._checked(provider, change, current, malformed)
+            deletes = _unset(provider, change, current, malformed)
             # A field edited by hand into no number is mended by a change that sets it again (or removes it); any
             # other change is refused naming it, as a read of it is: the log would record limits Redis does not hold.
             for field in sorted(set(malformed) - set(writes) - set(deletes)):
                 _number(provider, field, malformed[field])
             if not writes and not deletes:
-                return AppliedLimits(current, current)
+                return AppliedLimits(current, current, changed=False)
             record = dict(sorted((k, v) for k, v in {**current, **writes}.items() if k not in deletes))
             written = write_through_log(self.oplog, f"limits/{provider}", record,
                                         partial(self._write, provider, raw, writes, deletes),
@@ -282,10 +286,16 @@ class LimitStore:
         raise StoreUnavailable(f"the limits of {provider!r} kept changing under this change ({CHANGE_ATTEMPTS} "
                                "attempts)")
 
-    def _checked(self, provider: str, change: LimitChange, current: dict[str, float]) -> dict[str, float]:
-        """The fields `change` writes, checked against the limits they would produce with `current`."""
+    def _checked(self, provider: str, change: LimitChange, current: dict[str, float],
+                 malformed: dict[str, bytes] | None = None) -> dict[str, float]:
+        """The fields `change` writes, checked against the limits they would produce with `current` (a field it
+        keeps that is no number, `malformed`, is refused naming it: kept as 0, or as missing, it would be changed
+        without a word)."""
         writes: dict[str, float] = {}
         if change.global_rate is not None or change.global_burst is not None or change.reserve is not None:
+            for name in ("global_rate", "global_burst", "reserve"):
+                if getattr(change, name) is None and name in (malformed or {}):
+                    _number(provider, name, (malformed or {})[name])
             rate = change.global_rate if change.global_rate is not None else current.get("global_rate")
             burst = change.global_burst if change.global_burst is not None else current.get("global_burst")
             reserve = change.reserve if change.reserve is not None else current.get("reserve", 0)
@@ -343,8 +353,9 @@ class LimitStore:
                         "match (%s): an idle bucket may come back full early", provider, exc)
 
     def _logged_form(self, provider: str) -> bytes | None:
-        """What Redis holds for `provider`, as its operator-log record (JSON), or None."""
-        held = self.show(provider)
+        """What Redis holds for `provider`, as its operator-log record (JSON), or None. A field that is no number
+        (edited by hand) is left out: the log keeps limits, and the change that mends it logs it."""
+        held, _, _ = self._held(provider)
         return orjson.dumps(held) if held else None
 
     def set_provider(self, provider: str, rate: float, burst: int, reserve: int = 0) -> None:

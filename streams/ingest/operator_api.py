@@ -273,7 +273,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
             # Redis may have applied it before its answer was lost (the operator log then holds it): a retry would
             # record the new limits as what they replaced.
             with audited_if_unanswered(who, f"limits/{provider}", None, body.model_dump(exclude_none=True)):
-                before, after = ingest.limits.apply(known(provider), change)
+                before, after, _ = ingest.limits.apply(known(provider), change)
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["body"], str(exc)) from None
         audited(who, f"limits/{provider}", before, after)
@@ -286,7 +286,7 @@ def operator_routes(ingest, operator: Callable[..., Principal]) -> APIRouter:  #
         """Remove the tenant's own limit: it is held to the default ('*') again (already none: nothing changes)."""
         try:
             with audited_if_unanswered(who, f"limits/{provider}", None, {"unset_tenant": tenant}):
-                before, after = ingest.limits.apply(known(provider), LimitChange(unset_tenant=tenant))
+                before, after, _ = ingest.limits.apply(known(provider), LimitChange(unset_tenant=tenant))
         except ConfigError as exc:
             raise problem(422, "invalid_request", ["path", "tenant"], str(exc)) from None
         audited(who, f"limits/{provider}", before, after)

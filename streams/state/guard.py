@@ -8,7 +8,7 @@ lacks, each hash slot once after it lost its data (so no stale snapshot is writt
 made since; see `restore`), and dispatch holds, failing closed,
 because the delivery marks (`processed_jobs`) are gone and re-sending everything is worse than
 waiting. It holds until an operator runs `streams state recover` (which rebuilds the marks from
-`notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss`.
+`notif.outcomes`, then writes the epoch back) or `streams state acknowledge-loss --yes`.
 
 A claim reads the epoch in the same script (`streams/dispatch/claim.lua`) and claims nothing without
 it. On a Redis Cluster the epoch lives in one hash slot, and a script reaches only its own slot, so

@@ -143,6 +143,12 @@ def test_a_tenants_own_limit_removed_with_the_cli_holds_it_to_the_default_again(
         assert ("nothing changed (tenant acme has no limit of its own)" in done.stderr) is again, done.stderr
     assert "tenant_rate:acme" not in limits.show("resend")
     assert RedisGate(redis_client, namespace).tenant_limit("resend", "acme") == Limit(2, 5)
+    # Both of a tenant's fields edited by hand into no number: removing them is a change, said as one
+    limits.set_tenant("resend", "shop", 1, 1)
+    redis_client.hset(RedisKeys(namespace).limits("resend"), mapping={"tenant_rate:shop": "x", "tenant_burst:shop": "y"})
+    done = cli("unset", "--tenant", "shop")
+    assert done.returncode == 0 and "nothing changed" not in done.stderr, done.stderr
+    assert "tenant_rate:shop" not in limits.show("resend")
     assert "tenant_rate:acme" not in logged(stack, oplog_topic, "resend")
     assert logged(stack, oplog_topic, "resend")["tenant_rate:*"] == 2
     refused = cli("unset", "--tenant", "*")
@@ -167,7 +173,7 @@ def test_a_tenant_ingest_quota_without_its_global_limit_is_refused_not_left_unen
     with pytest.raises(ConfigError, match="'ingest-transactional' has no global limit"):
         store.apply("ingest-transactional", LimitChange(tenant="*", tenant_rate=1, tenant_burst=1))
     assert store.show("ingest-transactional") == {}
-    _, done = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
+    _, done, _ = store.apply("ingest-transactional", LimitChange(global_rate=10_000, global_burst=10_000, tenant="*",
                                                               tenant_rate=1, tenant_burst=1))
     assert (done["global_rate"], done["tenant_rate:*"]) == (10_000, 1)
 
@@ -184,15 +190,17 @@ def test_a_limit_for_a_name_no_tenant_can_have_is_refused(redis_client, namespac
 
 
 def test_a_limit_edited_by_hand_into_no_number_is_refused_naming_it_and_holds_only_what_it_limits(
-        redis_client, namespace):
+        stack, redis_client, namespace, oplog_topic):
     """Given resend's limits with a default tenant limit, and tenant `acme`'s own burst edited by hand to "ten",
     When a worker's gate reads acme's limit and globex's, and the provider's pacing,
     Then acme's is refused naming the provider, the field and the value (a ConfigError: the worker holds acme's queue
     as it holds a tenant without limits; before: a ValueError, which stopped the worker and every tenant of its
     lane); globex's default is read as before, and so is the pacing (another tenant's field is not read at all).
     A change that leaves the field as it is (the global rate) is refused naming it too; the one that sets acme's
-    limit again mends it, and acme's limit is read again; a tenant named `corporate` keeps a whole burst."""
-    store = LimitStore(redis_client, namespace)
+    limit again mends it (in Redis and in the operator log), and acme's limit is read again; a reserve edited by hand
+    is not set back to 0 by a change of the global limit (refused, naming it); a tenant named `corporate` keeps a
+    whole burst."""
+    store = LimitStore(redis_client, namespace, OperatorLog(stack.bootstrap, oplog_topic))
     store.set_provider("resend", 10, 10)
     store.set_tenant("resend", "*", 2, 5)
     store.set_tenant("resend", "acme", 1, 1)
@@ -210,6 +218,12 @@ def test_a_limit_edited_by_hand_into_no_number_is_refused_naming_it_and_holds_on
     store.set_tenant("resend", "acme", 3, 3)
     assert gate.tenant_limit("resend", "acme") == Limit(3, 3)
     assert store.show("resend")["global_rate"] == 10
+    assert logged(stack, oplog_topic, "resend")["tenant_burst:acme"] == 3
+    redis_client.hset(RedisKeys(namespace).limits("resend"), "reserve", "two")
+    with pytest.raises(ConfigError, match="field 'reserve' holds b'two'"):
+        store.apply("resend", LimitChange(global_rate=20, global_burst=20))  # it wrote reserve 0 without a word
+    store.apply("resend", LimitChange(global_rate=20, global_burst=20, reserve=2))
+    assert (store.show("resend")["global_rate"], store.show("resend")["reserve"]) == (20, 2)
     redis_client.hset(RedisKeys(namespace).limits("resend"), "tenant_burst:corporate", "1.5")
     with pytest.raises(ConfigError, match="field 'tenant_burst:corporate' holds b'1.5', not an integer"):
         gate.tenant_limit("resend", "corporate")

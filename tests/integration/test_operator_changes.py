@@ -55,7 +55,7 @@ def test_a_limit_change_whose_look_at_redis_after_it_fails_is_answered_as_made(s
         return written
 
     monkeypatch.setattr(store, "_write", write_then_redis_goes)
-    _, after = store.apply("resend", LimitChange(global_rate=20, global_burst=20))
+    _, after, _ = store.apply("resend", LimitChange(global_rate=20, global_burst=20))
     assert (after["global_rate"], after["global_burst"]) == (20, 20)
     assert redis_client.hget(RedisKeys(namespace).limits("resend"), "global_rate") == b"20"
     assert logged(stack, oplog_topic, "limits/resend")["global_rate"] == 20

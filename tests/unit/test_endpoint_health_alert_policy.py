@@ -73,3 +73,24 @@ def test_a_degradation_is_published_before_its_alert(tmp_path):
 
     asyncio.run(scenario())
     assert produced == [config.names.endpoint_state, config.names.lane("email", "transactional")]
+
+
+def test_a_row_learns_its_attempts_partition_at_its_next_event(tmp_path):
+    """Given an endpoint's row written before rows remembered their attempts partition (applied up to offset 900),
+    When a delivered attempt of it is applied from partition 3 at offset 950 (its health does not change),
+    Then the row is written with its partition (before: only a change of health wrote a row, so it never learned
+    it, and after the topic grew its events at lower offsets of another partition were all taken for replays)."""
+    config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0"})
+    directory = SimpleNamespace(members={}, endpoints={}, caught_up=True, poll=lambda: None)
+    table = {"ep_1": {"endpoint_id": "ep_1", "tenant": "acme", "applied_upto": 900}}  # no applied_partition
+
+    async def scenario() -> None:
+        app = EndpointHealthApp(config, directory, data_dir=tmp_path / "data")  # type: ignore[arg-type]
+        app.table = table  # type: ignore[assignment]
+        event = SimpleNamespace(key=b"ep_1", value=orjson.dumps({"kind": "attempt", "outcome": "delivered",
+                                                                 "tenant_id": "acme", "at_ms": 1}),
+                                message=SimpleNamespace(topic=config.names.webhook_attempts, partition=3, offset=950))
+        await app._apply(event)
+
+    asyncio.run(scenario())
+    assert (table["ep_1"]["applied_upto"], table["ep_1"]["applied_partition"]) == (950, 3)

@@ -240,6 +240,7 @@ def test_an_endpoint_change_whose_answer_redis_lost_is_audited_as_maybe_applied(
     audited = []
     hooks = EndpointWritesUnanswered()
     rt = SimpleNamespace(redis=lambda: SimpleNamespace(register_script=lambda script: None), namespace="",
+                         config=SimpleNamespace(webhook_secret_keys=object()),  # the shell has the sealing keys
                          send_client=lambda: None,
                          webhook_ingest=lambda *args: hooks,
                          audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record[1:])))
