@@ -4,6 +4,8 @@ committed position's). No broker: a fake peeker returns a partition's messages f
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from streams.lag.retry_watch import RetryTierWatch
 from streams.names import TopicNames
 
@@ -184,17 +186,27 @@ def test_a_tier_whose_waiting_head_is_not_given_in_time_counts_as_unreadable_not
     assert _exported("dispatch_retry_tier_unreadable_seconds") == 0
 
 
-def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_be_read():
-    """Given the endpoint-health app's group whose oldest unapplied webhook attempt is 700 s old,
-    When the watch measures it, then cannot read it any more,
-    Then it exports 700 s (alert EndpointHealthBehind past 10 minutes), then NaN: no figure rather than the last."""
+@pytest.mark.parametrize("measure, metric, group, topic, channels, alert", [
+    ("_measure_endpoint_health", "dispatch_endpoint_health_behind_seconds", "endpoint-health",
+     "notif.webhook.attempts", ("webhook",), "EndpointHealthBehind past 10 minutes"),
+    # On every channel: before, nothing watched the recorder, and a stopped one left every status behind unsaid
+    ("_measure_outcome_recorder", "dispatch_outcome_recorder_behind_seconds", "status-recorder", "notif.outcomes",
+     ("email",), "OutcomeRecorderBehind past 5 minutes"),
+])
+def test_a_followers_progress_is_exported_and_none_when_it_cannot_be_read(measure, metric, group, topic, channels,
+                                                                          alert):
+    """Given the endpoint-health app's group (or the outcome recorder's) whose oldest record not applied yet is 700 s
+    old,
+    When the lag monitor's watch (of the webhook channel; of the email one for the recorder) measures it, then cannot
+    read it any more,
+    Then it exports 700 s (the alert fires past its threshold), then NaN: no figure rather than the last."""
     import math
 
     from prometheus_client import REGISTRY
 
     from streams.lag.yield_policy import LagReading
 
-    names = TopicNames("watch-test.")
+    names = TopicNames(f"{group}-watch-test.")
     asked = []
 
     class Reader:
@@ -206,47 +218,14 @@ def test_the_endpoint_health_apps_progress_is_exported_and_none_when_it_cannot_b
                 raise RuntimeError("coordinator not available")
             return LagReading(40, 700.0, int(time.time() * 1000), source)
 
-    # A process that does not measure it exports nothing (it exported 0, and the alert's `min` never passed 600)
-    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds") is None
-    watch, reader = RetryTierWatch("unused:9092", names, ("webhook",)), Reader()
-    watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
-    group = {"group": "watch-test.endpoint-health"}
-    assert REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds", group) == 700.0
-    assert asked == [("watch-test.endpoint-health", "watch-test.notif.webhook.attempts")]
+    # A process that does not measure it exports nothing (it exported 0, and the alert's `min` never passed its
+    # threshold): its gauge is labelled by the group, and only the lag monitor sets it
+    assert REGISTRY.get_sample_value(metric) is None, alert
+    watch, reader = RetryTierWatch("unused:9092", names, channels), Reader()
+    getattr(watch, measure)(reader)
+    labels = {"group": f"{group}-watch-test.{group}"}
+    assert REGISTRY.get_sample_value(metric, labels) == 700.0
+    assert asked == [(f"{group}-watch-test.{group}", f"{group}-watch-test.{topic}")]
     reader.failing = True
-    watch._measure_endpoint_health(reader)  # type: ignore[arg-type]
-    assert math.isnan(REGISTRY.get_sample_value("dispatch_endpoint_health_behind_seconds", group))
-
-
-def test_the_outcome_recorders_progress_is_exported_on_every_channel_and_none_when_it_cannot_be_read():
-    """Given the outcome recorder's group whose oldest unapplied outcome is 400 s old, and a lag monitor watching the
-    email channel only,
-    When the watch measures it, then cannot read it any more,
-    Then it exports 400 s (alert OutcomeRecorderBehind past 5 minutes; before: nothing watched the recorder, and a
-    stopped one left every status behind without a word), then NaN: no figure rather than the last."""
-    import math
-
-    from prometheus_client import REGISTRY
-
-    from streams.lag.yield_policy import LagReading
-
-    names = TopicNames("recorder-watch-test.")
-    asked = []
-
-    class Reader:
-        failing = False
-
-        def read(self, group, topic, source="monitor"):
-            asked.append((group, topic))
-            if self.failing:
-                raise RuntimeError("coordinator not available")
-            return LagReading(12, 400.0, int(time.time() * 1000), source)
-
-    watch, reader = RetryTierWatch("unused:9092", names, ("email",)), Reader()
-    watch._measure_outcome_recorder(reader)  # type: ignore[arg-type]
-    group = {"group": "recorder-watch-test.status-recorder"}
-    assert REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group) == 400.0
-    assert asked == [("recorder-watch-test.status-recorder", "recorder-watch-test.notif.outcomes")]
-    reader.failing = True
-    watch._measure_outcome_recorder(reader)  # type: ignore[arg-type]
-    assert math.isnan(REGISTRY.get_sample_value("dispatch_outcome_recorder_behind_seconds", group))
+    getattr(watch, measure)(reader)
+    assert math.isnan(REGISTRY.get_sample_value(metric, labels))
