@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -15,12 +14,13 @@ from ..errors import (
     ConfigError,
     PublishError,
     ReplayOutcomeUnknown,
+    SendValidationError,
     StoreUnavailable,
     StoreWriteUnknown,
 )
 from ..gate.limits import cool_down_ended, cool_down_subject
 from ..runtime import Runtime
-from ..send import TENANT_ID_PATTERN
+from ..send import check_tenant_id
 
 if TYPE_CHECKING:
     from ..send import Send
@@ -563,9 +563,11 @@ def endpoints(sub) -> None:
         if args.action == "create":
             if not args.url or not args.events:
                 raise ConfigError("`streams endpoints create` needs --url and --events")
-            if not re.fullmatch(TENANT_ID_PATTERN, args.tenant):  # the API takes it from the key, never mistyped
+            try:  # the API takes it from the key, never mistyped
+                check_tenant_id(args.tenant)
+            except SendValidationError:
                 raise ConfigError(f"{args.tenant[:80]!r} is not a tenant id (1 to 64 ASCII letters, digits, '_' or "
-                                  "'-'): no event of any tenant could reach an endpoint created for it")
+                                  "'-'): no event of any tenant could reach an endpoint created for it") from None
             ep, secret = store.create(args.tenant, args.url, args.events.split(","), args.description)
             print(orjson.dumps({**ep.public(), "secret": secret}, option=orjson.OPT_INDENT_2).decode())
             _audited(rt, f"endpoint/{ep.id}", None, _audit_view(ep))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 import orjson
@@ -287,15 +289,15 @@ class LimitStore:
                                "attempts)")
 
     def _checked(self, provider: str, change: LimitChange, current: dict[str, float],
-                 malformed: dict[str, bytes] | None = None) -> dict[str, float]:
+                 malformed: Mapping[str, bytes] = MappingProxyType({})) -> dict[str, float]:
         """The fields `change` writes, checked against the limits they would produce with `current` (a field it
         keeps that is no number, `malformed`, is refused naming it: kept as 0, or as missing, it would be changed
         without a word)."""
         writes: dict[str, float] = {}
         if change.global_rate is not None or change.global_burst is not None or change.reserve is not None:
             for name in ("global_rate", "global_burst", "reserve"):
-                if getattr(change, name) is None and name in (malformed or {}):
-                    _number(provider, name, (malformed or {})[name])
+                if getattr(change, name) is None and name in malformed:
+                    _number(provider, name, malformed[name])
             rate = change.global_rate if change.global_rate is not None else current.get("global_rate")
             burst = change.global_burst if change.global_burst is not None else current.get("global_burst")
             reserve = change.reserve if change.reserve is not None else current.get("reserve", 0)
