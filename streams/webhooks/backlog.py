@@ -4,10 +4,10 @@ events for it are recorded as skipped (`backlog_shed`), replayable for 7 days li
 This is separate from degradation (10 consecutive failures). An endpoint that still answers now
 and then never reaches 10 failures in a row, yet can fall days behind; shedding protects the
 platform from it. "Extreme" (`fanout.BacklogLimit`) takes both thresholds at once: at least
-WEBHOOK_BACKLOG_MAX_COUNT undelivered deliveries (default 10,000) AND the oldest of them at least
+WEBHOOK_BACKLOG_MAX_COUNT undelivered deliveries (default 10,000) EACH at least
 WEBHOOK_BACKLOG_MAX_AGE_S old (default 6 h, when a delivery that keeps failing is on its 7th
-attempt). A count alone would shed a healthy endpoint draining a burst; an age alone, one
-straggler.
+attempt). A count alone would shed a healthy endpoint draining a burst; an age alone, or a count
+beside one old delivery, one straggler.
 
 The backlog is a Redis sorted set per endpoint (delivery id -> creation time): ingest adds each
 delivery it enqueues before publishing it (after, the outcome recorder could remove a delivery
@@ -32,19 +32,17 @@ class EndpointBacklog:
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self.client, self.keys = client, RedisKeys(namespace)
 
-    def sizes(self, endpoint_ids: list[str]) -> dict[str, tuple[int, int | None]]:
-        """Each endpoint's undelivered count and the creation time of the oldest (one round trip)."""
+    def overdue(self, endpoint_ids: list[str], created_before_ms: int) -> dict[str, int]:
+        """How many undelivered deliveries of each endpoint were created at or before `created_before_ms` (one
+        round trip)."""
         if not endpoint_ids:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for endpoint_id in endpoint_ids:
-            key = self.keys.endpoint_backlog(endpoint_id)
-            pipe.zcard(key)
-            pipe.zrange(key, 0, 0, withscores=True)
+            pipe.zcount(self.keys.endpoint_backlog(endpoint_id), "-inf", created_before_ms)
         with store_errors("reading endpoint backlogs"):
             answers = pipe.execute()
-        return {e: (int(answers[2 * i]), int(answers[2 * i + 1][0][1]) if answers[2 * i + 1] else None)
-                for i, e in enumerate(endpoint_ids)}
+        return {e: int(n) for e, n in zip(endpoint_ids, answers, strict=True)}
 
     def enqueued(self, deliveries: list[Send], now_ms: int) -> None:
         pipe = self.client.pipeline(transaction=False)

@@ -23,8 +23,15 @@ class BacklogLimit:
     max_count: int = 10_000
     max_age_ms: int = 6 * 3600 * 1000
 
-    def extreme(self, count: int, oldest_ms: int | None, now_ms: int) -> bool:
-        return count >= self.max_count and oldest_ms is not None and now_ms - oldest_ms >= self.max_age_ms
+    def overdue_before_ms(self, now_ms: int) -> int:
+        """A delivery created before this is overdue."""
+        return now_ms - self.max_age_ms
+
+    def extreme(self, overdue: int) -> bool:
+        """`overdue`: how many of the endpoint's undelivered deliveries are at least max_age old. Counted one by
+        one, not as the backlog's size and its oldest: one straggler in a retry tier beside a fresh burst is no
+        endpoint days behind."""
+        return overdue >= self.max_count
 
 
 def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: PolicyRouting | None = None,
@@ -40,14 +47,13 @@ def fan_out(req: SendRequest, tenant: str, endpoints: list[Endpoint], routing: P
     return event_id, deliveries
 
 
-def skip_reason(health: Health | None, backlog: tuple[int, int | None], limit: BacklogLimit,
-                now_ms: int, disabled: bool = False) -> str | None:
-    """Why a new delivery to an endpoint is recorded as skipped instead of enqueued (None: enqueue). `disabled`:
-    the endpoint was disabled by a 410 Gone."""
+def skip_reason(health: Health | None, overdue: int, limit: BacklogLimit, disabled: bool = False) -> str | None:
+    """Why a new delivery to an endpoint is recorded as skipped instead of enqueued (None: enqueue). `overdue`: its
+    undelivered deliveries at least the limit's age old; `disabled`: the endpoint was disabled by a 410 Gone."""
     if disabled:
         return "endpoint_disabled"
     if health is not None and health.state == "degraded":
         return "endpoint_degraded"
-    if limit.extreme(*backlog, now_ms):
+    if limit.extreme(overdue):
         return "backlog_shed"
     return None

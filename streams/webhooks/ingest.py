@@ -103,12 +103,12 @@ class WebhookIngest:
               ) -> tuple[list[Send], list[tuple[Send, str]]]:
         """The deliveries to enqueue, and those recorded as skipped with their reason (`disabled`: the ids of
         endpoints disabled by a 410 Gone)."""
-        now_ms = int(time.time() * 1000)
-        sizes = self.backlog.sizes([d.payload["endpoint_id"] for d in deliveries])
+        overdue = self.backlog.overdue([d.payload["endpoint_id"] for d in deliveries],
+                                       self.limit.overdue_before_ms(int(time.time() * 1000)))
         enqueue, skipped = [], []
         for d in deliveries:
             endpoint_id = d.payload["endpoint_id"]
-            reason = skip_reason(self.directory.health.get(endpoint_id), sizes[endpoint_id], self.limit, now_ms,
+            reason = skip_reason(self.directory.health.get(endpoint_id), overdue[endpoint_id], self.limit,
                                  endpoint_id in disabled)
             if reason is None:
                 enqueue.append(d)

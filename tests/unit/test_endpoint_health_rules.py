@@ -230,17 +230,17 @@ def test_degraded_health_shows_on_the_endpoint_but_a_disabled_one_stays_disabled
 
 
 def test_new_events_are_skipped_for_a_degraded_endpoint_or_an_extreme_backlog():
-    """A degraded endpoint's new deliveries are skipped; so are those of an endpoint whose backlog holds
-    at least the count AND whose oldest undelivered delivery is at least the age (either alone is not)."""
+    """A degraded endpoint's new deliveries are skipped; so are those of an endpoint holding at least the count of
+    undelivered deliveries each at least the age old (fewer is not: the fresh ones do not count)."""
     limit = BacklogLimit(max_count=100, max_age_ms=HOUR)
     now = 10 * HOUR
-    assert skip_reason(EndpointHealth("degraded"), (0, None), limit, now) == "endpoint_degraded"
-    assert skip_reason(None, (100, now - HOUR), limit, now) == "backlog_shed"
-    assert skip_reason(None, (99, now - 5 * HOUR), limit, now) is None       # old, but not many
-    assert skip_reason(None, (10_000, now - 60_000), limit, now) is None     # many, but draining fast
-    assert skip_reason(EndpointHealth("active"), (0, None), limit, now) is None
+    assert limit.overdue_before_ms(now) == 9 * HOUR
+    assert skip_reason(EndpointHealth("degraded"), 0, limit) == "endpoint_degraded"
+    assert skip_reason(None, 100, limit) == "backlog_shed"
+    assert skip_reason(None, 99, limit) is None
+    assert skip_reason(EndpointHealth("active"), 0, limit) is None
     # Disabled by a 410 Gone: recorded skipped (replayable once reactivated), whatever its health says.
-    assert skip_reason(EndpointHealth("active"), (0, None), limit, now, disabled=True) == "endpoint_disabled"
+    assert skip_reason(EndpointHealth("active"), 0, limit, disabled=True) == "endpoint_disabled"
 
 
 @pytest.mark.parametrize("reason, attempt, says, never", [
