@@ -216,13 +216,15 @@ class Settler:
         It stays replayable while its payload is kept (a replay is a new send). Final: once its record is
         acknowledged the send is marked `tried:<attempt>`, so a copy of it read again (a retry copy the
         retrier releases again, a rebalance) is stale, never delivered hours late under its old id. A
-        re-sent request keeps its claim (its first copy's fate is unknown), as after any failure."""
+        re-sent request keeps its claim (its first copy's fate is unknown), as after any failure. Nothing left:
+        the tenant and the provider get their tokens back (past every Redis step, so given back once)."""
         kept = job.resent or result.first_copy_unknown
         if kept:
             self._keep_unknown(job)
         else:
             kept = not self._released(job)
         self.outage.recovered(time.monotonic())
+        give_back(self.gate, [Unused(self.routes.of(job.provider).name, job.tenant, len(job.send_ids))])
         for p in job.members:
             self.records.skipped(p, result.error_name, now_ms, self._tried_then_finish(job, p, kept))
 

@@ -1635,6 +1635,21 @@ def test_a_resent_request_whose_receiver_is_gone_keeps_its_claim():
     assert jobs.state[sends[0].send_id] == f"inflight:{key}"
 
 
+@pytest.mark.parametrize("reason", ["endpoint_deleted", "endpoint_disabled", "endpoint_degraded"])
+def test_a_skipped_delivery_gives_its_tokens_back(reason):
+    """Given a tenant's deliveries whose endpoint was deleted, disabled or degraded while they waited,
+    When each is skipped, never sent,
+    Then the tenant's bucket and the provider's get every token back: the tenant's healthy endpoints are not slowed,
+    nor every tenant's webhooks by the shared bucket (before, each skip spent a message and a request)."""
+    sends, msgs = _messages(["acme", "acme", "acme"])
+    gate = FakeGate()
+    worker, consumer, producer, provider = _worker(msgs, gate=gate, answer=ProviderResult("skipped", error_name=reason))
+    _run(worker)
+    assert len(provider.sent) == 3 and consumer.stored[(TOPIC, 0)] == 3
+    assert [o for o in map(orjson.loads, (v for v, _ in producer.records[NAMES.outcomes]))
+            if o["status"] == "skipped"] and gate.spent and not any(gate.spent.values())
+
+
 class AckHoldingProducer(FakeProducer):
     """Acknowledges nothing until `release()`."""
 
