@@ -6,10 +6,10 @@ redis-py, httpx) into these at the boundary, so callers handle one tree:
     ├── StackError               the local Kafka/Redis stack could not be started or reached
     ├── TopicPlanError           a topic change that must not be applied (e.g. fewer partitions)
     ├── SendValidationError      a send (or a batch) is invalid; carries field-level errors
-    │   └── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
+    │   ├── PayloadError         the payload does not fit its channel (also a ValueError, for pydantic)
+    │   └── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     ├── MalformedEvent           an event on a topic that cannot be dispatched; `reason` goes to the DLQ
     ├── PublishError             the broker did not acknowledge every send of a publish (none was written)
-    │   ├── SendTooLarge         a send over the documented maximum size (refused before anything is produced)
     │   └── PublishOutcomeUnknown   the broker did not confirm a publish in time and may still write it
     │       └── ReplayOutcomeUnknown   ... a replay's: it may have been published under its new send id
     ├── BrokerUnavailable        the broker did not answer a read in time (nothing is taken as gone)
@@ -160,14 +160,16 @@ class ReplayOutcomeUnknown(PublishOutcomeUnknown):
         self.replay_id = replay_id
 
 
-class SendTooLarge(PublishError):
-    """A send larger than the maximum a send may be; nothing of its request was produced."""
+class SendTooLarge(SendValidationError):
+    """A send larger than the maximum a send may be; nothing of its request was produced. Invalid, not a publish
+    that failed: the same send is refused however often it is published again (a PublishError may be retried)."""
 
     def __init__(self, index: int, size: int, limit: int | None = None):
         from .send import MAX_SEND_BYTES
 
         self.index, self.size, self.limit = index, size, limit or MAX_SEND_BYTES
-        super().__init__(f"send {index} is {size} bytes; a send may be at most {self.limit} bytes")
+        self.errors = [{"loc": (index,), "msg": f"the send is {size} bytes; a send may be at most {self.limit} bytes"}]
+        DispatchError.__init__(self, f"send {index} is {size} bytes; a send may be at most {self.limit} bytes")
 
 
 class AuditUnconfirmed(DispatchError):

@@ -9,11 +9,12 @@ Unknown fields are tolerated; missing required ones are rejected.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,7 @@ from pydantic_core import CoreSchema
 
 from .errors import MalformedEvent, PayloadError, SendValidationError, format_field_errors
 from .lanes import CATEGORY_TO_LANE, Category, Channel, Lane, lane_for
+from .providers.outcome import redact
 from .retry.policy import PolicyRouting, default_routing, unknown_policy
 
 SCHEMA_VERSION: Literal[1] = 1
@@ -438,6 +440,44 @@ class Send(BaseModel):
         if self.lane != lane_for(self.category):
             raise ValueError(f"a {self.category} send travels in the {lane_for(self.category)} lane, not {self.lane}")
         return self
+
+
+# The events are JSON encoded by orjson, which carries integers from -2^63 to 2^64-1, finite numbers and strings of
+# Unicode scalar values (no unpaired surrogate): a payload holding anything else is refused, and said so (orjson
+# refuses the first two kinds with a bare TypeError, and writes NaN and infinity as null, silently).
+INTEGERS = (-(2**63), 2**64 - 1)
+
+
+def uncarried(value: object, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
+    """The first value in `value` the events cannot carry, with where and why (None when there is none)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, "NaN or an infinity is no JSON number: send it as a string")
+    if isinstance(value, int):
+        return None if INTEGERS[0] <= value <= INTEGERS[1] else (path, "an integer outside -2^63 .. 2^64-1 cannot "
+                                                                      "be carried: send it as a string")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path, "a string with an unpaired surrogate (\\ud800-\\udfff) cannot be carried"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and (found := uncarried(key, path)):
+            return found
+        if found := uncarried(item, (*path, key)):
+            return found
+    return None
+
+
+def uncarried_errors(payloads: Sequence[dict], where: Callable[[int], list]) -> list[dict]:
+    """A field error for each payload holding a value the events cannot carry, at `where(i)` + its path. A
+    payload's keys may be addresses or numbers (a map by recipient): named redacted, as every validation error
+    names them."""
+    return [{"loc": [*where(i), *(redact(k, 100) if isinstance(k, str) else k for k in path)], "msg": msg}
+            for i, payload in enumerate(payloads) if (found := uncarried(payload)) for path, msg in [found]]
 
 
 def flatten_errors(errors: Sequence[Any], prefix: tuple = ()) -> list[dict]:

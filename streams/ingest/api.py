@@ -42,9 +42,9 @@ from ..errors import (
 )
 from ..gate.limits import LimitStore
 from ..lanes import lane_for
-from ..providers.outcome import redact
 from ..providers.registry import Registry, load_registry
 from ..send import (
+    INTEGERS,
     MAX_BATCH,
     MAX_SEND_BYTES,
     SEND_VARIANTS,
@@ -55,6 +55,7 @@ from ..send import (
     flatten_errors,
     new_send_id,
     policy_error,
+    uncarried_errors,
 )
 from ..state.audit import AuditLog
 from ..state.guard import StateGuard
@@ -165,33 +166,8 @@ IdempotencyKey = Annotated[str | None, Header(
                 "body, or the other of /v1/sends and /v1/sends/batch, under a key used in the last 24 h: 422 "
                 "(idempotency_key_reused)")]
 HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed"}
-# The events are JSON encoded by orjson, which carries integers from -2^63 to 2^64-1 and strings of Unicode
-# scalar values (no unpaired surrogate): a payload holding anything else is refused (422), and said so.
-INTEGERS = (-(2**63), 2**64 - 1)
 JSON_VALUE = "#/components/schemas/JsonValue"
 PAYLOAD_OBJECTS = ("EmailPayload", "SmsPayload", "WebhookPayload", "Tag")
-
-
-def uncarried(value: object, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
-    """The first value in `value` the events cannot carry, with why (None when there is none)."""
-    if isinstance(value, bool) or value is None or isinstance(value, float):
-        return None
-    if isinstance(value, int):
-        return None if INTEGERS[0] <= value <= INTEGERS[1] else (path, "an integer outside -2^63 .. 2^64-1 cannot "
-                                                                      "be carried: send it as a string")
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path, "a string with an unpaired surrogate (\\ud800-\\udfff) cannot be carried"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and (found := uncarried(key, path)):
-            return found
-        if found := uncarried(item, (*path, key)):
-            return found
-    return None
 
 
 def carried_values(schema: dict[str, Any]) -> None:
@@ -450,11 +426,7 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
             raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
                           f"{exc.size} bytes; a send may be at most {exc.limit} bytes") from None
         except orjson.JSONEncodeError as exc:
-            found = [(i, where_) for i, r in enumerate(requests) if (where_ := uncarried(r.payload))]
-            # A payload's keys may be addresses or numbers (a map by recipient): named redacted, as every
-            # validation error names them.
-            errors = [{"loc": [*where(i), "payload", *(redact(k, 100) if isinstance(k, str) else k for k in path)],
-                       "msg": msg} for i, (path, msg) in found]
+            errors = uncarried_errors([r.payload for r in requests], lambda i: [*where(i), "payload"])
             raise HTTPException(422, {"error": "invalid_request",
                                       "errors": errors or [{"loc": ["body"], "msg": str(exc)}]}) from None
         digest = sends_digest([s.send_id for s in sends]) if claim.holder else ""

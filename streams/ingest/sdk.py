@@ -21,7 +21,7 @@ from ..errors import SendTooLarge, SendValidationError
 from ..names import TopicNames
 from ..outcomes import OUTCOMES_PER_RECORD, accepted_events
 from ..retry.policy import PolicyRouting, default_routing, load_policies, load_routing
-from ..send import MAX_SEND_BYTES, Send, build_send, encode, new_send_id, validate_batch
+from ..send import MAX_SEND_BYTES, Send, build_send, encode, new_send_id, uncarried_errors, validate_batch
 from .publisher import Publisher, Record, Written
 
 Router = Callable[[Send], str]
@@ -63,6 +63,8 @@ class SendClient:
         it would be taken for the first ones and never sent (nothing is ever sent twice by a retry).
         (Such ids do not sort by creation time; the HTTP API keeps the first answer instead.)"""
         valid = validate_batch(requests, self.known_policies)
+        if errors := uncarried_errors([r.payload for r in valid], lambda i: [i, "payload"]):
+            raise SendValidationError(errors)
         if any(r.channel == "webhook" for r in valid):
             raise SendValidationError([{"loc": ("channel",), "msg": "a webhook event fans out to the tenant's "
                                         "endpoints: publish it through the ingest API (POST /v1/sends)"}])

@@ -1,5 +1,6 @@
 """The send: lane from category, field-level errors, frozen bytes, tolerant of unknown fields."""
 
+import re
 import uuid
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +13,7 @@ from streams.dispatch.intake import Rejected, admit
 from streams.errors import SendValidationError
 from streams.send import (
     EMAIL_PATTERN,
+    MAX_SEND_BYTES,
     MalformedEvent,
     build_send,
     check_address,
@@ -203,6 +205,47 @@ def test_the_sdk_refuses_a_policy_the_workers_do_not_know_before_publishing(monk
     client = SendClient("127.0.0.1:9")
     client.close()
     assert "digest" in client.known_policies
+
+
+@pytest.mark.parametrize("value, says", [
+    (2**70, "an integer outside -2^63 .. 2^64-1"),
+    ("\ud800", "unpaired surrogate"),
+    (float("nan"), "NaN or an infinity"),
+    (float("-inf"), "NaN or an infinity"),
+])
+def test_the_sdk_refuses_a_payload_value_the_events_cannot_carry_naming_where(value, says):
+    """Given the SDK (nothing listens at its broker: a publish would fail, not pass),
+    When a producer publishes a batch whose second send's payload holds, under a key that is an address, a value
+    the events cannot carry (an integer past 64 bits, a lone surrogate, NaN or an infinity),
+    Then the batch is refused with a SendValidationError naming send 1, the payload path (the address redacted) and
+    why (before: a bare TypeError from the encoder, and NaN published as null without a word)."""
+    from streams.ingest.sdk import SendClient
+
+    client = SendClient("127.0.0.1:9")
+    bad = {**email_request(), "payload": {**email_request()["payload"], "by_recipient": {"jane@example.test": value}}}
+    try:
+        with pytest.raises(SendValidationError, match=re.escape(says)) as refused:
+            client.publish_batch("acme", [email_request(), bad])
+    finally:
+        client.close()
+    [error] = refused.value.errors
+    assert error["loc"][:3] == [1, "payload", "by_recipient"] and "jane@example.test" not in str(error["loc"])
+
+
+def test_a_send_too_large_is_a_validation_error_not_a_publish_to_retry():
+    """Given the SDK, When a producer publishes a send over the size limit, Then it is refused as invalid
+    (SendValidationError, naming the send and the sizes), never as a PublishError a producer would retry."""
+    from streams.errors import PublishError, SendTooLarge
+    from streams.ingest.sdk import SendClient
+
+    client = SendClient("127.0.0.1:9")
+    big = {**email_request(), "payload": {**email_request()["payload"], "text": "x" * (MAX_SEND_BYTES + 1)}}
+    try:
+        with pytest.raises(SendTooLarge, match="send 0 is .* bytes; a send may be at most") as refused:
+            client.publish("acme", big)
+    finally:
+        client.close()
+    assert isinstance(refused.value, SendValidationError) and not isinstance(refused.value, PublishError)
 
 
 @pytest.mark.parametrize("field, value, says", [
