@@ -87,6 +87,7 @@ from .web import (
     Auth,
     BodyLimit,
     EarlierAttemptMayBePublished,
+    KeyBeforeBody,
     answer_options,
     documented,
     finish_openapi,
@@ -649,5 +650,6 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
 
     app.mount("/metrics", make_asgi_app())
     answer_options(app)
-    return BodyLimit(BulkProxy(app, bulk_socket, auth.resolve), max_body,  # type: ignore[return-value]
-                     on_refused=lambda status: metrics.INGEST_REJECTED.labels(str(status)).inc())
+    return KeyBeforeBody(BodyLimit(BulkProxy(app, bulk_socket, auth.resolve), max_body,  # type: ignore[return-value]
+                                   on_refused=lambda status: metrics.INGEST_REJECTED.labels(str(status)).inc()),
+                         auth.resolve)

@@ -56,7 +56,15 @@ from ..cpu_priority import start_in_own_session
 from ..errors import PublishError, StoreUnavailable
 from .api_keys import Principal
 from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
-from .web import NO_VALID_KEY, NOT_A_TENANT_KEY, bearer_token, earlier_attempt_may_be_published, first_header
+from .web import (
+    NO_VALID_KEY,
+    NOT_A_TENANT_KEY,
+    PRINCIPAL,
+    bearer_token,
+    earlier_attempt_may_be_published,
+    first_header,
+    key_refused,
+)
 
 log = logging.getLogger("streams.api")
 
@@ -223,14 +231,6 @@ def unavailable(message: str, count: bool = True, outcome: str | None = None) ->
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-def key_refused(refusal: tuple[int, str, str]) -> JSONResponse:
-    """401 or 403 (`web.NO_VALID_KEY`, `web.NOT_A_TENANT_KEY`), as the API's routes answer them."""
-    status, error, msg = refusal
-    metrics.INGEST_REJECTED.labels(str(status)).inc()
-    return JSONResponse({"error": error, "errors": [{"loc": ["header", "authorization"], "msg": msg}]},
-                        status_code=status)
-
-
 def too_many_batches(keyed: bool) -> JSONResponse:
     """429: one tenant has FORWARDS_PER_TENANT batches being published; nothing of this one was (`keyed`: an
     earlier attempt under its Idempotency-Key may have been, `"outcome": "unknown"`)."""
@@ -311,6 +311,8 @@ class BulkProxy:
     async def _principal(self, scope) -> Principal | None:
         """The principal of the batch's API key, read as the API reads it (its first Authorization header, latin-1
         as Starlette decodes headers); None for no valid key."""
+        if (found := scope.get("state", {}).get(PRINCIPAL)) is not None:  # KeyBeforeBody's
+            return found
         token = bearer_token(first_header(scope, b"authorization").decode("latin-1"))
         return await run_in_threadpool(self.resolve, token) if token else None
 

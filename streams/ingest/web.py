@@ -21,8 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
+from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 
+from .. import metrics
 from ..errors import PublishError, PublishOutcomeUnknown, StackError, StoreUnavailable
 from ..state.guard import UNREADABLE_LOG_EVERY_S, StateGuard
 from .api_keys import ApiKeys, Principal
@@ -126,6 +128,42 @@ def problem(status: int, error: str, loc: list[str | int], msg: str,
     if outcome is not None:
         detail["outcome"] = outcome
     return HTTPException(status, detail, headers=headers)
+
+
+PRINCIPAL = "principal"  # where KeyBeforeBody leaves the principal it found, in the request's state
+
+
+class KeyBeforeBody:
+    """Check the API key of a POST, PUT or PATCH (every such route takes one) before anything reads its body: a
+    request without a valid key is refused 401 at once, its body neither held nor parsed (up to the body limit
+    each, 5 MiB, at no cost to a sender without a key). The principal found is left in the request's state
+    (`PRINCIPAL`): the route's own check reads it, not Redis a second time. A key that cannot be checked now (Redis
+    or the operator log unavailable) is left to the route, which answers it as it always has (503, saying whether
+    an earlier attempt under an Idempotency-Key may have been published)."""
+
+    def __init__(self, app, resolve: Callable[[str], Principal | None]):
+        self.app, self.resolve = app, resolve
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        token = bearer_token(first_header(scope, b"authorization").decode("latin-1"))
+        try:
+            found = await run_in_threadpool(self.resolve, token) if token else None
+        except (StoreUnavailable, PublishError):
+            return await self.app(scope, receive, send)
+        if found is None:
+            return await key_refused(NO_VALID_KEY)(scope, receive, send)
+        scope.setdefault("state", {})[PRINCIPAL] = found
+        return await self.app(scope, receive, send)
+
+
+def key_refused(refusal: tuple[int, str, str]) -> JSONResponse:
+    """401 or 403 (`NO_VALID_KEY`, `NOT_A_TENANT_KEY`), as the API's routes answer them, answered ahead of them."""
+    status, error, msg = refusal
+    metrics.INGEST_REJECTED.labels(str(status)).inc()
+    return JSONResponse({"error": error, "errors": [{"loc": ["header", "authorization"], "msg": msg}]},
+                        status_code=status)
 
 
 class BodyLimit:
@@ -283,7 +321,8 @@ class Auth:
             raise
 
     def _principal(self, request: Request) -> Principal:
-        found = self.resolve(bearer_token(request.headers.get("authorization", "")))
+        found = request.scope.get("state", {}).get(PRINCIPAL)  # KeyBeforeBody's, for a request with a body
+        found = found or self.resolve(bearer_token(request.headers.get("authorization", "")))
         if found is None:
             raise key_problem(NO_VALID_KEY)
         return found
