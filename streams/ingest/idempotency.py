@@ -1,4 +1,4 @@
-"""`Idempotency-Key` on the ingest API: per tenant, kept 24 h.
+"""`Idempotency-Key` on the ingest API: per tenant, kept 24 h (from its last attempt that may have published).
 
 The first request under a key claims it (`pending`, with a lease) and records the time of its
 first use; when it is answered, the answer (status and body) is stored under the key with a hash
@@ -68,6 +68,7 @@ if state == 'pending' then
   -- taken over: whoever held it before may have published (maybe = 1 keeps first_ms from now on); also
   -- returned: the sends an earlier attempt was charged to the quotas for ('' if none was)
   redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]), 'holder', ARGV[5], 'maybe', 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[4])  -- kept a full day from this attempt too, which may publish
   return {'claimed', redis.call('HGET', KEYS[1], 'first_ms'), redis.call('HGET', KEYS[1], 'charged') or '', 1}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'hash', ARGV[1], 'first_ms', ARGV[2],
@@ -79,7 +80,8 @@ return {'claimed', ARGV[2], '', 0}
 _AS_HOLDER = """
 -- KEYS[1] the key's hash; ARGV: holder token, action (renew | charged | finish | lapse | release), then the
 -- action's own: renew: lease ms (from Redis's clock); charged: the digest of the sends charged to the quotas;
--- finish: status, answer, kept s. Acts only while the key is
+-- finish: status, answer, kept s; lapse and release: kept s (from now, for a key that may have been published).
+-- Acts only while the key is
 -- pending under this holder's claim (its lease did not lapse into another request's hands).
 -- A key an earlier attempt may have published under (maybe = 1) is never freed: release lapses it.
 -- 1: done; 0: no longer ours
@@ -97,6 +99,7 @@ elseif ARGV[2] == 'finish' then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
 elseif ARGV[2] == 'lapse' or redis.call('HGET', KEYS[1], 'maybe') == '1' then
   redis.call('HSET', KEYS[1], 'lease_until', 0, 'holder', '', 'maybe', 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
 else
   redis.call('DEL', KEYS[1])
 end
@@ -204,10 +207,10 @@ class IngestIdempotency:
         """The request may have been published: end its lease now and keep the key's first use and body,
         so the client's retry under the key publishes the same send ids (only while this claim holds it)."""
         with store_errors("ending an Idempotency-Key's lease"):
-            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "lapse"])
+            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "lapse", KEPT_S])
 
     def release(self, tenant: str, key: str, holder: str) -> None:
         """Nothing was published: the key is free for the client's retry (only while this claim holds it),
         unless an earlier attempt under it may have published: then it lapses (its first use is kept)."""
         with store_errors("releasing an Idempotency-Key"):
-            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "release"])
+            self._as_holder(keys=[self.keys.ingest_idempotency(tenant, key)], args=[holder, "release", KEPT_S])

@@ -509,3 +509,28 @@ def test_batches_are_served_by_a_bulk_process_at_a_lower_cpu_priority(api, proce
             assert metric_sum(own, sends) == 4
             missing = client.get("/metrics/bulk")
             assert missing.status_code == 404 and "DUAL_RAIL_INGEST_BULK=off" in missing.text, missing.text
+
+
+def test_a_key_that_may_have_been_published_is_kept_a_day_from_its_last_attempt(redis_client, namespace):
+    """Given a key first used almost 24 h ago (5 s of its day left), whose attempt's outcome turned out unknown
+    (its lease ended: `lapse`), and another such key whose claim's lease lapsed (its process died),
+    When the first is lapsed, and a retry takes the second over,
+    Then each is kept a full day again from that moment (before: both still expired 24 h after the first use, so a
+    retry a moment later got new send ids, and whatever the broker wrote of the first attempt was sent twice)."""
+    keys = RedisKeys(namespace)
+    store = IngestIdempotency(redis_client, namespace, lease_s=0.001)
+    digest = body_hash(email_request())
+    unknown = store.begin("tenant-a", "answered-unknown", digest, "POST /v1/sends")
+    died = store.begin("tenant-a", "process-died", digest, "POST /v1/sends")
+    assert isinstance(unknown, Claimed) and isinstance(died, Claimed)
+    for key in ("answered-unknown", "process-died"):
+        redis_client.expire(keys.ingest_idempotency("tenant-a", key), 5)
+
+    store.lapse("tenant-a", "answered-unknown", unknown.holder)
+    wait_until(lambda: redis_client.pttl(keys.ingest_idempotency("tenant-a", "process-died")) < 4_999, 5,
+               "the dead process's lease to lapse (1 ms)")
+    retry = store.begin("tenant-a", "process-died", digest, "POST /v1/sends")
+
+    assert isinstance(retry, Claimed) and retry.maybe_published_before and retry.first_ms == died.first_ms
+    for key in ("answered-unknown", "process-died"):
+        assert redis_client.ttl(keys.ingest_idempotency("tenant-a", key)) > 23 * 3600, key
