@@ -267,6 +267,15 @@ def _check_retry_partitions(specs: dict[str, TopicSpec]) -> None:
                               f"partitions, fewer than its lane {lane.name} ({lane.partitions})")
 
 
+# Topics whose partition count something else is built on: growing one is refused, like shrinking any.
+PARTITIONS_BUILT_ON = {
+    "notif.webhook.attempts": "the endpoint-health app's table has one changelog partition per attempts partition "
+                              "and keeps each endpoint's count where its events land: grown alone, every copy of "
+                              "the app stops at its start (TopicPlanError) and no endpoint is degraded or alerted "
+                              "on; grow it deliberately with its changelog (docs/runbook.md, EndpointHealthBehind)",
+}
+
+
 def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[Change]:
     """The changes that make the cluster match the definitions. Never deletes topics."""
     changes: list[Change] = []
@@ -277,7 +286,10 @@ def plan(desired: dict[str, TopicSpec], actual: dict[str, TopicState]) -> list[C
                                   f"{spec.replication_factor}, config {spec.config}",
                                   partitions=spec.partitions))
             continue
-        if spec.partitions > state.partitions:
+        built_on = next((why for topic, why in PARTITIONS_BUILT_ON.items() if name.endswith(topic)), None)
+        if spec.partitions > state.partitions and built_on:
+            changes.append(Change(name, "refused", f"partitions {state.partitions} -> {spec.partitions}: {built_on}"))
+        elif spec.partitions > state.partitions:
             changes.append(Change(name, "add_partitions", f"{state.partitions} -> {spec.partitions}",
                                   partitions=spec.partitions))
         elif spec.partitions < state.partitions:

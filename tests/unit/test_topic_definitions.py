@@ -143,6 +143,23 @@ def test_plan_creates_grows_reconciles_and_refuses_shrinking():
     assert "cannot remove partitions" in refused.detail
 
 
+def test_growing_the_webhook_attempts_topic_alone_is_refused_naming_endpoint_health():
+    """Given the definitions raising notif.webhook.attempts from 6 to 12 partitions (and a lane from 6 to 12),
+    When the change is planned (`streams topics plan` / `apply`),
+    Then the attempts topic's growth is refused, naming the endpoint-health changelog built on its count and where
+    to read how to grow both (before: applied, and every endpoint-health copy stopped at its next start, no
+    endpoint degraded or alerted on); the lane still grows."""
+    desired = {"t.notif.webhook.attempts": TopicSpec("t.notif.webhook.attempts", 12, 1, {}),
+               "t.notif.email.marketing": TopicSpec("t.notif.email.marketing", 12, 1, {})}
+    actual = {name: TopicState(6, 1, {}) for name in desired}
+    changes = plan(desired, actual)
+    assert {(c.topic, c.kind) for c in changes} == {("t.notif.webhook.attempts", "refused"),
+                                                    ("t.notif.email.marketing", "add_partitions")}
+    [refused] = [c for c in changes if c.kind == "refused"]
+    assert "partitions 6 -> 12" in refused.detail and "changelog" in refused.detail
+    assert "EndpointHealthBehind" in refused.detail
+
+
 def test_a_roles_own_topic_gets_its_configs_also_when_its_replicas_were_raised_by_an_earlier_try():
     """Given the endpoint-health changelog with 3 replicas already (an earlier start raised them, then failed
     before setting its configs) and no min.insync.replicas,
