@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from redis import Redis
 
 from .config import Config
-from .errors import ConfigError, PublishError, StoreUnavailable
+from .errors import ConfigError
 from .lanes import CHANNELS, LANES
 from .names import TopicNames
 from .providers.registry import ProviderCredentials, ProviderSpec, adapter_class
@@ -247,21 +247,12 @@ class Runtime:
         return worker
 
     def _disable_gone_endpoint(self, client: Redis) -> Callable[[Job, ProviderResult], bool]:
-        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled, unless its
-        URL was changed since the request went out (False: the answer no longer speaks for the endpoint)."""
-        store = self.endpoint_store(client)
+        """A receiver that answers 410 Gone asks not to be called again: its endpoint is disabled (in the
+        background), unless its URL was changed since the request went out (False: the answer no longer speaks
+        for the endpoint)."""
+        from .webhooks.gone import GoneEndpoints
 
-        def disable(job: Job, result: ProviderResult) -> bool:
-            payload = job.members[0].send.payload
-            try:
-                ep = store.disable_gone(job.tenant, payload["endpoint_id"], result.target)
-            except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
-                logging.getLogger("streams.runtime").warning(
-                    "endpoint %s answered 410 Gone but could not be disabled now: %s", payload["endpoint_id"], exc)
-                return True
-            return ep is None or ep.url == result.target
-
-        return disable
+        return GoneEndpoints(self.endpoint_store(client))
 
     def send_client(self, router: Router | None = None, known_policies: frozenset[str] | None = None,
                     txn_instance: str | None = None) -> SendClient:
