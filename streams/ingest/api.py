@@ -76,7 +76,7 @@ from .idempotency import (
     body_hash,
     sends_digest,
 )
-from .publisher import RecordTooLarge
+from .publisher import Record, RecordTooLarge
 from .quotas import BeyondBurst, IngestQuotas, OverQuota
 from .sdk import SendClient, keyed_send_id
 from .sender_store import SenderDomainStore
@@ -384,11 +384,12 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                   "bytes of payload)")
 
     def prepare(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None, claim: Claimed
-                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int], bool]:
+                ) -> tuple[list[Accepted], list[Send], list[tuple[Send, str]], list[int], bool, list[Record]]:
         """Everything checked before a byte is produced: policies, fan-out, sizes, quotas. Also returns, for
         each of the sends and then each of the skipped deliveries, the index of the request it came from (a
-        webhook event fans out to several: an error names the request, not the expanded position), and whether
-        the quotas were charged (not when an earlier attempt under the key was, for the same sends)."""
+        webhook event fans out to several: an error names the request, not the expanded position), whether
+        the quotas were charged (not when an earlier attempt under the key was, for the same sends), and the
+        records to publish (the sends', then the skipped deliveries')."""
         first_ms = claim.first_ms
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
@@ -420,8 +421,9 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                    + [i for i, (_, _, group) in enumerate(expanded) for _ in group])
         try:
             fanned_out(requests, expanded, where)
-            # The skipped deliveries too: kept on their topic, each is replayed later as a send of its own.
-            client.records(sends + [s for s, _ in skipped])
+            # The skipped deliveries too: kept on their topic, each is replayed later as a send of its own. Encoded
+            # here, off the event loop (a webhook event copied to 50 endpoints can be megabytes), once.
+            checked = client.records(sends + [s for s, _ in skipped])
         except SendTooLarge as exc:
             i = origins[exc.index]
             raise problem(413, "send_too_large", where(i), f"{'send ' + str(i) if batch else 'the send'} is "
@@ -447,16 +449,16 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                     ingest.idempotency.charged(tenant_id, key, claim.holder, digest)
                 except StoreUnavailable as exc:  # then a retry after an unknown outcome is charged again
                     log.warning("an Idempotency-Key's charge was not noted: %s", exc)
-        return [a for a, _, _ in expanded], sends, skipped, origins, charged
+        records = checked[:len(sends)] + skipped_records(client.names, skipped)
+        return [a for a, _, _ in expanded], sends, skipped, origins, charged, records
 
     async def publish(tenant_id: str, requests: list[SendRequest], batch: bool, key: str | None,
                       claim: Claimed) -> list[Accepted]:
         def where(index: int) -> list[str | int]:
             return ["body", "sends", index] if batch else ["body"]
 
-        accepted, sends, skipped, origins, charged = await run_in_threadpool(prepare, tenant_id, requests, batch,
-                                                                             key, claim)
-        records = client.records(sends) + skipped_records(client.names, skipped)  # each checked by `prepare`
+        accepted, sends, skipped, origins, charged, records = await run_in_threadpool(prepare, tenant_id, requests,
+                                                                                      batch, key, claim)
         deliveries = [s for s in sends if s.channel == "webhook"]
         if webhooks is not None and deliveries:
             await run_in_threadpool(webhooks.enqueued, deliveries)  # before they can be delivered: see `enqueued`

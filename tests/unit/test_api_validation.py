@@ -110,6 +110,36 @@ def test_a_request_the_broker_refuses_is_charged_to_no_quota():
     assert gate.taken and sorted(gate.given_back) == sorted(gate.taken)
 
 
+def test_a_send_is_encoded_once_off_the_event_loop_and_those_bytes_are_published():
+    """Given the ingest API, When a send is posted, Then its record is encoded once, on a worker thread, and that
+    record is what is published (before: encoded a second time on the event loop, beside every tenant's requests:
+    a webhook event copied to 50 endpoints is megabytes)."""
+    import threading
+
+    from streams.errors import PublishError
+
+    encoded: list[tuple[str, object]] = []
+    published: list = []
+
+    def records(sends):
+        out = [object() for _ in sends]
+        encoded.append((threading.current_thread().name, out))
+        return out
+
+    async def publish_async(records):
+        published.append(records)
+        raise PublishError("the lane topic refused the record (test)")
+
+    client = SimpleNamespace(names=None, routing=None, records=records,
+                             publisher=SimpleNamespace(publish_async=publish_async))
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains())
+    assert asyncio.run(post_to(ingest, "/v1/sends", json=email_request(),
+                               headers={"Authorization": "Bearer k"})).status_code == 503
+    [(thread, records_made)] = encoded
+    assert thread != threading.main_thread().name and published == [records_made]
+
+
 def test_a_body_nested_too_deep_for_the_parser_is_refused_naming_the_body():
     """Given a send whose ignored field nests 5,000 arrays deep (past what the framework's JSON parser reads),
     When it is posted,
