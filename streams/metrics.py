@@ -120,6 +120,9 @@ OUTCOME_RECORDER_BEHIND = Gauge("dispatch_outcome_recorder_behind_seconds", "Age
                                 "(notif.outcomes) the outcome recorder has not applied to the sends' statuses, as "
                                 "the lag monitor measures it (0: none waits; NaN: its group could not be read)",
                                 ["group"])
+FOLLOWER_UNREADABLE = Gauge("dispatch_follower_unreadable_seconds", "How long the lag monitor has been unable to "
+                            "read a follower's progress (the endpoint-health app's, the outcome recorder's: its "
+                            "behind figure is NaN meanwhile; 0: read)", ["group"])
 STATE_RECORDS_UNREADABLE = Counter("dispatch_state_records_unreadable_total", "Records of the operator log, the "
                                    "audit log or notif.endpoint.state a reader could not read and skipped (the key "
                                    "keeps what it held), by topic", ["topic"])

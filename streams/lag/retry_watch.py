@@ -12,7 +12,8 @@ transactional lag keeps its 500 ms rhythm. A tier it cannot read exports for how
 (`dispatch_retry_tier_unreadable_seconds`, alert RetryTierUnwatched): a stuck tier would not show. With the
 webhook channel it also says how far behind the endpoint-health app is on the webhook attempts
 (`dispatch_endpoint_health_behind_seconds`, alert EndpointHealthBehind), and on every channel how far behind the
-outcome recorder is on `notif.outcomes` (`dispatch_outcome_recorder_behind_seconds`, alert OutcomeRecorderBehind).
+outcome recorder is on `notif.outcomes` (`dispatch_outcome_recorder_behind_seconds`, alert OutcomeRecorderBehind);
+either one it cannot read, for how long (`dispatch_follower_unreadable_seconds`, alert FollowerUnwatched).
 """
 
 from __future__ import annotations
@@ -114,10 +115,13 @@ class RetryTierWatch:
         try:
             reading = reader.read(group, topic)
         except Exception as exc:  # noqa: BLE001 - like a tier's: the watch goes on
-            self._failing(group, f"{who}'s progress cannot be read: {exc}")
+            failing_s = self._failing(group, f"{who}'s progress cannot be read: {exc}")
             gauge.labels(group).set(float("nan"))  # not measured: no figure, not the last
+            # NaN keeps the behind alert silent: how long it has not been read, so that is not silent too.
+            metrics.FOLLOWER_UNREADABLE.labels(group).set(failing_s)
             return
         self._failing_since.pop(group, None)
+        metrics.FOLLOWER_UNREADABLE.labels(group).set(0)
         gauge.labels(group).set(reading.lag_seconds)
 
     def _failing(self, subject: str, message: str) -> float:

@@ -199,7 +199,8 @@ def test_a_followers_progress_is_exported_and_none_when_it_cannot_be_read(measur
     old,
     When the lag monitor's watch (of the webhook channel; of the email one for the recorder) measures it, then cannot
     read it any more,
-    Then it exports 700 s (the alert fires past its threshold), then NaN: no figure rather than the last."""
+    Then it exports 700 s (the alert fires past its threshold), then NaN: no figure rather than the last, and how
+    long it has not been read (FollowerUnwatched: NaN silences the behind alert), 0 once read again."""
     import math
 
     from prometheus_client import REGISTRY
@@ -226,6 +227,13 @@ def test_a_followers_progress_is_exported_and_none_when_it_cannot_be_read(measur
     labels = {"group": f"{group}-watch-test.{group}"}
     assert REGISTRY.get_sample_value(metric, labels) == 700.0
     assert asked == [(f"{group}-watch-test.{group}", f"{group}-watch-test.{topic}")]
+    assert REGISTRY.get_sample_value("dispatch_follower_unreadable_seconds", labels) == 0
     reader.failing = True
     getattr(watch, measure)(reader)
     assert math.isnan(REGISTRY.get_sample_value(metric, labels))
+    watch._failing_since[labels["group"]] -= 400  # the reads started failing 400 s ago
+    getattr(watch, measure)(reader)
+    assert REGISTRY.get_sample_value("dispatch_follower_unreadable_seconds", labels) >= 400
+    reader.failing = False
+    getattr(watch, measure)(reader)
+    assert REGISTRY.get_sample_value("dispatch_follower_unreadable_seconds", labels) == 0
