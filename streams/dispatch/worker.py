@@ -138,6 +138,9 @@ class LaneWorker:
             self.shutdown()
 
     def step(self) -> None:
+        # First: before anything reads the sends of claims this worker made and never sent (an expired message
+        # parked at intake ends by reading them), or they read as its own request in flight.
+        self.dispatcher.release_unsent_claims()
         msgs = self._of_assigned(consume_ready(self.consumer, 500, self._idle_timeout(), self._returned))
         # The whole batch is tracked before any of it is taken in: should taking one in fail (the worker
         # then stops), the offsets stored on the way out stay below the messages not yet taken in.
@@ -149,7 +152,6 @@ class LaneWorker:
             self._intake(msg)
         self._trim()
         self._collect()
-        self.dispatcher.release_unsent_claims()  # before an expired message, or anything else, reads their sends
         self.settler.spill_long_holds(self._end_expired)
         self.dispatcher.refresh_leases()
         self.settler.retry()
