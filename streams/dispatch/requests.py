@@ -653,7 +653,9 @@ class Dispatcher:
     def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
         under its own idempotency key, to the provider it went to, once its sender's lease has
-        lapsed. False: still held."""
+        lapsed, and within the worker's concurrency and the provider's pacing. False: still held (or no room)."""
+        if len(self.in_flight) >= self.concurrency:
+            return False  # looked at again shortly: a draw's re-sends are not to pass the worker's concurrency
         stored = self.jobs.take_over(tenant, request_key, self.worker_id, [p.send.send_id for p in group])
         if stored is None:
             return False
@@ -682,6 +684,11 @@ class Dispatcher:
             log.warning("request %s (%d sends) to %s has no known outcome and %s: left to reconciliation, not sent "
                         "again", request_key, len(stored.send_ids), route.name, why)
             return True
+        now = time.monotonic()
+        if route.room(now) <= 0 or (now < route.shared_account_held_until and route.shares_account(stored.tenant)):
+            # The provider's pacing, or the account it goes under refused a moment ago: as for any request.
+            self.jobs.keep_unknown(tenant, request_key, self.worker_id, stored.send_ids)  # its record was just read
+            return False
         try:
             try:
                 admission = self.gate.acquire(route.name, stored.tenant, len(stored.send_ids), reserve=self.reserve)

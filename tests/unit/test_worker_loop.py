@@ -1090,6 +1090,50 @@ def _orphaned_request(attempt: int = 1):
     return send, jobs, key
 
 
+class UnansweredProvider(FakeProvider):
+    """A provider whose answers wait until `answer_next()`: requests stay in flight meanwhile."""
+
+    def __init__(self):
+        super().__init__(DELIVERED)
+        self.waiting: list[Future] = []
+
+    def submit(self, path, body, api_key, idempotency_key, tenant):
+        self.sent.append(body)
+        self.waiting.append(Future())
+        return self.waiting[-1]
+
+    def answer_next(self):
+        self.waiting.pop(0).set_result(DELIVERED)
+
+
+def test_re_sends_of_kept_requests_keep_to_the_workers_concurrency():
+    """Given three of acme's marketing sends, each claimed by its own request whose sender died (outcomes unknown),
+    read again together by a worker allowed one request in flight (--concurrency 1),
+    When it re-sends them under their keys,
+    Then it has one request in flight at a time, the others re-sent as each answer comes (before: all three at
+    once, whatever the worker's concurrency or the provider's pacing), each once."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(3)]
+    jobs = RecordingJobs()
+    for send in sends:
+        key = idempotency_key([send.send_id])
+        jobs.state[send.send_id] = f"inflight:{key}"
+        jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "", {})
+    provider = UnansweredProvider()
+    worker, consumer, producer, _ = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)], jobs=jobs,
+                                            provider=provider, lane="marketing")
+    worker.dispatcher.concurrency = 1
+    for answered in range(3):
+        deadline = time.monotonic() + 10
+        while len(provider.sent) == answered and time.monotonic() < deadline:  # a held copy is looked at again in 1 s
+            worker.step()
+            assert len(worker.dispatcher.in_flight) <= 1
+        assert len(provider.sent) == answered + 1
+        provider.answer_next()
+    _run(worker)
+    assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
+    assert {jobs.state[s.send_id] for s in sends} == {"delivered"} and consumer.stored[(TOPIC, 0)] == 3
+
+
 def test_redis_failing_as_a_request_is_left_to_reconciliation_loses_no_queued_copy_of_its_sends():
     """Given a send whose request's sender died (its outcome unknown) at a provider without idempotency keys, and its
     lane message and retry copy both read again by the next worker, which has room for one request,
