@@ -59,7 +59,6 @@ from .unix_http import Answer, Interrupted, UnixHttp, Unreachable
 from .web import (
     NO_VALID_KEY,
     NOT_A_TENANT_KEY,
-    PRINCIPAL,
     bearer_token,
     earlier_attempt_may_be_published,
     first_header,
@@ -311,8 +310,6 @@ class BulkProxy:
     async def _principal(self, scope) -> Principal | None:
         """The principal of the batch's API key, read as the API reads it (its first Authorization header, latin-1
         as Starlette decodes headers); None for no valid key."""
-        if (found := scope.get("state", {}).get(PRINCIPAL)) is not None:  # KeyBeforeBody's
-            return found
         token = bearer_token(first_header(scope, b"authorization").decode("latin-1"))
         return await run_in_threadpool(self.resolve, token) if token else None
 

@@ -130,16 +130,14 @@ def problem(status: int, error: str, loc: list[str | int], msg: str,
     return HTTPException(status, detail, headers=headers)
 
 
-PRINCIPAL = "principal"  # where KeyBeforeBody leaves the principal it found, in the request's state
-
-
 class KeyBeforeBody:
-    """Check the API key of a POST, PUT or PATCH (every such route takes one) before anything reads its body: a
-    request without a valid key is refused 401 at once, its body neither held nor parsed (up to the body limit
-    each, 5 MiB, at no cost to a sender without a key). The principal found is left in the request's state
-    (`PRINCIPAL`): the route's own check reads it, not Redis a second time. A key that cannot be checked now (Redis
-    or the operator log unavailable) is left to the route, which answers it as it always has (503, saying whether
-    an earlier attempt under an Idempotency-Key may have been published)."""
+    """Check the API key of a POST, PUT or PATCH (every such route takes one; any other path answers 401 too)
+    before anything reads its body: a request without a valid key is refused 401 at once, its body neither held
+    nor parsed (up to the body limit each, 5 MiB, at no cost to a sender without a key). A filter only: the route
+    checks the key again once the body is in (a key revoked while a slow body arrived is refused then). A key that
+    cannot be checked now (Redis or the operator log unavailable, or a failure nobody expected) is left to the
+    route, which answers it as it always has (503, saying whether an earlier attempt under an Idempotency-Key may
+    have been published; 500 in the one error shape)."""
 
     def __init__(self, app, resolve: Callable[[str], Principal | None]):
         self.app, self.resolve = app, resolve
@@ -150,11 +148,10 @@ class KeyBeforeBody:
         token = bearer_token(first_header(scope, b"authorization").decode("latin-1"))
         try:
             found = await run_in_threadpool(self.resolve, token) if token else None
-        except (StoreUnavailable, PublishError):
+        except Exception:  # noqa: BLE001 - answered by the route, in its words (see above)
             return await self.app(scope, receive, send)
         if found is None:
             return await key_refused(NO_VALID_KEY)(scope, receive, send)
-        scope.setdefault("state", {})[PRINCIPAL] = found
         return await self.app(scope, receive, send)
 
 
@@ -321,8 +318,7 @@ class Auth:
             raise
 
     def _principal(self, request: Request) -> Principal:
-        found = request.scope.get("state", {}).get(PRINCIPAL)  # KeyBeforeBody's, for a request with a body
-        found = found or self.resolve(bearer_token(request.headers.get("authorization", "")))
+        found = self.resolve(bearer_token(request.headers.get("authorization", "")))
         if found is None:
             raise key_problem(NO_VALID_KEY)
         return found

@@ -12,6 +12,7 @@ from streams.errors import StoreUnavailable
 from streams.ingest.api import Ingest, create_app
 from streams.ingest.api_keys import Principal
 from streams.ingest.senders import SenderDomains
+from tests.harness import email_request
 
 TENANT_KEY = "dr_ten_acme"
 
@@ -79,14 +80,37 @@ async def _post(app, path: str, token: str, body: bytes, **headers) -> httpx.Res
                                                            "Content-Type": "application/json", **headers})
 
 
-def test_a_valid_key_is_looked_up_once_and_its_body_then_read():
-    """Given a tenant's valid key, When it posts a body that is not UTF-8, Then the body is read and refused 400
-    naming the byte (the key was good), and the key was looked up once (the route reads what was found ahead of
-    it: no second Redis round trip for an OTP)."""
+def test_a_valid_key_lets_the_body_be_read_and_is_checked_again_once_it_is_in():
+    """Given a tenant's valid key,
+    When it posts a body that is not UTF-8, and then a valid send during which its key is revoked (after the check
+    ahead of the body, before the route's),
+    Then the first body is read and refused 400 naming the byte (the key was good); the second is refused 401 by the
+    route and nothing is published (a key revoked while a slow body arrived does not publish it)."""
     keys = Keys()
     answer = asyncio.run(_post(app_with(keys), "/v1/sends", TENANT_KEY, b'{"channel": "\xff"}'))
     assert answer.status_code == 400 and "not UTF-8" in answer.text, answer.text
-    assert keys.lookups == 1
+
+    class RevokedMeanwhile(Keys):
+        def resolve(self, token):
+            found = super().resolve(token)
+            return found if self.lookups == 1 else None
+
+    revoked = RevokedMeanwhile()
+    answer = asyncio.run(_post(app_with(revoked), "/v1/sends", TENANT_KEY, orjson.dumps(email_request())))
+    assert answer.status_code == 401 and revoked.lookups == 2, answer.text
+
+
+def test_a_key_lookup_failing_unexpectedly_is_answered_by_the_route_in_the_one_error_shape():
+    """Given a key lookup that fails as nobody expected (a key record Redis holds that cannot be read),
+    When a send is posted, Then the answer is the API's own 500 (`internal_error`, the outcome unknown), not the
+    server's plain-text error from outside the app."""
+
+    class Broken(Keys):
+        def resolve(self, token):
+            raise KeyError("role")
+
+    answer = asyncio.run(_post(app_with(Broken()), "/v1/sends", TENANT_KEY, orjson.dumps(email_request())))
+    assert answer.status_code == 500 and answer.json()["error"] == "internal_error", answer.text
 
 
 def test_a_key_that_cannot_be_checked_is_answered_by_the_route_as_before():
