@@ -6,8 +6,8 @@ no other tenant's deliveries, lease refreshes or rebalance callbacks meanwhile."
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from ..dispatch.requests import Job
@@ -31,7 +31,10 @@ class GoneEndpoints:
         self.store = store
         self._disabling: set[str] = set()
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="disable-gone")
+        # A daemon thread: a worker stopping does not wait for a disabling held by a broker that is away (the
+        # receiver says 410 again at the next delivery, and it is asked again then).
+        self._asked: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        threading.Thread(target=self._run, name="disable-gone", daemon=True).start()
 
     def __call__(self, job: Job, result: ProviderResult) -> bool:
         endpoint_id = job.members[0].send.payload["endpoint_id"]
@@ -40,28 +43,33 @@ class GoneEndpoints:
         except StoreUnavailable as exc:  # the receiver says so again on the next delivery
             log.warning("endpoint %s answered 410 Gone but could not be read to disable it: %s", endpoint_id, exc)
             return True
-        if current is None or current.state == "disabled":
+        if current is None:
             return True
-        if current.url != result.target:
+        if current.url != result.target:  # also for a disabled one: the delivery is retried at its new URL
             return False
+        if current.state == "disabled":
+            return True
         with self._lock:
             if endpoint_id in self._disabling:
                 return True
             self._disabling.add(endpoint_id)
-        self._thread.submit(self._disable, job.tenant, endpoint_id, result.target)
+        self._asked.put((job.tenant, endpoint_id, result.target))
         return True
 
-    def _disable(self, tenant: str, endpoint_id: str, url: str) -> None:
-        try:
-            self.store.disable_gone(tenant, endpoint_id, url)
-        except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
-            log.warning("endpoint %s answered 410 Gone but could not be disabled now: %s", endpoint_id, exc)
-        except Exception:  # noqa: BLE001 - never the worker's failure: logged, asked again at the next 410
-            log.exception("disabling endpoint %s after its 410 Gone failed", endpoint_id)
-        finally:
-            with self._lock:
-                self._disabling.discard(endpoint_id)
+    def _run(self) -> None:
+        while True:
+            tenant, endpoint_id, url = self._asked.get()
+            try:
+                self.store.disable_gone(tenant, endpoint_id, url)
+            except (PublishError, StoreUnavailable) as exc:  # the receiver says so again on the next delivery
+                log.warning("endpoint %s answered 410 Gone but could not be disabled now: %s", endpoint_id, exc)
+            except Exception:  # noqa: BLE001 - never the worker's failure: logged, asked again at the next 410
+                log.exception("disabling endpoint %s after its 410 Gone failed", endpoint_id)
+            finally:
+                with self._lock:
+                    self._disabling.discard(endpoint_id)
+                self._asked.task_done()
 
     def wait(self) -> None:
-        """Until every disabling asked for so far is done (for tests and shutdown)."""
-        self._thread.submit(lambda: None).result()
+        """Until every disabling asked for so far is done (for tests)."""
+        self._asked.join()

@@ -56,6 +56,9 @@ def test_a_410_while_the_broker_is_away_holds_nothing_and_disables_once_asked_ag
     disable.wait()
     assert store.asked == 2 and store.endpoints["ep_1"].state == "disabled"
     assert disable(*gone()) and store.asked == 2  # disabled: nothing more to do
+    # Its URL changed since (it stays disabled): a 410 from the old one does not speak for it, retried at the new
+    store.endpoints["ep_1"] = Endpoint("ep_1", "acme", "https://new.acme.example/in", ("*",), state="disabled")
+    assert disable(*gone()) is False
 
 
 def test_a_410_from_the_url_the_endpoint_no_longer_has_does_not_disable_it():
