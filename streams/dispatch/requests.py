@@ -304,16 +304,21 @@ class Dispatcher:
         for key, refusal in {draw.key: refusal for draw, refusal in keyless}.items():  # one hold a queue
             self._hold_misconfigured(key, refusal)
         states = self.jobs.status_many([(d.tenant, [p.send.send_id for p in d.items]) for d in live])
-        fresh = [d for d, s in zip(live, states, strict=True) if self._sort_by_state(d, s, now_ms)]
+        fresh: list[Draw] = []
+        for i, (draw, state) in enumerate(zip(live, states, strict=True)):
+            # The round's draws start their requests after this: a re-send met on the way leaves them their room.
+            if self._sort_by_state(draw, state, now_ms, starting=len(fresh) + len(live) - i - 1):
+                fresh.append(draw)
         admitted = self._admit_round(fresh)
         stamp = wall_ms()
         for draw in admitted:
             draw.stamps["admitted"] = stamp
         self._claim_round(admitted)
 
-    def _sort_by_state(self, draw: Draw, states: list[str | None], now_ms: int) -> bool:
+    def _sort_by_state(self, draw: Draw, states: list[str | None], now_ms: int, starting: int = 0) -> bool:
         """Skip the delivered, dead-letter the too old and those left to reconciliation, recover (or wait
-        for) the unknown; keep the fresh in `draw.items`.
+        for) the unknown; keep the fresh in `draw.items`. `starting`: the round's other requests that may start
+        after this (a re-send leaves them their room).
         True when fresh messages are left to send."""
         fresh: list[Pending] = []
         unknown: dict[str, list[Pending]] = {}
@@ -325,8 +330,9 @@ class Dispatcher:
                 unknown.setdefault(state.removeprefix("inflight:"), []).append(p)  # type: ignore[union-attr]
             else:
                 self._end(p, verdict)
+        starting += 1 if fresh else 0  # this draw's own request
         waiting = [p for request_key, group in unknown.items()
-                   if not self._recover(request_key, draw.tenant, group, draw.key) for p in group]
+                   if not self._recover(request_key, draw.tenant, group, draw.key, starting) for p in group]
         if waiting:  # another worker holds their request right now: look again shortly
             self._requeue(draw.key, waiting, hold_until=time.monotonic() + 1.0)
         draw.items = fresh
@@ -650,11 +656,12 @@ class Dispatcher:
         self._requeue(key, fresh)
         return 0
 
-    def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str) -> bool:
+    def _recover(self, request_key: str, tenant: str, group: list[Pending], queue: str, starting: int = 0) -> bool:
         """An earlier request carrying these sends has no known outcome. Re-send it, byte for byte,
         under its own idempotency key, to the provider it went to, once its sender's lease has
-        lapsed, and within the worker's concurrency and the provider's pacing. False: still held (or no room)."""
-        if len(self.in_flight) >= self.concurrency:
+        lapsed, and within the worker's concurrency (less the round's `starting` requests) and the provider's pacing.
+        False: still held (or no room)."""
+        if len(self.in_flight) + starting >= self.concurrency:
             return False  # looked at again shortly: a draw's re-sends are not to pass the worker's concurrency
         stored = self.jobs.take_over(tenant, request_key, self.worker_id, [p.send.send_id for p in group])
         if stored is None:
@@ -685,7 +692,8 @@ class Dispatcher:
                         "again", request_key, len(stored.send_ids), route.name, why)
             return True
         now = time.monotonic()
-        if route.room(now) <= 0 or (now < route.shared_account_held_until and route.shares_account(stored.tenant)):
+        held = now < route.shared_account_held_until and route.shares_account(stored.tenant)
+        if route.room(now) <= starting or held:
             # The provider's pacing, or the account it goes under refused a moment ago: as for any request.
             self.jobs.keep_unknown(tenant, request_key, self.worker_id, stored.send_ids)  # its record was just read
             return False

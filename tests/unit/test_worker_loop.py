@@ -1106,15 +1106,18 @@ class UnansweredProvider(FakeProvider):
         self.waiting.pop(0).set_result(DELIVERED)
 
 
-def test_re_sends_of_kept_requests_keep_to_the_workers_concurrency():
+@pytest.mark.parametrize("fresh", [0, 1], ids=["kept only", "beside a fresh send"])
+def test_re_sends_of_kept_requests_keep_to_the_workers_concurrency(fresh):
     """Given three of acme's marketing sends, each claimed by its own request whose sender died (outcomes unknown),
-    read again together by a worker allowed one request in flight (--concurrency 1),
-    When it re-sends them under their keys,
-    Then it has one request in flight at a time, the others re-sent as each answer comes (before: all three at
-    once, whatever the worker's concurrency or the provider's pacing), each once."""
-    sends = [build_send(validate_request(email_request()), "acme") for _ in range(3)]
+    read again together by a worker allowed one request in flight (--concurrency 1), alone or after a fresh send of
+    acme's (drawn in the same round),
+    When it sends them (the kept ones re-sent under their keys),
+    Then it has one request in flight at a time, the others sent as each answer comes (before: every kept one at
+    once, whatever the worker's concurrency or the provider's pacing, and the fresh one's request beside them),
+    each once."""
+    sends = [build_send(validate_request(email_request()), "acme") for _ in range(3 + fresh)]
     jobs = RecordingJobs()
-    for send in sends:
+    for send in sends[fresh:]:
         key = idempotency_key([send.send_id])
         jobs.state[send.send_id] = f"inflight:{key}"
         jobs.records[key] = StoredRequest(key, "/emails", send.send_id.encode(), "acme", (send.send_id,), "", {})
@@ -1122,7 +1125,7 @@ def test_re_sends_of_kept_requests_keep_to_the_workers_concurrency():
     worker, consumer, producer, _ = _worker([FakeMessage(0, i, encode(s)) for i, s in enumerate(sends)], jobs=jobs,
                                             provider=provider, lane="marketing")
     worker.dispatcher.concurrency = 1
-    for answered in range(3):
+    for answered in range(len(sends)):
         deadline = time.monotonic() + 10
         while len(provider.sent) == answered and time.monotonic() < deadline:  # a held copy is looked at again in 1 s
             worker.step()
@@ -1131,7 +1134,7 @@ def test_re_sends_of_kept_requests_keep_to_the_workers_concurrency():
         provider.answer_next()
     _run(worker)
     assert sorted(provider.sent) == sorted(s.send_id.encode() for s in sends)
-    assert {jobs.state[s.send_id] for s in sends} == {"delivered"} and consumer.stored[(TOPIC, 0)] == 3
+    assert {jobs.state[s.send_id] for s in sends} == {"delivered"} and consumer.stored[(TOPIC, 0)] == len(sends)
 
 
 def test_redis_failing_as_a_request_is_left_to_reconciliation_loses_no_queued_copy_of_its_sends():
