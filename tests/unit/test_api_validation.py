@@ -4,6 +4,7 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
+import orjson
 import pytest
 
 from streams.ingest.api import Ingest, create_app
@@ -138,6 +139,34 @@ def test_a_send_is_encoded_once_off_the_event_loop_and_those_bytes_are_published
                                headers={"Authorization": "Bearer k"})).status_code == 503
     [(thread, records_made)] = encoded
     assert thread != threading.main_thread().name and published == [records_made]
+
+
+@pytest.mark.parametrize("value, status, says", [
+    ("1180591620717411303424", 422, "an integer outside -2^63 .. 2^64-1"),
+    ("NaN", 400, "JSON decode error"),
+    ("-Infinity", 400, "JSON decode error"),
+])
+def test_a_payload_value_the_events_cannot_carry_is_refused_naming_where(value, status, says):
+    """Given a batch whose second send's payload holds, under a key that is an address, an integer past 64 bits, NaN
+    or an infinity (which the SDK refuses too),
+    When it is posted,
+    Then it is refused, nothing published: the integer 422 naming the send and the payload path (the address
+    redacted), NaN and the infinities 400 as no JSON (never published as null)."""
+    send = orjson.dumps(email_request()).decode()
+    bad = send.replace('"payload":{', f'"payload":{{"by_recipient":{{"jane@example.test":{value}}},', 1)
+    body = f'{{"sends": [{send}, {bad}]}}'.encode()
+    from streams.send import encode
+
+    client = SimpleNamespace(names=None, routing=None, records=lambda sends: [encode(s) for s in sends])  # no publisher
+    ingest = Ingest(client=client, store=None, keys=OneTenant(), limits=None,  # type: ignore[arg-type]
+                    known_policies=frozenset(), senders=SenderDomains())
+    answer = asyncio.run(post_to(ingest, "/v1/sends/batch", content=body,
+                                 headers={"Authorization": "Bearer k", "Content-Type": "application/json"}))
+    assert answer.status_code == status and says in answer.text, answer.text
+    assert "jane@example.test" not in answer.text
+    if status == 422:
+        [error] = answer.json()["errors"]
+        assert error["loc"][:5] == ["body", "sends", 1, "payload", "by_recipient"], error
 
 
 def test_a_body_nested_too_deep_for_the_parser_is_refused_naming_the_body():
