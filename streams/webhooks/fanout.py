@@ -24,7 +24,7 @@ class BacklogLimit:
     max_age_ms: int = 6 * 3600 * 1000
 
     def overdue_before_ms(self, now_ms: int) -> int:
-        """A delivery created before this is overdue."""
+        """A delivery created at or before this is overdue (at least max_age old)."""
         return now_ms - self.max_age_ms
 
     def extreme(self, overdue: int) -> bool:
