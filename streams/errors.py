@@ -168,8 +168,9 @@ class SendTooLarge(SendValidationError):
         from .send import MAX_SEND_BYTES
 
         self.index, self.size, self.limit = index, size, limit or MAX_SEND_BYTES
-        self.errors = [{"loc": (index,), "msg": f"the send is {size} bytes; a send may be at most {self.limit} bytes"}]
-        DispatchError.__init__(self, f"send {index} is {size} bytes; a send may be at most {self.limit} bytes")
+        sizes = f"{size} bytes; a send may be at most {self.limit} bytes"
+        self.errors = [{"loc": (index,), "msg": f"the send is {sizes}"}]
+        DispatchError.__init__(self, f"send {index} is {sizes}")
 
 
 class AuditUnconfirmed(DispatchError):

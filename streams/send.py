@@ -476,8 +476,13 @@ def uncarried_errors(payloads: Sequence[dict], where: Callable[[int], list]) -> 
     """A field error for each payload holding a value the events cannot carry, at `where(i)` + its path. A
     payload's keys may be addresses or numbers (a map by recipient): named redacted, as every validation error
     names them."""
-    return [{"loc": [*where(i), *(redact(k, 100) if isinstance(k, str) else k for k in path)], "msg": msg}
-            for i, payload in enumerate(payloads) if (found := uncarried(payload)) for path, msg in [found]]
+    errors = []
+    for i, payload in enumerate(payloads):
+        if (found := uncarried(payload)) is not None:
+            path, msg = found
+            errors.append({"loc": [*where(i), *(redact(k, 100) if isinstance(k, str) else k for k in path)],
+                           "msg": msg})
+    return errors
 
 
 def flatten_errors(errors: Sequence[Any], prefix: tuple = ()) -> list[dict]:
