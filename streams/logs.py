@@ -11,9 +11,14 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import traceback
 from typing import Any
 
 import orjson
+from confluent_kafka import KafkaException
+from redis.exceptions import RedisError
+
+from .errors import DispatchError
 
 _TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
@@ -21,7 +26,53 @@ _TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _PLAIN = re.compile(r"[^\s=\"\\]*")  # a text field's value shown as it is: no space, `=`, quote or backslash
 
 
-class JsonFormatter(logging.Formatter):
+# Exceptions whose text is a report this project or a dependency writes (the project's own errors, written without
+# addresses, numbers or bodies; a broker's or Redis's error; a connection refused): a logged traceback shows it.
+# Any other exception's text may hold what the code was handling when it failed (a recipient, a payload, a webhook
+# URL, which is a credential for some receivers): its class and frames are logged, its text withheld.
+TEXT_SHOWN: tuple[type[BaseException], ...] = (DispatchError, KafkaException, RedisError, OSError)
+
+
+def traceback_shown(exc: BaseException) -> str:
+    """The traceback of `exc` (and of the exceptions it was raised from or while handling, after it): each
+    exception's class and frames (file, line, function, the line of code), its text only when TEXT_SHOWN."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        kind = type(current)
+        text = str(current) if isinstance(current, TEXT_SHOWN) else "(its text withheld)"
+        parts.append("Traceback (most recent call last):\n" + "".join(traceback.format_tb(current.__traceback__))
+                     + f"{kind.__module__}.{kind.__qualname__}: {text}")
+        if current.__cause__ is not None:
+            parts.append("\nwhich was raised from:\n")
+            current = current.__cause__
+        elif current.__context__ is not None and not current.__suppress_context__:
+            parts.append("\nwhich was raised while handling:\n")
+            current = current.__context__
+        else:
+            current = None
+    return "".join(parts)
+
+
+class _TracebackShown(logging.Formatter):
+    """Every traceback a log line carries, from any logger (the API server's included), as `traceback_shown`."""
+
+    def formatException(self, ei) -> str:  # noqa: N802 - logging's name
+        return traceback_shown(ei[1]) if ei[1] is not None else ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.exc_text = None  # a traceback another handler's formatter cached on the record may hold the text
+        return super().format(record)
+
+
+class TextFormatter(_TracebackShown):
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+
+
+class JsonFormatter(_TracebackShown):
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", None)
         # The line's own keys come last: a field named `ts`, `level`, `logger` or `msg` never stands for them.
@@ -34,7 +85,7 @@ class JsonFormatter(logging.Formatter):
 
 def setup(level: str = "INFO", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -55,3 +106,4 @@ def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> N
 def _shown(value: Any) -> str:
     text = str(value)
     return text if text.isprintable() and _PLAIN.fullmatch(text) else orjson.dumps(text).decode()
+

@@ -38,6 +38,11 @@ def run_role(role: Any, name: str, metrics_port: int, banner: str, config: Confi
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)
 
+# The API server's own lines (warnings and errors; no access log) go through this process's log handler
+# (`log_config=None`: uvicorn installs none of its own), so a failure it logs with its traceback is in the
+# process's format, with the text of the exception withheld as in every other line (logs.TEXT_SHOWN).
+UVICORN_LOGGING: dict[str, Any] = {"log_level": "warning", "access_log": False, "log_config": None}
+
 
 def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | None = None,
               bulk_socket: str | None = None, bulk_instance: str | None = None, bulk_parent: int | None = None) -> None:
@@ -86,9 +91,9 @@ def serve_api(rt: Runtime, host: str, port: int, router=None, log_format: str | 
         if bulk is not None:
             bulk.wait_ready()
         if bulk_socket is not None:
-            uvicorn.run(app, uds=bulk_socket, log_level="warning", access_log=False)
+            uvicorn.run(app, uds=bulk_socket, **UVICORN_LOGGING)
         else:
-            uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+            uvicorn.run(app, host=host, port=port, **UVICORN_LOGGING)
     finally:
         if bulk is not None:
             bulk.stop()

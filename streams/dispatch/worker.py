@@ -444,11 +444,9 @@ class LaneWorker:
             try:
                 result = fut.result()
             except Exception as exc:  # noqa: BLE001 - a bug in an adapter must not lose the sends
-                # Its text may name a recipient or a webhook URL (a credential, for some receivers): only its class
-                # here; the traceback, which repeats the text, at DEBUG (LOG_LEVEL=DEBUG, to debug an adapter).
-                log.error("provider call failed unexpectedly (%s); its traceback is logged at DEBUG",
-                          type(exc).__name__)
-                log.debug("the unexpected failure's traceback", exc_info=True)
+                # Its text may name a recipient or a webhook URL (a credential, for some receivers): the line names
+                # its class, and the log's formatter shows the traceback without that text (logs.TEXT_SHOWN).
+                log.error("provider call failed unexpectedly (%s)", type(exc).__name__, exc_info=exc)
                 result = ProviderResult("unknown", error_name=type(exc).__name__)
             job.stamps["answered"] = wall_ms()
             self.dispatcher.done(job, succeeded=result.outcome in ("delivered", "skipped"), latency_s=result.latency_s)

@@ -43,3 +43,44 @@ def test_an_evidence_value_can_neither_make_fields_nor_lines_nor_stand_for_the_l
     logs.evidence(log, logging.WARNING, "attempt_failed", send_id="s-1", ts="forged", msg="forged")
     doc = orjson.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert isinstance(doc["ts"], float) and doc["msg"].startswith("attempt_failed send_id=s-1")
+
+
+def _failed_sending(recipient: str) -> Exception:
+    """A bug's exception naming a recipient, raised from a Redis error (whose text is the server's own)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        try:
+            raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+        except ResponseError as cause:
+            raise KeyError(f"no template for {recipient}") from cause
+    except KeyError as exc:
+        return exc
+
+
+def test_a_logged_traceback_shows_where_and_what_but_not_the_text_of_what_code_was_handling(capsys, monkeypatch):
+    """Given an exception whose text names a recipient (a bug's KeyError), raised from a Redis error,
+    When it is logged with its traceback, as text and as JSON, from this project's logger and from the API server's
+    (uvicorn, run with this project's UVICORN_LOGGING),
+    Then each line shows both exceptions' classes and frames, the Redis error's text, and never the recipient
+    (before: the traceback carried the exception's text, and uvicorn logged through handlers of its own)."""
+    import uvicorn
+
+    from streams.cli.roles import UVICORN_LOGGING
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    exc = _failed_sending("jane@example.test")
+    for fmt in ("text", "json"):
+        logs.setup("INFO", fmt)
+        uvicorn.Config(app=None, **UVICORN_LOGGING).configure_logging()
+        logging.getLogger("streams.test").error("sending failed", exc_info=exc)
+        logging.getLogger("uvicorn.error").error("Exception in ASGI application", exc_info=exc)
+        err = capsys.readouterr().err
+        shown = err if fmt == "text" else "\n".join(orjson.loads(line)["exc"] for line in err.splitlines())
+        assert "jane@example.test" not in err
+        for both in ("builtins.KeyError: (its text withheld)\nwhich was raised from:\n",
+                     'raise KeyError(f"no template for {recipient}") from cause',
+                     "redis.exceptions.ResponseError: WRONGTYPE Operation against a key"):
+            assert shown.count(both) == 2, (fmt, both, shown)

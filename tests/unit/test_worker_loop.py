@@ -3191,24 +3191,38 @@ def test_a_new_workers_first_partitions_are_paused_when_its_lane_yields():
     assert consumer.paused == {(TOPIC, 0), (TOPIC, 1)}
 
 
-def test_an_adapter_failing_unexpectedly_logs_its_class_not_its_text(caplog):
+def test_an_adapter_failing_unexpectedly_logs_its_class_and_frames_never_its_text(caplog):
     """Given a provider adapter whose call fails with an exception naming the recipient and a webhook URL (a
-    credential for some receivers),
+    credential for some receivers), raised while handling another that names them too,
     When the worker collects that failure,
-    Then the error line names the exception's class only; its text is in the traceback at DEBUG, not at INFO or above
-    (before: logged whole, with the address and the URL)."""
+    Then its error line names the exception's class, and the traceback the log shows (text or JSON) says where
+    both were raised (their classes, frames and lines of code) without their text (before: the text was in the
+    traceback, at DEBUG)."""
     import logging
+
+    from streams import logs
 
     class Failing(FakeProvider):
         def submit(self, path, body, api_key, idempotency_key, tenant):
             done = Future()
-            done.set_exception(ValueError("cannot send to jane@example.test via https://hooks.example/T0/B0/s3cret"))
+            recipient, url = "jane@example.test", "https://hooks.example/T0/B0/s3cret"
+            try:
+                try:
+                    raise KeyError(recipient)
+                except KeyError:
+                    raise ValueError(f"cannot send to {recipient} via {url}")  # noqa: B904 - on purpose
+            except ValueError as exc:
+                done.set_exception(exc)
             return done
 
     sends, msgs = _messages(["acme"])
     worker, _, _, _ = _worker(msgs, provider=Failing(DELIVERED))
     with caplog.at_level(logging.INFO):
         _run(worker, steps=5)
-    shown = [r.getMessage() + (str(r.exc_info) if r.exc_info else "") for r in caplog.records]
-    assert any("failed unexpectedly (ValueError)" in line for line in shown)
-    assert not any("jane@example.test" in line or "s3cret" in line for line in shown)
+    text = [logs.TextFormatter().format(r) for r in caplog.records]
+    as_json = [orjson.loads(logs.JsonFormatter().format(r)) for r in caplog.records]
+    failure = next(line for line in text if "provider call failed unexpectedly (ValueError)" in line)
+    assert failure.endswith(next(d["exc"] for d in as_json if "exc" in d))  # the JSON line's traceback: the same
+    assert "in submit" in failure and 'raise ValueError(f"cannot send to {recipient} via {url}")' in failure
+    assert "builtins.ValueError: (its text withheld)" in failure and "builtins.KeyError: (its text withheld)" in failure
+    assert not any("jane@example.test" in line or "s3cret" in line for line in text + [orjson.dumps(as_json).decode()])
