@@ -73,6 +73,9 @@ def events_of(doc: Any) -> list[dict]:
     return [doc] if isinstance(doc, dict) else []
 
 
+# What becomes of a send, as its outcome events say: accepted at ingest; retrying or unknown (attempted, retried);
+# then one of the final four. Another word is never recorded (it would be a metric label and a status of its own).
+STATUSES = ("accepted", "retrying", "unknown", "delivered", "dead_lettered", "dropped", "skipped")
 WHERE_KEYS = ("topic", "partition", "offset")  # what an event's `origin` and `dlq` say
 _TEXT = ("provider", "reason", "provider_message_id", "replay_of", "endpoint_id", "event_id", "event_type", "channel",
          "lane")
@@ -88,11 +91,12 @@ def unidentified(event: dict) -> str | None:
     return None
 
 
-def _is_place(where: object) -> bool:
-    """An event's `origin` or `dlq`: an object of a text topic and integer partition and offset. Its other keys are
+def _is_place(where: object, needed: tuple[str, ...]) -> bool:
+    """An event's `origin` or `dlq`: an object of a text topic and integer partition and offset, the `needed` ones
+    present (readers take them together: a DLQ offset without its partition names no letter). Its other keys are
     not read (each written became a field of the status hash: 4,000 passed what the status script can write, and
     the recorder retried the record for good)."""
-    return isinstance(where, dict) and all(
+    return isinstance(where, dict) and all(key in where for key in needed) and all(
         isinstance(value, str) if key == "topic" else isinstance(value, int) and not isinstance(value, bool)
         for key, value in where.items() if key in WHERE_KEYS)
 
@@ -103,6 +107,8 @@ def unusable(event: dict) -> str | None:
     problem = unidentified(event)
     if problem:
         return problem
+    if event["status"] not in STATUSES:
+        return f"'status' is not one of {', '.join(STATUSES)}"
     for name in _TEXT:
         if event.get(name) is not None and not isinstance(event[name], str):
             return f"'{name}' is not a string"
@@ -113,9 +119,9 @@ def unusable(event: dict) -> str | None:
     tried = event.get("providers_tried")
     if tried is not None and not (isinstance(tried, list) and all(isinstance(t, str) for t in tried)):
         return "'providers_tried' is not a list of strings"
-    for name in ("origin", "dlq"):
-        if event.get(name) is not None and not _is_place(event[name]):
-            return f"'{name}' is not an object of a topic and integer partition and offset"
+    for name, needed in (("origin", WHERE_KEYS), ("dlq", ("partition", "offset"))):
+        if event.get(name) is not None and not _is_place(event[name], needed):
+            return f"'{name}' is not an object of {' and '.join(needed)} (a text topic, integer partition and offset)"
     attempt = event.get("attempt")
     if attempt is not None and not (isinstance(attempt, dict) and isinstance(attempt.get("n"), int)
                                     and not isinstance(attempt["n"], bool)):
