@@ -15,6 +15,7 @@ from ..errors import (
     PublishError,
     ReplayOutcomeUnknown,
     SendValidationError,
+    StateLost,
     StoreUnavailable,
     StoreWriteUnknown,
 )
@@ -303,6 +304,9 @@ def keys(sub) -> None:
             return 0
         if not args.key_id:
             raise ConfigError(f"`streams keys {args.action}` needs a key id")
+        if args.key_id.startswith("dr_"):  # a key pasted for its id: never printed back (stderr lands in logs)
+            raise ConfigError(f"`streams keys {args.action}` takes a key's id, not the key itself (its id is "
+                              f"{key_id(args.key_id)}); nothing was changed")
         before = api_keys.get(args.key_id)
         if before is None:
             raise ConfigError(f"no API key {args.key_id}")
@@ -432,8 +436,15 @@ def sends(sub) -> None:
         rt = Runtime(args.config)
         if args.action == "replay":
             return _replay(rt, args.send_id, args.outcome_checked, dead_letter=False)
-        status = StatusStore(rt.redis(), rt.namespace).get(args.send_id)
+        r = rt.redis()
+        store = StatusStore(r, rt.namespace, holds_data=rt.state_guard("cli", r).check)
+        status = store.get(args.send_id)
         if status is None:
+            try:
+                store.require_data()
+            except StateLost:
+                raise StateLost(f"send {args.send_id} is not in Redis, which has lost its data, and `streams state "
+                                "recover` has not finished: the send may well exist; ask again once it has") from None
             raise ConfigError(f"no send {args.send_id} (its history is kept 30 days)")
         print(orjson.dumps({"send_id": args.send_id, **status}, option=orjson.OPT_INDENT_2).decode())
         return 0
@@ -613,7 +624,10 @@ def endpoints(sub) -> None:
                 found = store.update(args.tenant, args.endpoint_id, enabled=enabled)
         if found is None:
             raise missing
-        shown = found.public()
+        shown = webhooks.current(found).public()  # with its health, as the API shows it
+        if args.action == "reactivate":
+            shown["note"] = ("the endpoint receives deliveries again within a few seconds, once the endpoint-health "
+                             "app has read the reset (its state shows active then): replay what it missed then")
         if args.action == "show":  # for an operator: which key seals each secret (WebhookSecretsUnreadable), no secret
             shown["secrets"] = [{"sealed_with": sealed_with(s.value) or "(in the clear)",
                                  "expires_at_ms": s.expires_at_ms} for s in found.secrets]

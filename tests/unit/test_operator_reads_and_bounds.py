@@ -267,3 +267,98 @@ def test_the_cli_names_a_user_without_a_name_by_its_uid(monkeypatch):
 
     monkeypatch.setattr(getpass, "getuser", nameless)
     assert cli_actor().startswith(f"cli:uid:{os.getuid()}@")
+
+
+class KeysNeverAsked:
+    """An API key store no command may reach (the command must stop first)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the key store was asked ({name})")
+
+
+@pytest.mark.parametrize("action", ["revoke", "rotate"])
+def test_a_key_pasted_for_its_id_is_never_printed_back(action, monkeypatch, capsys):
+    """Given an operator who pastes a tenant's API key where its id belongs,
+    When the key is to be revoked or rotated,
+    Then the command exits 1 giving the key's id, nothing is changed, and the key itself is printed nowhere (before:
+    `error: no API key dr_ten_...`, a live credential on stderr, in a terminal's or a CI's log)."""
+    from streams.ingest.api_keys import key_id
+
+    token = "dr_ten_" + "k3y" * 12
+    rt = SimpleNamespace(api_keys=lambda: KeysNeverAsked(), audit_log=lambda: KeysNeverAsked())
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["keys", action, token]) == 1
+    printed = capsys.readouterr()
+    assert token not in printed.out + printed.err and "k3yk3y" not in printed.err
+    assert f"takes a key's id, not the key itself (its id is {key_id(token)}); nothing was changed" in printed.err
+
+
+def test_a_send_missing_while_redis_has_lost_its_data_is_not_called_missing(monkeypatch, capsys):
+    """Given Redis that has lost its data, `streams state recover` not finished,
+    When an operator looks a send up (`streams sends show`) and its status is not there,
+    Then the command exits 1 saying Redis lost its data and the send may well exist (before: "no send X", as the API
+    answered 503 for the same read)."""
+    from streams.ingest.status import StatusStore
+
+    monkeypatch.setattr(StatusStore, "get", lambda self, send_id: None)
+    intact = [False]
+    rt = SimpleNamespace(redis=lambda: SimpleNamespace(register_script=lambda script: None), namespace="",
+                         state_guard=lambda role, client: SimpleNamespace(check=lambda: intact[0]))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["sends", "show", "s-1"]) == 1
+    assert ("send s-1 is not in Redis, which has lost its data, and `streams state recover` has not finished: the "
+            "send may well exist") in capsys.readouterr().err
+    intact[0] = True
+    assert main(["sends", "show", "s-1"]) == 1
+    assert "no send s-1 (its history is kept 30 days)" in capsys.readouterr().err
+
+
+class DegradedEndpoint:
+    """Tenant acme's endpoint ep_1, configured active and enabled, that the endpoint-health app calls degraded (it
+    has not read a reset yet)."""
+
+    def __init__(self):
+        from streams.webhooks.model import Endpoint
+
+        self.endpoint = Endpoint(id="ep_1", tenant="acme", url="https://hooks.example/x", event_types=("*",),
+                                 description="", enabled=True, state="active", state_reason="", secrets=())
+        self.endpoints = self
+        self.directory = SimpleNamespace(catch_up=lambda: None)
+
+    def current(self, ep):
+        from dataclasses import replace
+
+        return replace(ep, state="degraded", state_reason="10 consecutive failures")
+
+    def get(self, tenant, endpoint_id):
+        return self.endpoint
+
+    def set_active(self, tenant, endpoint_id):
+        return self.endpoint
+
+    def update(self, tenant, endpoint_id, **changes):
+        return self.endpoint
+
+    def reset_health(self, tenant, endpoint_id):
+        pass
+
+
+@pytest.mark.parametrize("action", ["reactivate", "enable"])
+def test_an_endpoint_changed_from_the_cli_is_shown_in_its_state_the_api_shows(action, monkeypatch, capsys):
+    """Given tenant acme's endpoint, configured active, that the endpoint-health app still calls degraded,
+    When an operator reactivates or enables it from the CLI,
+    Then the endpoint printed is degraded, as the API shows it and as a replay meets it, and a reactivation says it
+    takes deliveries once the health app has read the reset (before: `"state": "active"`, and a replay run right
+    after was refused as the endpoint is degraded)."""
+    import orjson
+
+    hooks = DegradedEndpoint()
+    rt = SimpleNamespace(redis=lambda: SimpleNamespace(register_script=lambda script: None), namespace="",
+                         config=SimpleNamespace(webhook_secret_keys=object()), send_client=lambda: None,
+                         webhook_ingest=lambda *args: hooks,
+                         audit_log=lambda: SimpleNamespace(record=lambda *record: None))
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(["endpoints", action, "ep_1", "--tenant", "acme"]) == 0
+    shown = orjson.loads(capsys.readouterr().out)
+    assert (shown["id"], shown["state"]) == ("ep_1", "degraded")
+    assert ("once the endpoint-health app has read the reset" in shown.get("note", "")) == (action == "reactivate")
