@@ -52,6 +52,10 @@ class Health:
     applied_upto: int = -1           # offset of the last event applied (replays skip what is done)
     applied_partition: int = -1      # ... on this attempts partition (-1: not known, a row written before it was)
     since_ms: int = 0                # when the state last changed
+    # The failed attempts counted since the last success ("<delivery id>:<n>", the last DEGRADE_AFTER): the same
+    # attempt's record written twice (its producer got no acknowledgement in time and wrote it again, at a new
+    # offset) counts once.
+    counted_attempts: tuple[str, ...] = ()
 
     def to_doc(self) -> dict:
         return self.__dict__.copy()
@@ -60,7 +64,10 @@ class Health:
     def from_doc(cls, doc: dict) -> Health:
         """Fields it does not know are left out: a row written by a newer version (during a rolling deploy, or after
         a rollback) is read, not taken for a malformed event, which dropped every later event of its endpoint."""
-        return cls(**{k: v for k, v in doc.items() if k in _HEALTH_FIELDS})
+        fields = {k: v for k, v in doc.items() if k in _HEALTH_FIELDS}
+        if isinstance(fields.get("counted_attempts"), list):  # a JSON list in the row
+            fields["counted_attempts"] = tuple(fields["counted_attempts"])
+        return cls(**fields)
 
 
 _HEALTH_FIELDS = frozenset(Health.__dataclass_fields__)
@@ -136,13 +143,18 @@ def apply(h: Health, event: dict, offset: int, partition: int = -1) -> Outcome:
         return Outcome(h, False, alerts, suppressed)
     if event.get("kind") == "reactivated":
         reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
-                              gone_sent=False, incident=h.incident + 1, since_ms=now)
+                              gone_sent=False, incident=h.incident + 1, since_ms=now, counted_attempts=())
         # Published even when this table says active already: the state topic, which the workers and ingest
         # follow, may still say degraded (a changelog recreated or behind it), and a reactivation repairs that.
         return Outcome(reactivated, state_changed=True)
     if event.get("outcome") == "delivered":
-        return Outcome(replace(h, consecutive_failures=0))
-    h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event))
+        return Outcome(replace(h, consecutive_failures=0, counted_attempts=()))
+    attempt = _attempt_key(event)
+    if attempt is not None and attempt in h.counted_attempts:
+        return Outcome(h)  # a second record of an attempt counted already
+    counted = h.counted_attempts if attempt is None else (*h.counted_attempts, attempt)[-DEGRADE_AFTER:]
+    h = replace(h, consecutive_failures=h.consecutive_failures + 1, last_error=describe(event),
+                counted_attempts=counted)
     h, alerts, suppressed = _dropped(h, event, now)
     if h.state != "active" or h.consecutive_failures < DEGRADE_AFTER:
         return Outcome(h, False, alerts, suppressed, counted=True)
@@ -151,6 +163,12 @@ def apply(h: Health, event: dict, offset: int, partition: int = -1) -> Outcome:
     # Always sent (whatever the window), within the tenant's hourly alert budget (budget.py).
     alerts += (Alert("stopped", alert_id(h.endpoint_id, h.incident, "stopped", window), now),)
     return Outcome(h, True, alerts, suppressed, counted=True)
+
+
+def _attempt_key(event: dict) -> str | None:
+    """Which attempt of which delivery an attempt event records (None: it does not say)."""
+    delivery, n = event.get("delivery_id"), event.get("n")
+    return f"{delivery}:{n}" if isinstance(delivery, str) and isinstance(n, int) else None
 
 
 def _dropped(h: Health, event: dict, now: int) -> tuple[Health, tuple[Alert, ...], tuple[str, ...]]:

@@ -350,3 +350,23 @@ def test_a_delivery_dropped_before_an_attempt_mails_the_tenant_but_counts_no_fai
     text = alert_email("dropped", "ep_1", "https://hooks.acme.test/x", "acme", "HTTP 500", ["m@acme.test"],
                        "alerts@dispatch.test", "too_old", 0)["text"]
     assert "dropped before its first attempt, which would have come past its maximum age" in text
+
+
+def test_an_attempt_whose_record_was_written_twice_counts_once():
+    """Given an endpoint whose failed attempts' records are each written twice at successive offsets (a worker got no
+    acknowledgement in time, a broker failover, and wrote the record again),
+    When the health app applies them all (and its row is saved and read back between them),
+    Then each attempt counts once: degraded at the tenth attempt, not the fifth, with one "stopped" alert; after a
+    success or a reactivation the count starts again (before: the second record counted as a failure of its own)."""
+    f = Feed()
+    for n in range(1, 10):
+        for _ in range(2):
+            f.push({"kind": "attempt", "delivery_id": f"d-{n}", "n": 1, "outcome": "unavailable", "status_code": 500},
+                   n)
+        f.h = Health.from_doc(f.h.to_doc())
+    assert (f.h.state, f.h.consecutive_failures) == ("active", 9)
+    f.push({"kind": "attempt", "delivery_id": "d-1", "n": 2, "outcome": "unavailable", "status_code": 500}, 10)
+    assert (f.h.state, [k for k, _ in f.alerts]) == ("degraded", ["stopped"])
+    f.push(reactivation_event("ep_1", "acme", 11), 11)
+    f.push({"kind": "attempt", "delivery_id": "d-1", "n": 2, "outcome": "unavailable", "status_code": 500}, 12)
+    assert (f.h.state, f.h.consecutive_failures) == ("active", 1)
