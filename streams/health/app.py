@@ -63,6 +63,7 @@ from .stall import RecoveryWatch, StallWatch
 log = logging.getLogger("streams.endpoint_health")
 ALERT_TEMPLATE = "endpoint-alert"
 SEND_RETRY_MAX_S = 5.0
+UNACKNOWLEDGED_S = 10.0  # a send not acknowledged this long: the broker is said to be down while it waits
 STALL_CHECK_S = 5.0
 
 
@@ -70,6 +71,7 @@ class EndpointHealthApp:
     def __init__(self, config: Config, directory: EndpointDirectory, data_dir: Path | None = None):
         self.config, self.names, self.directory = config, config.names, directory
         self.alert_budget = AlertBudget()
+        self.unacknowledged_s = UNACKNOWLEDGED_S  # a test shortens it
         topics = load_definitions(namespace=config.namespace, profile=config.topic_profile)
         attempts = self.attempts_spec = topics[self.names.webhook_attempts]
         self.app = _App(
@@ -201,7 +203,7 @@ class EndpointHealthApp:
         wait = 0.1
         while True:
             try:
-                await self.app.producer.send_and_wait(topic, key, value, None, None, headers)
+                await self._acknowledged(topic, key, value, headers)
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure: the same record again, later
@@ -209,6 +211,19 @@ class EndpointHealthApp:
                 log.warning("publishing to %s failed (%s); trying again in %.1f s", topic, exc, wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, SEND_RETRY_MAX_S)
+
+    async def _acknowledged(self, topic: str, key: bytes, value: bytes, headers: list) -> None:
+        """One send, awaited until the broker answers. The producer's own timeout is faust's 20 minutes (the
+        changelog's writes ride on it too): past UNACKNOWLEDGED_S without an answer, the broker is said to be down
+        (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, never cancelled."""
+        sending = asyncio.ensure_future(self.app.producer.send_and_wait(topic, key, value, None, None, headers))
+        waited = 0.0
+        while not (await asyncio.wait({sending}, timeout=self.unacknowledged_s))[0]:
+            waited += self.unacknowledged_s
+            metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
+            log.warning("publishing to %s: no acknowledgement from the broker after %.0f s; still waiting", topic,
+                        waited)
+        sending.result()
 
     # ------------------------------------------------------------------ stalled partitions
     async def _reread_stalled(self) -> None:

@@ -94,3 +94,48 @@ def test_a_row_learns_its_attempts_partition_at_its_next_event(tmp_path):
 
     asyncio.run(scenario())
     assert (table["ep_1"]["applied_upto"], table["ep_1"]["applied_partition"]) == (950, 3)
+
+
+def test_a_send_the_broker_does_not_answer_says_the_broker_is_down_while_it_waits(tmp_path, caplog):
+    """Given the endpoint-health app publishing a state change the broker neither acknowledges nor refuses (a
+    partition without its leader, too few in-sync replicas: faust's producer waits 20 minutes before it gives up),
+    When the send has waited past the app's unacknowledged time (shortened here),
+    Then `dispatch_dependency_down{role="endpoint-health", dependency="kafka"}` is 1 and a warning names the topic
+    while the send goes on waiting (not cancelled, not sent again); once the broker acknowledges it the gauge is 0
+    (before: nothing was said for those 20 minutes)."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0"})
+    directory = SimpleNamespace(members={}, endpoints={})
+    down = {"role": "endpoint-health", "dependency": "kafka"}
+    sends = []
+
+    async def scenario() -> None:
+        app = EndpointHealthApp(config, directory, data_dir=tmp_path / "data")  # type: ignore[arg-type]
+        app.unacknowledged_s = 0.01
+        answer = asyncio.get_running_loop().create_future()
+
+        async def send_and_wait(*args):
+            sends.append(args[0])
+            return await answer
+
+        app.app._producer = SimpleNamespace(send_and_wait=send_and_wait)
+        producing = asyncio.ensure_future(app._produce("notif.endpoint.state", b"ep_1", b"{}", []))
+
+        async def said_down() -> None:
+            while REGISTRY.get_sample_value("dispatch_dependency_down", down) != 1:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(said_down(), timeout=5)
+        assert not producing.done()
+        answer.set_result(None)
+        await producing
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert sends == ["notif.endpoint.state"]
+    assert REGISTRY.get_sample_value("dispatch_dependency_down", down) == 0
+    assert any("publishing to notif.endpoint.state: no acknowledgement from the broker after" in r.getMessage()
+               for r in caplog.records)
