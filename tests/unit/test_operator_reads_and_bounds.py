@@ -313,25 +313,14 @@ def test_a_send_missing_while_redis_has_lost_its_data_is_not_called_missing(monk
     assert "no send s-1 (its history is kept 30 days)" in capsys.readouterr().err
 
 
-class DegradedEndpoint:
+class DegradedEndpoint(EndpointWritesUnanswered):
     """Tenant acme's endpoint ep_1, configured active and enabled, that the endpoint-health app calls degraded (it
-    has not read a reset yet)."""
-
-    def __init__(self):
-        from streams.webhooks.model import Endpoint
-
-        self.endpoint = Endpoint(id="ep_1", tenant="acme", url="https://hooks.example/x", event_types=("*",),
-                                 description="", enabled=True, state="active", state_reason="", secrets=())
-        self.endpoints = self
-        self.directory = SimpleNamespace(catch_up=lambda: None)
+    has not read a reset yet); its writes are answered."""
 
     def current(self, ep):
         from dataclasses import replace
 
         return replace(ep, state="degraded", state_reason="10 consecutive failures")
-
-    def get(self, tenant, endpoint_id):
-        return self.endpoint
 
     def set_active(self, tenant, endpoint_id):
         return self.endpoint
