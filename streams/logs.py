@@ -106,4 +106,3 @@ def evidence(logger: logging.Logger, level: int, event: str, **fields: Any) -> N
 def _shown(value: Any) -> str:
     text = str(value)
     return text if text.isprintable() and _PLAIN.fullmatch(text) else orjson.dumps(text).decode()
-
