@@ -27,24 +27,33 @@ _PLAIN = re.compile(r"[^\s=\"\\]*")  # a text field's value shown as it is: no s
 
 
 # Exceptions whose text is a report this project or a dependency writes (the project's own errors, written without
-# addresses, numbers or bodies; a broker's or Redis's error; a connection refused): a logged traceback shows it.
-# Any other exception's text may hold what the code was handling when it failed (a recipient, a payload, a webhook
-# URL, which is a credential for some receivers): its class and frames are logged, its text withheld.
-TEXT_SHOWN: tuple[type[BaseException], ...] = (DispatchError, KafkaException, RedisError, OSError)
+# addresses, numbers or bodies; a broker's or Redis's error; the operating system's, a connection refused): a logged
+# traceback shows it. Any other exception's text may hold what the code was handling when it failed (a recipient, a
+# payload, a webhook URL, which is a credential for some receivers): its class and frames are logged, its text
+# withheld. That includes an OSError of a library's own class (an HTTP client's timeout names the URL it called).
+TEXT_SHOWN: tuple[type[BaseException], ...] = (DispatchError, KafkaException, RedisError)
+_OS_MODULES = frozenset({"builtins", "socket", "ssl"})
+
+
+def _text_shown(exc: BaseException) -> bool:
+    return isinstance(exc, TEXT_SHOWN) or (isinstance(exc, OSError) and type(exc).__module__ in _OS_MODULES)
 
 
 def traceback_shown(exc: BaseException) -> str:
     """The traceback of `exc` (and of the exceptions it was raised from or while handling, after it): each
-    exception's class and frames (file, line, function, the line of code), its text only when TEXT_SHOWN."""
+    exception's class and frames (file, line, function, the line of code), its text only when TEXT_SHOWN or the
+    operating system's. The exceptions inside an ExceptionGroup are named by class."""
     parts: list[str] = []
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         kind = type(current)
-        text = str(current) if isinstance(current, TEXT_SHOWN) else "(its text withheld)"
+        text = str(current) if _text_shown(current) else "(its text withheld)"
         parts.append("Traceback (most recent call last):\n" + "".join(traceback.format_tb(current.__traceback__))
                      + f"{kind.__module__}.{kind.__qualname__}: {text}")
+        if isinstance(current, BaseExceptionGroup):
+            parts.append(f" (holding {', '.join(type(e).__qualname__ for e in current.exceptions)})")
         if current.__cause__ is not None:
             parts.append("\nwhich was raised from:\n")
             current = current.__cause__

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -15,7 +16,6 @@ from ..errors import (
     PublishError,
     ReplayOutcomeUnknown,
     SendValidationError,
-    StateLost,
     StoreUnavailable,
     StoreWriteUnknown,
 )
@@ -272,6 +272,9 @@ def senders(sub) -> None:
     p.set_defaults(func=run)
 
 
+KEY_ID = re.compile(r"[0-9a-f]{12}")  # what `streams keys list` names a key by (ingest/api_keys.py key_id)
+
+
 def keys(sub) -> None:
     p = sub.add_parser("keys", help="operator: ingest API keys (create, list, revoke, rotate)")
     p.add_argument("action", choices=["create", "list", "revoke", "rotate"])
@@ -304,9 +307,10 @@ def keys(sub) -> None:
             return 0
         if not args.key_id:
             raise ConfigError(f"`streams keys {args.action}` needs a key id")
-        if args.key_id.startswith("dr_"):  # a key pasted for its id: never printed back (stderr lands in logs)
-            raise ConfigError(f"`streams keys {args.action}` takes a key's id, not the key itself (its id is "
-                              f"{key_id(args.key_id)}); nothing was changed")
+        if not KEY_ID.fullmatch(args.key_id):  # a key pasted for its id, say: never printed back (logs keep stderr)
+            raise ConfigError(f"`streams keys {args.action}` takes a key's id (12 hex digits, from `streams keys "
+                              f"list`), not the key itself (if it is one, its id is {key_id(args.key_id.strip())}); "
+                              "nothing was changed")
         before = api_keys.get(args.key_id)
         if before is None:
             raise ConfigError(f"no API key {args.key_id}")
@@ -442,9 +446,10 @@ def sends(sub) -> None:
         if status is None:
             try:
                 store.require_data()
-            except StateLost:
-                raise StateLost(f"send {args.send_id} is not in Redis, which has lost its data, and `streams state "
-                                "recover` has not finished: the send may well exist; ask again once it has") from None
+            except StoreUnavailable:  # lost (StateLost), or the operator log cannot say
+                raise StoreUnavailable(f"send {args.send_id} is not in Redis, which has lost its data (or cannot say "
+                                       "whether it has), and `streams state recover` has not finished: the send may "
+                                       "well exist; ask again once it has") from None
             raise ConfigError(f"no send {args.send_id} (its history is kept 30 days)")
         print(orjson.dumps({"send_id": args.send_id, **status}, option=orjson.OPT_INDENT_2).decode())
         return 0
@@ -627,7 +632,9 @@ def endpoints(sub) -> None:
         shown = webhooks.current(found).public()  # with its health, as the API shows it
         if args.action == "reactivate":
             shown["note"] = ("the endpoint receives deliveries again within a few seconds, once the endpoint-health "
-                             "app has read the reset (its state shows active then): replay what it missed then")
+                             "app has read the reset (its state shows active then): replay what it missed then"
+                             if found.enabled else "the endpoint is reactivated, and disabled by its tenant "
+                             "(enabled: false): it receives deliveries once enabled")
         if args.action == "show":  # for an operator: which key seals each secret (WebhookSecretsUnreadable), no secret
             shown["secrets"] = [{"sealed_with": sealed_with(s.value) or "(in the clear)",
                                  "expires_at_ms": s.expires_at_ms} for s in found.secrets]

@@ -218,11 +218,15 @@ class EndpointHealthApp:
         (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, never cancelled."""
         sending = asyncio.ensure_future(self.app.producer.send_and_wait(topic, key, value, None, None, headers))
         waited = 0.0
-        while not (await asyncio.wait({sending}, timeout=self.unacknowledged_s))[0]:
-            waited += self.unacknowledged_s
-            metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
-            log.warning("publishing to %s: no acknowledgement from the broker after %.0f s; still waiting", topic,
-                        waited)
+        try:
+            while not (await asyncio.wait({sending}, timeout=self.unacknowledged_s))[0]:
+                waited += self.unacknowledged_s
+                metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(1)
+                log.warning("publishing to %s: no acknowledgement from the broker after %.0f s; still waiting", topic,
+                            waited)
+        except asyncio.CancelledError:  # the agent stops (a shutdown): the send with it, not left unwatched
+            sending.cancel()
+            raise
         sending.result()
 
     # ------------------------------------------------------------------ stalled partitions
@@ -385,7 +389,10 @@ class EndpointHealthApp:
                 await super().on_startup_finished()
                 print(banner, flush=True)
 
-        worker = Worker(self.app, loglevel=self.config.log_level, quiet=True, redirect_stdouts=False)
+        # The process's log handler stays (logs.setup: its format, tracebacks without exception text): faust's
+        # would replace it with its own.
+        worker = Worker(self.app, loglevel=self.config.log_level, quiet=True, redirect_stdouts=False,
+                        override_logging=False)
         try:
             worker.execute_from_commandline()
         finally:

@@ -52,9 +52,9 @@ class Health:
     applied_upto: int = -1           # offset of the last event applied (replays skip what is done)
     applied_partition: int = -1      # ... on this attempts partition (-1: not known, a row written before it was)
     since_ms: int = 0                # when the state last changed
-    # The failed attempts counted since the last success ("<delivery id>:<n>", the last DEGRADE_AFTER): the same
-    # attempt's record written twice (its producer got no acknowledgement in time and wrote it again, at a new
-    # offset) counts once.
+    # The last DEGRADE_AFTER failed attempts counted ("<delivery id>:<n>:<at_ms>"): the same record written twice
+    # (its producer got no acknowledgement in time and wrote it again, at a new offset) counts once. An attempt
+    # tried again in place (a receiver's short 429) is another record, timed anew: each counts.
     counted_attempts: tuple[str, ...] = ()
 
     def to_doc(self) -> dict:
@@ -143,12 +143,12 @@ def apply(h: Health, event: dict, offset: int, partition: int = -1) -> Outcome:
         return Outcome(h, False, alerts, suppressed)
     if event.get("kind") == "reactivated":
         reactivated = replace(h, consecutive_failures=0, state="active", window_start_ms=None, stopped_sent=False,
-                              gone_sent=False, incident=h.incident + 1, since_ms=now, counted_attempts=())
+                              gone_sent=False, incident=h.incident + 1, since_ms=now)
         # Published even when this table says active already: the state topic, which the workers and ingest
         # follow, may still say degraded (a changelog recreated or behind it), and a reactivation repairs that.
         return Outcome(reactivated, state_changed=True)
     if event.get("outcome") == "delivered":
-        return Outcome(replace(h, consecutive_failures=0, counted_attempts=()))
+        return Outcome(replace(h, consecutive_failures=0))
     attempt = _attempt_key(event)
     if attempt is not None and attempt in h.counted_attempts:
         return Outcome(h)  # a second record of an attempt counted already
@@ -166,9 +166,9 @@ def apply(h: Health, event: dict, offset: int, partition: int = -1) -> Outcome:
 
 
 def _attempt_key(event: dict) -> str | None:
-    """Which attempt of which delivery an attempt event records (None: it does not say)."""
-    delivery, n = event.get("delivery_id"), event.get("n")
-    return f"{delivery}:{n}" if isinstance(delivery, str) and isinstance(n, int) else None
+    """Which record of which attempt of which delivery an attempt event is (None: it does not say)."""
+    delivery, n, at_ms = event.get("delivery_id"), event.get("n"), event.get("at_ms")
+    return f"{delivery}:{n}:{at_ms}" if isinstance(delivery, str) and isinstance(n, int) else None
 
 
 def _dropped(h: Health, event: dict, now: int) -> tuple[Health, tuple[Alert, ...], tuple[str, ...]]:

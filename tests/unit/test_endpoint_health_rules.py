@@ -352,21 +352,43 @@ def test_a_delivery_dropped_before_an_attempt_mails_the_tenant_but_counts_no_fai
     assert "dropped before its first attempt, which would have come past its maximum age" in text
 
 
+def _failed(delivery: str, n: int, **more) -> dict:
+    return {"kind": "attempt", "delivery_id": delivery, "n": n, "outcome": "unavailable", "status_code": 500, **more}
+
+
 def test_an_attempt_whose_record_was_written_twice_counts_once():
     """Given an endpoint whose failed attempts' records are each written twice at successive offsets (a worker got no
-    acknowledgement in time, a broker failover, and wrote the record again),
+    acknowledgement in time, a broker failover, and wrote the record again), one of them after a success,
     When the health app applies them all (and its row is saved and read back between them),
-    Then each attempt counts once: degraded at the tenth attempt, not the fifth, with one "stopped" alert; after a
-    success or a reactivation the count starts again (before: the second record counted as a failure of its own)."""
+    Then each attempt counts once: degraded at the tenth attempt, not the fifth, with one "stopped" alert (before:
+    the second record counted as a failure of its own)."""
     f = Feed()
     for n in range(1, 10):
         for _ in range(2):
-            f.push({"kind": "attempt", "delivery_id": f"d-{n}", "n": 1, "outcome": "unavailable", "status_code": 500},
-                   n)
+            f.push(_failed(f"d-{n}", 1, at_ms=n), n)
         f.h = Health.from_doc(f.h.to_doc())
     assert (f.h.state, f.h.consecutive_failures) == ("active", 9)
-    f.push({"kind": "attempt", "delivery_id": "d-1", "n": 2, "outcome": "unavailable", "status_code": 500}, 10)
+    f.ok(10)
+    f.push(_failed("d-9", 1, at_ms=9), 11)  # a record of before the success, written again after it
+    assert f.h.consecutive_failures == 0
+    for n in range(1, 10):
+        f.push(_failed(f"e-{n}", 1, at_ms=20 + n), 20 + n)
+    f.push(_failed("e-10", 1, at_ms=30), 30)
     assert (f.h.state, [k for k, _ in f.alerts]) == ("degraded", ["stopped"])
-    f.push(reactivation_event("ep_1", "acme", 11), 11)
-    f.push({"kind": "attempt", "delivery_id": "d-1", "n": 2, "outcome": "unavailable", "status_code": 500}, 12)
-    assert (f.h.state, f.h.consecutive_failures) == ("active", 1)
+
+
+def test_an_attempt_tried_again_in_place_counts_each_time_and_its_drop_is_said():
+    """Given a delivery's attempt 3 that its receiver keeps answering 429 past the first minute (the worker tries
+    the same attempt again in place, each answer a record of its own, timed anew, not held),
+    When ten such answers are applied; or three, then the attempt is given up on (dropped),
+    Then each answer counts (degraded at the tenth), and the drop is applied and said (before the records were told
+    apart by their time, the nine after the first were taken for copies of it)."""
+    f = Feed()
+    for t in range(10):
+        f.push(_failed("d-1", 3, outcome="throttled", status_code=429, held=False, at_ms=t), t)
+    assert (f.h.state, f.h.consecutive_failures) == ("degraded", 10)
+    g = Feed()
+    for t in range(3):
+        g.push(_failed("d-1", 3, outcome="throttled", status_code=429, held=False, at_ms=t), t)
+    out = g.push(_failed("d-1", 3, dropped="retries_exhausted", at_ms=3), 3)
+    assert out.counted and g.h.consecutive_failures == 4 and [k for k, _ in g.alerts] == ["dropped"]

@@ -84,3 +84,21 @@ def test_a_logged_traceback_shows_where_and_what_but_not_the_text_of_what_code_w
                      'raise KeyError(f"no template for {recipient}") from cause',
                      "redis.exceptions.ResponseError: WRONGTYPE Operation against a key"):
             assert shown.count(both) == 2, (fmt, both, shown)
+
+
+class ClientTimeout(TimeoutError):
+    """An HTTP client library's own timeout (an OSError), whose text names the URL it called."""
+
+
+def test_an_os_error_shows_its_text_only_when_the_operating_system_wrote_it():
+    """Given a connection refused (the standard library's OSError), an HTTP client's timeout naming a webhook URL
+    (an OSError of the library's own class), and an exception group holding both,
+    When their tracebacks are shown,
+    Then the connection refused keeps its text, the timeout's URL is withheld, and the group names what it holds
+    (before: every OSError's text was shown, a webhook URL's token with it)."""
+    refused = ConnectionRefusedError(111, "Connection refused")
+    timeout = ClientTimeout("Connection timeout to host https://hooks.example/T0/s3cret")
+    assert logs.traceback_shown(refused).endswith("builtins.ConnectionRefusedError: [Errno 111] Connection refused")
+    assert logs.traceback_shown(timeout).endswith("ClientTimeout: (its text withheld)")
+    group = logs.traceback_shown(ExceptionGroup("two failed", [refused, timeout]))
+    assert group.endswith("(holding ConnectionRefusedError, ClientTimeout)") and "s3cret" not in group

@@ -198,9 +198,9 @@ def test_a_cli_command_that_did_nothing_says_so_and_exits_non_zero(monkeypatch, 
     rt = SimpleNamespace(api_keys=lambda: KeyDeletedMeanwhile(),
                          audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record)))
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
-    assert main(["keys", "revoke", "k-1"]) == 1
+    assert main(["keys", "revoke", "0123456789ab"]) == 1
     printed = capsys.readouterr()
-    assert "no API key k-1" in printed.err and "revoked" not in printed.out and audited == []
+    assert "no API key 0123456789ab" in printed.err and "revoked" not in printed.out and audited == []
     with pytest.raises(SystemExit) as exit_:
         main(["dlq", "list", "--limit", "0"])
     assert exit_.value.code == 2 and "'0' is not a number from 1 to 1000" in capsys.readouterr().err
@@ -277,20 +277,20 @@ class KeysNeverAsked:
 
 
 @pytest.mark.parametrize("action", ["revoke", "rotate"])
-def test_a_key_pasted_for_its_id_is_never_printed_back(action, monkeypatch, capsys):
-    """Given an operator who pastes a tenant's API key where its id belongs,
+@pytest.mark.parametrize("pasted", ["{token}", " {token}", "'{token}'"])
+def test_a_key_pasted_for_its_id_is_never_printed_back(action, pasted, monkeypatch, capsys):
+    """Given an operator who pastes a tenant's API key where its id belongs (as it is, after a space, in quotes),
     When the key is to be revoked or rotated,
-    Then the command exits 1 giving the key's id, nothing is changed, and the key itself is printed nowhere (before:
-    `error: no API key dr_ten_...`, a live credential on stderr, in a terminal's or a CI's log)."""
-    from streams.ingest.api_keys import key_id
-
+    Then the command exits 1 saying a key id is 12 hex digits, nothing is changed, and the key itself is printed
+    nowhere (before: `error: no API key dr_ten_...`, a live credential on stderr, in a terminal's or a CI's log)."""
     token = "dr_ten_" + "k3y" * 12
     rt = SimpleNamespace(api_keys=lambda: KeysNeverAsked(), audit_log=lambda: KeysNeverAsked())
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
-    assert main(["keys", action, token]) == 1
+    assert main(["keys", action, pasted.format(token=token)]) == 1
     printed = capsys.readouterr()
-    assert token not in printed.out + printed.err and "k3yk3y" not in printed.err
-    assert f"takes a key's id, not the key itself (its id is {key_id(token)}); nothing was changed" in printed.err
+    assert "k3yk3y" not in printed.out + printed.err
+    assert f"`streams keys {action}` takes a key's id (12 hex digits" in printed.err
+    assert "nothing was changed" in printed.err
 
 
 def test_a_send_missing_while_redis_has_lost_its_data_is_not_called_missing(monkeypatch, capsys):
@@ -306,8 +306,8 @@ def test_a_send_missing_while_redis_has_lost_its_data_is_not_called_missing(monk
                          state_guard=lambda role, client: SimpleNamespace(check=lambda: intact[0]))
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
     assert main(["sends", "show", "s-1"]) == 1
-    assert ("send s-1 is not in Redis, which has lost its data, and `streams state recover` has not finished: the "
-            "send may well exist") in capsys.readouterr().err
+    assert ("send s-1 is not in Redis, which has lost its data (or cannot say whether it has), and `streams state "
+            "recover` has not finished: the send may well exist") in capsys.readouterr().err
     intact[0] = True
     assert main(["sends", "show", "s-1"]) == 1
     assert "no send s-1 (its history is kept 30 days)" in capsys.readouterr().err
@@ -351,3 +351,9 @@ def test_an_endpoint_changed_from_the_cli_is_shown_in_its_state_the_api_shows(ac
     shown = orjson.loads(capsys.readouterr().out)
     assert (shown["id"], shown["state"]) == ("ep_1", "degraded")
     assert ("once the endpoint-health app has read the reset" in shown.get("note", "")) == (action == "reactivate")
+    if action == "reactivate":  # one its tenant disabled stays so: the note says it
+        from dataclasses import replace
+
+        hooks.endpoint = replace(hooks.endpoint, enabled=False)
+        assert main(["endpoints", action, "ep_1", "--tenant", "acme"]) == 0
+        assert "it receives deliveries once enabled" in orjson.loads(capsys.readouterr().out)["note"]
