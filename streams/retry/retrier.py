@@ -253,7 +253,8 @@ class Retrier:
         held = Held(0, msg.offset(), msg.topic(), msg.partition(), msg.key(), msg.value(), {})
         now_ms = int(self.clock() * 1000)
         send_id = peek_send_id(msg.value())
-        headers = {"send_id": send_id, "reason": b"malformed", "detail": b"a header name is not UTF-8",
+        headers = {"send_id": send_id, "tenant": _tenant_of(msg.value()), "reason": b"malformed",
+                   "detail": b"a header name is not UTF-8",
                    **self._letter_headers((held.topic, held.partition, held.offset), now_ms)}
         without_payload = {**headers, "reason": b"too_large", "reason_detail": b"malformed",
                            "payload_omitted": b"too_large"}
@@ -386,3 +387,11 @@ class Retrier:
         if len(kept) != len(self.heap):
             self.heap = kept
             heapq.heapify(self.heap)
+
+
+def _tenant_of(value: bytes | None) -> bytes:
+    """The tenant a copy's send names, as every dead letter's `tenant` header says it (b"": none it can name)."""
+    try:
+        return decode(value).tenant_id.encode()
+    except MalformedEvent as exc:
+        return exc.send.tenant_id.encode() if exc.send is not None else b""

@@ -310,8 +310,9 @@ def _hold_unreadable_copy(r: Retrier, send) -> tuple[RecordingProducer, str]:
 def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
     """Given a retry record of a real send whose header names are not UTF-8,
     When the retrier dead-letters it,
-    Then the send's outcome says dead-lettered `malformed`, where the letter is, and the offset moves on once that
-    is acknowledged (before: no outcome: its status stayed `retrying`, and a replay refused it as in progress)."""
+    Then the letter names the send and its tenant, the send's outcome says dead-lettered `malformed`, where the letter
+    is, and the offset moves on once that is acknowledged (before: no outcome: its status stayed `retrying`, and a
+    replay refused it as in progress; no tenant on the letter)."""
     from streams.send import build_send, validate_request
     from tests.harness import email_request
 
@@ -322,6 +323,7 @@ def test_a_send_dead_lettered_for_unreadable_headers_gets_its_outcome():
     r.writer.poll(0)
     [(dlq, _, headers), (outcomes, event, _)] = producer.records
     assert (dlq, outcomes, headers["send_id"]) == (r.cfg.names.dlq, r.cfg.names.outcomes, send.send_id.encode())
+    assert headers["tenant"] == b"acme"  # as every letter names it (`streams dlq list` showed `tenant=-`)
     event = orjson.loads(event)
     assert (event["send_id"], event["status"], event["reason"]) == (send.send_id, "dead_lettered", "malformed")
     assert event["dlq"] == {"partition": 0, "offset": 0}
