@@ -284,6 +284,8 @@ def keys(sub) -> None:
     who.add_argument("--operator", action="store_true", help="create: an operator key")
     p.add_argument("--label", default="", help="create: what the key is for")
     p.add_argument("--overlap", type=int, default=24 * 3600, help="rotate: seconds the old key keeps working")
+    p.add_argument("--yes", action="store_true",
+                   help="revoke, rotate --overlap 0: yes, the key stops working now (it cannot be undone)")
 
     def run(args: argparse.Namespace) -> int:
         from ..ingest.api_keys import key_id, public
@@ -311,6 +313,11 @@ def keys(sub) -> None:
             raise ConfigError(f"`streams keys {args.action}` takes a key's id (12 hex digits, from `streams keys "
                               f"list`), not the key itself (if it is one, its id is {key_id(args.key_id.strip())}); "
                               "nothing was changed")
+        if (args.action == "revoke" or args.overlap == 0) and not args.yes:
+            raise ConfigError(f"`streams keys {args.action}` stops key {args.key_id} working at once, for every "
+                              "request of whoever holds it, and cannot be undone"
+                              + (" (rotate with an --overlap keeps the old key working meanwhile)"
+                                 if args.action == "rotate" else "") + ": say --yes. Nothing was changed")
         before = api_keys.get(args.key_id)
         if before is None:
             raise ConfigError(f"no API key {args.key_id}")
@@ -520,6 +527,8 @@ def endpoints(sub) -> None:
     p.add_argument("--url")
     p.add_argument("--events", help="comma-separated event types ('*' for all)")
     p.add_argument("--description", default="")
+    p.add_argument("--yes", action="store_true",
+                   help="delete: yes, delete it for good (its deliveries waiting or in retry are skipped)")
     p.add_argument("--unsealed", action="store_true",
                    help="create/rotate in a shell without WEBHOOK_SECRET_KEYS (a development stack without keys): "
                         "store the signing secret unsealed, which is refused without it; with the keys, the secret "
@@ -531,6 +540,10 @@ def endpoints(sub) -> None:
         from ..ingest.status import StatusStore
         from ..webhooks.sealing import UnsealError, sealed_with
 
+        if args.action == "delete" and args.endpoint_id and not args.yes:
+            raise ConfigError(f"`streams endpoints delete` deletes endpoint {args.endpoint_id} of tenant {args.tenant} "
+                              "for good (its deliveries waiting or in retry are skipped, its signing secrets gone; "
+                              "`disable` stops deliveries and can be undone): say --yes. Nothing was changed")
         rt = Runtime(args.config)
         r = rt.redis()
         webhooks = rt.webhook_ingest(r, rt.send_client(), StatusStore(r, rt.namespace))

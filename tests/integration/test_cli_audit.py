@@ -39,7 +39,8 @@ def test_every_operator_change_from_the_cli_is_on_the_audit_trail(stack, names, 
     endpoint = orjson.loads(created.stdout)
     endpoint_id, secret = endpoint["id"], endpoint["secret"]
     for action in ("disable", "reactivate", "rotate", "delete"):
-        done = _cli(dispatch_env, "endpoints", action, endpoint_id, "--tenant", "acme")
+        done = _cli(dispatch_env, "endpoints", action, endpoint_id, "--tenant", "acme",
+                    *(["--yes"] if action == "delete" else []))
         assert done.returncode == 0, (action, done.stderr)
         if action == "rotate":
             rotated = done.stdout.strip()

@@ -198,7 +198,7 @@ def test_a_cli_command_that_did_nothing_says_so_and_exits_non_zero(monkeypatch, 
     rt = SimpleNamespace(api_keys=lambda: KeyDeletedMeanwhile(),
                          audit_log=lambda: SimpleNamespace(record=lambda *record: audited.append(record)))
     monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
-    assert main(["keys", "revoke", "0123456789ab"]) == 1
+    assert main(["keys", "revoke", "0123456789ab", "--yes"]) == 1
     printed = capsys.readouterr()
     assert "no API key 0123456789ab" in printed.err and "revoked" not in printed.out and audited == []
     with pytest.raises(SystemExit) as exit_:
@@ -357,3 +357,22 @@ def test_an_endpoint_changed_from_the_cli_is_shown_in_its_state_the_api_shows(ac
         hooks.endpoint = replace(hooks.endpoint, enabled=False)
         assert main(["endpoints", action, "ep_1", "--tenant", "acme"]) == 0
         assert "it receives deliveries once enabled" in orjson.loads(capsys.readouterr().out)["note"]
+
+
+@pytest.mark.parametrize("command, says", [
+    (["keys", "revoke", "0123456789ab"], "`streams keys revoke` stops key 0123456789ab working at once"),
+    (["keys", "rotate", "0123456789ab", "--overlap", "0"], "(rotate with an --overlap keeps the old key working"),
+    (["endpoints", "delete", "ep_1", "--tenant", "acme"], "deletes endpoint ep_1 of tenant acme for good"),
+])
+def test_a_change_that_cannot_be_undone_is_made_only_when_the_operator_says_yes(command, says, monkeypatch, capsys):
+    """Given an operator,
+    When a key is revoked or rotated with no overlap, or an endpoint deleted, without --yes,
+    Then the command exits 1 saying what would be lost and to say --yes, and nothing is asked of any store (before:
+    done at once; a mistyped id deleted another endpoint and skipped its deliveries for good)."""
+    rt = SimpleNamespace(api_keys=lambda: KeysNeverAsked(), audit_log=lambda: KeysNeverAsked(),
+                         redis=lambda: KeysNeverAsked(), webhook_ingest=lambda *args: KeysNeverAsked(),
+                         config=SimpleNamespace(webhook_secret_keys=object()), send_client=lambda: None, namespace="")
+    monkeypatch.setattr(operator_cli, "Runtime", lambda config: rt)
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert says in err and "say --yes. Nothing was changed" in err
