@@ -229,7 +229,7 @@ class Retrier:
         self.released[where] = held
         self.writer.write(self.lane_topic, held.value, held.key, headers.items(),
                           on_ack=lambda: self._acknowledged(where),
-                          on_refused=lambda err: self._dead_letter_refused(held, now_ms, where))
+                          on_refused=lambda err: self._dead_letter_refused(held, now_ms, where, err))
         metrics.RETRIES_REPUBLISHED.labels(self.cfg.channel, self.cfg.lane, self._tier_of.get(held.topic, "?")).inc()
 
     def _acknowledged(self, where: tuple[str, int, int]) -> None:
@@ -272,21 +272,26 @@ class Retrier:
         self.writer.write(self.cfg.names.dlq, msg.value(), send_id or None, headers.items(), on_written=written,
                           on_refused=refused)
 
-    def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int]) -> None:
-        """The lane refused the copy for its size (the header added here took a record written straight to
-        the lane past the lane's limit). Sent again it would be refused again, and its partition would
-        never move on: the DLQ keeps a letter without the payload, naming the retry record that holds it."""
-        log.error("the lane refused the retry copy at %s[%d]@%d for its size: dead-lettered without its payload",
-                  *where)
+    def _dead_letter_refused(self, held: Held, now_ms: int, where: tuple[str, int, int], err: KafkaError) -> None:
+        """The lane refused the copy, for its size (the header added here took a record written straight to the
+        lane past the lane's limit) or as an invalid record. Sent again it would be refused again, and its
+        partition would never move on: the DLQ keeps a letter without the payload, naming the retry record that
+        holds it, and why the lane refused it."""
+        for_size = err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+        log.error("the lane refused the retry copy at %s[%d]@%d (%s): dead-lettered without its payload", *where,
+                  err.name())
         self.released.pop(where, None)
         headers = {k: v[:1000] for k, v in held.headers.items() if k in OWN_DLQ_HEADERS}
-        headers.update({"reason": b"too_large", "reason_detail": b"lane_copy_too_large",
-                        "attempts": str(attempts_made(held)).encode(), "payload_omitted": b"too_large",
+        reason = "too_large" if for_size else "malformed"
+        detail = b"lane_copy_too_large" if for_size else f"lane_refused:{err.name()}".encode()
+        headers.update({"reason": reason.encode(), "reason_detail": detail,
+                        "attempts": str(attempts_made(held)).encode(),
+                        "payload_omitted": b"too_large" if for_size else b"refused",
                         **self._letter_headers(where, now_ms)})
-        metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, "too_large").inc()
+        metrics.DLQ.labels(self.cfg.channel, self.cfg.lane, reason).inc()
         self.writer.write(self.cfg.names.dlq, None, plausible_send_id(held.headers.get("send_id")) or None,
                           headers.items(), on_written=lambda partition, offset: self._dead_lettered(
-                              held, now_ms, partition, offset, "too_large"))
+                              held, now_ms, partition, offset, reason))
 
     def _dead_lettered(self, held: Held, now_ms: int, partition: int, offset: int, reason: str) -> None:
         """The send's outcome, as a worker writes one for its dead letters: its status store then shows it

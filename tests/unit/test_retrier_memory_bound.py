@@ -4,10 +4,11 @@ without its replicas) cannot make it read on without bound. No broker: the consu
 producer never acknowledges."""
 
 import orjson
+import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import REGISTRY
 
-from streams.kafka_client import AckedWriter
+from streams.kafka_client import ALONE_TRIES, AckedWriter
 from streams.retry.retrier import Held, Retrier, RetrierConfig
 from tests.harness import AcknowledgingProducer, PauseRecordingConsumer
 
@@ -370,3 +371,39 @@ def test_a_webhook_delivery_dead_lettered_by_the_retrier_is_said_on_the_attempts
     assert (attempt["kind"], attempt["delivery_id"], attempt["endpoint_id"]) == ("attempt", send.send_id, "ep_1")
     assert (attempt["outcome"], attempt["dropped"]) == ("not_attempted", "malformed")
     assert r.tracker.committable() == {(tier, 0): 12}
+
+
+class LaneRefusingProducer(RecordingProducer):
+    """Refuses every record to `lane` with `code`, as a broker answers a record it will never take."""
+
+    def __init__(self, lane: str, code: int):
+        super().__init__()
+        self.lane, self.code = lane, code
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        if topic != self.lane:
+            return super().produce(topic, value, key, headers, on_delivery)
+        self.records.append((topic, value, dict(headers or [])))
+        self.reports.append(lambda err, msg, report=on_delivery: report(KafkaError(self.code), msg))
+
+
+@pytest.mark.parametrize("code, reason, detail", [
+    (KafkaError.MSG_SIZE_TOO_LARGE, b"too_large", b"lane_copy_too_large"),
+    (KafkaError.INVALID_RECORD, b"malformed", b"lane_refused:INVALID_RECORD"),
+])
+def test_a_copy_the_lane_refuses_is_dead_lettered_saying_why(code, reason, detail):
+    """Given a due retry copy that the lane refuses, for its size or as an invalid record,
+    When the retrier releases it,
+    Then it is dead-lettered without its payload, saying why the lane refused it (before: every refusal was called
+    `too_large` for its size, an invalid record's real error only in a log line before it)."""
+    r = _retrier(1_800_000_000_000)
+    producer = LaneRefusingProducer(r.cfg.names.lane(r.cfg.channel, r.cfg.lane), code)
+    r.writer = AckedWriter(producer, "test")  # type: ignore[arg-type]
+    tier = r.cfg.topics[0]
+    r.assigned = {(tier, 0)}
+    r._republish(Held(1_800_000_000_000, 5, tier, 0, b"acme", b"{}", {"send_id": b"s-1", "attempt": b"2"}),
+                 1_800_000_000_000)
+    for _ in range(2 + ALONE_TRIES * 2):  # a refusal is taken as the record's own once it is refused alone
+        r.writer.poll(0)
+    [letter] = [headers for topic, _, headers in producer.records if topic == r.cfg.names.dlq]
+    assert (letter["reason"], letter["reason_detail"], letter["send_id"]) == (reason, detail, b"s-1")
