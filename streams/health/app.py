@@ -215,7 +215,8 @@ class EndpointHealthApp:
     async def _acknowledged(self, topic: str, key: bytes, value: bytes, headers: list) -> None:
         """One send, awaited until the broker answers. The producer's own timeout is faust's 20 minutes (the
         changelog's writes ride on it too): past UNACKNOWLEDGED_S without an answer, the broker is said to be down
-        (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, never cancelled."""
+        (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, cancelled only with its
+        caller (a shutdown)."""
         sending = asyncio.ensure_future(self.app.producer.send_and_wait(topic, key, value, None, None, headers))
         waited = 0.0
         try:
