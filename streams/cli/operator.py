@@ -272,6 +272,11 @@ def senders(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _unconfirmed(command: str, consequence: str) -> ConfigError:
+    """The refusal of a change that cannot be undone, asked without --yes: what it would do, and that nothing was."""
+    return ConfigError(f"`{command}` {consequence}: say --yes. Nothing was changed")
+
+
 KEY_ID = re.compile(r"[0-9a-f]{12}")  # what `streams keys list` names a key by (ingest/api_keys.py key_id)
 
 
@@ -314,10 +319,10 @@ def keys(sub) -> None:
                               f"list`), not the key itself (if it is one, its id is {key_id(args.key_id.strip())}); "
                               "nothing was changed")
         if (args.action == "revoke" or args.overlap == 0) and not args.yes:
-            raise ConfigError(f"`streams keys {args.action}` stops key {args.key_id} working at once, for every "
-                              "request of whoever holds it, and cannot be undone"
-                              + (" (rotate with an --overlap keeps the old key working meanwhile)"
-                                 if args.action == "rotate" else "") + ": say --yes. Nothing was changed")
+            overlap = (" (rotate with an --overlap keeps the old key working meanwhile)"
+                       if args.action == "rotate" else "")
+            raise _unconfirmed(f"streams keys {args.action}", f"stops key {args.key_id} working at once, for every "
+                               f"request of whoever holds it, and cannot be undone{overlap}")
         before = api_keys.get(args.key_id)
         if before is None:
             raise ConfigError(f"no API key {args.key_id}")
@@ -478,9 +483,9 @@ def state(sub) -> None:
         from ..state.recover import acknowledge_loss, recover
 
         if args.action == "acknowledge-loss" and not args.yes:
-            raise ConfigError("`streams state acknowledge-loss` resumes dispatch without the delivery marks: sends "
-                              "delivered before the loss may be sent again. `streams state recover` rebuilds them "
-                              "from notif.outcomes first; to accept the duplicates, say --yes. Nothing was changed")
+            raise _unconfirmed("streams state acknowledge-loss", "resumes dispatch without the delivery marks: sends "
+                               "delivered before the loss may be sent again. `streams state recover` rebuilds them "
+                               "from notif.outcomes first; to accept the duplicates")
 
         rt = Runtime(args.config)
         client = rt.redis()
@@ -541,9 +546,9 @@ def endpoints(sub) -> None:
         from ..webhooks.sealing import UnsealError, sealed_with
 
         if args.action == "delete" and args.endpoint_id and not args.yes:
-            raise ConfigError(f"`streams endpoints delete` deletes endpoint {args.endpoint_id} of tenant {args.tenant} "
-                              "for good (its deliveries waiting or in retry are skipped, its signing secrets gone; "
-                              "`disable` stops deliveries and can be undone): say --yes. Nothing was changed")
+            raise _unconfirmed("streams endpoints delete", f"deletes endpoint {args.endpoint_id} of tenant "
+                               f"{args.tenant} for good (its deliveries waiting or in retry are skipped, its signing "
+                               "secrets gone; `disable` stops deliveries and can be undone)")
         rt = Runtime(args.config)
         r = rt.redis()
         webhooks = rt.webhook_ingest(r, rt.send_client(), StatusStore(r, rt.namespace))
