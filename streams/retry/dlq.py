@@ -1,5 +1,5 @@
 """Reading `notif.dlq` for operators (`streams dlq list|show`): every dead letter, or one send's,
-found by its recorded position or in the one partition its key maps to. Replays: `replay.py`.
+found by its recorded position or in the partitions its key maps to. Replays: `replay.py`.
 Dead letters keep their payload 7 days (the topic's retention), like the lane topics."""
 
 from __future__ import annotations
@@ -161,9 +161,20 @@ def _record(m: Any, payload: bool = True) -> DeadLetterRecord:
                             m.value() if payload else None, headers, m.timestamp()[1])
 
 
+def key_partitions(key: bytes, partitions: int) -> list[int]:
+    """Every partition a record keyed `key` may be in, the one the current count maps it to first: a topic's
+    partition count only grows, and a record written while it had fewer stays in the partition it was written to."""
+    out: list[int] = []
+    for count in range(partitions, 0, -1):
+        if (partition := partition_for(key, count)) not in out:
+            out.append(partition)
+    return out
+
+
 def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | None = None) -> DeadLetterRecord:
-    """A send's dead letter: read at its recorded position (the status store keeps it), else searched in
-    the one partition its key maps to; never the whole topic."""
+    """A send's dead letter: read at its recorded position (the status store keeps it), else searched in the
+    partitions its key maps to at the DLQ's partition count or any smaller one (a letter written before the DLQ
+    gained partitions); never the whole topic."""
     if position is not None:
         m = fetch(bootstrap, topic, *position)
         if m is not None and (m.key() or b"").decode(errors="replace") == send_id:
@@ -172,29 +183,35 @@ def find(bootstrap: str, topic: str, send_id: str, position: tuple[int, int] | N
         "group.id": f"dlq-finder-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
         "auto.offset.reset": "earliest"}))  # its first offsets deleted meanwhile: read on from what is left
     try:
-        partitions = len(topic_partitions(c, topic))
-        partition = partition_for(send_id.encode(), partitions)
-        low, high = watermarks(c, TopicPartition(topic, partition))
-        found = None
-        if high > low:
-            c.assign([TopicPartition(topic, partition, low)])
-            position_now = low
-            deadline = time.monotonic() + 60
-            while position_now < high and time.monotonic() < deadline:
-                for m in c.consume(num_messages=READ_BATCH, timeout=0.2):
-                    if m.error():
-                        continue
-                    position_now = m.offset() + 1
-                    if (m.key() or b"").decode(errors="replace") == send_id:
-                        found = _record(m)
-            if found is None and position_now < high:  # not read to its end: absent is not known
-                raise BrokerUnavailable(f"{topic} [{partition}] was not read to its end within 60 s "
-                                        f"({high - position_now} records left)")
+        for partition in key_partitions(send_id.encode(), len(topic_partitions(c, topic))):
+            if (found := _search(c, topic, partition, send_id)) is not None:
+                return found
     finally:
         c.close()
-    if found is None:
-        raise ReplayRefused(f"send {send_id} is not in the DLQ (never dead-lettered, or its dead letter has "
-                            f"expired: dead letters are kept {PAYLOAD_DAYS} days)")
+    raise ReplayRefused(f"send {send_id} is not in the DLQ (never dead-lettered, or its dead letter has "
+                        f"expired: dead letters are kept {PAYLOAD_DAYS} days)")
+
+
+def _search(c: Consumer, topic: str, partition: int, send_id: str) -> DeadLetterRecord | None:
+    """The last dead letter keyed `send_id` in one partition, read to the end it had when called (None when there
+    is none); BrokerUnavailable when the broker does not give it all within 60 s (absent is not known then)."""
+    low, high = watermarks(c, TopicPartition(topic, partition))
+    if high <= low:
+        return None
+    c.assign([TopicPartition(topic, partition, low)])
+    found = None
+    position_now = low
+    deadline = time.monotonic() + 60
+    while position_now < high and time.monotonic() < deadline:
+        for m in c.consume(num_messages=READ_BATCH, timeout=0.2):
+            if m.error() or m.partition() != partition:
+                continue
+            position_now = m.offset() + 1
+            if (m.key() or b"").decode(errors="replace") == send_id:
+                found = _record(m)
+    if found is None and position_now < high:
+        raise BrokerUnavailable(f"{topic} [{partition}] was not read to its end within 60 s "
+                                f"({high - position_now} records left)")
     return found
 
 

@@ -2,13 +2,16 @@
 
 import subprocess
 import sys
+import uuid
 
 import pytest
 from confluent_kafka import Producer
 
-from streams.errors import BrokerUnavailable
-from streams.retry.dlq import latest
+from streams.errors import BrokerUnavailable, ReplayRefused
+from streams.retry.dlq import find, latest, partition_for
 from streams.send import build_send, encode, validate_request
+from streams.topology.admin import TopicAdmin
+from streams.topology.spec import TopicSpec
 from tests.harness import committed_lag, email_request, read_topic, wait_until
 
 
@@ -115,3 +118,23 @@ def test_listing_the_newest_dead_letters_reads_only_each_partitions_last_ones(
     assert [r.send_id for r in listing.latest] == ["s-56", "s-57", "s-58", "s-59"]
     assert listing.total == 60
     assert len(read) <= 4 * 6  # the DLQ's 6 partitions, 4 read of each at most
+
+
+def test_a_dead_letter_written_before_the_dlq_gained_partitions_is_still_found(stack, names, create_topics):
+    """Given a dead letter written while the DLQ had one partition, and the DLQ then grown to four, with the send's
+    status gone (so no recorded position),
+    When an operator looks its send up (`streams dlq show`, a replay),
+    Then the letter is found in the partition it was written to (the current count maps its key elsewhere), and a
+    send never dead-lettered is still said not to be in the DLQ."""
+    create_topics({names.dlq: 1})
+    send_id = next(s for s in (str(uuid.uuid4()) for _ in range(100)) if partition_for(s.encode(), 4) != 0)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.dlq, key=send_id.encode(), value=b'{"v": 1}', headers={"reason": "retries_exhausted"})
+    assert producer.flush(10) == 0
+
+    TopicAdmin(stack.bootstrap).ensure({names.dlq: TopicSpec(names.dlq, 4, 1, {})})
+
+    found = find(stack.bootstrap, names.dlq, send_id)
+    assert (found.partition, found.offset, found.send_id, found.reason) == (0, 0, send_id, "retries_exhausted")
+    with pytest.raises(ReplayRefused, match="is not in the DLQ"):
+        find(stack.bootstrap, names.dlq, str(uuid.uuid4()))
