@@ -142,7 +142,9 @@ HEALTH_ALERTS = Counter("webhook_endpoint_alerts_total", "Endpoint alert emails 
                         "result (sent; suppressed by the 24 h window; no_members; over_budget: the tenant's alerts of "
                         "that kind an hour)", ["kind", "result"])
 HEALTH_EVENTS = Counter("webhook_endpoint_health_events_total", "Attempt events the endpoint-health app applied, "
-                        "by kind (attempt, reactivated, replayed: already applied before a restart, malformed)",
+                        "by kind (attempt, reactivated, replayed: already applied before a restart, malformed, "
+                        "deleted: a deleted endpoint's row removed, of_deleted: an attempt of a deleted endpoint "
+                        "ignored)",
                         ["kind"])
 HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the endpoint-health app read a partition "
                          "again after faust dropped records it had fetched (in a rebalance): an attempts partition "

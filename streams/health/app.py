@@ -57,7 +57,7 @@ from ..topology.spec import TopicSpec, load_definitions
 from ..webhooks.endpoints import EndpointDirectory
 from ..webhooks.model import with_health
 from .budget import AlertBudget
-from .rules import Alert, Health, Outcome, alert_email, apply, state_doc
+from .rules import Alert, Health, Outcome, alert_email, apply, deletion_event, state_doc
 from .stall import RecoveryWatch, StallWatch
 
 log = logging.getLogger("streams.endpoint_health")
@@ -65,6 +65,9 @@ ALERT_TEMPLATE = "endpoint-alert"
 SEND_RETRY_MAX_S = 5.0
 UNACKNOWLEDGED_S = 10.0  # a send not acknowledged this long: the broker is said to be down while it waits
 STALL_CHECK_S = 5.0
+# A deleted endpoint's attempts still in flight are ignored this long after the deletion (no row, no alert); its
+# row, if it had one, is removed within a check (STALL_CHECK_S) of it.
+DELETED_KEPT_S = 3600.0
 
 
 class EndpointHealthApp:
@@ -100,6 +103,9 @@ class EndpointHealthApp:
         self.app.agent(self.attempts, name="endpoint-health")(self._follow)
         self.app.timer(2.0)(self._report)
         self.app.timer(STALL_CHECK_S)(self._reread_stalled)
+        self.app.timer(STALL_CHECK_S)(self._remove_deleted)
+        directory.remember_deleted_s = DELETED_KEPT_S
+        self.removal_asked: set[str] = set()  # deleted endpoints whose deletion event is written, not yet applied
         # The operator's policy file, as ingest reads it: the packaged one may name a policy the workers do not know,
         # which they would dead-letter as `unknown_policy` (every alert lost, counted as sent).
         self.routing = load_routing(config.retry_policies_path)
@@ -123,13 +129,16 @@ class EndpointHealthApp:
                 self.busy = False
 
     async def _apply(self, event: Any) -> None:
-        """One attempt event (or reactivation) into the table, after its effects."""
+        """One attempt event (or reactivation, or deletion) into the table, after its effects."""
         await self._caught_up()
         try:  # UnicodeDecodeError and orjson's errors are ValueErrors
             endpoint_id = (event.key or b"").decode() if isinstance(event.key, bytes) else str(event.key or "")
             doc = orjson.loads(event.value)
             if not endpoint_id or not isinstance(doc, dict) or not _typed(doc):
                 raise ValueError("not an attempt event")
+            if doc.get("kind") == "deleted" or self._deleted(endpoint_id):
+                await self._of_deleted(endpoint_id, doc)
+                return
             row = self.table.get(endpoint_id)
             before = Health.from_doc(row) if row else Health(endpoint_id)
             ep = self.directory.endpoints.get(endpoint_id)
@@ -148,6 +157,38 @@ class EndpointHealthApp:
         await self._act(outcome, doc)
         if outcome.health != _with_offset(before, outcome.health):
             self.table[endpoint_id] = outcome.health.to_doc()  # after its effects (see the module docstring)
+
+    def _deleted(self, endpoint_id: str) -> bool:
+        """Deleted lately (the operator log says so, and holds no endpoint of that id since)."""
+        return endpoint_id in self.directory.deleted and endpoint_id not in self.directory.endpoints
+
+    async def _of_deleted(self, endpoint_id: str, doc: dict) -> None:
+        """An event of a deleted endpoint: its deletion event removes its row; an attempt in flight as it was deleted
+        neither brings the row back nor alerts its tenant. An endpoint that exists keeps its row, whatever an event
+        says."""
+        if doc.get("kind") != "deleted":
+            metrics.HEALTH_EVENTS.labels("of_deleted").inc()
+            return
+        self.removal_asked.discard(endpoint_id)
+        if endpoint_id in self.directory.endpoints or self.table.get(endpoint_id) is None:
+            return
+        await self._produce(self.names.endpoint_state, endpoint_id.encode(), None, [])
+        del self.table[endpoint_id]
+        metrics.HEALTH_EVENTS.labels("deleted").inc()
+        log.info("endpoint %s was deleted: its health row is removed", endpoint_id)
+
+    async def _remove_deleted(self) -> None:
+        """Each endpoint deleted lately that has a row here gets a deletion event on the attempts topic, once: only
+        the agent may change the table, and it removes the row in line with the endpoint's attempts."""
+        self.directory.poll()
+        recent = self.directory.recently_deleted()
+        self.removal_asked &= set(recent)  # one another copy removed (its partition moved) is not awaited for ever
+        for endpoint_id in recent:
+            if endpoint_id in self.removal_asked or self.table.get(endpoint_id) is None:
+                continue
+            event = deletion_event(endpoint_id, int(time.time() * 1000))
+            await self._produce(self.names.webhook_attempts, endpoint_id.encode(), orjson.dumps(event), [])
+            self.removal_asked.add(endpoint_id)
 
     async def _caught_up(self) -> None:
         """Alerts name the endpoint and go to its members: know them before deciding anything."""
@@ -198,7 +239,7 @@ class EndpointHealthApp:
         metrics.HEALTH_ALERTS.labels(alert.kind, "sent").inc()
         log.warning("alert %s for endpoint %s sent as %s", alert.kind, h.endpoint_id, alert.send_id)
 
-    async def _produce(self, topic: str, key: bytes, value: bytes, headers: list) -> None:
+    async def _produce(self, topic: str, key: bytes, value: bytes | None, headers: list) -> None:
         """Until the broker acknowledges it: the row is written only after its effects."""
         wait = 0.1
         while True:
@@ -212,7 +253,7 @@ class EndpointHealthApp:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, SEND_RETRY_MAX_S)
 
-    async def _acknowledged(self, topic: str, key: bytes, value: bytes, headers: list) -> None:
+    async def _acknowledged(self, topic: str, key: bytes, value: bytes | None, headers: list) -> None:
         """One send, awaited until the broker answers. The producer's own timeout is faust's 20 minutes (the
         changelog's writes ride on it too): past UNACKNOWLEDGED_S without an answer, the broker is said to be down
         (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, cancelled only with its

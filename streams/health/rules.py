@@ -108,6 +108,12 @@ def reactivation_event(endpoint_id: str, tenant: str, now_ms: int) -> dict:
     return {"kind": "reactivated", "endpoint_id": endpoint_id, "tenant_id": tenant, "at_ms": now_ms}
 
 
+def deletion_event(endpoint_id: str, now_ms: int) -> dict:
+    """What the health app writes on the attempts topic (key = endpoint id) for an endpoint deleted while it has a
+    row: its agent, the only writer of the table, removes the row in line with the endpoint's attempts."""
+    return {"kind": "deleted", "endpoint_id": endpoint_id, "at_ms": now_ms}
+
+
 def state_doc(h: Health) -> dict:
     """What `notif.endpoint.state` says about the endpoint (key = endpoint id)."""
     reason = (f"{DEGRADE_AFTER} consecutive failed attempts; last error: {h.last_error}"

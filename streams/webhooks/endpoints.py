@@ -344,6 +344,10 @@ class EndpointDirectory:
     health: dict[str, Health] = field(default_factory=dict)
     members: dict[str, tuple[str, ...]] = field(default_factory=dict)
     caught_up: bool = False
+    # Endpoints deleted in the last `remember_deleted_s` (id -> when this view saw it, monotonic), for the
+    # endpoint-health app, which removes their rows; 0: not kept (every other follower).
+    remember_deleted_s: float = 0.0
+    deleted: dict[str, float] = field(default_factory=dict)
     _consumer: Consumer | None = None
     _ends: dict[str, int] = field(default_factory=dict)       # each topic's end when we started
     _polled: threading.Condition = field(default_factory=threading.Condition)
@@ -413,12 +417,23 @@ class EndpointDirectory:
                 health[key] = Health(str(doc.get("state", "active")), str(doc.get("reason", "")),
                                      int(doc.get("since_ms", 0)))
         elif key.startswith("endpoint/"):
+            endpoint_id = key.removeprefix("endpoint/")
             if value is None:
-                endpoints.pop(key.removeprefix("endpoint/"), None)
+                endpoints.pop(endpoint_id, None)
+                if self.remember_deleted_s:
+                    self.deleted[endpoint_id] = time.monotonic()
             else:
-                endpoints[key.removeprefix("endpoint/")] = Endpoint.from_doc(orjson.loads(value))
+                endpoints[endpoint_id] = Endpoint.from_doc(orjson.loads(value))
+                self.deleted.pop(endpoint_id, None)
         elif key.startswith("members/"):
             members[key.removeprefix("members/")] = tuple(orjson.loads(value)["emails"]) if value else ()
+
+    def recently_deleted(self) -> list[str]:
+        """The endpoints deleted within `remember_deleted_s` (those deleted earlier forgotten here)."""
+        now = time.monotonic()
+        for endpoint_id in [e for e, seen in self.deleted.items() if now - seen > self.remember_deleted_s]:
+            del self.deleted[endpoint_id]
+        return list(self.deleted)
 
     def _mark_applied(self) -> None:
         """Each topic's offset the view's dicts now hold everything before (read after they were replaced)."""

@@ -17,6 +17,7 @@ from streams.ingest.status import StatusStore
 from streams.lag.reader import LagReader
 from tests.harness import (
     committed_lag,
+    committed_messages,
     final_delivery,
     free_port,
     metric,
@@ -115,6 +116,19 @@ def skipped_at_ingest(api, reason: str) -> float:
     return metric_sum(text, f'webhook_deliveries_skipped_total{{reason="{reason}",where="ingest"}}')
 
 
+def late_dropped_attempt(stack, names, endpoint_id: str) -> None:
+    """The attempt event a worker writes when an attempt in flight comes back failed and its delivery is dropped
+    (produced here directly)."""
+    from confluent_kafka import Producer
+
+    late = {"kind": "attempt", "delivery_id": "late-1", "tenant_id": "tenant-a", "endpoint_id": endpoint_id,
+            "n": 9, "at_ms": int(time.time() * 1000), "status_code": 500, "outcome": "unavailable",
+            "error": "http_500", "dropped": True}
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    producer.produce(names.webhook_attempts, key=endpoint_id.encode(), value=orjson.dumps(late))
+    assert producer.flush(10) == 0
+
+
 @pytest.fixture
 def rig(stack, namespace, channel_topics, limits, processes, redis_client, mock_endpoint, mock_provider):
     channel_topics("webhook")
@@ -202,22 +216,49 @@ def test_after_stopped_a_dropped_delivery_is_silenced(rig, stack, names):
     When an attempt that was already in flight comes back failed and its delivery is dropped (the attempt
     event a worker writes then, produced here directly),
     Then no "dropped" email goes out (it is counted as suppressed), and the app's state is unchanged."""
-    from confluent_kafka import Producer
-
     rig.start(scale=2.0)
     ep = rig.register("late", status=500)
     rig.publish(DEGRADE_AFTER)
     rig.wait_state(ep, "degraded")
     wait_until(lambda: len(rig.alerts()) == 1, 30, "the stopped email")
-    late = {"kind": "attempt", "delivery_id": "late-1", "tenant_id": "tenant-a", "endpoint_id": ep["id"],
-            "n": 9, "at_ms": int(time.time() * 1000), "status_code": 500, "outcome": "unavailable",
-            "error": "http_500", "dropped": True}
-    producer = Producer({"bootstrap.servers": stack.bootstrap})
-    producer.produce(names.webhook_attempts, key=ep["id"].encode(), value=orjson.dumps(late))
-    assert producer.flush(10) == 0
+    late_dropped_attempt(stack, names, ep["id"])
     port = rig.health_ports[0]
     wait_until(lambda: metric(port, "webhook_endpoint_alerts_total", kind="dropped", result="suppressed") == 1, 30,
                "the dropped alert to be suppressed")
+    assert [m["subject"] for m in rig.alerts()] == ["Webhook delivery stopped"]
+
+
+def test_a_deleted_endpoints_row_and_state_are_removed_and_its_late_attempts_ignored(rig, stack, names):
+    """Given a degraded endpoint (its row in the table, its state published, its "stopped" email sent),
+    When its tenant deletes it, and then an attempt that was in flight comes back failed and dropped,
+    Then its row is removed (a tombstone on the table's changelog) and its state too (a tombstone on
+    notif.endpoint.state, which every follower reads), and the late attempt neither brings the row back nor
+    sends its tenant a "dropped" email."""
+    api = rig.start(scale=2.0)
+    ep = rig.register("doomed", status=500)
+    rig.publish(DEGRADE_AFTER)
+    rig.wait_state(ep, "degraded")
+    wait_until(lambda: len(rig.alerts()) == 1, 30, "the stopped email")
+    port = rig.health_ports[0]
+
+    assert api.delete(f"/v1/endpoints/{ep['id']}", headers=api.keys["a"]).status_code == 204
+    wait_until(lambda: metric(port, "webhook_endpoint_health_events_total", kind="deleted") == 1, 30,
+               "the deleted endpoint's row to be removed")
+    changelog = f"{names.endpoint_health_app}-health-changelog"
+    row_key = orjson.dumps(ep["id"])  # the table's keys are JSON strings
+
+    def last_value(topic: str, key: bytes) -> bytes | None:
+        return [m for m in committed_messages(stack.bootstrap, topic) if m.key() == key][-1].value()
+
+    assert last_value(names.endpoint_state, ep["id"].encode()) is None  # acknowledged before the row goes
+    wait_until(lambda: last_value(changelog, row_key) is None, 30, "the row's tombstone on the changelog")
+
+    late_dropped_attempt(stack, names, ep["id"])
+    wait_until(lambda: metric(port, "webhook_endpoint_health_events_total", kind="of_deleted") == 1, 30,
+               "the late attempt to be ignored")
+    rig.wait_committed(stack, names)
+    assert last_value(changelog, row_key) is None
+    assert metric(port, "webhook_endpoint_alerts_total", kind="dropped", result="sent") is None
     assert [m["subject"] for m in rig.alerts()] == ["Webhook delivery stopped"]
 
 

@@ -81,7 +81,7 @@ def test_a_row_learns_its_attempts_partition_at_its_next_event(tmp_path):
     Then the row is written with its partition (before: only a change of health wrote a row, so it never learned
     it, and after the topic grew its events at lower offsets of another partition were all taken for replays)."""
     config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0"})
-    directory = SimpleNamespace(members={}, endpoints={}, caught_up=True, poll=lambda: None)
+    directory = SimpleNamespace(members={}, endpoints={}, deleted={}, caught_up=True, poll=lambda: None)
     table = {"ep_1": {"endpoint_id": "ep_1", "tenant": "acme", "applied_upto": 900}}  # no applied_partition
 
     async def scenario() -> None:
@@ -108,7 +108,7 @@ def test_a_send_the_broker_does_not_answer_says_the_broker_is_down_while_it_wait
     from prometheus_client import REGISTRY
 
     config = Config.from_env({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1/0"})
-    directory = SimpleNamespace(members={}, endpoints={})
+    directory = SimpleNamespace(members={}, endpoints={}, deleted={})
     down = {"role": "endpoint-health", "dependency": "kafka"}
     sends = []
 
