@@ -123,6 +123,9 @@ class LanePauses:
             self.reasons.add("no_reading")
         else:
             self.reasons.discard("no_reading")
+        # This worker's clock stepped back: the last reading followed is as old as now, not from the future (or the
+        # gauge said fresh while every reading was refused as stamped ahead, until the clock was back at it).
+        self._monitor_ts_ms = min(self._monitor_ts_ms, now_ms)
         monitor_silent = now_ms - self._monitor_ts_ms > governor.policy.stale_after_s * 1000
         metrics.LAG_READING_STALE.labels(self.channel).set(1 if monitor_silent else 0)
         self._decide(governor, now_ms)

@@ -105,3 +105,26 @@ def test_a_marketing_worker_starts_with_its_partitions_paused_until_its_first_re
     pauses.apply()
     assert consumer.paused == set() and not pauses.reasons
     pauses.close()
+
+
+def test_the_stale_gauge_says_so_when_the_workers_clock_stepped_back_and_every_reading_is_refused(monkeypatch):
+    """Given a marketing worker that followed a fresh reading of the monitor,
+    When its clock steps back a minute (the monitor's readings, stamped by a clock that did not, are then refused
+    as stamped ahead) and the stale age (3 s) passes,
+    Then `dispatch_lag_reading_stale` says 1: the worker has followed nothing of the monitor's for longer than
+    that (before, it said 0 until the worker's clock was back at the last reading, a minute later)."""
+    from streams import metrics
+    from streams.dispatch import pauses as pauses_module
+
+    pauses, _, _ = _marketing_pauses(0)
+    pauses.follow_lag()
+    stale = metrics.LAG_READING_STALE.labels("email")
+    assert stale._value.get() == 0
+    real = time.time()
+    for behind_s in (60.0, 56.0):  # stepped back a minute, then 4 s later; the monitor's clock did not step
+        monitor_ms = int((real + 60.0 - behind_s) * 1000)
+        pauses._follower = Follower([{"lag_messages": 0, "lag_seconds": 0.0, "ts": monitor_ms}])
+        monkeypatch.setattr(pauses_module.time, "time", lambda b=behind_s: real - b)
+        pauses.follow_lag()
+    assert stale._value.get() == 1
+    pauses.close()
