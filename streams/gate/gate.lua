@@ -4,8 +4,9 @@
 -- runs one table of cases through both).
 -- KEYS[1] limits hash   KEYS[2] global bucket   KEYS[3] tenant bucket   KEYS[4] cool-down until (ms)
 -- ARGV[1] tenant   ARGV[2] request cost   ARGV[3] message cost   ARGV[4] "1" to apply the reserve
--- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (no tokens written),
--- -1 a cost exceeds a burst (short = which bucket), -2 no provider limit configured.
+-- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (no tokens written; a bucket
+-- stamped after Redis's clock is stamped now), -1 a cost exceeds a burst (short = which bucket), -2 no provider
+-- limit configured, -3 a rate not above 0 or a burst below 1 (short = which limit).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local tenant = ARGV[1]
@@ -19,6 +20,10 @@ local t_rate, t_burst = tonumber(l[4] or l[6]), tonumber(l[5] or l[7])
 if not g_rate or not g_burst or not t_rate or not t_burst then
   return {-2, 0, 'limits'}
 end
+-- A limit edited by hand past `streams limits set`: a rate of 0 would wait for ever, a negative one set a negative
+-- expiry (the bucket deleted at each admission, found full at the next: no limit at all).
+if g_rate <= 0 or g_burst < 1 then return {-3, 0, 'global'} end
+if t_rate <= 0 or t_burst < 1 then return {-3, 0, 'tenant'} end
 if req_cost > g_burst then return {-1, g_burst, 'global'} end
 if msg_cost > t_burst then return {-1, t_burst, 'tenant'} end
 
@@ -26,8 +31,14 @@ local function refill(key, rate, burst)
   local b = redis.call('HMGET', key, 'mt', 'ts')
   local full = burst * 1000
   if not b[1] then return full end
-  local elapsed = math.max(0, now - tonumber(b[2]))
-  return math.min(full, tonumber(b[1]) + elapsed * rate)
+  local ts = tonumber(b[2])
+  if ts > now then
+    -- Redis's clock stepped back since the last admission (a step, a failover to a server behind): the bucket
+    -- refills from now, its tokens kept, or one left empty would stay empty until the clock is back at it.
+    redis.call('HSET', key, 'ts', now)
+    ts = now
+  end
+  return math.min(full, tonumber(b[1]) + (now - ts) * rate)
 end
 
 -- An idle bucket refills to full; expiring it then is the same as keeping it. (The cap guards only limits

@@ -151,19 +151,28 @@ def _number(provider: str, field: str, held: bytes) -> float:
     """A limit field as Redis holds it: an integer; a rate may be a fraction (redis-py writes a float as its
     repr, which reads back exactly). Anything else (a value edited by hand) is refused naming it: a
     ConfigError holds what it limits, where a ValueError stopped the worker and every tenant of its lane."""
+    value: float | None = None
     try:
-        return int(held)
+        value = int(held)
     except ValueError:
-        pass
-    try:
-        if _is_rate(field) and math.isfinite(rate := float(held)):
-            return rate
-    except ValueError:
-        pass
+        try:
+            if _is_rate(field) and math.isfinite(rate := float(held)):
+                value = rate
+        except ValueError:
+            pass
+    # A rate of 0 would have the gate wait for ever, a negative one lift the limit: refused as no number is.
+    rate, burst = _is_rate(field), _is_burst(field)
+    if value is not None and (value > 0 if rate else value >= (1 if burst else 0)):
+        return value
+    kind = "a number above 0" if rate else "an integer of at least 1" if burst else "an integer of at least 0"
     raise ConfigError(f"the limits of provider {provider!r}: field {field!r} holds {held[:40]!r}, not "
-                      f"{'a number' if _is_rate(field) else 'an integer'}; a change that sets it again mends it "
+                      f"{kind}; a change that sets it again mends it "
                       f"(`streams limits set --provider {provider}` with that field's option, or `streams limits "
                       "unset` for a tenant's own limit)")
+
+
+def _is_burst(field: str) -> bool:
+    return field.split(":", 1)[0].endswith("burst")
 
 
 def _is_rate(field: str) -> bool:

@@ -44,6 +44,10 @@ def refill(bucket: Bucket | None, limit: Limit, now_ms: int) -> Bucket:
     return Bucket(min(full, bucket.millitokens + elapsed * limit.rate), now_ms)
 
 
+def _stamped_by(bucket: Bucket | None, now_ms: int) -> Bucket | None:
+    return bucket if bucket is None or bucket.updated_ms <= now_ms else Bucket(bucket.millitokens, now_ms)
+
+
 def _wait(have: float, need: int, rate: float) -> int:
     return 0 if have >= need else math.ceil((need - have) / rate)  # in ms, as gate.lua
 
@@ -65,9 +69,11 @@ def decide(
         raise ValueError(f"message cost {message_cost} exceeds the tenant burst {tenant_limit.burst}")
     g = refill(global_bucket, global_limit, now_ms)
     t = refill(tenant_bucket, tenant_limit, now_ms)
-    unchanged = (global_bucket or g, tenant_bucket or t)
     if cool_until_ms > now_ms:
-        return Decision(False, cool_until_ms - now_ms, "cooldown", *unchanged)
+        return Decision(False, cool_until_ms - now_ms, "cooldown", global_bucket or g, tenant_bucket or t)
+    # Denied, a bucket keeps its tokens; one stamped after `now_ms` (the clock stepped back) is stamped now, or it
+    # would refill nothing until the clock is back at its stamp.
+    unchanged = (_stamped_by(global_bucket, now_ms) or g, _stamped_by(tenant_bucket, now_ms) or t)
     reserve = min(reserve_tokens, global_limit.burst - request_cost)
     g_wait = _wait(g.millitokens, (request_cost + reserve) * 1000, global_limit.rate)
     t_wait = _wait(t.millitokens, message_cost * 1000, tenant_limit.rate)

@@ -364,3 +364,47 @@ def test_limits_stored_with_a_refill_of_millions_of_years_still_admit(redis_clie
                                                       "tenant_burst:acme": 2_000_000_000})
     assert RedisGate(redis_client, namespace).acquire("resend", "acme", 1).allowed
     assert redis_client.pttl(keys.tenant_bucket("resend", "acme")) > 0
+
+
+@pytest.mark.parametrize("field, value", [("tenant_rate:acme", "-1"), ("tenant_rate:acme", "0"),
+                                          ("tenant_burst:acme", "0"), ("global_rate", "-0.5")])
+def test_a_limit_edited_by_hand_to_zero_or_below_is_refused_not_taken_as_no_limit(redis_client, namespace, field,
+                                                                                    value):
+    """Given resend's limits, and one of them edited by hand (past `streams limits set`) to 0 or below,
+    When a worker's gate reads acme's limit, and asks for a send of acme's,
+    Then both are refused naming the limit (a ConfigError: the worker holds acme's queue), never admitted (before: a
+    negative rate set a negative expiry on the bucket, deleted at each admission and found full at the next: acme
+    unlimited; a rate of 0 answered a wait Redis cannot hold; a burst of 0 admitted every send for nothing)."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 10, 10)
+    store.set_tenant("resend", "acme", 1, 1)
+    redis_client.hset(RedisKeys(namespace).limits("resend"), field, value)
+    gate = RedisGate(redis_client, namespace)
+    if field != "global_rate":
+        with pytest.raises(ConfigError, match=f"field '{field}' holds b'{value}', not "):
+            gate.tenant_limit("resend", "acme")
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="'resend'.*a rate not above 0 or a burst below 1"):
+            gate.acquire("resend", "acme", 1)
+
+
+def test_a_bucket_stamped_after_redis_clock_is_stamped_now_when_denied(redis_client, namespace):
+    """Given acme's empty bucket stamped a minute after Redis's clock (the clock stepped back, or a failover to a
+    server behind it),
+    When a send of acme's is denied,
+    Then the bucket keeps its tokens (none) and is stamped with Redis's time, so it refills from now (before: it kept
+    the stamp to come and refilled nothing for that minute)."""
+    store = LimitStore(redis_client, namespace)
+    store.set_provider("resend", 10, 10)
+    store.set_tenant("resend", "acme", 10, 1)
+    bucket = RedisKeys(namespace).tenant_bucket("resend", "acme")
+    seconds, micros = redis_client.time()
+    before_ms = seconds * 1000 + micros // 1000
+    redis_client.hset(bucket, mapping={"mt": 0, "ts": before_ms + 60_000})
+
+    denied = RedisGate(redis_client, namespace).acquire("resend", "acme", 1)
+
+    seconds, micros = redis_client.time()
+    assert (denied.allowed, denied.short) == (False, "tenant") and denied.wait_s <= 0.1
+    assert float(redis_client.hget(bucket, "mt")) == 0
+    assert before_ms <= int(redis_client.hget(bucket, "ts")) <= seconds * 1000 + micros // 1000

@@ -95,3 +95,14 @@ def test_only_a_scripts_error_about_its_own_keys_fails_one_request_of_a_round(er
     refusing writes, a replica, a cluster moving or a lost connection is an outage of the gate (every request held,
     the outage back-off, DispatchHoldingForDependency). Redis 7 names the script in every error its calls met."""
     assert _unreadable(error) is unreadable
+
+
+def test_a_bucket_stamped_after_the_clock_refills_from_now_once_denied():
+    """Given an empty global bucket stamped a minute after now (the clock stepped back since its last admission),
+    When a request is denied,
+    Then the bucket keeps its tokens and is stamped now, so a tenth of a second later (one token at 10 a second) the
+    next request is admitted (before: nothing refilled for that minute, every request of the provider denied)."""
+    d = decide(Bucket(0, 60_000), G, None, T, 1, 1, now_ms=0)
+    assert (d.allowed, d.short, d.wait_ms) == (False, "global", 100)
+    assert d.global_after == Bucket(0, 0)
+    assert decide(d.global_after, G, None, T, 1, 1, now_ms=100).allowed
