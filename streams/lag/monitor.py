@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import orjson
 from confluent_kafka import KafkaException, Producer
@@ -20,6 +21,7 @@ from ..lanes import CHANNELS, LANES
 from ..names import TopicNames, lag_key
 from .reader import LagReader
 from .retry_watch import RetryTierWatch
+from .yield_policy import LagReading
 
 log = logging.getLogger("streams.lag_monitor")
 MAX_INTERVAL_S = 0.5
@@ -33,7 +35,11 @@ class LagMonitor:
         self.names = names or TopicNames()
         self.channels = channels
         self.interval_s = interval_s
-        self.reader = LagReader(bootstrap)
+        # A reader and a thread per lane: one lane slow to read (its group's coordinator away, a partition without
+        # a leader: seconds per call) holds back only its own readings, not every channel's.
+        self.readers = {(channel, lane): LagReader(bootstrap) for channel in channels for lane in LANES}
+        self._pool = ThreadPoolExecutor(len(self.readers), thread_name_prefix="lag-read")
+        self._reading: dict[tuple[str, str], Future[LagReading]] = {}
         # A reading is worth publishing only while fresh: a short delivery timeout, no retry of old ones.
         self.producer = Producer(client_config(bootstrap, settings={"acks": "all", "linger.ms": 0,
                                                                     "message.timeout.ms": 5000}))
@@ -49,37 +55,45 @@ class LagMonitor:
         self.running = False
 
     def tick(self) -> None:
-        for channel in self.channels:
-            for lane in LANES:
-                try:
-                    reading = self.reader.read(self.names.group(channel, lane), self.names.lane(channel, lane))
-                except Exception as exc:  # noqa: BLE001 - a missing topic must not stop the others
-                    if (channel, lane) not in self._failing:  # say it once, not every tick
-                        log.warning("lag of %s.%s unavailable: %s", channel, lane, exc)
-                        self._failing.add((channel, lane))
-                        # No reading is shown as none, not as the last one frozen (often 0): the channel's
-                        # publication timestamp goes stale, and LagMonitorStale names the channel.
-                        metrics.LANE_LAG_MESSAGES.remove(channel, lane)
-                        metrics.LANE_LAG_SECONDS.remove(channel, lane)
-                    continue
-                if (channel, lane) in self._failing:
-                    log.info("lag of %s.%s available again", channel, lane)
-                    self._failing.discard((channel, lane))
-                metrics.LANE_LAG_MESSAGES.labels(channel, lane).set(reading.lag_messages)
-                metrics.LANE_LAG_SECONDS.labels(channel, lane).set(reading.lag_seconds)
-                if lane == "transactional":
-                    value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds,
-                             "ts": reading.ts_ms}
-                    try:
-                        produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
-                                on_delivery=lambda err, msg, channel=channel, ts_ms=reading.ts_ms:
-                                    self._published(channel, err, ts_ms))
-                    except KafkaException as exc:  # refused at once: notif.lag missing, or denied by an ACL
-                        # As a failed publication (the channel goes stale, LagMonitorStale names it); the lanes'
-                        # lag on /metrics and the retry tiers' watch go on (raising stopped them all, at every
-                        # restart, before the first reading).
-                        self._published(channel, exc.args[0], reading.ts_ms)
+        """Start a reading of each lane not being read, and take those done within an interval."""
+        for (channel, lane), reader in self.readers.items():
+            if (channel, lane) not in self._reading:
+                self._reading[channel, lane] = self._pool.submit(
+                    reader.read, self.names.group(channel, lane), self.names.lane(channel, lane))
+        wait(self._reading.values(), timeout=self.interval_s)
+        for (channel, lane), reading in list(self._reading.items()):
+            if reading.done():
+                del self._reading[channel, lane]
+                self._take(channel, lane, reading)
         self.producer.poll(0)
+
+    def _take(self, channel: str, lane: str, future: Future[LagReading]) -> None:
+        try:
+            reading = future.result()
+        except Exception as exc:  # noqa: BLE001 - a missing topic must not stop the others
+            if (channel, lane) not in self._failing:  # say it once, not every tick
+                log.warning("lag of %s.%s unavailable: %s", channel, lane, exc)
+                self._failing.add((channel, lane))
+                # No reading is shown as none, not as the last one frozen (often 0): the channel's
+                # publication timestamp goes stale, and LagMonitorStale names the channel.
+                metrics.LANE_LAG_MESSAGES.remove(channel, lane)
+                metrics.LANE_LAG_SECONDS.remove(channel, lane)
+            return
+        if (channel, lane) in self._failing:
+            log.info("lag of %s.%s available again", channel, lane)
+            self._failing.discard((channel, lane))
+        metrics.LANE_LAG_MESSAGES.labels(channel, lane).set(reading.lag_messages)
+        metrics.LANE_LAG_SECONDS.labels(channel, lane).set(reading.lag_seconds)
+        if lane != "transactional":
+            return
+        value = {"lag_messages": reading.lag_messages, "lag_seconds": reading.lag_seconds, "ts": reading.ts_ms}
+        try:
+            produce(self.producer, self.names.lag, orjson.dumps(value), key=lag_key(channel).encode(),
+                    on_delivery=lambda err, msg: self._published(channel, err, reading.ts_ms))
+        except KafkaException as exc:  # refused at once: notif.lag missing, or denied by an ACL
+            # As a failed publication (the channel goes stale, LagMonitorStale names it); the lanes' lag on /metrics
+            # and the retry tiers' watch go on (raising stopped them all, at every restart, before the first reading).
+            self._published(channel, exc.args[0], reading.ts_ms)
 
     def _published(self, channel: str, err, ts_ms: int) -> None:
         """The monitor is only as fresh as its last *acknowledged* reading, channel by channel: a monitor that
@@ -105,4 +119,6 @@ class LagMonitor:
         finally:
             self.retry_watch.close()
             self.producer.flush(10)
-            self.reader.close()
+            self._pool.shutdown(wait=True)  # a reader is closed only once no read of it runs
+            for reader in self.readers.values():
+                reader.close()

@@ -6,9 +6,9 @@ import time
 from prometheus_client import REGISTRY
 
 from streams.lag.monitor import LagMonitor
-from streams.lag.yield_policy import LagReading
+from streams.lag.yield_policy import LagReading, YieldPolicy
 from streams.names import TopicNames
-from tests.harness import AcknowledgingProducer
+from tests.harness import AcknowledgingProducer, wait_until
 
 
 class ChannelReader:
@@ -26,6 +26,14 @@ class ChannelReader:
         pass
 
 
+def reading_every_lane(monitor, reader):
+    """`reader` in place of each lane's own (their consumers closed)."""
+    for lane, own in monitor.readers.items():
+        own.close()
+        monitor.readers[lane] = reader
+    return reader
+
+
 def _sample(name, **labels):
     return REGISTRY.get_sample_value(name, labels)
 
@@ -37,7 +45,8 @@ def test_a_channel_whose_lag_cannot_be_read_goes_stale_alone_and_shows_no_old_re
     fresh by email, so LagMonitorStale never fired for sms), and sms's lane lag gauges are gone rather than
     frozen at their last value (which the lag alerts would have gone on reading)."""
     monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email", "sms"))
-    monitor.reader, monitor.producer = ChannelReader(), AcknowledgingProducer()
+    monitor.producer = AcknowledgingProducer()
+    reader = reading_every_lane(monitor, ChannelReader())
     started = _sample("dispatch_lag_monitor_last_publish_timestamp_seconds", channel="sms")
     assert started is not None  # a channel never published goes stale from the monitor's start (not absent)
     time.sleep(0.01)
@@ -48,7 +57,7 @@ def test_a_channel_whose_lag_cannot_be_read_goes_stale_alone_and_shows_no_old_re
     assert None not in first.values()
     assert _sample("dispatch_lane_lag_messages", channel="sms", lane="transactional") == 3
 
-    monitor.reader.failing.add("sms")
+    reader.failing.add("sms")
     time.sleep(0.01)  # the next publication's wall-clock time differs from the first's
     monitor.tick()
     monitor.producer.poll()
@@ -67,8 +76,8 @@ def test_a_reading_acknowledged_late_is_as_fresh_as_when_it_was_taken():
     LagMonitorStale kept quiet while every worker set the readings aside as stale)."""
     monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("webhook",))
     taken_ms = int(time.time() * 1000) - 4_000
-    monitor.reader = type("Slow", (ChannelReader,), {"read": lambda self, group, topic, source="monitor": LagReading(
-        3, 0.5, taken_ms, source)})()
+    reading_every_lane(monitor, type("Slow", (ChannelReader,), {
+        "read": lambda self, group, topic, source="monitor": LagReading(3, 0.5, taken_ms, source)})())
     monitor.producer = AcknowledgingProducer()
     monitor.tick()
     monitor.producer.poll()
@@ -91,7 +100,8 @@ def test_a_monitor_whose_topic_is_missing_keeps_measuring_and_goes_stale_rather_
     fires) and the lanes' lag is still exported; before, the refusal raised out of its loop and the process exited,
     at every restart, taking the lanes' lag and the retry tiers' watch with it."""
     monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email",))
-    monitor.reader, monitor.producer = ChannelReader(), RefusingProducer()
+    monitor.producer = RefusingProducer()
+    reading_every_lane(monitor, ChannelReader())
     stamp = "dispatch_lag_monitor_last_publish_timestamp_seconds"
     started = _sample(stamp, channel="email")
     for _ in range(3):
@@ -99,3 +109,51 @@ def test_a_monitor_whose_topic_is_missing_keeps_measuring_and_goes_stale_rather_
     assert monitor.publish_outage.attempts == 3
     assert _sample(stamp, channel="email") == started
     assert _sample("dispatch_lane_lag_messages", channel="email", lane="marketing") == 3
+
+
+STALE_AFTER_S = YieldPolicy().stale_after_s  # a reading older than this, marketing workers set aside
+
+
+class StuckReader(ChannelReader):
+    """A lane whose reads do not return until released (its group's coordinator away: 5 s a call)."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+
+    def read(self, group, topic, source="monitor"):
+        self.release.wait(10)
+        return super().read(group, topic, source)
+
+
+def test_a_lane_slow_to_read_holds_back_no_other_channels_reading():
+    """Given a monitor of email and sms whose read of email's marketing lane does not return (its group's coordinator
+    away),
+    When it takes its readings, twice,
+    Then sms's and email's transactional lag are published both times, fresh (before: each lane was read in turn,
+    and every channel waited for the one slow read: every reading aged past what workers accept, and every marketing
+    worker fell back to reading the lag itself); once the slow read returns, its lane's lag is shown."""
+    monitor = LagMonitor("127.0.0.1:9", TopicNames("monitor-test."), channels=("email", "sms"))
+    monitor.producer = AcknowledgingProducer()
+    reading_every_lane(monitor, ChannelReader())
+    stuck = monitor.readers["email", "marketing"] = StuckReader()
+    stamp = "dispatch_lag_monitor_last_publish_timestamp_seconds"
+    metrics_before = {c: _sample(stamp, channel=c) for c in ("email", "sms")}
+    try:
+        for _ in range(2):
+            time.sleep(0.01)  # the next publication's wall-clock time differs
+            begun = int(time.time() * 1000) / 1000  # readings are stamped in ms
+            monitor.tick()
+            monitor.producer.poll()
+            assert time.time() - begun < STALE_AFTER_S  # the tick did not wait for the slow read
+            for channel in ("email", "sms"):
+                published = _sample(stamp, channel=channel)
+                assert begun <= published < begun + STALE_AFTER_S and published > metrics_before[channel]
+                metrics_before[channel] = published
+    finally:
+        stuck.release.set()
+    wait_until(lambda: monitor.tick() or _sample("dispatch_lane_lag_messages", channel="email", lane="marketing"),
+               10, "the slow lane's reading")
+    monitor._pool.shutdown(wait=True)
