@@ -250,16 +250,21 @@ class LaneWorker:
         self.pauses.close()
         self.dispatcher.close()
 
-    def _drain(self, timeout_s: float = 30.0) -> None:
-        """Wait for every provider request in flight and make its outcome durable (within
-        `timeout_s` for Redis and the broker: what is still unsettled then is read again later)."""
-        while self.dispatcher.in_flight:
+    def _drain(self, timeout_s: float = 30.0, partitions: set[tuple[str, int]] | None = None) -> None:
+        """Wait for every provider request in flight (of `partitions` only: those holding a message of one) and make
+        its outcome durable (within `timeout_s` for Redis and the broker: what is still unsettled then is read again
+        later)."""
+        while any(partitions is None or any((p.topic, p.partition) in partitions for p in job.members)
+                  for job in self.dispatcher.in_flight.values()):
             self._collect(block=True)
         deadline = time.monotonic() + timeout_s
         while (self.settler.pending or self.records.writer.pending) and time.monotonic() < deadline:
             self.records.writer.poll(0.1)  # acknowledgements finish offsets (after the marks below)
             self.settler.flush_marks()
             self.settler.retry()
+            if self.dispatcher.in_flight:  # the kept partitions' requests (a revoke): their leases stay alive
+                self._poll_adapters()
+                self.dispatcher.refresh_leases()
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:
@@ -271,7 +276,9 @@ class LaneWorker:
 
     def _on_revoke(self, consumer, partitions) -> None:
         metrics.REBALANCES.labels(*self._label, "revoked").inc(len(partitions))
-        self._drain()
+        # Only the revoked partitions' requests are waited for (cooperative rebalancing: the others stay here, and
+        # their requests, a provider's slow answer say, do not hold the whole group's rebalance).
+        self._drain(partitions={(p.topic, p.partition) for p in partitions})
         # Served inside the consume after a poll, the consumer's position is past a message that poll returned
         # and that is not tracked yet (it is dropped: its new owner reads it): store what is tracked, not beyond.
         self._store_offsets(past_idle_to_position=not self._untracked)

@@ -3226,3 +3226,38 @@ def test_an_adapter_failing_unexpectedly_logs_its_class_and_frames_never_its_tex
     assert "in submit" in failure and 'raise ValueError(f"cannot send to {recipient} via {url}")' in failure
     assert "builtins.ValueError: (its text withheld)" in failure and "builtins.KeyError: (its text withheld)" in failure
     assert not any("jane@example.test" in line or "s3cret" in line for line in text + [orjson.dumps(as_json).decode()])
+
+
+def test_a_revoke_waits_for_the_revoked_partitions_requests_only():
+    """Given a worker with two requests in flight: tenant slow's (a message of partition 0, whose provider has not
+    answered) and tenant quick's (partition 1, answered a moment later),
+    When partition 1 is revoked (cooperative rebalancing: partition 0 stays),
+    Then the revoke waits for quick's request and stores its offset, but not for slow's (before: it waited for every
+    request in flight, and the whole group's rebalance with it, for as long as the slowest provider took); slow's
+    request is settled when its answer comes, and each send was sent once."""
+    import threading
+
+    slow, quick = (build_send(validate_request(email_request()), t) for t in ("slow", "quick"))
+    provider = HeldProvider(DELIVERED)
+    holder: list = []
+    consumer = BatchedConsumer([[FakeMessage(0, 7, encode(slow)), FakeMessage(1, 4, encode(quick))]])
+    worker = _worker_reading(consumer, provider)
+    holder.append(worker)
+    for _ in range(5):
+        worker.step()
+    requests = {body.decode(): done for body, done in provider.waiting}
+    assert set(requests) == {slow.send_id, quick.send_id}
+    answer = threading.Timer(0.2, provider.answer_all, [{quick.send_id}])
+    # The revoke of the code before this fix returned only once slow's request was answered.
+    fallback = threading.Timer(10, provider.answer_all, [{slow.send_id}])
+    answer.start()
+    fallback.start()
+    try:
+        worker._on_revoke(consumer, [_TP(TOPIC, 1)])
+        assert requests[quick.send_id].done() and not requests[slow.send_id].done()
+        assert consumer.stored[(TOPIC, 1)] == 5
+    finally:
+        fallback.cancel()
+    provider.answer_all({slow.send_id})
+    _run(worker)
+    assert consumer.stored[(TOPIC, 0)] == 8 and len(provider.sent) == 2
