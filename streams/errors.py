@@ -114,6 +114,11 @@ class StateLost(StoreUnavailable):
     an empty replica). Nothing may be claimed until the state guard has looked."""
 
 
+class LimitOutOfRange(ConfigError):
+    """A limit Redis holds (edited by hand past `streams limits set`) with a rate not above 0 or a burst below 1:
+    refused, never taken as no limit."""
+
+
 class GateError(DispatchError):
     """The bucket gate could not admit a request."""
 

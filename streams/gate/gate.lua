@@ -6,7 +6,7 @@
 -- ARGV[1] tenant   ARGV[2] request cost   ARGV[3] message cost   ARGV[4] "1" to apply the reserve
 -- Returns {status, wait_ms, short}: status 1 admitted (both debited), 0 denied (no tokens written; a bucket
 -- stamped after Redis's clock is stamped now), -1 a cost exceeds a burst (short = which bucket), -2 no provider
--- limit configured, -3 a rate not above 0 or a burst below 1 (short = which limit).
+-- limit configured, -3 a rate not above 0 or a burst below 1, or not finite (short = which limit).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local tenant = ARGV[1]
@@ -22,8 +22,12 @@ if not g_rate or not g_burst or not t_rate or not t_burst then
 end
 -- A limit edited by hand past `streams limits set`: a rate of 0 would wait for ever, a negative one set a negative
 -- expiry (the bucket deleted at each admission, found full at the next: no limit at all).
-if g_rate <= 0 or g_burst < 1 then return {-3, 0, 'global'} end
-if t_rate <= 0 or t_burst < 1 then return {-3, 0, 'tenant'} end
+-- (Written as what must hold: NaN fails every comparison. Redis reads "inf" as a number too.)
+local function usable(rate, burst)
+  return rate > 0 and rate < math.huge and burst >= 1 and burst < math.huge
+end
+if not usable(g_rate, g_burst) then return {-3, 0, 'global'} end
+if not usable(t_rate, t_burst) then return {-3, 0, 'tenant'} end
 if req_cost > g_burst then return {-1, g_burst, 'global'} end
 if msg_cost > t_burst then return {-1, t_burst, 'tenant'} end
 

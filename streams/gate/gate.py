@@ -17,7 +17,15 @@ from typing import NamedTuple, Protocol
 import redis
 
 from .. import metrics
-from ..errors import BucketUnreadable, ConfigError, CostExceedsBurst, GateError, GateUnavailable, StoreUnavailable
+from ..errors import (
+    BucketUnreadable,
+    ConfigError,
+    CostExceedsBurst,
+    GateError,
+    GateUnavailable,
+    LimitOutOfRange,
+    StoreUnavailable,
+)
 from ..names import RedisKeys
 from ..redis_client import load_script
 from .limits import LimitStore, Pacing
@@ -170,9 +178,9 @@ class RedisGate:
             raise CostExceedsBurst(f"{provider}: a cost of {messages if short == 'tenant' else 1} exceeds "
                                    f"the {short} burst of {value} for tenant {tenant!r}")
         if status == -3:
-            raise ConfigError(f"the {short} limit of provider {provider!r} (for tenant {tenant!r}) holds a rate not "
-                              "above 0 or a burst below 1 (edited by hand); an operator sets it again with "
-                              "`streams limits set`")
+            raise LimitOutOfRange(f"the {short} limit of provider {provider!r} (for tenant {tenant!r}) holds a rate "
+                                  "not above 0 or a burst below 1 (edited by hand); an operator sets it again with "
+                                  "`streams limits set`")
         raise ConfigError(f"no rate limits configured for provider {provider!r} (or tenant {tenant!r}); "
                           f"an operator sets them with `streams limits set`")
 

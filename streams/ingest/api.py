@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import metrics
 from ..errors import (
     BrokerUnavailable,
+    LimitOutOfRange,
     PublishError,
     PublishOutcomeUnknown,
     SendTooLarge,
@@ -296,6 +297,11 @@ def create_app(ingest: Ingest, max_body: int = MAX_BODY_BYTES, bulk_socket: str 
                                 "before deciding, or make the change again to get one you hold", outcome="unknown")
         # Nothing was published or changed: the client may retry after a moment.
         return _unavailable(request, exc, "the state store", "the state store is unavailable; retry after a moment")
+
+    @app.exception_handler(LimitOutOfRange)  # an ingest quota edited by hand to 0 or below: refused, not lifted
+    async def _misconfigured(request: Request, exc: LimitOutOfRange) -> JSONResponse:
+        return _unavailable(request, exc, "the ingest quotas", "an ingest quota of this tenant is misconfigured; "
+                            "nothing was published: retry once an operator has set it again")
 
     @app.exception_handler(PublishError)
     @app.exception_handler(BrokerUnavailable)

@@ -22,7 +22,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from ..errors import ConfigError, CostExceedsBurst, GateError
+from ..errors import ConfigError, CostExceedsBurst, GateError, LimitOutOfRange
 from ..gate.gate import Gate
 from ..send import Send
 
@@ -79,10 +79,12 @@ class IngestQuotas:
         a bulk replay publishes one by one, its request charged once)."""
         checks = self._checks(tenant, sends, request)
         taken: list[tuple[str, str, int]] = []
-        refusal: OverQuota | BeyondBurst | GateError | None = None
+        refusal: OverQuota | BeyondBurst | GateError | LimitOutOfRange | None = None
         for (quota, _, cost, _), answer in zip(checks, self.gate.acquire_many(checks), strict=True):
             if isinstance(answer, CostExceedsBurst):
                 refusal = refusal or BeyondBurst(quota, cost, str(answer))
+            elif isinstance(answer, LimitOutOfRange):  # set, but to 0 or below by hand: refused, not lifted
+                refusal = refusal or answer
             elif isinstance(answer, ConfigError):
                 continue  # nobody set this quota: not enforced
             elif isinstance(answer, GateError):
@@ -94,7 +96,7 @@ class IngestQuotas:
         if refusal is None:
             return None
         self.give_back(taken)
-        if isinstance(refusal, GateError):
+        if isinstance(refusal, (GateError, LimitOutOfRange)):
             raise refusal
         return refusal
 

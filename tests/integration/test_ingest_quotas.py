@@ -159,3 +159,26 @@ def test_a_refusal_by_the_shared_global_limit_says_so_not_the_tenants_own(redis_
     assert quotas.admit("globex", sends("transactional", 1)) is None
     own = quotas.admit("globex", sends("transactional", 1))
     assert isinstance(own, OverQuota) and not own.shared
+
+
+def test_a_quota_edited_by_hand_to_zero_refuses_the_request_rather_than_lifting_the_quota(redis_client, namespace,
+                                                                                         limits):
+    """Given acme's transactional quota whose rate an operator edited into Redis by hand as 0 (past `streams limits
+    set`, which refuses it),
+    When acme posts a batch,
+    Then it is refused 503, saying the quota is misconfigured, and nothing is published (taken as a quota nobody
+    set, it was admitted without any limit)."""
+    from streams.names import RedisKeys
+
+    limits.set_provider("ingest-transactional", 1_000_000, 1_000_000)
+    limits.set_tenant("ingest-transactional", "*", 1, 50)
+    redis_client.hset(RedisKeys(namespace).limits("ingest-transactional"), "tenant_rate:*", 0)
+    published: list[list[object]] = []
+
+    async def broker(records):
+        published.append(records)
+        return []
+
+    refused = Api(redis_client, namespace, broker).post({"sends": [email_request()]}, "batch-1")
+    assert refused.status_code == 503 and "quota of this tenant is misconfigured" in refused.text, refused.text
+    assert published == []

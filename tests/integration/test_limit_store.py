@@ -367,7 +367,8 @@ def test_limits_stored_with_a_refill_of_millions_of_years_still_admit(redis_clie
 
 
 @pytest.mark.parametrize("field, value", [("tenant_rate:acme", "-1"), ("tenant_rate:acme", "0"),
-                                          ("tenant_burst:acme", "0"), ("global_rate", "-0.5")])
+                                          ("tenant_burst:acme", "0"), ("global_rate", "-0.5"),
+                                          ("global_rate", "inf")])
 def test_a_limit_edited_by_hand_to_zero_or_below_is_refused_not_taken_as_no_limit(redis_client, namespace, field,
                                                                                     value):
     """Given resend's limits, and one of them edited by hand (past `streams limits set`) to 0 or below,
