@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -442,3 +443,8 @@ def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> tupl
                 c.list_topics(tp.topic, timeout=_one_try_s(deadline))
             except KafkaException:
                 pass  # the next try reports what is wrong
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """librdkafka's default partitioner (consistent_random: CRC32 of the key): where a key's records are."""
+    return zlib.crc32(key) % partitions

@@ -49,6 +49,7 @@ from faust.types import TP
 from .. import metrics
 from ..config import Config
 from ..errors import StackError
+from ..kafka_client import partition_for
 from ..lag.reader import LagReader
 from ..retry.policy import load_routing
 from ..send import SCHEMA_VERSION, Send, encode
@@ -179,15 +180,21 @@ class EndpointHealthApp:
 
     async def _remove_deleted(self) -> None:
         """Each endpoint deleted lately that has a row here gets a deletion event on the attempts topic, once: only
-        the agent may change the table, and it removes the row in line with the endpoint's attempts."""
+        the agent may change the table, and it removes the row in line with the endpoint's attempts. The event goes
+        to the partition the row was written from (its changelog partition, where the tombstone must go: faust
+        writes a row's changes to its event's partition), which this producer's partitioner would not choose."""
         self.directory.poll()
         recent = self.directory.recently_deleted()
         self.removal_asked &= set(recent)  # one another copy removed (its partition moved) is not awaited for ever
         for endpoint_id in recent:
-            if endpoint_id in self.removal_asked or self.table.get(endpoint_id) is None:
+            if endpoint_id in self.removal_asked or (row := self.table.get(endpoint_id)) is None:
                 continue
+            key = endpoint_id.encode()
+            partition = row.get("applied_partition", -1)  # -1: a row written before rows said it
+            if not isinstance(partition, int) or partition < 0:
+                partition = partition_for(key, self.attempts_spec.partitions)  # where dispatch writes its attempts
             event = deletion_event(endpoint_id, int(time.time() * 1000))
-            await self._produce(self.names.webhook_attempts, endpoint_id.encode(), orjson.dumps(event), [])
+            await self._produce(self.names.webhook_attempts, key, orjson.dumps(event), [], partition)
             self.removal_asked.add(endpoint_id)
 
     async def _caught_up(self) -> None:
@@ -239,12 +246,13 @@ class EndpointHealthApp:
         metrics.HEALTH_ALERTS.labels(alert.kind, "sent").inc()
         log.warning("alert %s for endpoint %s sent as %s", alert.kind, h.endpoint_id, alert.send_id)
 
-    async def _produce(self, topic: str, key: bytes, value: bytes | None, headers: list) -> None:
+    async def _produce(self, topic: str, key: bytes, value: bytes | None, headers: list,
+                       partition: int | None = None) -> None:
         """Until the broker acknowledges it: the row is written only after its effects."""
         wait = 0.1
         while True:
             try:
-                await self._acknowledged(topic, key, value, headers)
+                await self._acknowledged(topic, key, value, headers, partition)
                 metrics.DEPENDENCY_DOWN.labels("endpoint-health", "kafka").set(0)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure: the same record again, later
@@ -253,12 +261,13 @@ class EndpointHealthApp:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, SEND_RETRY_MAX_S)
 
-    async def _acknowledged(self, topic: str, key: bytes, value: bytes | None, headers: list) -> None:
+    async def _acknowledged(self, topic: str, key: bytes, value: bytes | None, headers: list,
+                            partition: int | None = None) -> None:
         """One send, awaited until the broker answers. The producer's own timeout is faust's 20 minutes (the
         changelog's writes ride on it too): past UNACKNOWLEDGED_S without an answer, the broker is said to be down
         (gauge and a log line, again each UNACKNOWLEDGED_S), and the send goes on waiting, cancelled only with its
         caller (a shutdown)."""
-        sending = asyncio.ensure_future(self.app.producer.send_and_wait(topic, key, value, None, None, headers))
+        sending = asyncio.ensure_future(self.app.producer.send_and_wait(topic, key, value, partition, None, headers))
         waited = 0.0
         try:
             while not (await asyncio.wait({sending}, timeout=self.unacknowledged_s))[0]:

@@ -8,7 +8,8 @@ import pytest
 from confluent_kafka import Producer
 
 from streams.errors import BrokerUnavailable, ReplayRefused
-from streams.retry.dlq import find, latest, partition_for
+from streams.kafka_client import partition_for
+from streams.retry.dlq import find, latest
 from streams.send import build_send, encode, validate_request
 from streams.topology.admin import TopicAdmin
 from streams.topology.spec import TopicSpec

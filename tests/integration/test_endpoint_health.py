@@ -248,7 +248,10 @@ def test_a_deleted_endpoints_row_and_state_are_removed_and_its_late_attempts_ign
     row_key = orjson.dumps(ep["id"])  # the table's keys are JSON strings
 
     def last_value(topic: str, key: bytes) -> bytes | None:
-        return [m for m in committed_messages(stack.bootstrap, topic) if m.key() == key][-1].value()
+        """The key's last record (all of a key's records are in one partition, or a tombstone misses its row)."""
+        records = [m for m in committed_messages(stack.bootstrap, topic) if m.key() == key]
+        assert len({m.partition() for m in records}) == 1, [(m.partition(), m.value() is None) for m in records]
+        return records[-1].value()
 
     assert last_value(names.endpoint_state, ep["id"].encode()) is None  # acknowledged before the row goes
     wait_until(lambda: last_value(changelog, row_key) is None, 30, "the row's tombstone on the changelog")

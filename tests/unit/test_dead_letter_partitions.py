@@ -1,6 +1,7 @@
 """Where a send's dead letter may be: the partitions its key maps to at the DLQ's partition count or any smaller."""
 
-from streams.retry.dlq import key_partitions, partition_for
+from streams.kafka_client import partition_for
+from streams.retry.dlq import key_partitions
 
 
 def test_a_keys_partitions_are_the_current_one_first_then_those_of_every_smaller_count():
