@@ -254,8 +254,10 @@ class LaneWorker:
         """Wait for every provider request in flight (of `partitions` only: those holding a message of one) and make
         its outcome durable (within `timeout_s` for Redis and the broker: what is still unsettled then is read again
         later)."""
-        while any(partitions is None or any((p.topic, p.partition) in partitions for p in job.members)
-                  for job in self.dispatcher.in_flight.values()):
+        def waited_for(job: Job) -> bool:
+            return partitions is None or any((p.topic, p.partition) in partitions for p in job.members)
+
+        while any(waited_for(job) for job in self.dispatcher.in_flight.values()):
             self._collect(block=True)
         deadline = time.monotonic() + timeout_s
         while (self.settler.pending or self.records.writer.pending) and time.monotonic() < deadline:

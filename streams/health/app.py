@@ -190,9 +190,9 @@ class EndpointHealthApp:
             if endpoint_id in self.removal_asked or (row := self.table.get(endpoint_id)) is None:
                 continue
             key = endpoint_id.encode()
-            partition = row.get("applied_partition", -1)  # -1: a row written before rows said it
-            if not isinstance(partition, int) or partition < 0:
-                partition = partition_for(key, self.attempts_spec.partitions)  # where dispatch writes its attempts
+            partition = Health.from_doc(row).applied_partition
+            if partition < 0:  # a row written before rows said it: where dispatch writes the endpoint's attempts
+                partition = partition_for(key, self.attempts_spec.partitions)
             event = deletion_event(endpoint_id, int(time.time() * 1000))
             await self._produce(self.names.webhook_attempts, key, orjson.dumps(event), [], partition)
             self.removal_asked.add(endpoint_id)
