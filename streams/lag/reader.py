@@ -37,9 +37,6 @@ class LagReader:
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
             "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
             "fetch.wait.max.ms": 10, "enable.partition.eof": True,
-            # Only each partition's first waiting message is read: a blast's backlog is not prefetched (up to 1 MiB
-            # a partition at each read, several times a second); a larger message is still fetched whole.
-            "fetch.message.max.bytes": 65_536, "queued.min.messages": 1, "queued.max.messages.kbytes": 1024,
             "auto.offset.reset": "earliest"}))  # a head deleted since its position was read: the oldest left
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
