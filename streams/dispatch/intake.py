@@ -14,6 +14,7 @@ from ..send import Send, decode
 class Admitted:
     send: Send
     attempt: int
+    declined: int = 0  # of the attempts before it, those a provider declined with a 429 (not counted as tries)
 
 
 @dataclass(frozen=True)
@@ -44,4 +45,12 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
         return Rejected("malformed", f"header 'attempt' is not an integer: {repr(raw_attempt)[:30]}", send)
     if attempt < 1:
         return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}", send)
-    return Admitted(send, attempt)
+    raw_declined = headers.get("declined", b"0")
+    try:
+        declined = int(raw_declined)
+    except (ValueError, TypeError):
+        return Rejected("malformed", f"header 'declined' is not an integer: {repr(raw_declined)[:30]}", send)
+    if not 0 <= declined < attempt:
+        return Rejected("malformed", f"header 'declined' must be from 0 to {attempt - 1} (attempt {attempt}), "
+                                     f"got {declined}", send)
+    return Admitted(send, attempt, declined)

@@ -184,6 +184,8 @@ class RecordWriter:
         batch drawn anew, or after the provider forgot the key)."""
         tried = tried or [self.provider]
         headers = self._retry_headers(p, decision.due_ms, decision.tier, decision.reason, p.attempt + 1)
+        if decision.declined or p.declined:  # the next attempt's max_attempts and schedule leave out declined ones
+            headers["declined"] = str(p.declined + decision.declined).encode()
         headers["last_error"] = error_header(result, p.send.channel)
         headers.setdefault("first_error", headers["last_error"])
         headers["providers_tried"] = ",".join(tried).encode()

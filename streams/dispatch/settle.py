@@ -428,7 +428,8 @@ class Settler:
         by another worker's re-send): a send given up on is dead-lettered `unknown_outcome`."""
         return decide(self.policies[p.send.policy], p.attempt, p.send.created_at_ms, result, now_ms,
                       self.rng.random(), provider_idempotent=route.spec.idempotent, time_scale=self.time_scale,
-                      first_copy_unknown=maybe_held, throttle_is_attempt=route.spec.channel == "webhook")
+                      first_copy_unknown=maybe_held, throttle_is_attempt=route.spec.channel == "webhook",
+                      declined_before=p.declined)
 
     def _back_off_in_process(self, job: Job, result: ProviderResult, now_ms: int) -> None:
         """A short 429: the request was not accepted, so its sends go back to the front of their

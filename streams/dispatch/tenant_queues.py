@@ -38,6 +38,7 @@ class Pending:
     consumed_at_ms: float = 0.0  # when the consumer returned it (stage timings)
     held_since_ms: int = 0     # its first short 429 of this attempt, waited out in the worker (0: none)
     alone: bool = False        # its batch was refused for its size: sent in a request of its own
+    declined: int = 0          # of its earlier attempts, those a provider declined with a 429 (the `declined` header)
 
     @property
     def where(self) -> Offset:

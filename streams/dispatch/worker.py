@@ -324,7 +324,7 @@ class LaneWorker:
                                          detail=verdict.detail)
             return
         p = Pending(msg.topic(), msg.partition(), msg.offset(), msg.value(), headers, verdict.send, verdict.attempt,
-                    (headers.get("provider") or b"").decode(errors="replace"), wall_ms())
+                    (headers.get("provider") or b"").decode(errors="replace"), wall_ms(), declined=verdict.declined)
         if not self._parked(p):
             self.queues.add(p)
 

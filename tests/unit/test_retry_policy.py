@@ -99,6 +99,30 @@ def test_a_429_at_the_last_attempt_is_not_the_end_of_the_send(result):
     assert receiver == DeadLetter("retries_exhausted")
 
 
+@pytest.mark.parametrize("throttled_first", [1, 3])
+def test_a_send_throttled_by_the_provider_still_gets_every_attempt_for_real_failures(throttled_first):
+    """A provider's 429 is no try: a send declined k times, then failing every time, gets max_attempts failures
+    before `retries_exhausted` (before, k fewer), each spaced by its schedule's tier for the failures so far. The
+    worker carries the count of declined attempts on the retry copy (the `declined` header)."""
+    created = now = NOW
+    attempt, declined, failures = 1, 0, []
+    while True:
+        result = (ProviderResult("throttled", 429, retry_after="120") if attempt <= throttled_first
+                  else ProviderResult("unavailable", 503))
+        decision = decide(MARKETING, attempt, created, result, now, 0.5, declined_before=declined)
+        if result.outcome == "unavailable":
+            failures.append(now)
+        if not isinstance(decision, RetryAt):
+            break
+        assert decision.declined is (result.outcome == "throttled")
+        if result.outcome == "unavailable":
+            assert decision.tier == MARKETING.tier_after(len(failures))
+        declined += decision.declined
+        attempt, now = attempt + 1, decision.due_ms
+    assert decision == DeadLetter("retries_exhausted")
+    assert len(failures) == MARKETING.max_attempts and attempt == MARKETING.max_attempts + throttled_first
+
+
 def test_unknown_outcome_without_provider_idempotency_goes_to_reconciliation():
     d = decide(OTP, 1, NOW, ProviderResult("unknown"), NOW, 0.5, provider_idempotent=False)
     assert d == DeadLetter("unknown_outcome")

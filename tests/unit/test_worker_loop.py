@@ -323,7 +323,9 @@ def test_a_send_already_delivered_is_not_sent_again():
     assert consumer.stored[(TOPIC, 0)] == 2
 
 
-@pytest.mark.parametrize("headers,reason", [([("attempt", b"2x")], "malformed"), ([("attempt", b"0")], "malformed")])
+@pytest.mark.parametrize("headers,reason", [([("attempt", b"2x")], "malformed"), ([("attempt", b"0")], "malformed"),
+                                            ([("declined", b"x")], "malformed"),
+                                            ([("attempt", b"2"), ("declined", b"2")], "malformed")])
 def test_a_malformed_header_is_dead_lettered_not_a_crash(headers, reason):
     sends, msgs = _messages(["acme"])
     worker, consumer, producer, provider = _worker([FakeMessage(0, 0, msgs[0].value(), headers)])
@@ -1204,6 +1206,25 @@ def test_a_request_with_an_unknown_outcome_is_not_sent_again_under_another_key_t
     assert provider.deliveries() == {sends[0].send_id.encode(): 1}
     (_, dead), = producer.records[NAMES.dlq]
     assert dead["reason"] == b"unknown_outcome"
+
+
+def test_a_send_a_provider_declined_still_has_its_last_attempt_for_a_real_failure():
+    """Given a send the provider answered with a long 429 (the provider did not look at it),
+    When its retry copy is sent and fails at what would be its last attempt counting the 429 as one,
+    Then it is retried, not dead-lettered `retries_exhausted`: its copies carry the count of declined attempts
+    (before, a send throttled k times had k fewer tries left for real failures)."""
+    sends, msgs = _messages(["acme"])
+    worker, _, producer, _ = _worker(msgs, answer=ProviderResult("throttled", 429, retry_after="120"))
+    _run(worker)
+    [(value, headers)] = [r for t, records in producer.records.items() if ".retry." in t for r in records]
+    assert (headers["attempt"], headers["declined"]) == (b"2", b"1")
+    last = load_policies()[sends[0].policy].max_attempts
+    copy = FakeMessage(0, 1, value, list({**headers, "attempt": str(last).encode()}.items()))
+    worker, _, producer, provider = _worker([copy], answer=ProviderResult("unavailable", 503))
+    _run(worker)
+    assert len(provider.sent) == 1 and NAMES.dlq not in producer.records
+    [(_, again)] = [r for t, records in producer.records.items() if ".retry." in t for r in records]
+    assert (again["attempt"], again["declined"]) == (str(last + 1).encode(), b"1")
 
 
 def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
