@@ -283,8 +283,9 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
            jitter: float, provider_idempotent: bool = True, time_scale: float = 1.0,
            first_copy_unknown: bool = False, throttle_is_attempt: bool = False, declined_before: int = 0) -> Decision:
     """`attempt` is the attempt that just ran (1-based); `jitter` is a uniform draw in [0, 1).
-    `declined_before`: how many of the attempts before it a provider declined with a 429 (they count toward neither
-    the send's max_attempts nor its schedule's next tier).
+    `declined_before`: how many of the attempts before it a provider declined with a 429. They count toward neither
+    the send's max_attempts nor, after a real failure, its schedule's next tier; a 429's own wait still follows every
+    attempt made (a provider that keeps declining is asked less and less often, as before).
     `time_scale` shrinks the tiers' delays for tests that walk a whole schedule (1.0 in production).
     `first_copy_unknown`: this attempt re-sent a request whose first copy's fate is unknown.
     `throttle_is_attempt`: a 429 counts as an attempt (a webhook receiver's: the tenant's own server, which a
@@ -304,7 +305,7 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     # A provider's 429 is the provider declining to look at the request, not a failed attempt: it never uses up
     # the last one (a send throttled at its last attempt waits again; only its max age ends it).
     declined = outcome in ("throttled", "quota") and not throttle_is_attempt
-    tries = attempt - min(max(0, declined_before), attempt - 1)  # the attempts the provider looked at, this one too
+    tries = attempt - min(max(0, declined_before), attempt - 1)  # this attempt and the earlier ones not declined
     if tries >= policy.max_attempts and not declined:
         return DeadLetter("unknown_outcome" if may_be_delivered else "retries_exhausted")
     # The earliest moment the next attempt may happen: what the provider asked for, at least (a 429 without a
@@ -316,7 +317,8 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     at_least = {"quota": max(PARK_AT_LEAST_S, asked), "throttled": asked or DEFAULT_COOL_DOWN_S}.get(outcome, advised)
     # Past its attempts (a 429 at the last one) a send has no next tier of its schedule: it waits for what the
     # provider asked, at least the shortest tier.
-    scheduled = policy.tier_after(tries) if tries < policy.max_attempts else next(iter(RETRY_TIERS))
+    counted = attempt if declined else tries
+    scheduled = policy.tier_after(counted) if counted < policy.max_attempts else next(iter(RETRY_TIERS))
     tier = max(scheduled, tier_at_least(at_least), key=RETRY_TIERS.__getitem__)
     delay_ms = int(RETRY_TIERS[tier] * 1000 * (1 + JITTER * (2 * jitter - 1)) * time_scale)
     if outcome == "quota" or ((outcome == "throttled" or advised) and now_ms + delay_ms > deadline_ms):

@@ -123,6 +123,15 @@ def test_a_send_throttled_by_the_provider_still_gets_every_attempt_for_real_fail
     assert len(failures) == MARKETING.max_attempts and attempt == MARKETING.max_attempts + throttled_first
 
 
+def test_a_provider_that_keeps_declining_is_asked_less_and_less_often():
+    """Declined attempts are no tries, but the wait after a 429 still grows with every attempt made: a quota 429
+    without a Retry-After parks a marketing send longer each time (not an hour each time for its whole max age)."""
+    quota = ProviderResult("quota", 429)
+    waits = [decide(MARKETING, attempt, NOW, quota, NOW, 0.5, declined_before=attempt - 1).due_ms - NOW
+             for attempt in range(1, MARKETING.max_attempts)]
+    assert waits == sorted(waits) and waits[-1] >= 4 * waits[0]
+
+
 def test_unknown_outcome_without_provider_idempotency_goes_to_reconciliation():
     d = decide(OTP, 1, NOW, ProviderResult("unknown"), NOW, 0.5, provider_idempotent=False)
     assert d == DeadLetter("unknown_outcome")
