@@ -23,7 +23,7 @@ from ..providers.outcome import redact
 OWN_DLQ_HEADERS = frozenset({
     "send_id", "tenant", "channel", "lane", "reason", "reason_detail", "detail", "attempts", "origin_topic",
     "origin_partition", "origin_offset", "group", "dead_lettered_at_ms", "first_error", "last_error",
-    "providers_tried", "payload_omitted"})
+    "providers_tried", "payload_omitted", "declined"})
 
 PAYLOAD_DAYS = 7
 # Records taken from the consumer at once: a dead letter may be 1.5 MiB with its payload, and records handed over
@@ -213,8 +213,8 @@ def _search(c: Consumer, topic: str, partition: int, send_id: str) -> DeadLetter
 # Dispatch's own counts, offsets and times (redacted, an offset or a time in ms reads as a phone number), and the
 # send id: shown as written when they have their shape. A producer may have set any header of its record, these
 # names too, so a value of another shape is redacted like the rest.
-_NUMBER_HEADERS = frozenset({"attempts", "attempt", "origin_partition", "origin_offset", "dead_lettered_at_ms",
-                             "due_at_ms", "retried_at_ms"})
+_NUMBER_HEADERS = frozenset({"attempts", "attempt", "declined", "origin_partition", "origin_offset",
+                             "dead_lettered_at_ms", "due_at_ms", "retried_at_ms"})
 _NUMBER_RE = re.compile(r"\d{1,19}")
 _SEND_ID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

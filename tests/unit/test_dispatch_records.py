@@ -153,3 +153,32 @@ def test_a_dead_letter_refused_for_its_size_is_counted_once_as_too_large():
     assert [h["reason"] for h in kept] == [b"too_large", b"too_large"]
     assert {r: _dead_letters(r) - before[r] for r in before} == {"retries_exhausted": 0, "malformed": 0,
                                                                   "too_large": 2}
+
+
+class RefusesHugeHeaders(FakeProducer):
+    """Refuses, as too large, every record carrying a header named `huge`."""
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None):
+        headers = dict(headers or [])
+        if "huge" not in headers:
+            return super().produce(topic, value, key, headers, on_delivery)
+        self._acks.append((lambda err, msg: on_delivery(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), msg),
+                           FakeMessage(0, 0, value)))
+
+
+def test_a_dead_letter_kept_with_dispatch_s_headers_only_still_says_how_many_attempts_were_declined():
+    """Given a send whose copy carries a header too large for the broker (set by its producer), throttled by its
+    provider twice on its way (`declined: 2`),
+    When it is dead-lettered, the letter refused with its payload and again without it,
+    Then the letter kept with dispatch's own headers only still carries `declined` next to `attempts` (an operator
+    reading attempts=7 under a policy of 6 sees why)."""
+    producer = RefusesHugeHeaders()
+    writer = RecordWriter(producer, NAMES, "webhook", "transactional", "webhook", LANE, "g")
+    p = _delivery(7)
+    p.headers.update({"huge": b"x" * 2_000, "declined": b"2"})
+    writer.dead_letter(p, "too_old", None, int(time.time() * 1000), lambda: None)
+    for _ in range(10):
+        writer.writer.poll(0)
+    [(_, letter)] = producer.records[NAMES.dlq]
+    assert letter["headers_omitted"] == b"too_large" and "huge" not in letter
+    assert (letter["attempts"], letter["declined"]) == (b"6", b"2")
