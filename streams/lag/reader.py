@@ -28,6 +28,12 @@ TIMEOUT_S = 5.0
 PARTITIONS_TTL_S = 60.0
 PEEK_S = 1.0  # how long a read waits for the waiting messages' heads (their timestamps give the lag's age)
 log = logging.getLogger("streams.lag")
+# The head peeker needs one message a partition. Its fetches are bounded to 64 KiB a partition (the broker still
+# returns a first batch larger than that whole): with librdkafka's 1 MiB each read of a lane behind a blast fetched
+# about a megabyte of its backlog a partition, every second.
+PEEKER_SETTINGS = {"enable.auto.commit": False, "fetch.wait.max.ms": 10, "enable.partition.eof": True,
+                   "max.partition.fetch.bytes": 65536,
+                   "auto.offset.reset": "earliest"}  # a head deleted since its position was read: the oldest left
 
 
 class LagReader:
@@ -35,9 +41,7 @@ class LagReader:
         self.bootstrap = bootstrap
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
-            "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-            "fetch.wait.max.ms": 10, "enable.partition.eof": True,
-            "auto.offset.reset": "earliest"}))  # a head deleted since its position was read: the oldest left
+            **PEEKER_SETTINGS, "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}"}))
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
     def _consumer(self, group: str) -> Consumer:
