@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -36,12 +37,18 @@ PEEKER_SETTINGS = {"enable.auto.commit": False, "fetch.wait.max.ms": 10, "enable
                    "auto.offset.reset": "earliest"}  # a head deleted since its position was read: the oldest left
 
 
+def head_peeker(bootstrap: str, group: str, settings: dict[str, Any] | None = None) -> Consumer:
+    """A consumer that reads the first waiting message of partitions it is assigned (never subscribes or commits:
+    `group` only names it)."""
+    return Consumer(client_config(bootstrap, quiet=True, settings={**PEEKER_SETTINGS, "group.id": group,
+                                                                   **(settings or {})}))
+
+
 class LagReader:
     def __init__(self, bootstrap: str):
         self.bootstrap = bootstrap
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
-        self.peeker = Consumer(client_config(bootstrap, quiet=True, settings={
-            **PEEKER_SETTINGS, "group.id": f"lag-reader-peek-{uuid.uuid4().hex[:8]}"}))
+        self.peeker = head_peeker(bootstrap, f"lag-reader-peek-{uuid.uuid4().hex[:8]}")
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
 
     def _consumer(self, group: str) -> Consumer:

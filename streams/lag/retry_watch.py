@@ -28,10 +28,9 @@ from prometheus_client import Gauge
 
 from .. import metrics
 from ..errors import StackError
-from ..kafka_client import client_config
 from ..lanes import LANES, RETRY_TIERS
 from ..names import TopicNames
-from .reader import LagReader
+from .reader import LagReader, head_peeker
 
 log = logging.getLogger("streams.retry_watch")
 
@@ -54,13 +53,10 @@ class RetryTierWatch:
 
     def _run(self) -> None:
         reader = LagReader(self.bootstrap)
-        peeker = Consumer(client_config(self.bootstrap, quiet=True, settings={
-            "group.id": f"retry-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-            # A head deleted by retention between the positions' read and the peek: the oldest left, not the end
-            # (read from the end, a tier whose copies are being deleted unreleased would show nothing overdue).
-            "auto.offset.reset": "earliest",
-            # A position followed only by a transaction's marker has no head to read: the end says so.
-            "enable.partition.eof": True}))
+        # Reads from the earliest offset a head deleted by retention between the positions' read and the peek (read
+        # from the end, a tier whose copies are being deleted unreleased would show nothing overdue); a position
+        # followed only by a transaction's marker has no head to read: the partition's end says so.
+        peeker = head_peeker(self.bootstrap, f"retry-watch-{uuid.uuid4().hex[:8]}")
         try:
             while not self._stopping.is_set():
                 for channel in self.channels:
@@ -141,7 +137,7 @@ class RetryTierWatch:
         refused: list[KafkaError] = []
         try:
             while ends and time.monotonic() < deadline:
-                for m in peeker.consume(num_messages=500, timeout=0.1):
+                for m in peeker.consume(num_messages=len(ends) * 4, timeout=0.1):  # one a partition is enough
                     if m.error():
                         if m.error().code() == KafkaError._PARTITION_EOF:
                             ends.pop(m.partition(), None)  # nothing but markers past the position: no head
