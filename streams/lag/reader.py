@@ -29,11 +29,10 @@ TIMEOUT_S = 5.0
 PARTITIONS_TTL_S = 60.0
 PEEK_S = 1.0  # how long a read waits for the waiting messages' heads (their timestamps give the lag's age)
 log = logging.getLogger("streams.lag")
-# The head peeker needs one message a partition. Its fetches are bounded to 64 KiB a partition (the broker still
-# returns a first batch larger than that whole): with librdkafka's 1 MiB each read of a lane behind a blast fetched
-# about a megabyte of its backlog a partition, every second.
+# A head peeker's fetches keep librdkafka's sizes (1 MiB a partition): a smaller bound saves nothing on a blast's
+# backlog, whose record batches are larger (the broker returns an oversized first batch whole only for the first
+# partition of a fetch, the others then take a fetch each, one after the other).
 PEEKER_SETTINGS = {"enable.auto.commit": False, "fetch.wait.max.ms": 10, "enable.partition.eof": True,
-                   "max.partition.fetch.bytes": 65536,
                    "auto.offset.reset": "earliest"}  # a head deleted since its position was read: the oldest left
 
 
