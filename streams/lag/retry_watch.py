@@ -53,9 +53,9 @@ class RetryTierWatch:
 
     def _run(self) -> None:
         reader = LagReader(self.bootstrap)
-        # Reads from the earliest offset a head deleted by retention between the positions' read and the peek (read
-        # from the end, a tier whose copies are being deleted unreleased would show nothing overdue); a position
-        # followed only by a transaction's marker has no head to read: the partition's end says so.
+        # A head deleted by retention between the positions' read and the peek is read from the earliest offset left
+        # (read from the end, a tier whose copies are being deleted unreleased would show nothing overdue); a
+        # position followed only by a transaction's marker has no head to read: the partition's end says so.
         peeker = head_peeker(self.bootstrap, f"retry-watch-{uuid.uuid4().hex[:8]}")
         try:
             while not self._stopping.is_set():
