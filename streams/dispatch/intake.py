@@ -38,19 +38,24 @@ def admit(value: bytes | None, headers: dict[str, bytes], channel: str, lane: st
         return Rejected("lane_violation", f"a {send.category} send may not travel in the transactional lane", send)
     if send.policy not in policies:
         return Rejected("unknown_policy", unknown_policy(send.policy, policies), send)
-    raw_attempt = headers.get("attempt", b"1")
-    try:
-        attempt = int(raw_attempt)  # a header may also carry no value at all (None)
-    except (ValueError, TypeError):
-        return Rejected("malformed", f"header 'attempt' is not an integer: {repr(raw_attempt)[:30]}", send)
+    attempt = _integer(headers, "attempt", b"1")
+    if isinstance(attempt, str):
+        return Rejected("malformed", attempt, send)
     if attempt < 1:
         return Rejected("malformed", f"header 'attempt' must be at least 1, got {attempt}", send)
-    raw_declined = headers.get("declined", b"0")
-    try:
-        declined = int(raw_declined)
-    except (ValueError, TypeError):
-        return Rejected("malformed", f"header 'declined' is not an integer: {repr(raw_declined)[:30]}", send)
+    declined = _integer(headers, "declined", b"0")
+    if isinstance(declined, str):
+        return Rejected("malformed", declined, send)
     if not 0 <= declined < attempt:
         return Rejected("malformed", f"header 'declined' must be from 0 to {attempt - 1} (attempt {attempt}), "
                                      f"got {declined}", send)
     return Admitted(send, attempt, declined)
+
+
+def _integer(headers: dict[str, bytes], name: str, absent: bytes) -> int | str:
+    """A count dispatch writes in a header (`absent`: its value when there is none), or what is wrong with it."""
+    raw = headers.get(name, absent)
+    try:
+        return int(raw)  # a header may also carry no value at all (None)
+    except (ValueError, TypeError):
+        return f"header '{name}' is not an integer: {repr(raw)[:30]}"

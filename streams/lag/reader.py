@@ -38,7 +38,7 @@ PEEKER_SETTINGS = {"enable.auto.commit": False, "fetch.wait.max.ms": 10, "enable
 
 def head_peeker(bootstrap: str, group: str, settings: dict[str, Any] | None = None) -> Consumer:
     """A consumer that reads the first waiting message of partitions it is assigned (never subscribes or commits:
-    `group` only names it)."""
+    `group` only names it). `settings`: more librdkafka settings over these (a test's statistics)."""
     return Consumer(client_config(bootstrap, quiet=True, settings={**PEEKER_SETTINGS, "group.id": group,
                                                                    **(settings or {})}))
 
