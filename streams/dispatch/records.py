@@ -203,7 +203,8 @@ class RecordWriter:
         self.outcome(event, done)
         self.produce(self.names.retry(self.channel, self.lane, decision.tier), p.send.tenant_id.encode(), p.raw,
                      headers, done,
-                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, done, tried))
+                     on_refused=lambda err: self.dead_letter(p, "retry_copy_too_large", result, now_ms, done, tried,
+                                                             declined_now=decision.declined))
 
     def fallback(self, p: Pending, provider: str, tried: list[str], result: ProviderResult, now_ms: int,
                  on_ack: OnAck) -> None:
@@ -244,9 +245,11 @@ class RecordWriter:
 
     # ------------------------------------------------------------------ dead letters
     def dead_letter(self, p: Pending, reason: str, result: ProviderResult | None, now_ms: int, on_ack: OnAck,
-                    tried: list[str] | None = None, detail: str = "", attempted: bool | None = None) -> None:
+                    tried: list[str] | None = None, detail: str = "", attempted: bool | None = None,
+                    declined_now: bool = False) -> None:
         """`attempted`: whether attempt `p.attempt` was made (default: when it has a result); the letter counts
-        the attempts made. Counted in dispatch_dead_letters_total once, by the reason it is stored under."""
+        the attempts made, and of them those a provider declined (`declined_now`: the one just made). Counted in
+        dispatch_dead_letters_total once, by the reason it is stored under."""
         made = p.attempt if (result is not None if attempted is None else attempted) else p.attempt - 1
         if p.send.channel == "webhook" and result is None and reason in UNATTEMPTED_DROPS:  # said there as well
             done = after_all(2, on_ack)
@@ -259,6 +262,8 @@ class RecordWriter:
                    "group": self.group.encode(), "dead_lettered_at_ms": str(now_ms).encode()}
         headers.setdefault("origin_partition", str(p.partition).encode())
         headers.setdefault("origin_offset", str(p.offset).encode())
+        if declined_now:
+            headers["declined"] = str(p.declined + 1).encode()
         if result is not None:
             headers["last_error"] = error_header(result, p.send.channel)
             headers.setdefault("first_error", headers["last_error"])

@@ -313,7 +313,8 @@ class Settler:
             if isinstance(decision, RetryAt):
                 self.records.retry(p, decision, result, now_ms, finish, tried, kept=kept)
             elif isinstance(decision, DeadLetter):
-                self.records.dead_letter(p, decision.reason, result, now_ms, finish, tried)
+                self.records.dead_letter(p, decision.reason, result, now_ms, finish, tried,
+                                         declined_now=decision.declined)
             else:  # Delivered cannot follow a failed result
                 raise AssertionError(decision)
 

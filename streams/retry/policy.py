@@ -80,6 +80,7 @@ class RetryAt:
 @dataclass(frozen=True)
 class DeadLetter:
     reason: str
+    declined: bool = False  # the attempt just made was a provider's 429 (its letter counts it as declined)
 
 
 Decision = Delivered | RetryAt | DeadLetter
@@ -334,7 +335,7 @@ def decide(policy: RetryPolicy, attempt: int, created_ms: int, result: ProviderR
     due_ms = now_ms + max(delay_ms, int(at_least * 1000))
     if due_ms > deadline_ms:
         return DeadLetter("unknown_outcome" if may_be_delivered else "quota_exceeded" if outcome == "quota"
-                          else "too_old")
+                          else "too_old", declined)
     reason = {"throttled": "rate_limited", "quota": "quota_exceeded", "unknown": "unknown_outcome",
               "auth": "auth_failed"}.get(outcome, "provider_unavailable")
     return RetryAt(tier, due_ms, reason, declined)

@@ -151,7 +151,7 @@ def test_a_send_the_provider_may_hold_is_given_up_on_as_unknown_outcome(result, 
     would deliver it a second time)."""
     exhausted = decide(OTP, OTP.max_attempts, NOW, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
     too_old = decide(OTP, 1, NOW - 595_000, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
-    assert exhausted == too_old == DeadLetter("unknown_outcome")
+    assert exhausted.reason == too_old.reason == "unknown_outcome"
     assert decide(OTP, OTP.max_attempts, NOW, ProviderResult("unavailable", 503), NOW, 0.5) == \
         DeadLetter("retries_exhausted")
 
@@ -330,7 +330,7 @@ def test_a_throttled_ask_that_fits_the_max_age_is_waited_though_its_tier_would_n
     assert isinstance(d, RetryAt) and NOW + asked_s * 1000 <= d.due_ms <= NOW + chosen.max_age_s * 1000, d
     assert d.reason == "rate_limited"
     late = decide(chosen, 1, NOW, ProviderResult("throttled", 429, retry_after=str(chosen.max_age_s + 1)), NOW, jitter)
-    assert late == DeadLetter("too_old")
+    assert late == DeadLetter("too_old", declined=True)  # the letter counts this attempt as declined
 
 
 @pytest.mark.parametrize("policy, asked_s", [("otp", 580), ("transactional", 7_100)])
@@ -394,7 +394,7 @@ def test_a_throttled_429_without_a_usable_ask_near_the_max_age_waits_the_default
     for jitter in (0.0, 0.999):
         d = decide(OTP, 1, NOW - 570_000, answer, NOW, jitter)
         assert isinstance(d, RetryAt) and NOW + 1_000 <= d.due_ms <= NOW + 30_000, d
-    assert decide(OTP, 1, NOW - 599_500, answer, NOW, 0.0) == DeadLetter("too_old")
+    assert decide(OTP, 1, NOW - 599_500, answer, NOW, 0.0) == DeadLetter("too_old", declined=True)
 
 
 def test_a_policy_whose_max_age_outlives_the_retry_tiers_retention_is_refused_when_a_role_loads_it(tmp_path):

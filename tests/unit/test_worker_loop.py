@@ -1227,6 +1227,21 @@ def test_a_send_a_provider_declined_still_has_its_last_attempt_for_a_real_failur
     assert (again["attempt"], again["declined"]) == (str(last + 1).encode(), b"1")
 
 
+def test_a_dead_letter_counts_a_last_attempt_the_provider_declined():
+    """Given a retry copy of a send the provider declined once before (`declined: 1`, attempt 3),
+    When the provider declines it again with a Retry-After past the send's max age,
+    Then it is dead-lettered `too_old` saying 2 of its 3 attempts were declined (before: 1; the last one left out)."""
+    sends, _ = _messages(["acme"])
+    max_age_s = load_policies()[sends[0].policy].max_age_s
+    copy = FakeMessage(0, 1, encode(sends[0]), [("attempt", b"3"), ("declined", b"1")])
+    worker, _, producer, provider = _worker(
+        [copy], answer=ProviderResult("throttled", 429, retry_after=str(max_age_s + 60)))
+    _run(worker)
+    assert len(provider.sent) == 1
+    (_, letter), = producer.records[NAMES.dlq]
+    assert (letter["reason"], letter["attempts"], letter["declined"]) == (b"too_old", b"3", b"2")
+
+
 def test_a_recovered_request_carries_one_retry_chain_of_each_send_on():
     """Given a send whose request's sender died (its outcome unknown), and whose lane message (attempt 1) and retry
     copy (attempt 2) are both read again by the next worker, which has room for one request,
