@@ -182,3 +182,24 @@ def test_a_dead_letter_kept_with_dispatch_s_headers_only_still_says_how_many_att
     [(_, letter)] = producer.records[NAMES.dlq]
     assert letter["headers_omitted"] == b"too_large" and "huge" not in letter
     assert (letter["attempts"], letter["declined"]) == (b"6", b"2")
+
+
+def test_a_retry_copy_refused_after_a_declined_attempt_is_dead_lettered_counting_that_attempt():
+    """Given an email declined by its provider once before (`declined: 1`), whose copy carries a header too large for
+    the broker (set by its producer),
+    When the provider declines it again (a long 429) and its retry copy is refused as too large,
+    Then its letter (`too_large`, refused whole too, kept with dispatch's headers) says `retry_copy_too_large` and that
+    2 of its 3 attempts were declined (this one counted; before: 1)."""
+    producer = RefusesHugeHeaders()
+    lane = NAMES.lane("email", "marketing")
+    writer = RecordWriter(producer, NAMES, "email", "marketing", "resend", lane, "g")
+    send = build_send(validate_request(email_request()), "acme")
+    p = Pending(lane, 0, 5, encode(send), {"huge": b"x" * 2_000, "declined": b"1"}, send, 3, declined=1)
+    now_ms = int(time.time() * 1000)
+    writer.retry(p, RetryAt("1h", now_ms + 3_600_000, "rate_limited", declined=True),
+                 ProviderResult("throttled", 429, retry_after="3600"), now_ms, lambda: None, ["resend"])
+    for _ in range(10):
+        writer.writer.poll(0)
+    [(_, letter)] = producer.records[NAMES.dlq]
+    assert (letter["reason"], letter["reason_detail"]) == (b"too_large", b"retry_copy_too_large")  # kept bounded
+    assert (letter["attempts"], letter["declined"]) == (b"3", b"2")

@@ -152,6 +152,7 @@ def test_a_send_the_provider_may_hold_is_given_up_on_as_unknown_outcome(result, 
     exhausted = decide(OTP, OTP.max_attempts, NOW, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
     too_old = decide(OTP, 1, NOW - 595_000, result, NOW, 0.5, first_copy_unknown=first_copy_unknown)
     assert exhausted.reason == too_old.reason == "unknown_outcome"
+    assert exhausted.declined == too_old.declined == (result.outcome == "quota")  # its letter counts a 429 declined
     assert decide(OTP, OTP.max_attempts, NOW, ProviderResult("unavailable", 503), NOW, 0.5) == \
         DeadLetter("retries_exhausted")
 
