@@ -28,6 +28,11 @@ from .yield_policy import LagReading
 TIMEOUT_S = 5.0
 PARTITIONS_TTL_S = 60.0
 PEEK_S = 1.0  # how long a read waits for the waiting messages' heads (their timestamps give the lag's age)
+# A head's timestamp, once read, is kept while the group's position on its partition stays where it was (a lane
+# paused, or between two commits): the first message at or past a position never changes, and each fetch of it
+# brings up to a megabyte of the backlog behind it. Read again after this long all the same (a topic deleted and
+# made anew counts its offsets from 0 again).
+HEAD_KEPT_S = 30.0
 log = logging.getLogger("streams.lag")
 # A head peeker's fetches keep librdkafka's sizes (1 MiB a partition): a smaller bound saves nothing on a blast's
 # backlog, whose record batches are larger (the broker returns an oversized first batch whole only for the first
@@ -49,6 +54,8 @@ class LagReader:
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = head_peeker(bootstrap, f"lag-reader-peek-{uuid.uuid4().hex[:8]}")
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
+        # (topic, partition) -> (the position its head was read at, the head's timestamp, when it was read)
+        self._heads: dict[tuple[str, int], tuple[int, int, float]] = {}
 
     def _consumer(self, group: str) -> Consumer:
         if group not in self._offsets:
@@ -116,9 +123,29 @@ class LagReader:
         """Timestamp of the oldest message among the partitions' first unconsumed ones. A partition whose end
         is reached without a message (only a transaction's marker was left, or an open transaction's records
         no worker can read yet) has none. StackError when a head could not be fetched in time: the age is then
-        unknown, not 0 or a younger partition's (which would let marketing run while OTPs wait)."""
+        unknown, not 0 or a younger partition's (which would let marketing run while OTPs wait). A head read
+        before at the same position is not fetched again (HEAD_KEPT_S)."""
         if not heads:
             return None
+        now = time.monotonic()
+        topic = heads[0].topic
+        kept = {tp.partition: head[1] for tp in heads
+                if (head := self._heads.get((topic, tp.partition))) is not None
+                and head[0] == tp.offset and now - head[2] < HEAD_KEPT_S}
+        for key in [k for k in self._heads if k[0] == topic]:  # only the heads of this read stay kept
+            if key[1] not in kept:
+                del self._heads[key]
+        fetched = self._fetch_heads([tp for tp in heads if tp.partition not in kept])
+        positions = {tp.partition: tp.offset for tp in heads}
+        for partition, ts in fetched.items():
+            self._heads[topic, partition] = (positions[partition], ts, now)
+        found = {**kept, **fetched}
+        return min(found.values()) if found else None
+
+    def _fetch_heads(self, heads: list[TopicPartition]) -> dict[int, int]:
+        """Per partition, the timestamp of the first message at or past its position (none: its end reached)."""
+        if not heads:
+            return {}
         self.peeker.assign(heads)
         found: dict[int, int] = {}
         ended: set[int] = set()
@@ -140,7 +167,7 @@ class LagReader:
         if len(found) + len(ended) < len(heads):  # a partition not read could hold the oldest message
             raise StackError(f"cannot read the age of the lag: the waiting messages of {len(heads) - len(found)} "
                              f"partition(s) of {heads[0].topic} could not be fetched within {PEEK_S:g} s")
-        return min(found.values()) if found else None
+        return found
 
     def close(self) -> None:
         for c in self._offsets.values():

@@ -109,3 +109,44 @@ def test_reading_how_overdue_a_retry_tier_is_fetches_little_of_its_backlog(stack
     assert len(stats) >= seen + 3, "no statistics came from the peeker"
     fetched = stats[-1]["rxmsg_bytes"]
     assert 10_000 <= fetched < 4_000_000, f"the peek was handed {fetched} bytes of a 10 MB backlog"
+
+
+def test_reading_a_paused_lanes_lag_again_fetches_none_of_its_backlog(stack, namespace, create_topics):
+    """Given a lane with 4 MB of sends waiting in its one partition, its group's position not moving (a marketing
+    lane paused behind a blast),
+    When its lag is read, then read again (the lag monitor reads every lane four times a second),
+    Then both readings give the waiting messages and their age, and the second fetches none of the backlog (before:
+    each read fetched a megabyte or more of it again, four times a second, on the broker shared with the sends)."""
+    import orjson
+
+    topic, group = f"{namespace}lane", f"{namespace}group"
+    create_topics({topic: 1})
+    producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 50})
+    sent_ms = int(time.time() * 1000) - 20_000
+    for i in range(400):  # 10 kB each
+        producer.produce(topic, i.to_bytes(4, "big") * 2_500, timestamp=sent_ms)
+    assert producer.flush(30) == 0
+    stats: list[dict] = []
+    reader = LagReader(stack.bootstrap)
+    reader.peeker.close()
+    reader.peeker = lag_reader.head_peeker(stack.bootstrap, f"{namespace}peek", {
+        "statistics.interval.ms": 100, "stats_cb": lambda text: stats.append(orjson.loads(text))})
+
+    def handed_after(read) -> tuple[object, int]:
+        """A read's result, and the bytes the peeker was handed in all once three more statistics came after it."""
+        result = read()
+        seen, deadline = len(stats), time.monotonic() + 30
+        while len(stats) < seen + 3 and time.monotonic() < deadline:
+            reader.peeker.poll(0.1)
+        assert len(stats) >= seen + 3, "no statistics came from the peeker"
+        return result, stats[-1]["rxmsg_bytes"]
+
+    try:
+        first, after_first = handed_after(lambda: reader.read(group, topic))
+        second, after_second = handed_after(lambda: reader.read(group, topic))
+    finally:
+        reader.close()
+    assert first.lag_messages == second.lag_messages == 400
+    assert 19 <= first.lag_seconds <= second.lag_seconds < 60
+    assert after_first >= 10_000, f"the first read fetched {after_first} bytes: its head not read"
+    assert after_second == after_first, f"the second read fetched {after_second - after_first} bytes of the backlog"
