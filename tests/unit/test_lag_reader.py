@@ -231,9 +231,10 @@ def _lister(offsets: dict[int, tuple[int, int]], committed: list[SimpleNamespace
     return lister
 
 
-def _reader_counting_peeks(positions: list[dict[int, tuple[int, int]]], heads_ms: dict[int, int]):
+def _reader_counting_peeks(positions: list[dict[int, tuple[int, int]]], heads_ms: dict[int, int | None]):
     """A reader whose lane's positions are `positions` on successive reads and whose peeks find, on each partition
-    assigned, a message stamped `heads_ms[partition]`; the partitions each peek was assigned are listed."""
+    assigned, a message stamped `heads_ms[partition]` (None: its end, no message); the partitions each peek was
+    assigned are listed."""
     lag = LagReader("127.0.0.1:9")
     lag.peeker.close()
     assigned: list[list[int]] = []
@@ -280,3 +281,17 @@ def test_a_head_kept_too_long_is_fetched_again(monkeypatch):
     lag.read("group", "lane")
     assert assigned == [[0], [0]]
 
+
+
+def test_a_partition_whose_end_was_reached_without_a_message_is_fetched_again():
+    """Given a lane whose waiting offsets were, at its last read, an open transaction's records (no message
+    returned: the partition's end),
+    When it is read again at the same position, the transaction committed meanwhile (its records 30 s old),
+    Then the head is fetched again and the age is theirs (an end is never kept: kept, the lane would read 0 s old
+    while its OTPs wait)."""
+    heads: dict[int, int | None] = {0: None}
+    lag, assigned = _reader_counting_peeks([{0: (2, 5)}, {0: (2, 5)}], heads)
+    assert lag.read("group", "lane").lag_seconds == 0.0
+    heads[0] = int(time.time() * 1000) - 30_000
+    assert lag.read("group", "lane").lag_seconds >= 30.0
+    assert assigned == [[0], [0]]
