@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -28,11 +28,7 @@ from .yield_policy import LagReading
 TIMEOUT_S = 5.0
 PARTITIONS_TTL_S = 60.0
 PEEK_S = 1.0  # how long a read waits for the waiting messages' heads (their timestamps give the lag's age)
-# A head's timestamp, once read, is kept while the group's position on its partition stays where it was (a lane
-# paused, or between two commits): the first message at or past a position never changes, and each fetch of it
-# brings up to a megabyte of the backlog behind it. Read again after this long all the same (a topic deleted and
-# made anew counts its offsets from 0 again).
-HEAD_KEPT_S = 30.0
+HEAD_KEPT_S = 30.0  # see KeptHeads
 log = logging.getLogger("streams.lag")
 # A head peeker's fetches keep librdkafka's sizes (1 MiB a partition): a smaller bound saves nothing on a blast's
 # backlog, whose record batches are larger (the broker returns an oversized first batch whole only for the first
@@ -48,14 +44,40 @@ def head_peeker(bootstrap: str, group: str, settings: dict[str, Any] | None = No
                                                                    **(settings or {})}))
 
 
+Head = TypeVar("Head")
+
+
+class KeptHeads(Generic[Head]):
+    """What was read of partitions' first waiting messages (a timestamp, a due time), kept while the group's position
+    on the partition stays where it was (a lane paused, a retry tier waiting for its first copy's due time, or
+    between two commits): the first message at or past a position never changes, and each fetch of it brings up to
+    a megabyte of the backlog behind it. Read again after HEAD_KEPT_S all the same (a topic deleted and made anew
+    counts its offsets from 0 again). A partition whose end was reached without a message has nothing kept."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, int], tuple[int, Head, float]] = {}  # -> (position, what was read, when)
+
+    def kept(self, topic: str, positions: dict[int, int]) -> dict[int, Head]:
+        """What is kept of the topic's partitions at these positions; the rest of the topic's is forgotten."""
+        now = time.monotonic()
+        kept = {p: head[1] for p, position in positions.items()
+                if (head := self._heads.get((topic, p))) is not None
+                and head[0] == position and now - head[2] < HEAD_KEPT_S}
+        for key in [k for k in self._heads if k[0] == topic and k[1] not in kept]:
+            del self._heads[key]
+        return kept
+
+    def keep(self, topic: str, partition: int, position: int, head: Head) -> None:
+        self._heads[topic, partition] = (position, head, time.monotonic())
+
+
 class LagReader:
     def __init__(self, bootstrap: str):
         self.bootstrap = bootstrap
         self._offsets: dict[str, Consumer] = {}  # group -> a consumer that reads its committed offsets
         self.peeker = head_peeker(bootstrap, f"lag-reader-peek-{uuid.uuid4().hex[:8]}")
         self._partitions: dict[str, tuple[float, list[int]]] = {}  # topic -> (listed at, its partitions)
-        # (topic, partition) -> (the position its head was read at, the head's timestamp, when it was read)
-        self._heads: dict[tuple[str, int], tuple[int, int, float]] = {}
+        self.heads: KeptHeads[int] = KeptHeads()  # the heads' timestamps
 
     def _consumer(self, group: str) -> Consumer:
         if group not in self._offsets:
@@ -124,21 +146,14 @@ class LagReader:
         is reached without a message (only a transaction's marker was left, or an open transaction's records
         no worker can read yet) has none. StackError when a head could not be fetched in time: the age is then
         unknown, not 0 or a younger partition's (which would let marketing run while OTPs wait). A head read
-        before at the same position is not fetched again (HEAD_KEPT_S)."""
+        before at the same position is not fetched again (KeptHeads)."""
         if not heads:
             return None
-        now = time.monotonic()
-        topic = heads[0].topic
-        kept = {tp.partition: head[1] for tp in heads
-                if (head := self._heads.get((topic, tp.partition))) is not None
-                and head[0] == tp.offset and now - head[2] < HEAD_KEPT_S}
-        for key in [k for k in self._heads if k[0] == topic]:  # only the heads of this read stay kept
-            if key[1] not in kept:
-                del self._heads[key]
+        topic, positions = heads[0].topic, {tp.partition: tp.offset for tp in heads}
+        kept = self.heads.kept(topic, positions)
         fetched = self._fetch_heads([tp for tp in heads if tp.partition not in kept])
-        positions = {tp.partition: tp.offset for tp in heads}
         for partition, ts in fetched.items():
-            self._heads[topic, partition] = (positions[partition], ts, now)
+            self.heads.keep(topic, partition, positions[partition], ts)
         found = {**kept, **fetched}
         return min(found.values()) if found else None
 

@@ -30,7 +30,7 @@ from .. import metrics
 from ..errors import StackError
 from ..lanes import LANES, RETRY_TIERS
 from ..names import TopicNames
-from .reader import LagReader, head_peeker
+from .reader import KeptHeads, LagReader, head_peeker
 
 log = logging.getLogger("streams.retry_watch")
 
@@ -43,6 +43,7 @@ class RetryTierWatch:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
         self._failing_since: dict[str, float] = {}  # what (a topic...): when its read first failed (monotonic)
+        self.dues: KeptHeads[int | None] = KeptHeads()  # the due time of each partition's lowest unreleased copy
 
     def start(self) -> None:
         self._thread.start()
@@ -128,11 +129,24 @@ class RetryTierWatch:
 
     def _overdue(self, peeker: Consumer, topic: str, positions: dict[int, tuple[int, int]]) -> float:
         """Seconds past due of the most overdue of the partitions' lowest unreleased messages (the first read
-        from each committed position: a transaction's marker there is never returned, the next message is)."""
-        ends = {p: pos + 1 for p, (pos, high) in positions.items() if high > pos}
-        peeker.assign([TopicPartition(topic, p, positions[p][0]) for p in ends])
+        from each committed position: a transaction's marker there is never returned, the next message is). One read
+        before at the same position is not fetched again (KeptHeads: a long tier's retrier waits hours on it)."""
         now_ms = time.time() * 1000
-        worst = 0.0
+        waiting = {p: pos for p, (pos, high) in positions.items() if high > pos}
+        dues = self.dues.kept(topic, waiting)
+        fetched = self._fetch_dues(peeker, topic, {p: pos for p, pos in waiting.items() if p not in dues})
+        for partition, due in fetched.items():
+            self.dues.keep(topic, partition, waiting[partition], due)
+        return max([0.0, *((now_ms - due) / 1000 for due in [*dues.values(), *fetched.values()] if due is not None)])
+
+    def _fetch_dues(self, peeker: Consumer, topic: str, positions: dict[int, int]) -> dict[int, int | None]:
+        """Per partition, the due time of the first message at or past its position (None: it has none a worker
+        writes; left out: the partition's end reached without a message)."""
+        if not positions:
+            return {}
+        ends = {p: pos + 1 for p, pos in positions.items()}
+        peeker.assign([TopicPartition(topic, p, pos) for p, pos in positions.items()])
+        found: dict[int, int | None] = {}
         deadline = time.monotonic() + self.head_timeout_s
         refused: list[KafkaError] = []
         try:
@@ -146,11 +160,7 @@ class RetryTierWatch:
                         continue
                     if m.partition() not in ends:
                         continue
-                    try:
-                        due = dict(m.headers() or []).get("due_at_ms")
-                        worst = max(worst, (now_ms - int(due)) / 1000) if due else worst
-                    except (ValueError, TypeError, OverflowError):  # not a due time a worker writes
-                        pass
+                    found[m.partition()] = _due_at(m.headers())
                     if m.offset() + 1 >= ends[m.partition()]:
                         ends.pop(m.partition())
         except StackError:
@@ -160,4 +170,13 @@ class RetryTierWatch:
         if ends:  # heads not reached: not "not overdue" (a stuck tier would look on time), but unreadable
             why = refused[0].str() if refused else f"not given within {self.head_timeout_s:g} s"
             raise StackError(f"cannot read the lowest unreleased message of {topic}: {why}")
-        return max(0.0, worst)
+        return found
+
+
+def _due_at(headers: list | None) -> int | None:
+    """A copy's due time, when it carries one a worker writes."""
+    due = dict(headers or []).get("due_at_ms")
+    try:
+        return int(due) if due else None
+    except (ValueError, TypeError, OverflowError):
+        return None

@@ -50,6 +50,26 @@ def test_the_head_past_its_due_time_is_overdue():
     assert 89 <= overdue <= 92
 
 
+def test_a_head_read_before_at_the_same_position_is_not_fetched_again():
+    """Given a 12 h tier whose retrier waits on its first copy (due in hours; its position does not move) and another
+    partition whose first copy is overdue,
+    When the watch reads the tier again (every 5 s), the second partition's retrier having moved on to an overdue
+    copy,
+    Then only the moved partition's head is fetched (each fetch brings up to a megabyte of the backlog behind it;
+    before, every head every 5 s), and the tier reads as overdue as its most overdue head, the kept one included."""
+    now = int(time.time() * 1000)
+    peeker = Peeker({0: [now + 3_600_000] * 3, 1: [now - 30_000, now - 120_000]})
+    fetched: list[list[int]] = []
+    assign = peeker.assign
+    peeker.assign = lambda tps: (fetched.append(sorted(tp.partition for tp in tps)), assign(tps))  # type: ignore
+    watch = RetryTierWatch("127.0.0.1:9", TopicNames(), ("email",))
+    topic = "notif.email.marketing.retry.12h"
+    assert 29 <= watch._overdue(peeker, topic, {0: (0, 3), 1: (0, 2)}) <= 32  # type: ignore[arg-type]
+    assert 119 <= watch._overdue(peeker, topic, {0: (0, 3), 1: (1, 2)}) <= 122  # type: ignore[arg-type]
+    assert 119 <= watch._overdue(peeker, topic, {0: (0, 3), 1: (1, 2)}) <= 122  # type: ignore[arg-type]
+    assert fetched == [[0, 1], [1]]
+
+
 class Positions:
     """The retry group's positions on a tier: read once, then the read fails (the broker, a deleted topic)."""
 
