@@ -43,7 +43,7 @@ class RetryTierWatch:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-tier-watch", daemon=True)
         self._failing_since: dict[str, float] = {}  # what (a topic...): when its read first failed (monotonic)
-        self.dues: KeptHeads[int | None] = KeptHeads()  # the due time of each partition's lowest unreleased copy
+        self.dues: KeptHeads[float | None] = KeptHeads()  # the due time of each partition's lowest unreleased copy
 
     def start(self) -> None:
         self._thread.start()
@@ -139,14 +139,14 @@ class RetryTierWatch:
             self.dues.keep(topic, partition, waiting[partition], due)
         return max([0.0, *((now_ms - due) / 1000 for due in [*dues.values(), *fetched.values()] if due is not None)])
 
-    def _fetch_dues(self, peeker: Consumer, topic: str, positions: dict[int, int]) -> dict[int, int | None]:
+    def _fetch_dues(self, peeker: Consumer, topic: str, positions: dict[int, int]) -> dict[int, float | None]:
         """Per partition, the due time of the first message at or past its position (None: it has none a worker
         writes; left out: the partition's end reached without a message)."""
         if not positions:
             return {}
         ends = {p: pos + 1 for p, pos in positions.items()}
         peeker.assign([TopicPartition(topic, p, pos) for p, pos in positions.items()])
-        found: dict[int, int | None] = {}
+        found: dict[int, float | None] = {}
         deadline = time.monotonic() + self.head_timeout_s
         refused: list[KafkaError] = []
         try:
@@ -173,10 +173,10 @@ class RetryTierWatch:
         return found
 
 
-def _due_at(headers: list | None) -> int | None:
-    """A copy's due time, when it carries one a worker writes."""
+def _due_at(headers: list | None) -> float | None:
+    """A copy's due time, when it carries one a worker writes (a number of a few hundred digits is none)."""
     due = dict(headers or []).get("due_at_ms")
     try:
-        return int(due) if due else None
+        return float(int(due)) if due else None
     except (ValueError, TypeError, OverflowError):
         return None

@@ -50,6 +50,15 @@ def test_the_head_past_its_due_time_is_overdue():
     assert 89 <= overdue <= 92
 
 
+def test_a_head_whose_due_time_is_no_number_a_worker_writes_leaves_the_others_read():
+    """Given a tier partition whose first copy says it is due at a number of 400 digits (written past dispatch) and
+    another whose first copy is 90 s overdue,
+    When the watch reads the tier,
+    Then it is 90 s overdue (not unreadable, its figures removed, for as long as that copy waits)."""
+    now = int(time.time() * 1000)
+    assert 89 <= _overdue({0: [10 ** 400], 1: [now - 90_000]}, {0: (0, 1), 1: (0, 1)}) <= 92
+
+
 def test_a_head_read_before_at_the_same_position_is_not_fetched_again():
     """Given a 12 h tier whose retrier waits on its first copy (due in hours; its position does not move) and another
     partition whose first copy is overdue,
