@@ -76,6 +76,11 @@ class OffsetTracker:
         part = self._parts.get((topic, partition))
         return part is None or len(part) == 0
 
+    def unfinished(self, topic: str, partition: int) -> int:
+        """Messages of this partition taken and not finished."""
+        part = self._parts.get((topic, partition))
+        return 0 if part is None else len(part)
+
     def forget(self, topic: str, partition: int) -> None:
         self._parts.pop((topic, partition), None)
 

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -260,13 +261,24 @@ class LaneWorker:
         while any(waited_for(job) for job in self.dispatcher.in_flight.values()):
             self._collect(block=True)
         deadline = time.monotonic() + timeout_s
-        while (self.settler.pending or self.records.writer.pending) and time.monotonic() < deadline:
+        while self._settling(partitions) and time.monotonic() < deadline:
             self.records.writer.poll(0.1)  # acknowledgements finish offsets (after the marks below)
             self.settler.flush_marks()
             self.settler.retry()
             if self.dispatcher.in_flight:  # the kept partitions' requests (a revoke): their leases stay alive
                 self._poll_adapters()
                 self.dispatcher.refresh_leases()
+
+    def _settling(self, partitions: set[tuple[str, int]] | None) -> bool:
+        """Whether outcomes are still being made durable: any at all, or (`partitions`) those of messages of these
+        partitions taken into a request or a record. A message still queued is not waited for (its partition's new
+        owner reads it), nor is another partition's outcome: a revoke during a Redis outage does not wait it out for
+        partitions with nothing to settle."""
+        if partitions is None:
+            return bool(self.settler.pending or self.records.writer.pending)
+        queued = Counter(tp for q in self.queues.queues.values() for p in q.items
+                         if (tp := (p.topic, p.partition)) in partitions)
+        return any(self.tracker.unfinished(*tp) > queued[tp] for tp in partitions)
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:

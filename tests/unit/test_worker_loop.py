@@ -3297,3 +3297,38 @@ def test_a_revoke_waits_for_the_revoked_partitions_requests_only():
     provider.answer_all({slow.send_id})
     _run(worker)
     assert consumer.stored[(TOPIC, 0)] == 8 and len(provider.sent) == 2
+
+
+class MarksFailingAWhile(FakeJobs):
+    """FakeJobs whose delivered marks fail (Redis down) while `down` is above 0, counting down at each try."""
+
+    down = 0
+
+    def mark_delivered(self, tenant, send_ids, key):
+        if self.down:
+            self.down -= 1
+            raise StoreUnavailable("Redis unavailable (test)")
+        super().mark_delivered(tenant, send_ids, key)
+
+
+def test_a_revoke_waits_for_the_outcomes_of_its_own_partitions_only():
+    """Given a worker whose send of partition 0 was delivered and whose delivered mark cannot be written yet (Redis
+    down), and a partition 1 with nothing taken,
+    When partition 1 is revoked (a new worker joins),
+    Then the revoke returns at once (before: it waited up to 30 s for partition 0's mark, holding the whole group's
+    rebalance); when partition 0 is revoked, the revoke waits for its mark (Redis back), and stores its offset."""
+    _, msgs = _messages(["acme"])
+    jobs = MarksFailingAWhile()
+    worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
+    jobs.down = 10**9
+    for _ in range(20):
+        worker.step()
+    assert len(provider.sent) == 1 and worker.settler.pending and worker.tracker.unfinished(TOPIC, 0) == 1
+    polls = []
+    poll = worker.records.writer.poll
+    worker.records.writer.poll = lambda timeout=0: (polls.append(timeout), poll(0))[1]  # type: ignore[method-assign]
+    worker._on_revoke(consumer, [_TP(TOPIC, 1)])
+    assert polls == [] and worker.settler.pending
+    jobs.down = 3
+    worker._on_revoke(consumer, [_TP(TOPIC, 0)])
+    assert polls and not worker.settler.pending and consumer.stored[(TOPIC, 0)] == 1
