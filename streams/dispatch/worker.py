@@ -274,11 +274,16 @@ class LaneWorker:
         partitions taken into a request or a record. A message still queued is not waited for (its partition's new
         owner reads it), nor is another partition's outcome: a revoke during a Redis outage does not wait it out for
         partitions with nothing to settle."""
+        if not (self.settler.pending or self.records.writer.pending):
+            return False  # nothing left that could finish a message (one never taken in, after a step failed)
         if partitions is None:
-            return bool(self.settler.pending or self.records.writer.pending)
+            return True
+        unfinished = {tp: n for tp in partitions if (n := self.tracker.unfinished(*tp))}
+        if not unfinished:
+            return False
         queued = Counter(tp for q in self.queues.queues.values() for p in q.items
-                         if (tp := (p.topic, p.partition)) in partitions)
-        return any(self.tracker.unfinished(*tp) > queued[tp] for tp in partitions)
+                         if (tp := (p.topic, p.partition)) in unfinished)
+        return any(n > queued[tp] for tp, n in unfinished.items())
 
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer, partitions) -> None:

@@ -3313,17 +3313,21 @@ class MarksFailingAWhile(FakeJobs):
 
 def test_a_revoke_waits_for_the_outcomes_of_its_own_partitions_only():
     """Given a worker whose send of partition 0 was delivered and whose delivered mark cannot be written yet (Redis
-    down), and a partition 1 with nothing taken,
+    down), and a partition 1 whose one send waits in its tenant's queue (its bucket empty),
     When partition 1 is revoked (a new worker joins),
     Then the revoke returns at once (before: it waited up to 30 s for partition 0's mark, holding the whole group's
-    rebalance); when partition 0 is revoked, the revoke waits for its mark (Redis back), and stores its offset."""
-    _, msgs = _messages(["acme"])
+    rebalance; the queued send is its new owner's to read); when partition 0 is revoked, the revoke waits for its
+    mark (Redis back), and stores its offset."""
+    sends, _ = _messages(["acme", "slow"])
     jobs = MarksFailingAWhile()
-    worker, consumer, producer, provider = _worker(msgs, jobs=jobs)
+    worker, consumer, producer, provider = _worker(
+        [FakeMessage(0, 0, encode(sends[0])), FakeMessage(1, 0, encode(sends[1]))], jobs=jobs,
+        gate=FakeGate(short_tenants={"slow"}))
     jobs.down = 10**9
     for _ in range(20):
         worker.step()
     assert len(provider.sent) == 1 and worker.settler.pending and worker.tracker.unfinished(TOPIC, 0) == 1
+    assert worker.tracker.unfinished(TOPIC, 1) == 1 and worker.queues.buffered == 1
     polls = []
     poll = worker.records.writer.poll
     worker.records.writer.poll = lambda timeout=0: (polls.append(timeout), poll(0))[1]  # type: ignore[method-assign]
