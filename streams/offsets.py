@@ -73,8 +73,7 @@ class OffsetTracker:
 
     def idle(self, topic: str, partition: int) -> bool:
         """Nothing of this partition is unfinished."""
-        part = self._parts.get((topic, partition))
-        return part is None or len(part) == 0
+        return self.unfinished(topic, partition) == 0
 
     def unfinished(self, topic: str, partition: int) -> int:
         """Messages of this partition taken and not finished."""
