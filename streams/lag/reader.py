@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -57,18 +58,21 @@ class KeptHeads(Generic[Head]):
     def __init__(self) -> None:
         self._heads: dict[tuple[str, int], tuple[int, Head, float]] = {}  # -> (position, what was read, when)
 
-    def kept(self, topic: str, positions: dict[int, int]) -> dict[int, Head]:
-        """What is kept of the topic's partitions at these positions; the rest of the topic's is forgotten."""
+    def read(self, topic: str, positions: dict[int, int],
+             fetch: Callable[[dict[int, int]], dict[int, Head]]) -> dict[int, Head]:
+        """The heads of the topic's partitions at these positions (partition -> position): those kept, and `fetch`
+        of the others (which leaves out a partition whose end it reached without a message), kept from now on.
+        What was kept of the topic's other partitions or positions is forgotten."""
         now = time.monotonic()
         kept = {p: head[1] for p, position in positions.items()
                 if (head := self._heads.get((topic, p))) is not None
                 and head[0] == position and now - head[2] < HEAD_KEPT_S}
         for key in [k for k in self._heads if k[0] == topic and k[1] not in kept]:
             del self._heads[key]
-        return kept
-
-    def keep(self, topic: str, partition: int, position: int, head: Head) -> None:
-        self._heads[topic, partition] = (position, head, time.monotonic())
+        fetched = fetch({p: position for p, position in positions.items() if p not in kept})
+        for p, value in fetched.items():
+            self._heads[topic, p] = (positions[p], value, now)
+        return {**kept, **fetched}
 
 
 class LagReader:
@@ -149,18 +153,16 @@ class LagReader:
         before at the same position is not fetched again (KeptHeads)."""
         if not heads:
             return None
-        topic, positions = heads[0].topic, {tp.partition: tp.offset for tp in heads}
-        kept = self.heads.kept(topic, positions)
-        fetched = self._fetch_heads([tp for tp in heads if tp.partition not in kept])
-        for partition, ts in fetched.items():
-            self.heads.keep(topic, partition, positions[partition], ts)
-        found = {**kept, **fetched}
+        topic = heads[0].topic
+        found = self.heads.read(topic, {tp.partition: tp.offset for tp in heads},
+                                lambda positions: self._fetch_heads(topic, positions))
         return min(found.values()) if found else None
 
-    def _fetch_heads(self, heads: list[TopicPartition]) -> dict[int, int]:
+    def _fetch_heads(self, topic: str, positions: dict[int, int]) -> dict[int, int]:
         """Per partition, the timestamp of the first message at or past its position (none: its end reached)."""
-        if not heads:
+        if not positions:
             return {}
+        heads = [TopicPartition(topic, p, position) for p, position in positions.items()]
         self.peeker.assign(heads)
         found: dict[int, int] = {}
         ended: set[int] = set()

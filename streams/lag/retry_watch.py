@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from prometheus_client import Gauge
@@ -30,7 +29,7 @@ from .. import metrics
 from ..errors import StackError
 from ..lanes import LANES, RETRY_TIERS
 from ..names import TopicNames
-from .reader import KeptHeads, LagReader, head_peeker
+from .reader import KeptHeads, LagReader
 
 log = logging.getLogger("streams.retry_watch")
 
@@ -54,10 +53,11 @@ class RetryTierWatch:
 
     def _run(self) -> None:
         reader = LagReader(self.bootstrap)
-        # A head deleted by retention between the positions' read and the peek is read from the earliest offset left
-        # (read from the end, a tier whose copies are being deleted unreleased would show nothing overdue); a
-        # position followed only by a transaction's marker has no head to read: the partition's end says so.
-        peeker = head_peeker(self.bootstrap, f"retry-watch-{uuid.uuid4().hex[:8]}")
+        # The reader's head peeker (used on this thread only, one read after another). A head deleted by retention
+        # between the positions' read and the peek is read from the earliest offset left (read from the end, a tier
+        # whose copies are being deleted unreleased would show nothing overdue); a position followed only by a
+        # transaction's marker has no head to read: the partition's end says so.
+        peeker = reader.peeker
         try:
             while not self._stopping.is_set():
                 for channel in self.channels:
@@ -69,7 +69,6 @@ class RetryTierWatch:
                 self._measure_outcome_recorder(reader)
                 self._stopping.wait(self.every_s)
         finally:
-            peeker.close()
             reader.close()
 
     def _measure(self, reader: LagReader, peeker: Consumer, channel: str, lane: str, tier: str) -> None:
@@ -133,11 +132,8 @@ class RetryTierWatch:
         before at the same position is not fetched again (KeptHeads: a long tier's retrier waits hours on it)."""
         now_ms = time.time() * 1000
         waiting = {p: pos for p, (pos, high) in positions.items() if high > pos}
-        dues = self.dues.kept(topic, waiting)
-        fetched = self._fetch_dues(peeker, topic, {p: pos for p, pos in waiting.items() if p not in dues})
-        for partition, due in fetched.items():
-            self.dues.keep(topic, partition, waiting[partition], due)
-        return max([0.0, *((now_ms - due) / 1000 for due in [*dues.values(), *fetched.values()] if due is not None)])
+        dues = self.dues.read(topic, waiting, lambda unread: self._fetch_dues(peeker, topic, unread)).values()
+        return max([0.0, *((now_ms - due) / 1000 for due in dues if due is not None)])
 
     def _fetch_dues(self, peeker: Consumer, topic: str, positions: dict[int, int]) -> dict[int, float | None]:
         """Per partition, the due time of the first message at or past its position (None: it has none a worker
