@@ -32,6 +32,7 @@ DEGRADE_AFTER = 10
 # endpoint's): they neither degrade it nor mail its tenant's members.
 OURS = frozenset({"secret_unreadable", "gone_before_url_change",  # the latter: the old URL answered
                   "endpoint_view_behind",  # the worker's view of the endpoints could not catch up
+                  "egress_unavailable",  # no receiver could be reached: our way out is down (webhooks/egress.py)
                   "endpoint_of_another_tenant"})  # an event naming it, written past ingest: never sent
 ALERT_WINDOW_MS = 24 * 3600 * 1000
 MAX_SKEW_MS = 5 * 60 * 1000  # the workers' clocks, which time the events, may disagree by this much

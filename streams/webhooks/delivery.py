@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -33,6 +34,7 @@ from .. import metrics
 from ..providers.connections import KEEPALIVE_S
 from ..providers.outcome import Outbound, Outcome, ProviderResult, UnusablePayload, redact
 from ..stamped import StampedTable
+from .egress import EgressWatch
 from .endpoints import EndpointDirectory
 from .lookups import LookupFailed, addresses_of, name_resolver
 from .model import Endpoint
@@ -47,6 +49,7 @@ APPROVAL_KEPT_S = 300.0  # a host's approved addresses, kept well past any attem
 VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to read the operator log to its end
 DNS_TIMEOUT_S = 5.0
 UNSEAL_LOG_EVERY_S = 60.0
+EGRESS_LOG_EVERY_S = 60.0
 
 
 log = logging.getLogger("streams.webhooks")
@@ -169,6 +172,8 @@ class WebhookDelivery:
         self._view_sync: asyncio.Future[bool] | None = None
         self._view_syncer = ThreadPoolExecutor(1, thread_name_prefix="webhook-view-sync")
         self.resolver = PinnedResolver()
+        self.egress = EgressWatch()  # used on the deliveries' loop only
+        self._egress_logged = -EGRESS_LOG_EVERY_S
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="webhook-deliveries", daemon=True)
         self._thread.start()
@@ -247,11 +252,12 @@ class WebhookDelivery:
         try:
             resolve = await self._resolve(host)
         except TimeoutError:
-            return ProviderResult("unavailable", error_name="dns_timeout", latency_s=time.monotonic() - started,
-                                  never_sent=True)
+            return self._unreached(ep, ProviderResult("unavailable", error_name="dns_timeout",
+                                                      latency_s=time.monotonic() - started, never_sent=True))
         except LookupFailed as exc:
-            return ProviderResult("unavailable", error_name="dns_lookup_failed", error_body=str(exc)[:EXCERPT_BYTES],
-                                  latency_s=time.monotonic() - started, never_sent=True)
+            return self._unreached(ep, ProviderResult("unavailable", error_name="dns_lookup_failed",
+                                                      error_body=str(exc)[:EXCERPT_BYTES],
+                                                      latency_s=time.monotonic() - started, never_sent=True))
         try:
             self.policy.check(ep.url, resolve)
         except UnsafeUrl as exc:
@@ -275,8 +281,29 @@ class WebhookDelivery:
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:  # (a refused connection may be the second copy's: the first went out)
-            return ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
+            failed = ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
+            if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, aiohttp.ClientSSLError):
+                return self._unreached(ep, failed)  # no connection (a TLS handshake that failed is an answer)
+            return failed
+        self.egress.answered()
         return replace(result, target=ep.url)  # a 410 disables the endpoint only if it still has this URL
+
+    def _unreached(self, ep: Endpoint, failed: ProviderResult) -> ProviderResult:
+        """A delivery that could not reach its receiver (no name, no connection): `failed`, or, while connections to
+        several receivers fail and none answers, the same attempt as `egress_unavailable`: our way out is down, which
+        is not the endpoint's failure (see egress.py)."""
+        receiver = urlsplit(ep.url).netloc.rpartition("@")[2].lower()  # host and port (never a URL's credentials)
+        if not self.egress.unreachable(receiver, time.monotonic()):
+            return failed
+        metrics.WEBHOOK_EGRESS_UNAVAILABLE.inc()
+        if time.monotonic() - self._egress_logged >= EGRESS_LOG_EVERY_S:  # one line a minute
+            self._egress_logged = time.monotonic()
+            log.error("webhook egress looks down: connections to %d receivers failed in the last %.0f s and none "
+                      "answered (the last: %s); such attempts are not counted against their endpoints",
+                      self.egress.failing, self.egress.window_s, failed.error_name)
+        return replace(failed, error_name="egress_unavailable",
+                       error_body=f"{failed.error_name}: connections to {self.egress.failing} receivers failed and "
+                                  f"none answered since; {failed.error_body}"[:EXCERPT_BYTES])
 
     def _open_secrets(self, ep: Endpoint, now_ms: int) -> list[str]:
         """The secrets to sign with, the current one first; none when the current one does not open. A previous

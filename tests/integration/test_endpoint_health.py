@@ -651,3 +651,30 @@ def test_another_tenants_events_naming_an_endpoint_never_take_its_health_or_its_
                "the stopped alert")
     [alert] = [m for m in rig.alerts() if m["subject"] == "Webhook delivery stopped"]
     assert alert["to"] == MEMBERS
+
+
+def test_an_egress_outage_of_ours_degrades_no_endpoint_and_mails_no_one(rig):
+    """Given three endpoints of tenant a whose receivers refuse every connection (as when our egress proxy is
+    down), with members on the project,
+    When one event reaches all three, and then ten more (more than the 10 consecutive failures that degrade an
+    endpoint),
+    Then every attempt fails and endpoint health applies them all, yet the three stay active and nobody is
+    mailed: of the first three refusals, two count as their receivers' and the third shows that no receiver
+    can be reached, after which the worker takes the refusals for its own (`egress_unavailable`), which
+    health leaves uncounted. Before, each endpoint counted all eleven and was degraded, its members mailed."""
+    rig.start(scale=4.0)  # the first retries come due after 32 s, after this test's counting
+    eps = []
+    for n in range(3):
+        r = rig.api.post("/v1/endpoints", json={"url": f"http://127.0.0.1:{free_port()}/hooks/refusing-{n}",
+                                                "event_types": ["invoice.paid"]}, headers=rig.api.keys["a"])
+        assert r.status_code == 201, r.text
+        eps.append(r.json())
+    assert len(rig.publish(1)) == 3
+    rig.wait_applied(3)
+    assert len(rig.publish(10)) == 30
+    rig.wait_applied(33)
+    port = rig.health_ports[0]
+    assert metric(port, "webhook_endpoint_consecutive_failures_count") == 2  # the first two, one failure each
+    assert (metric(port, "webhook_endpoint_degradations_total") or 0) == 0
+    assert [rig.state(ep) for ep in eps] == ["active"] * 3
+    assert rig.alerts() == []

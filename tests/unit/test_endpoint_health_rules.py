@@ -60,7 +60,8 @@ def test_skipped_deliveries_count_neither_way():
     assert f.h.consecutive_failures == 1
 
 
-@pytest.mark.parametrize("ours", ["secret_unreadable", "gone_before_url_change", "endpoint_of_another_tenant"])
+@pytest.mark.parametrize("ours", ["secret_unreadable", "gone_before_url_change", "endpoint_of_another_tenant",
+                                  "egress_unavailable"])
 def test_attempts_that_failed_on_our_side_never_degrade_the_endpoint_nor_mail_its_tenant(ours):
     """Given 9 failures of the receiver,
     When 20 attempts fail before sending because the worker cannot open the endpoint's signing secret (an

@@ -3,6 +3,7 @@ lookup does. A real aiohttp client (WebhookDelivery), real HTTP receivers on loo
 on loopback for the receivers' names (tests/nameserver.py)."""
 
 import asyncio
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import aiodns
 import pytest
 from aiodns import error as dns_errors
+from prometheus_client import REGISTRY
 
 from streams.providers.outcome import Outbound, UnusablePayload
 from streams.webhooks import delivery, lookups
@@ -268,3 +270,68 @@ def test_a_refusal_whose_body_stalls_is_taken_by_its_status_not_as_a_timeout(rec
     finally:
         d.close()
     assert (result.outcome, result.status, result.retry_after) == (outcome, status, retry_after)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a connection to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def egress_unavailable_total() -> float:
+    return REGISTRY.get_sample_value("webhook_egress_unavailable_total") or 0.0
+
+
+def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpoints(nameserver, receiver):
+    """Given the name server failing (SERVFAIL) for three receivers' names, as our own name servers would
+    during an outage of ours,
+    When a delivery goes to each, then the name server answers again and a delivery reaches a fourth receiver,
+    and the first receiver's name fails once more,
+    Then the first two fail as `dns_lookup_failed` (the receivers', as far as anyone can tell yet), the third
+    as `egress_unavailable` (not counted against its endpoint: before, each counted, and an outage long
+    enough degraded every endpoint and mailed their tenants); once a receiver answered, a failure is the
+    receiver's again."""
+    names = ("a.shared.test", "b.shared.test", "slow.test")
+    eps = [endpoint(f"ep_{n}", "acme", f"http://{name}:{receiver}/hooks") for n, name in enumerate(names)]
+    working = endpoint("ep_ok", "acme", f"http://dns.test:{receiver}/hooks")
+    d = client(endpoints(*eps, working), nameserver)
+    before = egress_unavailable_total()
+    try:
+        nameserver.failing.update(names)
+        down = [deliver(d, ep, n) for n, ep in enumerate(eps)]
+        nameserver.failing.clear()
+        reached = deliver(d, working, 10)
+        nameserver.failing.add(names[0])
+        again = deliver(d, eps[0], 11)
+    finally:
+        d.close()
+    assert [(r.outcome, r.error_name) for r in down] == [("unavailable", "dns_lookup_failed")] * 2 + [
+        ("unavailable", "egress_unavailable")], down
+    assert down[2].error_body.startswith("dns_lookup_failed: connections to 3 receivers failed"), down[2]
+    assert down[2].never_sent is True
+    assert reached.outcome == "delivered", reached
+    assert (again.outcome, again.error_name) == ("unavailable", "dns_lookup_failed"), again
+    assert egress_unavailable_total() - before == 1
+
+
+def test_refused_connections_are_ours_only_while_no_receiver_answers(nameserver, receiver):
+    """Given three receivers whose names resolve to a port nothing listens on, and one that answers,
+    When deliveries go to the three with the working one's in between, and then to the three in a row,
+    Then the first round's failures are each receiver's own (ClientConnectorError: the working receiver's
+    answer shows the way out works), and in the second round the third refusal is taken for ours."""
+    port = closed_port()
+    names = ("a.shared.test", "b.shared.test", "slow.test")
+    eps = [endpoint(f"ep_{n}", "acme", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
+    working = endpoint("ep_ok", "acme", f"http://dns.test:{receiver}/hooks")
+    d = client(endpoints(*eps, working), nameserver)
+    try:
+        mixed = []
+        for n, ep in enumerate(eps):
+            mixed.append(deliver(d, ep, n))
+            assert deliver(d, working, 10 + n).outcome == "delivered"
+        in_a_row = [deliver(d, ep, 20 + n) for n, ep in enumerate(eps)]
+    finally:
+        d.close()
+    assert [r.error_name for r in mixed] == ["ClientConnectorError"] * 3, mixed
+    assert [r.error_name for r in in_a_row] == ["ClientConnectorError"] * 2 + ["egress_unavailable"], in_a_row
