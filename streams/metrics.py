@@ -154,9 +154,9 @@ HEALTH_REREADS = Counter("webhook_endpoint_health_rereads_total", "Times the end
 SECRETS_UNREADABLE = Counter("webhook_secret_unreadable_total", "Webhook attempts not sent: the endpoint's signing "
                              "secret is sealed under a key WEBHOOK_SECRET_KEYS does not list (or was altered)")
 WEBHOOK_EGRESS_UNAVAILABLE = Counter("webhook_egress_unavailable_total", "Webhook attempts that could not reach their "
-                                     "receiver while connections to several receivers failed and none answered: our "
-                                     "way out (name servers, egress proxy, network) taken for down, the attempt not "
-                                     "counted against its endpoint")
+                                     "receiver while receivers of several tenants could not be reached and none "
+                                     "answered: our way out (name servers, egress proxy, network) taken for down, the "
+                                     "attempt not counted against its endpoint")
 SKIPPED_DELIVERIES = Counter("webhook_deliveries_skipped_total", "Webhook deliveries never attempted, by reason "
                              "(endpoint_degraded, backlog_shed, endpoint_disabled, endpoint_deleted) and where "
                              "(ingest, worker)", ["reason", "where"])

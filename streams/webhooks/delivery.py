@@ -25,7 +25,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -282,28 +281,29 @@ class WebhookDelivery:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:  # (a refused connection may be the second copy's: the first went out)
             failed = ProviderResult("unavailable", error_name=type(exc).__name__, latency_s=time.monotonic() - started)
-            if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, aiohttp.ClientSSLError):
-                return self._unreached(ep, failed)  # no connection (a TLS handshake that failed is an answer)
+            if isinstance(exc, aiohttp.ClientSSLError):
+                self.egress.answered()  # a TLS handshake that failed: the receiver was reached
+            elif isinstance(exc, aiohttp.ClientConnectorError):
+                return self._unreached(ep, failed)  # no connection
             return failed
         self.egress.answered()
         return replace(result, target=ep.url)  # a 410 disables the endpoint only if it still has this URL
 
     def _unreached(self, ep: Endpoint, failed: ProviderResult) -> ProviderResult:
-        """A delivery that could not reach its receiver (no name, no connection): `failed`, or, while connections to
-        several receivers fail and none answers, the same attempt as `egress_unavailable`: our way out is down, which
-        is not the endpoint's failure (see egress.py)."""
-        receiver = urlsplit(ep.url).netloc.rpartition("@")[2].lower()  # host and port (never a URL's credentials)
-        if not self.egress.unreachable(receiver, time.monotonic()):
+        """A delivery that could not reach its receiver (no name, no connection): `failed`, or, while receivers of
+        several tenants could not be reached and none answered, the same attempt as `egress_unavailable`: our way
+        out is down, which is not the endpoint's failure (see egress.py)."""
+        if not self.egress.unreachable(ep.tenant, time.monotonic()):
             return failed
         metrics.WEBHOOK_EGRESS_UNAVAILABLE.inc()
         if time.monotonic() - self._egress_logged >= EGRESS_LOG_EVERY_S:  # one line a minute
             self._egress_logged = time.monotonic()
-            log.error("webhook egress looks down: connections to %d receivers failed in the last %.0f s and none "
-                      "answered (the last: %s); such attempts are not counted against their endpoints",
-                      self.egress.failing, self.egress.window_s, failed.error_name)
+            log.error("webhook egress looks down: receivers of %d tenants could not be reached in the last %.0f s "
+                      "and none answered (the last: %s); such attempts are not counted against their endpoints",
+                      self.egress.tenants, self.egress.window_s, failed.error_name)
         return replace(failed, error_name="egress_unavailable",
-                       error_body=f"{failed.error_name}: connections to {self.egress.failing} receivers failed and "
-                                  f"none answered since; {failed.error_body}"[:EXCERPT_BYTES])
+                       error_body=f"{failed.error_name}: receivers of {self.egress.tenants} tenants could not be "
+                                  f"reached and none answered since; {failed.error_body}"[:EXCERPT_BYTES])
 
     def _open_secrets(self, ep: Endpoint, now_ms: int) -> list[str]:
         """The secrets to sign with, the current one first; none when the current one does not open. A previous

@@ -4,39 +4,42 @@ One receiver that cannot be reached is that receiver's failure, and counts again
 Our own way out failing (our name servers, an egress proxy, the worker's network) fails every receiver at
 once: counted, it would degrade every endpoint that had deliveries during the outage and mail their
 tenants' members about a failure that was ours. Only a worker sees both at once, so each worker watches its
-own attempts: once connections (or name lookups) to EGRESS_DOWN_HOSTS distinct receivers (host and port)
-failed within EGRESS_WINDOW_S and none answered in between, a failure to reach a receiver is taken for ours
-(`egress_unavailable`, which endpoint health leaves uncounted) until a receiver answers again, whatever it
-answers. Any healthy traffic answers long before that, so a few broken receivers among working ones still
-count as theirs. A timeout is neither: a slow receiver times out too. A worker whose every receiver is
-broken cannot tell the two apart: once EGRESS_DOWN_HOSTS of them failed in one window its failures go
-uncounted, and the WebhookEgressUnavailable alert says so.
+own attempts: once receivers of EGRESS_DOWN_TENANTS different tenants could not be reached (no connection,
+no name lookup) within EGRESS_WINDOW_S and no receiver answered in between, a failure to reach a receiver is
+taken for ours (`egress_unavailable`, which endpoint health leaves uncounted) until a receiver answers
+again, whatever it answers. Tenants, not receivers: a tenant may register any number of receivers that
+refuse connections (or a name server of its own that never answers), and must not be able to make the
+failures of other tenants' broken receivers go uncounted on its own. Any healthy traffic answers long before
+that, so a few broken receivers among working ones still count as theirs. An HTTP timeout is neither: a
+slow receiver times out too. A worker whose every receiver is broken, of three tenants or more, cannot tell
+the two apart; the WebhookEgressUnavailable alert says when failures go uncounted.
 """
 
 from __future__ import annotations
 
-EGRESS_DOWN_HOSTS = 3
+from collections import OrderedDict
+
+EGRESS_DOWN_TENANTS = 3
 EGRESS_WINDOW_S = 300.0
 
 
 class EgressWatch:
-    def __init__(self, hosts: int = EGRESS_DOWN_HOSTS, window_s: float = EGRESS_WINDOW_S):
-        self.hosts, self.window_s = hosts, window_s
-        self._failed: dict[str, float] = {}  # receiver -> when a connection to it last failed, since the last answer
+    def __init__(self, tenants: int = EGRESS_DOWN_TENANTS, window_s: float = EGRESS_WINDOW_S):
+        self.tenants, self.window_s = tenants, window_s
+        # The last `tenants` tenants whose receivers could not be reached since the last answer, with when (the
+        # most recent last): all the answer needs, however many tenants fail.
+        self._failed: OrderedDict[str, float] = OrderedDict()
 
     def answered(self) -> None:
-        """A receiver answered (any HTTP status): our way out works."""
+        """A receiver answered (any HTTP status, or a TLS handshake): our way out works."""
         self._failed.clear()
 
-    def unreachable(self, receiver: str, now: float) -> bool:
-        """A connection to `receiver` failed at `now`: whether our own way out looks down (the failure is ours)."""
-        self._failed[receiver] = now
-        for name, at in list(self._failed.items()):
-            if now - at > self.window_s:
-                del self._failed[name]
-        return len(self._failed) >= self.hosts
-
-    @property
-    def failing(self) -> int:
-        """How many receivers could not be reached within the window, since the last answer."""
-        return len(self._failed)
+    def unreachable(self, tenant: str, now: float) -> bool:
+        """A receiver of `tenant` could not be reached at `now`: whether our own way out looks down (the failure is
+        ours)."""
+        self._failed[tenant] = now
+        self._failed.move_to_end(tenant)
+        while len(self._failed) > self.tenants:
+            self._failed.popitem(last=False)
+        oldest = next(iter(self._failed.values()))
+        return len(self._failed) >= self.tenants and now - oldest <= self.window_s

@@ -41,7 +41,7 @@ class Rig:
         self.redis, self.namespace = redis_client, namespace
         self.health_ports: list[int] = []
 
-    def start(self, scale: float, health: bool = True, api_env: dict | None = None):
+    def start(self, scale: float, health: bool = True, api_env: dict | None = None, tenants: dict | None = None):
         p = self.processes
         p.env["DUAL_RAIL_RETRY_TIME_SCALE"] = str(scale)
         p.env.update(api_env or {})
@@ -51,7 +51,7 @@ class Rig:
         p.start("email-worker", "worker", "--channel", "email", "--lane", "transactional", ready="consuming")
         if health:
             self.start_health()
-        self.api = start_api(p, free_port(), {"a": "tenant-a", "b": "tenant-b"}, self.redis, self.namespace)
+        self.api = start_api(p, free_port(), tenants or {"a": "tenant-a", "b": "tenant-b"}, self.redis, self.namespace)
         self.api.store = StatusStore(self.redis, self.namespace)
         r = self.api.put("/v1/members", json={"emails": MEMBERS}, headers=self.api.keys["a"])
         assert r.status_code == 200, r.text
@@ -654,27 +654,34 @@ def test_another_tenants_events_naming_an_endpoint_never_take_its_health_or_its_
 
 
 def test_an_egress_outage_of_ours_degrades_no_endpoint_and_mails_no_one(rig):
-    """Given three endpoints of tenant a whose receivers refuse every connection (as when our egress proxy is
-    down), with members on the project,
-    When one event reaches all three, and then ten more (more than the 10 consecutive failures that degrade an
-    endpoint),
+    """Given an endpoint of each of three tenants whose receivers refuse every connection (as when our egress
+    proxy is down), with members on tenant a's project,
+    When one event of each tenant reaches its endpoint, and then ten more of each (more than the 10 consecutive
+    failures that degrade an endpoint),
     Then every attempt fails and endpoint health applies them all, yet the three stay active and nobody is
     mailed: of the first three refusals, two count as their receivers' and the third shows that no receiver
     can be reached, after which the worker takes the refusals for its own (`egress_unavailable`), which
     health leaves uncounted. Before, each endpoint counted all eleven and was degraded, its members mailed."""
-    rig.start(scale=4.0)  # the first retries come due after 32 s, after this test's counting
+    rig.start(scale=4.0, tenants={"a": "tenant-a", "b": "tenant-b", "c": "tenant-c"})  # no retry due meanwhile
     eps = []
-    for n in range(3):
-        r = rig.api.post("/v1/endpoints", json={"url": f"http://127.0.0.1:{free_port()}/hooks/refusing-{n}",
-                                                "event_types": ["invoice.paid"]}, headers=rig.api.keys["a"])
+    for who in "abc":
+        r = rig.api.post("/v1/endpoints", json={"url": f"http://127.0.0.1:{free_port()}/hooks/refusing",
+                                                "event_types": ["invoice.paid"]}, headers=rig.api.keys[who])
         assert r.status_code == 201, r.text
-        eps.append(r.json())
-    assert len(rig.publish(1)) == 3
+        eps.append((who, r.json()))
+
+    def publish(n: int) -> None:
+        for who, _ in eps:
+            r = rig.api.post("/v1/sends/batch", json={"sends": [webhook_event()] * n}, headers=rig.api.keys[who])
+            assert r.status_code == 202 and len(r.json()["sends"]) == n, r.text
+
+    publish(1)
     rig.wait_applied(3)
-    assert len(rig.publish(10)) == 30
+    publish(10)
     rig.wait_applied(33)
     port = rig.health_ports[0]
     assert metric(port, "webhook_endpoint_consecutive_failures_count") == 2  # the first two, one failure each
     assert (metric(port, "webhook_endpoint_degradations_total") or 0) == 0
-    assert [rig.state(ep) for ep in eps] == ["active"] * 3
+    states = [rig.api.get(f"/v1/endpoints/{ep['id']}", headers=rig.api.keys[who]).json()["state"] for who, ep in eps]
+    assert states == ["active"] * 3
     assert rig.alerts() == []

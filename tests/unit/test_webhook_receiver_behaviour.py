@@ -284,8 +284,8 @@ def egress_unavailable_total() -> float:
 
 
 def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpoints(nameserver, receiver):
-    """Given the name server failing (SERVFAIL) for three receivers' names, as our own name servers would
-    during an outage of ours,
+    """Given the name server failing (SERVFAIL) for three tenants' receivers' names, as our own name servers
+    would during an outage of ours,
     When a delivery goes to each, then the name server answers again and a delivery reaches a fourth receiver,
     and the first receiver's name fails once more,
     Then the first two fail as `dns_lookup_failed` (the receivers', as far as anyone can tell yet), the third
@@ -293,8 +293,8 @@ def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpo
     enough degraded every endpoint and mailed their tenants); once a receiver answered, a failure is the
     receiver's again."""
     names = ("a.shared.test", "b.shared.test", "slow.test")
-    eps = [endpoint(f"ep_{n}", "acme", f"http://{name}:{receiver}/hooks") for n, name in enumerate(names)]
-    working = endpoint("ep_ok", "acme", f"http://dns.test:{receiver}/hooks")
+    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{receiver}/hooks") for n, name in enumerate(names)]
+    working = endpoint("ep_ok", "tenant-ok", f"http://dns.test:{receiver}/hooks")
     d = client(endpoints(*eps, working), nameserver)
     before = egress_unavailable_total()
     try:
@@ -308,7 +308,7 @@ def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpo
         d.close()
     assert [(r.outcome, r.error_name) for r in down] == [("unavailable", "dns_lookup_failed")] * 2 + [
         ("unavailable", "egress_unavailable")], down
-    assert down[2].error_body.startswith("dns_lookup_failed: connections to 3 receivers failed"), down[2]
+    assert down[2].error_body.startswith("dns_lookup_failed: receivers of 3 tenants could not be reached"), down[2]
     assert down[2].never_sent is True
     assert reached.outcome == "delivered", reached
     assert (again.outcome, again.error_name) == ("unavailable", "dns_lookup_failed"), again
@@ -316,14 +316,14 @@ def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpo
 
 
 def test_refused_connections_are_ours_only_while_no_receiver_answers(nameserver, receiver):
-    """Given three receivers whose names resolve to a port nothing listens on, and one that answers,
+    """Given three tenants' receivers whose names resolve to a port nothing listens on, and one that answers,
     When deliveries go to the three with the working one's in between, and then to the three in a row,
     Then the first round's failures are each receiver's own (ClientConnectorError: the working receiver's
     answer shows the way out works), and in the second round the third refusal is taken for ours."""
     port = closed_port()
     names = ("a.shared.test", "b.shared.test", "slow.test")
-    eps = [endpoint(f"ep_{n}", "acme", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
-    working = endpoint("ep_ok", "acme", f"http://dns.test:{receiver}/hooks")
+    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
+    working = endpoint("ep_ok", "tenant-ok", f"http://dns.test:{receiver}/hooks")
     d = client(endpoints(*eps, working), nameserver)
     try:
         mixed = []
@@ -335,3 +335,19 @@ def test_refused_connections_are_ours_only_while_no_receiver_answers(nameserver,
         d.close()
     assert [r.error_name for r in mixed] == ["ClientConnectorError"] * 3, mixed
     assert [r.error_name for r in in_a_row] == ["ClientConnectorError"] * 2 + ["egress_unavailable"], in_a_row
+
+
+def test_one_tenants_receivers_refusing_connections_are_never_taken_for_our_egress(nameserver):
+    """Given one tenant's four receivers (four names, two ports) that all refuse connections,
+    When deliveries go to each of them, twice,
+    Then every failure stays the receivers' (ClientConnectorError, counted against their endpoints): one tenant
+    cannot switch the egress watch on and so leave other tenants' broken receivers uncounted."""
+    ports = (closed_port(), closed_port())
+    eps = [endpoint(f"ep_{n}", "acme", f"http://{name}:{ports[n % 2]}/hooks")
+           for n, name in enumerate(("a.shared.test", "b.shared.test", "slow.test", "dns.test"))]
+    d = client(endpoints(*eps), nameserver)
+    try:
+        results = [deliver(d, ep, 10 * round + n) for round in range(2) for n, ep in enumerate(eps)]
+    finally:
+        d.close()
+    assert [r.error_name for r in results] == ["ClientConnectorError"] * 8, results
