@@ -107,14 +107,23 @@ def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float
 
 
 def reuse_tracer() -> aiohttp.TraceConfig:
-    """Marks a request's `trace_request_ctx` (a dict) with "reused" when it went out on a pooled connection."""
+    """Marks a request's `trace_request_ctx` (a dict) with "reused" when it went out on a pooled connection, and with
+    "connecting" and "connected" as it opens a new one (a pool slot had come free: waiting for one is neither)."""
     trace = aiohttp.TraceConfig()
 
-    async def reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
-        ctx.trace_request_ctx["reused"] = True
+    def mark(flag: str):
+        async def marked(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+            ctx.trace_request_ctx[flag] = True
+        return marked
 
-    trace.on_connection_reuseconn.append(reused)
+    trace.on_connection_reuseconn.append(mark("reused"))
+    trace.on_connection_create_start.append(mark("connecting"))
+    trace.on_connection_create_end.append(mark("connected"))
     return trace
+
+
+class ConnectTimeout(TimeoutError):
+    """The attempt's time ran out opening a connection to the receiver (none was pooled): it was never reached."""
 
 
 async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSession, url: str, body: bytes,
@@ -132,6 +141,10 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
     try:
         resp = await session.post(url, data=body, headers=headers, allow_redirects=False, trace_request_ctx=first,
                                   timeout=aiohttp.ClientTimeout(total=left))
+    except TimeoutError:
+        if first.get("connecting") and not first.get("connected"):
+            raise ConnectTimeout from None
+        raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         if isinstance(exc, aiohttp.ClientConnectorError) or not first.get("reused"):
             raise  # no connection at all, or a new one: another is no different
@@ -277,6 +290,9 @@ class WebhookDelivery:
              "content-type": "application/json", "user-agent": "dual-rail-dispatch-webhooks/1"}
         try:
             result = await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
+        except ConnectTimeout:  # never connected: the receiver was not reached (a slow receiver's timeout was)
+            return self._unreached(ep, ProviderResult("unavailable", error_name="Timeout",
+                                                      latency_s=time.monotonic() - started))
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)
         except aiohttp.ClientError as exc:  # (a refused connection may be the second copy's: the first went out)
@@ -302,8 +318,9 @@ class WebhookDelivery:
                       "and none answered (the last: %s); such attempts are not counted against their endpoints",
                       self.egress.tenants, self.egress.window_s, failed.error_name)
         return replace(failed, error_name="egress_unavailable",
-                       error_body=f"{failed.error_name}: receivers of {self.egress.tenants} tenants could not be "
-                                  f"reached and none answered since; {failed.error_body}"[:EXCERPT_BYTES])
+                       error_body="; ".join(filter(None, (f"{failed.error_name}: receivers of {self.egress.tenants} "
+                                                          "tenants could not be reached and none answered since",
+                                                          failed.error_body)))[:EXCERPT_BYTES])
 
     def _open_secrets(self, ep: Endpoint, now_ms: int) -> list[str]:
         """The secrets to sign with, the current one first; none when the current one does not open. A previous

@@ -4,15 +4,18 @@ One receiver that cannot be reached is that receiver's failure, and counts again
 Our own way out failing (our name servers, an egress proxy, the worker's network) fails every receiver at
 once: counted, it would degrade every endpoint that had deliveries during the outage and mail their
 tenants' members about a failure that was ours. Only a worker sees both at once, so each worker watches its
-own attempts: once receivers of EGRESS_DOWN_TENANTS different tenants could not be reached (no connection,
-no name lookup) within EGRESS_WINDOW_S and no receiver answered in between, a failure to reach a receiver is
-taken for ours (`egress_unavailable`, which endpoint health leaves uncounted) until a receiver answers
-again, whatever it answers. Tenants, not receivers: a tenant may register any number of receivers that
-refuse connections (or a name server of its own that never answers), and must not be able to make the
+own attempts: a failure to reach a receiver (no connection, no name lookup) is taken for ours
+(`egress_unavailable`, which endpoint health leaves uncounted) while receivers of EGRESS_DOWN_TENANTS
+different tenants, this one's included, could not be reached within the last EGRESS_WINDOW_S and no receiver
+answered since, whatever it answered. Tenants, not receivers: a tenant may register any number of receivers
+that refuse connections (or a name server of its own that never answers), and must not be able to make the
 failures of other tenants' broken receivers go uncounted on its own. Any healthy traffic answers long before
-that, so a few broken receivers among working ones still count as theirs. An HTTP timeout is neither: a
-slow receiver times out too. A worker whose every receiver is broken, of three tenants or more, cannot tell
-the two apart; the WebhookEgressUnavailable alert says when failures go uncounted.
+that, so a few broken receivers among working ones still count as theirs (and a receiver still reachable
+during an outage of ours, one whose address is still cached say, keeps the failures counted, as before). A
+timeout is a failure to reach the receiver only when no connection opened within it (our packets dropped);
+one after the receiver took the connection is the receiver's (a slow receiver). A worker whose receivers of
+three tenants or more are all broken cannot tell the two apart; the WebhookEgressUnavailable alert says when
+failures go uncounted.
 """
 
 from __future__ import annotations

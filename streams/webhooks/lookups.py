@@ -27,8 +27,9 @@ BLOCKING_TIMEOUT_S = 5.0  # how long a registration waits for its lookup
 
 class LookupFailed(OSError):
     """The name could not be looked up now (a name server down or unreachable, ours or the tenant's): not an
-    answer about the name, so not cached. It counts against the endpoint's health like any failed attempt: a
-    tenant whose name servers stay down is told, as for a receiver that stays down."""
+    answer about the name, so not cached. It counts against the endpoint's health like any failed attempt (a
+    tenant whose name servers stay down is told, as for a receiver that stays down), unless lookups and connections
+    fail for every tenant at once: then it is ours (`egress_unavailable`, egress.py)."""
 
 
 # Answers about the name: it does not exist, has no address, or is not one a name server can hold.

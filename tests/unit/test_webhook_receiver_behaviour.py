@@ -351,3 +351,58 @@ def test_one_tenants_receivers_refusing_connections_are_never_taken_for_our_egre
     finally:
         d.close()
     assert [r.error_name for r in results] == ["ClientConnectorError"] * 8, results
+
+
+@pytest.fixture
+def unanswered_listeners():
+    """Two loopback ports: one whose connections never complete (its accept queue full: the kernel drops the
+    SYNs, as a firewall dropping our packets would), and one that takes connections and never answers."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    filler = socket.create_connection(full.getsockname())  # fills the queue of one
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    yield full.getsockname()[1], silent.getsockname()[1]
+    for s in (filler, full, silent):
+        s.close()
+
+
+def test_connections_that_never_open_are_ours_and_slow_receivers_never(nameserver, unanswered_listeners):
+    """Given three tenants' receivers whose connections never open (our packets dropped), and three that take the
+    connection and never answer,
+    When a delivery with a 1 s timeout goes to each of the silent ones, then to each of the unreachable ones,
+    Then the silent receivers' timeouts stay theirs (a slow receiver is the receiver's failure), and of the
+    unreachable ones the third is taken for ours (`egress_unavailable`): an outage that drops packets instead
+    of refusing them is recognised too."""
+    full, silent = unanswered_listeners
+    names = ("a.shared.test", "b.shared.test", "slow.test")
+    slow = [endpoint(f"ep_s{n}", f"tenant-{n}", f"http://{name}:{silent}/hooks") for n, name in enumerate(names)]
+    dropped = [endpoint(f"ep_d{n}", f"tenant-{n}", f"http://{name}:{full}/hooks") for n, name in enumerate(names)]
+    d = client(endpoints(*slow, *dropped), nameserver, timeout_s=1)
+    try:
+        timed_out = [deliver(d, ep, n) for n, ep in enumerate(slow)]
+        unreached = [deliver(d, ep, 10 + n) for n, ep in enumerate(dropped)]
+    finally:
+        d.close()
+    assert [r.error_name for r in timed_out] == ["Timeout"] * 3, timed_out
+    assert [r.error_name for r in unreached] == ["Timeout", "Timeout", "egress_unavailable"], unreached
+
+
+def test_a_receiver_whose_tls_handshake_fails_was_reached(nameserver, receiver):
+    """Given two tenants' receivers refusing connections, a receiver that speaks plain HTTP on an https URL (its
+    TLS handshake fails: it was reached), and a third tenant's receiver refusing connections,
+    When a delivery goes to each in that order,
+    Then the third refusal stays its receiver's: the failed handshake showed that the way out works."""
+    port = closed_port()
+    names = ("a.shared.test", "b.shared.test", "slow.test")
+    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
+    tls = endpoint("ep_tls", "tenant-tls", f"https://dns.test:{receiver}/hooks")
+    d = client(endpoints(*eps, tls), nameserver)
+    try:
+        results = [deliver(d, eps[0], 1), deliver(d, eps[1], 2), deliver(d, tls, 3), deliver(d, eps[2], 4)]
+    finally:
+        d.close()
+    assert [r.error_name for r in results] == ["ClientConnectorError"] * 2 + [
+        "ClientConnectorSSLError", "ClientConnectorError"], results
