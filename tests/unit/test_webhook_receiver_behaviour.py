@@ -283,6 +283,14 @@ def egress_unavailable_total() -> float:
     return REGISTRY.get_sample_value("webhook_egress_unavailable_total") or 0.0
 
 
+THREE_NAMES = ("a.shared.test", "b.shared.test", "slow.test")
+
+
+def three_tenants(port: int, prefix: str = "ep_") -> list[Endpoint]:
+    """An endpoint of each of three tenants (tenant-0..2), at THREE_NAMES of the test name server, on `port`."""
+    return [endpoint(f"{prefix}{n}", f"tenant-{n}", f"http://{name}:{port}/hooks") for n, name in enumerate(THREE_NAMES)]
+
+
 def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpoints(nameserver, receiver):
     """Given the name server failing (SERVFAIL) for three tenants' receivers' names, as our own name servers
     would during an outage of ours,
@@ -292,17 +300,16 @@ def test_our_name_servers_failing_every_receiver_is_taken_for_ours_not_the_endpo
     as `egress_unavailable` (not counted against its endpoint: before, each counted, and an outage long
     enough degraded every endpoint and mailed their tenants); once a receiver answered, a failure is the
     receiver's again."""
-    names = ("a.shared.test", "b.shared.test", "slow.test")
-    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{receiver}/hooks") for n, name in enumerate(names)]
+    eps = three_tenants(receiver)
     working = endpoint("ep_ok", "tenant-ok", f"http://dns.test:{receiver}/hooks")
     d = client(endpoints(*eps, working), nameserver)
     before = egress_unavailable_total()
     try:
-        nameserver.failing.update(names)
+        nameserver.failing.update(THREE_NAMES)
         down = [deliver(d, ep, n) for n, ep in enumerate(eps)]
         nameserver.failing.clear()
         reached = deliver(d, working, 10)
-        nameserver.failing.add(names[0])
+        nameserver.failing.add(THREE_NAMES[0])
         again = deliver(d, eps[0], 11)
     finally:
         d.close()
@@ -321,8 +328,7 @@ def test_refused_connections_are_ours_only_while_no_receiver_answers(nameserver,
     Then the first round's failures are each receiver's own (ClientConnectorError: the working receiver's
     answer shows the way out works), and in the second round the third refusal is taken for ours."""
     port = closed_port()
-    names = ("a.shared.test", "b.shared.test", "slow.test")
-    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
+    eps = three_tenants(port)
     working = endpoint("ep_ok", "tenant-ok", f"http://dns.test:{receiver}/hooks")
     d = client(endpoints(*eps, working), nameserver)
     try:
@@ -377,9 +383,7 @@ def test_connections_that_never_open_are_ours_and_slow_receivers_never(nameserve
     unreachable ones the third is taken for ours (`egress_unavailable`): an outage that drops packets instead
     of refusing them is recognised too."""
     full, silent = unanswered_listeners
-    names = ("a.shared.test", "b.shared.test", "slow.test")
-    slow = [endpoint(f"ep_s{n}", f"tenant-{n}", f"http://{name}:{silent}/hooks") for n, name in enumerate(names)]
-    dropped = [endpoint(f"ep_d{n}", f"tenant-{n}", f"http://{name}:{full}/hooks") for n, name in enumerate(names)]
+    slow, dropped = three_tenants(silent, "ep_s"), three_tenants(full, "ep_d")
     d = client(endpoints(*slow, *dropped), nameserver, timeout_s=1)
     try:
         timed_out = [deliver(d, ep, n) for n, ep in enumerate(slow)]
@@ -396,8 +400,7 @@ def test_a_receiver_whose_tls_handshake_fails_was_reached(nameserver, receiver):
     When a delivery goes to each in that order,
     Then the third refusal stays its receiver's: the failed handshake showed that the way out works."""
     port = closed_port()
-    names = ("a.shared.test", "b.shared.test", "slow.test")
-    eps = [endpoint(f"ep_{n}", f"tenant-{n}", f"http://{name}:{port}/hooks") for n, name in enumerate(names)]
+    eps = three_tenants(port)
     tls = endpoint("ep_tls", "tenant-tls", f"https://dns.test:{receiver}/hooks")
     d = client(endpoints(*eps, tls), nameserver)
     try:
