@@ -49,6 +49,7 @@ VIEW_SYNC_S = 5.0  # how long an unknown endpoint waits for the endpoint view to
 DNS_TIMEOUT_S = 5.0
 UNSEAL_LOG_EVERY_S = 60.0
 EGRESS_LOG_EVERY_S = 60.0
+CONNECT_TRIED_S = 1.0  # a connection not open after this long is a receiver not reached
 
 
 log = logging.getLogger("streams.webhooks")
@@ -108,12 +109,13 @@ def classify(status: int, headers: dict[str, str], head: bytes, latency_s: float
 
 def reuse_tracer() -> aiohttp.TraceConfig:
     """Marks a request's `trace_request_ctx` (a dict) with "reused" when it went out on a pooled connection, and with
-    "connecting" and "connected" as it opens a new one (a pool slot had come free: waiting for one is neither)."""
+    "connecting" and "connected" as it opens a new one (a pool slot had come free: waiting for one is neither), each
+    with its time."""
     trace = aiohttp.TraceConfig()
 
     def mark(flag: str):
         async def marked(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
-            ctx.trace_request_ctx[flag] = True
+            ctx.trace_request_ctx[flag] = time.monotonic()
         return marked
 
     trace.on_connection_reuseconn.append(mark("reused"))
@@ -123,7 +125,8 @@ def reuse_tracer() -> aiohttp.TraceConfig:
 
 
 class ConnectTimeout(TimeoutError):
-    """The attempt's time ran out opening a connection to the receiver (none was pooled): it was never reached."""
+    """The attempt's time ran out opening a connection to the receiver (none was pooled), after CONNECT_TRIED_S at
+    least: it was never reached (or its TLS handshake stalled, which aiohttp does not tell apart)."""
 
 
 async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSession, url: str, body: bytes,
@@ -134,7 +137,7 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
     same time, through `fresh`: a session that never reuses a connection (the pool may hold more
     connections the receiver closed, as after a burst). Its webhook-id is the same, so a receiver that
     did get the first copy deduplicates it. A new connection that fails is a failure of the attempt."""
-    first: dict[str, bool] = {}
+    first: dict[str, float] = {}
     left = timeout_s - (time.monotonic() - started)  # the name lookup came out of the same time
     if left <= 0:
         raise TimeoutError
@@ -142,8 +145,9 @@ async def post_delivery(session: aiohttp.ClientSession, fresh: aiohttp.ClientSes
         resp = await session.post(url, data=body, headers=headers, allow_redirects=False, trace_request_ctx=first,
                                   timeout=aiohttp.ClientTimeout(total=left))
     except TimeoutError:
-        if first.get("connecting") and not first.get("connected"):
-            raise ConnectTimeout from None
+        connecting = first.get("connecting")
+        if connecting and not first.get("connected") and time.monotonic() - connecting >= CONNECT_TRIED_S:
+            raise ConnectTimeout from None  # (a pool slot that came free as the time ran out is not a failed connect)
         raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         if isinstance(exc, aiohttp.ClientConnectorError) or not first.get("reused"):
@@ -291,7 +295,7 @@ class WebhookDelivery:
         try:
             result = await post_delivery(self.session, self.fresh, ep.url, body, h, started, self.timeout_s)
         except ConnectTimeout:  # never connected: the receiver was not reached (a slow receiver's timeout was)
-            return self._unreached(ep, ProviderResult("unavailable", error_name="Timeout",
+            return self._unreached(ep, ProviderResult("unavailable", error_name="ConnectTimeout",
                                                       latency_s=time.monotonic() - started))
         except TimeoutError:
             return ProviderResult("unavailable", error_name="Timeout", latency_s=time.monotonic() - started)

@@ -12,8 +12,9 @@ that refuse connections (or a name server of its own that never answers), and mu
 failures of other tenants' broken receivers go uncounted on its own. Any healthy traffic answers long before
 that, so a few broken receivers among working ones still count as theirs (and a receiver still reachable
 during an outage of ours, one whose address is still cached say, keeps the failures counted, as before). A
-timeout is a failure to reach the receiver only when no connection opened within it (our packets dropped);
-one after the receiver took the connection is the receiver's (a slow receiver). A worker whose receivers of
+timeout is a failure to reach the receiver (`ConnectTimeout`) only when no connection opened within it (our
+packets dropped; a TLS handshake that stalls too, which aiohttp does not tell apart); one after the connection
+opened is the receiver's (a slow receiver). A worker whose receivers of
 three tenants or more are all broken cannot tell the two apart; the WebhookEgressUnavailable alert says when
 failures go uncounted.
 """
@@ -34,7 +35,7 @@ class EgressWatch:
         self._failed: OrderedDict[str, float] = OrderedDict()
 
     def answered(self) -> None:
-        """A receiver answered (any HTTP status, or a TLS handshake): our way out works."""
+        """A receiver answered (any HTTP status, or a TLS handshake that failed): our way out works."""
         self._failed.clear()
 
     def unreachable(self, tenant: str, now: float) -> bool:

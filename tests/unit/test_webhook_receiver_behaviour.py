@@ -366,7 +366,7 @@ def unanswered_listeners():
     full = socket.socket()
     full.bind(("127.0.0.1", 0))
     full.listen(0)
-    filler = socket.create_connection(full.getsockname())  # fills the queue of one
+    filler = socket.create_connection(full.getsockname(), timeout=2)  # fills the queue of one
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
@@ -378,20 +378,21 @@ def unanswered_listeners():
 def test_connections_that_never_open_are_ours_and_slow_receivers_never(nameserver, unanswered_listeners):
     """Given three tenants' receivers whose connections never open (our packets dropped), and three that take the
     connection and never answer,
-    When a delivery with a 1 s timeout goes to each of the silent ones, then to each of the unreachable ones,
-    Then the silent receivers' timeouts stay theirs (a slow receiver is the receiver's failure), and of the
-    unreachable ones the third is taken for ours (`egress_unavailable`): an outage that drops packets instead
-    of refusing them is recognised too."""
+    When a delivery with a 1.5 s timeout goes to each of the silent ones, then to each of the unreachable ones,
+    Then the silent receivers' timeouts stay theirs (a slow receiver is the receiver's failure), the unreachable
+    ones fail as `ConnectTimeout`, and the third of those is taken for ours (`egress_unavailable`): an outage that
+    drops packets instead of refusing them is recognised too."""
     full, silent = unanswered_listeners
     slow, dropped = three_tenants(silent, "ep_s"), three_tenants(full, "ep_d")
-    d = client(endpoints(*slow, *dropped), nameserver, timeout_s=1)
+    d = client(endpoints(*slow, *dropped), nameserver, timeout_s=delivery.CONNECT_TRIED_S + 0.5)
     try:
         timed_out = [deliver(d, ep, n) for n, ep in enumerate(slow)]
         unreached = [deliver(d, ep, 10 + n) for n, ep in enumerate(dropped)]
     finally:
         d.close()
     assert [r.error_name for r in timed_out] == ["Timeout"] * 3, timed_out
-    assert [r.error_name for r in unreached] == ["Timeout", "Timeout", "egress_unavailable"], unreached
+    assert [r.error_name for r in unreached] == ["ConnectTimeout", "ConnectTimeout", "egress_unavailable"], unreached
+    assert unreached[2].error_body.startswith("ConnectTimeout: receivers of 3 tenants"), unreached[2]
 
 
 def test_a_receiver_whose_tls_handshake_fails_was_reached(nameserver, receiver):
