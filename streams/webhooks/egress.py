@@ -14,9 +14,8 @@ that, so a few broken receivers among working ones still count as theirs (and a 
 during an outage of ours, one whose address is still cached say, keeps the failures counted, as before). A
 timeout is a failure to reach the receiver (`ConnectTimeout`) only when no connection opened within it (our
 packets dropped; a TLS handshake that stalls too, which aiohttp does not tell apart); one after the connection
-opened is the receiver's (a slow receiver). A worker whose receivers of
-three tenants or more are all broken cannot tell the two apart; the WebhookEgressUnavailable alert says when
-failures go uncounted.
+opened is the receiver's (a slow receiver). A worker whose receivers of three tenants or more are all broken
+cannot tell the two apart; the WebhookEgressUnavailable alert says when failures go uncounted.
 """
 
 from __future__ import annotations
