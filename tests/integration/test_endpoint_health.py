@@ -74,9 +74,9 @@ class Rig:
     def register(self, name: str, **behaviour) -> dict:
         return register_endpoint(self.api, self.receiver, name, **behaviour)
 
-    def publish(self, n: int) -> list[dict]:
-        """n invoice.paid events in one batch; their deliveries (one per subscribed endpoint)."""
-        body = self.api.post("/v1/sends/batch", json={"sends": [webhook_event()] * n}, headers=self.api.keys["a"])
+    def publish(self, n: int, who: str = "a") -> list[dict]:
+        """n invoice.paid events of tenant `who` in one batch; their deliveries (one per subscribed endpoint)."""
+        body = self.api.post("/v1/sends/batch", json={"sends": [webhook_event()] * n}, headers=self.api.keys[who])
         assert body.status_code == 202, body.text
         return [d for s in body.json()["sends"] for d in s["deliveries"]]
 
@@ -99,8 +99,8 @@ class Rig:
         wait_until(lambda: committed_lag(stack.bootstrap, names.endpoint_health_app, names.webhook_attempts) == 0,
                    30, "endpoint health to commit what it applied")
 
-    def state(self, ep: dict) -> str:
-        return self.api.get(f"/v1/endpoints/{ep['id']}", headers=self.api.keys["a"]).json()["state"]
+    def state(self, ep: dict, who: str = "a") -> str:
+        return self.api.get(f"/v1/endpoints/{ep['id']}", headers=self.api.keys[who]).json()["state"]
 
     def wait_state(self, ep: dict, state: str, timeout: float = 30) -> float:
         wait_until(lambda: self.state(ep) == state, timeout, f"endpoint {ep['id']} to be {state}", interval=0.05)
@@ -670,18 +670,12 @@ def test_an_egress_outage_of_ours_degrades_no_endpoint_and_mails_no_one(rig):
         assert r.status_code == 201, r.text
         eps.append((who, r.json()))
 
-    def publish(n: int) -> None:
-        for who, _ in eps:
-            r = rig.api.post("/v1/sends/batch", json={"sends": [webhook_event()] * n}, headers=rig.api.keys[who])
-            assert r.status_code == 202 and len(r.json()["sends"]) == n, r.text
-
-    publish(1)
+    assert [len(rig.publish(1, who)) for who, _ in eps] == [1] * 3
     rig.wait_applied(3)
-    publish(10)
+    assert [len(rig.publish(10, who)) for who, _ in eps] == [10] * 3
     rig.wait_applied(33)
     port = rig.health_ports[0]
     assert metric(port, "webhook_endpoint_consecutive_failures_count") == 2  # the first two, one failure each
     assert (metric(port, "webhook_endpoint_degradations_total") or 0) == 0
-    states = [rig.api.get(f"/v1/endpoints/{ep['id']}", headers=rig.api.keys[who]).json()["state"] for who, ep in eps]
-    assert states == ["active"] * 3
+    assert [rig.state(ep, who) for who, ep in eps] == ["active"] * 3
     assert rig.alerts() == []
